@@ -1,0 +1,131 @@
+#include "autograd/autograd.h"
+
+#include <unordered_map>
+
+#include "tensor/ops.h"
+
+namespace mixtape {
+
+namespace {
+
+void check_saved_versions(const Node& node) {
+  for (const SavedVersion& saved : node.saved) {
+    check(saved.storage->version() == saved.version, "backward: a tensor (", dtype_name(saved.dtype),
+          shape_str(saved.shape), ") saved by '", node.op, "' for backward was modified in place afterwards "
+          "(version ", saved.version, " when saved, ", saved.storage->version(),
+          " now); clone() it before modifying, or modify a copy");
+  }
+}
+
+// Casts a gradient to the dtype and shape of what it is the gradient of.
+Tensor conform(const Tensor& grad, const Shape& shape, DType dtype, const char* op) {
+  check(grad.shape() == shape, "backward: '", op, "' produced a gradient ", grad.description(),
+        " for a tensor of shape ", shape_str(shape));
+  return grad.dtype() == dtype ? grad : grad.to(dtype);
+}
+
+void accumulate_leaf(TensorImpl& leaf, const Tensor& grad) {
+  Tensor g = conform(grad, leaf.shape, leaf.dtype, "leaf");
+  if (!leaf.grad) {
+    // Own a fresh contiguous buffer: g may be a broadcast view or alias another tensor.
+    Tensor owned = Tensor::empty(g.shape(), g.dtype(), g.device());
+    owned.copy_(g);
+    leaf.grad = owned.impl_ptr();
+  } else {
+    Tensor(leaf.grad).add_(g);
+  }
+}
+
+}  // namespace
+
+void backward(const Tensor& loss) {
+  check(loss.defined(), "backward: loss is undefined");
+  check(loss.numel() == 1, "backward: loss ", loss.description(),
+        " must have exactly one element; pass grad_outputs for other outputs");
+  backward({loss}, {Tensor::ones(loss.shape(), loss.dtype(), loss.device())});
+}
+
+void backward(const std::vector<Tensor>& outputs, const std::vector<Tensor>& grad_outputs) {
+  check(outputs.size() == grad_outputs.size(), "backward: ", outputs.size(), " outputs but ",
+        grad_outputs.size(), " grad_outputs");
+  NoGradGuard no_grad;  // backward closures build no graph of their own
+  std::unordered_map<Node*, Tensor> pending;  // gradient summed so far for each node's output
+  std::unordered_map<Node*, int> dependents;  // how many not-yet-run nodes feed into each node
+  std::vector<std::shared_ptr<Node>> roots;
+
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    const Tensor& out = outputs[i];
+    check(out.defined() && out.requires_grad(), "backward: output ", i,
+          " does not require grad (no input of the computation requires grad)");
+    const Tensor& g = grad_outputs[i];
+    check(g.defined() && g.shape() == out.shape(), "backward: grad_output ", i, " is ", g.description(),
+          ", expected the shape of output ", out.description());
+    if (out.is_leaf()) {
+      accumulate_leaf(out.impl(), g);
+      continue;
+    }
+    Node* node = out.grad_fn().get();
+    Tensor& slot = pending[node];
+    slot = slot.defined() ? add(slot, g) : g;
+    roots.push_back(out.grad_fn());
+  }
+
+  // Count, for every reachable node, how many reachable nodes consume its output.
+  std::vector<Node*> stack;
+  std::unordered_map<Node*, bool> seen;
+  for (auto& root : roots)
+    if (!seen[root.get()]) {
+      seen[root.get()] = true;
+      stack.push_back(root.get());
+    }
+  while (!stack.empty()) {
+    Node* node = stack.back();
+    stack.pop_back();
+    check(static_cast<bool>(node->backward), "backward: the graph through '", node->op,
+          "' was already used by an earlier backward() and its saved tensors were freed");
+    for (const Edge& edge : node->inputs) {
+      if (!edge.node) continue;
+      ++dependents[edge.node.get()];
+      if (!seen[edge.node.get()]) {
+        seen[edge.node.get()] = true;
+        stack.push_back(edge.node.get());
+      }
+    }
+  }
+
+  // Run nodes whose consumers have all run (reverse topological order = the tape in reverse). A node that
+  // no gradient reached still "runs" as a pass-through, so the nodes below it are released in turn.
+  std::vector<std::shared_ptr<Node>> ready;
+  for (auto& root : roots)
+    if (dependents[root.get()] == 0) {
+      ready.push_back(root);
+      dependents[root.get()] = -1;  // queued once even if it is several outputs' node
+    }
+  while (!ready.empty()) {
+    std::shared_ptr<Node> node = std::move(ready.back());
+    ready.pop_back();
+    Grads grads(node->inputs.size());
+    if (auto it = pending.find(node.get()); it != pending.end()) {
+      check_saved_versions(*node);
+      const Tensor grad_output = conform(it->second, node->output_shape, node->output_dtype, node->op);
+      pending.erase(it);
+      grads = node->backward(grad_output);
+      check(grads.size() == node->inputs.size(), "backward: '", node->op, "' returned ", grads.size(),
+            " gradients for ", node->inputs.size(), " inputs");
+    }
+    node->backward = nullptr;  // frees the saved tensors
+    node->saved.clear();
+    for (size_t i = 0; i < grads.size(); ++i) {
+      const Edge& edge = node->inputs[i];
+      if (edge.leaf && grads[i].defined()) accumulate_leaf(*edge.leaf, grads[i]);
+      if (!edge.node) continue;
+      if (grads[i].defined()) {
+        Tensor& slot = pending[edge.node.get()];
+        slot = slot.defined() ? add(slot, grads[i]) : grads[i];
+      }
+      if (--dependents[edge.node.get()] == 0) ready.push_back(edge.node);
+    }
+  }
+}
+
+}  // namespace mixtape

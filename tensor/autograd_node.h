@@ -1,0 +1,62 @@
+#pragma once
+// The write side of the tape: what an op records so backward() (autograd/) can run it in reverse.
+// It lives in tensor/ because every op front end writes to it; the engine that reads it is in autograd/.
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "tensor/tensor.h"
+
+namespace mixtape {
+
+// One gradient per op input; an undefined Tensor means "no gradient for this input".
+using Grads = std::vector<Tensor>;
+// Given the gradient of the op's output, returns the gradients of its inputs (in recording order).
+// Runs with grad mode off; written in terms of other ops so it works on every backend.
+using BackwardFn = std::function<Grads(const Tensor& grad_output)>;
+
+struct Edge {
+  std::shared_ptr<Node> node;  // the input was made by this op ...
+  std::shared_ptr<TensorImpl> leaf;  // ... or is a leaf that accumulates its .grad; both null: no grad needed
+};
+
+struct SavedVersion {
+  std::shared_ptr<Storage> storage;
+  uint64_t version;
+  Shape shape;
+  DType dtype;
+};
+
+struct Node {
+  const char* op = "";
+  std::vector<Edge> inputs;
+  std::vector<SavedVersion> saved;  // checked before backward runs: an in-place change is an error
+  BackwardFn backward;  // released after it runs (frees the saved tensors it captured)
+  Shape output_shape;
+  DType output_dtype = DType::F32;
+  Device output_device;
+};
+
+// Grad mode is thread-local: on by default, off inside a NoGradGuard and while backward runs.
+bool grad_enabled();
+class NoGradGuard {
+ public:
+  NoGradGuard();
+  ~NoGradGuard();
+  NoGradGuard(const NoGradGuard&) = delete;
+  NoGradGuard& operator=(const NoGradGuard&) = delete;
+
+ private:
+  bool previous_;
+};
+
+// True when grad mode is on and some input requires grad: only then does an op record a node.
+bool any_requires_grad(const std::vector<Tensor>& inputs);
+
+// Records `out = op(inputs)` on the tape if any input requires grad (and grad mode is on): `out` becomes a
+// non-leaf with requires_grad. `saved` lists the tensors `backward` captured, for the in-place check.
+// Capture `out` itself only as out.detach(): the node is owned by `out`, so capturing it would be a cycle.
+void record_backward(const char* op, const std::vector<Tensor>& inputs, Tensor& out, BackwardFn backward,
+                     const std::vector<Tensor>& saved = {});
+
+}  // namespace mixtape

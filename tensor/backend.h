@@ -1,0 +1,92 @@
+#pragma once
+// The kernels a device must provide. Backends implement kernels only: no autograd, no autocast, no shape
+// policy. The op front ends (tensor/ops*.cpp) check arguments, allocate outputs and call these.
+//
+// Conventions for every kernel:
+// - inputs may be arbitrarily strided views (stride 0 for broadcast dims); outputs are freshly allocated
+//   and contiguous unless a kernel says otherwise;
+// - all floating tensors of one call share one dtype unless stated; f16/bf16 accumulate in fp32, f64 in
+//   f64, and the result is rounded once on store.
+#include <cstdint>
+#include <vector>
+
+#include "tensor/tensor.h"
+
+namespace mixtape {
+
+enum class UnaryOp {
+  Neg, Exp, Log, Sqrt, Rsqrt, Tanh, Sigmoid, Relu, GeluErf, GeluTanh, Silu, Abs,
+  PowScalar,  // x ^ scalar
+};
+enum class BinaryOp { Add, Sub, Mul, Div, Pow };
+enum class ReduceOp { Sum, Mean, Max, Min };
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual Allocator& allocator() = 0;
+
+  // dst[i] = src[i] converted to dst's dtype (any strides on both sides, same shape).
+  virtual void copy(const Tensor& src, const Tensor& dst) = 0;
+  virtual void fill(const Tensor& dst, double value) = 0;
+  // dst (contiguous) [i] = start + i * step
+  virtual void arange(const Tensor& dst, double start, double step) = 0;
+  // Philox-based draws on a contiguous dst: element i uses counter (offset + i) under key seed.
+  virtual void uniform(const Tensor& dst, uint64_t seed, uint64_t offset, double low, double high) = 0;
+  virtual void normal(const Tensor& dst, uint64_t seed, uint64_t offset, double mean, double std) = 0;
+  virtual void randint(const Tensor& dst, uint64_t seed, uint64_t offset, int64_t low, int64_t high) = 0;
+
+  // Elementwise; x/a/b are already broadcast to out's shape. `scalar` is the exponent for PowScalar.
+  virtual void unary(UnaryOp op, const Tensor& x, const Tensor& out, double scalar) = 0;
+  // grad_x = grad_out * d op(x) / dx; y = op(x) is passed for ops whose derivative uses it.
+  virtual void unary_backward(UnaryOp op, const Tensor& x, const Tensor& y, const Tensor& grad_out,
+                              const Tensor& grad_x, double scalar) = 0;
+  virtual void binary(BinaryOp op, const Tensor& a, const Tensor& b, const Tensor& out) = 0;
+  // out = a op scalar, or scalar op a when scalar_first. The scalar stays in double until the op runs.
+  virtual void binary_scalar(BinaryOp op, const Tensor& a, double scalar, bool scalar_first, const Tensor& out) = 0;
+  // out = cond ? a : b, with cond a bool-like tensor (nonzero = true) of any dtype.
+  virtual void where(const Tensor& cond, const Tensor& a, const Tensor& b, const Tensor& out) = 0;
+  // dst += alpha * src (in place, src broadcast to dst)
+  virtual void add_inplace(const Tensor& dst, const Tensor& src, double alpha) = 0;
+  virtual void mul_scalar_inplace(const Tensor& dst, double value) = 0;
+
+  // Reduces x over `dims` (sorted, unique) into out, which has x's shape with those dims set to 1.
+  virtual void reduce(ReduceOp op, const Tensor& x, const std::vector<int64_t>& dims, const Tensor& out) = 0;
+  // Variance over dims with `correction` (0: population, 1: Bessel); two-pass for accuracy.
+  virtual void var(const Tensor& x, const std::vector<int64_t>& dims, int64_t correction, const Tensor& out) = 0;
+  virtual void softmax(const Tensor& x, int64_t dim, bool log, const Tensor& out) = 0;
+  // grad_x from y = softmax(x) (or log_softmax when log).
+  virtual void softmax_backward(const Tensor& y, const Tensor& grad_y, int64_t dim, bool log,
+                                const Tensor& grad_x) = 0;
+
+  // out[..., M, N] = a[..., M, K] @ b[..., K, N]; batch dims are already broadcast (may have stride 0).
+  virtual void matmul(const Tensor& a, const Tensor& b, const Tensor& out) = 0;
+
+  // Normalisation over the last dim of x [N, C] (contiguous). mean/rstd are f32 [N]; weight/bias [C] may be
+  // undefined. rms_norm has no mean.
+  virtual void layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps,
+                          const Tensor& out, const Tensor& mean, const Tensor& rstd) = 0;
+  // grad_weight / grad_bias may be undefined (not needed).
+  virtual void layer_norm_backward(const Tensor& grad_out, const Tensor& x, const Tensor& weight,
+                                   const Tensor& mean, const Tensor& rstd, const Tensor& grad_x,
+                                   const Tensor& grad_weight, const Tensor& grad_bias) = 0;
+  virtual void rms_norm(const Tensor& x, const Tensor& weight, double eps, const Tensor& out,
+                        const Tensor& rstd) = 0;
+  virtual void rms_norm_backward(const Tensor& grad_out, const Tensor& x, const Tensor& weight,
+                                 const Tensor& rstd, const Tensor& grad_x, const Tensor& grad_weight) = 0;
+
+  // out[i, :] = weight[indices[i], :]; indices i32/i64 (already range-checked by the front end).
+  virtual void embedding(const Tensor& weight, const Tensor& indices, const Tensor& out) = 0;
+  // grad_weight (zeroed by the caller) [indices[i], :] += grad_out[i, :], deterministic order.
+  virtual void embedding_backward(const Tensor& grad_out, const Tensor& indices, const Tensor& grad_weight) = 0;
+
+  // Dropout: keep element i iff uniform(seed, offset + i) >= p; out = keep ? x / (1 - p) : 0. The draw is
+  // counter-based, so backward is the same call on grad_out (no mask is stored) and CPU and GPU agree.
+  virtual void dropout(const Tensor& x, double p, uint64_t seed, uint64_t offset, const Tensor& out) = 0;
+};
+
+// The backend of a device (the per-device registry). CPU always exists; CUDA only when built with it.
+Backend& backend_for(Device device);
+inline Backend& backend_of(const Tensor& t) { return backend_for(t.device()); }
+
+}  // namespace mixtape

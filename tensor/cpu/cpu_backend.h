@@ -1,0 +1,89 @@
+#pragma once
+// The CPU backend: oneDNN for matmul, hand-written OpenMP kernels for the rest. Its member functions are
+// defined across tensor/cpu/*.cpp, one file per kernel family.
+#include <cstddef>
+#include <map>
+#include <mutex>
+
+#include "tensor/backend.h"
+
+namespace mixtape::cpu {
+
+// Caches freed blocks by size so a training loop's repeated allocations do not go back to the OS (glibc
+// returns every block above 32 MiB with munmap, and the page faults of a fresh mmap cost as much as the
+// kernel that fills it). Blocks are 64-byte aligned.
+class CachingAllocator final : public Allocator {
+ public:
+  void* allocate(size_t nbytes) override;
+  void deallocate(void* ptr, size_t nbytes) override;
+  ~CachingAllocator() override;
+
+  struct Stats {
+    size_t allocated_bytes = 0;  // in live tensors
+    size_t peak_allocated_bytes = 0;
+    size_t cached_bytes = 0;  // freed and kept for reuse
+  };
+  Stats stats() const;
+  void empty_cache();  // returns every cached block to the OS
+  static constexpr size_t kMaxCachedBytes = size_t{2} << 30;
+
+ private:
+  static size_t round_size(size_t nbytes);
+  mutable std::mutex mutex_;
+  std::multimap<size_t, void*> free_blocks_;
+  Stats stats_;
+};
+
+class CpuBackend final : public Backend {
+ public:
+  Allocator& allocator() override { return allocator_; }
+  CachingAllocator& caching_allocator() { return allocator_; }
+
+  void copy(const Tensor& src, const Tensor& dst) override;
+  void fill(const Tensor& dst, double value) override;
+  void arange(const Tensor& dst, double start, double step) override;
+  void uniform(const Tensor& dst, uint64_t seed, uint64_t offset, double low, double high) override;
+  void normal(const Tensor& dst, uint64_t seed, uint64_t offset, double mean, double std) override;
+  void randint(const Tensor& dst, uint64_t seed, uint64_t offset, int64_t low, int64_t high) override;
+
+  // elementwise.cpp
+  void unary(UnaryOp op, const Tensor& x, const Tensor& out, double scalar) override;
+  void unary_backward(UnaryOp op, const Tensor& x, const Tensor& y, const Tensor& grad_out, const Tensor& grad_x,
+                      double scalar) override;
+  void binary(BinaryOp op, const Tensor& a, const Tensor& b, const Tensor& out) override;
+  void binary_scalar(BinaryOp op, const Tensor& a, double scalar, bool scalar_first, const Tensor& out) override;
+  void where(const Tensor& cond, const Tensor& a, const Tensor& b, const Tensor& out) override;
+  void add_inplace(const Tensor& dst, const Tensor& src, double alpha) override;
+  void mul_scalar_inplace(const Tensor& dst, double value) override;
+
+  // reduce.cpp
+  void reduce(ReduceOp op, const Tensor& x, const std::vector<int64_t>& dims, const Tensor& out) override;
+  void var(const Tensor& x, const std::vector<int64_t>& dims, int64_t correction, const Tensor& out) override;
+  void softmax(const Tensor& x, int64_t dim, bool log, const Tensor& out) override;
+  void softmax_backward(const Tensor& y, const Tensor& grad_y, int64_t dim, bool log, const Tensor& grad_x) override;
+
+  // matmul.cpp
+  void matmul(const Tensor& a, const Tensor& b, const Tensor& out) override;
+
+  // norm.cpp
+  void layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps, const Tensor& out,
+                  const Tensor& mean, const Tensor& rstd) override;
+  void layer_norm_backward(const Tensor& grad_out, const Tensor& x, const Tensor& weight, const Tensor& mean,
+                           const Tensor& rstd, const Tensor& grad_x, const Tensor& grad_weight,
+                           const Tensor& grad_bias) override;
+  void rms_norm(const Tensor& x, const Tensor& weight, double eps, const Tensor& out, const Tensor& rstd) override;
+  void rms_norm_backward(const Tensor& grad_out, const Tensor& x, const Tensor& weight, const Tensor& rstd,
+                         const Tensor& grad_x, const Tensor& grad_weight) override;
+  void dropout(const Tensor& x, double p, uint64_t seed, uint64_t offset, const Tensor& out) override;
+
+  // index.cpp
+  void embedding(const Tensor& weight, const Tensor& indices, const Tensor& out) override;
+  void embedding_backward(const Tensor& grad_out, const Tensor& indices, const Tensor& grad_weight) override;
+
+ private:
+  CachingAllocator allocator_;
+};
+
+CpuBackend& cpu_backend();
+
+}  // namespace mixtape::cpu

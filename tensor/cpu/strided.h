@@ -1,0 +1,99 @@
+#pragma once
+// Walking N operands of one shape with their own strides: the loop under every CPU elementwise kernel.
+// Dims are coalesced first (a contiguous tensor is one long row), then the element range is split evenly
+// across OpenMP threads, so every kernel built on this uses all cores.
+#include <omp.h>
+
+#include <array>
+#include <cstdint>
+
+#include <algorithm>
+
+#include "tensor/shape.h"
+
+namespace mixtape::cpu {
+
+// Below this many elements a loop runs on one thread (spawning costs more than it saves).
+inline constexpr int64_t kParallelGrain = 32768;
+
+template <size_t N>
+class StridedLoop {
+ public:
+  StridedLoop(const Shape& shape, const std::array<Strides, N>& strides) {
+    total_ = shape_numel(shape);
+    // Drop size-1 dims, then merge dim i into i+1 when every operand steps through them as one dim.
+    for (size_t d = 0; d < shape.size(); ++d) {
+      if (shape[d] == 1) continue;
+      const size_t m = shape_.size();
+      bool merge = m > 0;
+      for (size_t k = 0; k < N && merge; ++k) merge = strides_[k][m - 1] == strides[k][d] * shape[d];
+      if (merge) {
+        shape_[m - 1] *= shape[d];
+        for (size_t k = 0; k < N; ++k) strides_[k][m - 1] = strides[k][d];
+      } else {
+        shape_.push_back(shape[d]);
+        for (size_t k = 0; k < N; ++k) strides_[k].push_back(strides[k][d]);
+      }
+    }
+    if (shape_.empty()) {  // a scalar or all-ones shape: one element
+      shape_.push_back(1);
+      for (size_t k = 0; k < N; ++k) strides_[k].push_back(1);
+    }
+    for (size_t k = 0; k < N; ++k) inner_strides_[k] = strides_[k].back();
+  }
+
+  int64_t total() const { return total_; }
+  int64_t inner_size() const { return shape_.back(); }
+  const std::array<int64_t, N>& inner_strides() const { return inner_strides_; }
+  bool inner_contiguous() const {
+    for (int64_t s : inner_strides_)
+      if (s != 1) return false;
+    return true;
+  }
+
+  // Calls body(offsets, count) for runs of consecutive inner-dim elements: operand k's elements are at
+  // offsets[k] + j * inner_strides()[k] for j < count. Runs are split across threads.
+  template <class Body>
+  void run(Body&& body, int64_t grain = kParallelGrain) const {
+    if (total_ == 0) return;
+    const int threads = total_ >= 2 * grain ? omp_get_max_threads() : 1;
+    if (threads == 1) {
+      run_range(0, total_, body);
+      return;
+    }
+#pragma omp parallel num_threads(threads)
+    {
+      const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+      run_range(total_ * t / nt, total_ * (t + 1) / nt, body);
+    }
+  }
+
+ private:
+  template <class Body>
+  void run_range(int64_t begin, int64_t end, Body& body) const {
+    const int64_t inner = shape_.back();
+    int64_t row = begin / inner, col = begin % inner;
+    while (begin < end) {
+      std::array<int64_t, N> offsets{};
+      int64_t rest = row;
+      for (size_t d = shape_.size() - 1; d-- > 0;) {
+        const int64_t i = rest % shape_[d];
+        rest /= shape_[d];
+        for (size_t k = 0; k < N; ++k) offsets[k] += i * strides_[k][d];
+      }
+      for (size_t k = 0; k < N; ++k) offsets[k] += col * inner_strides_[k];
+      const int64_t count = std::min(inner - col, end - begin);
+      body(offsets, count);
+      begin += count;
+      ++row;
+      col = 0;
+    }
+  }
+
+  int64_t total_ = 0;
+  Shape shape_;
+  std::array<Strides, N> strides_;
+  std::array<int64_t, N> inner_strides_{};
+};
+
+}  // namespace mixtape::cpu

@@ -1,0 +1,114 @@
+#pragma once
+// fp16 (IEEE binary16) and bf16 (bfloat16) scalar types.
+//
+// float -> half/bf16 rounds to nearest, ties to even; overflow rounds to Inf; subnormals are kept; NaN stays
+// NaN and is made quiet (the same result as the F16C instruction vcvtps2ph). half/bf16 -> float is exact
+// (NaNs come back quiet). All conversions are integer-only, so they do not depend on the FPU's rounding mode
+// or on flush-to-zero flags.
+#include <bit>
+#include <cstdint>
+#include <iosfwd>
+
+namespace mixtape {
+
+// ---- fp16 ----------------------------------------------------------------------------------------
+inline uint16_t float_to_half_bits(float value) {
+  const uint32_t bits = std::bit_cast<uint32_t>(value);
+  const uint32_t sign = (bits >> 16) & 0x8000u;
+  const uint32_t magnitude = bits & 0x7fffffffu;
+  if (magnitude >= 0x7f800000u) {  // Inf or NaN: keep the top payload bits, set the quiet bit for NaN
+    const uint32_t nan = magnitude > 0x7f800000u ? 0x0200u | ((magnitude >> 13) & 0x03ffu) : 0u;
+    return static_cast<uint16_t>(sign | 0x7c00u | nan);
+  }
+  if (magnitude >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // >= 65520 rounds to Inf
+  if (magnitude >= 0x38800000u) {  // normal half (>= 2^-14): rebias the exponent, round 13 dropped bits
+    const uint32_t odd = (magnitude >> 13) & 1u;
+    const uint32_t rounded = magnitude - (112u << 23) + 0x0fffu + odd;  // ties go to the even mantissa
+    return static_cast<uint16_t>(sign | (rounded >> 13));
+  }
+  // Subnormal half: value = m * 2^(e-150); in units of the half subnormal step 2^-24 that is m >> (126-e).
+  const uint32_t exponent = magnitude >> 23;
+  if (exponent < 102) return static_cast<uint16_t>(sign);  // < 2^-25 (incl. float subnormals): rounds to 0
+  const uint32_t mantissa = (magnitude & 0x7fffffu) | 0x800000u;
+  const uint32_t shift = 126 - exponent;  // 14..24
+  uint32_t quotient = mantissa >> shift;
+  const uint32_t remainder = mantissa & ((1u << shift) - 1);
+  const uint32_t halfway = 1u << (shift - 1);
+  if (remainder > halfway || (remainder == halfway && (quotient & 1u))) ++quotient;  // may carry to 2^-14
+  return static_cast<uint16_t>(sign | quotient);
+}
+
+inline float half_bits_to_float(uint16_t half) {
+  const uint32_t sign = static_cast<uint32_t>(half & 0x8000u) << 16;
+  const uint32_t exponent = (half >> 10) & 0x1fu;
+  const uint32_t mantissa = half & 0x03ffu;
+  if (exponent == 0x1fu)  // Inf, or NaN made quiet
+    return std::bit_cast<float>(sign | 0x7f800000u | (mantissa << 13) | (mantissa ? 0x400000u : 0u));
+  if (exponent != 0) return std::bit_cast<float>(sign | ((exponent + 112) << 23) | (mantissa << 13));
+  if (mantissa == 0) return std::bit_cast<float>(sign);
+  // Subnormal: normalise so the leading 1 reaches bit 10 (value = mantissa * 2^-24).
+  const int leading = std::countl_zero(mantissa) - 21;  // shifts needed to bring the top bit to bit 10
+  const uint32_t normalized = (mantissa << leading) & 0x03ffu;
+  return std::bit_cast<float>(sign | (static_cast<uint32_t>(113 - leading) << 23) | (normalized << 13));
+}
+
+// ---- bf16 ----------------------------------------------------------------------------------------
+inline uint16_t float_to_bf16_bits(float value) {
+  const uint32_t bits = std::bit_cast<uint32_t>(value);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x0040u);  // quiet NaN
+  // Round the 16 dropped bits to nearest even; a carry out of the mantissa bumps the exponent, and out of
+  // the largest finite value gives Inf, exactly as round-to-nearest-even requires.
+  const uint32_t odd = (bits >> 16) & 1u;
+  return static_cast<uint16_t>((bits + 0x7fffu + odd) >> 16);
+}
+
+inline float bf16_bits_to_float(uint16_t bf16) {
+  uint32_t bits = static_cast<uint32_t>(bf16) << 16;
+  if ((bits & 0x7fffffffu) > 0x7f800000u) bits |= 0x400000u;  // NaN made quiet
+  return std::bit_cast<float>(bits);
+}
+
+// ---- double -> 16-bit --------------------------------------------------------------------------------
+// Rounding double -> float -> half with two round-to-nearest steps can be wrong on a tie created by the
+// first step. Rounding the first step to odd instead makes the second step exact (float keeps 13+ more
+// bits than half or bf16), so these give the correctly rounded 16-bit value of a double.
+inline float double_to_float_round_to_odd(double value) {
+  float rounded = static_cast<float>(value);
+  if (static_cast<double>(rounded) != value && value == value) {
+    uint32_t bits = std::bit_cast<uint32_t>(rounded);
+    if ((bits & 1u) == 0) {  // even: step to the odd neighbour that lies on value's side
+      const bool overshot = (rounded < 0 ? -static_cast<double>(rounded) : static_cast<double>(rounded)) >
+                            (value < 0 ? -value : value);
+      bits = overshot ? bits - 1 : bits + 1;
+      rounded = std::bit_cast<float>(bits);
+    }
+  }
+  return rounded;
+}
+
+// ---- scalar types ----------------------------------------------------------------------------------
+// Storage types only: arithmetic converts to float, computes, and rounds once on store.
+struct Half {
+  uint16_t bits = 0;
+  Half() = default;
+  explicit Half(float value) : bits(float_to_half_bits(value)) {}
+  explicit Half(double value) : Half(double_to_float_round_to_odd(value)) {}
+  static Half from_bits(uint16_t raw) { Half h; h.bits = raw; return h; }
+  operator float() const { return half_bits_to_float(bits); }
+};
+
+struct BFloat16 {
+  uint16_t bits = 0;
+  BFloat16() = default;
+  explicit BFloat16(float value) : bits(float_to_bf16_bits(value)) {}
+  explicit BFloat16(double value) : BFloat16(double_to_float_round_to_odd(value)) {}
+  static BFloat16 from_bits(uint16_t raw) { BFloat16 b; b.bits = raw; return b; }
+  operator float() const { return bf16_bits_to_float(bits); }
+};
+
+static_assert(sizeof(Half) == 2 && sizeof(BFloat16) == 2);
+
+std::ostream& operator<<(std::ostream& out, Half value);
+std::ostream& operator<<(std::ostream& out, BFloat16 value);
+
+}  // namespace mixtape

@@ -1,0 +1,99 @@
+#pragma once
+// The op front ends. Each checks its arguments (throwing mixtape::Error naming the op, shapes and dtypes),
+// computes in the dtype its inputs promote to, calls the backend kernel and records its backward.
+// Floating ops accept f32/f16/bf16/f64; f16/bf16 accumulate in fp32 and round once on store.
+#include <cstdint>
+#include <vector>
+
+#include "tensor/random.h"
+#include "tensor/tensor.h"
+
+namespace mixtape {
+
+// ---- elementwise (NumPy broadcasting; mixed floating dtypes promote to the wider) ----
+Tensor add(const Tensor& a, const Tensor& b);
+Tensor sub(const Tensor& a, const Tensor& b);
+Tensor mul(const Tensor& a, const Tensor& b);
+Tensor div(const Tensor& a, const Tensor& b);
+Tensor pow(const Tensor& a, const Tensor& b);  // a > 0 where b is not an integer, as in IEEE pow
+Tensor add(const Tensor& a, double b);
+Tensor sub(const Tensor& a, double b);
+Tensor sub(double a, const Tensor& b);
+Tensor mul(const Tensor& a, double b);
+Tensor div(const Tensor& a, double b);
+Tensor div(double a, const Tensor& b);
+Tensor pow(const Tensor& a, double exponent);
+Tensor neg(const Tensor& x);
+Tensor exp(const Tensor& x);
+Tensor log(const Tensor& x);
+Tensor sqrt(const Tensor& x);
+Tensor rsqrt(const Tensor& x);
+Tensor tanh(const Tensor& x);
+Tensor sigmoid(const Tensor& x);
+Tensor relu(const Tensor& x);
+enum class GeluApproximation { None, Tanh };  // erf form (exact) or the tanh form of GPT-2
+Tensor gelu(const Tensor& x, GeluApproximation approximation = GeluApproximation::None);
+Tensor silu(const Tensor& x);
+Tensor abs(const Tensor& x);
+
+inline Tensor operator+(const Tensor& a, const Tensor& b) { return add(a, b); }
+inline Tensor operator-(const Tensor& a, const Tensor& b) { return sub(a, b); }
+inline Tensor operator*(const Tensor& a, const Tensor& b) { return mul(a, b); }
+inline Tensor operator/(const Tensor& a, const Tensor& b) { return div(a, b); }
+inline Tensor operator+(const Tensor& a, double b) { return add(a, b); }
+inline Tensor operator+(double a, const Tensor& b) { return add(b, a); }
+inline Tensor operator-(const Tensor& a, double b) { return sub(a, b); }
+inline Tensor operator-(double a, const Tensor& b) { return sub(a, b); }
+inline Tensor operator*(const Tensor& a, double b) { return mul(a, b); }
+inline Tensor operator*(double a, const Tensor& b) { return mul(b, a); }
+inline Tensor operator/(const Tensor& a, double b) { return div(a, b); }
+inline Tensor operator/(double a, const Tensor& b) { return div(a, b); }
+inline Tensor operator-(const Tensor& x) { return neg(x); }
+
+// cond is any dtype (nonzero = true); a and b promote; all three broadcast.
+Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b);
+Tensor masked_fill(const Tensor& x, const Tensor& mask, double value);  // x where mask is 0, else value
+
+// ---- reductions (dims may be negative; empty dims = all dims) ----
+Tensor sum(const Tensor& x, const std::vector<int64_t>& dims = {}, bool keepdim = false);
+Tensor mean(const Tensor& x, const std::vector<int64_t>& dims = {}, bool keepdim = false);
+Tensor max(const Tensor& x, const std::vector<int64_t>& dims = {}, bool keepdim = false);  // grad split among ties
+Tensor min(const Tensor& x, const std::vector<int64_t>& dims = {}, bool keepdim = false);
+Tensor var(const Tensor& x, const std::vector<int64_t>& dims = {}, int64_t correction = 1, bool keepdim = false);
+// Sums a broadcast result back to `shape` (the backward of broadcasting).
+Tensor sum_to(const Tensor& x, const Shape& shape);
+
+Tensor softmax(const Tensor& x, int64_t dim);
+Tensor log_softmax(const Tensor& x, int64_t dim);
+
+// ---- linear algebra ----
+// [.., M, K] @ [.., K, N] with batch dims broadcast; 1-d operands are treated as in numpy.matmul.
+// f32 and bf16 run natively in oneDNN (fp32 accumulation); f16 is converted to f32 on the way in.
+Tensor matmul(const Tensor& a, const Tensor& b);
+
+// ---- indexing and joining ----
+Tensor embedding(const Tensor& weight, const Tensor& indices);  // weight [V, C], indices i32/i64 any shape
+Tensor cat(const std::vector<Tensor>& tensors, int64_t dim);
+Tensor stack(const std::vector<Tensor>& tensors, int64_t dim);
+std::vector<Tensor> split(const Tensor& x, int64_t split_size, int64_t dim);  // last piece may be smaller
+std::vector<Tensor> split(const Tensor& x, const std::vector<int64_t>& sizes, int64_t dim);
+
+// ---- fused normalisation (over the last dim) ----
+struct LayerNormResult {
+  Tensor out;
+  Tensor mean;  // f32, x's shape without the last dim
+  Tensor rstd;  // f32, 1 / sqrt(var + eps)
+};
+LayerNormResult layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps = 1e-5);
+struct RMSNormResult {
+  Tensor out;
+  Tensor rstd;  // f32, 1 / sqrt(mean(x^2) + eps)
+};
+RMSNormResult rms_norm(const Tensor& x, const Tensor& weight, double eps = 1e-6);
+
+// ---- dropout ----
+// Zeroes each element with probability p and scales the rest by 1/(1-p); identity when !training or p == 0.
+// Draws numel counters from `generator`.
+Tensor dropout(const Tensor& x, double p, Generator& generator, bool training = true);
+
+}  // namespace mixtape

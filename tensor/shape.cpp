@@ -1,0 +1,53 @@
+#include "tensor/shape.h"
+
+#include <sstream>
+
+#include "tensor/error.h"
+
+namespace mixtape {
+
+std::string shape_str(const Shape& shape) {
+  std::ostringstream out;
+  out << '[';
+  for (size_t i = 0; i < shape.size(); ++i) out << (i ? "," : "") << shape[i];
+  out << ']';
+  return out.str();
+}
+
+int64_t shape_numel(const Shape& shape) {
+  int64_t n = 1;
+  for (int64_t s : shape) n *= s;
+  return n;
+}
+
+Strides contiguous_strides(const Shape& shape) {
+  Strides strides(shape.size());
+  int64_t stride = 1;
+  for (size_t i = shape.size(); i-- > 0;) {
+    strides[i] = stride;
+    stride *= shape[i] > 1 ? shape[i] : 1;
+  }
+  return strides;
+}
+
+int64_t normalize_dim(int64_t dim, int64_t ndim, const char* op) {
+  const int64_t fixed = dim < 0 ? dim + ndim : dim;
+  check(fixed >= 0 && fixed < ndim, op, ": dim ", dim, " is out of range for a tensor of ", ndim,
+        " dims (expected ", -ndim, "..", ndim - 1, ")");
+  return fixed;
+}
+
+Shape broadcast_shapes(const Shape& a, const Shape& b, const char* op) {
+  const size_t ndim = std::max(a.size(), b.size());
+  Shape out(ndim);
+  for (size_t i = 0; i < ndim; ++i) {
+    const int64_t da = i < ndim - a.size() ? 1 : a[i - (ndim - a.size())];
+    const int64_t db = i < ndim - b.size() ? 1 : b[i - (ndim - b.size())];
+    check(da == db || da == 1 || db == 1, op, ": shapes ", shape_str(a), " and ", shape_str(b),
+          " do not broadcast (dim ", i, ": ", da, " vs ", db, ")");
+    out[i] = da == 1 ? db : da;
+  }
+  return out;
+}
+
+}  // namespace mixtape

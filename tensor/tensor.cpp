@@ -1,0 +1,533 @@
+#include "tensor/tensor.h"
+
+#include <algorithm>
+#include <cmath>
+#include <iomanip>
+#include <numeric>
+#include <sstream>
+
+#include "tensor/autograd_node.h"
+#include "tensor/backend.h"
+#include "tensor/ops.h"
+
+namespace mixtape {
+
+// ---- construction ----------------------------------------------------------------------------------
+
+namespace {
+
+void check_shape(const Shape& shape, const char* op) {
+  for (int64_t s : shape)
+    check(s >= 0, op, ": negative size in shape ", shape_str(shape));
+}
+
+}  // namespace
+
+Tensor Tensor::empty(const Shape& shape, DType dtype, Device device) {
+  check_shape(shape, "empty");
+  auto impl = std::make_shared<TensorImpl>();
+  const size_t nbytes = static_cast<size_t>(shape_numel(shape)) * dtype_size(dtype);
+  impl->storage = std::make_shared<Storage>(nbytes, device, backend_for(device).allocator());
+  impl->shape = shape;
+  impl->strides = contiguous_strides(shape);
+  impl->dtype = dtype;
+  return Tensor(std::move(impl));
+}
+
+Tensor Tensor::full(const Shape& shape, double value, DType dtype, Device device) {
+  Tensor t = empty(shape, dtype, device);
+  backend_for(device).fill(t, value);
+  return t;
+}
+Tensor Tensor::zeros(const Shape& shape, DType dtype, Device device) { return full(shape, 0, dtype, device); }
+Tensor Tensor::ones(const Shape& shape, DType dtype, Device device) { return full(shape, 1, dtype, device); }
+Tensor Tensor::scalar(double value, DType dtype, Device device) { return full({}, value, dtype, device); }
+
+Tensor Tensor::arange(double start, double end, double step, DType dtype, Device device) {
+  check(step != 0 && std::isfinite(step) && std::isfinite(start) && std::isfinite(end),
+        "arange: start/end/step must be finite and step nonzero (got ", start, ", ", end, ", ", step, ")");
+  const double count = std::ceil((end - start) / step);
+  Tensor t = empty({count > 0 ? static_cast<int64_t>(count) : 0}, dtype, device);
+  backend_for(device).arange(t, start, step);
+  return t;
+}
+
+namespace {
+
+template <class V>
+Tensor tensor_from_host(const std::vector<V>& values, const Shape& shape, DType dtype, const char* op) {
+  check_shape(shape, op);
+  check(static_cast<int64_t>(values.size()) == shape_numel(shape), op, ": ", values.size(),
+        " values do not fill shape ", shape_str(shape), " (", shape_numel(shape), " elements)");
+  Tensor t = Tensor::empty(shape, dtype);
+  dispatch_all(dtype, op, [&]<typename T>() {
+    T* out = t.data<T>();
+    for (size_t i = 0; i < values.size(); ++i) out[i] = convert<T>(values[i]);
+  });
+  return t;
+}
+
+}  // namespace
+
+Tensor Tensor::from_vector(const std::vector<float>& v, const Shape& s, DType d) { return tensor_from_host(v, s, d, "from_vector"); }
+Tensor Tensor::from_vector(const std::vector<double>& v, const Shape& s, DType d) { return tensor_from_host(v, s, d, "from_vector"); }
+Tensor Tensor::from_vector(const std::vector<int64_t>& v, const Shape& s, DType d) { return tensor_from_host(v, s, d, "from_vector"); }
+Tensor Tensor::from_vector(const std::vector<int32_t>& v, const Shape& s, DType d) { return tensor_from_host(v, s, d, "from_vector"); }
+
+Tensor Tensor::rand(const Shape& shape, uint64_t seed, DType dtype, Device device) {
+  check(is_floating(dtype), "rand: dtype must be floating, got ", dtype_name(dtype));
+  Tensor t = empty(shape, dtype, device);
+  backend_for(device).uniform(t, seed, 0, 0.0, 1.0);
+  return t;
+}
+
+Tensor Tensor::randn(const Shape& shape, uint64_t seed, DType dtype, Device device) {
+  check(is_floating(dtype), "randn: dtype must be floating, got ", dtype_name(dtype));
+  Tensor t = empty(shape, dtype, device);
+  backend_for(device).normal(t, seed, 0, 0.0, 1.0);
+  return t;
+}
+
+Tensor Tensor::randint(int64_t low, int64_t high, const Shape& shape, uint64_t seed, DType dtype, Device device) {
+  check(low < high, "randint: low (", low, ") must be below high (", high, ")");
+  check(!is_floating(dtype), "randint: dtype must be i32 or i64, got ", dtype_name(dtype));
+  Tensor t = empty(shape, dtype, device);
+  backend_for(device).randint(t, seed, 0, low, high);
+  return t;
+}
+
+// ---- metadata ----------------------------------------------------------------------------------------
+
+TensorImpl& Tensor::impl() const {
+  check(impl_ != nullptr, "use of an undefined tensor");
+  return *impl_;
+}
+
+int64_t Tensor::size(int64_t d) const { return impl().shape[normalize_dim(d, dim(), "size")]; }
+int64_t Tensor::stride(int64_t d) const { return impl().strides[normalize_dim(d, dim(), "stride")]; }
+
+bool Tensor::is_contiguous() const {
+  int64_t expected = 1;
+  for (int64_t i = dim() - 1; i >= 0; --i) {
+    const int64_t s = impl().shape[i];
+    if (s == 1) continue;
+    if (impl().strides[i] != expected) return false;
+    expected *= s;
+  }
+  return true;
+}
+
+void* Tensor::data_ptr() const {
+  return static_cast<char*>(impl().storage->data()) + impl().offset * static_cast<int64_t>(dtype_size(dtype()));
+}
+
+void Tensor::check_dtype(DType expected, const char* what) const {
+  check(dtype() == expected, what, ": tensor is ", dtype_name(dtype()), ", expected ", dtype_name(expected));
+}
+
+std::string Tensor::description() const {
+  if (!defined()) return "undefined";
+  std::ostringstream out;
+  out << dtype_name(dtype()) << shape_str(shape());
+  if (!device().is_cpu()) out << ' ' << device();
+  return out.str();
+}
+
+Tensor make_view(const Tensor& base, const Shape& shape, const Strides& strides, int64_t offset) {
+  check(shape.size() == strides.size(), "make_view: shape ", shape_str(shape), " and strides ",
+        shape_str(strides), " differ in length");
+  const int64_t itemsize = static_cast<int64_t>(dtype_size(base.dtype()));
+  int64_t lowest = offset, highest = offset;
+  bool empty = false;
+  for (size_t i = 0; i < shape.size(); ++i) {
+    check(shape[i] >= 0, "make_view: negative size in ", shape_str(shape));
+    if (shape[i] == 0) empty = true;
+    const int64_t reach = (shape[i] - 1) * strides[i];
+    (reach < 0 ? lowest : highest) += reach;
+  }
+  const int64_t capacity = static_cast<int64_t>(base.storage()->nbytes()) / itemsize;
+  check(empty || (lowest >= 0 && highest < capacity), "make_view: view ", shape_str(shape), " strides ",
+        shape_str(strides), " offset ", offset, " reaches outside a storage of ", capacity, " elements");
+  auto impl = std::make_shared<TensorImpl>();
+  impl->storage = base.storage();
+  impl->shape = shape;
+  impl->strides = strides;
+  impl->offset = offset;
+  impl->dtype = base.dtype();
+  return Tensor(std::move(impl));
+}
+
+// ---- views --------------------------------------------------------------------------------------------
+
+namespace {
+
+// Resolves a single -1 in a requested shape against numel.
+Shape infer_shape(const Shape& requested, int64_t numel, const char* op, const Tensor& t) {
+  Shape shape = requested;
+  int64_t known = 1, unknown = -1;
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (shape[i] == -1) {
+      check(unknown < 0, op, ": only one dim may be -1 in ", shape_str(requested));
+      unknown = static_cast<int64_t>(i);
+    } else {
+      check(shape[i] >= 0, op, ": invalid size in ", shape_str(requested));
+      known *= shape[i];
+    }
+  }
+  if (unknown >= 0) {
+    check(known != 0 && numel % known == 0, op, ": cannot view ", t.description(), " as ", shape_str(requested));
+    shape[unknown] = numel / known;
+  }
+  check(shape_numel(shape) == numel, op, ": shape ", shape_str(requested), " has ", shape_numel(shape),
+        " elements but ", t.description(), " has ", numel);
+  return shape;
+}
+
+// Strides for viewing a tensor with (shape, strides) as new_shape without copying, if possible
+// (the algorithm of numpy's _attempt_nocopy_reshape: match groups of dims with equal element counts).
+bool view_strides(const Shape& shape, const Strides& strides, const Shape& new_shape, Strides& out) {
+  out.assign(new_shape.size(), 0);
+  if (shape_numel(shape) == 0) {
+    out = contiguous_strides(new_shape);
+    return true;
+  }
+  Shape old_shape;
+  Strides old_strides;
+  for (size_t i = 0; i < shape.size(); ++i)
+    if (shape[i] != 1) {
+      old_shape.push_back(shape[i]);
+      old_strides.push_back(strides[i]);
+    }
+  size_t oi = 0, oj = 1, ni = 0, nj = 1;
+  const size_t old_n = old_shape.size(), new_n = new_shape.size();
+  // Dims of size 1 in the new shape get any stride; handle groups of non-1 dims.
+  while (ni < new_n && oi < old_n) {
+    if (new_shape[ni] == 1) { out[ni] = 1; ++ni; nj = ni + 1; continue; }
+    int64_t np = new_shape[ni], op = old_shape[oi];
+    nj = ni + 1;
+    oj = oi + 1;
+    while (np != op) {
+      if (np < op) np *= new_shape[nj++];
+      else op *= old_shape[oj++];
+    }
+    for (size_t k = oi; k + 1 < oj; ++k)
+      if (old_strides[k] != old_strides[k + 1] * old_shape[k + 1]) return false;  // group not contiguous
+    out[nj - 1] = old_strides[oj - 1];
+    for (size_t k = nj - 1; k > ni; --k) out[k - 1] = out[k] * new_shape[k];
+    ni = nj;
+    oi = oj;
+  }
+  for (; ni < new_n; ++ni) {
+    if (new_shape[ni] != 1) return false;
+    out[ni] = 1;
+  }
+  return oi == old_n;
+}
+
+}  // namespace
+
+Tensor Tensor::view(const Shape& requested) const {
+  const Shape shape = infer_shape(requested, numel(), "view", *this);
+  Strides strides;
+  check(view_strides(impl().shape, impl().strides, shape, strides), "view: cannot view ", description(),
+        " (strides ", shape_str(this->strides()), ") as ", shape_str(shape),
+        " without a copy; use reshape() or contiguous()");
+  Tensor out = make_view(*this, shape, strides, offset());
+  const Shape input_shape = this->shape();
+  record_backward("view", {*this}, out, [input_shape](const Tensor& g) { return Grads{g.reshape(input_shape)}; });
+  return out;
+}
+
+Tensor Tensor::reshape(const Shape& requested) const {
+  const Shape shape = infer_shape(requested, numel(), "reshape", *this);
+  Strides strides;
+  if (view_strides(impl().shape, impl().strides, shape, strides)) return view(shape);
+  return contiguous().view(shape);
+}
+
+Tensor Tensor::transpose(int64_t dim0, int64_t dim1) const {
+  const int64_t a = normalize_dim(dim0, dim(), "transpose"), b = normalize_dim(dim1, dim(), "transpose");
+  Shape shape = this->shape();
+  Strides strides = this->strides();
+  std::swap(shape[a], shape[b]);
+  std::swap(strides[a], strides[b]);
+  Tensor out = make_view(*this, shape, strides, offset());
+  record_backward("transpose", {*this}, out, [a, b](const Tensor& g) { return Grads{g.transpose(a, b)}; });
+  return out;
+}
+
+Tensor Tensor::permute(const std::vector<int64_t>& dims) const {
+  check(static_cast<int64_t>(dims.size()) == dim(), "permute: ", dims.size(), " dims given for ", description());
+  std::vector<int64_t> order(dims.size()), inverse(dims.size());
+  std::vector<bool> seen(dims.size(), false);
+  Shape shape(dims.size());
+  Strides strides(dims.size());
+  for (size_t i = 0; i < dims.size(); ++i) {
+    const int64_t d = normalize_dim(dims[i], dim(), "permute");
+    check(!seen[d], "permute: dim ", d, " repeated in ", shape_str(dims));
+    seen[d] = true;
+    order[i] = d;
+    inverse[d] = static_cast<int64_t>(i);
+    shape[i] = this->shape()[d];
+    strides[i] = this->strides()[d];
+  }
+  Tensor out = make_view(*this, shape, strides, offset());
+  record_backward("permute", {*this}, out, [inverse](const Tensor& g) { return Grads{g.permute(inverse)}; });
+  return out;
+}
+
+Tensor Tensor::slice(int64_t d, int64_t start, int64_t end, int64_t step) const {
+  d = normalize_dim(d, dim(), "slice");
+  check(step > 0, "slice: step must be positive, got ", step);
+  const int64_t n = shape()[d];
+  auto clamp = [n](int64_t i) { return std::clamp(i < 0 ? i + n : i, int64_t{0}, n); };
+  start = clamp(start);
+  end = std::max(clamp(end), start);
+  Shape shape = this->shape();
+  Strides strides = this->strides();
+  shape[d] = (end - start + step - 1) / step;
+  strides[d] *= step;
+  Tensor out = make_view(*this, shape, strides, offset() + start * this->strides()[d]);
+  const Shape input_shape = this->shape();
+  const DType input_dtype = dtype();
+  record_backward("slice", {*this}, out, [=](const Tensor& g) {
+    Tensor grad = Tensor::zeros(input_shape, input_dtype, g.device());
+    grad.slice(d, start, end, step).copy_(g);
+    return Grads{grad};
+  });
+  return out;
+}
+
+Tensor Tensor::narrow(int64_t d, int64_t start, int64_t length) const {
+  d = normalize_dim(d, dim(), "narrow");
+  const int64_t n = shape()[d];
+  if (start < 0) start += n;
+  check(start >= 0 && length >= 0 && start + length <= n, "narrow: [", start, ", ", start + length,
+        ") is out of range for dim ", d, " of ", description());
+  return slice(d, start, start + length);
+}
+
+Tensor Tensor::select(int64_t d, int64_t index) const {
+  d = normalize_dim(d, dim(), "select");
+  const int64_t n = shape()[d];
+  check(index >= -n && index < n, "select: index ", index, " is out of range for dim ", d, " of ", description());
+  if (index < 0) index += n;
+  return slice(d, index, index + 1).squeeze(d);
+}
+
+Tensor Tensor::expand(const Shape& requested) const {
+  check(requested.size() >= shape().size(), "expand: cannot expand ", description(), " to fewer dims ",
+        shape_str(requested));
+  const size_t lead = requested.size() - shape().size();
+  Shape shape(requested.size());
+  Strides strides(requested.size());
+  for (size_t i = 0; i < requested.size(); ++i) {
+    if (i < lead) {
+      check(requested[i] >= 0, "expand: new leading dim ", i, " must be >= 0 in ", shape_str(requested));
+      shape[i] = requested[i];
+      strides[i] = 0;
+      continue;
+    }
+    const int64_t have = this->shape()[i - lead];
+    const int64_t want = requested[i] == -1 ? have : requested[i];
+    check(want == have || have == 1, "expand: cannot expand ", description(), " to ", shape_str(requested),
+          " (dim ", i, ": ", have, " -> ", want, ")");
+    shape[i] = want;
+    strides[i] = want == have ? this->strides()[i - lead] : 0;
+  }
+  Tensor out = make_view(*this, shape, strides, offset());
+  const Shape input_shape = this->shape();
+  record_backward("expand", {*this}, out, [input_shape](const Tensor& g) { return Grads{sum_to(g, input_shape)}; });
+  return out;
+}
+
+Tensor Tensor::unsqueeze(int64_t d) const {
+  d = normalize_dim(d, dim() + 1, "unsqueeze");
+  Shape shape = this->shape();
+  Strides strides = this->strides();
+  const int64_t stride = d < dim() ? strides[d] * shape[d] : 1;
+  shape.insert(shape.begin() + d, 1);
+  strides.insert(strides.begin() + d, stride);
+  Tensor out = make_view(*this, shape, strides, offset());
+  record_backward("unsqueeze", {*this}, out, [d](const Tensor& g) { return Grads{g.squeeze(d)}; });
+  return out;
+}
+
+Tensor Tensor::squeeze(int64_t d) const {
+  d = normalize_dim(d, dim(), "squeeze");
+  if (shape()[d] != 1) return *this;
+  Shape shape = this->shape();
+  Strides strides = this->strides();
+  shape.erase(shape.begin() + d);
+  strides.erase(strides.begin() + d);
+  Tensor out = make_view(*this, shape, strides, offset());
+  record_backward("squeeze", {*this}, out, [d](const Tensor& g) { return Grads{g.unsqueeze(d)}; });
+  return out;
+}
+
+Tensor Tensor::squeeze() const {
+  Shape shape;
+  for (int64_t s : this->shape())
+    if (s != 1) shape.push_back(s);
+  return shape.size() == this->shape().size() ? *this : reshape(shape);
+}
+
+// ---- copies --------------------------------------------------------------------------------------------
+
+Tensor Tensor::contiguous() const { return is_contiguous() ? *this : clone(); }
+
+Tensor Tensor::clone() const {
+  Tensor out = empty(shape(), dtype(), device());
+  backend_of(*this).copy(*this, out);
+  record_backward("clone", {*this}, out, [](const Tensor& g) { return Grads{g}; });
+  return out;
+}
+
+Tensor Tensor::to(DType target) const {
+  if (target == dtype()) return *this;
+  Tensor out = empty(shape(), target, device());
+  backend_of(*this).copy(*this, out);
+  if (is_floating(target) && is_floating(dtype())) {
+    const DType source = dtype();
+    record_backward("to", {*this}, out, [source](const Tensor& g) { return Grads{g.to(source)}; });
+  }
+  return out;
+}
+
+Tensor Tensor::to(Device target) const {
+  if (target == device()) return *this;
+  not_supported("to(", target, "): copies between ", device(), " and ", target,
+                " need the CUDA backend, which this build does not have");
+}
+
+Tensor Tensor::detach() const {
+  return make_view(*this, shape(), strides(), offset());
+}
+
+// ---- in place ------------------------------------------------------------------------------------------
+
+namespace {
+
+void check_inplace(const Tensor& t, const char* op) {
+  check(!(t.requires_grad() && t.is_leaf() && grad_enabled()), op,
+        ": in-place change of a leaf that requires grad (", t.description(),
+        "); wrap it in NoGradGuard (optimizer steps) or use an out-of-place op");
+}
+
+}  // namespace
+
+Tensor& Tensor::fill_(double value) {
+  check_inplace(*this, "fill_");
+  backend_of(*this).fill(*this, value);
+  bump_version();
+  return *this;
+}
+
+Tensor& Tensor::copy_(const Tensor& src) {
+  check_inplace(*this, "copy_");
+  check(src.device() == device(), "copy_: source on ", src.device(), ", destination on ", device());
+  const Shape shape = broadcast_shapes(src.shape(), this->shape(), "copy_");
+  check(shape == this->shape(), "copy_: source ", src.description(), " does not broadcast to destination ",
+        description());
+  backend_of(*this).copy(src.expand(shape).detach(), *this);
+  bump_version();
+  return *this;
+}
+
+Tensor& Tensor::add_(const Tensor& other, double alpha) {
+  check_inplace(*this, "add_");
+  check(other.device() == device(), "add_: other on ", other.device(), ", this on ", device());
+  const Shape shape = broadcast_shapes(other.shape(), this->shape(), "add_");
+  check(shape == this->shape(), "add_: ", other.description(), " does not broadcast to ", description());
+  backend_of(*this).add_inplace(*this, other.detach().expand(shape), alpha);
+  bump_version();
+  return *this;
+}
+
+Tensor& Tensor::mul_(double value) {
+  check_inplace(*this, "mul_");
+  backend_of(*this).mul_scalar_inplace(*this, value);
+  bump_version();
+  return *this;
+}
+
+// ---- host access ---------------------------------------------------------------------------------------
+
+double Tensor::item() const {
+  check(numel() == 1, "item: tensor ", description(), " has ", numel(), " elements, expected exactly 1");
+  return to_vector<double>()[0];
+}
+
+template <class V>
+std::vector<V> Tensor::to_vector() const {
+  check(device().is_cpu(), "to_vector: tensor is on ", device(), "; call .to(Device::cpu()) first");
+  const Tensor dense = contiguous();
+  std::vector<V> values(static_cast<size_t>(numel()));
+  dispatch_all(dtype(), "to_vector", [&]<typename T>() {
+    const T* in = dense.data<T>();
+    for (size_t i = 0; i < values.size(); ++i) values[i] = convert<V>(in[i]);
+  });
+  return values;
+}
+template std::vector<float> Tensor::to_vector<float>() const;
+template std::vector<double> Tensor::to_vector<double>() const;
+template std::vector<int64_t> Tensor::to_vector<int64_t>() const;
+
+std::string Tensor::str() const {
+  if (!defined()) return "tensor(undefined)";
+  std::ostringstream out;
+  const std::vector<double> values = to_vector<double>();
+  const Shape& s = shape();
+  constexpr size_t kEdge = 3;  // elements shown at each end of a long dim
+  out << "tensor(";
+  // Recursive printer over dims, eliding the middle of dims longer than 2*kEdge.
+  std::vector<int64_t> row_stride(s.size(), 1);
+  for (size_t i = s.size(); i-- > 1;) row_stride[i - 1] = row_stride[i] * s[i];
+  const bool floating = is_floating(dtype());
+  auto print_value = [&](double v) {
+    if (!floating) out << static_cast<int64_t>(v);
+    else if (std::isnan(v)) out << "nan";
+    else if (std::isinf(v)) out << (v > 0 ? "inf" : "-inf");
+    else out << std::setprecision(6) << v;
+  };
+  auto print = [&](auto&& self, size_t d, int64_t base) -> void {
+    if (d == s.size()) { print_value(values[base]); return; }
+    out << '[';
+    for (int64_t i = 0; i < s[d]; ++i) {
+      if (s[d] > int64_t{2 * kEdge} && i == int64_t{kEdge}) {
+        out << "..., ";
+        i = s[d] - kEdge - 1;
+        continue;
+      }
+      self(self, d + 1, base + i * row_stride[d]);
+      if (i + 1 < s[d]) out << (d + 1 == s.size() ? ", " : ",\n" + std::string(d + 8, ' '));
+    }
+    out << ']';
+  };
+  print(print, 0, 0);
+  out << ", dtype=" << dtype_name(dtype());
+  if (!device().is_cpu()) out << ", device=" << device();
+  if (requires_grad()) out << ", requires_grad";
+  out << ')';
+  return out.str();
+}
+
+std::ostream& operator<<(std::ostream& out, const Tensor& tensor) { return out << tensor.str(); }
+
+// ---- autograd ------------------------------------------------------------------------------------------
+
+Tensor& Tensor::requires_grad_(bool enabled) {
+  check(!enabled || is_floating(dtype()), "requires_grad_: only floating tensors can require grad, got ",
+        description());
+  check(is_leaf() || enabled, "requires_grad_: cannot turn off requires_grad on a non-leaf (use detach())");
+  impl().requires_grad = enabled;
+  return *this;
+}
+
+void Tensor::set_grad(const Tensor& grad) {
+  if (grad.defined())
+    check(grad.shape() == shape(), "set_grad: gradient ", grad.description(), " does not match ", description());
+  impl().grad = grad.impl_ptr();
+}
+
+}  // namespace mixtape

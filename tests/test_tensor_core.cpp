@@ -1,0 +1,40 @@
+// Tensor construction, views and copies: the geometry every op stands on.
+#include <gtest/gtest.h>
+
+#include "autograd/autograd.h"
+#include "tensor/ops.h"
+#include "test_util.h"
+
+using namespace mixtape;
+using mixtape::testing::all_close;
+
+TEST(Tensor, FactoriesFillShapeAndDtype) {
+  const Tensor z = Tensor::zeros({2, 3}, DType::BF16);
+  EXPECT_EQ(z.shape(), (Shape{2, 3}));
+  EXPECT_EQ(z.dtype(), DType::BF16);
+  EXPECT_EQ(z.to_vector<double>(), std::vector<double>(6, 0.0));
+  EXPECT_EQ(Tensor::full({2}, 2.5, DType::F16).to_vector<double>(), (std::vector<double>{2.5, 2.5}));
+  EXPECT_EQ(Tensor::arange(0, 5, 2, DType::I64).to_vector<int64_t>(), (std::vector<int64_t>{0, 2, 4}));
+  EXPECT_DOUBLE_EQ(Tensor::scalar(7).item(), 7.0);
+}
+
+TEST(Tensor, TransposeIsAViewAndContiguousCopies) {
+  const Tensor a = Tensor::arange(0, 6).view({2, 3});
+  const Tensor t = a.transpose(0, 1);
+  EXPECT_EQ(t.shape(), (Shape{3, 2}));
+  EXPECT_FALSE(t.is_contiguous());
+  EXPECT_EQ(t.storage(), a.storage());
+  EXPECT_EQ(t.contiguous().to_vector<double>(), (std::vector<double>{0, 3, 1, 4, 2, 5}));
+}
+
+TEST(Tensor, ViewOfNonContiguousNeedsReshape) {
+  const Tensor t = Tensor::arange(0, 6).view({2, 3}).mT();
+  EXPECT_THROW(t.view({6}), Error);
+  EXPECT_EQ(t.reshape({6}).to_vector<double>(), (std::vector<double>{0, 3, 1, 4, 2, 5}));
+}
+
+TEST(Tensor, ToF16RoundsToNearestEven) {
+  // 2049 lies halfway between the f16 neighbours 2048 and 2050: ties go to the even mantissa (2048).
+  const Tensor t = Tensor::from_vector(std::vector<double>{2049.0, 2051.0}, {2}).to(DType::F16);
+  EXPECT_EQ(t.to_vector<double>(), (std::vector<double>{2048.0, 2052.0}));
+}

@@ -1,0 +1,99 @@
+#pragma once
+// Helpers shared by the test files: reference comparisons in f64 and ulp distances in 16-bit dtypes.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "tensor/tensor.h"
+
+namespace mixtape::testing {
+
+// The f64 value `reference` rounded to `dtype` (nearest even), back in f64: what a correctly rounded
+// f16/bf16/f32 kernel would store.
+inline double round_to(DType dtype, double reference) {
+  switch (dtype) {
+    case DType::F16: return static_cast<float>(Half(reference));
+    case DType::BF16: return static_cast<float>(BFloat16(reference));
+    case DType::F32: return static_cast<float>(reference);
+    default: return reference;
+  }
+}
+
+// Distance in units in the last place of `dtype` between two values representable in it (ordered-bits
+// difference; +0 and -0 are 0 apart; NaN is infinitely far from anything but NaN).
+inline double ulp_distance(DType dtype, double a, double b) {
+  if (std::isnan(a) || std::isnan(b)) return std::isnan(a) && std::isnan(b) ? 0 : INFINITY;
+  auto ordered = [dtype](double v) -> int64_t {
+    int64_t bits;
+    switch (dtype) {
+      case DType::F16: bits = Half(v).bits; return bits & 0x8000 ? -(bits & 0x7fff) : bits;
+      case DType::BF16: bits = BFloat16(v).bits; return bits & 0x8000 ? -(bits & 0x7fff) : bits;
+      case DType::F32: {
+        const int32_t b32 = std::bit_cast<int32_t>(static_cast<float>(v));
+        return b32 < 0 ? -static_cast<int64_t>(b32 & 0x7fffffff) : b32;
+      }
+      default: {
+        const int64_t b64 = std::bit_cast<int64_t>(v);
+        return b64 < 0 ? -(b64 & 0x7fffffffffffffffLL) : b64;
+      }
+    }
+  };
+  return std::abs(static_cast<double>(ordered(a) - ordered(b)));
+}
+
+// Expects every element of `actual` (any dtype) within `max_ulp` ulps (in actual's dtype) of the f64
+// `reference` rounded to that dtype. Reports the first few offenders.
+inline ::testing::AssertionResult within_ulp(const Tensor& actual, const Tensor& reference, double max_ulp) {
+  if (actual.shape() != reference.shape())
+    return ::testing::AssertionFailure() << "shape " << actual.description() << " vs " << reference.description();
+  const std::vector<double> got = actual.to_vector<double>(), want = reference.to_vector<double>();
+  int bad = 0;
+  std::string report;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double expected = round_to(actual.dtype(), want[i]);
+    const double distance = ulp_distance(actual.dtype(), got[i], expected);
+    if (distance > max_ulp) {
+      if (bad++ < 5)
+        report += "element " + std::to_string(i) + ": got " + std::to_string(got[i]) + ", reference " +
+                  std::to_string(want[i]) + " (" + std::to_string(distance) + " ulp)\n";
+    }
+  }
+  if (bad) return ::testing::AssertionFailure() << bad << " elements beyond " << max_ulp << " ulp\n" << report;
+  return ::testing::AssertionSuccess();
+}
+
+// Expects |actual - reference| <= atol + rtol * |reference| elementwise.
+inline ::testing::AssertionResult all_close(const Tensor& actual, const Tensor& reference, double atol, double rtol) {
+  if (actual.shape() != reference.shape())
+    return ::testing::AssertionFailure() << "shape " << actual.description() << " vs " << reference.description();
+  const std::vector<double> got = actual.to_vector<double>(), want = reference.to_vector<double>();
+  int bad = 0;
+  std::string report;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double error = std::abs(got[i] - want[i]);
+    if (!(error <= atol + rtol * std::abs(want[i])) && !(std::isnan(got[i]) && std::isnan(want[i]))) {
+      if (bad++ < 5)
+        report += "element " + std::to_string(i) + ": got " + std::to_string(got[i]) + ", reference " +
+                  std::to_string(want[i]) + "\n";
+    }
+  }
+  if (bad) return ::testing::AssertionFailure() << bad << " elements differ\n" << report;
+  return ::testing::AssertionSuccess();
+}
+
+// Expects `statement` to throw mixtape::Error whose message contains every one of `parts`.
+#define EXPECT_ERROR_MENTIONS(statement, ...)                                                   \
+  do {                                                                                          \
+    try {                                                                                       \
+      statement;                                                                                \
+      ADD_FAILURE() << "expected mixtape::Error from: " #statement;                             \
+    } catch (const ::mixtape::Error& error) {                                                   \
+      const std::string message = error.what();                                                 \
+      for (const std::string& part : std::vector<std::string>{__VA_ARGS__})                     \
+        EXPECT_NE(message.find(part), std::string::npos) << "message: " << message << "\nlacks: " << part; \
+    }                                                                                           \
+  } while (0)
+
+}  // namespace mixtape::testing
