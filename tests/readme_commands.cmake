@@ -1,0 +1,17 @@
+# The README's test command must be exactly what .ci/run executes, and both README commands must be there:
+# a drift between them would let CI test something users do not run.
+file(READ ${SOURCE_DIR}/README.md readme)
+file(READ ${SOURCE_DIR}/.ci/run ci)
+string(REGEX MATCH "# --- the README's test command, verbatim ---\n([^\n]+)\n" _ "${ci}")
+set(command "${CMAKE_MATCH_1}")
+if(command STREQUAL "")
+  message(FATAL_ERROR ".ci/run has no marked README test command")
+endif()
+string(FIND "${readme}" "${command}" at)
+if(at EQUAL -1)
+  message(FATAL_ERROR "README.md does not contain .ci/run's test command:\n${command}")
+endif()
+string(FIND "${readme}" "./build/examples/train_mlp" demo)
+if(demo EQUAL -1)
+  message(FATAL_ERROR "README.md lacks the demo command")
+endif()
