@@ -1,15 +1,337 @@
-// PLACEHOLDER: replaced by the real kernels; every function throws until then.
-#pragma GCC diagnostic ignored "-Wunused-parameter"
+// CPU elementwise kernels: unary maps and their backward, binary ops with broadcasting, where, and the two
+// in-place updates. Every kernel is one loop over StridedLoop runs with the math in a small lambda:
+//
+//   out[i] = convert<T>( f( convert<C>(in[i]) ) )
+//
+// where C is the compute type (float for f32/f16/bf16, double for f64; double for ops with a double scalar)
+// and convert<T> rounds once on store. Each loop has a contiguous fast path (every inner stride 1) that the
+// compiler vectorises for f32/f64, a path for an operand broadcast along the inner dim (stride 0, e.g. a
+// per-row scale), and a general strided path.
+#include <cmath>
+#include <numbers>
+
 #include "tensor/cpu/cpu_backend.h"
+#include "tensor/cpu/strided.h"
 
 namespace mixtape::cpu {
 
-void CpuBackend::unary(UnaryOp op, const Tensor& x, const Tensor& out, double scalar) { not_supported("cpu unary (placeholder)"); }
-void CpuBackend::unary_backward(UnaryOp op, const Tensor& x, const Tensor& y, const Tensor& grad_out, const Tensor& grad_x, double scalar) { not_supported("cpu unary_backward (placeholder)"); }
-void CpuBackend::binary(BinaryOp op, const Tensor& a, const Tensor& b, const Tensor& out) { not_supported("cpu binary (placeholder)"); }
-void CpuBackend::binary_scalar(BinaryOp op, const Tensor& a, double scalar, bool scalar_first, const Tensor& out) { not_supported("cpu binary_scalar (placeholder)"); }
-void CpuBackend::where(const Tensor& cond, const Tensor& a, const Tensor& b, const Tensor& out) { not_supported("cpu where (placeholder)"); }
-void CpuBackend::add_inplace(const Tensor& dst, const Tensor& src, double alpha) { not_supported("cpu add_inplace (placeholder)"); }
-void CpuBackend::mul_scalar_inplace(const Tensor& dst, double value) { not_supported("cpu mul_scalar_inplace (placeholder)"); }
+namespace {
+
+// Transcendental ops cost tens of cycles per element, so they are worth two threads at smaller sizes than
+// a memory-bound add.
+constexpr int64_t kTranscendentalGrain = 4096;
+
+void check_same_shape(const char* op, const Tensor& a, const Tensor& b) {
+  check(a.shape() == b.shape(), op, ": ", a.description(), " and ", b.description(), " differ in shape");
+}
+
+// out = f(x) elementwise; x and out are T, f computes in C.
+template <class T, class C, class F>
+void map_unary(const Tensor& x, const Tensor& out, int64_t grain, F f) {
+  const T* in = x.data<T>();
+  T* o = out.data<T>();
+  const StridedLoop<2> loop(out.shape(), {out.strides(), x.strides()});
+  const auto [so, si] = loop.inner_strides();
+  loop.run([&](const std::array<int64_t, 2>& at, int64_t n) {
+    T* dst = o + at[0];
+    const T* src = in + at[1];
+    if (so == 1 && si == 1) {
+      for (int64_t j = 0; j < n; ++j) dst[j] = convert<T>(f(convert<C>(src[j])));
+    } else {
+      for (int64_t j = 0; j < n; ++j) dst[j * so] = convert<T>(f(convert<C>(src[j * si])));
+    }
+  }, grain);
+}
+
+// out = f(a, b) elementwise; a, b and out are T (a, b already broadcast to out's shape), f computes in C.
+template <class T, class C, class F>
+void map_binary(const Tensor& a, const Tensor& b, const Tensor& out, int64_t grain, F f) {
+  const T* pa = a.data<T>();
+  const T* pb = b.data<T>();
+  T* po = out.data<T>();
+  const StridedLoop<3> loop(out.shape(), {out.strides(), a.strides(), b.strides()});
+  const auto [so, sa, sb] = loop.inner_strides();
+  loop.run([&](const std::array<int64_t, 3>& at, int64_t n) {
+    T* dst = po + at[0];
+    const T* x = pa + at[1];
+    const T* y = pb + at[2];
+    if (so == 1 && sa == 1 && sb == 1) {
+      for (int64_t j = 0; j < n; ++j) dst[j] = convert<T>(f(convert<C>(x[j]), convert<C>(y[j])));
+    } else if (so == 1 && sa == 1 && sb == 0) {  // b is one value along this run
+      const C y0 = convert<C>(y[0]);
+      for (int64_t j = 0; j < n; ++j) dst[j] = convert<T>(f(convert<C>(x[j]), y0));
+    } else if (so == 1 && sa == 0 && sb == 1) {  // a is one value along this run
+      const C x0 = convert<C>(x[0]);
+      for (int64_t j = 0; j < n; ++j) dst[j] = convert<T>(f(x0, convert<C>(y[j])));
+    } else {
+      for (int64_t j = 0; j < n; ++j)
+        dst[j * so] = convert<T>(f(convert<C>(x[j * sa]), convert<C>(y[j * sb])));
+    }
+  }, grain);
+}
+
+// ---- the math of each op ---------------------------------------------------------------------------------
+// A is the compute type. Formulas are chosen to avoid cancellation where the textbook form has it.
+
+template <class A>
+A sigmoid_of(A x) {
+  // 1 / (1 + e^-x): for x -> -inf, e^-x overflows to inf and the result is 0, the correct limit.
+  return A(1) / (A(1) + std::exp(-x));
+}
+
+// Exact GELU, x * Phi(x) with Phi the standard normal CDF: Phi(x) = (1 + erf(x/sqrt2)) / 2
+// = erfc(-x/sqrt2) / 2.
+// The erfc form is the same function without the cancellation of 1 + erf(z) for z << 0 (at x = -5 the erf
+// form loses ~18 of float's 24 bits).
+template <class A>
+A gelu_erf_of(A x) {
+  return A(0.5) * x * std::erfc(-x * A(std::numbers::sqrt2 / 2));
+}
+
+// GPT-2's tanh approximation 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3). Evaluated as
+// x * sigmoid(2u) = x / (1 + e^-2u), using 1 + tanh(u) = 2 sigmoid(2u): the same function, but without the
+// cancellation of 1 + tanh(u) for u << 0.
+constexpr double kGeluTanhScale = 0.7978845608028654;  // sqrt(2 / pi)
+constexpr double kGeluTanhCubic = 0.044715;
+
+template <class A>
+A gelu_tanh_inner(A x) {
+  return A(kGeluTanhScale) * (x + A(kGeluTanhCubic) * x * x * x);
+}
+
+template <class A>
+A gelu_tanh_of(A x) {
+  return x * sigmoid_of(A(2) * gelu_tanh_inner(x));
+}
+
+// d/dx of 0.5 x (1 + tanh u) = 0.5 (1 + tanh u) + 0.5 x (1 - tanh^2 u) u'. With s = sigmoid(2u):
+// 1 + tanh u = 2s and 1 - tanh^2 u = 4 s (1 - s), so it is s + 2 x s (1 - s) u', u' = sqrt(2/pi)(1 + 3c x^2).
+// 1 - s is computed as e^-2u * s, exact where s rounds to 1.
+template <class A>
+A gelu_tanh_derivative(A x) {
+  const A e = std::exp(A(-2) * gelu_tanh_inner(x));
+  const A s = A(1) / (A(1) + e);
+  const A one_minus_s = e * s;
+  const A du = A(kGeluTanhScale) * (A(1) + A(3 * kGeluTanhCubic) * x * x);
+  return s + A(2) * x * s * one_minus_s * du;
+}
+
+// d/dx x Phi(x) = Phi(x) + x phi(x), phi(x) = e^(-x^2/2) / sqrt(2 pi).
+template <class A>
+A gelu_erf_derivative(A x) {
+  const A cdf = A(0.5) * std::erfc(-x * A(std::numbers::sqrt2 / 2));
+  const A pdf = std::exp(A(-0.5) * x * x) * A(0.5 * std::numbers::inv_sqrtpi * std::numbers::sqrt2);
+  return cdf + x * pdf;
+}
+
+// d/dx x sigmoid(x) = s + x s (1 - s) with 1 - s = e^-x s (exact where s rounds to 1).
+template <class A>
+A silu_derivative(A x) {
+  const A e = std::exp(-x);
+  const A s = A(1) / (A(1) + e);
+  return s + x * s * (e * s);
+}
+
+// x ^ p for a double exponent, in double. The exponents models use most take exact shortcuts that agree
+// with IEEE pow (x*x is correctly rounded, as is pow(x, 2)).
+inline double pow_scalar(double x, double p) {
+  if (p == 1) return x;
+  if (p == 2) return x * x;
+  if (p == -1) return 1 / x;
+  return std::pow(x, p);
+}
+
+// d/dx x^p = p x^(p-1); 0 for p == 0 (x^0 is the constant 1, even at x = 0 where 0 * 0^-1 would be NaN).
+inline double pow_scalar_derivative(double x, double p) {
+  if (p == 0) return 0;
+  if (p == 1) return 1;
+  if (p == 2) return 2 * x;
+  return p * std::pow(x, p - 1);
+}
+
+}  // namespace
+
+// ---- unary -----------------------------------------------------------------------------------------------
+
+void CpuBackend::unary(UnaryOp op, const Tensor& x, const Tensor& out, double scalar) {
+  check_same_shape("unary", x, out);
+  dispatch_float(out.dtype(), "unary", [&]<typename T>() {
+    using A = acc_t<T>;
+    const int64_t heavy = kTranscendentalGrain, light = kParallelGrain;
+    switch (op) {
+      case UnaryOp::Neg: return map_unary<T, A>(x, out, light, [](A v) { return -v; });
+      case UnaryOp::Abs: return map_unary<T, A>(x, out, light, [](A v) { return std::abs(v); });
+      // v < 0 ? 0 : v lets NaN through (as PyTorch does) and compiles to a vector blend.
+      case UnaryOp::Relu: return map_unary<T, A>(x, out, light, [](A v) { return v < A(0) ? A(0) : v; });
+      case UnaryOp::Exp: return map_unary<T, A>(x, out, heavy, [](A v) { return std::exp(v); });
+      case UnaryOp::Log: return map_unary<T, A>(x, out, heavy, [](A v) { return std::log(v); });
+      case UnaryOp::Sqrt: return map_unary<T, A>(x, out, light, [](A v) { return std::sqrt(v); });
+      case UnaryOp::Rsqrt: return map_unary<T, A>(x, out, light, [](A v) { return A(1) / std::sqrt(v); });
+      case UnaryOp::Tanh: return map_unary<T, A>(x, out, heavy, [](A v) { return std::tanh(v); });
+      case UnaryOp::Sigmoid: return map_unary<T, A>(x, out, heavy, [](A v) { return sigmoid_of(v); });
+      case UnaryOp::Silu: return map_unary<T, A>(x, out, heavy, [](A v) { return v * sigmoid_of(v); });
+      case UnaryOp::GeluErf: return map_unary<T, A>(x, out, heavy, [](A v) { return gelu_erf_of(v); });
+      case UnaryOp::GeluTanh: return map_unary<T, A>(x, out, heavy, [](A v) { return gelu_tanh_of(v); });
+      case UnaryOp::PowScalar:  // the exponent stays in double, so pow runs in double for every dtype
+        return map_unary<T, double>(x, out, heavy, [scalar](double v) { return pow_scalar(v, scalar); });
+    }
+    fail("unary: unknown op ", static_cast<int>(op));
+  });
+}
+
+// grad_x = grad_out * op'(x). The derivative reads x, or y = op(x) for the ops whose derivative is cheapest
+// in terms of the output (exp, sqrt, rsqrt, tanh, sigmoid); the other of the two may be undefined.
+void CpuBackend::unary_backward(UnaryOp op, const Tensor& x, const Tensor& y, const Tensor& grad_out,
+                                const Tensor& grad_x, double scalar) {
+  const bool from_output = op == UnaryOp::Exp || op == UnaryOp::Sqrt || op == UnaryOp::Rsqrt ||
+                           op == UnaryOp::Tanh || op == UnaryOp::Sigmoid;
+  const Tensor& in = from_output ? y : x;
+  check(in.defined(), "unary_backward: the op needs its ", from_output ? "output" : "input", " but got none");
+  check_same_shape("unary_backward", in, grad_x);
+  check_same_shape("unary_backward", grad_out, grad_x);
+  dispatch_float(grad_x.dtype(), "unary_backward", [&]<typename T>() {
+    using A = acc_t<T>;
+    const int64_t heavy = kTranscendentalGrain, light = kParallelGrain;
+    // Each lambda gets (v, g): v is x or y as above, g the output gradient.
+    auto run = [&](int64_t grain, auto derivative_times_grad) {
+      map_binary<T, A>(in, grad_out, grad_x, grain, derivative_times_grad);
+    };
+    switch (op) {
+      case UnaryOp::Neg: return run(light, [](A, A g) { return -g; });
+      // d|x|/dx = sign(x), with sign(0) = 0.
+      case UnaryOp::Abs: return run(light, [](A v, A g) { return v > A(0) ? g : v < A(0) ? -g : A(0); });
+      // relu'(0) = 0: a zero input passes no gradient.
+      case UnaryOp::Relu: return run(light, [](A v, A g) { return v > A(0) ? g : A(0); });
+      case UnaryOp::Exp: return run(light, [](A y, A g) { return g * y; });
+      case UnaryOp::Log: return run(light, [](A v, A g) { return g / v; });
+      // d sqrt(x) = 1 / (2 sqrt(x)) = 1 / (2y)
+      case UnaryOp::Sqrt: return run(light, [](A y, A g) { return g / (A(2) * y); });
+      // d x^-1/2 = -x^-3/2 / 2 = -y^3 / 2
+      case UnaryOp::Rsqrt: return run(light, [](A y, A g) { return A(-0.5) * g * y * y * y; });
+      case UnaryOp::Tanh: return run(light, [](A y, A g) { return g * (A(1) - y * y); });
+      case UnaryOp::Sigmoid: return run(light, [](A y, A g) { return g * y * (A(1) - y); });
+      case UnaryOp::Silu: return run(heavy, [](A v, A g) { return g * silu_derivative(v); });
+      case UnaryOp::GeluErf: return run(heavy, [](A v, A g) { return g * gelu_erf_derivative(v); });
+      case UnaryOp::GeluTanh: return run(heavy, [](A v, A g) { return g * gelu_tanh_derivative(v); });
+      case UnaryOp::PowScalar:  // in double, as the forward
+        return map_binary<T, double>(in, grad_out, grad_x, heavy, [scalar](double v, double g) {
+          return g * pow_scalar_derivative(v, scalar);
+        });
+    }
+    fail("unary_backward: unknown op ", static_cast<int>(op));
+  });
+}
+
+// ---- binary ----------------------------------------------------------------------------------------------
+
+void CpuBackend::binary(BinaryOp op, const Tensor& a, const Tensor& b, const Tensor& out) {
+  check_same_shape("binary", a, out);
+  check_same_shape("binary", b, out);
+  dispatch_float(out.dtype(), "binary", [&]<typename T>() {
+    // f16/bf16 compute in float: +, -, *, / of two 11-bit (f16) or 8-bit (bf16) values rounded to float's
+    // 24 bits and then to the 16-bit type is correctly rounded (double rounding is harmless when the wider
+    // format has at least 2p + 2 bits), so these match an exact computation rounded once.
+    using A = acc_t<T>;
+    const int64_t light = kParallelGrain;
+    switch (op) {
+      case BinaryOp::Add: return map_binary<T, A>(a, b, out, light, [](A x, A y) { return x + y; });
+      case BinaryOp::Sub: return map_binary<T, A>(a, b, out, light, [](A x, A y) { return x - y; });
+      case BinaryOp::Mul: return map_binary<T, A>(a, b, out, light, [](A x, A y) { return x * y; });
+      case BinaryOp::Div: return map_binary<T, A>(a, b, out, light, [](A x, A y) { return x / y; });
+      case BinaryOp::Pow:
+        return map_binary<T, A>(a, b, out, kTranscendentalGrain, [](A x, A y) { return std::pow(x, y); });
+    }
+    fail("binary: unknown op ", static_cast<int>(op));
+  });
+}
+
+void CpuBackend::binary_scalar(BinaryOp op, const Tensor& a, double scalar, bool scalar_first,
+                               const Tensor& out) {
+  check_same_shape("binary_scalar", a, out);
+  dispatch_float(out.dtype(), "binary_scalar", [&]<typename T>() {
+    // Computed in double so the scalar is not rounded first: a * 0.1 is the product with 0.1 as a double,
+    // rounded once to T (for f32 the double result is correctly rounded to float: 53 >= 2 * 24 + 2).
+    const double s = scalar;
+    const int64_t light = kParallelGrain, heavy = kTranscendentalGrain;
+    auto run = [&](int64_t grain, auto f) { map_unary<T, double>(a, out, grain, f); };
+    switch (op) {
+      case BinaryOp::Add: return run(light, [s](double x) { return x + s; });
+      case BinaryOp::Mul: return run(light, [s](double x) { return x * s; });
+      case BinaryOp::Sub:
+        if (scalar_first) return run(light, [s](double x) { return s - x; });
+        return run(light, [s](double x) { return x - s; });
+      case BinaryOp::Div:
+        if (scalar_first) return run(light, [s](double x) { return s / x; });
+        return run(light, [s](double x) { return x / s; });
+      case BinaryOp::Pow:
+        if (scalar_first) return run(heavy, [s](double x) { return std::pow(s, x); });
+        return run(heavy, [s](double x) { return pow_scalar(x, s); });
+    }
+    fail("binary_scalar: unknown op ", static_cast<int>(op));
+  });
+}
+
+// ---- where -----------------------------------------------------------------------------------------------
+
+void CpuBackend::where(const Tensor& cond, const Tensor& a, const Tensor& b, const Tensor& out) {
+  check_same_shape("where", cond, out);
+  check_same_shape("where", a, out);
+  check_same_shape("where", b, out);
+  const StridedLoop<4> loop(out.shape(), {out.strides(), cond.strides(), a.strides(), b.strides()});
+  dispatch_all(cond.dtype(), "where", [&]<typename Cond>() {
+    dispatch_all(out.dtype(), "where", [&]<typename T>() {
+      const Cond* pc = cond.data<Cond>();
+      const T* pa = a.data<T>();
+      const T* pb = b.data<T>();
+      T* po = out.data<T>();
+      const auto [so, sc, sa, sb] = loop.inner_strides();
+      // Nonzero is true; a NaN condition is nonzero. f16/bf16 conditions are compared through float.
+      auto truth = [](Cond c) { return static_cast<acc_t<Cond>>(c) != acc_t<Cond>(0); };
+      loop.run([&](const std::array<int64_t, 4>& at, int64_t n) {
+        T* dst = po + at[0];
+        const Cond* c = pc + at[1];
+        const T* x = pa + at[2];
+        const T* y = pb + at[3];
+        if (so == 1 && sc == 1 && sa == 1 && sb == 1) {
+          for (int64_t j = 0; j < n; ++j) dst[j] = truth(c[j]) ? x[j] : y[j];
+        } else {
+          for (int64_t j = 0; j < n; ++j) dst[j * so] = truth(c[j * sc]) ? x[j * sa] : y[j * sb];
+        }
+      });
+    });
+  });
+}
+
+// ---- in place --------------------------------------------------------------------------------------------
+
+void CpuBackend::add_inplace(const Tensor& dst, const Tensor& src, double alpha) {
+  check_same_shape("add_inplace", src, dst);
+  const StridedLoop<2> loop(dst.shape(), {dst.strides(), src.strides()});
+  dispatch_float(dst.dtype(), "add_inplace", [&]<typename T>() {
+    dispatch_float(src.dtype(), "add_inplace", [&]<typename S>() {
+      // Compute in double when either side is f64, else in float (fp32 accumulation for 16-bit grads).
+      using C = std::conditional_t<std::is_same_v<T, double> || std::is_same_v<S, double>, double, float>;
+      const C scale = static_cast<C>(alpha);
+      T* pd = dst.data<T>();
+      const S* ps = src.data<S>();
+      const auto [sd, ss] = loop.inner_strides();
+      loop.run([&](const std::array<int64_t, 2>& at, int64_t n) {
+        T* d = pd + at[0];
+        const S* s = ps + at[1];
+        if (sd == 1 && ss == 1) {
+          for (int64_t j = 0; j < n; ++j) d[j] = convert<T>(convert<C>(d[j]) + scale * convert<C>(s[j]));
+        } else {
+          for (int64_t j = 0; j < n; ++j)
+            d[j * sd] = convert<T>(convert<C>(d[j * sd]) + scale * convert<C>(s[j * ss]));
+        }
+      });
+    });
+  });
+}
+
+void CpuBackend::mul_scalar_inplace(const Tensor& dst, double value) {
+  // The same loop as binary_scalar Mul, reading and writing dst (each element is read before it is written).
+  binary_scalar(BinaryOp::Mul, dst, value, false, dst);
+}
 
 }  // namespace mixtape::cpu
