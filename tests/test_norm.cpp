@@ -225,8 +225,8 @@ double backward_tolerance(DType dtype) {
     case DType::F16: return 1e-3;
     default: return 8e-3;
   }
-}  // namespace
 }
+}  // namespace
 
 TEST(LayerNorm, FusedBackwardMatchesChainRuleInEveryDtype) {
   const int64_t N = 300, C = 64;
