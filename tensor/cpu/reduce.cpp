@@ -375,26 +375,35 @@ void CpuBackend::softmax(const Tensor& x, int64_t dim, bool log, const Tensor& o
       for (int64_t r = 0; r < rows.count; ++r) {
         const T* xr = in + rows.start(r, 0);
         T* yr = o + rows.start(r, 1);
-        // Subtracting the row max makes every exponent <= 0: no overflow, and the largest term is exactly 1
+        // Subtracting the row max m makes every exponent <= 0: no overflow, and the largest term is exactly 1
         // so the sum is >= 1 (no underflow to 0). softmax is unchanged: exp(x - m) / sum exp(x - m).
         A m = -std::numeric_limits<A>::infinity();
+        int64_t argmax = 0;
         for (int64_t j = 0; j < n; ++j) {
           e[j] = convert<A>(xr[j * sx]);
-          m = e[j] > m ? e[j] : m;
+          if (e[j] > m) {
+            m = e[j];
+            argmax = j;
+          }
         }
-        A total = 0;
+        // sum = 1 + rest, with rest the sum of the terms other than (one) maximum. Keeping the 1 apart lets
+        // log_softmax use log1p(rest): for a confident row (rest << 1), log(1 + rest) rounded in float would
+        // lose all the digits of rest below 2^-24.
+        A rest = 0;
         if (log) {
-          // log_softmax_j = (x_j - m) - log(sum_k exp(x_k - m))
-          for (int64_t j = 0; j < n; ++j) total += std::exp(e[j] - m);
-          const A log_total = std::log(total);
+          // log_softmax_j = (x_j - m) - log1p(rest)
+          for (int64_t j = 0; j < n; ++j)
+            if (j != argmax) rest += std::exp(e[j] - m);
+          const A log_total = std::log1p(rest);
           for (int64_t j = 0; j < n; ++j) yr[j * so] = convert<T>((e[j] - m) - log_total);
         } else {
+          // softmax_j = exp(x_j - m) / (1 + rest)
           for (int64_t j = 0; j < n; ++j) {
             e[j] = std::exp(e[j] - m);
-            total += e[j];
+            if (j != argmax) rest += e[j];
           }
-          const A inverse = A(1) / total;
-          for (int64_t j = 0; j < n; ++j) yr[j * so] = convert<T>(e[j] * inverse);
+          const A total = A(1) + rest;
+          for (int64_t j = 0; j < n; ++j) yr[j * so] = convert<T>(e[j] / total);
         }
       }
     }
