@@ -36,6 +36,81 @@ inline A lane_sum(int64_t n, Term&& term) {
   return lanes[0] + tail;
 }
 
+// Two sums over the same j in one pass: {sum_j first(j), sum_j second(j)}.
+template <class A, class Term>
+inline std::pair<A, A> lane_sum2(int64_t n, Term&& term) {
+  A lanes_a[kLanes] = {}, lanes_b[kLanes] = {};
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes)
+    for (int64_t l = 0; l < kLanes; ++l) {
+      const auto [a, b] = term(j + l);
+      lanes_a[l] += a;
+      lanes_b[l] += b;
+    }
+  A tail_a = 0, tail_b = 0;
+  for (; j < n; ++j) {
+    const auto [a, b] = term(j);
+    tail_a += a;
+    tail_b += b;
+  }
+  for (int64_t width = kLanes / 2; width > 0; width /= 2)
+    for (int64_t l = 0; l < width; ++l) {
+      lanes_a[l] += lanes_a[l + width];
+      lanes_b[l] += lanes_b[l + width];
+    }
+  return {lanes_a[0] + tail_a, lanes_b[0] + tail_b};
+}
+
+// The weight in the accumulation type, 1 where there is none: converted once per call, so the row loops
+// below have no branch and no 16-bit conversion of w.
+template <class T, class A = acc_t<T>>
+std::vector<A> weight_values(const Tensor& weight, int64_t C) {
+  std::vector<A> values(static_cast<size_t>(C), A(1));
+  if (weight.defined()) {
+    const T* w = weight.data<T>();
+    for (int64_t j = 0; j < C; ++j) values[j] = convert<A>(w[j]);
+  }
+  return values;
+}
+
+// The last pass of the backward over one row: writes dx (when wanted) and accumulates this row's share of
+// dw (and db). The pointers never overlap (restrict), which lets the loop vectorise.
+//   dx_j = rstd * (w_j g_j - mean(dnorm) - norm_j * mean(dnorm * norm)),  dw_j += g_j norm_j,  db_j += g_j
+template <class T, class A>
+inline void layer_norm_backward_row(const T* __restrict x, const T* __restrict g, const A* __restrict w, A mean,
+                                    A rstd, A dnorm_mean, A dnorm_norm_mean, T* __restrict dx, A* __restrict dw,
+                                    A* __restrict db, int64_t C) {
+  if (dx) {
+    for (int64_t j = 0; j < C; ++j) {
+      const A gj = convert<A>(g[j]), norm = (convert<A>(x[j]) - mean) * rstd;
+      dx[j] = convert<T>(rstd * (w[j] * gj - dnorm_mean - norm * dnorm_norm_mean));
+      dw[j] += gj * norm;
+      db[j] += gj;
+    }
+  } else {
+    for (int64_t j = 0; j < C; ++j) {
+      const A gj = convert<A>(g[j]);
+      dw[j] += gj * ((convert<A>(x[j]) - mean) * rstd);
+      db[j] += gj;
+    }
+  }
+}
+
+//   dx_j = rstd * (w_j g_j - norm_j * mean(dnorm * norm)),  dw_j += g_j norm_j
+template <class T, class A>
+inline void rms_norm_backward_row(const T* __restrict x, const T* __restrict g, const A* __restrict w, A rstd,
+                                  A dnorm_norm_mean, T* __restrict dx, A* __restrict dw, int64_t C) {
+  if (dx) {
+    for (int64_t j = 0; j < C; ++j) {
+      const A gj = convert<A>(g[j]), norm = convert<A>(x[j]) * rstd;
+      dx[j] = convert<T>(rstd * (w[j] * gj - norm * dnorm_norm_mean));
+      dw[j] += gj * norm;
+    }
+  } else {
+    for (int64_t j = 0; j < C; ++j) dw[j] += convert<A>(g[j]) * (convert<A>(x[j]) * rstd);
+  }
+}
+
 // Rows of a backward pass are grouped into at most kMaxRowBlocks blocks whose size depends only on N; each
 // block accumulates its own grad_weight / grad_bias partial, so the combination order never depends on the
 // thread count.
@@ -147,39 +222,33 @@ void CpuBackend::layer_norm_backward(const Tensor& grad_out, const Tensor& x, co
     using A = acc_t<T>;
     const T* xp = x.data<T>();
     const T* gp = grad_out.data<T>();
-    const T* w = data_or_null<T>(weight);
+    const std::vector<A> w = weight_values<T>(weight, C);
     const A* mp = mean.data<A>();
     const A* sp = rstd.data<A>();
     T* dxp = grad_x.defined() ? grad_x.data<T>() : nullptr;
     const bool want_w = grad_weight.defined(), want_b = grad_bias.defined();
     const int64_t block_rows = rows_per_block(N);
     const int64_t blocks = (N + block_rows - 1) / block_rows;
-    std::vector<A> partial_w(want_w ? static_cast<size_t>(blocks * C) : 0);
-    std::vector<A> partial_b(want_b ? static_cast<size_t>(blocks * C) : 0);
+    std::vector<A> partial_w(static_cast<size_t>(blocks * C)), partial_b(static_cast<size_t>(blocks * C));
     const A inv_C = A(1) / static_cast<A>(C);
 #pragma omp parallel for schedule(static) if (parallel_rows(N, C))
     for (int64_t block = 0; block < blocks; ++block) {
-      A* dw = want_w ? partial_w.data() + block * C : nullptr;
-      A* db = want_b ? partial_b.data() + block * C : nullptr;
+      A* dw = partial_w.data() + block * C;
+      A* db = partial_b.data() + block * C;
       for (int64_t i = block * block_rows; i < std::min(N, (block + 1) * block_rows); ++i) {
         const T* xi = xp + i * C;
         const T* gi = gp + i * C;
         const A m = mp[i], s = sp[i];
         // norm_j = (x_j - mean) * rstd;  dnorm_j = w_j * dout_j
-        auto norm = [&](int64_t j) { return (convert<A>(xi[j]) - m) * s; };
-        auto dnorm = [&](int64_t j) { return w ? convert<A>(w[j]) * convert<A>(gi[j]) : convert<A>(gi[j]); };
-        if (dxp) {
-          // dx_j = rstd * (dnorm_j - mean_k(dnorm_k) - norm_j * mean_k(dnorm_k * norm_k))
-          const A dnorm_mean = lane_sum<A>(C, dnorm) * inv_C;
-          const A dnorm_norm_mean = lane_sum<A>(C, [&](int64_t j) { return dnorm(j) * norm(j); }) * inv_C;
-          T* dxi = dxp + i * C;
-          for (int64_t j = 0; j < C; ++j) dxi[j] = convert<T>(s * (dnorm(j) - dnorm_mean - norm(j) * dnorm_norm_mean));
-        }
-        // dw_j += dout_j * norm_j;  db_j += dout_j
-        if (dw)
-          for (int64_t j = 0; j < C; ++j) dw[j] += convert<A>(gi[j]) * norm(j);
-        if (db)
-          for (int64_t j = 0; j < C; ++j) db[j] += convert<A>(gi[j]);
+        // dx_j = rstd * (dnorm_j - mean_k(dnorm_k) - norm_j * mean_k(dnorm_k * norm_k))
+        const auto [dnorm_sum, dnorm_norm_sum] = lane_sum2<A>(C, [&](int64_t j) {
+          const A norm = (convert<A>(xi[j]) - m) * s, dnorm = w[j] * convert<A>(gi[j]);
+          return std::pair<A, A>{dnorm, dnorm * norm};
+        });
+        const A dnorm_mean = dnorm_sum * inv_C, dnorm_norm_mean = dnorm_norm_sum * inv_C;
+        // One more pass writes dx and accumulates dw, db.
+        layer_norm_backward_row(xi, gi, w.data(), m, s, dnorm_mean, dnorm_norm_mean, dxp ? dxp + i * C : nullptr,
+                                dw, db, C);
       }
     }
     if (want_w) combine_partials<T, A>(partial_w, blocks, C, grad_weight.data<T>());
@@ -238,33 +307,27 @@ void CpuBackend::rms_norm_backward(const Tensor& grad_out, const Tensor& x, cons
     using A = acc_t<T>;
     const T* xp = x.data<T>();
     const T* gp = grad_out.data<T>();
-    const T* w = data_or_null<T>(weight);
+    const std::vector<A> w = weight_values<T>(weight, C);
     const A* sp = rstd.data<A>();
     T* dxp = grad_x.defined() ? grad_x.data<T>() : nullptr;
     const bool want_w = grad_weight.defined();
     const int64_t block_rows = rows_per_block(N);
     const int64_t blocks = (N + block_rows - 1) / block_rows;
-    std::vector<A> partial_w(want_w ? static_cast<size_t>(blocks * C) : 0);
+    std::vector<A> partial_w(static_cast<size_t>(blocks * C));
     const A inv_C = A(1) / static_cast<A>(C);
 #pragma omp parallel for schedule(static) if (parallel_rows(N, C))
     for (int64_t block = 0; block < blocks; ++block) {
-      A* dw = want_w ? partial_w.data() + block * C : nullptr;
+      A* dw = partial_w.data() + block * C;
       for (int64_t i = block * block_rows; i < std::min(N, (block + 1) * block_rows); ++i) {
         const T* xi = xp + i * C;
         const T* gi = gp + i * C;
         const A s = sp[i];
-        // norm_j = x_j * rstd;  dnorm_j = w_j * dout_j
-        auto norm = [&](int64_t j) { return convert<A>(xi[j]) * s; };
-        auto dnorm = [&](int64_t j) { return w ? convert<A>(w[j]) * convert<A>(gi[j]) : convert<A>(gi[j]); };
-        if (dxp) {
-          // d rstd / dx_j = -rstd^3 x_j / C, so dx_j = rstd * (dnorm_j - norm_j * mean_k(dnorm_k * norm_k))
-          const A dnorm_norm_mean = lane_sum<A>(C, [&](int64_t j) { return dnorm(j) * norm(j); }) * inv_C;
-          T* dxi = dxp + i * C;
-          for (int64_t j = 0; j < C; ++j) dxi[j] = convert<T>(s * (dnorm(j) - norm(j) * dnorm_norm_mean));
-        }
-        // dw_j += dout_j * norm_j
-        if (dw)
-          for (int64_t j = 0; j < C; ++j) dw[j] += convert<A>(gi[j]) * norm(j);
+        // norm_j = x_j * rstd;  dnorm_j = w_j * dout_j;  d rstd / dx_j = -rstd^3 x_j / C, so
+        // dx_j = rstd * (dnorm_j - norm_j * mean_k(dnorm_k * norm_k))
+        const A dnorm_norm_mean =
+            lane_sum<A>(C, [&](int64_t j) { return w[j] * convert<A>(gi[j]) * (convert<A>(xi[j]) * s); }) * inv_C;
+        // One more pass writes dx and accumulates dw.
+        rms_norm_backward_row(xi, gi, w.data(), s, dnorm_norm_mean, dxp ? dxp + i * C : nullptr, dw, C);
       }
     }
     if (want_w) combine_partials<T, A>(partial_w, blocks, C, grad_weight.data<T>());
@@ -284,15 +347,29 @@ void CpuBackend::dropout(const Tensor& x, double p, uint64_t seed, uint64_t offs
   dispatch_float(x.dtype(), "dropout", [&]<typename T>() {
     using A = acc_t<T>;
     const A scale = static_cast<A>(1.0 / (1.0 - p));
+    // u is a multiple of 2^-24, so u >= p iff u >= (the smallest multiple of 2^-24 that is >= p), which is
+    // exact in float; comparing in float keeps the draw loop in 32-bit lanes.
+    const float threshold = static_cast<float>(std::ceil(p * 0x1p24) * 0x1p-24);
     T* o = out.data<T>();
     const T* in = x.data<T>();
     const int64_t sx = loop.inner_strides()[1];
     loop.run([&](const std::array<int64_t, 2>& at, int64_t n) {
-      // out is contiguous, so its offset is the row-major element index.
-      for (int64_t j = 0; j < n; ++j) {
-        const uint64_t index = static_cast<uint64_t>(at[0] + j);
-        const float u = uniform_from_bits(philox4x32(offset + index, 0, seed)[0]);
-        o[at[0] + j] = static_cast<double>(u) >= p ? convert<T>(convert<A>(in[at[1] + j * sx]) * scale) : convert<T>(A(0));
+      // out is contiguous, so its offset is the row-major element index. The uniforms are drawn in blocks
+      // in a loop of their own, which the compiler vectorises (Philox is integer multiplies and xors).
+      constexpr int64_t kBlock = 256;
+      float u[kBlock];
+      for (int64_t start = 0; start < n; start += kBlock) {
+        const int64_t count = std::min(kBlock, n - start);
+        const uint64_t first = offset + static_cast<uint64_t>(at[0] + start);
+        for (int64_t k = 0; k < count; ++k) u[k] = uniform_from_bits(philox4x32(first + static_cast<uint64_t>(k), 0, seed)[0]);
+        T* ok = o + at[0] + start;
+        const T* xk = in + at[1] + start * sx;
+        if (sx == 1) {
+          for (int64_t k = 0; k < count; ++k) ok[k] = convert<T>(u[k] >= threshold ? convert<A>(xk[k]) * scale : A(0));
+        } else {
+          for (int64_t k = 0; k < count; ++k)
+            ok[k] = convert<T>(u[k] >= threshold ? convert<A>(xk[k * sx]) * scale : A(0));
+        }
       }
     }, 4096);
   });
