@@ -62,8 +62,8 @@ class Backend {
   // out[..., M, N] = a[..., M, K] @ b[..., K, N]; batch dims are already broadcast (may have stride 0).
   virtual void matmul(const Tensor& a, const Tensor& b, const Tensor& out) = 0;
 
-  // Normalisation over the last dim of x [N, C] (contiguous). mean/rstd are f32 [N]; weight/bias [C] may be
-  // undefined. rms_norm has no mean.
+  // Normalisation over the last dim of x [N, C] (contiguous). mean/rstd are f32 [N] (f64 when x is f64, so
+  // the reference dtype keeps full precision); weight/bias [C] may be undefined. rms_norm has no mean.
   virtual void layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps,
                           const Tensor& out, const Tensor& mean, const Tensor& rstd) = 0;
   // grad_weight / grad_bias may be undefined (not needed).

@@ -81,13 +81,13 @@ std::vector<Tensor> split(const Tensor& x, const std::vector<int64_t>& sizes, in
 // ---- fused normalisation (over the last dim) ----
 struct LayerNormResult {
   Tensor out;
-  Tensor mean;  // f32, x's shape without the last dim
-  Tensor rstd;  // f32, 1 / sqrt(var + eps)
+  Tensor mean;  // f32 (f64 for f64 x), x's shape without the last dim
+  Tensor rstd;  // f32 (f64 for f64 x), 1 / sqrt(var + eps)
 };
 LayerNormResult layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps = 1e-5);
 struct RMSNormResult {
   Tensor out;
-  Tensor rstd;  // f32, 1 / sqrt(mean(x^2) + eps)
+  Tensor rstd;  // f32 (f64 for f64 x), 1 / sqrt(mean(x^2) + eps)
 };
 RMSNormResult rms_norm(const Tensor& x, const Tensor& weight, double eps = 1e-6);
 

@@ -227,3 +227,275 @@ TEST(SumTo, RejectsShapesThatDoNotBroadcast) {
   EXPECT_ERROR_MENTIONS(sum_to(x, {2}), "sum_to", "f32[2,3]", "[2]");
   EXPECT_ERROR_MENTIONS(sum_to(x, {1, 2, 3}), "sum_to", "f32[2,3]", "[1,2,3]");
 }
+
+// ---- mean ----------------------------------------------------------------------------------------------
+
+// mean = sum / n: the sum's bound plus one rounding of the division (f32/f64 <= 11 ulp, 16-bit <= 1 ulp: the
+// division happens in float before the single rounding on store).
+TEST(Mean, MatchesDoubleReferenceInEveryDtype) {
+  const Shape shape = {6, 5, 48};
+  for (DType dtype : kFloatDtypes) {
+    const Tensor x = uniform_tensor(shape, 51, 0.5, 1.5, dtype);
+    for (const std::vector<int64_t>& dims : std::vector<std::vector<int64_t>>{{0, 1, 2}, {0}, {2}, {0, 2}}) {
+      std::vector<long double> reference = reference_sum(x, dims);
+      int64_t n = 1;
+      for (int64_t d : dims) n *= shape[d];
+      for (long double& v : reference) v /= n;
+      const Tensor out = mean(x, dims, true);
+      EXPECT_TRUE(within_ulp(out, as_f64_tensor(reference, keep_shape(shape, dims)), sum_ulp_bound(dtype) + 1))
+          << dtype_name(dtype) << shape_str(dims);
+    }
+  }
+  EXPECT_EQ(mean(Tensor::arange(0, 10, 1, DType::F64)).item(), 4.5);
+  EXPECT_TRUE(std::isnan(mean(Tensor::zeros({0})).item()));  // 0 / 0, as in torch
+}
+
+TEST(Mean, GradientIsOneOverNBroadcast) {
+  const Tensor x = uniform_tensor({3, 4, 5}, 52, -1, 1, DType::F64);
+  for (const std::vector<int64_t>& dims : std::vector<std::vector<int64_t>>{{}, {1}, {0, -1}})
+    for (bool keepdim : {true, false})
+      expect_gradcheck([&](const std::vector<Tensor>& in) { return mean(in[0], dims, keepdim); }, {x});
+  expect_gradcheck([](const std::vector<Tensor>& in) { return mean(in[0].transpose(0, 1), {0}); }, {x});
+}
+
+TEST(Mean, RejectsBadDims) {
+  EXPECT_ERROR_MENTIONS(mean(Tensor::zeros({2, 3}, DType::F16), {5}), "mean", "dim 5", "f16[2,3]");
+}
+
+// ---- max / min -------------------------------------------------------------------------------------------
+
+// Max and min select an input element: the result is exact in every dtype (0 ulp).
+TEST(MaxMin, SelectTheExtremeElementExactlyInEveryDtype) {
+  const Shape shape = {4, 6, 37};
+  for (DType dtype : kFloatDtypes) {
+    const Tensor x = uniform_tensor(shape, 61, -5, 5, dtype);
+    const std::vector<double> values = x.to_vector<double>();
+    for (const std::vector<int64_t>& dims : std::vector<std::vector<int64_t>>{{0, 1, 2}, {0}, {1}, {2}, {0, 2}}) {
+      const auto greater = [](long double a, long double v) { return v > a ? v : a; };
+      const auto smaller = [](long double a, long double v) { return v < a ? v : a; };
+      const long double inf = std::numeric_limits<long double>::infinity();
+      const Shape kept = keep_shape(shape, dims);
+      EXPECT_TRUE(within_ulp(max(x, dims, true), as_f64_tensor(reference_reduce(values, shape, dims, -inf, greater), kept), 0))
+          << dtype_name(dtype) << shape_str(dims);
+      EXPECT_TRUE(within_ulp(min(x, dims, true), as_f64_tensor(reference_reduce(values, shape, dims, inf, smaller), kept), 0))
+          << dtype_name(dtype) << shape_str(dims);
+    }
+  }
+}
+
+TEST(MaxMin, PropagateNaNAndHandleInfinities) {
+  const double nan = std::numeric_limits<double>::quiet_NaN(), inf = std::numeric_limits<double>::infinity();
+  const Tensor x = Tensor::from_vector(std::vector<double>{1, nan, 3, -inf, -inf, -inf, 2, inf, 0}, {3, 3}, DType::F32);
+  const std::vector<double> largest = max(x, {1}).to_vector<double>(), smallest = min(x, {1}).to_vector<double>();
+  EXPECT_TRUE(std::isnan(largest[0]));
+  EXPECT_TRUE(std::isnan(smallest[0]));
+  EXPECT_EQ(largest[1], -inf);
+  EXPECT_EQ(largest[2], inf);
+  EXPECT_EQ(smallest[2], 0);
+}
+
+TEST(MaxMin, GradientGoesToTheExtremeElement) {
+  const Tensor x = uniform_tensor({3, 4, 5}, 62, -1, 1, DType::F64);  // distinct values
+  for (const std::vector<int64_t>& dims : std::vector<std::vector<int64_t>>{{}, {0}, {2}, {0, 2}})
+    for (bool keepdim : {true, false}) {
+      expect_gradcheck([&](const std::vector<Tensor>& in) { return max(in[0], dims, keepdim); }, {x});
+      expect_gradcheck([&](const std::vector<Tensor>& in) { return min(in[0], dims, keepdim); }, {x});
+    }
+}
+
+TEST(MaxMin, GradientIsSplitEvenlyAmongTies) {
+  // Two tied maxima: the central difference at a tie is (1 + 0) / 2, which is the even split, so gradcheck
+  // applies. Rows: a pair tied at the max, a pair tied at the min, and no ties.
+  const Tensor pairs = Tensor::from_vector(std::vector<double>{3, 1, 3, 2, 0, 5, 0, 4, 1, 2, 3, 4}, {3, 4});
+  expect_gradcheck([](const std::vector<Tensor>& in) { return max(in[0], {1}); }, {pairs});
+  expect_gradcheck([](const std::vector<Tensor>& in) { return min(in[0], {1}); }, {pairs});
+  // Three ties each get a third (torch.amax semantics).
+  Tensor x = Tensor::from_vector(std::vector<double>{2, 7, 7, 1, 7}, {5}).requires_grad_();
+  backward(max(x));
+  EXPECT_TRUE(all_close(x.grad(), Tensor::from_vector(std::vector<double>{0, 1. / 3, 1. / 3, 0, 1. / 3}, {5}), 1e-15, 0));
+}
+
+TEST(MaxMin, RejectEmptyReductionsAndBadDims) {
+  EXPECT_ERROR_MENTIONS(max(Tensor::zeros({2, 0}), {1}), "max", "empty", "f32[2,0]");
+  EXPECT_ERROR_MENTIONS(min(Tensor::zeros({2, 3}), {0, 3}), "min", "dim 3", "f32[2,3]");
+}
+
+// ---- var -------------------------------------------------------------------------------------------------
+
+std::vector<long double> reference_var(const Tensor& x, const std::vector<int64_t>& dims, int64_t correction) {
+  const std::vector<double> values = x.to_vector<double>();
+  std::vector<long double> means = reference_sum(x, dims);
+  int64_t n = 1;
+  for (int64_t d : dims) n *= x.shape()[d];
+  for (long double& m : means) m /= n;
+  // Squared deviations from each output's mean: reduce (x - mean[o])^2 with the same index mapping.
+  const Shape kept = keep_shape(x.shape(), dims);
+  const Strides kept_strides = contiguous_strides(kept);
+  std::vector<long double> squares(means.size(), 0);
+  for (int64_t i = 0; i < x.numel(); ++i) {
+    int64_t rest = i, o = 0;
+    for (int64_t d = x.dim() - 1; d >= 0; --d) {
+      if (kept[d] != 1) o += (rest % x.shape()[d]) * kept_strides[d];
+      rest /= x.shape()[d];
+    }
+    squares[o] += (values[i] - means[o]) * (values[i] - means[o]);
+  }
+  for (long double& s : squares) s /= (n - correction);
+  return squares;
+}
+
+// Two-pass variance of values with mean ~3 and spread ~1 (no catastrophic cancellation): the squares sum
+// like the sums above (<= 10 ulp in f32/f64, dominated by the chunked accumulation of 40-element outputs),
+// plus the effect of the float mean's error, which is second order; 16-bit results <= 1 ulp after one rounding.
+TEST(Var, MatchesTwoPassDoubleReferenceInEveryDtype) {
+  const Shape shape = {5, 8, 40};
+  for (DType dtype : kFloatDtypes) {
+    const Tensor x = uniform_tensor(shape, 71, 2, 4, dtype);
+    for (const std::vector<int64_t>& dims : std::vector<std::vector<int64_t>>{{0, 1, 2}, {0}, {2}, {0, 2}})
+      for (int64_t correction : {0, 1, 2}) {
+        const Tensor out = var(x, dims, correction, true);
+        EXPECT_TRUE(within_ulp(out, as_f64_tensor(reference_var(x, dims, correction), keep_shape(shape, dims)),
+                               sum_ulp_bound(dtype) + 2))
+            << dtype_name(dtype) << shape_str(dims) << " correction " << correction;
+      }
+  }
+}
+
+TEST(Var, LargeMeanDoesNotCancel) {
+  // Values 1e6 + {0, 1, 2, 3}: E[x^2] - E[x]^2 would lose everything in f32; the two-pass result is exact.
+  const Tensor x = Tensor::from_vector(std::vector<double>{1e6, 1e6 + 1, 1e6 + 2, 1e6 + 3}, {4}, DType::F32);
+  EXPECT_EQ(var(x, {}, 0).item(), 1.25);
+  EXPECT_EQ(var(x).item(), static_cast<double>(static_cast<float>(5.0 / 3.0)));  // 5 / (4 - 1), rounded once
+}
+
+TEST(Var, GradientIsTwiceTheDeviationOverNMinusCorrection) {
+  const Tensor x = uniform_tensor({3, 4, 5}, 72, -1, 1, DType::F64);
+  for (const std::vector<int64_t>& dims : std::vector<std::vector<int64_t>>{{}, {1}, {0, 2}})
+    for (int64_t correction : {0, 1})
+      for (bool keepdim : {true, false})
+        expect_gradcheck([&](const std::vector<Tensor>& in) { return var(in[0], dims, correction, keepdim); }, {x});
+}
+
+TEST(Var, RejectsNegativeCorrectionAndBadDims) {
+  EXPECT_ERROR_MENTIONS(var(Tensor::zeros({2, 3}), {1}, -1), "var", "correction", "f32[2,3]");
+  EXPECT_ERROR_MENTIONS(var(Tensor::zeros({2, 3}), {2}), "var", "dim 2", "f32[2,3]");
+}
+
+// ---- softmax / log_softmax -------------------------------------------------------------------------------
+
+// Reference along `dim` of row-major values, in long double: softmax_j = exp(x_j - m) / sum_k exp(x_k - m).
+std::vector<double> reference_softmax(const Tensor& x, int64_t dim, bool log) {
+  const std::vector<double> values = x.to_vector<double>();
+  std::vector<double> out(values.size());
+  const int64_t n = x.shape()[dim];
+  int64_t inner = 1;
+  for (int64_t d = dim + 1; d < x.dim(); ++d) inner *= x.shape()[d];
+  const int64_t outer = x.numel() / (n * inner);
+  for (int64_t o = 0; o < outer; ++o)
+    for (int64_t i = 0; i < inner; ++i) {
+      auto at = [&](int64_t j) { return static_cast<size_t>((o * n + j) * inner + i); };
+      long double m = -std::numeric_limits<long double>::infinity(), total = 0;
+      for (int64_t j = 0; j < n; ++j) m = std::max<long double>(m, values[at(j)]);
+      for (int64_t j = 0; j < n; ++j) total += std::exp(static_cast<long double>(values[at(j)]) - m);
+      for (int64_t j = 0; j < n; ++j) {
+        const long double shifted = values[at(j)] - m;
+        out[at(j)] = static_cast<double>(log ? shifted - std::log(total) : std::exp(shifted) / total);
+      }
+    }
+  return out;
+}
+
+// Bounds, for inputs in [-6, 6) so that |x - max| <= 12 (u = 2^-24 in f32, 2^-53 in f64):
+// - every exp(x_j - m) inherits the rounding of x_j - m: a relative error of up to |x_j - m| u/2 = 6u. exp
+//   itself, the row sum (the 1 kept apart) and the final division or log1p add ~3u more. A relative error
+//   of 9u is up to 18 ulp for a value at the bottom of its binade: bound 20 ulp for softmax and log_softmax
+//   (log_softmax = (x - m) - log1p(rest) subtracts values of one sign, so nothing cancels).
+// - 16-bit: the float result is within ~9 * 2^-24 relative of exact, far below half an ulp: <= 1 ulp.
+double softmax_ulp_bound(DType dtype) { return is_low_precision(dtype) ? 1 : 20; }
+
+TEST(Softmax, MatchesDoubleReferenceOverEveryDimInEveryDtype) {
+  const Shape shape = {3, 17, 40};
+  for (DType dtype : kFloatDtypes) {
+    const Tensor x = uniform_tensor(shape, 81, -6, 6, dtype);
+    for (int64_t dim : {0, 1, 2, -1}) {
+      const int64_t d = dim < 0 ? dim + 3 : dim;
+      const Tensor y = softmax(x, dim), log_y = log_softmax(x, dim);
+      EXPECT_EQ(y.dtype(), dtype);
+      EXPECT_TRUE(within_ulp(y, Tensor::from_vector(reference_softmax(x, d, false), shape, DType::F64),
+                             softmax_ulp_bound(dtype))) << dtype_name(dtype) << " dim " << dim;
+      EXPECT_TRUE(within_ulp(log_y, Tensor::from_vector(reference_softmax(x, d, true), shape, DType::F64),
+                             softmax_ulp_bound(dtype))) << dtype_name(dtype) << " log, dim " << dim;
+    }
+  }
+}
+
+TEST(Softmax, RowsSumToOneAndLargeInputsDoNotOverflow) {
+  // exp(1000) overflows even f64; subtracting the row max keeps every exponent <= 0.
+  const Tensor x = Tensor::from_vector(std::vector<double>{1000, 1001, 1002, -1000, 0, 1000}, {2, 3}, DType::F32);
+  const std::vector<double> y = softmax(x, 1).to_vector<double>();
+  for (double v : y) EXPECT_TRUE(std::isfinite(v));
+  EXPECT_NEAR(y[0] + y[1] + y[2], 1.0, 1e-6);
+  EXPECT_NEAR(y[5], 1.0, 1e-6);
+  EXPECT_NEAR(log_softmax(x, 1).to_vector<double>()[3], -2000.0, 1e-3);
+  // A masked (-inf) entry gets exactly zero probability.
+  const double inf = std::numeric_limits<double>::infinity();
+  const std::vector<double> masked =
+      softmax(Tensor::from_vector(std::vector<double>{0, -inf, 0}, {3}, DType::BF16), 0).to_vector<double>();
+  EXPECT_EQ(masked, (std::vector<double>{0.5, 0, 0.5}));
+}
+
+TEST(Softmax, NonContiguousInput) {
+  const Tensor base = uniform_tensor({5, 4, 6}, 82, -3, 3, DType::F64);
+  const Tensor x = base.permute({2, 0, 1});  // [6, 5, 4], strided
+  for (int64_t dim : {0, 1, 2}) {
+    const Tensor reference = Tensor::from_vector(reference_softmax(x.contiguous(), dim, false), x.shape(), DType::F64);
+    EXPECT_TRUE(all_close(softmax(x, dim), reference, 1e-15, 1e-14)) << dim;
+  }
+}
+
+TEST(Softmax, GradientsMatchFiniteDifferences) {
+  const Tensor x = uniform_tensor({2, 5, 3}, 83, -2, 2, DType::F64);
+  for (int64_t dim : {1, -1, 0}) {
+    expect_gradcheck([&](const std::vector<Tensor>& in) { return softmax(in[0], dim); }, {x});
+    expect_gradcheck([&](const std::vector<Tensor>& in) { return log_softmax(in[0], dim); }, {x});
+  }
+  expect_gradcheck([](const std::vector<Tensor>& in) { return softmax(in[0].transpose(0, 2), 1); }, {x});
+  expect_gradcheck([](const std::vector<Tensor>& in) { return log_softmax(in[0].transpose(0, 1), 1); }, {x});
+}
+
+TEST(Softmax, BackwardKernelMatchesTheJacobianInLowPrecision) {
+  // softmax: dx_j = y_j (g_j - sum_k g_k y_k); log_softmax: dx_j = g_j - exp(y_j) sum_k g_k; computed here
+  // in double from the 16-bit y and g the kernel sees. Results of size ~1 that may cancel: absolute bound
+  // of one ulp at 1 (f16 2^-10, bf16 2^-7) plus float error.
+  for (DType dtype : {DType::F32, DType::F16, DType::BF16}) {
+    for (bool log : {false, true}) {
+      Tensor x = uniform_tensor({4, 33}, 84, -3, 3, dtype).requires_grad_();
+      const Tensor g = uniform_tensor({4, 33}, 85, -1, 1, dtype);
+      const Tensor y = log ? log_softmax(x, 1) : softmax(x, 1);
+      backward({y}, {g});
+      const std::vector<double> yv = y.to_vector<double>(), gv = g.to_vector<double>();
+      std::vector<double> expected(yv.size());
+      for (int64_t r = 0; r < 4; ++r) {
+        long double dot = 0, total = 0;
+        for (int64_t j = 0; j < 33; ++j) {
+          dot += static_cast<long double>(gv[r * 33 + j]) * yv[r * 33 + j];
+          total += gv[r * 33 + j];
+        }
+        for (int64_t j = 0; j < 33; ++j) {
+          const size_t i = static_cast<size_t>(r * 33 + j);
+          expected[i] = static_cast<double>(log ? gv[i] - std::exp(static_cast<long double>(yv[i])) * total
+                                                : yv[i] * (gv[i] - dot));
+        }
+      }
+      const double tolerance = dtype == DType::F32 ? 1e-6 : dtype == DType::F16 ? 1e-3 : 8e-3;
+      EXPECT_TRUE(all_close(x.grad(), Tensor::from_vector(expected, {4, 33}, DType::F64), tolerance, tolerance))
+          << dtype_name(dtype) << (log ? " log" : "");
+    }
+  }
+}
+
+TEST(Softmax, RejectsBadDimAndIntegerInput) {
+  EXPECT_ERROR_MENTIONS(softmax(Tensor::zeros({2, 3}), 2), "softmax", "dim 2", "f32[2,3]");
+  EXPECT_ERROR_MENTIONS(log_softmax(Tensor::zeros({2, 3}), -3), "log_softmax", "dim -3", "f32[2,3]");
+  EXPECT_ERROR_MENTIONS(softmax(Tensor::zeros({2}, DType::I32), 0), "softmax", "i32[2]");
+}

@@ -1,13 +1,378 @@
-// PLACEHOLDER: replaced by the real kernels; every function throws until then.
-#pragma GCC diagnostic ignored "-Wunused-parameter"
+// Fused layer_norm / rms_norm (forward and backward) and dropout on the CPU.
+//
+// The norms take x as [N, C] contiguous rows (the front end makes it so). Forward works one row at a time:
+// the statistics need two reads of the row and the output one more, but a row (C * 4 bytes, a few KiB) stays
+// in L1/L2 between them, so memory sees x read once and out written once. Rows are split across threads.
+// Backward computes grad_x row by row and accumulates grad_weight / grad_bias over rows into partial sums,
+// one per fixed block of rows, combined in a fixed order at the end: the result is bitwise the same for any
+// thread count. f16/bf16 compute in float, f64 in double; mean and rstd are stored in f32 (f64 for f64).
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
 #include "tensor/cpu/cpu_backend.h"
+#include "tensor/cpu/strided.h"
+#include "tensor/random.h"
 
 namespace mixtape::cpu {
 
-void CpuBackend::layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps, const Tensor& out, const Tensor& mean, const Tensor& rstd) { not_supported("cpu layer_norm (placeholder)"); }
-void CpuBackend::layer_norm_backward(const Tensor& grad_out, const Tensor& x, const Tensor& weight, const Tensor& mean, const Tensor& rstd, const Tensor& grad_x, const Tensor& grad_weight, const Tensor& grad_bias) { not_supported("cpu layer_norm_backward (placeholder)"); }
-void CpuBackend::rms_norm(const Tensor& x, const Tensor& weight, double eps, const Tensor& out, const Tensor& rstd) { not_supported("cpu rms_norm (placeholder)"); }
-void CpuBackend::rms_norm_backward(const Tensor& grad_out, const Tensor& x, const Tensor& weight, const Tensor& rstd, const Tensor& grad_x, const Tensor& grad_weight) { not_supported("cpu rms_norm_backward (placeholder)"); }
-void CpuBackend::dropout(const Tensor& x, double p, uint64_t seed, uint64_t offset, const Tensor& out) { not_supported("cpu dropout (placeholder)"); }
+namespace {
+
+constexpr int64_t kLanes = 16;  // independent accumulators: vectorisable, and shorter rounding chains
+
+// sum_{j < n} term(j), with kLanes independent partial sums combined at the end.
+template <class A, class Term>
+inline A lane_sum(int64_t n, Term&& term) {
+  A lanes[kLanes] = {};
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes)
+    for (int64_t l = 0; l < kLanes; ++l) lanes[l] += term(j + l);
+  A tail = 0;
+  for (; j < n; ++j) tail += term(j);
+  for (int64_t width = kLanes / 2; width > 0; width /= 2)
+    for (int64_t l = 0; l < width; ++l) lanes[l] += lanes[l + width];
+  return lanes[0] + tail;
+}
+
+// Two sums over the same j in one pass: {sum_j first(j), sum_j second(j)}.
+template <class A, class Term>
+inline std::pair<A, A> lane_sum2(int64_t n, Term&& term) {
+  A lanes_a[kLanes] = {}, lanes_b[kLanes] = {};
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes)
+    for (int64_t l = 0; l < kLanes; ++l) {
+      const auto [a, b] = term(j + l);
+      lanes_a[l] += a;
+      lanes_b[l] += b;
+    }
+  A tail_a = 0, tail_b = 0;
+  for (; j < n; ++j) {
+    const auto [a, b] = term(j);
+    tail_a += a;
+    tail_b += b;
+  }
+  for (int64_t width = kLanes / 2; width > 0; width /= 2)
+    for (int64_t l = 0; l < width; ++l) {
+      lanes_a[l] += lanes_a[l + width];
+      lanes_b[l] += lanes_b[l + width];
+    }
+  return {lanes_a[0] + tail_a, lanes_b[0] + tail_b};
+}
+
+// The weight in the accumulation type, 1 where there is none: converted once per call, so the row loops
+// below have no branch and no 16-bit conversion of w.
+template <class T, class A = acc_t<T>>
+std::vector<A> weight_values(const Tensor& weight, int64_t C) {
+  std::vector<A> values(static_cast<size_t>(C), A(1));
+  if (weight.defined()) {
+    const T* w = weight.data<T>();
+    for (int64_t j = 0; j < C; ++j) values[j] = convert<A>(w[j]);
+  }
+  return values;
+}
+
+// The last pass of the backward over one row: writes dx (when wanted) and accumulates this row's share of
+// dw (and db). The pointers never overlap (restrict), which lets the loop vectorise.
+//   dx_j = rstd * (w_j g_j - mean(dnorm) - norm_j * mean(dnorm * norm)),  dw_j += g_j norm_j,  db_j += g_j
+template <class T, class A>
+inline void layer_norm_backward_row(const T* __restrict x, const T* __restrict g, const A* __restrict w, A mean,
+                                    A rstd, A dnorm_mean, A dnorm_norm_mean, T* __restrict dx, A* __restrict dw,
+                                    A* __restrict db, int64_t C) {
+  if (dx) {
+    for (int64_t j = 0; j < C; ++j) {
+      const A gj = convert<A>(g[j]), norm = (convert<A>(x[j]) - mean) * rstd;
+      dx[j] = convert<T>(rstd * (w[j] * gj - dnorm_mean - norm * dnorm_norm_mean));
+      dw[j] += gj * norm;
+      db[j] += gj;
+    }
+  } else {
+    for (int64_t j = 0; j < C; ++j) {
+      const A gj = convert<A>(g[j]);
+      dw[j] += gj * ((convert<A>(x[j]) - mean) * rstd);
+      db[j] += gj;
+    }
+  }
+}
+
+//   dx_j = rstd * (w_j g_j - norm_j * mean(dnorm * norm)),  dw_j += g_j norm_j
+template <class T, class A>
+inline void rms_norm_backward_row(const T* __restrict x, const T* __restrict g, const A* __restrict w, A rstd,
+                                  A dnorm_norm_mean, T* __restrict dx, A* __restrict dw, int64_t C) {
+  if (dx) {
+    for (int64_t j = 0; j < C; ++j) {
+      const A gj = convert<A>(g[j]), norm = convert<A>(x[j]) * rstd;
+      dx[j] = convert<T>(rstd * (w[j] * gj - norm * dnorm_norm_mean));
+      dw[j] += gj * norm;
+    }
+  } else {
+    for (int64_t j = 0; j < C; ++j) dw[j] += convert<A>(g[j]) * (convert<A>(x[j]) * rstd);
+  }
+}
+
+// Rows of a backward pass are grouped into at most kMaxRowBlocks blocks whose size depends only on N; each
+// block accumulates its own grad_weight / grad_bias partial, so the combination order never depends on the
+// thread count.
+constexpr int64_t kMaxRowBlocks = 64;
+inline int64_t rows_per_block(int64_t N) { return std::max<int64_t>(16, (N + kMaxRowBlocks - 1) / kMaxRowBlocks); }
+
+// mean / rstd are stored in f32, or in f64 for f64 inputs (the reference dtype keeps full precision). Either
+// way it is the accumulation type acc_t<T>.
+inline DType stats_dtype(DType x) { return x == DType::F64 ? DType::F64 : DType::F32; }
+
+inline bool parallel_rows(int64_t N, int64_t C) { return N > 1 && N * C >= 2 * kParallelGrain; }
+
+void check_rows(const char* op, const char* name, const Tensor& t, int64_t N, int64_t C, DType dtype) {
+  check(t.defined() && t.dim() == 2 && t.shape()[0] == N && t.shape()[1] == C && t.is_contiguous() &&
+            t.dtype() == dtype,
+        op, ": ", name, " must be contiguous ", dtype_name(dtype), "[", N, ",", C, "], got ", t.description());
+}
+
+void check_vector(const char* op, const char* name, const Tensor& t, int64_t n, DType dtype) {
+  if (!t.defined()) return;
+  check(t.dim() == 1 && t.shape()[0] == n && t.is_contiguous() && t.dtype() == dtype, op, ": ", name,
+        " must be contiguous ", dtype_name(dtype), "[", n, "], got ", t.description());
+}
+
+template <class T>
+const T* data_or_null(const Tensor& t) { return t.defined() ? t.data<T>() : nullptr; }
+
+// Sums the per-block partials [blocks, C] into dest[C], pairwise over blocks (a tree of whole rows, so the
+// inner loop runs along C), rounding once. Overwrites `partial`.
+template <class T, class A>
+void combine_partials(std::vector<A>& partial, int64_t blocks, int64_t C, T* dest) {
+  for (int64_t width = 1; width < blocks; width *= 2)
+    for (int64_t b = 0; b + width < blocks; b += 2 * width) {
+      A* into = partial.data() + b * C;
+      const A* from = partial.data() + (b + width) * C;
+      for (int64_t c = 0; c < C; ++c) into[c] += from[c];
+    }
+  for (int64_t c = 0; c < C; ++c) dest[c] = convert<T>(blocks > 0 ? partial[c] : A(0));
+}
+
+}  // namespace
+
+// ---- layer_norm ------------------------------------------------------------------------------------------
+
+void CpuBackend::layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps,
+                            const Tensor& out, const Tensor& mean, const Tensor& rstd) {
+  check(x.dim() == 2, "layer_norm: x must be [N, C], got ", x.description());
+  const int64_t N = x.shape()[0], C = x.shape()[1];
+  check_rows("layer_norm", "x", x, N, C, x.dtype());
+  check_rows("layer_norm", "out", out, N, C, x.dtype());
+  check_vector("layer_norm", "weight", weight, C, x.dtype());
+  check_vector("layer_norm", "bias", bias, C, x.dtype());
+  check_vector("layer_norm", "mean", mean, N, stats_dtype(x.dtype()));
+  check_vector("layer_norm", "rstd", rstd, N, stats_dtype(x.dtype()));
+  dispatch_float(x.dtype(), "layer_norm", [&]<typename T>() {
+    using A = acc_t<T>;
+    const T* xp = x.data<T>();
+    const T* w = data_or_null<T>(weight);
+    const T* b = data_or_null<T>(bias);
+    T* op = out.data<T>();
+    A* mean_out = mean.defined() ? mean.data<A>() : nullptr;
+    A* rstd_out = rstd.defined() ? rstd.data<A>() : nullptr;
+    const A inv_C = A(1) / static_cast<A>(C);
+#pragma omp parallel for schedule(static) if (parallel_rows(N, C))
+    for (int64_t i = 0; i < N; ++i) {
+      const T* xi = xp + i * C;
+      T* oi = op + i * C;
+      // The statistics of the row shifted by its first element: x_j - x_0 is exact for the nearby values
+      // that make a large mean, so neither the mean nor the variance loses digits when |mean| >> std.
+      //   mean = x_0 + dm,  dm = 1/C sum_j (x_j - x_0);  var = 1/C sum_j (x_j - x_0 - dm)^2  (two passes)
+      const A shift = C > 0 ? convert<A>(xi[0]) : A(0);
+      const A dm = lane_sum<A>(C, [&](int64_t j) { return convert<A>(xi[j]) - shift; }) * inv_C;
+      const A v = lane_sum<A>(C, [&](int64_t j) {
+        const A d = (convert<A>(xi[j]) - shift) - dm;
+        return d * d;
+      }) * inv_C;
+      // rstd = 1 / sqrt(var + eps);  out_j = (x_j - mean) * rstd * w_j + b_j
+      const A s = A(1) / std::sqrt(v + static_cast<A>(eps));
+      auto normalized = [&](int64_t j) { return ((convert<A>(xi[j]) - shift) - dm) * s; };
+      if (w && b) {
+        for (int64_t j = 0; j < C; ++j) oi[j] = convert<T>(normalized(j) * convert<A>(w[j]) + convert<A>(b[j]));
+      } else if (w) {
+        for (int64_t j = 0; j < C; ++j) oi[j] = convert<T>(normalized(j) * convert<A>(w[j]));
+      } else if (b) {
+        for (int64_t j = 0; j < C; ++j) oi[j] = convert<T>(normalized(j) + convert<A>(b[j]));
+      } else {
+        for (int64_t j = 0; j < C; ++j) oi[j] = convert<T>(normalized(j));
+      }
+      if (mean_out) mean_out[i] = shift + dm;
+      if (rstd_out) rstd_out[i] = s;
+    }
+  });
+}
+
+void CpuBackend::layer_norm_backward(const Tensor& grad_out, const Tensor& x, const Tensor& weight,
+                                     const Tensor& mean, const Tensor& rstd, const Tensor& grad_x,
+                                     const Tensor& grad_weight, const Tensor& grad_bias) {
+  check(x.dim() == 2, "layer_norm_backward: x must be [N, C], got ", x.description());
+  const int64_t N = x.shape()[0], C = x.shape()[1];
+  check_rows("layer_norm_backward", "x", x, N, C, x.dtype());
+  check_rows("layer_norm_backward", "grad_out", grad_out, N, C, x.dtype());
+  check_vector("layer_norm_backward", "weight", weight, C, x.dtype());
+  check_vector("layer_norm_backward", "mean", mean, N, stats_dtype(x.dtype()));
+  check_vector("layer_norm_backward", "rstd", rstd, N, stats_dtype(x.dtype()));
+  if (grad_x.defined()) check_rows("layer_norm_backward", "grad_x", grad_x, N, C, x.dtype());
+  check_vector("layer_norm_backward", "grad_weight", grad_weight, C, x.dtype());
+  check_vector("layer_norm_backward", "grad_bias", grad_bias, C, x.dtype());
+  dispatch_float(x.dtype(), "layer_norm_backward", [&]<typename T>() {
+    using A = acc_t<T>;
+    const T* xp = x.data<T>();
+    const T* gp = grad_out.data<T>();
+    const std::vector<A> w = weight_values<T>(weight, C);
+    const A* mp = mean.data<A>();
+    const A* sp = rstd.data<A>();
+    T* dxp = grad_x.defined() ? grad_x.data<T>() : nullptr;
+    const bool want_w = grad_weight.defined(), want_b = grad_bias.defined();
+    const int64_t block_rows = rows_per_block(N);
+    const int64_t blocks = (N + block_rows - 1) / block_rows;
+    std::vector<A> partial_w(static_cast<size_t>(blocks * C)), partial_b(static_cast<size_t>(blocks * C));
+    const A inv_C = A(1) / static_cast<A>(C);
+#pragma omp parallel for schedule(static) if (parallel_rows(N, C))
+    for (int64_t block = 0; block < blocks; ++block) {
+      A* dw = partial_w.data() + block * C;
+      A* db = partial_b.data() + block * C;
+      for (int64_t i = block * block_rows; i < std::min(N, (block + 1) * block_rows); ++i) {
+        const T* xi = xp + i * C;
+        const T* gi = gp + i * C;
+        const A m = mp[i], s = sp[i];
+        // norm_j = (x_j - mean) * rstd;  dnorm_j = w_j * dout_j
+        // dx_j = rstd * (dnorm_j - mean_k(dnorm_k) - norm_j * mean_k(dnorm_k * norm_k))
+        const auto [dnorm_sum, dnorm_norm_sum] = lane_sum2<A>(C, [&](int64_t j) {
+          const A norm = (convert<A>(xi[j]) - m) * s, dnorm = w[j] * convert<A>(gi[j]);
+          return std::pair<A, A>{dnorm, dnorm * norm};
+        });
+        const A dnorm_mean = dnorm_sum * inv_C, dnorm_norm_mean = dnorm_norm_sum * inv_C;
+        // One more pass writes dx and accumulates dw, db.
+        layer_norm_backward_row(xi, gi, w.data(), m, s, dnorm_mean, dnorm_norm_mean, dxp ? dxp + i * C : nullptr,
+                                dw, db, C);
+      }
+    }
+    if (want_w) combine_partials<T, A>(partial_w, blocks, C, grad_weight.data<T>());
+    if (want_b) combine_partials<T, A>(partial_b, blocks, C, grad_bias.data<T>());
+  });
+}
+
+// ---- rms_norm --------------------------------------------------------------------------------------------
+
+void CpuBackend::rms_norm(const Tensor& x, const Tensor& weight, double eps, const Tensor& out,
+                          const Tensor& rstd) {
+  check(x.dim() == 2, "rms_norm: x must be [N, C], got ", x.description());
+  const int64_t N = x.shape()[0], C = x.shape()[1];
+  check_rows("rms_norm", "x", x, N, C, x.dtype());
+  check_rows("rms_norm", "out", out, N, C, x.dtype());
+  check_vector("rms_norm", "weight", weight, C, x.dtype());
+  check_vector("rms_norm", "rstd", rstd, N, stats_dtype(x.dtype()));
+  dispatch_float(x.dtype(), "rms_norm", [&]<typename T>() {
+    using A = acc_t<T>;
+    const T* xp = x.data<T>();
+    const T* w = data_or_null<T>(weight);
+    T* op = out.data<T>();
+    A* rstd_out = rstd.defined() ? rstd.data<A>() : nullptr;
+    const A inv_C = A(1) / static_cast<A>(C);
+#pragma omp parallel for schedule(static) if (parallel_rows(N, C))
+    for (int64_t i = 0; i < N; ++i) {
+      const T* xi = xp + i * C;
+      T* oi = op + i * C;
+      // rstd = 1 / sqrt(1/C sum_j x_j^2 + eps);  out_j = x_j * rstd * w_j
+      const A ms = lane_sum<A>(C, [&](int64_t j) {
+        const A v = convert<A>(xi[j]);
+        return v * v;
+      }) * inv_C;
+      const A s = A(1) / std::sqrt(ms + static_cast<A>(eps));
+      if (w) {
+        for (int64_t j = 0; j < C; ++j) oi[j] = convert<T>(convert<A>(xi[j]) * s * convert<A>(w[j]));
+      } else {
+        for (int64_t j = 0; j < C; ++j) oi[j] = convert<T>(convert<A>(xi[j]) * s);
+      }
+      if (rstd_out) rstd_out[i] = s;
+    }
+  });
+}
+
+void CpuBackend::rms_norm_backward(const Tensor& grad_out, const Tensor& x, const Tensor& weight,
+                                   const Tensor& rstd, const Tensor& grad_x, const Tensor& grad_weight) {
+  check(x.dim() == 2, "rms_norm_backward: x must be [N, C], got ", x.description());
+  const int64_t N = x.shape()[0], C = x.shape()[1];
+  check_rows("rms_norm_backward", "x", x, N, C, x.dtype());
+  check_rows("rms_norm_backward", "grad_out", grad_out, N, C, x.dtype());
+  check_vector("rms_norm_backward", "weight", weight, C, x.dtype());
+  check_vector("rms_norm_backward", "rstd", rstd, N, stats_dtype(x.dtype()));
+  if (grad_x.defined()) check_rows("rms_norm_backward", "grad_x", grad_x, N, C, x.dtype());
+  check_vector("rms_norm_backward", "grad_weight", grad_weight, C, x.dtype());
+  dispatch_float(x.dtype(), "rms_norm_backward", [&]<typename T>() {
+    using A = acc_t<T>;
+    const T* xp = x.data<T>();
+    const T* gp = grad_out.data<T>();
+    const std::vector<A> w = weight_values<T>(weight, C);
+    const A* sp = rstd.data<A>();
+    T* dxp = grad_x.defined() ? grad_x.data<T>() : nullptr;
+    const bool want_w = grad_weight.defined();
+    const int64_t block_rows = rows_per_block(N);
+    const int64_t blocks = (N + block_rows - 1) / block_rows;
+    std::vector<A> partial_w(static_cast<size_t>(blocks * C));
+    const A inv_C = A(1) / static_cast<A>(C);
+#pragma omp parallel for schedule(static) if (parallel_rows(N, C))
+    for (int64_t block = 0; block < blocks; ++block) {
+      A* dw = partial_w.data() + block * C;
+      for (int64_t i = block * block_rows; i < std::min(N, (block + 1) * block_rows); ++i) {
+        const T* xi = xp + i * C;
+        const T* gi = gp + i * C;
+        const A s = sp[i];
+        // norm_j = x_j * rstd;  dnorm_j = w_j * dout_j;  d rstd / dx_j = -rstd^3 x_j / C, so
+        // dx_j = rstd * (dnorm_j - norm_j * mean_k(dnorm_k * norm_k))
+        const A dnorm_norm_mean =
+            lane_sum<A>(C, [&](int64_t j) { return w[j] * convert<A>(gi[j]) * (convert<A>(xi[j]) * s); }) * inv_C;
+        // One more pass writes dx and accumulates dw.
+        rms_norm_backward_row(xi, gi, w.data(), s, dnorm_norm_mean, dxp ? dxp + i * C : nullptr, dw, C);
+      }
+    }
+    if (want_w) combine_partials<T, A>(partial_w, blocks, C, grad_weight.data<T>());
+  });
+}
+
+// ---- dropout ---------------------------------------------------------------------------------------------
+
+void CpuBackend::dropout(const Tensor& x, double p, uint64_t seed, uint64_t offset, const Tensor& out) {
+  check(x.shape() == out.shape() && x.dtype() == out.dtype() && out.is_contiguous(), "dropout: output ",
+        out.description(), " must be contiguous with the shape and dtype of ", x.description());
+  check(p >= 0 && p < 1, "dropout: p must be in [0, 1), got ", p);
+  // Element i (row-major index) is kept iff u_i >= p with u_i = uniform(philox(offset + i, key = seed)[0]);
+  // kept elements are scaled by 1 / (1 - p) so the expectation is unchanged. The draw depends only on
+  // (seed, offset + i): the same on any thread count, and backward recomputes the same mask.
+  const StridedLoop<2> loop(out.shape(), {out.strides(), x.strides()});
+  dispatch_float(x.dtype(), "dropout", [&]<typename T>() {
+    using A = acc_t<T>;
+    const A scale = static_cast<A>(1.0 / (1.0 - p));
+    // u is a multiple of 2^-24, so u >= p iff u >= (the smallest multiple of 2^-24 that is >= p), which is
+    // exact in float; comparing in float keeps the draw loop in 32-bit lanes.
+    const float threshold = static_cast<float>(std::ceil(p * 0x1p24) * 0x1p-24);
+    T* o = out.data<T>();
+    const T* in = x.data<T>();
+    const int64_t sx = loop.inner_strides()[1];
+    loop.run([&](const std::array<int64_t, 2>& at, int64_t n) {
+      // out is contiguous, so its offset is the row-major element index. The uniforms are drawn in blocks
+      // in a loop of their own, which the compiler vectorises (Philox is integer multiplies and xors).
+      constexpr int64_t kBlock = 256;
+      float u[kBlock];
+      for (int64_t start = 0; start < n; start += kBlock) {
+        const int64_t count = std::min(kBlock, n - start);
+        const uint64_t first = offset + static_cast<uint64_t>(at[0] + start);
+        for (int64_t k = 0; k < count; ++k) u[k] = uniform_from_bits(philox4x32(first + static_cast<uint64_t>(k), 0, seed)[0]);
+        T* ok = o + at[0] + start;
+        const T* xk = in + at[1] + start * sx;
+        if (sx == 1) {
+          for (int64_t k = 0; k < count; ++k) ok[k] = convert<T>(u[k] >= threshold ? convert<A>(xk[k]) * scale : A(0));
+        } else {
+          for (int64_t k = 0; k < count; ++k)
+            ok[k] = convert<T>(u[k] >= threshold ? convert<A>(xk[k * sx]) * scale : A(0));
+        }
+      }
+    }, 4096);
+  });
+}
 
 }  // namespace mixtape::cpu

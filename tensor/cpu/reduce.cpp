@@ -319,15 +319,129 @@ void CpuBackend::var(const Tensor& x, const std::vector<int64_t>& dims, int64_t 
   });
 }
 
+// ---- softmax ----------------------------------------------------------------------------------------------
+// Rows along `dim`: every other index picks one row. Each tensor steps along the row with its own stride, and
+// the row starts are found from the other dims (sizes shared, strides per tensor).
+
+namespace {
+
+struct SoftmaxRows {
+  int64_t length = 1;  // elements in a row
+  int64_t count = 0;  // number of rows
+  Shape other_sizes;  // the dims other than `dim` (a single 1 when there are none)
+  std::vector<Strides> other_strides;  // per tensor
+  std::vector<int64_t> row_strides;  // per tensor: the stride along `dim`
+
+  SoftmaxRows(const std::vector<const Tensor*>& tensors, int64_t dim) {
+    const Tensor& first = *tensors.front();
+    length = first.shape()[dim];
+    count = length == 0 ? 0 : first.numel() / length;
+    other_strides.resize(tensors.size());
+    for (int64_t d = 0; d < first.dim(); ++d) {
+      if (d == dim) continue;
+      other_sizes.push_back(first.shape()[d]);
+      for (size_t k = 0; k < tensors.size(); ++k) other_strides[k].push_back(tensors[k]->strides()[d]);
+    }
+    if (other_sizes.empty()) {
+      other_sizes.push_back(1);
+      for (Strides& s : other_strides) s.push_back(0);
+    }
+    for (const Tensor* t : tensors) row_strides.push_back(t->strides()[dim]);
+  }
+  int64_t start(int64_t row, size_t tensor) const { return offset_of(row, other_sizes, other_strides[tensor]); }
+  bool parallel() const { return count > 1 && count * length >= 2 * kParallelGrain; }
+};
+
+void check_same_shape(const char* op, const Tensor& a, const Tensor& b) {
+  check(a.shape() == b.shape() && a.dtype() == b.dtype(), op, ": ", a.description(), " and ", b.description(),
+        " must have the same shape and dtype");
+}
+
+}  // namespace
+
 void CpuBackend::softmax(const Tensor& x, int64_t dim, bool log, const Tensor& out) {
-  (void)x, (void)dim, (void)log, (void)out;
-  not_supported("cpu softmax (in progress)");
+  check_same_shape("softmax", x, out);
+  check(dim >= 0 && dim < x.dim(), "softmax: dim ", dim, " out of range for ", x.description());
+  const SoftmaxRows rows({&x, &out}, dim);
+  const int64_t n = rows.length, sx = rows.row_strides[0], so = rows.row_strides[1];
+  dispatch_float(x.dtype(), "softmax", [&]<typename T>() {
+    using A = acc_t<T>;
+    const T* in = x.data<T>();
+    T* o = out.data<T>();
+#pragma omp parallel if (rows.parallel())
+    {
+      std::vector<A> e(static_cast<size_t>(n));  // the row in the accumulation type, then exp(x - max)
+#pragma omp for schedule(static)
+      for (int64_t r = 0; r < rows.count; ++r) {
+        const T* xr = in + rows.start(r, 0);
+        T* yr = o + rows.start(r, 1);
+        // Subtracting the row max m makes every exponent <= 0: no overflow, and the largest term is exactly 1
+        // so the sum is >= 1 (no underflow to 0). softmax is unchanged: exp(x - m) / sum exp(x - m).
+        A m = -std::numeric_limits<A>::infinity();
+        int64_t argmax = 0;
+        for (int64_t j = 0; j < n; ++j) {
+          e[j] = convert<A>(xr[j * sx]);
+          if (e[j] > m) {
+            m = e[j];
+            argmax = j;
+          }
+        }
+        // sum = 1 + rest, with rest the sum of the terms other than (one) maximum. Keeping the 1 apart lets
+        // log_softmax use log1p(rest): for a confident row (rest << 1), log(1 + rest) rounded in float would
+        // lose all the digits of rest below 2^-24.
+        A rest = 0;
+        if (log) {
+          // log_softmax_j = (x_j - m) - log1p(rest)
+          for (int64_t j = 0; j < n; ++j)
+            if (j != argmax) rest += std::exp(e[j] - m);
+          const A log_total = std::log1p(rest);
+          for (int64_t j = 0; j < n; ++j) yr[j * so] = convert<T>((e[j] - m) - log_total);
+        } else {
+          // softmax_j = exp(x_j - m) / (1 + rest)
+          for (int64_t j = 0; j < n; ++j) {
+            e[j] = std::exp(e[j] - m);
+            if (j != argmax) rest += e[j];
+          }
+          const A total = A(1) + rest;
+          for (int64_t j = 0; j < n; ++j) yr[j * so] = convert<T>(e[j] / total);
+        }
+      }
+    }
+  });
 }
 
 void CpuBackend::softmax_backward(const Tensor& y, const Tensor& grad_y, int64_t dim, bool log,
                                   const Tensor& grad_x) {
-  (void)y, (void)grad_y, (void)dim, (void)log, (void)grad_x;
-  not_supported("cpu softmax_backward (in progress)");
+  check_same_shape("softmax_backward", y, grad_y);
+  check_same_shape("softmax_backward", y, grad_x);
+  check(dim >= 0 && dim < y.dim(), "softmax_backward: dim ", dim, " out of range for ", y.description());
+  const SoftmaxRows rows({&y, &grad_y, &grad_x}, dim);
+  const int64_t n = rows.length, sy = rows.row_strides[0], sg = rows.row_strides[1], sd = rows.row_strides[2];
+  dispatch_float(y.dtype(), "softmax_backward", [&]<typename T>() {
+    using A = acc_t<T>;
+    const T* yp = y.data<T>();
+    const T* gp = grad_y.data<T>();
+    T* dp = grad_x.data<T>();
+#pragma omp parallel for schedule(static) if (rows.parallel())
+    for (int64_t r = 0; r < rows.count; ++r) {
+      const T* yr = yp + rows.start(r, 0);
+      const T* gr = gp + rows.start(r, 1);
+      T* dr = dp + rows.start(r, 2);
+      if (log) {
+        // y = log_softmax(x): dx_j = g_j - softmax_j * sum_k g_k, with softmax_j = exp(y_j)
+        A total = 0;
+        for (int64_t j = 0; j < n; ++j) total += convert<A>(gr[j * sg]);
+        for (int64_t j = 0; j < n; ++j)
+          dr[j * sd] = convert<T>(convert<A>(gr[j * sg]) - std::exp(convert<A>(yr[j * sy])) * total);
+      } else {
+        // y = softmax(x): dy_j/dx_i = y_j (delta_ij - y_i), so dx_j = y_j (g_j - sum_k g_k y_k)
+        A dot = 0;
+        for (int64_t j = 0; j < n; ++j) dot += convert<A>(gr[j * sg]) * convert<A>(yr[j * sy]);
+        for (int64_t j = 0; j < n; ++j)
+          dr[j * sd] = convert<T>(convert<A>(yr[j * sy]) * (convert<A>(gr[j * sg]) - dot));
+      }
+    }
+  });
 }
 
 }  // namespace mixtape::cpu
