@@ -44,6 +44,7 @@ inline To convert(From value) {
   if constexpr (std::is_same_v<To, From>) return value;
   else if constexpr (to_16 && from_16) return To(static_cast<float>(value));
   else if constexpr (to_16 && std::is_same_v<From, float>) return To(value);
+  else if constexpr (to_16 && std::is_integral_v<From>) return To(integer_to_double_round_to_odd(value));
   else if constexpr (to_16) return To(static_cast<double>(value));
   else if constexpr (from_16) return static_cast<To>(static_cast<float>(value));
   else return static_cast<To>(value);

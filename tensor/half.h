@@ -86,6 +86,21 @@ inline float double_to_float_round_to_odd(double value) {
   return rounded;
 }
 
+// An integer as a double rounded to odd: exact up to 2^53; above, the bits a double cannot hold are folded
+// into a sticky last bit, so rounding it on to float/half/bf16 afterwards is still correct (a round-to-nearest
+// double would land 2^60 + 2^52 + 1 on the bf16 tie 2^60 + 2^52 and round it down).
+inline double integer_to_double_round_to_odd(int64_t value) {
+  uint64_t magnitude = value < 0 ? 0 - static_cast<uint64_t>(value) : static_cast<uint64_t>(value);
+  const int dropped = 64 - std::countl_zero(magnitude) - 53;  // significant bits beyond a double's 53
+  if (dropped > 0) {
+    const uint64_t low = magnitude & ((uint64_t{1} << dropped) - 1);
+    magnitude = (magnitude >> dropped) << dropped;
+    if (low) magnitude |= uint64_t{1} << dropped;  // sticky: 53 bits, odd, exact in double
+  }
+  const double exact = static_cast<double>(magnitude);
+  return value < 0 ? -exact : exact;
+}
+
 // ---- scalar types ----------------------------------------------------------------------------------
 // Storage types only: arithmetic converts to float, computes, and rounds once on store.
 struct Half {

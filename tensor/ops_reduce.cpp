@@ -1,16 +1,174 @@
-// PLACEHOLDER: replaced by the real ops; every function throws until then.
-#pragma GCC diagnostic ignored "-Wunused-parameter"
+// Reductions (sum, mean, max, min, var, sum_to) and softmax / log_softmax: front ends and their backward.
+#include <algorithm>
+#include <sstream>
+
+#include "tensor/autograd_node.h"
+#include "tensor/backend.h"
 #include "tensor/ops.h"
 
 namespace mixtape {
 
-Tensor sum(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim) { not_supported("sum (placeholder)"); }
-Tensor mean(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim) { not_supported("mean (placeholder)"); }
-Tensor max(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim) { not_supported("max (placeholder)"); }
-Tensor min(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim) { not_supported("min (placeholder)"); }
-Tensor var(const Tensor& x, const std::vector<int64_t>& dims, int64_t correction, bool keepdim) { not_supported("var (placeholder)"); }
-Tensor sum_to(const Tensor& x, const Shape& shape) { not_supported("sum_to (placeholder)"); }
-Tensor softmax(const Tensor& x, int64_t dim) { not_supported("softmax (placeholder)"); }
-Tensor log_softmax(const Tensor& x, int64_t dim) { not_supported("log_softmax (placeholder)"); }
+namespace {
+
+void check_floating(const char* op, const Tensor& x) {
+  check(x.defined(), op, ": input is undefined");
+  check(is_floating(x.dtype()), op, ": expected a floating tensor (f32, f16, bf16 or f64), got ", x.description());
+}
+
+// The dims a reduction runs over, normalised (sorted, unique), and the shapes of its result.
+struct ReduceDims {
+  std::vector<int64_t> dims;  // sorted, unique, in 0..ndim-1; empty for a 0-d input
+  Shape keep_shape;  // x's shape with the reduced dims set to 1
+  Shape out_shape;  // keep_shape without those dims unless keepdim
+  int64_t count = 1;  // elements combined into each output
+};
+
+ReduceDims resolve_dims(const char* op, const Tensor& x, const std::vector<int64_t>& requested, bool keepdim) {
+  check_floating(op, x);
+  const int64_t ndim = x.dim();
+  ReduceDims r;
+  if (requested.empty()) {
+    for (int64_t d = 0; d < ndim; ++d) r.dims.push_back(d);
+  } else {
+    // A 0-d tensor accepts dim 0 / -1 (as in torch) and has nothing to reduce.
+    const int64_t range = std::max<int64_t>(ndim, 1);
+    for (int64_t d : requested) {
+      check(d >= -range && d < range, op, ": dim ", d, " is out of range for ", x.description(), " (expected ",
+            -range, "..", range - 1, ")");
+      if (ndim > 0) r.dims.push_back(d < 0 ? d + ndim : d);
+    }
+    std::sort(r.dims.begin(), r.dims.end());
+    const auto repeated = std::adjacent_find(r.dims.begin(), r.dims.end());
+    check(repeated == r.dims.end(), op, ": dim ", repeated == r.dims.end() ? 0 : *repeated,
+          " appears more than once in ", shape_str(requested), " for ", x.description());
+  }
+  r.keep_shape = x.shape();
+  for (int64_t d : r.dims) {
+    r.count *= x.shape()[d];
+    r.keep_shape[d] = 1;
+  }
+  for (int64_t d = 0; d < ndim; ++d)
+    if (keepdim || !std::binary_search(r.dims.begin(), r.dims.end(), d)) r.out_shape.push_back(r.keep_shape[d]);
+  return r;
+}
+
+// Runs the reduction kernel; the result has r.out_shape and no autograd history yet.
+Tensor run_reduce(ReduceOp op, const Tensor& x, const ReduceDims& r) {
+  Tensor out = Tensor::empty(r.keep_shape, x.dtype(), x.device());
+  backend_of(x).reduce(op, x, r.dims, out);
+  return r.out_shape == r.keep_shape ? out : out.view(r.out_shape);
+}
+
+// The gradient of a reduced output brought back to x's shape (a broadcast view, no copy).
+Tensor expand_back(const Tensor& g, const Shape& keep_shape, const Shape& x_shape) {
+  return g.reshape(keep_shape).expand(x_shape);
+}
+
+// max / min: the gradient goes to the elements equal to the extremum, split evenly among ties (torch.amax).
+Tensor extremum(const char* op, ReduceOp kind, const Tensor& x, const std::vector<int64_t>& dims, bool keepdim) {
+  const ReduceDims r = resolve_dims(op, x, dims, keepdim);
+  check(r.count > 0, op, ": cannot reduce over an empty dim of ", x.description());
+  Tensor out = run_reduce(kind, x, r);
+  const Tensor extreme = out.detach();
+  record_backward(op, {x}, out, [x, extreme, r](const Tensor& g) {
+    const Tensor extreme_keep = extreme.reshape(r.keep_shape);
+    // where(x - m, 0, 1): 1 exactly where x equals the extremum (x - m is 0 only there).
+    const Tensor zero = Tensor::scalar(0, x.dtype(), x.device()), one = Tensor::scalar(1, x.dtype(), x.device());
+    const Tensor is_extreme = where(sub(x, extreme_keep), zero, one);
+    const Tensor ties = sum(is_extreme, r.dims, true);
+    return Grads{mul(is_extreme, div(g.reshape(r.keep_shape), ties))};
+  }, {x});
+  return out;
+}
+
+void check_softmax(const char* op, const Tensor& x, int64_t dim) {
+  check_floating(op, x);
+  const int64_t range = std::max<int64_t>(x.dim(), 1);
+  check(dim >= -range && dim < range, op, ": dim ", dim, " is out of range for ", x.description(), " (expected ",
+        -range, "..", range - 1, ")");
+}
+
+Tensor softmax_impl(const char* op, const Tensor& input, int64_t dim, bool log) {
+  check_softmax(op, input, dim);
+  // A 0-d tensor is a row of one element.
+  const Tensor x = input.dim() == 0 ? input.reshape({1}) : input;
+  dim = dim < 0 ? dim + x.dim() : dim;
+  Tensor y = Tensor::empty(x.shape(), x.dtype(), x.device());
+  backend_of(x).softmax(x, dim, log, y);
+  if (input.dim() == 0) y = y.view({});
+  const Tensor saved = y.detach();
+  record_backward(op, {input}, y, [saved, dim, log](const Tensor& g) {
+    const Tensor y1 = saved.dim() == 0 ? saved.reshape({1}) : saved;
+    Tensor grad = Tensor::empty(y1.shape(), y1.dtype(), y1.device());
+    backend_of(y1).softmax_backward(y1, g.reshape(y1.shape()), dim, log, grad);
+    return Grads{grad.reshape(saved.shape())};
+  });
+  return y;
+}
+
+}  // namespace
+
+Tensor sum(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim) {
+  const ReduceDims r = resolve_dims("sum", x, dims, keepdim);
+  Tensor out = run_reduce(ReduceOp::Sum, x, r);
+  const Shape x_shape = x.shape();
+  record_backward("sum", {x}, out, [r, x_shape](const Tensor& g) {
+    return Grads{expand_back(g, r.keep_shape, x_shape)};
+  });
+  return out;
+}
+
+Tensor mean(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim) {
+  const ReduceDims r = resolve_dims("mean", x, dims, keepdim);
+  Tensor out = run_reduce(ReduceOp::Mean, x, r);
+  const Shape x_shape = x.shape();
+  record_backward("mean", {x}, out, [r, x_shape](const Tensor& g) {
+    // d mean / dx_i = 1/n: scale the (small) reduced gradient, then broadcast it.
+    return Grads{expand_back(div(g, static_cast<double>(r.count)), r.keep_shape, x_shape)};
+  });
+  return out;
+}
+
+Tensor max(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim) {
+  return extremum("max", ReduceOp::Max, x, dims, keepdim);
+}
+
+Tensor min(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim) {
+  return extremum("min", ReduceOp::Min, x, dims, keepdim);
+}
+
+Tensor var(const Tensor& x, const std::vector<int64_t>& dims, int64_t correction, bool keepdim) {
+  const ReduceDims r = resolve_dims("var", x, dims, keepdim);
+  check(correction >= 0, "var: correction must be >= 0, got ", correction, " for ", x.description());
+  Tensor out = Tensor::empty(r.keep_shape, x.dtype(), x.device());
+  backend_of(x).var(x, r.dims, correction, out);
+  if (r.out_shape != r.keep_shape) out = out.view(r.out_shape);
+  record_backward("var", {x}, out, [x, r, correction](const Tensor& g) {
+    // d var / dx_i = 2 (x_i - mean) / (n - correction); the mean term's own derivative sums to zero.
+    const double scale = 2.0 / static_cast<double>(std::max<int64_t>(0, r.count - correction));
+    const Tensor centered = sub(x, mean(x, r.dims, true));
+    return Grads{mul(centered, mul(g.reshape(r.keep_shape), scale))};
+  }, {x});
+  return out;
+}
+
+Tensor sum_to(const Tensor& x, const Shape& shape) {
+  check(x.defined(), "sum_to: input is undefined");
+  const int64_t lead = x.dim() - static_cast<int64_t>(shape.size());
+  bool ok = lead >= 0;
+  for (size_t i = 0; ok && i < shape.size(); ++i) ok = shape[i] == 1 || shape[i] == x.shape()[lead + i];
+  check(ok, "sum_to: cannot sum ", x.description(), " to ", shape_str(shape), " (", shape_str(shape),
+        " must broadcast to ", shape_str(x.shape()), ")");
+  if (x.shape() == shape) return x;
+  // Reduce the leading extra dims and the dims where `shape` has 1 but x does not, then drop the leading dims.
+  std::vector<int64_t> dims;
+  for (int64_t d = 0; d < x.dim(); ++d)
+    if (d < lead || (shape[d - lead] == 1 && x.shape()[d] != 1)) dims.push_back(d);
+  if (dims.empty()) return x.reshape(shape);
+  return sum(x, dims, true).reshape(shape);
+}
+
+Tensor softmax(const Tensor& x, int64_t dim) { return softmax_impl("softmax", x, dim, false); }
+Tensor log_softmax(const Tensor& x, int64_t dim) { return softmax_impl("log_softmax", x, dim, true); }
 
 }  // namespace mixtape

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <iomanip>
+#include <limits>
 #include <numeric>
 #include <sstream>
 
@@ -91,6 +92,9 @@ Tensor Tensor::randn(const Shape& shape, uint64_t seed, DType dtype, Device devi
 Tensor Tensor::randint(int64_t low, int64_t high, const Shape& shape, uint64_t seed, DType dtype, Device device) {
   check(low < high, "randint: low (", low, ") must be below high (", high, ")");
   check(!is_floating(dtype), "randint: dtype must be i32 or i64, got ", dtype_name(dtype));
+  check(dtype != DType::I32 || (low >= std::numeric_limits<int32_t>::min() &&
+                                high - 1 <= std::numeric_limits<int32_t>::max()),
+        "randint: values in [", low, ", ", high, ") do not fit dtype i32; use i64");
   Tensor t = empty(shape, dtype, device);
   backend_for(device).randint(t, seed, 0, low, high);
   return t;

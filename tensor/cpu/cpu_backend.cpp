@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <limits>
 #include <numbers>
 
 #include "tensor/cpu/strided.h"
@@ -142,13 +143,35 @@ void philox_fill(const Tensor& dst, const char* op, Draw&& draw) {
   });
 }
 
+// The largest value of T strictly below `bound` (keeps a rounded uniform draw out of its upper end).
+template <class T>
+T largest_below(double bound) {
+  if constexpr (std::is_integral_v<T>) {
+    return static_cast<T>(std::ceil(bound) - 1);
+  } else {
+    const T nearest = convert<T>(bound);
+    if (static_cast<double>(nearest) < bound) return nearest;
+    if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) {
+      return std::nextafter(nearest, -std::numeric_limits<T>::infinity());
+    } else {  // f16/bf16 sign-magnitude bits: one step toward -Inf
+      const uint16_t bits = nearest.bits;
+      const bool negative = bits & 0x8000u, zero = (bits & 0x7fffu) == 0;
+      return T::from_bits(static_cast<uint16_t>(zero ? 0x8001u : negative ? bits + 1 : bits - 1));
+    }
+  }
+}
+
 }  // namespace
 
 void CpuBackend::uniform(const Tensor& dst, uint64_t seed, uint64_t offset, double low, double high) {
-  philox_fill(dst, "uniform", [&]<typename T>(int64_t i) {
+  philox_fill(dst, "uniform", [&]<typename T>(int64_t i) -> T {
     const auto r = philox4x32(offset + static_cast<uint64_t>(i), 0, seed);
-    if constexpr (std::is_same_v<T, double>) return low + (high - low) * uniform_double_from_bits(r[0], r[1]);
-    else return convert<T>(low + (high - low) * static_cast<double>(uniform_from_bits(r[0])));
+    const double u = std::is_same_v<T, double> ? uniform_double_from_bits(r[0], r[1])
+                                               : static_cast<double>(uniform_from_bits(r[0]));
+    // u < 1, but low + (high - low) * u can still round up to `high` in T (in f16 every u above 1 - 2^-12
+    // does): such draws take the largest T below high, so the interval stays half-open in every dtype.
+    const T value = convert<T>(low + (high - low) * u);
+    return static_cast<double>(value) < high ? value : largest_below<T>(high);
   });
 }
 
@@ -164,13 +187,14 @@ void CpuBackend::normal(const Tensor& dst, uint64_t seed, uint64_t offset, doubl
 }
 
 void CpuBackend::randint(const Tensor& dst, uint64_t seed, uint64_t offset, int64_t low, int64_t high) {
-  const uint64_t range = static_cast<uint64_t>(high - low);
+  // In uint64 arithmetic: high - low and low + pick overflow int64 for ranges wider than 2^63.
+  const uint64_t range = static_cast<uint64_t>(high) - static_cast<uint64_t>(low);
   philox_fill(dst, "randint", [&]<typename T>(int64_t i) {
     const auto r = philox4x32(offset + static_cast<uint64_t>(i), 0, seed);
     // 64 random bits reduced by multiply-high: bias below 2^-32 for any range that fits an int64.
     const uint64_t bits = static_cast<uint64_t>(r[0]) << 32 | r[1];
     const uint64_t pick = static_cast<uint64_t>((static_cast<unsigned __int128>(bits) * range) >> 64);
-    return convert<T>(static_cast<int64_t>(low + static_cast<int64_t>(pick)));
+    return convert<T>(static_cast<int64_t>(static_cast<uint64_t>(low) + pick));
   });
 }
 

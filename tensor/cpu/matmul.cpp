@@ -1,9 +1,361 @@
-// PLACEHOLDER: replaced by the real kernels; every function throws until then.
-#pragma GCC diagnostic ignored "-Wunused-parameter"
+// CPU matmul: oneDNN for f32 and bf16 (bf16 accumulates in f32 inside oneDNN and rounds once on store), f16
+// through f32 (oneDNN 2.6 has no f16 matmul on CPUs without AVX512-FP16), and a plain loop for f64, which only
+// serves references and gradcheck.
+//
+// The kernel receives a [..., M, K], b [..., K, N] with out's batch dims already broadcast (stride 0) and a
+// contiguous out. Before reaching oneDNN the geometry is simplified:
+//   1. batch dims of size 1 are dropped and adjacent batch dims that every operand steps through as one are
+//      merged (a contiguous [B, T, M, K] has a single batch dim of B*T);
+//   2. when b is the same matrix for every batch entry (a linear layer: x [B, T, C] @ W [C, N]) and a's batch
+//      and row dims collapse, the batch folds into M: one [B*T, C] x [C, N] GEMM instead of B*T small ones;
+//   3. each matrix is passed with its own strides (a transposed operand costs no copy) as long as one of its
+//      last two dims has unit stride; broadcast batch dims become size-1 dims of that operand's memory
+//      descriptor, which oneDNN broadcasts itself.
+// When oneDNN cannot take a layout (or would only offer its slow reference implementation) the operands are
+// packed into contiguous buffers instead. The decision and the primitive are cached per geometry, so a
+// training loop builds each primitive once.
+#include <dnnl.hpp>
+#include <omp.h>
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+
 #include "tensor/cpu/cpu_backend.h"
+#include "tensor/cpu/strided.h"
 
 namespace mixtape::cpu {
 
-void CpuBackend::matmul(const Tensor& a, const Tensor& b, const Tensor& out) { not_supported("cpu matmul (placeholder)"); }
+namespace {
+
+using dnnl::memory;
+
+dnnl::engine& dnnl_engine() {
+  static dnnl::engine engine(dnnl::engine::kind::cpu, 0);
+  return engine;
+}
+
+dnnl::stream& dnnl_stream() {
+  // A CPU stream only orders executions; one per thread keeps concurrent callers independent.
+  thread_local dnnl::stream stream(dnnl_engine());
+  return stream;
+}
+
+// One matrix operand: its batch strides (0 where broadcast) and row / column strides, in elements.
+struct MatrixLayout {
+  Strides batch;
+  int64_t row_stride = 0;
+  int64_t col_stride = 0;
+};
+
+// The simplified problem: out[batch..., M, N] = a[batch..., M, K] @ b[batch..., K, N].
+struct Geometry {
+  Shape batch;
+  int64_t M = 0, K = 0, N = 0;
+  MatrixLayout a, b, out;
+};
+
+// Strides of a size-1 dim are meaningless; give them the values of a dense row-major matrix where possible,
+// so that a column [K, 1] or a row [1, K] with unit column stride is an ordinary row-major matrix, and a
+// row with a non-unit column stride a column-major one.
+void canonicalize(int64_t rows, int64_t cols, MatrixLayout& m) {
+  if (cols == 1) m.col_stride = 1;
+  if (rows == 1) m.row_stride = m.col_stride == 1 ? cols : 1;
+}
+
+// oneDNN takes plain matrices whose rows or columns are unit-stride and do not overlap.
+bool plain_layout(int64_t rows, int64_t cols, const MatrixLayout& m) {
+  return (m.col_stride == 1 && m.row_stride >= std::max<int64_t>(cols, 1)) ||
+         (m.row_stride == 1 && m.col_stride >= std::max<int64_t>(rows, 1));
+}
+
+Geometry simplify(const Tensor& a, const Tensor& b, const Tensor& out) {
+  Geometry g;
+  const int64_t nb = out.dim() - 2;
+  g.M = out.size(-2);
+  g.N = out.size(-1);
+  g.K = a.size(-1);
+  // Batch dims (size-1 dims dropped; an operand dim of size 1 under a larger out dim is a broadcast).
+  for (int64_t d = 0; d < nb; ++d) {
+    const int64_t size = out.shape()[d];
+    if (size == 1) continue;
+    const int64_t sa = a.shape()[d] == size ? a.strides()[d] : 0;
+    const int64_t sb = b.shape()[d] == size ? b.strides()[d] : 0;
+    const int64_t so = out.strides()[d];
+    const size_t m = g.batch.size();
+    // Merge into the previous batch dim when all three step through both dims as one.
+    if (m > 0 && g.a.batch[m - 1] == sa * size && g.b.batch[m - 1] == sb * size &&
+        g.out.batch[m - 1] == so * size) {
+      g.batch[m - 1] *= size;
+      g.a.batch[m - 1] = sa;
+      g.b.batch[m - 1] = sb;
+      g.out.batch[m - 1] = so;
+    } else {
+      g.batch.push_back(size);
+      g.a.batch.push_back(sa);
+      g.b.batch.push_back(sb);
+      g.out.batch.push_back(so);
+    }
+  }
+  g.a.row_stride = a.stride(-2);
+  g.a.col_stride = a.stride(-1);
+  g.b.row_stride = b.stride(-2);
+  g.b.col_stride = b.stride(-1);
+  g.out.row_stride = out.stride(-2);
+  g.out.col_stride = out.stride(-1);
+  canonicalize(g.M, g.K, g.a);
+  canonicalize(g.K, g.N, g.b);
+  canonicalize(g.M, g.N, g.out);
+  // A shared b: fold a single batch dim into M when a's and out's batch steps are whole row blocks.
+  if (g.batch.size() == 1 && g.b.batch[0] == 0 && g.a.batch[0] == g.M * g.a.row_stride &&
+      g.out.batch[0] == g.M * g.out.row_stride) {
+    g.M *= g.batch[0];
+    g.batch.clear();
+    g.a.batch.clear();
+    g.b.batch.clear();
+    g.out.batch.clear();
+    canonicalize(g.M, g.K, g.a);
+    canonicalize(g.M, g.N, g.out);
+  }
+  return g;
+}
+
+// ---- f64: a plain loop ---------------------------------------------------------------------------------
+
+// out row i = sum_k a[i, k] * b[k, :], accumulated in place in the output row; the columns are tiled so
+// that the output tile stays in L1 while the rows of b stream through.
+void matmul_f64(const Geometry& g, const double* a, const double* b, double* out) {
+  int64_t batch_count = 1;
+  for (int64_t s : g.batch) batch_count *= s;
+  const int64_t rows = batch_count * g.M;
+  constexpr int64_t kTile = 256;
+  const bool parallel = rows * g.N * g.K >= 32768 && rows > 1;
+#pragma omp parallel for schedule(static) if (parallel)
+  for (int64_t r = 0; r < rows; ++r) {
+    int64_t rest = r / g.M;
+    const int64_t i = r % g.M;
+    int64_t a_off = i * g.a.row_stride, b_off = 0, out_off = i * g.out.row_stride;
+    for (size_t d = g.batch.size(); d-- > 0;) {  // unravel the batch index, last dim fastest
+      const int64_t index = rest % g.batch[d];
+      rest /= g.batch[d];
+      a_off += index * g.a.batch[d];
+      b_off += index * g.b.batch[d];
+      out_off += index * g.out.batch[d];
+    }
+    double* o = out + out_off;
+    for (int64_t j0 = 0; j0 < g.N; j0 += kTile) {
+      const int64_t j1 = std::min(g.N, j0 + kTile);
+      for (int64_t j = j0; j < j1; ++j) o[j * g.out.col_stride] = 0;
+      for (int64_t k = 0; k < g.K; ++k) {
+        const double aik = a[a_off + k * g.a.col_stride];
+        const double* brow = b + b_off + k * g.b.row_stride;
+        if (g.b.col_stride == 1 && g.out.col_stride == 1) {
+          for (int64_t j = j0; j < j1; ++j) o[j] += aik * brow[j];
+        } else {
+          for (int64_t j = j0; j < j1; ++j) o[j * g.out.col_stride] += aik * brow[j * g.b.col_stride];
+        }
+      }
+    }
+  }
+}
+
+// ---- oneDNN plans --------------------------------------------------------------------------------------
+
+// How an operand reaches oneDNN.
+enum class Packing : uint8_t {
+  None,         // its own memory, strides as they are
+  Compact,      // copied into a contiguous buffer; broadcast batch dims stay size 1 (oneDNN broadcasts)
+  Materialize,  // copied into a contiguous buffer with broadcast batch dims repeated
+};
+
+struct Plan {
+  dnnl::matmul primitive;
+  memory::desc a_md, b_md, out_md;
+  Packing a_packing = Packing::None, b_packing = Packing::None;
+  bool via_f32 = false;  // inputs converted to f32, f32 result rounded into out (f16, or bf16 without support)
+};
+
+memory::data_type dnnl_type(DType dtype) {
+  switch (dtype) {
+    case DType::F32: return memory::data_type::f32;
+    case DType::BF16: return memory::data_type::bf16;
+    case DType::F16: return memory::data_type::f16;
+    default: fail("matmul: dtype ", dtype_name(dtype), " has no oneDNN type");
+  }
+}
+
+// The view of an operand in the simplified geometry: [batch..., rows, cols]. Broadcast batch dims get size 1
+// unless `materialize` (then stride 0 and full size, so a copy repeats them).
+Shape operand_shape(const Geometry& g, const MatrixLayout& m, int64_t rows, int64_t cols, bool materialize) {
+  Shape shape;
+  for (size_t d = 0; d < g.batch.size(); ++d) shape.push_back(m.batch[d] == 0 && !materialize ? 1 : g.batch[d]);
+  shape.push_back(rows);
+  shape.push_back(cols);
+  return shape;
+}
+
+Strides operand_strides(const MatrixLayout& m) {
+  Strides strides = m.batch;
+  strides.push_back(m.row_stride);
+  strides.push_back(m.col_stride);
+  return strides;
+}
+
+// A memory descriptor for dims with the given strides; strides of size-1 dims are replaced by the extent of
+// the dims inside them (oneDNN ignores them, but keeps them in its layout checks).
+memory::desc make_md(const Shape& dims, const Strides& strides, memory::data_type type) {
+  memory::dims md_dims(dims.begin(), dims.end()), md_strides(strides.begin(), strides.end());
+  int64_t extent = 1;
+  for (size_t d = dims.size(); d-- > 0;) {
+    if (dims[d] == 1 && d + 2 < dims.size()) md_strides[d] = extent;
+    extent = std::max(extent, md_strides[d] * dims[d]);
+  }
+  return memory::desc(md_dims, type, md_strides);
+}
+
+// Creates the primitive for one choice of packing; empty when oneDNN has nothing better than its reference
+// implementation for it.
+bool try_plan(const Geometry& g, memory::data_type type, Packing a_packing, Packing b_packing, Plan& plan) {
+  auto md_for = [&](const MatrixLayout& m, int64_t rows, int64_t cols, Packing packing) {
+    const Shape shape = operand_shape(g, m, rows, cols, packing == Packing::Materialize);
+    if (packing == Packing::None) {
+      if (!plain_layout(rows, cols, m)) return memory::desc();
+      return make_md(shape, operand_strides(m), type);
+    }
+    return make_md(shape, contiguous_strides(shape), type);
+  };
+  const memory::desc a_md = md_for(g.a, g.M, g.K, a_packing);
+  const memory::desc b_md = md_for(g.b, g.K, g.N, b_packing);
+  if (a_md.is_zero() || b_md.is_zero()) return false;
+  const Shape out_shape = operand_shape(g, g.out, g.M, g.N, true);
+  const memory::desc out_md = make_md(out_shape, operand_strides(g.out), type);
+  try {
+    const dnnl::matmul::desc desc(a_md, b_md, out_md);
+    const dnnl::matmul::primitive_desc pd(desc, dnnl_engine(), /*allow_empty=*/true);
+    if (!pd) return false;
+    const std::string impl = pd.impl_info_str();
+    if (impl.rfind("ref", 0) == 0) return false;
+    plan.primitive = dnnl::matmul(pd);
+  } catch (const dnnl::error&) {
+    return false;
+  }
+  plan.a_md = a_md;
+  plan.b_md = b_md;
+  plan.out_md = out_md;
+  plan.a_packing = a_packing;
+  plan.b_packing = b_packing;
+  return true;
+}
+
+Plan make_plan(const Geometry& g, DType dtype) {
+  // f16 goes through f32; bf16 does too where this CPU has no fast bf16 matmul.
+  std::vector<std::pair<DType, bool>> attempts;  // (compute dtype, via_f32)
+  if (dtype != DType::F16) attempts.push_back({dtype, false});
+  if (dtype != DType::F32) attempts.push_back({DType::F32, true});
+  // Try the cheapest packing first: own strides, then compact copies, then fully materialised copies.
+  const std::pair<Packing, Packing> packings[] = {
+      {Packing::None, Packing::None},       {Packing::Compact, Packing::None},
+      {Packing::None, Packing::Compact},    {Packing::Compact, Packing::Compact},
+      {Packing::Materialize, Packing::Materialize}};
+  for (const auto& [compute, via_f32] : attempts) {
+    for (const auto& [a_packing, b_packing] : packings) {
+      // Converting to f32 packs anyway, so only packed variants apply.
+      if (via_f32 && (a_packing == Packing::None || b_packing == Packing::None)) continue;
+      Plan plan;
+      if (try_plan(g, dnnl_type(compute), a_packing, b_packing, plan)) {
+        plan.via_f32 = via_f32;
+        return plan;
+      }
+    }
+  }
+  fail("matmul: oneDNN has no implementation for ", dtype_name(dtype), " batch ", shape_str(g.batch), " M ", g.M,
+       " K ", g.K, " N ", g.N);
+}
+
+struct KeyHash {
+  size_t operator()(const std::vector<int64_t>& key) const {
+    uint64_t h = 1469598103934665603ull;  // FNV-1a over the 64-bit words
+    for (int64_t v : key) h = (h ^ static_cast<uint64_t>(v)) * 1099511628211ull;
+    return static_cast<size_t>(h);
+  }
+};
+
+// The plan for a geometry, built on first use. Plans are never evicted individually (a model has a handful
+// of shapes); the cache is cleared if it ever grows past kMaxPlans (shapes that change every step).
+std::shared_ptr<const Plan> plan_for(const Geometry& g, DType dtype) {
+  static std::mutex mutex;
+  static std::unordered_map<std::vector<int64_t>, std::shared_ptr<const Plan>, KeyHash> plans;
+  constexpr size_t kMaxPlans = 4096;
+  std::vector<int64_t> key = {static_cast<int64_t>(dtype), g.M, g.K, g.N, g.a.row_stride, g.a.col_stride,
+                              g.b.row_stride, g.b.col_stride, g.out.row_stride, g.out.col_stride};
+  key.insert(key.end(), g.batch.begin(), g.batch.end());
+  key.insert(key.end(), g.a.batch.begin(), g.a.batch.end());
+  key.insert(key.end(), g.b.batch.begin(), g.b.batch.end());
+  key.insert(key.end(), g.out.batch.begin(), g.out.batch.end());
+  std::lock_guard lock(mutex);
+  auto it = plans.find(key);
+  if (it != plans.end()) return it->second;
+  if (plans.size() >= kMaxPlans) plans.clear();  // callers in flight keep their plan alive
+  auto plan = std::make_shared<const Plan>(make_plan(g, dtype));
+  plans.emplace(std::move(key), plan);
+  return plan;
+}
+
+// The operand as the plan wants it: its own memory, or a contiguous (possibly converted) copy.
+Tensor prepare_operand(const Tensor& t, const Geometry& g, const MatrixLayout& m, int64_t rows, int64_t cols,
+                       Packing packing, DType compute) {
+  if (packing == Packing::None) return t;
+  const bool materialize = packing == Packing::Materialize;
+  const Shape shape = operand_shape(g, m, rows, cols, materialize);
+  const Tensor view = make_view(t, shape, operand_strides(m), t.offset());
+  Tensor packed = Tensor::empty(shape, compute, t.device());
+  cpu_backend().copy(view, packed);
+  return packed;
+}
+
+}  // namespace
+
+void CpuBackend::matmul(const Tensor& a, const Tensor& b, const Tensor& out) {
+  check(a.dim() >= 2 && a.dim() == b.dim() && a.dim() == out.dim(), "cpu matmul: operands ", a.description(),
+        " x ", b.description(), " -> ", out.description(), " must have the same number (>= 2) of dims");
+  check(a.dtype() == b.dtype() && a.dtype() == out.dtype(), "cpu matmul: dtypes differ: ", a.description(), " x ",
+        b.description(), " -> ", out.description());
+  if (out.numel() == 0) return;
+  check(out.is_contiguous(), "cpu matmul: output ", out.description(), " must be contiguous");
+  if (a.size(-1) == 0) {  // an empty sum
+    fill(out, 0);
+    return;
+  }
+  const Geometry g = simplify(a, b, out);
+  if (a.dtype() == DType::F64) {
+    matmul_f64(g, a.data<double>(), b.data<double>(), out.data<double>());
+    return;
+  }
+  check(a.dtype() == DType::F32 || is_low_precision(a.dtype()), "cpu matmul: dtype ", dtype_name(a.dtype()),
+        " is not supported (expected f32, f16, bf16 or f64)");
+
+  const std::shared_ptr<const Plan> shared_plan = plan_for(g, a.dtype());
+  const Plan& plan = *shared_plan;
+  const DType compute = plan.via_f32 ? DType::F32 : a.dtype();
+  const Tensor a_in = prepare_operand(a, g, g.a, g.M, g.K, plan.a_packing, compute);
+  const Tensor b_in = prepare_operand(b, g, g.b, g.K, g.N, plan.b_packing, compute);
+  // Via f32 the result lands in an f32 buffer and is rounded into out once.
+  const Tensor out_f32 = plan.via_f32 ? Tensor::empty(out.shape(), DType::F32, out.device()) : Tensor();
+  const Tensor& dst = plan.via_f32 ? out_f32 : out;
+  try {
+    memory a_mem(plan.a_md, dnnl_engine(), a_in.data_ptr());
+    memory b_mem(plan.b_md, dnnl_engine(), b_in.data_ptr());
+    memory out_mem(plan.out_md, dnnl_engine(), dst.data_ptr());
+    plan.primitive.execute(dnnl_stream(),
+                           {{DNNL_ARG_SRC, a_mem}, {DNNL_ARG_WEIGHTS, b_mem}, {DNNL_ARG_DST, out_mem}});
+    dnnl_stream().wait();
+  } catch (const dnnl::error& error) {
+    fail("cpu matmul: oneDNN failed on ", a.description(), " x ", b.description(), ": ", error.what());
+  }
+  if (plan.via_f32) copy(out_f32, out);
+}
 
 }  // namespace mixtape::cpu

@@ -1,12 +1,333 @@
-// PLACEHOLDER: replaced by the real kernels; every function throws until then.
-#pragma GCC diagnostic ignored "-Wunused-parameter"
+// Reductions (sum, mean, max, min, var) and softmax on the CPU.
+//
+// A reduction is seen as   out[o] = combine_j load(x[kept_offset(o) + reduced_offset(j)])   where o runs over
+// the kept dims (the output, contiguous) and j over the reduced dims. Two loop orders cover the common cases:
+//  - row mode: the reduced dims are innermost in memory (sum over the last dim): each output walks its own
+//    run of elements with several independent accumulators (vectorised, and more accurate than one chain);
+//  - column mode: a kept dim is innermost (sum over the batch dim, the bias gradient): a block of outputs is
+//    accumulated side by side while the reduced rows stream past, so memory is read in order.
+// Long reductions are cut into chunks of a fixed number of elements whose partial results are combined
+// pairwise. The chunking depends only on the shape, never on the thread count, so results are bitwise the
+// same with 1 or 2 threads, and the rounding error grows like (chunk + log2(chunks)) eps instead of n eps.
+// f16/bf16 accumulate in float, f64 in double, and every result is rounded once on store.
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <vector>
+
 #include "tensor/cpu/cpu_backend.h"
+#include "tensor/cpu/strided.h"
 
 namespace mixtape::cpu {
 
-void CpuBackend::reduce(ReduceOp op, const Tensor& x, const std::vector<int64_t>& dims, const Tensor& out) { not_supported("cpu reduce (placeholder)"); }
-void CpuBackend::var(const Tensor& x, const std::vector<int64_t>& dims, int64_t correction, const Tensor& out) { not_supported("cpu var (placeholder)"); }
-void CpuBackend::softmax(const Tensor& x, int64_t dim, bool log, const Tensor& out) { not_supported("cpu softmax (placeholder)"); }
-void CpuBackend::softmax_backward(const Tensor& y, const Tensor& grad_y, int64_t dim, bool log, const Tensor& grad_x) { not_supported("cpu softmax_backward (placeholder)"); }
+namespace {
+
+// ---- geometry --------------------------------------------------------------------------------------------
+
+// x's dims split into kept dims (in output order; the output is contiguous over them) and reduced dims
+// (sorted so that the last has the smallest stride: it is the inner loop). Size-1 dims are dropped and
+// neighbours that step through memory as one dim are merged. Both lists are never empty: a missing group
+// is a single dim of size 1.
+struct ReduceGeometry {
+  Shape kept_sizes;
+  Strides kept_strides;
+  Shape reduced_sizes;
+  Strides reduced_strides;
+  int64_t n_out = 1;  // number of outputs
+  int64_t n_reduced = 1;  // elements combined into each output
+};
+
+void merge_dims(Shape& sizes, Strides& strides) {
+  Shape merged_sizes;
+  Strides merged_strides;
+  for (size_t d = 0; d < sizes.size(); ++d) {
+    if (!merged_sizes.empty() && merged_strides.back() == strides[d] * sizes[d]) {
+      merged_sizes.back() *= sizes[d];
+      merged_strides.back() = strides[d];
+    } else {
+      merged_sizes.push_back(sizes[d]);
+      merged_strides.push_back(strides[d]);
+    }
+  }
+  if (merged_sizes.empty()) {
+    merged_sizes.push_back(1);
+    merged_strides.push_back(0);
+  }
+  sizes = std::move(merged_sizes);
+  strides = std::move(merged_strides);
+}
+
+ReduceGeometry make_geometry(const Tensor& x, const std::vector<int64_t>& dims) {
+  std::vector<bool> reduced(static_cast<size_t>(x.dim()), false);
+  for (int64_t d : dims) reduced[static_cast<size_t>(d)] = true;
+  ReduceGeometry g;
+  std::vector<std::pair<int64_t, int64_t>> reduced_dims;  // (stride, size)
+  for (int64_t d = 0; d < x.dim(); ++d) {
+    const int64_t size = x.shape()[d], stride = x.strides()[d];
+    if (reduced[static_cast<size_t>(d)]) {
+      g.n_reduced *= size;
+      if (size != 1) reduced_dims.push_back({stride, size});
+    } else {
+      g.n_out *= size;
+      if (size != 1) {
+        g.kept_sizes.push_back(size);
+        g.kept_strides.push_back(stride);
+      }
+    }
+  }
+  // The order of the reduced dims is free (only the rounding changes): walk the largest stride outermost.
+  std::stable_sort(reduced_dims.begin(), reduced_dims.end(),
+                   [](const auto& a, const auto& b) { return std::abs(a.first) > std::abs(b.first); });
+  for (const auto& [stride, size] : reduced_dims) {
+    g.reduced_sizes.push_back(size);
+    g.reduced_strides.push_back(stride);
+  }
+  merge_dims(g.kept_sizes, g.kept_strides);
+  merge_dims(g.reduced_sizes, g.reduced_strides);
+  return g;
+}
+
+// Offset in x of flat index `index` over (sizes, strides), row-major.
+int64_t offset_of(int64_t index, const Shape& sizes, const Strides& strides) {
+  int64_t offset = 0;
+  for (size_t d = sizes.size(); d-- > 0;) {
+    offset += (index % sizes[d]) * strides[d];
+    index /= sizes[d];
+  }
+  return offset;
+}
+
+// Calls run(offset, count, stride) for the runs along the innermost dim that cover flat indices
+// [begin, end) of (sizes, strides): elements offset + k * stride for k < count.
+template <class Run>
+void for_each_run(const Shape& sizes, const Strides& strides, int64_t begin, int64_t end, Run&& run) {
+  const int64_t inner = sizes.back(), inner_stride = strides.back();
+  while (begin < end) {
+    const int64_t column = begin % inner;
+    const int64_t count = std::min(inner - column, end - begin);
+    run(offset_of(begin, sizes, strides), count, inner_stride);
+    begin += count;
+  }
+}
+
+// ---- the combining rules -----------------------------------------------------------------------------
+// Each rule has identity(), load(value, output index) and combine(a, b). max/min propagate NaN like torch.
+
+template <class A>
+struct SumRule {
+  A identity() const { return A(0); }
+  A load(A v, int64_t) const { return v; }
+  A combine(A a, A b) const { return a + b; }
+};
+
+template <class A>
+struct MaxRule {
+  A identity() const { return -std::numeric_limits<A>::infinity(); }
+  A load(A v, int64_t) const { return v; }
+  A combine(A a, A b) const { return (a > b || a != a) ? a : b; }
+};
+
+template <class A>
+struct MinRule {
+  A identity() const { return std::numeric_limits<A>::infinity(); }
+  A load(A v, int64_t) const { return v; }
+  A combine(A a, A b) const { return (a < b || a != a) ? a : b; }
+};
+
+// (x - mean[o])^2 summed: the second pass of the two-pass variance.
+template <class A>
+struct SquaredDeviationRule {
+  const A* mean;
+  A identity() const { return A(0); }
+  A load(A v, int64_t o) const {
+    const A d = v - mean[o];
+    return d * d;
+  }
+  A combine(A a, A b) const { return a + b; }
+};
+
+// Pairwise (tree) combination of n values p[0], p[stride], ...: error grows like log2(n), not n.
+template <class A, class Rule>
+A combine_pairwise(const A* p, int64_t n, int64_t stride, const Rule& rule) {
+  if (n <= 8) {
+    A acc = rule.identity();
+    for (int64_t i = 0; i < n; ++i) acc = rule.combine(acc, p[i * stride]);
+    return acc;
+  }
+  const int64_t half = n / 2;
+  return rule.combine(combine_pairwise(p, half, stride, rule), combine_pairwise(p + half * stride, n - half, stride, rule));
+}
+
+constexpr int64_t kLanes = 16;  // independent accumulators in a contiguous run (one or two SIMD registers)
+constexpr int64_t kRowChunk = 8192;  // reduced elements per partial result in row mode
+constexpr int64_t kColumnChunk = 128;  // reduced rows per partial result in column mode
+constexpr int64_t kColumnBlock = 256;  // outputs accumulated side by side in column mode
+
+// Row mode, one chunk: combines the reduced elements [begin, end) of output o (whose elements start at base).
+template <class T, class A, class Rule>
+A reduce_row_chunk(const T* base, const ReduceGeometry& g, int64_t begin, int64_t end, int64_t o,
+                   const Rule& rule) {
+  A lanes[kLanes];
+  for (A& lane : lanes) lane = rule.identity();
+  A acc = rule.identity();
+  for_each_run(g.reduced_sizes, g.reduced_strides, begin, end, [&](int64_t offset, int64_t n, int64_t stride) {
+    const T* p = base + offset;
+    int64_t j = 0;
+    if (stride == 1) {
+      for (; j + kLanes <= n; j += kLanes)
+        for (int64_t l = 0; l < kLanes; ++l) lanes[l] = rule.combine(lanes[l], rule.load(convert<A>(p[j + l]), o));
+    }
+    for (; j < n; ++j) acc = rule.combine(acc, rule.load(convert<A>(p[j * stride]), o));
+  });
+  return rule.combine(combine_pairwise(lanes, kLanes, 1, rule), acc);
+}
+
+template <class T, class A, class Rule>
+void reduce_rows(const T* x, const ReduceGeometry& g, const Rule& rule, A* result) {
+  const int64_t chunks = (g.n_reduced + kRowChunk - 1) / kRowChunk;
+  const bool parallel = g.n_out * g.n_reduced >= 2 * kParallelGrain;
+  if (chunks <= 1) {
+#pragma omp parallel for schedule(static) if (parallel)
+    for (int64_t o = 0; o < g.n_out; ++o) {
+      const T* base = x + offset_of(o, g.kept_sizes, g.kept_strides);
+      result[o] = reduce_row_chunk<T, A>(base, g, 0, g.n_reduced, o, rule);
+    }
+    return;
+  }
+  std::vector<A> partial(static_cast<size_t>(g.n_out * chunks));
+#pragma omp parallel for schedule(static) if (parallel)
+  for (int64_t unit = 0; unit < g.n_out * chunks; ++unit) {
+    const int64_t o = unit / chunks, chunk = unit % chunks;
+    const T* base = x + offset_of(o, g.kept_sizes, g.kept_strides);
+    const int64_t begin = chunk * kRowChunk, end = std::min(begin + kRowChunk, g.n_reduced);
+    partial[static_cast<size_t>(unit)] = reduce_row_chunk<T, A>(base, g, begin, end, o, rule);
+  }
+  for (int64_t o = 0; o < g.n_out; ++o) result[o] = combine_pairwise(partial.data() + o * chunks, chunks, 1, rule);
+}
+
+// Column mode: the innermost kept dim (C outputs, x stride cs) is accumulated as a block while the reduced
+// rows stream past. Outputs o = outer * C + c.
+template <class T, class A, class Rule>
+void reduce_columns(const T* x, const ReduceGeometry& g, const Rule& rule, A* result) {
+  const int64_t C = g.kept_sizes.back(), cs = g.kept_strides.back();
+  const Shape outer_sizes(g.kept_sizes.begin(), g.kept_sizes.end() - 1);
+  const Strides outer_strides(g.kept_strides.begin(), g.kept_strides.end() - 1);
+  const int64_t n_outer = g.n_out / C;
+  const int64_t chunks = (g.n_reduced + kColumnChunk - 1) / kColumnChunk;
+  const int64_t blocks = (C + kColumnBlock - 1) / kColumnBlock;
+  std::vector<A> partial(chunks > 1 ? static_cast<size_t>(n_outer * chunks * C) : 0);
+  const bool parallel = g.n_out * g.n_reduced >= 2 * kParallelGrain;
+#pragma omp parallel for schedule(static) if (parallel)
+  for (int64_t unit = 0; unit < n_outer * chunks * blocks; ++unit) {
+    const int64_t block = unit % blocks, chunk = unit / blocks % chunks, outer = unit / blocks / chunks;
+    const int64_t c0 = block * kColumnBlock, width = std::min(kColumnBlock, C - c0);
+    const T* base = x + (outer_sizes.empty() ? 0 : offset_of(outer, outer_sizes, outer_strides)) + c0 * cs;
+    const int64_t o0 = outer * C + c0;
+    A acc[kColumnBlock];
+    for (int64_t c = 0; c < width; ++c) acc[c] = rule.identity();
+    const int64_t begin = chunk * kColumnChunk, end = std::min(begin + kColumnChunk, g.n_reduced);
+    for_each_run(g.reduced_sizes, g.reduced_strides, begin, end, [&](int64_t offset, int64_t n, int64_t stride) {
+      for (int64_t k = 0; k < n; ++k) {
+        const T* row = base + offset + k * stride;
+        if (cs == 1) {
+          for (int64_t c = 0; c < width; ++c) acc[c] = rule.combine(acc[c], rule.load(convert<A>(row[c]), o0 + c));
+        } else {
+          for (int64_t c = 0; c < width; ++c)
+            acc[c] = rule.combine(acc[c], rule.load(convert<A>(row[c * cs]), o0 + c));
+        }
+      }
+    });
+    A* dest = chunks > 1 ? partial.data() + (outer * chunks + chunk) * C + c0 : result + o0;
+    std::copy(acc, acc + width, dest);
+  }
+  if (chunks <= 1) return;
+#pragma omp parallel for schedule(static) if (parallel)
+  for (int64_t o = 0; o < g.n_out; ++o) {
+    const int64_t outer = o / C, c = o % C;
+    result[o] = combine_pairwise(partial.data() + outer * chunks * C + c, chunks, C, rule);
+  }
+}
+
+// Runs the reduction in the loop order that reads memory in order.
+template <class T, class A, class Rule>
+void reduce_into(const T* x, const ReduceGeometry& g, const Rule& rule, A* result) {
+  if (g.n_out == 0) return;
+  if (g.n_reduced == 0) {
+    std::fill(result, result + g.n_out, rule.identity());
+    return;
+  }
+  const bool columns = g.kept_sizes.back() > 1 &&
+                       std::abs(g.kept_strides.back()) < std::abs(g.reduced_strides.back()) &&
+                       g.reduced_sizes.back() > 1;
+  if (columns) reduce_columns<T, A>(x, g, rule, result);
+  else reduce_rows<T, A>(x, g, rule, result);
+}
+
+void check_reduce_output(const char* op, const Tensor& x, const std::vector<int64_t>& dims, const Tensor& out) {
+  Shape expected = x.shape();
+  for (int64_t d : dims) {
+    check(d >= 0 && d < x.dim(), op, ": dim ", d, " out of range for ", x.description());
+    expected[static_cast<size_t>(d)] = 1;
+  }
+  check(out.shape() == expected && out.is_contiguous() && out.dtype() == x.dtype(), op, ": output ",
+        out.description(), " must be contiguous ", dtype_name(x.dtype()), shape_str(expected), " for input ",
+        x.description());
+}
+
+}  // namespace
+
+void CpuBackend::reduce(ReduceOp op, const Tensor& x, const std::vector<int64_t>& dims, const Tensor& out) {
+  check_reduce_output("reduce", x, dims, out);
+  const ReduceGeometry g = make_geometry(x, dims);
+  dispatch_float(x.dtype(), "reduce", [&]<typename T>() {
+    using A = acc_t<T>;
+    std::vector<A> result(static_cast<size_t>(g.n_out));
+    const T* in = x.data<T>();
+    switch (op) {
+      case ReduceOp::Sum:
+      case ReduceOp::Mean: reduce_into<T, A>(in, g, SumRule<A>{}, result.data()); break;
+      case ReduceOp::Max: reduce_into<T, A>(in, g, MaxRule<A>{}, result.data()); break;
+      case ReduceOp::Min: reduce_into<T, A>(in, g, MinRule<A>{}, result.data()); break;
+    }
+    // mean = sum / n in the accumulation type, then one rounding (n == 0 gives NaN, as in torch).
+    if (op == ReduceOp::Mean)
+      for (A& r : result) r /= static_cast<A>(g.n_reduced);
+    T* o = out.data<T>();
+    for (int64_t i = 0; i < g.n_out; ++i) o[i] = convert<T>(result[i]);
+  });
+}
+
+void CpuBackend::var(const Tensor& x, const std::vector<int64_t>& dims, int64_t correction, const Tensor& out) {
+  check_reduce_output("var", x, dims, out);
+  const ReduceGeometry g = make_geometry(x, dims);
+  dispatch_float(x.dtype(), "var", [&]<typename T>() {
+    using A = acc_t<T>;
+    // Two passes: the mean first, then the sum of squared deviations from it. One pass (E[x^2] - E[x]^2)
+    // cancels catastrophically when |mean| >> std; the second pass costs one more read of x.
+    std::vector<A> mean(static_cast<size_t>(g.n_out)), squares(static_cast<size_t>(g.n_out));
+    const T* in = x.data<T>();
+    reduce_into<T, A>(in, g, SumRule<A>{}, mean.data());
+    for (A& m : mean) m /= static_cast<A>(g.n_reduced);
+    reduce_into<T, A>(in, g, SquaredDeviationRule<A>{mean.data()}, squares.data());
+    // Divide by max(0, n - correction): n <= correction gives Inf or NaN, as in torch.
+    const A divisor = static_cast<A>(std::max<int64_t>(0, g.n_reduced - correction));
+    T* o = out.data<T>();
+    for (int64_t i = 0; i < g.n_out; ++i) o[i] = convert<T>(squares[i] / divisor);
+  });
+}
+
+void CpuBackend::softmax(const Tensor& x, int64_t dim, bool log, const Tensor& out) {
+  (void)x, (void)dim, (void)log, (void)out;
+  not_supported("cpu softmax (in progress)");
+}
+
+void CpuBackend::softmax_backward(const Tensor& y, const Tensor& grad_y, int64_t dim, bool log,
+                                  const Tensor& grad_x) {
+  (void)y, (void)grad_y, (void)dim, (void)log, (void)grad_x;
+  not_supported("cpu softmax_backward (in progress)");
+}
 
 }  // namespace mixtape::cpu

@@ -1,0 +1,266 @@
+// matmul: NumPy semantics (batch broadcasting, 1-d operands), every dtype against a plain double loop, strided
+// operands, gradients by finite differences, and the errors.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <vector>
+
+#include "autograd/autograd.h"
+#include "autograd/gradcheck.h"
+#include "tensor/ops.h"
+#include "test_util.h"
+
+using namespace mixtape;
+using mixtape::testing::all_close;
+using mixtape::testing::within_ulp;
+
+namespace {
+
+// The product of a [..., M, K] and b [..., K, N] (both >= 2-d) in double, with NumPy batch broadcasting,
+// computed from the operands' values by index arithmetic alone (never through mixtape ops).
+Tensor reference_matmul(const Tensor& a, const Tensor& b) {
+  const std::vector<double> av = a.to_vector<double>(), bv = b.to_vector<double>();
+  const Shape as(a.shape().begin(), a.shape().end() - 2), bs(b.shape().begin(), b.shape().end() - 2);
+  const int64_t M = a.size(-2), K = a.size(-1), N = b.size(-1);
+  const size_t n = std::max(as.size(), bs.size());
+  Shape batch(n);
+  for (size_t i = 0; i < n; ++i) {
+    const int64_t x = i + as.size() >= n ? as[i + as.size() - n] : 1;
+    const int64_t y = i + bs.size() >= n ? bs[i + bs.size() - n] : 1;
+    batch[i] = std::max(x, y);
+  }
+  int64_t count = 1;
+  for (int64_t s : batch) count *= s;
+  std::vector<double> out(static_cast<size_t>(count * M * N));
+  for (int64_t index = 0; index < count; ++index) {
+    // Row-major batch index -> the index into each operand's own (possibly size-1) batch dims.
+    int64_t rest = index, a_batch = 0, b_batch = 0, a_scale = 1, b_scale = 1;
+    for (size_t d = n; d-- > 0;) {
+      const int64_t i = rest % batch[d];
+      rest /= batch[d];
+      if (d + as.size() >= n) {
+        const int64_t size = as[d + as.size() - n];
+        a_batch += (size == 1 ? 0 : i) * a_scale;
+        a_scale *= size;
+      }
+      if (d + bs.size() >= n) {
+        const int64_t size = bs[d + bs.size() - n];
+        b_batch += (size == 1 ? 0 : i) * b_scale;
+        b_scale *= size;
+      }
+    }
+    for (int64_t i = 0; i < M; ++i)
+      for (int64_t j = 0; j < N; ++j) {
+        double total = 0;
+        for (int64_t k = 0; k < K; ++k)
+          total += av[static_cast<size_t>((a_batch * M + i) * K + k)] * bv[static_cast<size_t>((b_batch * K + k) * N + j)];
+        out[static_cast<size_t>((index * M + i) * N + j)] = total;
+      }
+  }
+  Shape shape = batch;
+  shape.push_back(M);
+  shape.push_back(N);
+  return Tensor::from_vector(out, shape, DType::F64);
+}
+
+// Fraction of elements of a 16-bit result that equal the correctly rounded reference exactly.
+double exact_fraction(const Tensor& actual, const Tensor& reference) {
+  const std::vector<double> got = actual.to_vector<double>(), want = reference.to_vector<double>();
+  size_t exact = 0;
+  for (size_t i = 0; i < got.size(); ++i) exact += got[i] == mixtape::testing::round_to(actual.dtype(), want[i]);
+  return static_cast<double>(exact) / static_cast<double>(got.size());
+}
+
+// Checks a product of positive data against the double reference with each dtype's bound:
+// - f16/bf16: 1 ulp (fp32 accumulation, one rounding; see LowPrecisionIsWithinOneUlpOfRoundedExactProduct);
+// - f32: relative 1e-5 (fp32 accumulation of K <= 256 positive terms: <= K * 2^-24 relative);
+// - f64: relative 1e-12 (the same products summed in another order).
+::testing::AssertionResult matches_reference(const Tensor& out, const Tensor& reference) {
+  switch (out.dtype()) {
+    case DType::F16:
+    case DType::BF16: return within_ulp(out, reference, 1);
+    case DType::F32: return all_close(out, reference, 0, 1e-5);
+    default: return all_close(out, reference, 0, 1e-12);
+  }
+}
+
+}  // namespace
+
+TEST(Matmul, F32MatchesDoubleLoopReference) {
+  // Positive data: no cancellation, so every element has a relative error bound. fp32 accumulation over
+  // K terms errs by at most about K * 2^-24 ~ 1.5e-5 relative in the worst case at K = 256 and by ~sqrt(K)
+  // * 2^-24 ~ 1e-6 typically; 1e-5 is the usual rel tolerance.
+  for (auto [M, K, N] : {std::tuple{37, 53, 29}, std::tuple{128, 256, 96}, std::tuple{1, 300, 1}}) {
+    const Tensor a = Tensor::rand({M, K}, 1), b = Tensor::rand({K, N}, 2);
+    const Tensor out = matmul(a, b);
+    EXPECT_EQ(out.dtype(), DType::F32);
+    EXPECT_TRUE(all_close(out, reference_matmul(a, b), 0, 1e-5)) << M << "x" << K << "x" << N;
+  }
+  // Signed data: the error is bounded by the sum of |a_ik b_kj| (<= K * 4^2 for |values| < 4), not |c_ij|.
+  const Tensor a = Tensor::randn({64, 200}, 3), b = Tensor::randn({200, 48}, 4);
+  EXPECT_TRUE(all_close(matmul(a, b), reference_matmul(a, b), 200 * 16 * 1e-7, 1e-5));
+}
+
+TEST(Matmul, F64IsExactToRounding) {
+  const Tensor a = Tensor::randn({33, 70}, 5, DType::F64), b = Tensor::randn({70, 41}, 6, DType::F64);
+  const Tensor out = matmul(a, b);
+  EXPECT_EQ(out.dtype(), DType::F64);
+  // Same products summed in a possibly different order: differences are a few ulp of the row's magnitude.
+  EXPECT_TRUE(all_close(out, reference_matmul(a, b), 1e-12, 1e-12));
+}
+
+TEST(Matmul, LowPrecisionIsWithinOneUlpOfRoundedExactProduct) {
+  // The inputs are rounded to the dtype first; the reference is the exact (f64) product of those rounded
+  // values, rounded once to the dtype. The kernel accumulates in fp32 and rounds once: with positive data
+  // the fp32 sum is within K * 2^-24 (< 7e-5 at K = 1024) relative of the exact one, far below half an ulp
+  // of bf16 (2^-9) or f16 (2^-12), so the stored value is the correctly rounded one unless the exact value
+  // lies within that distance of a rounding boundary, where it may land on the neighbour: at most 1 ulp.
+  // Rounding in the accumulator instead (a 16-bit sum) would be tens of ulps off at these K.
+  for (DType dtype : {DType::BF16, DType::F16}) {
+    for (auto [M, K, N] : {std::tuple{17, 64, 23}, std::tuple{96, 1024, 80}}) {
+      const Tensor a = Tensor::rand({M, K}, 7, dtype), b = Tensor::rand({K, N}, 8, dtype);
+      const Tensor out = matmul(a, b);
+      ASSERT_EQ(out.dtype(), dtype);
+      const Tensor reference = reference_matmul(a, b);
+      EXPECT_TRUE(within_ulp(out, reference, 1)) << dtype_name(dtype) << " K=" << K;
+      // Most elements are exactly the correctly rounded value (a test that a 1-ulp bound alone cannot make).
+      EXPECT_GT(exact_fraction(out, reference), 0.9) << dtype_name(dtype) << " K=" << K;
+    }
+  }
+}
+
+TEST(Matmul, BatchDimsBroadcastInEveryDtype) {
+  for (DType dtype : {DType::F32, DType::BF16, DType::F16, DType::F64}) {
+    const Tensor a = Tensor::rand({2, 1, 3, 4}, 9, dtype), b = Tensor::rand({5, 4, 2}, 10, dtype);
+    const Tensor out = matmul(a, b);
+    EXPECT_EQ(out.shape(), (Shape{2, 5, 3, 2}));
+    EXPECT_TRUE(matches_reference(out, reference_matmul(a, b))) << dtype_name(dtype);
+  }
+  // Broadcast on the other side, and a batch of one against a batch of many.
+  const Tensor a = Tensor::rand({6, 3, 5}, 11), b = Tensor::rand({1, 5, 7}, 12);
+  EXPECT_TRUE(all_close(matmul(a, b), reference_matmul(a, b), 0, 1e-6));
+  EXPECT_TRUE(all_close(matmul(b.mT(), a.mT()), reference_matmul(b.mT(), a.mT()), 0, 1e-6));
+}
+
+TEST(Matmul, SharedMatrixOverBatchIsOneLinearLayer) {
+  // x [B, T, C] @ W [C, N]: the batch folds into M inside the kernel.
+  for (DType dtype : {DType::F32, DType::BF16}) {
+    const Tensor x = Tensor::rand({4, 8, 48}, 13, dtype), w = Tensor::rand({48, 24}, 14, dtype);
+    const Tensor out = matmul(x, w);
+    EXPECT_EQ(out.shape(), (Shape{4, 8, 24}));
+    EXPECT_TRUE(matches_reference(out, reference_matmul(x, w))) << dtype_name(dtype);
+  }
+}
+
+TEST(Matmul, TransposedAndStridedOperandsNeedNoCopyAndGiveTheSameResult) {
+  for (DType dtype : {DType::F32, DType::BF16, DType::F16, DType::F64}) {
+    const Tensor at = Tensor::rand({40, 24}, 15, dtype), bt = Tensor::rand({36, 40}, 16, dtype);
+    const Tensor a = at.mT(), b = bt.mT();  // [24, 40] and [40, 36], column-major
+    EXPECT_TRUE(matches_reference(matmul(a, b), reference_matmul(a, b))) << dtype_name(dtype);
+    EXPECT_TRUE(matches_reference(matmul(a, bt.mT().contiguous()), reference_matmul(a, b))) << dtype_name(dtype);
+    // Batched transposes, and a last dim with stride 2 (no unit stride: packed before oneDNN).
+    const Tensor ab = Tensor::rand({3, 40, 24}, 17, dtype).mT(), bb = Tensor::rand({3, 36, 40}, 18, dtype).mT();
+    EXPECT_TRUE(matches_reference(matmul(ab, bb), reference_matmul(ab, bb))) << dtype_name(dtype);
+    const Tensor strided = Tensor::rand({24, 80}, 19, dtype).slice(1, 0, 80, 2);  // [24, 40], strides (80, 2)
+    EXPECT_TRUE(matches_reference(matmul(strided, b), reference_matmul(strided, b))) << dtype_name(dtype);
+    // A batch slice: batch stride larger than the matrix.
+    const Tensor every_other = Tensor::rand({6, 24, 40}, 20, dtype).slice(0, 0, 6, 2);
+    EXPECT_TRUE(matches_reference(matmul(every_other, b), reference_matmul(every_other, b))) << dtype_name(dtype);
+  }
+}
+
+TEST(Matmul, OneDimensionalOperandsFollowNumpy) {
+  const Tensor v = Tensor::rand({5}, 21), u = Tensor::rand({5}, 22), m = Tensor::rand({5, 3}, 23),
+               n = Tensor::rand({4, 5}, 24), batch = Tensor::rand({2, 5, 3}, 25);
+  const Tensor dot = matmul(v, u);
+  EXPECT_EQ(dot.shape(), Shape{});
+  EXPECT_TRUE(all_close(dot.reshape({1, 1}), reference_matmul(v.view({1, 5}), u.view({5, 1})), 0, 1e-6));
+  const Tensor vm = matmul(v, m);  // [5] @ [5, 3] -> [3]
+  EXPECT_EQ(vm.shape(), Shape{3});
+  EXPECT_TRUE(all_close(vm.view({1, 3}), reference_matmul(v.view({1, 5}), m), 0, 1e-6));
+  const Tensor nv = matmul(n, v);  // [4, 5] @ [5] -> [4]
+  EXPECT_EQ(nv.shape(), Shape{4});
+  EXPECT_TRUE(all_close(nv.view({4, 1}), reference_matmul(n, v.view({5, 1})), 0, 1e-6));
+  const Tensor vb = matmul(v, batch);  // [5] @ [2, 5, 3] -> [2, 3]
+  EXPECT_EQ(vb.shape(), (Shape{2, 3}));
+  EXPECT_TRUE(all_close(vb.view({2, 1, 3}), reference_matmul(v.view({1, 5}), batch), 0, 1e-6));
+  const Tensor bv = matmul(batch.mT(), u);  // [2, 3, 5] @ [5] -> [2, 3]
+  EXPECT_EQ(bv.shape(), (Shape{2, 3}));
+  EXPECT_TRUE(all_close(bv.view({2, 3, 1}), reference_matmul(batch.mT(), u.view({5, 1})), 0, 1e-6));
+}
+
+TEST(Matmul, MixedDtypesComputeInTheWiderOne) {
+  const Tensor a = Tensor::rand({3, 4}, 26, DType::BF16), b = Tensor::rand({4, 2}, 27, DType::F32);
+  const Tensor out = matmul(a, b);
+  EXPECT_EQ(out.dtype(), DType::F32);
+  EXPECT_TRUE(all_close(out, reference_matmul(a, b), 0, 1e-6));
+  EXPECT_EQ(matmul(Tensor::rand({3, 4}, 28, DType::F16), Tensor::rand({4, 2}, 29, DType::BF16)).dtype(), DType::F32);
+  EXPECT_EQ(matmul(Tensor::rand({3, 4}, 30, DType::F64), b).dtype(), DType::F64);
+}
+
+TEST(Matmul, EmptyInnerDimGivesZerosAndEmptyOuterDimGivesEmpty) {
+  EXPECT_EQ(matmul(Tensor::ones({3, 0}), Tensor::ones({0, 2})).to_vector<double>(), std::vector<double>(6, 0.0));
+  EXPECT_EQ(matmul(Tensor::ones({0, 4}), Tensor::ones({4, 2})).shape(), (Shape{0, 2}));
+  EXPECT_EQ(matmul(Tensor::ones({2, 0, 3, 4}), Tensor::ones({4, 2})).shape(), (Shape{2, 0, 3, 2}));
+}
+
+TEST(Matmul, RepeatedCallsReuseThePlanAndAgree) {
+  const Tensor a = Tensor::rand({64, 32}, 31), b = Tensor::rand({32, 16}, 32);
+  const std::vector<float> first = matmul(a, b).to_vector<float>();
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(matmul(a, b).to_vector<float>(), first);
+}
+
+// ---- gradients ---------------------------------------------------------------------------------------------
+
+TEST(MatmulGrad, MatchesFiniteDifferences) {
+  auto f = [](const std::vector<Tensor>& in) { return matmul(in[0], in[1]); };
+  EXPECT_TRUE(gradcheck(f, {Tensor::randn({3, 4}, 40), Tensor::randn({4, 5}, 41)}).ok);
+  // Transposed (non-contiguous) inputs.
+  auto ft = [](const std::vector<Tensor>& in) { return matmul(in[0].mT(), in[1].mT()); };
+  EXPECT_TRUE(gradcheck(ft, {Tensor::randn({4, 3}, 42), Tensor::randn({5, 4}, 43)}).ok);
+  // A linear layer: [B, T, C] @ [C, N] (the weight's gradient sums over B and T in one product).
+  const GradcheckResult linear = gradcheck(f, {Tensor::randn({2, 3, 4}, 44), Tensor::randn({4, 5}, 45)});
+  EXPECT_TRUE(linear.ok) << linear.message;
+  // Same batch on both sides.
+  EXPECT_TRUE(gradcheck(f, {Tensor::randn({2, 3, 4}, 46), Tensor::randn({2, 4, 5}, 47)}).ok);
+}
+
+TEST(MatmulGrad, OneDimensionalOperands) {
+  auto f = [](const std::vector<Tensor>& in) { return matmul(in[0], in[1]); };
+  EXPECT_TRUE(gradcheck(f, {Tensor::randn({4}, 48), Tensor::randn({4}, 49)}).ok);
+  EXPECT_TRUE(gradcheck(f, {Tensor::randn({4}, 50), Tensor::randn({4, 3}, 51)}).ok);
+  EXPECT_TRUE(gradcheck(f, {Tensor::randn({3, 4}, 52), Tensor::randn({4}, 53)}).ok);
+}
+
+TEST(MatmulGrad, BroadcastBatchDimsSumBack) {
+  auto f = [](const std::vector<Tensor>& in) { return matmul(in[0], in[1]); };
+  const GradcheckResult both = gradcheck(f, {Tensor::randn({2, 1, 3, 4}, 54), Tensor::randn({5, 4, 2}, 55)});
+  EXPECT_TRUE(both.ok) << both.message;
+  const GradcheckResult shared_a = gradcheck(f, {Tensor::randn({3, 4}, 56), Tensor::randn({2, 4, 2}, 57)});
+  EXPECT_TRUE(shared_a.ok) << shared_a.message;
+}
+
+TEST(MatmulGrad, GradientsKeepEachOperandsDtype) {
+  Tensor a = Tensor::rand({3, 4}, 58, DType::BF16).requires_grad_();
+  Tensor b = Tensor::rand({4, 2}, 59, DType::F32).requires_grad_();
+  backward({matmul(a, b)}, {Tensor::ones({3, 2})});
+  EXPECT_EQ(a.grad().dtype(), DType::BF16);
+  EXPECT_EQ(b.grad().dtype(), DType::F32);
+  // d/db sum(a @ b) = a^T @ ones: column sums of a.
+  const std::vector<double> av = a.to_vector<double>(), gb = b.grad().to_vector<double>();
+  for (int k = 0; k < 4; ++k)
+    EXPECT_NEAR(gb[static_cast<size_t>(k * 2)], av[k] + av[4 + k] + av[8 + k], 1e-6);
+}
+
+// ---- errors ------------------------------------------------------------------------------------------------
+
+TEST(MatmulErrors, NameTheOpTheShapesAndTheProblem) {
+  EXPECT_ERROR_MENTIONS(matmul(Tensor::ones({4, 3}), Tensor::ones({5, 2})), "matmul", "f32[4,3]", "f32[5,2]",
+                        "inner dims differ (3 vs 5)");
+  EXPECT_ERROR_MENTIONS(matmul(Tensor::ones({2, 3, 4}), Tensor::ones({3, 4, 2})), "matmul", "f32[2,3,4]",
+                        "f32[3,4,2]", "batch dims", "do not broadcast");
+  EXPECT_ERROR_MENTIONS(matmul(Tensor::ones({3}, DType::I64), Tensor::ones({3})), "matmul", "i64[3]", "floating");
+  EXPECT_ERROR_MENTIONS(matmul(Tensor::scalar(2), Tensor::ones({3})), "matmul", "f32[]", "at least 1 dim");
+  EXPECT_ERROR_MENTIONS(matmul(Tensor::ones({3}), Tensor::ones({4})), "matmul", "f32[3]", "f32[4]",
+                        "inner dims differ (3 vs 4)");
+}
