@@ -73,24 +73,39 @@ void map_binary(const Tensor& a, const Tensor& b, const Tensor& out, int64_t gra
 // ---- the math of each op ---------------------------------------------------------------------------------
 // A is the compute type. Formulas are chosen to avoid cancellation where the textbook form has it.
 
+// sigmoid(z) = 1 / (1 + e^-z) and 1 - sigmoid(z), both from e = e^-|z| in (0, 1], which never overflows:
+// for z < 0, sigmoid(z) = e / (1 + e). Each side keeps full relative accuracy, also deep in the tails where
+// 1 / (1 + e^-z) would overflow to 0 (z < -88 in float) and 1 - sigmoid(z) would cancel.
 template <class A>
-A sigmoid_of(A x) {
-  // 1 / (1 + e^-x): for x -> -inf, e^-x overflows to inf and the result is 0, the correct limit.
-  return A(1) / (A(1) + std::exp(-x));
+struct Logistic {
+  A s, one_minus_s;
+};
+
+template <class A>
+Logistic<A> logistic(A z) {
+  const A e = std::exp(-std::abs(z));
+  const A r = A(1) / (A(1) + e);
+  if (z >= A(0)) return {r, e * r};
+  return {e * r, r};
+}
+
+template <class A>
+A sigmoid_of(A z) {
+  return logistic(z).s;
 }
 
 // Exact GELU, x * Phi(x) with Phi the standard normal CDF: Phi(x) = (1 + erf(x/sqrt2)) / 2
-// = erfc(-x/sqrt2) / 2.
-// The erfc form is the same function without the cancellation of 1 + erf(z) for z << 0 (at x = -5 the erf
-// form loses ~18 of float's 24 bits).
+// = erfc(-x/sqrt2) / 2. The erfc form is the same function without the cancellation of 1 + erf(z) for
+// z << 0: at x = -5 the erf form keeps only ~3 of float's 24 bits, and below about x = -5.5 it returns 0
+// instead of a tiny negative value.
 template <class A>
 A gelu_erf_of(A x) {
   return A(0.5) * x * std::erfc(-x * A(std::numbers::sqrt2 / 2));
 }
 
 // GPT-2's tanh approximation 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3). Evaluated as
-// x * sigmoid(2u) = x / (1 + e^-2u), using 1 + tanh(u) = 2 sigmoid(2u): the same function, but without the
-// cancellation of 1 + tanh(u) for u << 0.
+// x * sigmoid(2u), using 1 + tanh(u) = 2 sigmoid(2u): the same function, but without the cancellation of
+// 1 + tanh(u) for u << 0.
 constexpr double kGeluTanhScale = 0.7978845608028654;  // sqrt(2 / pi)
 constexpr double kGeluTanhCubic = 0.044715;
 
@@ -106,12 +121,9 @@ A gelu_tanh_of(A x) {
 
 // d/dx of 0.5 x (1 + tanh u) = 0.5 (1 + tanh u) + 0.5 x (1 - tanh^2 u) u'. With s = sigmoid(2u):
 // 1 + tanh u = 2s and 1 - tanh^2 u = 4 s (1 - s), so it is s + 2 x s (1 - s) u', u' = sqrt(2/pi)(1 + 3c x^2).
-// 1 - s is computed as e^-2u * s, exact where s rounds to 1.
 template <class A>
 A gelu_tanh_derivative(A x) {
-  const A e = std::exp(A(-2) * gelu_tanh_inner(x));
-  const A s = A(1) / (A(1) + e);
-  const A one_minus_s = e * s;
+  const auto [s, one_minus_s] = logistic(A(2) * gelu_tanh_inner(x));
   const A du = A(kGeluTanhScale) * (A(1) + A(3 * kGeluTanhCubic) * x * x);
   return s + A(2) * x * s * one_minus_s * du;
 }
@@ -124,12 +136,11 @@ A gelu_erf_derivative(A x) {
   return cdf + x * pdf;
 }
 
-// d/dx x sigmoid(x) = s + x s (1 - s) with 1 - s = e^-x s (exact where s rounds to 1).
+// d/dx x sigmoid(x) = s + x s (1 - s).
 template <class A>
 A silu_derivative(A x) {
-  const A e = std::exp(-x);
-  const A s = A(1) / (A(1) + e);
-  return s + x * s * (e * s);
+  const auto [s, one_minus_s] = logistic(x);
+  return s + x * s * one_minus_s;
 }
 
 // x ^ p for a double exponent, in double. The exponents models use most take exact shortcuts that agree
