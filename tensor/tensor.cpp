@@ -423,10 +423,16 @@ Tensor Tensor::detach() const {
 
 namespace {
 
+// In-place ops record nothing on the tape, so with grad mode on they may only write tensors outside the
+// graph: changing a leaf would corrupt the values its gradient is taken at, and changing a non-leaf would
+// leave its recorded op in place, so the gradient would silently ignore the change.
 void check_inplace(const Tensor& t, const char* op) {
-  check(!(t.requires_grad() && t.is_leaf() && grad_enabled()), op,
-        ": in-place change of a leaf that requires grad (", t.description(),
+  if (!grad_enabled() || !t.requires_grad()) return;
+  check(!t.is_leaf(), op, ": in-place change of a leaf that requires grad (", t.description(),
         "); wrap it in NoGradGuard (optimizer steps) or use an out-of-place op");
+  fail(op, ": in-place change of ", t.description(), ", which requires grad (made by '", t.grad_fn()->op,
+       "'); in-place ops are not recorded on the tape, so its gradient would be wrong: use an out-of-place op, "
+       "or NoGradGuard if no gradient should flow through the change");
 }
 
 }  // namespace
