@@ -1,10 +1,13 @@
 // Views (share storage, compose, index the right elements), copies (contiguous, clone, to), in-place fill_ /
 // copy_, host access (item, str) and the errors of all of them. Expected values come from row-major index
 // arithmetic on an arange source, computed here without going through the view code.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <functional>
 #include <limits>
+#include <numeric>
+#include <random>
 #include <vector>
 
 #include "tensor/ops.h"
@@ -79,6 +82,63 @@ TEST(TensorViews, ViewOfNonContiguousSplitsDimsWhenStridesAllow) {
   const Tensor cols = iota({6, 4}).slice(1, 0, 2);  // [6,2] with row stride 4: not mergeable
   EXPECT_EQ(cols.view({6, 2, 1}).storage(), cols.storage());
   EXPECT_ERROR_MENTIONS(cols.view({12}), "view", "f32[6,2]", "[12]");
+}
+
+TEST(TensorViews, ViewSucceedsExactlyWhenAStridedLayoutExists) {
+  // Random non-contiguous sources (permuted, stepped slices of iota: value = storage offset) viewed as random
+  // shapes of the same size. Oracle: a view exists iff the strides read off the unit steps of the target
+  // shape reproduce every element's storage offset. view() must succeed exactly then, with the same values
+  // in the same row-major order, and throw otherwise.
+  std::mt19937 rng(3);
+  auto pick = [&](int low, int high) { return std::uniform_int_distribution<int>(low, high)(rng); };
+  int viewable = 0, not_viewable = 0;
+  for (int trial = 0; trial < 3000; ++trial) {
+    Shape base_shape(static_cast<size_t>(pick(1, 4)));
+    for (int64_t& s : base_shape) s = pick(1, 4);
+    Tensor t = iota(base_shape);
+    std::vector<int64_t> order(base_shape.size());
+    std::iota(order.begin(), order.end(), 0);
+    std::shuffle(order.begin(), order.end(), rng);
+    t = t.permute(order);
+    for (int64_t d = 0; d < t.dim(); ++d)
+      if (t.size(d) > 2 && pick(0, 2) == 0) t = t.slice(d, pick(0, 1), t.size(d), pick(1, 2));
+    // A random shape with t's element count: its prime factors spread over up to 4 dims, plus some 1s.
+    std::vector<int64_t> primes;
+    for (int64_t n = t.numel(), p = 2; n > 1; p += p == 2 ? 1 : 2)
+      while (n % p == 0) {
+        primes.push_back(p);
+        n /= p;
+      }
+    Shape target(static_cast<size_t>(pick(1, 4)), 1);
+    for (int64_t p : primes) target[static_cast<size_t>(pick(0, static_cast<int>(target.size()) - 1))] *= p;
+    if (pick(0, 2) == 0) target.insert(target.begin() + pick(0, static_cast<int>(target.size())), 1);
+
+    const std::vector<double> offsets = t.to_vector<double>();  // row-major storage offsets of t
+    const Strides unit = contiguous_strides(target);
+    bool exists = true;
+    std::vector<double> step(target.size(), 0);
+    for (size_t k = 0; k < target.size(); ++k)
+      if (target[k] > 1) step[k] = offsets[static_cast<size_t>(unit[k])] - offsets[0];
+    for (int64_t n = 0; n < t.numel() && exists; ++n) {
+      double predicted = offsets[0];
+      for (size_t k = 0; k < target.size(); ++k) predicted += static_cast<double>((n / unit[k]) % target[k]) * step[k];
+      exists = predicted == offsets[static_cast<size_t>(n)];
+    }
+    if (exists) {
+      ++viewable;
+      const Tensor v = t.view(target);
+      ASSERT_EQ(v.shape(), target);
+      ASSERT_EQ(v.storage(), t.storage());
+      ASSERT_EQ(v.to_vector<double>(), offsets) << t.description() << " strides " << shape_str(t.strides())
+                                                << " as " << shape_str(target);
+    } else {
+      ++not_viewable;
+      EXPECT_THROW(t.view(target), Error) << t.description() << " strides " << shape_str(t.strides()) << " as "
+                                          << shape_str(target);
+    }
+  }
+  EXPECT_GT(viewable, 500);  // both outcomes are well represented
+  EXPECT_GT(not_viewable, 500);
 }
 
 TEST(TensorViews, TransposeAndPermuteMoveIndices) {
@@ -269,6 +329,45 @@ TEST(TensorInPlace, CopyBroadcastsAndConverts) {
   const uint64_t version = ints.version();
   ints.copy_(Tensor::zeros({2}, DType::I64));
   EXPECT_GT(ints.version(), version);
+}
+
+TEST(TensorInPlace, CopyBetweenRandomStridedViewsKeepsLogicalOrder) {
+  // Source and destination are independently permuted, stepped views; some are large enough for the
+  // parallel strided loop, which splits the element range across threads in the middle of rows.
+  std::mt19937 rng(17);
+  auto pick = [&](int low, int high) { return std::uniform_int_distribution<int>(low, high)(rng); };
+  auto permutation = [&](size_t n) {
+    std::vector<int64_t> order(n);
+    std::iota(order.begin(), order.end(), 0);
+    std::shuffle(order.begin(), order.end(), rng);
+    return order;
+  };
+  for (int trial = 0; trial < 300; ++trial) {
+    const bool large = trial % 60 == 0;
+    Shape shape(static_cast<size_t>(pick(1, 4)));
+    for (int64_t& s : shape) s = pick(1, 5);
+    if (large) shape = {static_cast<int64_t>(pick(2, 3)), 1, static_cast<int64_t>(pick(40'000, 50'000))};
+    // Source: arange(1, n + 1) laid out in a permuted order, read through the inverse permutation.
+    const std::vector<int64_t> order = permutation(shape.size());
+    Shape stored(shape.size());
+    for (size_t k = 0; k < shape.size(); ++k) stored[static_cast<size_t>(order[k])] = shape[k];
+    // stored dim order[k] holds view dim k, so view dim k = stored dim order[k]: permute(order).
+    const Tensor src = Tensor::arange(1, static_cast<double>(shape_numel(shape)) + 1, 1, DType::F64)
+                           .view(stored).permute(order);
+    ASSERT_EQ(src.shape(), shape);
+    // Destination: every dim of a zero base twice as long, sliced with step 2 and permuted the same way.
+    const std::vector<int64_t> dst_order = permutation(shape.size());
+    Shape dst_stored(shape.size());
+    for (size_t k = 0; k < shape.size(); ++k) dst_stored[static_cast<size_t>(dst_order[k])] = 2 * shape[k];
+    const Tensor base = Tensor::zeros(dst_stored, large ? DType::F64 : DType::F32);
+    Tensor dst = base.permute(dst_order);
+    for (int64_t d = 0; d < dst.dim(); ++d) dst = dst.slice(d, pick(0, 1), dst.size(d), 2);
+    ASSERT_EQ(dst.shape(), shape);
+    dst.copy_(src);
+    ASSERT_EQ(dst.to_vector<double>(), src.to_vector<double>()) << "trial " << trial;
+    const std::vector<double> all = base.to_vector<double>();
+    EXPECT_EQ(std::count_if(all.begin(), all.end(), [](double v) { return v != 0; }), src.numel()) << trial;
+  }
 }
 
 // ---- host access ------------------------------------------------------------------------------------------
