@@ -112,6 +112,14 @@ void backward(const std::vector<Tensor>& outputs, const std::vector<Tensor>& gra
       grads = node->backward(grad_output);
       check(grads.size() == node->inputs.size(), "backward: '", node->op, "' returned ", grads.size(),
             " gradients for ", node->inputs.size(), " inputs");
+      // Blame a misshapen gradient on the op that returned it (the consumer), not on its input.
+      for (size_t i = 0; i < grads.size(); ++i) {
+        const Edge& edge = node->inputs[i];
+        if (!grads[i].defined() || (!edge.node && !edge.leaf)) continue;
+        const Shape& expected = edge.node ? edge.node->output_shape : edge.leaf->shape;
+        check(grads[i].shape() == expected, "backward: '", node->op, "' returned a gradient ",
+              grads[i].description(), " for input ", i, " of shape ", shape_str(expected));
+      }
     }
     node->backward = nullptr;  // frees the saved tensors
     node->saved.clear();

@@ -7,6 +7,22 @@ thread_local bool grad_mode = true;
 }
 
 bool grad_enabled() { return grad_mode; }
+
+Node::~Node() {
+  std::vector<std::shared_ptr<Node>> pending;
+  for (Edge& edge : inputs)
+    if (edge.node) pending.push_back(std::move(edge.node));
+  while (!pending.empty()) {
+    std::shared_ptr<Node> node = std::move(pending.back());
+    pending.pop_back();
+    if (node.use_count() != 1) continue;  // someone else keeps it alive
+    // This is the last reference: take its inputs (and drop its closure, whose captured tensors may own
+    // further nodes) before it dies, so its own destructor has nothing left to recurse into.
+    for (Edge& edge : node->inputs)
+      if (edge.node) pending.push_back(std::move(edge.node));
+    node->backward = nullptr;
+  }
+}
 NoGradGuard::NoGradGuard() : previous_(grad_mode) { grad_mode = false; }
 NoGradGuard::~NoGradGuard() { grad_mode = previous_; }
 

@@ -35,6 +35,9 @@ struct Node {
   Shape output_shape;
   DType output_dtype = DType::F32;
   Device output_device;
+  // Releases the chain of input nodes iteratively: the implicit destructor recursed once per node and
+  // overflowed the stack on graphs ~10^5..10^6 ops deep.
+  ~Node();
 };
 
 // Grad mode is thread-local: on by default, off inside a NoGradGuard and while backward runs.

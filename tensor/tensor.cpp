@@ -22,6 +22,14 @@ void check_shape(const Shape& shape, const char* op) {
     check(s >= 0, op, ": negative size in shape ", shape_str(shape));
 }
 
+// normalize_dim for a dim of `t` (or of a result with `ndim` dims), naming the tensor in the error.
+int64_t dim_of(const Tensor& t, int64_t dim, const char* op, int64_t ndim = -1) {
+  if (ndim < 0) ndim = t.dim();
+  check(dim >= -ndim && dim < ndim, op, ": dim ", dim, " is out of range for ", t.description(), " (expected ",
+        -ndim, "..", ndim - 1, ")");
+  return dim < 0 ? dim + ndim : dim;
+}
+
 }  // namespace
 
 Tensor Tensor::empty(const Shape& shape, DType dtype, Device device) {
@@ -107,8 +115,8 @@ TensorImpl& Tensor::impl() const {
   return *impl_;
 }
 
-int64_t Tensor::size(int64_t d) const { return impl().shape[normalize_dim(d, dim(), "size")]; }
-int64_t Tensor::stride(int64_t d) const { return impl().strides[normalize_dim(d, dim(), "stride")]; }
+int64_t Tensor::size(int64_t d) const { return impl().shape[dim_of(*this, d, "size")]; }
+int64_t Tensor::stride(int64_t d) const { return impl().strides[dim_of(*this, d, "stride")]; }
 
 bool Tensor::is_contiguous() const {
   int64_t expected = 1;
@@ -126,7 +134,8 @@ void* Tensor::data_ptr() const {
 }
 
 void Tensor::check_dtype(DType expected, const char* what) const {
-  check(dtype() == expected, what, ": tensor is ", dtype_name(dtype()), ", expected ", dtype_name(expected));
+  check(dtype() == expected, what, ": tensor ", description(), " has dtype ", dtype_name(dtype()), ", expected ",
+        dtype_name(expected));
 }
 
 std::string Tensor::description() const {
@@ -171,10 +180,11 @@ Shape infer_shape(const Shape& requested, int64_t numel, const char* op, const T
   int64_t known = 1, unknown = -1;
   for (size_t i = 0; i < shape.size(); ++i) {
     if (shape[i] == -1) {
-      check(unknown < 0, op, ": only one dim may be -1 in ", shape_str(requested));
+      check(unknown < 0, op, ": only one dim may be -1 in ", shape_str(requested), " (for ", t.description(), ")");
       unknown = static_cast<int64_t>(i);
     } else {
-      check(shape[i] >= 0, op, ": invalid size in ", shape_str(requested));
+      check(shape[i] >= 0, op, ": invalid size ", shape[i], " in ", shape_str(requested), " (for ", t.description(),
+            ")");
       known *= shape[i];
     }
   }
@@ -250,7 +260,7 @@ Tensor Tensor::reshape(const Shape& requested) const {
 }
 
 Tensor Tensor::transpose(int64_t dim0, int64_t dim1) const {
-  const int64_t a = normalize_dim(dim0, dim(), "transpose"), b = normalize_dim(dim1, dim(), "transpose");
+  const int64_t a = dim_of(*this, dim0, "transpose"), b = dim_of(*this, dim1, "transpose");
   Shape shape = this->shape();
   Strides strides = this->strides();
   std::swap(shape[a], shape[b]);
@@ -267,8 +277,8 @@ Tensor Tensor::permute(const std::vector<int64_t>& dims) const {
   Shape shape(dims.size());
   Strides strides(dims.size());
   for (size_t i = 0; i < dims.size(); ++i) {
-    const int64_t d = normalize_dim(dims[i], dim(), "permute");
-    check(!seen[d], "permute: dim ", d, " repeated in ", shape_str(dims));
+    const int64_t d = dim_of(*this, dims[i], "permute");
+    check(!seen[d], "permute: dim ", d, " repeated in ", shape_str(dims), " (for ", description(), ")");
     seen[d] = true;
     order[i] = d;
     inverse[d] = static_cast<int64_t>(i);
@@ -281,8 +291,8 @@ Tensor Tensor::permute(const std::vector<int64_t>& dims) const {
 }
 
 Tensor Tensor::slice(int64_t d, int64_t start, int64_t end, int64_t step) const {
-  d = normalize_dim(d, dim(), "slice");
-  check(step > 0, "slice: step must be positive, got ", step);
+  d = dim_of(*this, d, "slice");
+  check(step > 0, "slice: step must be positive, got ", step, " (dim ", d, " of ", description(), ")");
   const int64_t n = shape()[d];
   auto clamp = [n](int64_t i) { return std::clamp(i < 0 ? i + n : i, int64_t{0}, n); };
   start = clamp(start);
@@ -303,7 +313,7 @@ Tensor Tensor::slice(int64_t d, int64_t start, int64_t end, int64_t step) const 
 }
 
 Tensor Tensor::narrow(int64_t d, int64_t start, int64_t length) const {
-  d = normalize_dim(d, dim(), "narrow");
+  d = dim_of(*this, d, "narrow");
   const int64_t n = shape()[d];
   if (start < 0) start += n;
   check(start >= 0 && length >= 0 && start + length <= n, "narrow: [", start, ", ", start + length,
@@ -312,7 +322,7 @@ Tensor Tensor::narrow(int64_t d, int64_t start, int64_t length) const {
 }
 
 Tensor Tensor::select(int64_t d, int64_t index) const {
-  d = normalize_dim(d, dim(), "select");
+  d = dim_of(*this, d, "select");
   const int64_t n = shape()[d];
   check(index >= -n && index < n, "select: index ", index, " is out of range for dim ", d, " of ", description());
   if (index < 0) index += n;
@@ -327,14 +337,15 @@ Tensor Tensor::expand(const Shape& requested) const {
   Strides strides(requested.size());
   for (size_t i = 0; i < requested.size(); ++i) {
     if (i < lead) {
-      check(requested[i] >= 0, "expand: new leading dim ", i, " must be >= 0 in ", shape_str(requested));
+      check(requested[i] >= 0, "expand: new leading dim ", i, " must be >= 0 in ", shape_str(requested), " (for ",
+            description(), ")");
       shape[i] = requested[i];
       strides[i] = 0;
       continue;
     }
     const int64_t have = this->shape()[i - lead];
     const int64_t want = requested[i] == -1 ? have : requested[i];
-    check(want == have || have == 1, "expand: cannot expand ", description(), " to ", shape_str(requested),
+    check(want >= 0 && (want == have || have == 1), "expand: cannot expand ", description(), " to ", shape_str(requested),
           " (dim ", i, ": ", have, " -> ", want, ")");
     shape[i] = want;
     strides[i] = want == have ? this->strides()[i - lead] : 0;
@@ -346,7 +357,7 @@ Tensor Tensor::expand(const Shape& requested) const {
 }
 
 Tensor Tensor::unsqueeze(int64_t d) const {
-  d = normalize_dim(d, dim() + 1, "unsqueeze");
+  d = dim_of(*this, d, "unsqueeze", dim() + 1);
   Shape shape = this->shape();
   Strides strides = this->strides();
   const int64_t stride = d < dim() ? strides[d] * shape[d] : 1;
@@ -358,7 +369,7 @@ Tensor Tensor::unsqueeze(int64_t d) const {
 }
 
 Tensor Tensor::squeeze(int64_t d) const {
-  d = normalize_dim(d, dim(), "squeeze");
+  d = dim_of(*this, d, "squeeze");
   if (shape()[d] != 1) return *this;
   Shape shape = this->shape();
   Strides strides = this->strides();
@@ -412,10 +423,16 @@ Tensor Tensor::detach() const {
 
 namespace {
 
+// In-place ops record nothing on the tape, so with grad mode on they may only write tensors outside the
+// graph: changing a leaf would corrupt the values its gradient is taken at, and changing a non-leaf would
+// leave its recorded op in place, so the gradient would silently ignore the change.
 void check_inplace(const Tensor& t, const char* op) {
-  check(!(t.requires_grad() && t.is_leaf() && grad_enabled()), op,
-        ": in-place change of a leaf that requires grad (", t.description(),
+  if (!grad_enabled() || !t.requires_grad()) return;
+  check(!t.is_leaf(), op, ": in-place change of a leaf that requires grad (", t.description(),
         "); wrap it in NoGradGuard (optimizer steps) or use an out-of-place op");
+  fail(op, ": in-place change of ", t.description(), ", which requires grad (made by '", t.grad_fn()->op,
+       "'); in-place ops are not recorded on the tape, so its gradient would be wrong: use an out-of-place op, "
+       "or NoGradGuard if no gradient should flow through the change");
 }
 
 }  // namespace
@@ -429,6 +446,7 @@ Tensor& Tensor::fill_(double value) {
 
 Tensor& Tensor::copy_(const Tensor& src) {
   check_inplace(*this, "copy_");
+  check(src.defined(), "copy_: source is undefined (destination ", description(), ")");
   check(src.device() == device(), "copy_: source on ", src.device(), ", destination on ", device());
   const Shape shape = broadcast_shapes(src.shape(), this->shape(), "copy_");
   check(shape == this->shape(), "copy_: source ", src.description(), " does not broadcast to destination ",
@@ -480,31 +498,36 @@ template std::vector<int64_t> Tensor::to_vector<int64_t>() const;
 std::string Tensor::str() const {
   if (!defined()) return "tensor(undefined)";
   std::ostringstream out;
-  const std::vector<double> values = to_vector<double>();
+  const bool floating = is_floating(dtype());
+  // Integers are read as int64 (a double would print 2^53 + 1 and INT64_MAX wrongly).
+  const std::vector<double> values = floating ? to_vector<double>() : std::vector<double>{};
+  const std::vector<int64_t> integers = floating ? std::vector<int64_t>{} : to_vector<int64_t>();
   const Shape& s = shape();
   constexpr size_t kEdge = 3;  // elements shown at each end of a long dim
   out << "tensor(";
   // Recursive printer over dims, eliding the middle of dims longer than 2*kEdge.
   std::vector<int64_t> row_stride(s.size(), 1);
   for (size_t i = s.size(); i-- > 1;) row_stride[i - 1] = row_stride[i] * s[i];
-  const bool floating = is_floating(dtype());
-  auto print_value = [&](double v) {
-    if (!floating) out << static_cast<int64_t>(v);
-    else if (std::isnan(v)) out << "nan";
+  auto print_value = [&](int64_t i) {
+    if (!floating) { out << integers[i]; return; }
+    const double v = values[i];
+    if (std::isnan(v)) out << "nan";
     else if (std::isinf(v)) out << (v > 0 ? "inf" : "-inf");
     else out << std::setprecision(6) << v;
   };
   auto print = [&](auto&& self, size_t d, int64_t base) -> void {
-    if (d == s.size()) { print_value(values[base]); return; }
+    if (d == s.size()) { print_value(base); return; }
     out << '[';
+    // Between elements of the last dim ", "; between rows of an outer dim a newline aligned under the '['.
+    const std::string separator = d + 1 == s.size() ? ", " : ",\n" + std::string(d + 8, ' ');
     for (int64_t i = 0; i < s[d]; ++i) {
       if (s[d] > int64_t{2 * kEdge} && i == int64_t{kEdge}) {
-        out << "..., ";
+        out << "..." << separator;
         i = s[d] - kEdge - 1;
         continue;
       }
       self(self, d + 1, base + i * row_stride[d]);
-      if (i + 1 < s[d]) out << (d + 1 == s.size() ? ", " : ",\n" + std::string(d + 8, ' '));
+      if (i + 1 < s[d]) out << separator;
     }
     out << ']';
   };
