@@ -28,7 +28,7 @@ const char* dtype_name(DType dtype) {
 DType promote(DType a, DType b) {
   if (a == b) return a;
   check(is_floating(a) && is_floating(b), "promote: cannot combine ", dtype_name(a), " with ", dtype_name(b),
-        " (mixing integer and floating tensors needs an explicit to())");
+        " (only floating dtypes promote; convert with an explicit to())");
   if (a == DType::F64 || b == DType::F64) return DType::F64;
   return DType::F32;  // f32 with anything narrower, or f16 with bf16
 }

@@ -497,6 +497,7 @@ TEST(DType, PromoteGivesTheWiderFloatingTypeSymmetrically) {
   EXPECT_EQ(promote(DType::I64, DType::I64), DType::I64);
   EXPECT_ERROR_MENTIONS(promote(DType::I32, DType::F32), "promote", "i32", "f32");
   EXPECT_ERROR_MENTIONS(promote(DType::F16, DType::I64), "promote", "f16", "i64");
+  EXPECT_ERROR_MENTIONS(promote(DType::I32, DType::I64), "promote", "i32", "i64", "to()");
 }
 
 TEST(DType, ConvertBetweenIntegersAndFloats) {
