@@ -358,6 +358,24 @@ TEST(Dropout, MatchesTheCounterBasedDefinitionInEveryDtype) {
   }
 }
 
+TEST(Dropout, KeepsExactlyTheElementsWhoseUniformIsAtLeastP) {
+  // Take an element whose uniform u (a multiple of 2^-24) is >= 0.5, where float spacing is 2^-24 too:
+  // p = u keeps it, p = u + 2^-26 (which rounds to u in float) must drop it.
+  const uint64_t seed = 11;
+  int64_t index = 0;
+  float u = 0;
+  for (; index < 100; ++index) {
+    u = uniform_from_bits(philox4x32(static_cast<uint64_t>(index), 0, seed)[0]);
+    if (u >= 0.5f) break;
+  }
+  ASSERT_GE(u, 0.5f);
+  for (double p : {static_cast<double>(u), static_cast<double>(u) + 0x1p-26}) {
+    Generator generator(seed);
+    const double kept = dropout(Tensor::ones({index + 1}, DType::F64), p, generator).to_vector<double>()[index];
+    EXPECT_EQ(kept != 0, static_cast<double>(u) >= p) << "p - u = " << p - u;
+  }
+}
+
 TEST(Dropout, FractionDroppedIsNearP) {
   const int64_t n = 1 << 20;
   Generator generator(99);
