@@ -444,6 +444,16 @@ TEST(Softmax, RowsSumToOneAndLargeInputsDoNotOverflow) {
   EXPECT_EQ(masked, (std::vector<double>{0.5, 0, 0.5}));
 }
 
+TEST(Softmax, WidelySpreadLogitsKeepTheirRelativeAccuracy) {
+  // Logits in [-80, 0): probabilities down to e^-80 ~ 2e-35 (still normal floats). Each exp(x - m) inherits
+  // the rounding of x - m, |x - m| u/2 <= 40 * 2^-24 ~ 2.4e-6 relative, plus a few ulp: bound 4e-6.
+  const Tensor x = uniform_tensor({8, 200}, 86, -80, 0, DType::F32);
+  const Tensor reference = Tensor::from_vector(reference_softmax(x, 1, false), {8, 200}, DType::F64);
+  EXPECT_TRUE(all_close(softmax(x, 1), reference, 0, 4e-6));
+  const Tensor log_reference = Tensor::from_vector(reference_softmax(x, 1, true), {8, 200}, DType::F64);
+  EXPECT_TRUE(all_close(log_softmax(x, 1), log_reference, 0, 1e-6));
+}
+
 TEST(Softmax, NonContiguousInput) {
   const Tensor base = uniform_tensor({5, 4, 6}, 82, -3, 3, DType::F64);
   const Tensor x = base.permute({2, 0, 1});  // [6, 5, 4], strided
