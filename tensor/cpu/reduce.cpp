@@ -10,6 +10,9 @@
 // pairwise. The chunking depends only on the shape, never on the thread count, so results are bitwise the
 // same with 1 or 2 threads, and the rounding error grows like (chunk + log2(chunks)) eps instead of n eps.
 // f16/bf16 accumulate in float, f64 in double, and every result is rounded once on store.
+//
+// softmax / log_softmax work row by row along their dim (the row max subtracted first), with their own
+// backward kernels.
 #include <omp.h>
 
 #include <algorithm>
@@ -179,6 +182,7 @@ inline A lane_sum(int64_t n, Term&& term) {
     for (int64_t l = 0; l < width; ++l) lanes[l] += lanes[l + width];
   return lanes[0] + tail;
 }
+
 constexpr int64_t kRowChunk = 8192;    // reduced elements per partial result in row mode
 constexpr int64_t kColumnChunk = 128;  // reduced rows per partial result in column mode
 constexpr int64_t kColumnBlock = 256;  // outputs accumulated side by side in column mode
