@@ -18,16 +18,10 @@
 using namespace mixtape;
 using mixtape::testing::all_close;
 using mixtape::testing::within_ulp;
+using mixtape::testing::kFloatDtypes;
+using mixtape::testing::uniform_tensor;
 
 namespace {
-
-const std::vector<DType> kFloatDtypes = {DType::F32, DType::F16, DType::BF16, DType::F64};
-
-Tensor uniform_tensor(const Shape& shape, uint64_t seed, double low, double high, DType dtype) {
-  std::vector<double> values = Tensor::rand(shape, seed, DType::F64).to_vector<double>();
-  for (double& v : values) v = low + (high - low) * v;
-  return Tensor::from_vector(values, shape, dtype);
-}
 
 void expect_gradcheck(const std::function<Tensor(const std::vector<Tensor>&)>& f,
                       const std::vector<Tensor>& inputs) {

@@ -16,18 +16,10 @@
 using namespace mixtape;
 using mixtape::testing::all_close;
 using mixtape::testing::within_ulp;
+using mixtape::testing::kFloatDtypes;
+using mixtape::testing::uniform_tensor;
 
 namespace {
-
-const std::vector<DType> kFloatDtypes = {DType::F32, DType::F16, DType::BF16, DType::F64};
-
-// Values drawn uniformly from [low, high) and rounded to dtype: the tensor holds exactly what the reference
-// reads back with to_vector<double>().
-Tensor uniform_tensor(const Shape& shape, uint64_t seed, double low, double high, DType dtype) {
-  std::vector<double> values = Tensor::rand(shape, seed, DType::F64).to_vector<double>();
-  for (double& v : values) v = low + (high - low) * v;
-  return Tensor::from_vector(values, shape, dtype);
-}
 
 // Plain C++ reference for a reduction over `dims` (normalised) of row-major values, accumulated in long
 // double so that it is accurate beyond f64. `combine` folds one element into the running value.

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "tensor/cpu/cpu_backend.h"
+#include "tensor/cpu/lane_sum.h"
 #include "tensor/cpu/strided.h"
 
 namespace mixtape::cpu {
@@ -167,21 +168,6 @@ A combine_pairwise(const A* p, int64_t n, int64_t stride, const Rule& rule) {
                       combine_pairwise(p + half * stride, n - half, stride, rule));
 }
 
-constexpr int64_t kLanes = 16;  // independent accumulators in a contiguous run (one or two SIMD registers)
-
-// sum_{j < n} term(j) with kLanes independent partial sums (vectorisable; shorter rounding chains).
-template <class A, class Term>
-inline A lane_sum(int64_t n, Term&& term) {
-  A lanes[kLanes] = {};
-  int64_t j = 0;
-  for (; j + kLanes <= n; j += kLanes)
-    for (int64_t l = 0; l < kLanes; ++l) lanes[l] += term(j + l);
-  A tail = 0;
-  for (; j < n; ++j) tail += term(j);
-  for (int64_t width = kLanes / 2; width > 0; width /= 2)
-    for (int64_t l = 0; l < width; ++l) lanes[l] += lanes[l + width];
-  return lanes[0] + tail;
-}
 
 constexpr int64_t kRowChunk = 8192;    // reduced elements per partial result in row mode
 constexpr int64_t kColumnChunk = 128;  // reduced rows per partial result in column mode
