@@ -119,6 +119,7 @@ int64_t Tensor::size(int64_t d) const { return impl().shape[dim_of(*this, d, "si
 int64_t Tensor::stride(int64_t d) const { return impl().strides[dim_of(*this, d, "stride")]; }
 
 bool Tensor::is_contiguous() const {
+  if (numel() == 0) return true;  // no element to lay out: any strides will do
   int64_t expected = 1;
   for (int64_t i = dim() - 1; i >= 0; --i) {
     const int64_t s = impl().shape[i];
