@@ -21,23 +21,27 @@ struct AdamScalars {
   A beta1, one_minus_beta1, beta2, one_minus_beta2, eps;
   A step_size;              // lr / (1 - beta1^t)
   A bias_correction2_sqrt;  // sqrt(1 - beta2^t)
-  A weight_decay;           // Adam: the L2 coefficient added to the gradient (0 for AdamW)
-  A decay_factor;           // AdamW: 1 - lr * weight_decay (1 for Adam)
+  A weight_decay;           // Adam: the L2 coefficient added to the gradient
+  A decay_factor;           // AdamW: 1 - lr * weight_decay
 };
+
+enum class WeightDecay { None, L2, Decoupled };
 
 // One Adam/AdamW update of n contiguous elements (llm.c's adamw_update, with Adam's L2 variant). T is the
 // parameter's type, A (= acc_t<T>) the type the update computes in and the moments are kept in; the
-// parameter is rounded to T once, on store.
-template <class T>
+// parameter is rounded to T once, on store. The weight-decay form is a template argument so the loop has
+// no branches and vectorises (omp simd: v >= 0, so sqrt never takes its errno path). Each element's result
+// depends only on that element, so any thread count and vector width give the same bits.
+template <class T, WeightDecay kDecay>
 void adam_update(T* param, const T* grad, acc_t<T>* exp_avg, acc_t<T>* exp_avg_sq, int64_t n,
                  const AdamScalars<acc_t<T>>& s) {
   using A = acc_t<T>;
-#pragma omp parallel for schedule(static) if (n >= 2 * cpu::kParallelGrain)
+#pragma omp parallel for simd schedule(static) if (n >= 2 * cpu::kParallelGrain)
   for (int64_t i = 0; i < n; ++i) {
     A p = convert<A>(param[i]);
     A g = convert<A>(grad[i]);
-    if (s.decay_factor != 1) p = p * s.decay_factor;      // AdamW: decoupled decay, before the Adam step
-    if (s.weight_decay != 0) g = g + s.weight_decay * p;  // Adam: L2 penalty folded into the gradient
+    if constexpr (kDecay == WeightDecay::Decoupled) p = p * s.decay_factor;  // AdamW, before the Adam step
+    if constexpr (kDecay == WeightDecay::L2) g = g + s.weight_decay * p;  // Adam: L2 folded into the gradient
     const A m = s.beta1 * exp_avg[i] + s.one_minus_beta1 * g;
     const A v = s.beta2 * exp_avg_sq[i] + s.one_minus_beta2 * (g * g);
     exp_avg[i] = m;
@@ -80,10 +84,20 @@ void Adam::update(const ParamGroup& group, const Tensor& param, const Tensor& gr
     s.eps = static_cast<A>(options_.eps);
     s.step_size = static_cast<A>(group.lr / bias_correction1);
     s.bias_correction2_sqrt = static_cast<A>(std::sqrt(bias_correction2));
-    s.weight_decay = static_cast<A>(decoupled_weight_decay_ ? 0 : group.weight_decay);
-    s.decay_factor = static_cast<A>(decoupled_weight_decay_ ? 1 - group.lr * group.weight_decay : 1);
-    adam_update<T>(param.data<T>(), grad.data<T>(), state.buffers.at("exp_avg").data<A>(),
-                   state.buffers.at("exp_avg_sq").data<A>(), param.numel(), s);
+    s.weight_decay = static_cast<A>(group.weight_decay);
+    s.decay_factor = static_cast<A>(1 - group.lr * group.weight_decay);
+    T* p = param.data<T>();
+    const T* g = grad.data<T>();
+    A* m = state.buffers.at("exp_avg").data<A>();
+    A* v = state.buffers.at("exp_avg_sq").data<A>();
+    const int64_t n = param.numel();
+    // As PyTorch, a zero weight decay skips the decay (AdamW's factor would be exactly 1 anyway).
+    if (group.weight_decay == 0)
+      adam_update<T, WeightDecay::None>(p, g, m, v, n, s);
+    else if (decoupled_weight_decay_)
+      adam_update<T, WeightDecay::Decoupled>(p, g, m, v, n, s);
+    else
+      adam_update<T, WeightDecay::L2>(p, g, m, v, n, s);
   });
 }
 
