@@ -6,6 +6,7 @@
 
 #include "tensor/autograd_node.h"
 #include "tensor/cpu/strided.h"  // kParallelGrain
+#include "tensor/ops.h"
 
 namespace mixtape {
 
@@ -74,8 +75,15 @@ void clip_grads_with_norm(const std::vector<Tensor>& params, double max_norm, do
   if (!(clip_coef < 1)) return;
   NoGradGuard no_grad;
   for (const Tensor& param : params) {
-    Tensor grad = param.grad();
-    if (grad.defined()) grad.mul_(clip_coef);  // in place: the handle shares the grad's storage
+    const Tensor grad = param.grad();
+    if (!grad.defined()) continue;
+    if (grad.is_contiguous()) {
+      Tensor(grad).mul_(clip_coef);  // in place, as PyTorch: whoever holds the gradient sees it scaled
+    } else {
+      // A set_grad() view may alias itself (a broadcast has stride 0): scaling it in place would scale the
+      // shared elements once per alias, so it is replaced by a scaled copy.
+      Tensor(param).set_grad(mul(grad, clip_coef));
+    }
   }
 }
 

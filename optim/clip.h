@@ -23,7 +23,9 @@ double grad_squared_norm(const std::vector<Tensor>& params);
 // sqrt(grad_squared_norm(params)): what the trainer logs as grad_norm.
 double grad_norm(const std::vector<Tensor>& params);
 // Scales the gradients for a given total norm (max_norm / (total_norm + 1e-6) when that is < 1). Does nothing
-// when total_norm is not finite. Each element is multiplied in double and rounded once to its dtype.
+// when total_norm is not finite. Each element is multiplied in double and rounded once to its dtype. A
+// contiguous gradient is scaled in place; a non-contiguous one (possibly a self-aliasing broadcast view
+// given to set_grad) is replaced by a scaled contiguous copy.
 void clip_grads_with_norm(const std::vector<Tensor>& params, double max_norm, double total_norm);
 // The two above: returns the total norm before clipping. max_norm must be finite and > 0.
 double clip_grad_norm(const std::vector<Tensor>& params, double max_norm, bool error_if_nonfinite = false);

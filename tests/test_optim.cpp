@@ -756,6 +756,15 @@ TEST(ClipGradNorm, AtExactlyMaxNormScalesByTheFactorJustBelowOneAsPyTorchDoes) {
   EXPECT_LT(values(a.grad())[0], 3.0);
 }
 
+TEST(ClipGradNorm, ScalesABroadcastGradientOncePerElement) {
+  // The gradient [3, 3, 3, 3] is one stored element seen four times (stride 0): norm 6, clipped to 3.
+  Tensor p = make_param({0, 0, 0, 0}, DType::F32);
+  p.set_grad(Tensor::full({1}, 3.0).expand({4}));
+  EXPECT_EQ(clip_grad_norm({p}, 3.0), 6.0);
+  const double scaled = static_cast<float>(3 * (3.0 / (6.0 + 1e-6)));
+  EXPECT_EQ(values(p.grad()), std::vector<double>(4, scaled));
+}
+
 TEST(ClipGradNorm, NonFiniteNormIsReturnedAndGradientsAreLeftUntouched) {
   const double inf = std::numeric_limits<double>::infinity(), nan = std::numeric_limits<double>::quiet_NaN();
   Tensor a = make_param({1, 1}, DType::F32), b = make_param({1}, DType::F32);
