@@ -427,6 +427,14 @@ namespace {
 // In-place ops record nothing on the tape, so with grad mode on they may only write tensors outside the
 // graph: changing a leaf would corrupt the values its gradient is taken at, and changing a non-leaf would
 // leave its recorded op in place, so the gradient would silently ignore the change.
+// A write through a view whose elements alias each other (a broadcast dim: stride 0, size > 1) would
+// apply the update once per alias.
+void check_no_overlap(const Tensor& t, const char* op) {
+  for (int64_t d = 0; d < t.dim(); ++d)
+    check(!(t.strides()[d] == 0 && t.shape()[d] > 1), op, ": in-place write to ", t.description(),
+          " whose dim ", d, " is a broadcast (stride 0), so its elements overlap; write to a contiguous() copy");
+}
+
 void check_inplace(const Tensor& t, const char* op) {
   if (!grad_enabled() || !t.requires_grad()) return;
   check(!t.is_leaf(), op, ": in-place change of a leaf that requires grad (", t.description(),
@@ -447,6 +455,7 @@ Tensor& Tensor::fill_(double value) {
 
 Tensor& Tensor::copy_(const Tensor& src) {
   check_inplace(*this, "copy_");
+  check_no_overlap(*this, "copy_");
   check(src.defined(), "copy_: source is undefined (destination ", description(), ")");
   check(src.device() == device(), "copy_: source on ", src.device(), ", destination on ", device());
   const Shape shape = broadcast_shapes(src.shape(), this->shape(), "copy_");
@@ -459,6 +468,7 @@ Tensor& Tensor::copy_(const Tensor& src) {
 
 Tensor& Tensor::add_(const Tensor& other, double alpha) {
   check_inplace(*this, "add_");
+  check_no_overlap(*this, "add_");
   check(other.device() == device(), "add_: other on ", other.device(), ", this on ", device());
   const Shape shape = broadcast_shapes(other.shape(), this->shape(), "add_");
   check(shape == this->shape(), "add_: ", other.description(), " does not broadcast to ", description());
@@ -469,6 +479,7 @@ Tensor& Tensor::add_(const Tensor& other, double alpha) {
 
 Tensor& Tensor::mul_(double value) {
   check_inplace(*this, "mul_");
+  check_no_overlap(*this, "mul_");
   backend_of(*this).mul_scalar_inplace(*this, value);
   bump_version();
   return *this;

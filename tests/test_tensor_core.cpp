@@ -44,3 +44,12 @@ TEST(Tensor, EmptyTensorsAreContiguousWhateverTheirShape) {
   EXPECT_TRUE(Tensor::zeros({0, 3}).mT().is_contiguous());
   EXPECT_EQ(Tensor::zeros({2, 0, 3}).contiguous().numel(), 0);
 }
+
+TEST(Tensor, InPlaceArithmeticOnABroadcastViewIsAnError) {
+  Tensor base = Tensor::ones({1, 3});
+  Tensor wide = base.expand({4, 3});
+  EXPECT_THROW(wide.mul_(2), Error);
+  EXPECT_THROW(wide.add_(Tensor::ones({4, 3})), Error);
+  EXPECT_THROW(wide.copy_(Tensor::zeros({4, 3})), Error);
+  EXPECT_EQ(base.to_vector<double>(), (std::vector<double>{1, 1, 1}));  // nothing was written
+}
