@@ -220,6 +220,13 @@ TEST(SplitGrad, MatchesFiniteDifferences) {
   };
   const GradcheckResult result = gradcheck(f, {Tensor::randn({3, 4}, 14), Tensor::randn({3, 2}, 16)});
   EXPECT_TRUE(result.ok) << result.message;
+  // Every piece of one input rejoined in another order: the pieces' gradients accumulate into one input.
+  auto h = [](const std::vector<Tensor>& in) {
+    const std::vector<Tensor> pieces = split(in[0], 2, 1);  // widths 2, 2, 1
+    return cat({pieces[2], pieces[0], pieces[1]}, 1);
+  };
+  const GradcheckResult reordered = gradcheck(h, {Tensor::randn({3, 5}, 17)});
+  EXPECT_TRUE(reordered.ok) << reordered.message;
   auto g = [](const std::vector<Tensor>& in) { return split(in[0], 2, 0)[1]; };
   EXPECT_TRUE(gradcheck(g, {Tensor::randn({5, 2}, 15)}).ok);
 }
