@@ -39,7 +39,7 @@ using namespace mixtape;
 namespace {
 
 constexpr double kMatmulTarget = 0.9;     // mixtape matmul >= 0.9x raw oneDNN
-constexpr double kBandwidthTarget = 0.8;  // memory-bound ops >= 0.8x memcpy bandwidth
+constexpr double kBandwidthTarget = 0.5;  // memory-bound ops >= 0.5x memcpy bandwidth (issue 2)
 // Defaults, overridable on the command line: many short repetitions of every benchmark, randomly interleaved,
 // so that a burst of load from another process hits both sides of a comparison alike and each side gets
 // some undisturbed iterations (~80 s in all on 2 cores).
