@@ -1,0 +1,359 @@
+// Causal scaled-dot-product attention on the CPU, flash-attention style (forward and backward).
+//
+// q, k, v, out are contiguous [B, H, T, D]; each (batch, head) is a [T, D] slice. The [T, T] score matrix is
+// never formed. The forward walks a block of kBlockQ query rows over the key blocks at or before its
+// diagonal, keeping per row the running max m, the running sum l and the unnormalised output o in fp32
+// (f64 for f64) — the online softmax:
+//   s_ij = scale q_i.k_j  (j <= i);   m' = max(m, max_j s_ij);   a = e^(m - m')
+//   l' = a l + sum_j e^(s_ij - m');   o' = a o + sum_j e^(s_ij - m') v_j
+// and at the end out_i = o / l (rounded once to the dtype) and lse_i = m + log l.
+// The backward recomputes p_ij = e^(s_ij - lse_i) block by block from q, k and lse:
+//   dv_j = sum_i p_ij do_i;   dp_ij = do_i.v_j;   ds_ij = p_ij (dp_ij - delta_i),  delta_i = do_i.o_i
+//   dq_i = scale sum_j ds_ij k_j;   dk_j = scale sum_i ds_ij q_i
+// (delta_i = sum_j p_ij dp_ij, the softmax backward's row term, equals do_i.o_i). It loops over key blocks
+// outside and query blocks inside, so dk_j and dv_j are finished in a per-thread tile and stored once; dq
+// accumulates in an fp32 [T, D] buffer per task. Memory beyond inputs and outputs: lse, delta (B*H*T values),
+// one [T, D] dq accumulator per thread (or per task, see below) and per-thread tiles of a few blocks.
+//
+// Every block product is C += A B on fp32 (f64) tiles in per-thread buffers (product_tiles below): B is
+// row-major with a padded width, so the inner loop runs along contiguous memory, and a 4-row x kTileCols
+// tile of C stays in vector registers over the whole inner dimension. K and V blocks are converted (and
+// transposed where a product needs them as B) once per block and reused from cache by every query row.
+#include <omp.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "tensor/cpu/cpu_backend.h"
+
+namespace mixtape::cpu {
+
+namespace {
+
+constexpr int64_t kBlockQ = 64;  // query rows per block
+constexpr int64_t kBlockK = 64;  // key rows per block (a multiple of kTileCols: S tiles have no ragged edge)
+
+// The width of a register tile of C: 128 bytes, i.e. 32 floats or 16 doubles (4 AVX2 / 2 AVX-512 vectors).
+template <class A>
+constexpr int64_t kTileCols = 128 / static_cast<int64_t>(sizeof(A));
+constexpr int64_t kTileRows = 4;
+
+inline int64_t round_up(int64_t n, int64_t multiple) { return (n + multiple - 1) / multiple * multiple; }
+
+// e^x in float for the x <= 0 this file needs (scores minus their max or their log-sum-exp), within ~1 ulp,
+// written as plain arithmetic so the loops over it vectorise (std::exp is an opaque call):
+// x = n ln2 + r with |r| <= ln2 / 2 (ln2 split in two so n ln2 is exact), e^r from the Cephes expf
+// polynomial, 2^n written into the exponent bits. At and below -87 (e^x near the float subnormals) and at
+// -inf the result is 0; NaN stays NaN.
+inline float exp_nonpositive(float x) {
+  constexpr float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: x + kRound - kRound rounds x to an integer
+  constexpr float kLowest = -87.0f;
+  const float xc = x < kLowest ? kLowest : x;
+  const float n = (xc * kLog2e + kRound) - kRound;
+  const float r = (xc - n * kLn2Hi) - n * kLn2Lo;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const float two_to_n = std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);  // n in [-126, 0]
+  return x < kLowest ? 0.0f : p * two_to_n;
+}
+
+template <class A>
+inline A exp_of(A x) {
+  if constexpr (std::is_same_v<A, float>) return exp_nonpositive(x);
+  else return std::exp(x);  // f64 is the reference dtype: the library exp, speed matters less
+}
+
+// C[R x kTileCols] (row stride ldc) += sum_k A(r, k) B[k, :], with A(r, k) = a[r * a_rs + k * a_cs] (so A may
+// be read transposed) and B row-major (row stride ldb). The accumulator tile lives in registers.
+template <class A, int R>
+inline void product_tile(int64_t K, const A* __restrict a, int64_t a_rs, int64_t a_cs, const A* __restrict b,
+                         int64_t ldb, A* __restrict c, int64_t ldc) {
+  constexpr int64_t W = kTileCols<A>;
+  A acc[R][W];
+  for (int r = 0; r < R; ++r)
+    for (int64_t j = 0; j < W; ++j) acc[r][j] = c[r * ldc + j];
+  for (int64_t k = 0; k < K; ++k) {
+    const A* bk = b + k * ldb;
+    for (int r = 0; r < R; ++r) {
+      const A ark = a[r * a_rs + k * a_cs];
+      for (int64_t j = 0; j < W; ++j) acc[r][j] += ark * bk[j];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int64_t j = 0; j < W; ++j) c[r * ldc + j] = acc[r][j];
+}
+
+// C[M x N] += A[M x K] B[K x N] with N a multiple of kTileCols (buffers are padded). Each element of C is a
+// sum over k in order, whatever the tiling: the forward and backward recompute identical scores.
+template <class A>
+void product_tiles(int64_t M, int64_t N, int64_t K, const A* a, int64_t a_rs, int64_t a_cs, const A* b,
+                   int64_t ldb, A* c, int64_t ldc) {
+  for (int64_t j0 = 0; j0 < N; j0 += kTileCols<A>) {
+    int64_t i0 = 0;
+    for (; i0 + kTileRows <= M; i0 += kTileRows)
+      product_tile<A, kTileRows>(K, a + i0 * a_rs, a_rs, a_cs, b + j0, ldb, c + i0 * ldc + j0, ldc);
+    const A* ai = a + i0 * a_rs;
+    A* ci = c + i0 * ldc + j0;
+    switch (M - i0) {
+      case 3: product_tile<A, 3>(K, ai, a_rs, a_cs, b + j0, ldb, ci, ldc); break;
+      case 2: product_tile<A, 2>(K, ai, a_rs, a_cs, b + j0, ldb, ci, ldc); break;
+      case 1: product_tile<A, 1>(K, ai, a_rs, a_cs, b + j0, ldb, ci, ldc); break;
+      default: break;
+    }
+  }
+}
+
+// dst[r, d] = scale * src[r, d] for r < rows, d < D; columns D..ld-1 are zero (padding that products read).
+template <class T, class A>
+void load_rows(const T* __restrict src, int64_t rows, int64_t D, A scale, A* __restrict dst, int64_t ld) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t d = 0; d < D; ++d) dst[r * ld + d] = scale * convert<A>(src[r * D + d]);
+    for (int64_t d = D; d < ld; ++d) dst[r * ld + d] = A(0);
+  }
+}
+
+// dst[d, c] = src[c, d] for c < cols, zero for cols <= c < ld: a block of keys as the B operand of q k^T.
+template <class T, class A>
+void load_transposed(const T* __restrict src, int64_t cols, int64_t D, A* __restrict dst, int64_t ld) {
+  for (int64_t d = 0; d < D; ++d) std::fill(dst + d * ld + cols, dst + (d + 1) * ld, A(0));
+  for (int64_t c = 0; c < cols; ++c)
+    for (int64_t d = 0; d < D; ++d) dst[d * ld + c] = convert<A>(src[c * D + d]);
+}
+
+inline DType stats_dtype(DType x) { return x == DType::F64 ? DType::F64 : DType::F32; }
+
+void check_bhtd(const char* op, const char* name, const Tensor& t, const Shape& shape, DType dtype) {
+  check(t.defined() && t.shape() == shape && t.is_contiguous() && t.dtype() == dtype, op, ": ", name,
+        " must be contiguous ", dtype_name(dtype), shape_str(shape), ", got ", t.description());
+}
+
+// Run a loop in parallel only when it has enough work to pay for waking the threads.
+inline bool worth_parallel(int64_t tasks, int64_t BH, int64_t T, int64_t D) {
+  return tasks > 1 && BH * T * T * D >= (int64_t{1} << 20);
+}
+
+// For query row i (absolute) and the key block starting at j0 with `cols` keys: how many keys it may see.
+inline int64_t visible_keys(int64_t i, int64_t j0, int64_t cols) { return std::clamp<int64_t>(i - j0 + 1, 0, cols); }
+
+}  // namespace
+
+// ---- forward ---------------------------------------------------------------------------------------------
+
+void CpuBackend::causal_attention(const Tensor& q, const Tensor& k, const Tensor& v, double scale,
+                                  const Tensor& out, const Tensor& lse) {
+  const char* op = "causal_attention";
+  check(q.dim() == 4, op, ": q must be [B, H, T, D], got ", q.description());
+  const int64_t B = q.shape()[0], H = q.shape()[1], T = q.shape()[2], D = q.shape()[3];
+  check_bhtd(op, "q", q, q.shape(), q.dtype());
+  check_bhtd(op, "k", k, q.shape(), q.dtype());
+  check_bhtd(op, "v", v, q.shape(), q.dtype());
+  check_bhtd(op, "out", out, q.shape(), q.dtype());
+  check_bhtd(op, "lse", lse, {B, H, T}, stats_dtype(q.dtype()));
+  dispatch_float(q.dtype(), op, [&]<typename T_>() {
+    using A = acc_t<T_>;
+    const int64_t Dp = round_up(std::max<int64_t>(D, 1), kTileCols<A>);  // padded width of row-major tiles
+    const int64_t BH = B * H, query_blocks = (T + kBlockQ - 1) / kBlockQ;
+    const int64_t tasks = BH * query_blocks;
+    const T_* qp = q.data<T_>();
+    const T_* kp = k.data<T_>();
+    const T_* vp = v.data<T_>();
+    T_* op_ = out.data<T_>();
+    A* lse_out = lse.data<A>();
+#pragma omp parallel if (worth_parallel(tasks, BH, T, D))
+    {
+      std::vector<A> qs(kBlockQ * Dp), o(kBlockQ * Dp), s(kBlockQ * kBlockK), kt(D * kBlockK), vs(kBlockK * Dp);
+      std::vector<A> m(kBlockQ), l(kBlockQ);
+      // Tasks run from the last query block (the most key blocks) to the first, for a balanced finish.
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t task = 0; task < tasks; ++task) {
+        const int64_t qb = query_blocks - 1 - task / BH, bh = task % BH;
+        const int64_t i0 = qb * kBlockQ, rows = std::min(kBlockQ, T - i0);
+        const int64_t head = bh * T * D;
+        load_rows(qp + head + i0 * D, rows, D, static_cast<A>(scale), qs.data(), Dp);  // q pre-scaled
+        std::fill(o.begin(), o.end(), A(0));
+        std::fill(m.begin(), m.end(), -std::numeric_limits<A>::infinity());
+        std::fill(l.begin(), l.end(), A(0));
+        for (int64_t j0 = 0; j0 < i0 + rows; j0 += kBlockK) {
+          const int64_t cols = std::min({kBlockK, T - j0, i0 + rows - j0});
+          load_transposed(kp + head + j0 * D, cols, D, kt.data(), kBlockK);
+          load_rows(vp + head + j0 * D, cols, D, A(1), vs.data(), Dp);
+          // s = (scale q) k^T for the block.
+          std::fill(s.begin(), s.end(), A(0));
+          product_tiles(rows, kBlockK, D, qs.data(), Dp, 1, kt.data(), kBlockK, s.data(), kBlockK);
+          // Online softmax: turn each row of s into e^(s - m') in place (0 where the causal mask hides a key).
+          for (int64_t r = 0; r < rows; ++r) {
+            A* sr = s.data() + r * kBlockK;
+            const int64_t n = visible_keys(i0 + r, j0, cols);
+            A block_max = -std::numeric_limits<A>::infinity();
+#pragma omp simd reduction(max : block_max)
+            for (int64_t c = 0; c < n; ++c) block_max = std::max(block_max, sr[c]);
+            const A m_new = std::max(m[r], block_max);
+            A block_sum = 0;
+            if (n > 0) {
+#pragma omp simd reduction(+ : block_sum)
+              for (int64_t c = 0; c < n; ++c) {
+                sr[c] = exp_of(sr[c] - m_new);
+                block_sum += sr[c];
+              }
+            }
+            std::fill(sr + n, sr + cols, A(0));
+            // Rescale what earlier blocks accumulated to the new max (a = 0 on the first block: m = -inf).
+            const A a = n > 0 ? exp_of(m[r] - m_new) : A(1);
+            if (a != A(1)) {
+              A* orow = o.data() + r * Dp;
+              for (int64_t d = 0; d < Dp; ++d) orow[d] *= a;
+            }
+            l[r] = l[r] * a + block_sum;
+            m[r] = m_new;
+          }
+          // o += p v
+          product_tiles(rows, Dp, cols, s.data(), kBlockK, 1, vs.data(), Dp, o.data(), Dp);
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+          // Row i sees key 0 at least, so l >= 1 (the max term is e^0) and the division is safe.
+          const A inv_l = A(1) / l[r];
+          T_* dst = op_ + head + (i0 + r) * D;
+          for (int64_t d = 0; d < D; ++d) dst[d] = convert<T_>(o[r * Dp + d] * inv_l);
+          lse_out[bh * T + i0 + r] = m[r] + std::log(l[r]);
+        }
+      }
+    }
+  });
+}
+
+// ---- backward --------------------------------------------------------------------------------------------
+
+void CpuBackend::causal_attention_backward(const Tensor& grad_out, const Tensor& q, const Tensor& k,
+                                           const Tensor& v, const Tensor& out, const Tensor& lse, double scale,
+                                           const Tensor& grad_q, const Tensor& grad_k, const Tensor& grad_v) {
+  const char* op = "causal_attention_backward";
+  check(q.dim() == 4, op, ": q must be [B, H, T, D], got ", q.description());
+  const int64_t B = q.shape()[0], H = q.shape()[1], T = q.shape()[2], D = q.shape()[3];
+  for (const auto& [name, t] : {std::pair<const char*, const Tensor&>{"grad_out", grad_out}, {"q", q}, {"k", k},
+                                {"v", v}, {"out", out}, {"grad_q", grad_q}, {"grad_k", grad_k}, {"grad_v", grad_v}})
+    check_bhtd(op, name, t, q.shape(), q.dtype());
+  check_bhtd(op, "lse", lse, {B, H, T}, stats_dtype(q.dtype()));
+  dispatch_float(q.dtype(), op, [&]<typename T_>() {
+    using A = acc_t<T_>;
+    const int64_t Dp = round_up(std::max<int64_t>(D, 1), kTileCols<A>);
+    const int64_t BH = B * H, key_blocks = (T + kBlockK - 1) / kBlockK;
+    const T_* qp = q.data<T_>();
+    const T_* kp = k.data<T_>();
+    const T_* vp = v.data<T_>();
+    const T_* gop = grad_out.data<T_>();
+    const T_* outp = out.data<T_>();
+    const A* lse_in = lse.data<A>();
+    T_* gqp = grad_q.data<T_>();
+    T_* gkp = grad_k.data<T_>();
+    T_* gvp = grad_v.data<T_>();
+    const A scale_a = static_cast<A>(scale);
+
+    // delta_i = do_i . o_i, one per query row.
+    Tensor delta_tensor = Tensor::empty({BH * T}, dtype_of<A>::value);
+    A* delta = delta_tensor.data<A>();
+#pragma omp parallel for schedule(static) if (worth_parallel(BH * T, BH, T, D))
+    for (int64_t i = 0; i < BH * T; ++i) {
+      A sum = 0;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t d = 0; d < D; ++d) sum += convert<A>(gop[i * D + d]) * convert<A>(outp[i * D + d]);
+      delta[i] = sum;
+    }
+
+    // A task is one head's key blocks kb = group, group + groups, ... With few heads, each head's key
+    // blocks are split into interleaved groups (causal work shrinks with kb, interleaving balances it) so
+    // there are at least kMinTasks tasks; each group then owns a dq partial, summed in group order after. The
+    // split depends on the shape only, so results are bitwise the same for any thread count.
+    constexpr int64_t kMinTasks = 8;
+    const int64_t groups = std::clamp<int64_t>((kMinTasks + BH - 1) / std::max<int64_t>(BH, 1), 1,
+                                               std::max<int64_t>(key_blocks, 1));
+    const int64_t tasks = BH * groups;
+    const bool parallel = worth_parallel(tasks, BH, T, D);
+    const int64_t threads = parallel ? omp_get_max_threads() : 1;
+    // groups == 1: one [T, Dp] dq accumulator per thread, stored at the end of each task; else one per task.
+    const int64_t accumulators = groups == 1 ? threads : tasks;
+    Tensor dq_tensor = Tensor::empty({accumulators * T * Dp}, dtype_of<A>::value);
+    A* dq_all = dq_tensor.data<A>();
+
+#pragma omp parallel if (parallel)
+    {
+      std::vector<A> kt(D * kBlockK), vt(D * kBlockK), ks(kBlockK * Dp), qs(kBlockQ * Dp), dos(kBlockQ * Dp);
+      std::vector<A> p(kBlockQ * kBlockK), ds(kBlockQ * kBlockK), dk(kBlockK * Dp), dv(kBlockK * Dp);
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t task = 0; task < tasks; ++task) {
+        const int64_t bh = task / groups, group = task % groups;
+        const int64_t head = bh * T * D;
+        A* dq = dq_all + (groups == 1 ? omp_get_thread_num() : task) * T * Dp;
+        std::fill(dq, dq + T * Dp, A(0));
+        for (int64_t kb = group; kb < key_blocks; kb += groups) {
+          const int64_t j0 = kb * kBlockK, cols = std::min(kBlockK, T - j0);
+          load_transposed(kp + head + j0 * D, cols, D, kt.data(), kBlockK);
+          load_transposed(vp + head + j0 * D, cols, D, vt.data(), kBlockK);
+          load_rows(kp + head + j0 * D, cols, D, A(1), ks.data(), Dp);
+          std::fill(dk.begin(), dk.end(), A(0));
+          std::fill(dv.begin(), dv.end(), A(0));
+          // Query blocks that see this key block: those ending at or after j0.
+          for (int64_t i0 = j0 / kBlockQ * kBlockQ; i0 < T; i0 += kBlockQ) {
+            const int64_t rows = std::min(kBlockQ, T - i0);
+            load_rows(qp + head + i0 * D, rows, D, scale_a, qs.data(), Dp);  // scale q, as the forward did
+            load_rows(gop + head + i0 * D, rows, D, A(1), dos.data(), Dp);
+            // p = e^(s - lse) (0 where masked), the forward's probabilities from the same scores.
+            std::fill(p.begin(), p.end(), A(0));
+            product_tiles(rows, kBlockK, D, qs.data(), Dp, 1, kt.data(), kBlockK, p.data(), kBlockK);
+            // dp = do v^T
+            std::fill(ds.begin(), ds.end(), A(0));
+            product_tiles(rows, kBlockK, D, dos.data(), Dp, 1, vt.data(), kBlockK, ds.data(), kBlockK);
+            for (int64_t r = 0; r < rows; ++r) {
+              const int64_t i = i0 + r, n = visible_keys(i, j0, cols);
+              const A row_lse = lse_in[bh * T + i], row_delta = delta[bh * T + i];
+              A* pr = p.data() + r * kBlockK;
+              A* dsr = ds.data() + r * kBlockK;
+#pragma omp simd
+              for (int64_t c = 0; c < n; ++c) {
+                pr[c] = exp_of(pr[c] - row_lse);
+                dsr[c] = pr[c] * (dsr[c] - row_delta);  // ds = p (dp - delta)
+              }
+              std::fill(pr + n, pr + kBlockK, A(0));
+              std::fill(dsr + n, dsr + kBlockK, A(0));
+            }
+            // dv += p^T do;  dk += ds^T (scale q);  dq += ds k  (scaled on store)
+            product_tiles(cols, Dp, rows, p.data(), 1, kBlockK, dos.data(), Dp, dv.data(), Dp);
+            product_tiles(cols, Dp, rows, ds.data(), 1, kBlockK, qs.data(), Dp, dk.data(), Dp);
+            product_tiles(rows, Dp, cols, ds.data(), kBlockK, 1, ks.data(), Dp, dq + i0 * Dp, Dp);
+          }
+          for (int64_t c = 0; c < cols; ++c)
+            for (int64_t d = 0; d < D; ++d) {
+              gkp[head + (j0 + c) * D + d] = convert<T_>(dk[c * Dp + d]);
+              gvp[head + (j0 + c) * D + d] = convert<T_>(dv[c * Dp + d]);
+            }
+        }
+        if (groups == 1)
+          for (int64_t i = 0; i < T; ++i)
+            for (int64_t d = 0; d < D; ++d) gqp[head + i * D + d] = convert<T_>(scale_a * dq[i * Dp + d]);
+      }
+    }
+    if (groups > 1) {
+      // dq_i = scale * sum over groups (in group order) of the partials.
+#pragma omp parallel for schedule(static) if (parallel)
+      for (int64_t row = 0; row < BH * T; ++row) {
+        const int64_t bh = row / T, i = row % T;
+        for (int64_t d = 0; d < D; ++d) {
+          A sum = 0;
+          for (int64_t g = 0; g < groups; ++g) sum += dq_all[((bh * groups + g) * T + i) * Dp + d];
+          gqp[row * D + d] = convert<T_>(scale_a * sum);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace mixtape::cpu
