@@ -126,14 +126,16 @@ TEST(Attention, MatchesNaiveCompositionAtLongSequenceInF32) {
 
 // Several blocks with ragged ends (T = 150 is not a multiple of the 64-row blocks) in f64: the online
 // softmax's rescaling across blocks must be exact to rounding.
+// D = 16 fills the f64 register tile exactly, so the kernel reads q and v in place instead of padded copies.
 TEST(Attention, MatchesNaiveCompositionAcrossRaggedBlocksInF64) {
-  for (int64_t T : {1, 63, 64, 65, 150}) {
-    const Tensor q = uniform_tensor({2, 3, T, 5}, 4, -3, 3, DType::F64);
-    const Tensor k = uniform_tensor({2, 3, T, 5}, 5, -3, 3, DType::F64);
-    const Tensor v = uniform_tensor({2, 3, T, 5}, 6, -1, 1, DType::F64);
-    EXPECT_TRUE(all_close(scaled_dot_product_attention(q, k, v), naive_attention(q, k, v), 1e-14, 1e-12))
-        << "T = " << T;
-  }
+  for (int64_t D : {5, 16})
+    for (int64_t T : {1, 63, 64, 65, 150}) {
+      const Tensor q = uniform_tensor({2, 3, T, D}, 4, -3, 3, DType::F64);
+      const Tensor k = uniform_tensor({2, 3, T, D}, 5, -3, 3, DType::F64);
+      const Tensor v = uniform_tensor({2, 3, T, D}, 6, -1, 1, DType::F64);
+      EXPECT_TRUE(all_close(scaled_dot_product_attention(q, k, v), naive_attention(q, k, v), 1e-14, 1e-12))
+          << "T = " << T << ", D = " << D;
+    }
 }
 
 // With v in [1, 2] each output is a convex combination of values in [1, 2], so there is no cancellation: the
@@ -193,9 +195,10 @@ TEST(Attention, GradientsMatchFiniteDifferences) {
 }
 
 // Gradients through several blocks (T = 150: two full 64-blocks and a ragged one; B*H = 2 splits the key
-// blocks of a head into groups whose dq partials are summed) against the composition's autograd in f64.
+// blocks of a head into groups whose dq partials are summed; D = 16 reads q, k, do in place) against the
+// composition's autograd in f64.
 TEST(Attention, GradientsMatchNaiveCompositionAcrossBlocks) {
-  for (const Shape& shape : {Shape{1, 2, 150, 5}, Shape{3, 4, 130, 7}}) {
+  for (const Shape& shape : {Shape{1, 2, 150, 5}, Shape{3, 4, 130, 7}, Shape{1, 3, 70, 16}}) {
     const Tensor q = uniform_tensor(shape, 16, -2, 2, DType::F64);
     const Tensor k = uniform_tensor(shape, 17, -2, 2, DType::F64);
     const Tensor v = uniform_tensor(shape, 18, -1, 1, DType::F64);
@@ -254,10 +257,12 @@ TEST(Attention, ResultDoesNotDependOnThreadCount) {
 // ---- memory ----------------------------------------------------------------------------------------------
 
 // At T = 2048 one head's score matrix alone is T*T*4 = 16 MiB. The fused forward + backward needs only the
-// output and the three gradients (4 x the [B, H, T, D] input size), lse and delta ([B, H, T]) and the fp32 dq
-// accumulators: with B*H = 2 the backward splits each head's key blocks into 4 groups, one [T, D]
-// accumulator each (4 x the input size). That is ~8 x the input, linear in T and 8 x below B*H*T*T*4 already
-// at T/D = 64. The naive composition, measured the same way, needs more than B*H*T*T*4.
+// output and the three gradients (4 x the [B, H, T, D] input size), lse and delta ([B, H, T]), the forward's
+// k^T copy (1 x, freed before the backward) and the backward's fp32 dq accumulators: with B*H = 2 the
+// backward splits each head's key blocks into 2 groups with one [T, D] accumulator each (2 x). The autograd
+// engine then copies the three gradients into the leaves' .grad (3 x, after the kernel's scratch is freed).
+// The peak is ~7 x the input: linear in T, and at T/D = 64 already 9 x below B*H*T*T*4, which the naive
+// composition, measured the same way, exceeds.
 TEST(Attention, MemoryStaysLinearInSequenceLength) {
   const int64_t B = 1, H = 2, T = 2048, D = 32;
   const Tensor q = uniform_tensor({B, H, T, D}, 28, -1, 1, DType::F32).requires_grad_();
@@ -268,8 +273,8 @@ TEST(Attention, MemoryStaysLinearInSequenceLength) {
   const size_t scores_bytes = static_cast<size_t>(B * H * T * T * 4);
   const size_t fused = peak_extra_bytes([&] { backward({scaled_dot_product_attention(q, k, v)}, {g}); });
   EXPECT_GT(fused, 4 * input_bytes);  // the measurement sees the outputs and gradients at least
-  EXPECT_LT(fused, 10 * input_bytes) << fused << " bytes";
-  EXPECT_LT(fused, scores_bytes / 6) << fused << " bytes";
+  EXPECT_LE(fused, 7 * input_bytes) << fused << " bytes";
+  EXPECT_LT(fused, scores_bytes / 9) << fused << " bytes";
   const size_t naive = peak_extra_bytes([&] { backward({naive_attention(q, k, v)}, {g}); });
   EXPECT_GT(naive, scores_bytes) << naive << " bytes";
 }
