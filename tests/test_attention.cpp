@@ -162,6 +162,16 @@ TEST(Attention, SixteenBitOutputsAreWithinOneUlpOfF64) {
   }
 }
 
+TEST(Attention, EmptySequenceOrBatchGivesEmptyOutputAndGradients) {
+  for (const Shape& shape : {Shape{1, 2, 0, 4}, Shape{0, 2, 5, 4}}) {
+    Tensor q = Tensor::zeros(shape).requires_grad_();
+    const Tensor out = scaled_dot_product_attention(q, q, q);
+    EXPECT_EQ(out.shape(), shape);
+    backward({out}, {Tensor::zeros(shape)});
+    EXPECT_EQ(q.grad().shape(), shape);
+  }
+}
+
 // The qkv split of a fused projection: q, k, v are strided views of one [B, T, 3, H, D] tensor.
 TEST(Attention, AcceptsStridedViewsFromAFusedProjection) {
   const int64_t B = 2, T = 70, H = 3, D = 8;

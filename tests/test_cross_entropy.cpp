@@ -141,8 +141,9 @@ TEST(SoftmaxCrossEntropy, NoCountedRowGivesZeroLossAndZeroGradient) {
     backward(loss);
     for (double g : logits.grad().to_vector<double>()) EXPECT_EQ(g, 0.0) << dtype_name(dtype);
   }
-  // No rows at all.
+  // No rows at all, or rows without classes that are all ignored.
   EXPECT_EQ(softmax_cross_entropy(Tensor::zeros({0, 5}), Tensor::zeros({0}, DType::I64)).item(), 0.0);
+  EXPECT_EQ(softmax_cross_entropy(Tensor::zeros({3, 0}), Tensor::full({3}, -100, DType::I64)).item(), 0.0);
 }
 
 // ---- backward --------------------------------------------------------------------------------------------

@@ -25,8 +25,9 @@
 #include <algorithm>
 #include <bit>
 #include <cmath>
-#include <cstring>
 #include <limits>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "tensor/cpu/cpu_backend.h"
@@ -49,12 +50,12 @@ inline int64_t round_up(int64_t n, int64_t multiple) { return (n + multiple - 1)
 // written as plain arithmetic so the loops over it vectorise (std::exp is an opaque call):
 // x = n ln2 + r with |r| <= ln2 / 2 (ln2 split in two so n ln2 is exact), e^r from the Cephes expf
 // polynomial, 2^n written into the exponent bits. At and below -87 (e^x near the float subnormals) and at
-// -inf the result is 0; NaN stays NaN.
+// -inf the result is 0; x is clamped to 88 above (a rounding's worth above 0 is all that occurs); NaN stays NaN.
 inline float exp_nonpositive(float x) {
   constexpr float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
   constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: x + kRound - kRound rounds x to an integer
-  constexpr float kLowest = -87.0f;
-  const float xc = x < kLowest ? kLowest : x;
+  constexpr float kLowest = -87.0f, kHighest = 88.0f;
+  const float xc = x < kLowest ? kLowest : (x > kHighest ? kHighest : x);
   const float n = (xc * kLog2e + kRound) - kRound;
   const float r = (xc - n * kLn2Hi) - n * kLn2Lo;
   float p = 1.9875691500e-4f;
@@ -64,7 +65,7 @@ inline float exp_nonpositive(float x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  const float two_to_n = std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);  // n in [-126, 0]
+  const float two_to_n = std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);  // n in [-126, 127]
   return x < kLowest ? 0.0f : p * two_to_n;
 }
 
@@ -156,7 +157,8 @@ void load_transposed(const T* __restrict src, int64_t cols, int64_t D, A* __rest
 inline DType stats_dtype(DType x) { return x == DType::F64 ? DType::F64 : DType::F32; }
 
 void check_bhtd(const char* op, const char* name, const Tensor& t, const Shape& shape, DType dtype) {
-  check(t.defined() && t.shape() == shape && t.is_contiguous() && t.dtype() == dtype, op, ": ", name,
+  // An empty tensor has no layout to get wrong (and is_contiguous() says no for some empty shapes).
+  check(t.defined() && t.shape() == shape && (t.is_contiguous() || t.numel() == 0) && t.dtype() == dtype, op, ": ", name,
         " must be contiguous ", dtype_name(dtype), shape_str(shape), ", got ", t.description());
 }
 
