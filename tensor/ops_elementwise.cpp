@@ -2,8 +2,9 @@
 // backward of each op (written with other ops so it runs on every backend).
 #include <algorithm>
 #include <initializer_list>
-#include <utility>
 #include <sstream>
+#include <utility>
+#include <vector>
 
 #include "tensor/autograd_node.h"
 #include "tensor/backend.h"

@@ -16,8 +16,8 @@ Tensor prepare_affine(const char* op, const char* name, const Tensor& x, const T
   if (!t.defined()) return t;
   const int64_t C = x.shape().back();
   check(is_floating(t.dtype()), op, ": ", name, " must be floating, got ", t.description());
-  check(t.dim() == 1 && t.shape()[0] == C, op, ": ", name, " ", t.description(), " does not match the last dim of x ",
-        x.description(), " (expected [", C, "])");
+  check(t.dim() == 1 && t.shape()[0] == C, op, ": ", name, " ", t.description(),
+        " does not match the last dim of x ", x.description(), " (expected [", C, "])");
   check(t.device() == x.device(), op, ": ", name, " is on ", t.device(), " but x is on ", x.device());
   return t.to(x.dtype()).contiguous();
 }
@@ -56,15 +56,18 @@ LayerNormResult layer_norm(const Tensor& x, const Tensor& weight, const Tensor& 
   out = out.view(x.shape());
   const bool need_w = w.defined() && w.requires_grad(), need_b = b.defined() && b.requires_grad();
   const Shape x_shape = x.shape();
-  record_backward("layer_norm", {x, w, b}, out, [rows, wd, mean, rstd, need_w, need_b, x_shape](const Tensor& g) {
-    const Tensor g_rows = g.contiguous().reshape(rows.shape());
-    const int64_t C = rows.shape()[1];
-    Tensor grad_x = Tensor::empty(rows.shape(), rows.dtype(), rows.device());
-    Tensor grad_w = need_w ? Tensor::empty({C}, rows.dtype(), rows.device()) : Tensor();
-    Tensor grad_b = need_b ? Tensor::empty({C}, rows.dtype(), rows.device()) : Tensor();
-    backend_of(rows).layer_norm_backward(g_rows, rows, wd, mean, rstd, grad_x, grad_w, grad_b);
-    return Grads{grad_x.view(x_shape), grad_w, grad_b};
-  }, {x, w});
+  record_backward("layer_norm", {x, w, b}, out,
+                  [rows, wd, mean, rstd, need_w, need_b, x_shape](const Tensor& g) {
+                    const Tensor g_rows = g.contiguous().reshape(rows.shape());
+                    const int64_t C = rows.shape()[1];
+                    Tensor grad_x = Tensor::empty(rows.shape(), rows.dtype(), rows.device());
+                    Tensor grad_w = need_w ? Tensor::empty({C}, rows.dtype(), rows.device()) : Tensor();
+                    Tensor grad_b = need_b ? Tensor::empty({C}, rows.dtype(), rows.device()) : Tensor();
+                    backend_of(rows).layer_norm_backward(g_rows, rows, wd, mean, rstd, grad_x, grad_w,
+                                                         grad_b);
+                    return Grads{grad_x.view(x_shape), grad_w, grad_b};
+                  },
+                  {x, w});
   const Shape stats_shape = leading_shape(x);
   return {out, mean.view(stats_shape), rstd.view(stats_shape)};
 }
@@ -81,20 +84,23 @@ RMSNormResult rms_norm(const Tensor& x, const Tensor& weight, double eps) {
   out = out.view(x.shape());
   const bool need_w = w.defined() && w.requires_grad();
   const Shape x_shape = x.shape();
-  record_backward("rms_norm", {x, w}, out, [rows, wd, rstd, need_w, x_shape](const Tensor& g) {
-    const Tensor g_rows = g.contiguous().reshape(rows.shape());
-    const int64_t C = rows.shape()[1];
-    Tensor grad_x = Tensor::empty(rows.shape(), rows.dtype(), rows.device());
-    Tensor grad_w = need_w ? Tensor::empty({C}, rows.dtype(), rows.device()) : Tensor();
-    backend_of(rows).rms_norm_backward(g_rows, rows, wd, rstd, grad_x, grad_w);
-    return Grads{grad_x.view(x_shape), grad_w};
-  }, {x, w});
+  record_backward("rms_norm", {x, w}, out,
+                  [rows, wd, rstd, need_w, x_shape](const Tensor& g) {
+                    const Tensor g_rows = g.contiguous().reshape(rows.shape());
+                    const int64_t C = rows.shape()[1];
+                    Tensor grad_x = Tensor::empty(rows.shape(), rows.dtype(), rows.device());
+                    Tensor grad_w = need_w ? Tensor::empty({C}, rows.dtype(), rows.device()) : Tensor();
+                    backend_of(rows).rms_norm_backward(g_rows, rows, wd, rstd, grad_x, grad_w);
+                    return Grads{grad_x.view(x_shape), grad_w};
+                  },
+                  {x, w});
   return {out, rstd.view(leading_shape(x))};
 }
 
 Tensor dropout(const Tensor& x, double p, Generator& generator, bool training) {
   check(x.defined(), "dropout: input is undefined");
-  check(is_floating(x.dtype()), "dropout: expected a floating tensor (f32, f16, bf16 or f64), got ", x.description());
+  check(is_floating(x.dtype()), "dropout: expected a floating tensor (f32, f16, bf16 or f64), got ",
+        x.description());
   check(p >= 0 && p < 1, "dropout: p must be in [0, 1), got ", p, " for ", x.description());
   if (!training || p == 0) return x;
   // The mask is a pure function of (seed, offset + i): nothing is stored, backward redraws it.

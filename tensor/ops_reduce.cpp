@@ -12,18 +12,20 @@ namespace {
 
 void check_floating(const char* op, const Tensor& x) {
   check(x.defined(), op, ": input is undefined");
-  check(is_floating(x.dtype()), op, ": expected a floating tensor (f32, f16, bf16 or f64), got ", x.description());
+  check(is_floating(x.dtype()), op, ": expected a floating tensor (f32, f16, bf16 or f64), got ",
+        x.description());
 }
 
 // The dims a reduction runs over, normalised (sorted, unique), and the shapes of its result.
 struct ReduceDims {
   std::vector<int64_t> dims;  // sorted, unique, in 0..ndim-1; empty for a 0-d input
-  Shape keep_shape;  // x's shape with the reduced dims set to 1
-  Shape out_shape;  // keep_shape without those dims unless keepdim
-  int64_t count = 1;  // elements combined into each output
+  Shape keep_shape;           // x's shape with the reduced dims set to 1
+  Shape out_shape;            // keep_shape without those dims unless keepdim
+  int64_t count = 1;          // elements combined into each output
 };
 
-ReduceDims resolve_dims(const char* op, const Tensor& x, const std::vector<int64_t>& requested, bool keepdim) {
+ReduceDims resolve_dims(const char* op, const Tensor& x, const std::vector<int64_t>& requested,
+                        bool keepdim) {
   check_floating(op, x);
   const int64_t ndim = x.dim();
   ReduceDims r;
@@ -33,8 +35,8 @@ ReduceDims resolve_dims(const char* op, const Tensor& x, const std::vector<int64
     // A 0-d tensor accepts dim 0 / -1 (as in torch) and has nothing to reduce.
     const int64_t range = std::max<int64_t>(ndim, 1);
     for (int64_t d : requested) {
-      check(d >= -range && d < range, op, ": dim ", d, " is out of range for ", x.description(), " (expected ",
-            -range, "..", range - 1, ")");
+      check(d >= -range && d < range, op, ": dim ", d, " is out of range for ", x.description(),
+            " (expected ", -range, "..", range - 1, ")");
       if (ndim > 0) r.dims.push_back(d < 0 ? d + ndim : d);
     }
     std::sort(r.dims.begin(), r.dims.end());
@@ -48,7 +50,8 @@ ReduceDims resolve_dims(const char* op, const Tensor& x, const std::vector<int64
     r.keep_shape[d] = 1;
   }
   for (int64_t d = 0; d < ndim; ++d)
-    if (keepdim || !std::binary_search(r.dims.begin(), r.dims.end(), d)) r.out_shape.push_back(r.keep_shape[d]);
+    if (keepdim || !std::binary_search(r.dims.begin(), r.dims.end(), d))
+      r.out_shape.push_back(r.keep_shape[d]);
   return r;
 }
 
@@ -65,27 +68,31 @@ Tensor expand_back(const Tensor& g, const Shape& keep_shape, const Shape& x_shap
 }
 
 // max / min: the gradient goes to the elements equal to the extremum, split evenly among ties (torch.amax).
-Tensor extremum(const char* op, ReduceOp kind, const Tensor& x, const std::vector<int64_t>& dims, bool keepdim) {
+Tensor extremum(const char* op, ReduceOp kind, const Tensor& x, const std::vector<int64_t>& dims,
+                bool keepdim) {
   const ReduceDims r = resolve_dims(op, x, dims, keepdim);
   check(r.count > 0, op, ": cannot reduce over an empty dim of ", x.description());
   Tensor out = run_reduce(kind, x, r);
   const Tensor extreme = out.detach();
-  record_backward(op, {x}, out, [x, extreme, r](const Tensor& g) {
-    const Tensor extreme_keep = extreme.reshape(r.keep_shape);
-    // where(x - m, 0, 1): 1 exactly where x equals the extremum (x - m is 0 only there).
-    const Tensor zero = Tensor::scalar(0, x.dtype(), x.device()), one = Tensor::scalar(1, x.dtype(), x.device());
-    const Tensor is_extreme = where(sub(x, extreme_keep), zero, one);
-    const Tensor ties = sum(is_extreme, r.dims, true);
-    return Grads{mul(is_extreme, div(g.reshape(r.keep_shape), ties))};
-  }, {x});
+  record_backward(op, {x}, out,
+                  [x, extreme, r](const Tensor& g) {
+                    const Tensor extreme_keep = extreme.reshape(r.keep_shape);
+                    // where(x - m, 0, 1): 1 exactly where x equals the extremum (x - m is 0 only there).
+                    const Tensor zero = Tensor::scalar(0, x.dtype(), x.device()),
+                                 one = Tensor::scalar(1, x.dtype(), x.device());
+                    const Tensor is_extreme = where(sub(x, extreme_keep), zero, one);
+                    const Tensor ties = sum(is_extreme, r.dims, true);
+                    return Grads{mul(is_extreme, div(g.reshape(r.keep_shape), ties))};
+                  },
+                  {x});
   return out;
 }
 
 void check_softmax(const char* op, const Tensor& x, int64_t dim) {
   check_floating(op, x);
   const int64_t range = std::max<int64_t>(x.dim(), 1);
-  check(dim >= -range && dim < range, op, ": dim ", dim, " is out of range for ", x.description(), " (expected ",
-        -range, "..", range - 1, ")");
+  check(dim >= -range && dim < range, op, ": dim ", dim, " is out of range for ", x.description(),
+        " (expected ", -range, "..", range - 1, ")");
 }
 
 Tensor softmax_impl(const char* op, const Tensor& input, int64_t dim, bool log) {
@@ -112,9 +119,8 @@ Tensor sum(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim) {
   const ReduceDims r = resolve_dims("sum", x, dims, keepdim);
   Tensor out = run_reduce(ReduceOp::Sum, x, r);
   const Shape x_shape = x.shape();
-  record_backward("sum", {x}, out, [r, x_shape](const Tensor& g) {
-    return Grads{expand_back(g, r.keep_shape, x_shape)};
-  });
+  record_backward("sum", {x}, out,
+                  [r, x_shape](const Tensor& g) { return Grads{expand_back(g, r.keep_shape, x_shape)}; });
   return out;
 }
 
@@ -143,12 +149,16 @@ Tensor var(const Tensor& x, const std::vector<int64_t>& dims, int64_t correction
   Tensor out = Tensor::empty(r.keep_shape, x.dtype(), x.device());
   backend_of(x).var(x, r.dims, correction, out);
   if (r.out_shape != r.keep_shape) out = out.view(r.out_shape);
-  record_backward("var", {x}, out, [x, r, correction](const Tensor& g) {
-    // d var / dx_i = 2 (x_i - mean) / (n - correction); the mean term's own derivative sums to zero.
-    const double scale = 2.0 / static_cast<double>(std::max<int64_t>(0, r.count - correction));
-    const Tensor centered = sub(x, mean(x, r.dims, true));
-    return Grads{mul(centered, mul(g.reshape(r.keep_shape), scale))};
-  }, {x});
+  record_backward("var", {x}, out,
+                  [x, r, correction](const Tensor& g) {
+                    // d var / dx_i = 2 (x_i - mean) / (n - correction); the mean term's own derivative sums
+                    // to zero.
+                    const double scale =
+                        2.0 / static_cast<double>(std::max<int64_t>(0, r.count - correction));
+                    const Tensor centered = sub(x, mean(x, r.dims, true));
+                    return Grads{mul(centered, mul(g.reshape(r.keep_shape), scale))};
+                  },
+                  {x});
   return out;
 }
 
@@ -160,7 +170,8 @@ Tensor sum_to(const Tensor& x, const Shape& shape) {
   check(ok, "sum_to: cannot sum ", x.description(), " to ", shape_str(shape), " (", shape_str(shape),
         " must broadcast to ", shape_str(x.shape()), ")");
   if (x.shape() == shape) return x;
-  // Reduce the leading extra dims and the dims where `shape` has 1 but x does not, then drop the leading dims.
+  // Reduce the leading extra dims and the dims where `shape` has 1 but x does not, then drop the leading
+  // dims.
   std::vector<int64_t> dims;
   for (int64_t d = 0; d < x.dim(); ++d)
     if (d < lead || (shape[d - lead] == 1 && x.shape()[d] != 1)) dims.push_back(d);

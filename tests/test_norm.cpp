@@ -18,18 +18,13 @@
 using namespace mixtape;
 using mixtape::testing::all_close;
 using mixtape::testing::within_ulp;
+using mixtape::testing::kFloatDtypes;
+using mixtape::testing::uniform_tensor;
 
 namespace {
 
-const std::vector<DType> kFloatDtypes = {DType::F32, DType::F16, DType::BF16, DType::F64};
-
-Tensor uniform_tensor(const Shape& shape, uint64_t seed, double low, double high, DType dtype) {
-  std::vector<double> values = Tensor::rand(shape, seed, DType::F64).to_vector<double>();
-  for (double& v : values) v = low + (high - low) * v;
-  return Tensor::from_vector(values, shape, dtype);
-}
-
-void expect_gradcheck(const std::function<Tensor(const std::vector<Tensor>&)>& f, const std::vector<Tensor>& inputs) {
+void expect_gradcheck(const std::function<Tensor(const std::vector<Tensor>&)>& f,
+                      const std::vector<Tensor>& inputs) {
   const GradcheckResult result = gradcheck(f, inputs);
   EXPECT_TRUE(result.ok) << result.message;
 }
@@ -40,9 +35,12 @@ void expect_gradcheck(const std::function<Tensor(const std::vector<Tensor>&)>& f
 ::testing::AssertionResult matches(const Tensor& out, const Tensor& reference, double ulp16) {
   switch (out.dtype()) {
     case DType::F16:
-    case DType::BF16: return within_ulp(out, reference, ulp16);
-    case DType::F32: return all_close(out, reference, 4e-6, 4e-6);
-    default: return all_close(out, reference, 1e-13, 1e-13);
+    case DType::BF16:
+      return within_ulp(out, reference, ulp16);
+    case DType::F32:
+      return all_close(out, reference, 4e-6, 4e-6);
+    default:
+      return all_close(out, reference, 1e-13, 1e-13);
   }
 }
 
@@ -72,14 +70,16 @@ NormReference reference_layer_norm(const std::vector<double>& x, int64_t C, cons
   return r;
 }
 
-NormReference reference_rms_norm(const std::vector<double>& x, int64_t C, const std::vector<double>& w, double eps) {
+NormReference reference_rms_norm(const std::vector<double>& x, int64_t C, const std::vector<double>& w,
+                                 double eps) {
   NormReference r;
   const int64_t N = static_cast<int64_t>(x.size()) / C;
   for (int64_t i = 0; i < N; ++i) {
     long double squares = 0;
     for (int64_t j = 0; j < C; ++j) squares += static_cast<long double>(x[i * C + j]) * x[i * C + j];
     const long double rstd = 1.0L / std::sqrt(squares / C + eps);
-    for (int64_t j = 0; j < C; ++j) r.out.push_back(static_cast<double>(x[i * C + j] * rstd * (w.empty() ? 1.0L : w[j])));
+    for (int64_t j = 0; j < C; ++j)
+      r.out.push_back(static_cast<double>(x[i * C + j] * rstd * (w.empty() ? 1.0L : w[j])));
     r.rstd.push_back(static_cast<double>(rstd));
   }
   return r;
@@ -91,8 +91,8 @@ struct NormGradReference {
 
 // The layer_norm gradient from the chain rule, row by row: with n = (x - mean) rstd and dn = w g,
 // dx = rstd (dn - mean(dn) - n mean(dn n)), dw = sum_rows g n, db = sum_rows g.
-NormGradReference reference_layer_norm_backward(const std::vector<double>& x, const std::vector<double>& g, int64_t C,
-                                                const std::vector<double>& w, double eps) {
+NormGradReference reference_layer_norm_backward(const std::vector<double>& x, const std::vector<double>& g,
+                                                int64_t C, const std::vector<double>& w, double eps) {
   const NormReference f = reference_layer_norm(x, C, {}, {}, eps);  // f.out is the normalised x
   NormGradReference r;
   const int64_t N = static_cast<int64_t>(x.size()) / C;
@@ -108,7 +108,8 @@ NormGradReference reference_layer_norm_backward(const std::vector<double>& x, co
     }
     for (int64_t j = 0; j < C; ++j) {
       const long double dn = g[i * C + j] * (w.empty() ? 1.0L : w[j]);
-      r.grad_x.push_back(static_cast<double>(f.rstd[i] * (dn - dn_sum / C - f.out[i * C + j] * dn_n_sum / C)));
+      r.grad_x.push_back(
+          static_cast<double>(f.rstd[i] * (dn - dn_sum / C - f.out[i * C + j] * dn_n_sum / C)));
     }
   }
   r.grad_w.assign(dw.begin(), dw.end());
@@ -117,8 +118,8 @@ NormGradReference reference_layer_norm_backward(const std::vector<double>& x, co
 }
 
 // rms_norm: with n = x rstd and dn = w g, dx = rstd (dn - n mean(dn n)), dw = sum_rows g n.
-NormGradReference reference_rms_norm_backward(const std::vector<double>& x, const std::vector<double>& g, int64_t C,
-                                              const std::vector<double>& w, double eps) {
+NormGradReference reference_rms_norm_backward(const std::vector<double>& x, const std::vector<double>& g,
+                                              int64_t C, const std::vector<double>& w, double eps) {
   const NormReference f = reference_rms_norm(x, C, {}, eps);
   NormGradReference r;
   const int64_t N = static_cast<int64_t>(x.size()) / C;
@@ -138,7 +139,9 @@ NormGradReference reference_rms_norm_backward(const std::vector<double>& x, cons
   return r;
 }
 
-Tensor f64(const std::vector<double>& values, const Shape& shape) { return Tensor::from_vector(values, shape, DType::F64); }
+Tensor f64(const std::vector<double>& values, const Shape& shape) {
+  return Tensor::from_vector(values, shape, DType::F64);
+}
 
 }  // namespace
 
@@ -174,10 +177,14 @@ TEST(LayerNorm, WeightAndBiasAreOptional) {
   const Tensor x = uniform_tensor({5, C}, 4, -1, 1, DType::F64);
   const Tensor w = uniform_tensor({C}, 5, 0.5, 1.5, DType::F64);
   const Tensor b = uniform_tensor({C}, 6, -0.5, 0.5, DType::F64);
-  const std::vector<double> xv = x.to_vector<double>(), wv = w.to_vector<double>(), bv = b.to_vector<double>();
-  EXPECT_TRUE(all_close(layer_norm(x, {}, {}).out, f64(reference_layer_norm(xv, C, {}, {}, 1e-5).out, {5, C}), 1e-13, 1e-13));
-  EXPECT_TRUE(all_close(layer_norm(x, w, {}).out, f64(reference_layer_norm(xv, C, wv, {}, 1e-5).out, {5, C}), 1e-13, 1e-13));
-  EXPECT_TRUE(all_close(layer_norm(x, {}, b).out, f64(reference_layer_norm(xv, C, {}, bv, 1e-5).out, {5, C}), 1e-13, 1e-13));
+  const std::vector<double> xv = x.to_vector<double>(), wv = w.to_vector<double>(),
+                            bv = b.to_vector<double>();
+  EXPECT_TRUE(all_close(layer_norm(x, {}, {}).out, f64(reference_layer_norm(xv, C, {}, {}, 1e-5).out, {5, C}),
+                        1e-13, 1e-13));
+  EXPECT_TRUE(all_close(layer_norm(x, w, {}).out, f64(reference_layer_norm(xv, C, wv, {}, 1e-5).out, {5, C}),
+                        1e-13, 1e-13));
+  EXPECT_TRUE(all_close(layer_norm(x, {}, b).out, f64(reference_layer_norm(xv, C, {}, bv, 1e-5).out, {5, C}),
+                        1e-13, 1e-13));
 }
 
 TEST(LayerNorm, LargeMeanDoesNotCancel) {
@@ -203,13 +210,15 @@ TEST(LayerNorm, GradientsMatchFiniteDifferences) {
   const Tensor x = uniform_tensor({2, 3, 6}, 10, -1, 1, DType::F64);
   const Tensor w = uniform_tensor({6}, 11, 0.5, 1.5, DType::F64);
   const Tensor b = uniform_tensor({6}, 12, -0.5, 0.5, DType::F64);
-  expect_gradcheck([](const std::vector<Tensor>& in) { return layer_norm(in[0], in[1], in[2]).out; }, {x, w, b});
+  expect_gradcheck([](const std::vector<Tensor>& in) { return layer_norm(in[0], in[1], in[2]).out; },
+                   {x, w, b});
   expect_gradcheck([](const std::vector<Tensor>& in) { return layer_norm(in[0], in[1], {}).out; }, {x, w});
   expect_gradcheck([](const std::vector<Tensor>& in) { return layer_norm(in[0], {}, in[1]).out; }, {x, b});
   expect_gradcheck([](const std::vector<Tensor>& in) { return layer_norm(in[0], {}, {}).out; }, {x});
   // Non-contiguous x.
-  expect_gradcheck([](const std::vector<Tensor>& in) { return layer_norm(in[0].transpose(0, 2), {}, in[1]).out; },
-                   {uniform_tensor({6, 3, 2}, 13, -1, 1, DType::F64), uniform_tensor({6}, 14, -1, 1, DType::F64)});
+  expect_gradcheck(
+      [](const std::vector<Tensor>& in) { return layer_norm(in[0].transpose(0, 2), {}, in[1]).out; },
+      {uniform_tensor({6, 3, 2}, 13, -1, 1, DType::F64), uniform_tensor({6}, 14, -1, 1, DType::F64)});
 }
 
 // The fused backward in every dtype against the chain-rule gradient in double. grad_x is a sum of terms of
@@ -220,10 +229,14 @@ TEST(LayerNorm, GradientsMatchFiniteDifferences) {
 namespace {
 double backward_tolerance(DType dtype) {
   switch (dtype) {
-    case DType::F64: return 1e-12;
-    case DType::F32: return 4e-6;
-    case DType::F16: return 1e-3;
-    default: return 8e-3;
+    case DType::F64:
+      return 1e-12;
+    case DType::F32:
+      return 4e-6;
+    case DType::F16:
+      return 1e-3;
+    default:
+      return 8e-3;
   }
 }
 }  // namespace
@@ -236,8 +249,8 @@ TEST(LayerNorm, FusedBackwardMatchesChainRuleInEveryDtype) {
     Tensor b = uniform_tensor({C}, 17, -0.5, 0.5, dtype).requires_grad_();
     const Tensor g = uniform_tensor({N, C}, 18, -1, 1, dtype);
     backward({layer_norm(x, w, b).out}, {g});
-    const NormGradReference ref =
-        reference_layer_norm_backward(x.to_vector<double>(), g.to_vector<double>(), C, w.to_vector<double>(), 1e-5);
+    const NormGradReference ref = reference_layer_norm_backward(x.to_vector<double>(), g.to_vector<double>(),
+                                                                C, w.to_vector<double>(), 1e-5);
     const double tolerance = backward_tolerance(dtype);
     EXPECT_TRUE(all_close(x.grad(), f64(ref.grad_x, {N, C}), tolerance, tolerance)) << dtype_name(dtype);
     // grad_w / grad_b are sums over 300 rows: scale ~ sqrt(300) ~ 17, so the absolute floor scales too.
@@ -267,9 +280,12 @@ TEST(LayerNorm, BackwardDoesNotDependOnThreadCount) {
 
 TEST(LayerNorm, RejectsMismatchedWeightAndBadInput) {
   const Tensor x = Tensor::zeros({2, 4});
-  EXPECT_ERROR_MENTIONS(layer_norm(x, Tensor::ones({5}), {}), "layer_norm", "weight", "f32[5]", "f32[2,4]", "[4]");
-  EXPECT_ERROR_MENTIONS(layer_norm(x, {}, Tensor::ones({4, 1})), "layer_norm", "bias", "f32[4,1]", "f32[2,4]");
-  EXPECT_ERROR_MENTIONS(layer_norm(Tensor::zeros({2, 4}, DType::I32), {}, {}), "layer_norm", "i32[2,4]", "floating");
+  EXPECT_ERROR_MENTIONS(layer_norm(x, Tensor::ones({5}), {}), "layer_norm", "weight", "f32[5]", "f32[2,4]",
+                        "[4]");
+  EXPECT_ERROR_MENTIONS(layer_norm(x, {}, Tensor::ones({4, 1})), "layer_norm", "bias", "f32[4,1]",
+                        "f32[2,4]");
+  EXPECT_ERROR_MENTIONS(layer_norm(Tensor::zeros({2, 4}, DType::I32), {}, {}), "layer_norm", "i32[2,4]",
+                        "floating");
   EXPECT_ERROR_MENTIONS(layer_norm(Tensor::scalar(1), {}, {}), "layer_norm", "f32[]", "at least one dim");
   EXPECT_ERROR_MENTIONS(layer_norm(x, {}, {}, -1), "layer_norm", "eps");
 }
@@ -292,8 +308,9 @@ TEST(RMSNorm, MatchesDoubleReferenceInEveryDtype) {
     EXPECT_TRUE(all_close(r.rstd, f64(ref.rstd, {5, 4}), 0, 1e-6)) << dtype_name(dtype);
   }
   const Tensor x = uniform_tensor({3, 7}, 25, -1, 1, DType::F64);
-  EXPECT_TRUE(all_close(rms_norm(x, {}).out, f64(reference_rms_norm(x.to_vector<double>(), 7, {}, 1e-6).out, {3, 7}),
-                        1e-13, 1e-13));
+  EXPECT_TRUE(all_close(rms_norm(x, {}).out,
+                        f64(reference_rms_norm(x.to_vector<double>(), 7, {}, 1e-6).out, {3, 7}), 1e-13,
+                        1e-13));
 }
 
 TEST(RMSNorm, GradientsMatchFiniteDifferences) {
@@ -312,8 +329,8 @@ TEST(RMSNorm, FusedBackwardMatchesChainRuleInEveryDtype) {
     Tensor w = uniform_tensor({C}, 30, 0.5, 1.5, dtype).requires_grad_();
     const Tensor g = uniform_tensor({N, C}, 31, -1, 1, dtype);
     backward({rms_norm(x, w).out}, {g});
-    const NormGradReference ref =
-        reference_rms_norm_backward(x.to_vector<double>(), g.to_vector<double>(), C, w.to_vector<double>(), 1e-6);
+    const NormGradReference ref = reference_rms_norm_backward(x.to_vector<double>(), g.to_vector<double>(), C,
+                                                              w.to_vector<double>(), 1e-6);
     const double tolerance = backward_tolerance(dtype);
     EXPECT_TRUE(all_close(x.grad(), f64(ref.grad_x, {N, C}), tolerance, tolerance)) << dtype_name(dtype);
     EXPECT_TRUE(all_close(w.grad(), f64(ref.grad_w, {C}), 20 * tolerance, tolerance)) << dtype_name(dtype);
@@ -355,6 +372,25 @@ TEST(Dropout, MatchesTheCounterBasedDefinitionInEveryDtype) {
     std::vector<double> expected = x.to_vector<double>();
     for (size_t i = 0; i < expected.size(); ++i) expected[i] = keep[i] ? expected[i] / (1 - p) : 0.0;
     EXPECT_TRUE(within_ulp(out, f64(expected, {37, 29}), 1)) << dtype_name(dtype);
+  }
+}
+
+TEST(Dropout, KeepsExactlyTheElementsWhoseUniformIsAtLeastP) {
+  // Take an element whose uniform u (a multiple of 2^-24) is >= 0.5, where float spacing is 2^-24 too:
+  // p = u keeps it, p = u + 2^-26 (which rounds to u in float) must drop it.
+  const uint64_t seed = 11;
+  int64_t index = 0;
+  float u = 0;
+  for (; index < 100; ++index) {
+    u = uniform_from_bits(philox4x32(static_cast<uint64_t>(index), 0, seed)[0]);
+    if (u >= 0.5f) break;
+  }
+  ASSERT_GE(u, 0.5f);
+  for (double p : {static_cast<double>(u), static_cast<double>(u) + 0x1p-26}) {
+    Generator generator(seed);
+    const double kept =
+        dropout(Tensor::ones({index + 1}, DType::F64), p, generator).to_vector<double>()[index];
+    EXPECT_EQ(kept != 0, static_cast<double>(u) >= p) << "p - u = " << p - u;
   }
 }
 
@@ -411,10 +447,12 @@ TEST(Dropout, IdentityWhenNotTrainingOrPIsZero) {
 
 TEST(Dropout, GradientIsTheSameMaskScaled) {
   // A fresh generator inside f keeps the mask fixed across gradcheck's evaluations.
-  expect_gradcheck([](const std::vector<Tensor>& in) {
-    Generator generator(7);
-    return dropout(in[0], 0.3, generator);
-  }, {uniform_tensor({4, 6}, 35, -1, 1, DType::F64)});
+  expect_gradcheck(
+      [](const std::vector<Tensor>& in) {
+        Generator generator(7);
+        return dropout(in[0], 0.3, generator);
+      },
+      {uniform_tensor({4, 6}, 35, -1, 1, DType::F64)});
   // The gradient of sum(dropout(x)) is keep / (1 - p), with the mask recomputed from (seed, offset).
   Tensor x = Tensor::ones({200}).requires_grad_();
   Generator generator(8);

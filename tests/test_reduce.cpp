@@ -16,24 +16,16 @@
 using namespace mixtape;
 using mixtape::testing::all_close;
 using mixtape::testing::within_ulp;
+using mixtape::testing::kFloatDtypes;
+using mixtape::testing::uniform_tensor;
 
 namespace {
 
-const std::vector<DType> kFloatDtypes = {DType::F32, DType::F16, DType::BF16, DType::F64};
-
-// Values drawn uniformly from [low, high) and rounded to dtype: the tensor holds exactly what the reference
-// reads back with to_vector<double>().
-Tensor uniform_tensor(const Shape& shape, uint64_t seed, double low, double high, DType dtype) {
-  std::vector<double> values = Tensor::rand(shape, seed, DType::F64).to_vector<double>();
-  for (double& v : values) v = low + (high - low) * v;
-  return Tensor::from_vector(values, shape, dtype);
-}
-
 // Plain C++ reference for a reduction over `dims` (normalised) of row-major values, accumulated in long
 // double so that it is accurate beyond f64. `combine` folds one element into the running value.
-std::vector<long double> reference_reduce(const std::vector<double>& x, const Shape& shape,
-                                          const std::vector<int64_t>& dims, long double init,
-                                          const std::function<long double(long double, long double)>& combine) {
+std::vector<long double> reference_reduce(
+    const std::vector<double>& x, const Shape& shape, const std::vector<int64_t>& dims, long double init,
+    const std::function<long double(long double, long double)>& combine) {
   Shape out_shape = shape;
   for (int64_t d : dims) out_shape[d] = 1;
   std::vector<long double> out(static_cast<size_t>(shape_numel(out_shape)), init);
@@ -65,14 +57,16 @@ Shape keep_shape(const Shape& shape, const std::vector<int64_t>& dims) {
   return out;
 }
 
-void expect_gradcheck(const std::function<Tensor(const std::vector<Tensor>&)>& f, const std::vector<Tensor>& inputs) {
+void expect_gradcheck(const std::function<Tensor(const std::vector<Tensor>&)>& f,
+                      const std::vector<Tensor>& inputs) {
   const GradcheckResult result = gradcheck(f, inputs);
   EXPECT_TRUE(result.ok) << result.message;
 }
 
 }  // namespace
 
-// ---- sum ---------------------------------------------------------------------------------------------------
+// ---- sum
+// ---------------------------------------------------------------------------------------------------
 
 // Ulp bounds for sums of positive values (no cancellation, so the error is relative to the result):
 // - f32 / f64: the kernel's accumulation chain for an output of 64 elements is at most 4 steps per lane,
@@ -84,7 +78,8 @@ double sum_ulp_bound(DType dtype) { return is_low_precision(dtype) ? 1 : 10; }
 
 TEST(Sum, MatchesDoubleReferenceOverEveryDimSetInEveryDtype) {
   const Shape shape = {5, 7, 64};
-  const std::vector<std::vector<int64_t>> dim_sets = {{}, {0}, {1}, {2}, {-1}, {0, 2}, {2, 0}, {0, 1}, {1, 2}};
+  const std::vector<std::vector<int64_t>> dim_sets = {{},     {0},    {1},    {2},   {-1},
+                                                      {0, 2}, {2, 0}, {0, 1}, {1, 2}};
   for (DType dtype : kFloatDtypes) {
     const Tensor x = uniform_tensor(shape, 11, 0.5, 1.5, dtype);
     for (const auto& requested : dim_sets) {
@@ -123,7 +118,8 @@ TEST(Sum, LongRowsAndLongColumnsAreExactOnIntegers) {
   const Tensor row = Tensor::arange(1, n + 1, 1, DType::F64);
   EXPECT_EQ(sum(row).item(), static_cast<double>(n) * (n + 1) / 2);
   const Tensor columns = Tensor::arange(1, n + 1, 1, DType::F64).view({n, 1}).expand({n, 3});
-  EXPECT_EQ(sum(columns, {0}).to_vector<double>(), std::vector<double>(3, static_cast<double>(n) * (n + 1) / 2));
+  EXPECT_EQ(sum(columns, {0}).to_vector<double>(),
+            std::vector<double>(3, static_cast<double>(n) * (n + 1) / 2));
 }
 
 TEST(Sum, LongF32ReductionsStayAccurate) {
@@ -197,12 +193,19 @@ TEST(SumTo, SumsLeadingAndBroadcastDimsInEveryDtype) {
       Shape target;
       std::vector<int64_t> dims;  // what the reference reduces over
     };
-    for (const Case& c : std::vector<Case>{{{3, 5}, {0}}, {{5}, {0, 1}}, {{3, 1}, {0, 2}}, {{1, 1, 5}, {0, 1}},
-                                           {{4, 1, 5}, {1}}, {{1}, {0, 1, 2}}, {{}, {0, 1, 2}}}) {
-      const Tensor reference = as_f64_tensor(reference_sum(x, c.dims), keep_shape(shape, c.dims)).reshape(c.target);
+    for (const Case& c : std::vector<Case>{{{3, 5}, {0}},
+                                           {{5}, {0, 1}},
+                                           {{3, 1}, {0, 2}},
+                                           {{1, 1, 5}, {0, 1}},
+                                           {{4, 1, 5}, {1}},
+                                           {{1}, {0, 1, 2}},
+                                           {{}, {0, 1, 2}}}) {
+      const Tensor reference =
+          as_f64_tensor(reference_sum(x, c.dims), keep_shape(shape, c.dims)).reshape(c.target);
       const Tensor out = sum_to(x, c.target);
       EXPECT_EQ(out.shape(), c.target);
-      EXPECT_TRUE(within_ulp(out, reference, sum_ulp_bound(dtype))) << dtype_name(dtype) << shape_str(c.target);
+      EXPECT_TRUE(within_ulp(out, reference, sum_ulp_bound(dtype)))
+          << dtype_name(dtype) << shape_str(c.target);
     }
   }
 }
@@ -242,7 +245,8 @@ TEST(Mean, MatchesDoubleReferenceInEveryDtype) {
       for (int64_t d : dims) n *= shape[d];
       for (long double& v : reference) v /= n;
       const Tensor out = mean(x, dims, true);
-      EXPECT_TRUE(within_ulp(out, as_f64_tensor(reference, keep_shape(shape, dims)), sum_ulp_bound(dtype) + 1))
+      EXPECT_TRUE(
+          within_ulp(out, as_f64_tensor(reference, keep_shape(shape, dims)), sum_ulp_bound(dtype) + 1))
           << dtype_name(dtype) << shape_str(dims);
     }
   }
@@ -270,14 +274,17 @@ TEST(MaxMin, SelectTheExtremeElementExactlyInEveryDtype) {
   for (DType dtype : kFloatDtypes) {
     const Tensor x = uniform_tensor(shape, 61, -5, 5, dtype);
     const std::vector<double> values = x.to_vector<double>();
-    for (const std::vector<int64_t>& dims : std::vector<std::vector<int64_t>>{{0, 1, 2}, {0}, {1}, {2}, {0, 2}}) {
+    for (const std::vector<int64_t>& dims :
+         std::vector<std::vector<int64_t>>{{0, 1, 2}, {0}, {1}, {2}, {0, 2}}) {
       const auto greater = [](long double a, long double v) { return v > a ? v : a; };
       const auto smaller = [](long double a, long double v) { return v < a ? v : a; };
       const long double inf = std::numeric_limits<long double>::infinity();
       const Shape kept = keep_shape(shape, dims);
-      EXPECT_TRUE(within_ulp(max(x, dims, true), as_f64_tensor(reference_reduce(values, shape, dims, -inf, greater), kept), 0))
+      EXPECT_TRUE(within_ulp(max(x, dims, true),
+                             as_f64_tensor(reference_reduce(values, shape, dims, -inf, greater), kept), 0))
           << dtype_name(dtype) << shape_str(dims);
-      EXPECT_TRUE(within_ulp(min(x, dims, true), as_f64_tensor(reference_reduce(values, shape, dims, inf, smaller), kept), 0))
+      EXPECT_TRUE(within_ulp(min(x, dims, true),
+                             as_f64_tensor(reference_reduce(values, shape, dims, inf, smaller), kept), 0))
           << dtype_name(dtype) << shape_str(dims);
     }
   }
@@ -285,8 +292,10 @@ TEST(MaxMin, SelectTheExtremeElementExactlyInEveryDtype) {
 
 TEST(MaxMin, PropagateNaNAndHandleInfinities) {
   const double nan = std::numeric_limits<double>::quiet_NaN(), inf = std::numeric_limits<double>::infinity();
-  const Tensor x = Tensor::from_vector(std::vector<double>{1, nan, 3, -inf, -inf, -inf, 2, inf, 0}, {3, 3}, DType::F32);
-  const std::vector<double> largest = max(x, {1}).to_vector<double>(), smallest = min(x, {1}).to_vector<double>();
+  const Tensor x =
+      Tensor::from_vector(std::vector<double>{1, nan, 3, -inf, -inf, -inf, 2, inf, 0}, {3, 3}, DType::F32);
+  const std::vector<double> largest = max(x, {1}).to_vector<double>(),
+                            smallest = min(x, {1}).to_vector<double>();
   EXPECT_TRUE(std::isnan(largest[0]));
   EXPECT_TRUE(std::isnan(smallest[0]));
   EXPECT_EQ(largest[1], -inf);
@@ -312,7 +321,8 @@ TEST(MaxMin, GradientIsSplitEvenlyAmongTies) {
   // Three ties each get a third (torch.amax semantics).
   Tensor x = Tensor::from_vector(std::vector<double>{2, 7, 7, 1, 7}, {5}).requires_grad_();
   backward(max(x));
-  EXPECT_TRUE(all_close(x.grad(), Tensor::from_vector(std::vector<double>{0, 1. / 3, 1. / 3, 0, 1. / 3}, {5}), 1e-15, 0));
+  EXPECT_TRUE(all_close(x.grad(), Tensor::from_vector(std::vector<double>{0, 1. / 3, 1. / 3, 0, 1. / 3}, {5}),
+                        1e-15, 0));
 }
 
 TEST(MaxMin, RejectEmptyReductionsAndBadDims) {
@@ -322,7 +332,8 @@ TEST(MaxMin, RejectEmptyReductionsAndBadDims) {
 
 // ---- var -------------------------------------------------------------------------------------------------
 
-std::vector<long double> reference_var(const Tensor& x, const std::vector<int64_t>& dims, int64_t correction) {
+std::vector<long double> reference_var(const Tensor& x, const std::vector<int64_t>& dims,
+                                       int64_t correction) {
   const std::vector<double> values = x.to_vector<double>();
   std::vector<long double> means = reference_sum(x, dims);
   int64_t n = 1;
@@ -346,7 +357,8 @@ std::vector<long double> reference_var(const Tensor& x, const std::vector<int64_
 
 // Two-pass variance of values with mean ~3 and spread ~1 (no catastrophic cancellation): the squares sum
 // like the sums above (<= 10 ulp in f32/f64, dominated by the chunked accumulation of 40-element outputs),
-// plus the effect of the float mean's error, which is second order; 16-bit results <= 1 ulp after one rounding.
+// plus the effect of the float mean's error, which is second order; 16-bit results <= 1 ulp after one
+// rounding.
 TEST(Var, MatchesTwoPassDoubleReferenceInEveryDtype) {
   const Shape shape = {5, 8, 40};
   for (DType dtype : kFloatDtypes) {
@@ -354,7 +366,8 @@ TEST(Var, MatchesTwoPassDoubleReferenceInEveryDtype) {
     for (const std::vector<int64_t>& dims : std::vector<std::vector<int64_t>>{{0, 1, 2}, {0}, {2}, {0, 2}})
       for (int64_t correction : {0, 1, 2}) {
         const Tensor out = var(x, dims, correction, true);
-        EXPECT_TRUE(within_ulp(out, as_f64_tensor(reference_var(x, dims, correction), keep_shape(shape, dims)),
+        EXPECT_TRUE(within_ulp(out,
+                               as_f64_tensor(reference_var(x, dims, correction), keep_shape(shape, dims)),
                                sum_ulp_bound(dtype) + 2))
             << dtype_name(dtype) << shape_str(dims) << " correction " << correction;
       }
@@ -373,7 +386,8 @@ TEST(Var, GradientIsTwiceTheDeviationOverNMinusCorrection) {
   for (const std::vector<int64_t>& dims : std::vector<std::vector<int64_t>>{{}, {1}, {0, 2}})
     for (int64_t correction : {0, 1})
       for (bool keepdim : {true, false})
-        expect_gradcheck([&](const std::vector<Tensor>& in) { return var(in[0], dims, correction, keepdim); }, {x});
+        expect_gradcheck([&](const std::vector<Tensor>& in) { return var(in[0], dims, correction, keepdim); },
+                         {x});
 }
 
 TEST(Var, RejectsNegativeCorrectionAndBadDims) {
@@ -422,16 +436,19 @@ TEST(Softmax, MatchesDoubleReferenceOverEveryDimInEveryDtype) {
       const Tensor y = softmax(x, dim), log_y = log_softmax(x, dim);
       EXPECT_EQ(y.dtype(), dtype);
       EXPECT_TRUE(within_ulp(y, Tensor::from_vector(reference_softmax(x, d, false), shape, DType::F64),
-                             softmax_ulp_bound(dtype))) << dtype_name(dtype) << " dim " << dim;
+                             softmax_ulp_bound(dtype)))
+          << dtype_name(dtype) << " dim " << dim;
       EXPECT_TRUE(within_ulp(log_y, Tensor::from_vector(reference_softmax(x, d, true), shape, DType::F64),
-                             softmax_ulp_bound(dtype))) << dtype_name(dtype) << " log, dim " << dim;
+                             softmax_ulp_bound(dtype)))
+          << dtype_name(dtype) << " log, dim " << dim;
     }
   }
 }
 
 TEST(Softmax, RowsSumToOneAndLargeInputsDoNotOverflow) {
   // exp(1000) overflows even f64; subtracting the row max keeps every exponent <= 0.
-  const Tensor x = Tensor::from_vector(std::vector<double>{1000, 1001, 1002, -1000, 0, 1000}, {2, 3}, DType::F32);
+  const Tensor x =
+      Tensor::from_vector(std::vector<double>{1000, 1001, 1002, -1000, 0, 1000}, {2, 3}, DType::F32);
   const std::vector<double> y = softmax(x, 1).to_vector<double>();
   for (double v : y) EXPECT_TRUE(std::isfinite(v));
   EXPECT_NEAR(y[0] + y[1] + y[2], 1.0, 1e-6);
@@ -444,11 +461,22 @@ TEST(Softmax, RowsSumToOneAndLargeInputsDoNotOverflow) {
   EXPECT_EQ(masked, (std::vector<double>{0.5, 0, 0.5}));
 }
 
+TEST(Softmax, WidelySpreadLogitsKeepTheirRelativeAccuracy) {
+  // Logits in [-80, 0): probabilities down to e^-80 ~ 2e-35 (still normal floats). Each exp(x - m) inherits
+  // the rounding of x - m, |x - m| u/2 <= 40 * 2^-24 ~ 2.4e-6 relative, plus a few ulp: bound 4e-6.
+  const Tensor x = uniform_tensor({8, 200}, 86, -80, 0, DType::F32);
+  const Tensor reference = Tensor::from_vector(reference_softmax(x, 1, false), {8, 200}, DType::F64);
+  EXPECT_TRUE(all_close(softmax(x, 1), reference, 0, 4e-6));
+  const Tensor log_reference = Tensor::from_vector(reference_softmax(x, 1, true), {8, 200}, DType::F64);
+  EXPECT_TRUE(all_close(log_softmax(x, 1), log_reference, 0, 1e-6));
+}
+
 TEST(Softmax, NonContiguousInput) {
   const Tensor base = uniform_tensor({5, 4, 6}, 82, -3, 3, DType::F64);
   const Tensor x = base.permute({2, 0, 1});  // [6, 5, 4], strided
   for (int64_t dim : {0, 1, 2}) {
-    const Tensor reference = Tensor::from_vector(reference_softmax(x.contiguous(), dim, false), x.shape(), DType::F64);
+    const Tensor reference =
+        Tensor::from_vector(reference_softmax(x.contiguous(), dim, false), x.shape(), DType::F64);
     EXPECT_TRUE(all_close(softmax(x, dim), reference, 1e-15, 1e-14)) << dim;
   }
 }
@@ -488,7 +516,8 @@ TEST(Softmax, BackwardKernelMatchesTheJacobianInLowPrecision) {
         }
       }
       const double tolerance = dtype == DType::F32 ? 1e-6 : dtype == DType::F16 ? 1e-3 : 8e-3;
-      EXPECT_TRUE(all_close(x.grad(), Tensor::from_vector(expected, {4, 33}, DType::F64), tolerance, tolerance))
+      EXPECT_TRUE(
+          all_close(x.grad(), Tensor::from_vector(expected, {4, 33}, DType::F64), tolerance, tolerance))
           << dtype_name(dtype) << (log ? " log" : "");
     }
   }

@@ -43,6 +43,16 @@ inline double ulp_distance(DType dtype, double a, double b) {
   return std::abs(static_cast<double>(ordered(a) - ordered(b)));
 }
 
+inline const std::vector<DType> kFloatDtypes = {DType::F32, DType::F16, DType::BF16, DType::F64};
+
+// Values drawn uniformly from [low, high) and rounded to dtype: the tensor holds exactly what a reference
+// reads back with to_vector<double>().
+inline Tensor uniform_tensor(const Shape& shape, uint64_t seed, double low, double high, DType dtype) {
+  std::vector<double> values = Tensor::rand(shape, seed, DType::F64).to_vector<double>();
+  for (double& v : values) v = low + (high - low) * v;
+  return Tensor::from_vector(values, shape, dtype);
+}
+
 // Expects every element of `actual` (any dtype) within `max_ulp` ulps (in actual's dtype) of the f64
 // `reference` rounded to that dtype. Reports the first few offenders.
 inline ::testing::AssertionResult within_ulp(const Tensor& actual, const Tensor& reference, double max_ulp) {

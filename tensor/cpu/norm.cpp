@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "tensor/cpu/cpu_backend.h"
+#include "tensor/cpu/lane_sum.h"
 #include "tensor/cpu/strided.h"
 #include "tensor/random.h"
 
@@ -20,46 +21,6 @@ namespace mixtape::cpu {
 
 namespace {
 
-constexpr int64_t kLanes = 16;  // independent accumulators: vectorisable, and shorter rounding chains
-
-// sum_{j < n} term(j), with kLanes independent partial sums combined at the end.
-template <class A, class Term>
-inline A lane_sum(int64_t n, Term&& term) {
-  A lanes[kLanes] = {};
-  int64_t j = 0;
-  for (; j + kLanes <= n; j += kLanes)
-    for (int64_t l = 0; l < kLanes; ++l) lanes[l] += term(j + l);
-  A tail = 0;
-  for (; j < n; ++j) tail += term(j);
-  for (int64_t width = kLanes / 2; width > 0; width /= 2)
-    for (int64_t l = 0; l < width; ++l) lanes[l] += lanes[l + width];
-  return lanes[0] + tail;
-}
-
-// Two sums over the same j in one pass: {sum_j first(j), sum_j second(j)}.
-template <class A, class Term>
-inline std::pair<A, A> lane_sum2(int64_t n, Term&& term) {
-  A lanes_a[kLanes] = {}, lanes_b[kLanes] = {};
-  int64_t j = 0;
-  for (; j + kLanes <= n; j += kLanes)
-    for (int64_t l = 0; l < kLanes; ++l) {
-      const auto [a, b] = term(j + l);
-      lanes_a[l] += a;
-      lanes_b[l] += b;
-    }
-  A tail_a = 0, tail_b = 0;
-  for (; j < n; ++j) {
-    const auto [a, b] = term(j);
-    tail_a += a;
-    tail_b += b;
-  }
-  for (int64_t width = kLanes / 2; width > 0; width /= 2)
-    for (int64_t l = 0; l < width; ++l) {
-      lanes_a[l] += lanes_a[l + width];
-      lanes_b[l] += lanes_b[l + width];
-    }
-  return {lanes_a[0] + tail_a, lanes_b[0] + tail_b};
-}
 
 // The weight in the accumulation type, 1 where there is none: converted once per call, so the row loops
 // below have no branch and no 16-bit conversion of w.
@@ -77,9 +38,9 @@ std::vector<A> weight_values(const Tensor& weight, int64_t C) {
 // dw (and db). The pointers never overlap (restrict), which lets the loop vectorise.
 //   dx_j = rstd * (w_j g_j - mean(dnorm) - norm_j * mean(dnorm * norm)),  dw_j += g_j norm_j,  db_j += g_j
 template <class T, class A>
-inline void layer_norm_backward_row(const T* __restrict x, const T* __restrict g, const A* __restrict w, A mean,
-                                    A rstd, A dnorm_mean, A dnorm_norm_mean, T* __restrict dx, A* __restrict dw,
-                                    A* __restrict db, int64_t C) {
+inline void layer_norm_backward_row(const T* __restrict x, const T* __restrict g, const A* __restrict w,
+                                    A mean, A rstd, A dnorm_mean, A dnorm_norm_mean, T* __restrict dx,
+                                    A* __restrict dw, A* __restrict db, int64_t C) {
   if (dx) {
     for (int64_t j = 0; j < C; ++j) {
       const A gj = convert<A>(g[j]), norm = (convert<A>(x[j]) - mean) * rstd;
@@ -115,7 +76,9 @@ inline void rms_norm_backward_row(const T* __restrict x, const T* __restrict g, 
 // block accumulates its own grad_weight / grad_bias partial, so the combination order never depends on the
 // thread count.
 constexpr int64_t kMaxRowBlocks = 64;
-inline int64_t rows_per_block(int64_t N) { return std::max<int64_t>(16, (N + kMaxRowBlocks - 1) / kMaxRowBlocks); }
+inline int64_t rows_per_block(int64_t N) {
+  return std::max<int64_t>(16, (N + kMaxRowBlocks - 1) / kMaxRowBlocks);
+}
 
 // mean / rstd are stored in f32, or in f64 for f64 inputs (the reference dtype keeps full precision). Either
 // way it is the accumulation type acc_t<T>.
@@ -126,7 +89,8 @@ inline bool parallel_rows(int64_t N, int64_t C) { return N > 1 && N * C >= 2 * k
 void check_rows(const char* op, const char* name, const Tensor& t, int64_t N, int64_t C, DType dtype) {
   check(t.defined() && t.dim() == 2 && t.shape()[0] == N && t.shape()[1] == C && t.is_contiguous() &&
             t.dtype() == dtype,
-        op, ": ", name, " must be contiguous ", dtype_name(dtype), "[", N, ",", C, "], got ", t.description());
+        op, ": ", name, " must be contiguous ", dtype_name(dtype), "[", N, ",", C, "], got ",
+        t.description());
 }
 
 void check_vector(const char* op, const char* name, const Tensor& t, int64_t n, DType dtype) {
@@ -136,7 +100,9 @@ void check_vector(const char* op, const char* name, const Tensor& t, int64_t n, 
 }
 
 template <class T>
-const T* data_or_null(const Tensor& t) { return t.defined() ? t.data<T>() : nullptr; }
+const T* data_or_null(const Tensor& t) {
+  return t.defined() ? t.data<T>() : nullptr;
+}
 
 // Sums the per-block partials [blocks, C] into dest[C], pairwise over blocks (a tree of whole rows, so the
 // inner loop runs along C), rounding once. Overwrites `partial`.
@@ -183,15 +149,18 @@ void CpuBackend::layer_norm(const Tensor& x, const Tensor& weight, const Tensor&
       //   mean = x_0 + dm,  dm = 1/C sum_j (x_j - x_0);  var = 1/C sum_j (x_j - x_0 - dm)^2  (two passes)
       const A shift = C > 0 ? convert<A>(xi[0]) : A(0);
       const A dm = lane_sum<A>(C, [&](int64_t j) { return convert<A>(xi[j]) - shift; }) * inv_C;
-      const A v = lane_sum<A>(C, [&](int64_t j) {
-        const A d = (convert<A>(xi[j]) - shift) - dm;
-        return d * d;
-      }) * inv_C;
+      const A v = lane_sum<A>(C,
+                              [&](int64_t j) {
+                                const A d = (convert<A>(xi[j]) - shift) - dm;
+                                return d * d;
+                              }) *
+                  inv_C;
       // rstd = 1 / sqrt(var + eps);  out_j = (x_j - mean) * rstd * w_j + b_j
       const A s = A(1) / std::sqrt(v + static_cast<A>(eps));
       auto normalized = [&](int64_t j) { return ((convert<A>(xi[j]) - shift) - dm) * s; };
       if (w && b) {
-        for (int64_t j = 0; j < C; ++j) oi[j] = convert<T>(normalized(j) * convert<A>(w[j]) + convert<A>(b[j]));
+        for (int64_t j = 0; j < C; ++j)
+          oi[j] = convert<T>(normalized(j) * convert<A>(w[j]) + convert<A>(b[j]));
       } else if (w) {
         for (int64_t j = 0; j < C; ++j) oi[j] = convert<T>(normalized(j) * convert<A>(w[j]));
       } else if (b) {
@@ -247,8 +216,8 @@ void CpuBackend::layer_norm_backward(const Tensor& grad_out, const Tensor& x, co
         });
         const A dnorm_mean = dnorm_sum * inv_C, dnorm_norm_mean = dnorm_norm_sum * inv_C;
         // One more pass writes dx and accumulates dw, db.
-        layer_norm_backward_row(xi, gi, w.data(), m, s, dnorm_mean, dnorm_norm_mean, dxp ? dxp + i * C : nullptr,
-                                dw, db, C);
+        layer_norm_backward_row(xi, gi, w.data(), m, s, dnorm_mean, dnorm_norm_mean,
+                                dxp ? dxp + i * C : nullptr, dw, db, C);
       }
     }
     if (want_w) combine_partials<T, A>(partial_w, blocks, C, grad_weight.data<T>());
@@ -278,10 +247,12 @@ void CpuBackend::rms_norm(const Tensor& x, const Tensor& weight, double eps, con
       const T* xi = xp + i * C;
       T* oi = op + i * C;
       // rstd = 1 / sqrt(1/C sum_j x_j^2 + eps);  out_j = x_j * rstd * w_j
-      const A ms = lane_sum<A>(C, [&](int64_t j) {
-        const A v = convert<A>(xi[j]);
-        return v * v;
-      }) * inv_C;
+      const A ms = lane_sum<A>(C,
+                               [&](int64_t j) {
+                                 const A v = convert<A>(xi[j]);
+                                 return v * v;
+                               }) *
+                   inv_C;
       const A s = A(1) / std::sqrt(ms + static_cast<A>(eps));
       if (w) {
         for (int64_t j = 0; j < C; ++j) oi[j] = convert<T>(convert<A>(xi[j]) * s * convert<A>(w[j]));
@@ -325,7 +296,8 @@ void CpuBackend::rms_norm_backward(const Tensor& grad_out, const Tensor& x, cons
         // norm_j = x_j * rstd;  dnorm_j = w_j * dout_j;  d rstd / dx_j = -rstd^3 x_j / C, so
         // dx_j = rstd * (dnorm_j - norm_j * mean_k(dnorm_k * norm_k))
         const A dnorm_norm_mean =
-            lane_sum<A>(C, [&](int64_t j) { return w[j] * convert<A>(gi[j]) * (convert<A>(xi[j]) * s); }) * inv_C;
+            lane_sum<A>(C, [&](int64_t j) { return w[j] * convert<A>(gi[j]) * (convert<A>(xi[j]) * s); }) *
+            inv_C;
         // One more pass writes dx and accumulates dw.
         rms_norm_backward_row(xi, gi, w.data(), s, dnorm_norm_mean, dxp ? dxp + i * C : nullptr, dw, C);
       }
@@ -353,25 +325,29 @@ void CpuBackend::dropout(const Tensor& x, double p, uint64_t seed, uint64_t offs
     T* o = out.data<T>();
     const T* in = x.data<T>();
     const int64_t sx = loop.inner_strides()[1];
-    loop.run([&](const std::array<int64_t, 2>& at, int64_t n) {
-      // out is contiguous, so its offset is the row-major element index. The uniforms are drawn in blocks
-      // in a loop of their own, which the compiler vectorises (Philox is integer multiplies and xors).
-      constexpr int64_t kBlock = 256;
-      float u[kBlock];
-      for (int64_t start = 0; start < n; start += kBlock) {
-        const int64_t count = std::min(kBlock, n - start);
-        const uint64_t first = offset + static_cast<uint64_t>(at[0] + start);
-        for (int64_t k = 0; k < count; ++k) u[k] = uniform_from_bits(philox4x32(first + static_cast<uint64_t>(k), 0, seed)[0]);
-        T* ok = o + at[0] + start;
-        const T* xk = in + at[1] + start * sx;
-        if (sx == 1) {
-          for (int64_t k = 0; k < count; ++k) ok[k] = convert<T>(u[k] >= threshold ? convert<A>(xk[k]) * scale : A(0));
-        } else {
-          for (int64_t k = 0; k < count; ++k)
-            ok[k] = convert<T>(u[k] >= threshold ? convert<A>(xk[k * sx]) * scale : A(0));
-        }
-      }
-    }, 4096);
+    loop.run(
+        [&](const std::array<int64_t, 2>& at, int64_t n) {
+          // out is contiguous, so its offset is the row-major element index. The uniforms are drawn in blocks
+          // in a loop of their own, which the compiler vectorises (Philox is integer multiplies and xors).
+          constexpr int64_t kBlock = 256;
+          float u[kBlock];
+          for (int64_t start = 0; start < n; start += kBlock) {
+            const int64_t count = std::min(kBlock, n - start);
+            const uint64_t first = offset + static_cast<uint64_t>(at[0] + start);
+            for (int64_t k = 0; k < count; ++k)
+              u[k] = uniform_from_bits(philox4x32(first + static_cast<uint64_t>(k), 0, seed)[0]);
+            T* ok = o + at[0] + start;
+            const T* xk = in + at[1] + start * sx;
+            if (sx == 1) {
+              for (int64_t k = 0; k < count; ++k)
+                ok[k] = convert<T>(u[k] >= threshold ? convert<A>(xk[k]) * scale : A(0));
+            } else {
+              for (int64_t k = 0; k < count; ++k)
+                ok[k] = convert<T>(u[k] >= threshold ? convert<A>(xk[k * sx]) * scale : A(0));
+            }
+          }
+        },
+        4096);
   });
 }
 

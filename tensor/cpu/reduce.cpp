@@ -10,15 +10,21 @@
 // pairwise. The chunking depends only on the shape, never on the thread count, so results are bitwise the
 // same with 1 or 2 threads, and the rounding error grows like (chunk + log2(chunks)) eps instead of n eps.
 // f16/bf16 accumulate in float, f64 in double, and every result is rounded once on store.
+//
+// softmax / log_softmax work row by row along their dim (the row max subtracted first), with their own
+// backward kernels.
 #include <omp.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <numeric>
 #include <vector>
 
 #include "tensor/cpu/cpu_backend.h"
+#include "tensor/cpu/lane_sum.h"
 #include "tensor/cpu/strided.h"
 
 namespace mixtape::cpu {
@@ -36,7 +42,7 @@ struct ReduceGeometry {
   Strides kept_strides;
   Shape reduced_sizes;
   Strides reduced_strides;
-  int64_t n_out = 1;  // number of outputs
+  int64_t n_out = 1;      // number of outputs
   int64_t n_reduced = 1;  // elements combined into each output
 };
 
@@ -158,11 +164,12 @@ A combine_pairwise(const A* p, int64_t n, int64_t stride, const Rule& rule) {
     return acc;
   }
   const int64_t half = n / 2;
-  return rule.combine(combine_pairwise(p, half, stride, rule), combine_pairwise(p + half * stride, n - half, stride, rule));
+  return rule.combine(combine_pairwise(p, half, stride, rule),
+                      combine_pairwise(p + half * stride, n - half, stride, rule));
 }
 
-constexpr int64_t kLanes = 16;  // independent accumulators in a contiguous run (one or two SIMD registers)
-constexpr int64_t kRowChunk = 8192;  // reduced elements per partial result in row mode
+
+constexpr int64_t kRowChunk = 8192;    // reduced elements per partial result in row mode
 constexpr int64_t kColumnChunk = 128;  // reduced rows per partial result in column mode
 constexpr int64_t kColumnBlock = 256;  // outputs accumulated side by side in column mode
 
@@ -173,15 +180,17 @@ A reduce_row_chunk(const T* base, const ReduceGeometry& g, int64_t begin, int64_
   A lanes[kLanes];
   for (A& lane : lanes) lane = rule.identity();
   A acc = rule.identity();
-  for_each_run(g.reduced_sizes, g.reduced_strides, begin, end, [&](int64_t offset, int64_t n, int64_t stride) {
-    const T* p = base + offset;
-    int64_t j = 0;
-    if (stride == 1) {
-      for (; j + kLanes <= n; j += kLanes)
-        for (int64_t l = 0; l < kLanes; ++l) lanes[l] = rule.combine(lanes[l], rule.load(convert<A>(p[j + l]), o));
-    }
-    for (; j < n; ++j) acc = rule.combine(acc, rule.load(convert<A>(p[j * stride]), o));
-  });
+  for_each_run(g.reduced_sizes, g.reduced_strides, begin, end,
+               [&](int64_t offset, int64_t n, int64_t stride) {
+                 const T* p = base + offset;
+                 int64_t j = 0;
+                 if (stride == 1) {
+                   for (; j + kLanes <= n; j += kLanes)
+                     for (int64_t l = 0; l < kLanes; ++l)
+                       lanes[l] = rule.combine(lanes[l], rule.load(convert<A>(p[j + l]), o));
+                 }
+                 for (; j < n; ++j) acc = rule.combine(acc, rule.load(convert<A>(p[j * stride]), o));
+               });
   return rule.combine(combine_pairwise(lanes, kLanes, 1, rule), acc);
 }
 
@@ -205,7 +214,8 @@ void reduce_rows(const T* x, const ReduceGeometry& g, const Rule& rule, A* resul
     const int64_t begin = chunk * kRowChunk, end = std::min(begin + kRowChunk, g.n_reduced);
     partial[static_cast<size_t>(unit)] = reduce_row_chunk<T, A>(base, g, begin, end, o, rule);
   }
-  for (int64_t o = 0; o < g.n_out; ++o) result[o] = combine_pairwise(partial.data() + o * chunks, chunks, 1, rule);
+  for (int64_t o = 0; o < g.n_out; ++o)
+    result[o] = combine_pairwise(partial.data() + o * chunks, chunks, 1, rule);
 }
 
 // Column mode: the innermost kept dim (C outputs, x stride cs) is accumulated as a block while the reduced
@@ -229,17 +239,19 @@ void reduce_columns(const T* x, const ReduceGeometry& g, const Rule& rule, A* re
     A acc[kColumnBlock];
     for (int64_t c = 0; c < width; ++c) acc[c] = rule.identity();
     const int64_t begin = chunk * kColumnChunk, end = std::min(begin + kColumnChunk, g.n_reduced);
-    for_each_run(g.reduced_sizes, g.reduced_strides, begin, end, [&](int64_t offset, int64_t n, int64_t stride) {
-      for (int64_t k = 0; k < n; ++k) {
-        const T* row = base + offset + k * stride;
-        if (cs == 1) {
-          for (int64_t c = 0; c < width; ++c) acc[c] = rule.combine(acc[c], rule.load(convert<A>(row[c]), o0 + c));
-        } else {
-          for (int64_t c = 0; c < width; ++c)
-            acc[c] = rule.combine(acc[c], rule.load(convert<A>(row[c * cs]), o0 + c));
-        }
-      }
-    });
+    for_each_run(g.reduced_sizes, g.reduced_strides, begin, end,
+                 [&](int64_t offset, int64_t n, int64_t stride) {
+                   for (int64_t k = 0; k < n; ++k) {
+                     const T* row = base + offset + k * stride;
+                     if (cs == 1) {
+                       for (int64_t c = 0; c < width; ++c)
+                         acc[c] = rule.combine(acc[c], rule.load(convert<A>(row[c]), o0 + c));
+                     } else {
+                       for (int64_t c = 0; c < width; ++c)
+                         acc[c] = rule.combine(acc[c], rule.load(convert<A>(row[c * cs]), o0 + c));
+                     }
+                   }
+                 });
     A* dest = chunks > 1 ? partial.data() + (outer * chunks + chunk) * C + c0 : result + o0;
     std::copy(acc, acc + width, dest);
   }
@@ -262,11 +274,14 @@ void reduce_into(const T* x, const ReduceGeometry& g, const Rule& rule, A* resul
   const bool columns = g.kept_sizes.back() > 1 &&
                        std::abs(g.kept_strides.back()) < std::abs(g.reduced_strides.back()) &&
                        g.reduced_sizes.back() > 1;
-  if (columns) reduce_columns<T, A>(x, g, rule, result);
-  else reduce_rows<T, A>(x, g, rule, result);
+  if (columns)
+    reduce_columns<T, A>(x, g, rule, result);
+  else
+    reduce_rows<T, A>(x, g, rule, result);
 }
 
-void check_reduce_output(const char* op, const Tensor& x, const std::vector<int64_t>& dims, const Tensor& out) {
+void check_reduce_output(const char* op, const Tensor& x, const std::vector<int64_t>& dims,
+                         const Tensor& out) {
   Shape expected = x.shape();
   for (int64_t d : dims) {
     check(d >= 0 && d < x.dim(), op, ": dim ", d, " out of range for ", x.description());
@@ -288,9 +303,15 @@ void CpuBackend::reduce(ReduceOp op, const Tensor& x, const std::vector<int64_t>
     const T* in = x.data<T>();
     switch (op) {
       case ReduceOp::Sum:
-      case ReduceOp::Mean: reduce_into<T, A>(in, g, SumRule<A>{}, result.data()); break;
-      case ReduceOp::Max: reduce_into<T, A>(in, g, MaxRule<A>{}, result.data()); break;
-      case ReduceOp::Min: reduce_into<T, A>(in, g, MinRule<A>{}, result.data()); break;
+      case ReduceOp::Mean:
+        reduce_into<T, A>(in, g, SumRule<A>{}, result.data());
+        break;
+      case ReduceOp::Max:
+        reduce_into<T, A>(in, g, MaxRule<A>{}, result.data());
+        break;
+      case ReduceOp::Min:
+        reduce_into<T, A>(in, g, MinRule<A>{}, result.data());
+        break;
     }
     // mean = sum / n in the accumulation type, then one rounding (n == 0 gives NaN, as in torch).
     if (op == ReduceOp::Mean)
@@ -300,7 +321,8 @@ void CpuBackend::reduce(ReduceOp op, const Tensor& x, const std::vector<int64_t>
   });
 }
 
-void CpuBackend::var(const Tensor& x, const std::vector<int64_t>& dims, int64_t correction, const Tensor& out) {
+void CpuBackend::var(const Tensor& x, const std::vector<int64_t>& dims, int64_t correction,
+                     const Tensor& out) {
   check_reduce_output("var", x, dims, out);
   const ReduceGeometry g = make_geometry(x, dims);
   dispatch_float(x.dtype(), "var", [&]<typename T>() {
@@ -325,12 +347,50 @@ void CpuBackend::var(const Tensor& x, const std::vector<int64_t>& dims, int64_t 
 
 namespace {
 
+// exp(t) for the softmax kernels, where t = x - max <= 0. double: std::exp. float: a branch-free version
+// the compiler vectorises (glibc's expf is a scalar call):
+//   t = k ln2 + r with k = round(t / ln2) and |r| <= ln2 / 2 (Cody-Waite: ln2 split in a short high part,
+//   so k * ln2_hi is exact, and a low correction); e^r by its degree-7 Taylor polynomial (truncation
+//   < 0.35^8 / 8! ~ 5e-9 relative); 2^k placed in the exponent bits. Within ~2 ulp of the exact value.
+// Results below FLT_MIN (t < -87.33) flush to 0, so -inf (a masked entry) gives exactly 0; NaN stays NaN.
+inline double softmax_exp(double t) { return std::exp(t); }
+inline float softmax_exp(float t) {
+  constexpr float kLog2e = 1.44269504088896341f;
+  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer, kept in the low bits
+  constexpr float kLn2High = 0.693359375f, kLn2Low = -2.12194440e-4f;
+  const float shifted = t * kLog2e + kRound;
+  const float k = shifted - kRound;
+  const float r = (t - k * kLn2High) - k * kLn2Low;
+  const float e_r =
+      1.0f +
+      r * (1.0f +
+           r * (1.0f / 2 +
+                r * (1.0f / 6 + r * (1.0f / 24 + r * (1.0f / 120 + r * (1.0f / 720 + r * (1.0f / 5040)))))));
+  const uint32_t k_bits = std::bit_cast<uint32_t>(shifted) - std::bit_cast<uint32_t>(kRound);  // k mod 2^32
+  const float two_to_k = std::bit_cast<float>((k_bits + 127u) << 23);
+  return t < -87.33f ? 0.0f : e_r * two_to_k;
+}
+
+// max_j v[j] ignoring NaN (-inf for an empty row), with kLanes independent maxima so it vectorises.
+template <class A>
+A row_max(const A* v, int64_t n) {
+  A lanes[kLanes];
+  for (A& lane : lanes) lane = -std::numeric_limits<A>::infinity();
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes)
+    for (int64_t l = 0; l < kLanes; ++l) lanes[l] = v[j + l] > lanes[l] ? v[j + l] : lanes[l];
+  for (; j < n; ++j) lanes[0] = v[j] > lanes[0] ? v[j] : lanes[0];
+  A m = lanes[0];
+  for (int64_t l = 1; l < kLanes; ++l) m = lanes[l] > m ? lanes[l] : m;
+  return m;
+}
+
 struct SoftmaxRows {
-  int64_t length = 1;  // elements in a row
-  int64_t count = 0;  // number of rows
-  Shape other_sizes;  // the dims other than `dim` (a single 1 when there are none)
+  int64_t length = 1;                  // elements in a row
+  int64_t count = 0;                   // number of rows
+  Shape other_sizes;                   // the dims other than `dim` (a single 1 when there are none)
   std::vector<Strides> other_strides;  // per tensor
-  std::vector<int64_t> row_strides;  // per tensor: the stride along `dim`
+  std::vector<int64_t> row_strides;    // per tensor: the stride along `dim`
 
   SoftmaxRows(const std::vector<const Tensor*>& tensors, int64_t dim) {
     const Tensor& first = *tensors.front();
@@ -348,7 +408,9 @@ struct SoftmaxRows {
     }
     for (const Tensor* t : tensors) row_strides.push_back(t->strides()[dim]);
   }
-  int64_t start(int64_t row, size_t tensor) const { return offset_of(row, other_sizes, other_strides[tensor]); }
+  int64_t start(int64_t row, size_t tensor) const {
+    return offset_of(row, other_sizes, other_strides[tensor]);
+  }
   bool parallel() const { return count > 1 && count * length >= 2 * kParallelGrain; }
 };
 
@@ -377,31 +439,22 @@ void CpuBackend::softmax(const Tensor& x, int64_t dim, bool log, const Tensor& o
         T* yr = o + rows.start(r, 1);
         // Subtracting the row max m makes every exponent <= 0: no overflow, and the largest term is exactly 1
         // so the sum is >= 1 (no underflow to 0). softmax is unchanged: exp(x - m) / sum exp(x - m).
-        A m = -std::numeric_limits<A>::infinity();
-        int64_t argmax = 0;
-        for (int64_t j = 0; j < n; ++j) {
-          e[j] = convert<A>(xr[j * sx]);
-          if (e[j] > m) {
-            m = e[j];
-            argmax = j;
-          }
-        }
+        for (int64_t j = 0; j < n; ++j) e[j] = convert<A>(xr[j * sx]);
+        const A m = row_max(e.data(), n);
+        const int64_t argmax = std::find(e.begin(), e.begin() + n, m) - e.begin();  // n when m is NaN or -inf
         // sum = 1 + rest, with rest the sum of the terms other than (one) maximum. Keeping the 1 apart lets
         // log_softmax use log1p(rest): for a confident row (rest << 1), log(1 + rest) rounded in float would
         // lose all the digits of rest below 2^-24.
-        A rest = 0;
         if (log) {
           // log_softmax_j = (x_j - m) - log1p(rest)
-          for (int64_t j = 0; j < n; ++j)
-            if (j != argmax) rest += std::exp(e[j] - m);
+          const A rest =
+              lane_sum<A>(n, [&](int64_t j) { return j == argmax ? A(0) : softmax_exp(e[j] - m); });
           const A log_total = std::log1p(rest);
           for (int64_t j = 0; j < n; ++j) yr[j * so] = convert<T>((e[j] - m) - log_total);
         } else {
           // softmax_j = exp(x_j - m) / (1 + rest)
-          for (int64_t j = 0; j < n; ++j) {
-            e[j] = std::exp(e[j] - m);
-            if (j != argmax) rest += e[j];
-          }
+          for (int64_t j = 0; j < n; ++j) e[j] = softmax_exp(e[j] - m);
+          const A rest = lane_sum<A>(n, [&](int64_t j) { return j == argmax ? A(0) : e[j]; });
           const A total = A(1) + rest;
           for (int64_t j = 0; j < n; ++j) yr[j * so] = convert<T>(e[j] / total);
         }
@@ -432,7 +485,7 @@ void CpuBackend::softmax_backward(const Tensor& y, const Tensor& grad_y, int64_t
         A total = 0;
         for (int64_t j = 0; j < n; ++j) total += convert<A>(gr[j * sg]);
         for (int64_t j = 0; j < n; ++j)
-          dr[j * sd] = convert<T>(convert<A>(gr[j * sg]) - std::exp(convert<A>(yr[j * sy])) * total);
+          dr[j * sd] = convert<T>(convert<A>(gr[j * sg]) - softmax_exp(convert<A>(yr[j * sy])) * total);
       } else {
         // y = softmax(x): dy_j/dx_i = y_j (delta_ij - y_i), so dx_j = y_j (g_j - sum_k g_k y_k)
         A dot = 0;
