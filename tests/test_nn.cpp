@@ -230,7 +230,7 @@ TEST(Linear, GradientsMatchFiniteDifferencesInF64) {
   EXPECT_EQ(fresh.bias.grad().to_vector<double>(), (std::vector<double>{2, 2, 2}));
 }
 
-TEST(Embedding, LooksUpRowsOfItsWeight) {
+TEST(EmbeddingModule, LooksUpRowsOfItsWeight) {
   Embedding table(6, 3, 2);
   const Tensor rows = table.forward(Tensor::from_vector(std::vector<int64_t>{5, 0, 5}, {3}));
   const std::vector<double> w = table.weight.to_vector<double>(), got = rows.to_vector<double>();
@@ -241,7 +241,7 @@ TEST(Embedding, LooksUpRowsOfItsWeight) {
   }
 }
 
-TEST(Norms, LayerNormAndRMSNormStartAsPlainNormalisation) {
+TEST(NormModules, LayerNormAndRMSNormStartAsPlainNormalisation) {
   const Tensor x = uniform_tensor({3, 8}, 4, -2, 2, DType::F64);
   LayerNorm ln(8, true, 1e-5);
   RMSNorm rms(8, 1e-5);
