@@ -189,7 +189,7 @@ void save_safetensors(const std::string& path, const StateDict& state) {
     fail("save_safetensors: cannot write '", path, "': ", system_error_text(error_number), " (", step, " '",
          temp_path, "')");
   };
-  const int fd = ::open(temp_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  const int fd = ::open(temp_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0644);
   if (fd < 0) io_error(errno, "creating the temp file");
   TempFile temp(temp_path, fd);
   int status = write_all(fd, length_bytes, sizeof length_bytes);

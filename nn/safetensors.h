@@ -13,7 +13,7 @@ namespace mixtape {
 // without gaps) and the metadata. The header is padded with spaces so the data starts at a multiple of 8
 // bytes, as the reference writer does. Atomic: writes path + ".tmp.<pid>", fsyncs, renames over path; on
 // any failure the temp file is removed, an existing file at path is left as it was, and Error names the
-// path and the system's reason.
+// path and the system's reason. (A symlink at path is replaced by the new file, not written through.)
 void save_safetensors(const std::string& path, const StateDict& state);
 
 // Reads the whole file in one pass, validating all of it first: a truncated, corrupt or unsupported file is
