@@ -179,6 +179,7 @@ void Module::load_state_dict(const StateDict& state, bool strict) {
   for (const auto& [name, slot] : slots) {
     expected.insert(name);
     auto it = state.tensors.find(name);
+    if (it == state.tensors.end() && !strict) continue;  // PyTorch's strict=False: keep the current value
     check(it != state.tensors.end(), "load_state_dict: missing entry '", name, "' (expected ",
           slot->description(), ")");
     const Tensor& found = it->second;
@@ -192,7 +193,10 @@ void Module::load_state_dict(const StateDict& state, bool strict) {
             ") is not a parameter or buffer of this module");
   }
   NoGradGuard no_grad;
-  for (const auto& [name, slot] : slots) slot->copy_(state.tensors.at(name));
+  for (const auto& [name, slot] : slots) {
+    auto it = state.tensors.find(name);
+    if (it != state.tensors.end()) slot->copy_(it->second);
+  }
 }
 
 }  // namespace mixtape

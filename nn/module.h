@@ -63,8 +63,9 @@ class Module {
   // Parameters and buffers by dotted name, detached (sharing storage with the module).
   StateDict state_dict() const;
   // Copies values into the existing tensors (under NoGradGuard, so the parameters stay leaves). Every entry is
-  // checked before anything is copied: an entry that is missing, unexpected (when strict), or of another shape
-  // or dtype is an Error naming the entry, the expected and the found shape/dtype.
+  // checked before anything is copied: an entry that is missing or unexpected (when strict), or of another shape
+  // or dtype (always) is an Error naming the entry, the expected and the found shape/dtype. With strict = false,
+  // missing entries keep their current values and unexpected ones are ignored, as in PyTorch.
   void load_state_dict(const StateDict& state, bool strict = true);
 
  private:

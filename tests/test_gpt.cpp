@@ -185,6 +185,11 @@ TEST(GPT, SafetensorsRoundTripGivesBitIdenticalLogits) {
     config.activation = tied ? Activation::Gelu : Activation::SwiGLU;
     config.norm = tied ? NormKind::LayerNorm : NormKind::RMSNorm;
     GPT model(config, 21);
+    if (!tied) {  // SwiGLU: c_fc holds the gate and value halves, c_proj maps the 4C hidden state back
+      EXPECT_EQ(model.h->operator[](0).mlp->c_fc->weight.shape(), (Shape{2 * 4 * 32, 32}));
+      EXPECT_EQ(model.h->operator[](0).mlp->c_proj->weight.shape(), (Shape{32, 4 * 32}));
+      EXPECT_EQ(model.lm_head->weight.shape(), (Shape{11, 32}));
+    }
     StateDict state = model.state_dict();
     config.to_metadata(state.metadata);
     const std::string path = ::testing::TempDir() + "mixtape_gpt_roundtrip.safetensors";

@@ -90,6 +90,10 @@ TEST(Module, StrictLoadNamesMissingUnexpectedMisShapedAndMisTypedEntries) {
   StateDict missing = good;
   missing.tensors.erase("norm.bias");
   EXPECT_ERROR_MENTIONS(model.load_state_dict(missing), "missing", "norm.bias", "f32[4]");
+  missing.tensors["fc1.bias"] = Tensor::full({4}, 0.25);
+  model.load_state_dict(missing, /*strict=*/false);  // non-strict keeps the missing entry's value
+  EXPECT_EQ(model.fc1->bias.to_vector<double>(), std::vector<double>(4, 0.25));
+  EXPECT_EQ(model.norm->bias.to_vector<double>(), std::vector<double>(4, 0.0));
 
   StateDict unexpected = good;
   unexpected.tensors["fc3.weight"] = Tensor::zeros({2, 2});
