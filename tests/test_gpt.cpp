@@ -219,6 +219,23 @@ TEST(GPT, SixteenBitModelRunsAndItsTiedHeadStaysTheEmbedding) {
   EXPECT_TRUE(model.wte->weight.grad().defined());  // reached through both the lookup and the head
 }
 
+TEST(GPT, DropoutActsOnlyInTrainingAndItsStreamsAreNamedForCheckpoints) {
+  GPTConfig config = tiny_config();
+  config.dropout = 0.2;
+  GPT model(config, 5);
+  const Tensor idx = Tensor::randint(0, 11, {2, 8}, 1);
+  EXPECT_NE(model.forward(idx).logits.to_vector<double>(), model.forward(idx).logits.to_vector<double>());
+  const auto generators = model.named_generators();
+  ASSERT_EQ(generators.size(), 1u + 2 * 2);
+  EXPECT_EQ(generators[0].first, "transformer.drop.rng");
+  EXPECT_EQ(generators[1].first, "transformer.h.0.attn.resid_dropout.rng");
+  EXPECT_EQ(generators[2].first, "transformer.h.0.mlp.dropout.rng");
+  EXPECT_GT(generators[0].second->offset, 0u);
+  for (size_t i = 1; i < generators.size(); ++i) EXPECT_NE(generators[i].second->seed, generators[0].second->seed);
+  model.eval();
+  EXPECT_EQ(model.forward(idx).logits.to_vector<double>(), model.forward(idx).logits.to_vector<double>());
+}
+
 TEST(GPT, RejectsBadConfigurationsAndInputs) {
   GPTConfig config = tiny_config();
   config.n_embd = 30;
