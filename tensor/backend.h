@@ -83,6 +83,24 @@ class Backend {
   // Dropout: keep element i iff uniform(seed, offset + i) >= p; out = keep ? x / (1 - p) : 0. The draw is
   // counter-based, so backward is the same call on grad_out (no mask is stored) and CPU and GPU agree.
   virtual void dropout(const Tensor& x, double p, uint64_t seed, uint64_t offset, const Tensor& out) = 0;
+
+  // Cross-entropy over rows of logits [N, V] (contiguous) with targets i32/i64 [N], each in [0, V) or
+  // ignore_index (range-checked by the front end). loss (0-d; f32, or f64 for f64 logits) = mean over the
+  // counted rows of lse_i - logits[i, target_i], 0 when none counts; lse (f32 [N], f64 for f64) is saved.
+  virtual void softmax_cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore_index,
+                                     const Tensor& loss, const Tensor& lse) = 0;
+  // grad_logits [N, V] (logits' dtype) = (softmax(logits) - onehot(target)) * grad_loss / count, recomputed
+  // from logits and lse straight into grad_logits; ignored rows get 0. grad_loss is 0-d, loss's dtype.
+  virtual void softmax_cross_entropy_backward(const Tensor& grad_loss, const Tensor& logits, const Tensor& targets,
+                                              const Tensor& lse, int64_t ignore_index, const Tensor& grad_logits) = 0;
+  // Causal attention over contiguous q, k, v, out [B, H, T, D]: out_i = sum_{j <= i} softmax_j(scale q_i.k_j) v_j.
+  // lse [B, H, T] (f32, f64 for f64) gets each query row's log-sum-exp of scores; memory O(B*H*T*D).
+  virtual void causal_attention(const Tensor& q, const Tensor& k, const Tensor& v, double scale, const Tensor& out,
+                                const Tensor& lse) = 0;
+  // grad_q/k/v (contiguous [B, H, T, D]) from grad_out, the forward's out and lse; probabilities recomputed.
+  virtual void causal_attention_backward(const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v,
+                                         const Tensor& out, const Tensor& lse, double scale, const Tensor& grad_q,
+                                         const Tensor& grad_k, const Tensor& grad_v) = 0;
 };
 
 // The backend of a device (the per-device registry). CPU always exists; CUDA only when built with it.

@@ -96,4 +96,13 @@ RMSNormResult rms_norm(const Tensor& x, const Tensor& weight, double eps = 1e-6)
 // Draws numel counters from `generator`.
 Tensor dropout(const Tensor& x, double p, Generator& generator, bool training = true);
 
+// ---- fused loss and attention ----
+// Mean over the rows whose target != ignore_index of -log softmax(logits)[target], with logits [..., V] and
+// targets i32/i64 [...] each in [0, V) or ignore_index. The softmax runs in fp32 (f64 for f64 logits); the
+// result is a 0-d f32 (f64 for f64). When no row counts the loss is 0 and its gradient 0 (not NaN).
+Tensor softmax_cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore_index = -100);
+// Causal self-attention softmax(q k^T / sqrt(D) + mask) v over q, k, v [B, H, T, D] of one dtype (any strides),
+// computed block by block (online softmax): memory O(B*H*T*D), never a [T, T] score matrix.
+Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v);
+
 }  // namespace mixtape

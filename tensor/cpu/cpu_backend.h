@@ -80,6 +80,19 @@ class CpuBackend final : public Backend {
   void embedding(const Tensor& weight, const Tensor& indices, const Tensor& out) override;
   void embedding_backward(const Tensor& grad_out, const Tensor& indices, const Tensor& grad_weight) override;
 
+  // cross_entropy.cpp
+  void softmax_cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore_index, const Tensor& loss,
+                             const Tensor& lse) override;
+  void softmax_cross_entropy_backward(const Tensor& grad_loss, const Tensor& logits, const Tensor& targets,
+                                      const Tensor& lse, int64_t ignore_index, const Tensor& grad_logits) override;
+
+  // attention.cpp
+  void causal_attention(const Tensor& q, const Tensor& k, const Tensor& v, double scale, const Tensor& out,
+                        const Tensor& lse) override;
+  void causal_attention_backward(const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v,
+                                 const Tensor& out, const Tensor& lse, double scale, const Tensor& grad_q,
+                                 const Tensor& grad_k, const Tensor& grad_v) override;
+
  private:
   CachingAllocator allocator_;
 };

@@ -1,0 +1,405 @@
+// Causal scaled-dot-product attention on the CPU, flash-attention style (forward and backward).
+//
+// q, k, v, out are contiguous [B, H, T, D]; each (batch, head) is a [T, D] slice. The [T, T] score matrix is
+// never formed. The forward walks a block of kBlockQ query rows over the key blocks at or before its
+// diagonal, keeping per row the running max m, the running sum l and the unnormalised output o in fp32
+// (f64 for f64) — the online softmax:
+//   s_ij = scale q_i.k_j  (j <= i);   m' = max(m, max_j s_ij);   a = e^(m - m')
+//   l' = a l + sum_j e^(s_ij - m');   o' = a o + sum_j e^(s_ij - m') v_j
+// and at the end out_i = o / l (rounded once to the dtype) and lse_i = m + log l.
+// The backward recomputes p_ij = e^(s_ij - lse_i) block by block from q, k and lse:
+//   dv_j = sum_i p_ij do_i;   dp_ij = do_i.v_j;   ds_ij = p_ij (dp_ij - delta_i),  delta_i = do_i.o_i
+//   dq_i = scale sum_j ds_ij k_j;   dk_j = scale sum_i ds_ij q_i
+// (delta_i = sum_j p_ij dp_ij, the softmax backward's row term, equals do_i.o_i). It loops over key blocks
+// outside and query blocks inside, so dk_j and dv_j are finished in a per-thread tile and stored once; dq
+// accumulates in an fp32 [T, D] buffer per thread (or per task, see the backward). Memory beyond inputs and
+// outputs is O(B*H*T*D) at most (see each kernel) plus per-thread tiles of a few blocks — never O(T^2).
+//
+// Every block product is C (+)= A B on fp32 (f64) matrices (product_tiles below): B is row-major with a
+// padded width, so the inner loop runs along contiguous memory, and an 8-row x kTileCols tile of C stays in
+// vector registers over the whole inner dimension. The key block (k^T, v) is reused from cache by every
+// query row of a block. f32 (f64) inputs whose D fills whole tiles are read in place; other dtypes and widths
+// are converted to padded fp32 (f64) rows once per head, never once per block pair.
+#include <omp.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <limits>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "tensor/cpu/cpu_backend.h"
+
+namespace mixtape::cpu {
+
+namespace {
+
+constexpr int64_t kBlockQ = 64;  // query rows per block
+constexpr int64_t kBlockK = 64;  // key rows per block (a multiple of kTileCols: S tiles have no ragged edge)
+
+// The width of a register tile of C: 128 bytes, i.e. 32 floats or 16 doubles (4 AVX2 / 2 AVX-512 vectors).
+template <class A>
+constexpr int64_t kTileCols = 128 / static_cast<int64_t>(sizeof(A));
+constexpr int64_t kTileRows = 4;
+
+inline int64_t round_up(int64_t n, int64_t multiple) { return (n + multiple - 1) / multiple * multiple; }
+
+// e^x in float for the x <= 0 this file needs (scores minus their max or their log-sum-exp), within ~1 ulp,
+// written as plain arithmetic so the loops over it vectorise (std::exp is an opaque call):
+// x = n ln2 + r with |r| <= ln2 / 2 (ln2 split in two so n ln2 is exact), e^r from the Cephes expf
+// polynomial, 2^n written into the exponent bits. At and below -87 (e^x near the float subnormals) and at
+// -inf the result is 0; x is clamped to 88 above (a rounding's worth above 0 is all that occurs); NaN stays NaN.
+inline float exp_nonpositive(float x) {
+  constexpr float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: x + kRound - kRound rounds x to an integer
+  constexpr float kLowest = -87.0f, kHighest = 88.0f;
+  const float xc = x < kLowest ? kLowest : (x > kHighest ? kHighest : x);
+  const float n = (xc * kLog2e + kRound) - kRound;
+  const float r = (xc - n * kLn2Hi) - n * kLn2Lo;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const float two_to_n = std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);  // n in [-126, 127]
+  return x < kLowest ? 0.0f : p * two_to_n;
+}
+
+template <class A>
+inline A exp_of(A x) {
+  if constexpr (std::is_same_v<A, float>) return exp_nonpositive(x);
+  else return std::exp(x);  // f64 is the reference dtype: the library exp, speed matters less
+}
+
+// C[R x kTileCols] (row stride ldc) = (Accumulate ? C : 0) + sum_k A(r, k) B[k, :], with
+// A(r, k) = a[r * a_rs + k * a_cs] (so A may be read transposed) and B row-major (row stride ldb). The
+// accumulator tile lives in vector registers for the whole k loop (R = 8: 16 AVX-512 registers).
+template <class A, int R, bool Accumulate>
+inline void product_tile(int64_t K, const A* __restrict a, int64_t a_rs, int64_t a_cs, const A* __restrict b,
+                         int64_t ldb, A* __restrict c, int64_t ldc) {
+  constexpr int64_t W = kTileCols<A>;
+  A acc[R][W];
+  for (int r = 0; r < R; ++r)
+    for (int64_t j = 0; j < W; ++j) acc[r][j] = Accumulate ? c[r * ldc + j] : A(0);
+  for (int64_t k = 0; k < K; ++k) {
+    const A* bk = b + k * ldb;
+    for (int r = 0; r < R; ++r) {
+      const A ark = a[r * a_rs + k * a_cs];
+      for (int64_t j = 0; j < W; ++j) acc[r][j] += ark * bk[j];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int64_t j = 0; j < W; ++j) c[r * ldc + j] = acc[r][j];
+}
+
+// C[M x N] (+)= A[M x K] B[K x N] with N a multiple of kTileCols (buffers are padded): tiles of 8 rows,
+// then 4, then the last 1..3. Each element of C is a sum over k in order whatever the tiling, so the
+// forward and the backward compute bitwise the same scores.
+template <bool Accumulate, class A>
+void product_tiles(int64_t M, int64_t N, int64_t K, const A* a, int64_t a_rs, int64_t a_cs, const A* b,
+                   int64_t ldb, A* c, int64_t ldc) {
+  for (int64_t j0 = 0; j0 < N; j0 += kTileCols<A>) {
+    int64_t i0 = 0;
+    for (; i0 + 8 <= M; i0 += 8)
+      product_tile<A, 8, Accumulate>(K, a + i0 * a_rs, a_rs, a_cs, b + j0, ldb, c + i0 * ldc + j0, ldc);
+    const A* ai = a + i0 * a_rs;
+    A* ci = c + i0 * ldc + j0;
+    if (M - i0 >= 4) {
+      product_tile<A, 4, Accumulate>(K, ai, a_rs, a_cs, b + j0, ldb, ci, ldc);
+      i0 += 4;
+      ai += 4 * a_rs;
+      ci += 4 * ldc;
+    }
+    switch (M - i0) {
+      case 3: product_tile<A, 3, Accumulate>(K, ai, a_rs, a_cs, b + j0, ldb, ci, ldc); break;
+      case 2: product_tile<A, 2, Accumulate>(K, ai, a_rs, a_cs, b + j0, ldb, ci, ldc); break;
+      case 1: product_tile<A, 1, Accumulate>(K, ai, a_rs, a_cs, b + j0, ldb, ci, ldc); break;
+      default: break;
+    }
+  }
+}
+
+// dst[r, d] = src[r, d] for r < rows, d < D; columns D..Dp-1 are zero (padding that products read).
+template <class T, class A>
+void load_rows(const T* __restrict src, int64_t rows, int64_t D, A* __restrict dst, int64_t Dp) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t d = 0; d < D; ++d) dst[r * Dp + d] = convert<A>(src[r * D + d]);
+    for (int64_t d = D; d < Dp; ++d) dst[r * Dp + d] = A(0);
+  }
+}
+
+// Whether [rows, D] rows of T must be copied to serve as a row-major [rows, Dp] matrix of A.
+template <class T, class A>
+bool needs_copy(int64_t D, int64_t Dp) { return !std::is_same_v<T, A> || D != Dp; }
+
+// The [rows, D] rows at src as a row-major [rows, Dp] matrix of A: src itself when it already is one (f32 or
+// f64 with D a multiple of kTileCols), else a converted, zero-padded copy in `buffer`.
+template <class T, class A>
+const A* rows_in_acc(const T* src, int64_t rows, int64_t D, int64_t Dp, A* buffer) {
+  if constexpr (std::is_same_v<T, A>)
+    if (D == Dp) return src;
+  load_rows(src, rows, D, buffer, Dp);
+  return buffer;
+}
+
+// dst[d, c] = src[c, d] for c < cols, zero for cols <= c < ld: keys as the B operand of q k^T.
+template <class T, class A>
+void load_transposed(const T* __restrict src, int64_t cols, int64_t D, A* __restrict dst, int64_t ld) {
+  for (int64_t d = 0; d < D; ++d) std::fill(dst + d * ld + cols, dst + (d + 1) * ld, A(0));
+  for (int64_t c = 0; c < cols; ++c)
+    for (int64_t d = 0; d < D; ++d) dst[d * ld + c] = convert<A>(src[c * D + d]);
+}
+
+inline DType stats_dtype(DType x) { return x == DType::F64 ? DType::F64 : DType::F32; }
+
+void check_bhtd(const char* op, const char* name, const Tensor& t, const Shape& shape, DType dtype) {
+  // An empty tensor has no layout to get wrong (and is_contiguous() says no for some empty shapes).
+  check(t.defined() && t.shape() == shape && (t.is_contiguous() || t.numel() == 0) && t.dtype() == dtype, op, ": ", name,
+        " must be contiguous ", dtype_name(dtype), shape_str(shape), ", got ", t.description());
+}
+
+// Run a loop in parallel only when it has enough work to pay for waking the threads.
+inline bool worth_parallel(int64_t tasks, int64_t BH, int64_t T, int64_t D) {
+  return tasks > 1 && BH * T * T * D >= (int64_t{1} << 20);
+}
+
+// For query row i (absolute) and the key block starting at j0 with `cols` keys: how many keys it may see.
+inline int64_t visible_keys(int64_t i, int64_t j0, int64_t cols) { return std::clamp<int64_t>(i - j0 + 1, 0, cols); }
+
+}  // namespace
+
+// ---- forward ---------------------------------------------------------------------------------------------
+
+void CpuBackend::causal_attention(const Tensor& q, const Tensor& k, const Tensor& v, double scale,
+                                  const Tensor& out, const Tensor& lse) {
+  const char* op = "causal_attention";
+  check(q.dim() == 4, op, ": q must be [B, H, T, D], got ", q.description());
+  const int64_t B = q.shape()[0], H = q.shape()[1], T = q.shape()[2], D = q.shape()[3];
+  check_bhtd(op, "q", q, q.shape(), q.dtype());
+  check_bhtd(op, "k", k, q.shape(), q.dtype());
+  check_bhtd(op, "v", v, q.shape(), q.dtype());
+  check_bhtd(op, "out", out, q.shape(), q.dtype());
+  check_bhtd(op, "lse", lse, {B, H, T}, stats_dtype(q.dtype()));
+  dispatch_float(q.dtype(), op, [&]<typename T_>() {
+    using A = acc_t<T_>;
+    const int64_t Dp = round_up(std::max<int64_t>(D, 1), kTileCols<A>);  // padded width of row-major tiles
+    const int64_t BH = B * H, query_blocks = (T + kBlockQ - 1) / kBlockQ;
+    const int64_t tasks = BH * query_blocks;
+    const bool parallel = worth_parallel(tasks, BH, T, D);
+    const A scale_a = static_cast<A>(scale);
+    const T_* qp = q.data<T_>();
+    const T_* kp = k.data<T_>();
+    const T_* vp = v.data<T_>();
+    T_* op_ = out.data<T_>();
+    A* lse_out = lse.data<A>();
+    // Every query block of a head reads all the head's earlier key blocks, so k and v are prepared once up
+    // front: k^T as [BH, D, Tp] (keys padded to whole blocks with zeros: score tiles are kBlockK wide) and v
+    // as [BH * T, Dp] (v itself when it already is that). At most twice the input's size; freed on return.
+    const int64_t Tp = round_up(T, kBlockK);
+    const Tensor kt_tensor = Tensor::empty({BH * D * Tp}, dtype_of<A>::value);
+    const bool copy_v = needs_copy<T_, A>(D, Dp);
+    const Tensor vs_tensor = Tensor::empty({copy_v ? BH * T * Dp : 0}, dtype_of<A>::value);
+    A* kt_all = kt_tensor.data<A>();
+    A* vs_copy = vs_tensor.data<A>();
+#pragma omp parallel for schedule(static) if (parallel)
+    for (int64_t bh = 0; bh < BH; ++bh) {
+      load_transposed(kp + bh * T * D, T, D, kt_all + bh * D * Tp, Tp);
+      if (copy_v) load_rows(vp + bh * T * D, T, D, vs_copy + bh * T * Dp, Dp);
+    }
+    const A* vs_all = copy_v ? vs_copy : rows_in_acc(vp, BH * T, D, Dp, vs_copy);  // the latter copies nothing
+#pragma omp parallel if (parallel)
+    {
+      std::vector<A> q_copy(needs_copy<T_, A>(D, Dp) ? kBlockQ * Dp : 0);
+      std::vector<A> o(kBlockQ * Dp), s(kBlockQ * kBlockK), m(kBlockQ), l(kBlockQ);
+      // Tasks run from the last query block (the most key blocks) to the first, for a balanced finish.
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t task = 0; task < tasks; ++task) {
+        const int64_t qb = query_blocks - 1 - task / BH, bh = task % BH;
+        const int64_t i0 = qb * kBlockQ, rows = std::min(kBlockQ, T - i0);
+        const A* qs = rows_in_acc(qp + (bh * T + i0) * D, rows, D, Dp, q_copy.data());
+        std::fill(o.begin(), o.end(), A(0));
+        std::fill(m.begin(), m.end(), -std::numeric_limits<A>::infinity());
+        std::fill(l.begin(), l.end(), A(0));
+        for (int64_t j0 = 0; j0 < i0 + rows; j0 += kBlockK) {
+          const int64_t cols = std::min({kBlockK, T - j0, i0 + rows - j0});
+          const A* kt = kt_all + bh * D * Tp + j0;  // [D, kBlockK] block of k^T, row stride Tp
+          const A* vs = vs_all + (bh * T + j0) * Dp;  // [cols, Dp] block of v
+          // s = q k^T for the block (scaled below).
+          product_tiles<false>(rows, kBlockK, D, qs, Dp, 1, kt, Tp, s.data(), kBlockK);
+          // Online softmax: turn each row of s into e^(scale s - m') in place (0 where the mask hides a key).
+          for (int64_t r = 0; r < rows; ++r) {
+            A* sr = s.data() + r * kBlockK;
+            const int64_t n = visible_keys(i0 + r, j0, cols);
+            A block_max = -std::numeric_limits<A>::infinity();
+#pragma omp simd reduction(max : block_max)
+            for (int64_t c = 0; c < n; ++c) {
+              sr[c] *= scale_a;
+              block_max = std::max(block_max, sr[c]);
+            }
+            const A m_new = std::max(m[r], block_max);
+            A block_sum = 0;
+#pragma omp simd reduction(+ : block_sum)
+            for (int64_t c = 0; c < n; ++c) {
+              sr[c] = exp_of(sr[c] - m_new);
+              block_sum += sr[c];
+            }
+            std::fill(sr + n, sr + cols, A(0));
+            // Rescale what earlier blocks accumulated to the new max (a = 0 on the first block: m = -inf).
+            const A a = n > 0 ? exp_of(m[r] - m_new) : A(1);
+            if (a != A(1)) {
+              A* orow = o.data() + r * Dp;
+              for (int64_t d = 0; d < Dp; ++d) orow[d] *= a;
+            }
+            l[r] = l[r] * a + block_sum;
+            m[r] = m_new;
+          }
+          // o += p v
+          product_tiles<true>(rows, Dp, cols, s.data(), kBlockK, 1, vs, Dp, o.data(), Dp);
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+          // Row i sees key 0 at least, so l >= 1 (the max term is e^0) and the division is safe.
+          const A inv_l = A(1) / l[r];
+          T_* dst = op_ + (bh * T + i0 + r) * D;
+          for (int64_t d = 0; d < D; ++d) dst[d] = convert<T_>(o[r * Dp + d] * inv_l);
+          lse_out[bh * T + i0 + r] = m[r] + std::log(l[r]);
+        }
+      }
+    }
+  });
+}
+
+// ---- backward --------------------------------------------------------------------------------------------
+
+void CpuBackend::causal_attention_backward(const Tensor& grad_out, const Tensor& q, const Tensor& k,
+                                           const Tensor& v, const Tensor& out, const Tensor& lse, double scale,
+                                           const Tensor& grad_q, const Tensor& grad_k, const Tensor& grad_v) {
+  const char* op = "causal_attention_backward";
+  check(q.dim() == 4, op, ": q must be [B, H, T, D], got ", q.description());
+  const int64_t B = q.shape()[0], H = q.shape()[1], T = q.shape()[2], D = q.shape()[3];
+  for (const auto& [name, t] : {std::pair<const char*, const Tensor&>{"grad_out", grad_out}, {"q", q}, {"k", k},
+                                {"v", v}, {"out", out}, {"grad_q", grad_q}, {"grad_k", grad_k}, {"grad_v", grad_v}})
+    check_bhtd(op, name, t, q.shape(), q.dtype());
+  check_bhtd(op, "lse", lse, {B, H, T}, stats_dtype(q.dtype()));
+  dispatch_float(q.dtype(), op, [&]<typename T_>() {
+    using A = acc_t<T_>;
+    const int64_t Dp = round_up(std::max<int64_t>(D, 1), kTileCols<A>);
+    const int64_t BH = B * H, key_blocks = (T + kBlockK - 1) / kBlockK;
+    const T_* qp = q.data<T_>();
+    const T_* kp = k.data<T_>();
+    const T_* vp = v.data<T_>();
+    const T_* gop = grad_out.data<T_>();
+    const T_* outp = out.data<T_>();
+    const A* lse_in = lse.data<A>();
+    T_* gqp = grad_q.data<T_>();
+    T_* gkp = grad_k.data<T_>();
+    T_* gvp = grad_v.data<T_>();
+    const A scale_a = static_cast<A>(scale);
+
+    // A task is one head's key blocks kb = group, group + groups, ... With few heads, each head's key
+    // blocks are split into interleaved groups (causal work shrinks with kb; interleaving balances it) so
+    // there are at least kMinTasks tasks; each group then owns a dq partial, summed in group order after. The
+    // split depends on the shape only, so results are bitwise the same for any thread count.
+    constexpr int64_t kMinTasks = 4;
+    const int64_t groups = std::clamp<int64_t>((kMinTasks + BH - 1) / std::max<int64_t>(BH, 1), 1,
+                                               std::max<int64_t>(key_blocks, 1));
+    const int64_t tasks = BH * groups;
+    const bool parallel = worth_parallel(tasks, BH, T, D);
+    const int64_t threads = parallel ? omp_get_max_threads() : 1;
+
+    // delta_i = do_i . o_i, one per query row.
+    const Tensor delta_tensor = Tensor::empty({BH * T}, dtype_of<A>::value);
+    A* delta = delta_tensor.data<A>();
+#pragma omp parallel for schedule(static) if (parallel)
+    for (int64_t i = 0; i < BH * T; ++i) {
+      A sum = 0;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t d = 0; d < D; ++d) sum += convert<A>(gop[i * D + d]) * convert<A>(outp[i * D + d]);
+      delta[i] = sum;
+    }
+    // fp32 [T, Dp] dq accumulators: one per thread (stored at the end of each task) when groups == 1, else
+    // one per task. When q, do and k are not already [T, Dp] matrices of A, each thread also converts its
+    // head's q, do and k once per task (three [T, Dp] copies per thread).
+    const int64_t accumulators = groups == 1 ? threads : tasks;
+    const Tensor dq_tensor = Tensor::empty({accumulators * T * Dp}, dtype_of<A>::value);
+    A* dq_all = dq_tensor.data<A>();
+    const bool copy = needs_copy<T_, A>(D, Dp);
+    const Tensor head_copies = Tensor::empty({copy ? threads * 3 * T * Dp : 0}, dtype_of<A>::value);
+
+#pragma omp parallel if (parallel)
+    {
+      std::vector<A> kt(D * kBlockK), vt(D * kBlockK), p(kBlockQ * kBlockK), ds(kBlockQ * kBlockK);
+      std::vector<A> dk(kBlockK * Dp), dv(kBlockK * Dp);
+      A* copies = copy ? head_copies.data<A>() + omp_get_thread_num() * 3 * T * Dp : nullptr;
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t task = 0; task < tasks; ++task) {
+        const int64_t bh = task / groups, group = task % groups;
+        const int64_t head = bh * T * D;
+        const A* qh = rows_in_acc(qp + head, T, D, Dp, copies);
+        const A* doh = rows_in_acc(gop + head, T, D, Dp, copy ? copies + T * Dp : nullptr);
+        const A* kh = rows_in_acc(kp + head, T, D, Dp, copy ? copies + 2 * T * Dp : nullptr);
+        A* dq = dq_all + (groups == 1 ? omp_get_thread_num() : task) * T * Dp;
+        std::fill(dq, dq + T * Dp, A(0));
+        for (int64_t kb = group; kb < key_blocks; kb += groups) {
+          const int64_t j0 = kb * kBlockK, cols = std::min(kBlockK, T - j0);
+          load_transposed(kp + head + j0 * D, cols, D, kt.data(), kBlockK);
+          load_transposed(vp + head + j0 * D, cols, D, vt.data(), kBlockK);
+          std::fill(dk.begin(), dk.end(), A(0));
+          std::fill(dv.begin(), dv.end(), A(0));
+          // Query blocks that see this key block: those ending at or after j0.
+          for (int64_t i0 = j0 / kBlockQ * kBlockQ; i0 < T; i0 += kBlockQ) {
+            const int64_t rows = std::min(kBlockQ, T - i0);
+            const A* qs = qh + i0 * Dp;
+            const A* dos = doh + i0 * Dp;
+            // p = e^(scale q k^T - lse) (0 where masked): the forward's probabilities, recomputed.
+            product_tiles<false>(rows, kBlockK, D, qs, Dp, 1, kt.data(), kBlockK, p.data(), kBlockK);
+            // dp = do v^T
+            product_tiles<false>(rows, kBlockK, D, dos, Dp, 1, vt.data(), kBlockK, ds.data(), kBlockK);
+            for (int64_t r = 0; r < rows; ++r) {
+              const int64_t i = i0 + r, n = visible_keys(i, j0, cols);
+              const A row_lse = lse_in[bh * T + i], row_delta = delta[bh * T + i];
+              A* pr = p.data() + r * kBlockK;
+              A* dsr = ds.data() + r * kBlockK;
+#pragma omp simd
+              for (int64_t c = 0; c < n; ++c) {
+                pr[c] = exp_of(scale_a * pr[c] - row_lse);
+                dsr[c] = pr[c] * (dsr[c] - row_delta);  // ds = p (dp - delta)
+              }
+              std::fill(pr + n, pr + kBlockK, A(0));
+              std::fill(dsr + n, dsr + kBlockK, A(0));
+            }
+            // dv += p^T do;  dk += ds^T q;  dq += ds k  (dk and dq are scaled on store)
+            product_tiles<true>(cols, Dp, rows, p.data(), 1, kBlockK, dos, Dp, dv.data(), Dp);
+            product_tiles<true>(cols, Dp, rows, ds.data(), 1, kBlockK, qs, Dp, dk.data(), Dp);
+            product_tiles<true>(rows, Dp, cols, ds.data(), kBlockK, 1, kh + j0 * Dp, Dp, dq + i0 * Dp, Dp);
+          }
+          for (int64_t c = 0; c < cols; ++c)
+            for (int64_t d = 0; d < D; ++d) {
+              gkp[head + (j0 + c) * D + d] = convert<T_>(scale_a * dk[c * Dp + d]);
+              gvp[head + (j0 + c) * D + d] = convert<T_>(dv[c * Dp + d]);
+            }
+        }
+        if (groups == 1)
+          for (int64_t i = 0; i < T; ++i)
+            for (int64_t d = 0; d < D; ++d) gqp[head + i * D + d] = convert<T_>(scale_a * dq[i * Dp + d]);
+      }
+    }
+    if (groups > 1) {
+      // dq_i = scale * sum over groups (in group order) of the partials.
+#pragma omp parallel for schedule(static) if (parallel)
+      for (int64_t row = 0; row < BH * T; ++row) {
+        const int64_t bh = row / T, i = row % T;
+        for (int64_t d = 0; d < D; ++d) {
+          A sum = 0;
+          for (int64_t g = 0; g < groups; ++g) sum += dq_all[((bh * groups + g) * T + i) * Dp + d];
+          gqp[row * D + d] = convert<T_>(scale_a * sum);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace mixtape::cpu

@@ -1,0 +1,132 @@
+// Softmax cross-entropy on the CPU: the forward and the fused backward.
+//
+// logits are [N, V] contiguous rows, targets [N]. Rows are independent, so both kernels split rows across
+// threads. The forward reads a row twice (its max, then sum_j e^(x_j - max)); a row of V values stays in
+// L2 between the passes. It stores only lse_i = max + log(sum) per row; the loss is then
+//   loss = 1/count sum_{counted i} (lse_i - x_{i, t_i})
+// summed in row order in double, so it does not depend on the thread count. The backward writes
+//   grad_ij = (e^(x_ij - lse_i) - [j == t_i]) * g / count
+// straight into grad_logits: the softmax is never stored. f16/bf16 compute in float, f64 in double; lse is
+// stored in that accumulation type (f32, f64 for f64).
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "tensor/cpu/cpu_backend.h"
+#include "tensor/cpu/strided.h"
+
+namespace mixtape::cpu {
+
+namespace {
+
+inline DType stats_dtype(DType logits) { return logits == DType::F64 ? DType::F64 : DType::F32; }
+
+inline bool parallel_rows(int64_t N, int64_t V) { return N > 1 && N * V >= 2 * kParallelGrain; }
+
+void check_tensor(const char* op, const char* name, const Tensor& t, const Shape& shape, DType dtype) {
+  // An empty tensor has no layout to get wrong (and is_contiguous() says no for some empty shapes).
+  check(t.defined() && t.shape() == shape && (t.is_contiguous() || t.numel() == 0) && t.dtype() == dtype, op, ": ", name,
+        " must be contiguous ", dtype_name(dtype), shape_str(shape), ", got ", t.description());
+}
+
+void check_targets(const char* op, const Tensor& targets, int64_t N) {
+  check(targets.defined() && targets.dim() == 1 && targets.shape()[0] == N && targets.is_contiguous() &&
+            (targets.dtype() == DType::I32 || targets.dtype() == DType::I64),
+        op, ": targets must be contiguous i32/i64 [", N, "], got ", targets.description());
+}
+
+template <class I>
+int64_t counted_rows(const I* targets, int64_t N, int64_t ignore_index) {
+  int64_t count = 0;
+  for (int64_t i = 0; i < N; ++i) count += static_cast<int64_t>(targets[i]) != ignore_index;
+  return count;
+}
+
+// log sum_j e^(x_j) of one row in A, shifted by the row max so that no exponential overflows. A row whose
+// max is infinite gets no shift (so all -inf gives -inf, a +inf gives +inf or NaN, as the math does).
+template <class T, class A>
+A row_log_sum_exp(const T* __restrict x, int64_t V) {
+  A m = -std::numeric_limits<A>::infinity();
+#pragma omp simd reduction(max : m)
+  for (int64_t j = 0; j < V; ++j) m = std::max(m, convert<A>(x[j]));
+  const A shift = std::isfinite(m) ? m : A(0);
+  A sum = 0;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < V; ++j) sum += std::exp(convert<A>(x[j]) - shift);
+  return shift + std::log(sum);
+}
+
+}  // namespace
+
+void CpuBackend::softmax_cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore_index,
+                                       const Tensor& loss, const Tensor& lse) {
+  const char* op = "softmax_cross_entropy";
+  check(logits.dim() == 2, op, ": logits must be [N, V], got ", logits.description());
+  const int64_t N = logits.shape()[0], V = logits.shape()[1];
+  check_tensor(op, "logits", logits, {N, V}, logits.dtype());
+  check_targets(op, targets, N);
+  check_tensor(op, "loss", loss, {}, stats_dtype(logits.dtype()));
+  check_tensor(op, "lse", lse, {N}, stats_dtype(logits.dtype()));
+  dispatch_float(logits.dtype(), op, [&]<typename T>() {
+    using A = acc_t<T>;
+    dispatch_index(targets.dtype(), op, [&]<typename I>() {
+      const T* x = logits.data<T>();
+      const I* target = targets.data<I>();
+      A* lse_out = lse.data<A>();
+#pragma omp parallel for schedule(static) if (parallel_rows(N, V))
+      for (int64_t i = 0; i < N; ++i) lse_out[i] = row_log_sum_exp<T, A>(x + i * V, V);
+      // -log softmax(x_i)[t] = lse_i - x_{i,t}; summed in row order (thread-count independent) in double.
+      double total = 0;
+      int64_t count = 0;
+      for (int64_t i = 0; i < N; ++i) {
+        const int64_t t = static_cast<int64_t>(target[i]);
+        if (t == ignore_index) continue;
+        total += static_cast<double>(lse_out[i] - convert<A>(x[i * V + t]));
+        ++count;
+      }
+      // No counted row: the mean of nothing is defined as 0 (and its gradient is 0), not 0/0.
+      loss.data<A>()[0] = count > 0 ? static_cast<A>(total / static_cast<double>(count)) : A(0);
+    });
+  });
+}
+
+void CpuBackend::softmax_cross_entropy_backward(const Tensor& grad_loss, const Tensor& logits, const Tensor& targets,
+                                                const Tensor& lse, int64_t ignore_index,
+                                                const Tensor& grad_logits) {
+  const char* op = "softmax_cross_entropy_backward";
+  check(logits.dim() == 2, op, ": logits must be [N, V], got ", logits.description());
+  const int64_t N = logits.shape()[0], V = logits.shape()[1];
+  check_tensor(op, "logits", logits, {N, V}, logits.dtype());
+  check_targets(op, targets, N);
+  check_tensor(op, "grad_loss", grad_loss, {}, stats_dtype(logits.dtype()));
+  check_tensor(op, "lse", lse, {N}, stats_dtype(logits.dtype()));
+  check_tensor(op, "grad_logits", grad_logits, {N, V}, logits.dtype());
+  dispatch_float(logits.dtype(), op, [&]<typename T>() {
+    using A = acc_t<T>;
+    dispatch_index(targets.dtype(), op, [&]<typename I>() {
+      const T* x = logits.data<T>();
+      const I* target = targets.data<I>();
+      const A* lse_in = lse.data<A>();
+      T* grad = grad_logits.data<T>();
+      const int64_t count = counted_rows(target, N, ignore_index);
+      // d loss / d x_ij = (p_ij - [j == t_i]) / count for counted rows; the chain rule multiplies by g.
+      const A row_scale = count > 0 ? grad_loss.data<A>()[0] / static_cast<A>(count) : A(0);
+#pragma omp parallel for schedule(static) if (parallel_rows(N, V))
+      for (int64_t i = 0; i < N; ++i) {
+        const T* xi = x + i * V;
+        T* gi = grad + i * V;
+        const int64_t t = static_cast<int64_t>(target[i]);
+        if (t == ignore_index) {
+          std::fill(gi, gi + V, convert<T>(A(0)));
+          continue;
+        }
+        const A l = lse_in[i];
+        for (int64_t j = 0; j < V; ++j) gi[j] = convert<T>(std::exp(convert<A>(xi[j]) - l) * row_scale);
+        // The target column: (p - 1) formed in A before the one rounding, so p close to 1 keeps its digits.
+        gi[t] = convert<T>((std::exp(convert<A>(xi[t]) - l) - A(1)) * row_scale);
+      }
+    });
+  });
+}
+
+}  // namespace mixtape::cpu
