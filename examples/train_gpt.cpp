@@ -1,0 +1,269 @@
+// train_gpt: trains a GPT (nanoGPT's model) on a text file (character level) or a .bin file of uint16 token
+// ids, with checkpoints that resume bit for bit. The training core lives in nn/checkpoint.h.
+//
+//   train_gpt --data ../shared/data/tinyshakespeare.txt --steps 2000 --save ckpt.safetensors
+//   train_gpt --data ... --resume ckpt.safetensors --steps 4000 --save ckpt.safetensors
+//   train_gpt --data ... --init ckpt.safetensors --eval-only            -> "val_loss <x>"
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <iostream>
+#include <set>
+#include <string>
+
+#include "nn/checkpoint.h"
+#include "nn/json.h"
+#include "nn/safetensors.h"
+
+using namespace mixtape;
+
+namespace {
+
+struct Options {
+  std::string data;
+  int64_t vocab_size = 0;
+  GPTConfig model;
+  TrainOptions train;
+  int64_t eval_every = 250;
+  int64_t save_every = 0;
+  int64_t stop_at = -1;
+  std::string init, save, resume, log_json;
+  bool eval_only = false;
+  std::set<std::string> given;  // flags set on the command line
+};
+
+void usage() {
+  std::cout <<
+      "usage: train_gpt --data FILE(.txt|.bin) [options]\n"
+      "  data:      --vocab-size N (.bin only)\n"
+      "  model:     --layers N --heads N --width N --block N --dropout X\n"
+      "  training:  --batch N --steps N --lr X --min-lr X --warmup N --optimizer sgd|adam|adamw\n"
+      "             --weight-decay X --beta1 X --beta2 X --momentum X (sgd) --schedule constant|cosine\n"
+      "             --grad-clip X (0 = off) --seed N --sequential\n"
+      "  checkpoints: --init FILE --save FILE --save-every N --resume FILE --stop-at STEP\n"
+      "  output:    --eval-every N (0 = only at the end) --eval-only --log-json FILE\n";
+}
+
+Options parse(int argc, char** argv) {
+  Options o;
+  // Default model: small enough for a quick CPU run (about 0.2 M parameters).
+  o.model.n_layer = 2;
+  o.model.n_head = 4;
+  o.model.n_embd = 64;
+  o.model.block_size = 64;
+  o.model.vocab_size = 0;
+  o.model.bias = true;
+  o.model.dropout = 0.0;
+  o.train.batch = 16;
+  o.train.steps = 1000;
+  o.train.lr = 3e-3;
+  o.train.min_lr = 3e-4;
+  o.train.warmup = 20;
+  for (int i = 1; i < argc; ++i) {
+    const std::string flag = argv[i];
+    if (flag == "--help" || flag == "-h") { usage(); std::exit(0); }
+    o.given.insert(flag);
+    if (flag == "--sequential") { o.train.sequential = true; continue; }
+    if (flag == "--eval-only") { o.eval_only = true; continue; }
+    check(i + 1 < argc, "train_gpt: ", flag, " needs a value");
+    const std::string value = argv[++i];
+    auto integer = [&](int64_t low) {
+      char* end = nullptr;
+      errno = 0;
+      const long long v = std::strtoll(value.c_str(), &end, 10);
+      check(!value.empty() && end && *end == 0 && errno == 0 && v >= low, "train_gpt: ", flag,
+            " expects an integer >= ", low, ", got '", value, "'");
+      return static_cast<int64_t>(v);
+    };
+    auto real = [&]() {
+      char* end = nullptr;
+      const double v = std::strtod(value.c_str(), &end);
+      check(!value.empty() && end && *end == 0 && std::isfinite(v) && v >= 0, "train_gpt: ", flag,
+            " expects a non-negative number, got '", value, "'");
+      return v;
+    };
+    if (flag == "--data") o.data = value;
+    else if (flag == "--vocab-size") o.vocab_size = integer(1);
+    else if (flag == "--layers") o.model.n_layer = integer(1);
+    else if (flag == "--heads") o.model.n_head = integer(1);
+    else if (flag == "--width") o.model.n_embd = integer(1);
+    else if (flag == "--block") o.model.block_size = integer(1);
+    else if (flag == "--dropout") o.model.dropout = real();
+    else if (flag == "--batch") o.train.batch = integer(1);
+    else if (flag == "--steps") o.train.steps = integer(0);
+    else if (flag == "--lr") o.train.lr = real();
+    else if (flag == "--min-lr") o.train.min_lr = real();
+    else if (flag == "--warmup") o.train.warmup = integer(0);
+    else if (flag == "--optimizer") o.train.optimizer = value;
+    else if (flag == "--weight-decay") o.train.weight_decay = real();
+    else if (flag == "--beta1") o.train.beta1 = real();
+    else if (flag == "--beta2") o.train.beta2 = real();
+    else if (flag == "--momentum") o.train.momentum = real();
+    else if (flag == "--schedule") o.train.schedule = value;
+    else if (flag == "--grad-clip") o.train.grad_clip = real();
+    else if (flag == "--seed") o.train.seed = static_cast<uint64_t>(integer(0));
+    else if (flag == "--eval-every") o.eval_every = integer(0);
+    else if (flag == "--save-every") o.save_every = integer(0);
+    else if (flag == "--stop-at") o.stop_at = integer(0);
+    else if (flag == "--init") o.init = value;
+    else if (flag == "--save") o.save = value;
+    else if (flag == "--resume") o.resume = value;
+    else if (flag == "--log-json") o.log_json = value;
+    else {
+      usage();
+      fail("train_gpt: unknown option ", flag);
+    }
+  }
+  check(!o.data.empty(), "train_gpt: --data FILE is required (.txt for characters, .bin for uint16 tokens)");
+  check(o.init.empty() || o.resume.empty(), "train_gpt: --init and --resume exclude each other");
+  check(o.save_every == 0 || !o.save.empty(), "train_gpt: --save-every needs --save FILE");
+  if (o.given.count("--min-lr") == 0 && o.train.min_lr > o.train.lr) o.train.min_lr = o.train.lr / 10;
+  return o;
+}
+
+std::string format_seconds(double s) {
+  char buffer[32];
+  const long long t = static_cast<long long>(std::llround(s));
+  std::snprintf(buffer, sizeof(buffer), "%lld:%02lld", t / 60, t % 60);
+  return buffer;
+}
+
+int run(int argc, char** argv) {
+  Options opt = parse(argc, argv);
+  const TokenData data = load_token_file(opt.data, opt.vocab_size);
+
+  // The model shape comes from --init / --resume files when given; their model flags must then agree.
+  if (!opt.init.empty() || !opt.resume.empty()) {
+    const StateDict header = load_safetensors(opt.init.empty() ? opt.resume : opt.init);
+    const GPTConfig file_config = GPTConfig::from_metadata(header.metadata);
+    const std::pair<const char*, int64_t> shape[] = {{"--layers", file_config.n_layer},
+                                                     {"--heads", file_config.n_head},
+                                                     {"--width", file_config.n_embd},
+                                                     {"--block", file_config.block_size}};
+    const int64_t mine[] = {opt.model.n_layer, opt.model.n_head, opt.model.n_embd, opt.model.block_size};
+    for (int k = 0; k < 4; ++k)
+      check(opt.given.count(shape[k].first) == 0 || mine[k] == shape[k].second, "train_gpt: ", shape[k].first, " ",
+            mine[k], " differs from the ", shape[k].second, " in the loaded file");
+    const double dropout = opt.model.dropout;
+    opt.model = file_config;
+    if (opt.given.count("--dropout")) opt.model.dropout = dropout;
+    if (!opt.resume.empty()) {
+      // Training options come from the checkpoint (so the run continues exactly); --steps may extend it.
+      const int64_t steps = opt.train.steps;
+      const TrainOptions file_options = TrainOptions::from_metadata(header.metadata);
+      const auto mine_meta = opt.train.to_metadata();
+      const auto file_meta = file_options.to_metadata();
+      static const std::pair<const char*, const char*> flags[] = {
+          {"--batch", "train.batch"}, {"--lr", "train.lr"}, {"--min-lr", "train.min_lr"},
+          {"--warmup", "train.warmup"}, {"--optimizer", "train.optimizer"},
+          {"--weight-decay", "train.weight_decay"}, {"--beta1", "train.beta1"}, {"--beta2", "train.beta2"},
+          {"--momentum", "train.momentum"}, {"--schedule", "train.schedule"}, {"--grad-clip", "train.grad_clip"},
+          {"--seed", "train.seed"}, {"--sequential", "train.sequential"}};
+      for (const auto& [flag, key] : flags)
+        check(opt.given.count(flag) == 0 || mine_meta.at(key) == file_meta.at(key), "train_gpt: ", flag, " ",
+              mine_meta.at(key), " differs from the checkpoint's ", file_meta.at(key),
+              " (a resumed run keeps the checkpoint's options)");
+      opt.train = file_options;
+      if (opt.given.count("--steps")) opt.train.steps = steps;
+      check(opt.given.count("--dropout") == 0 || dropout == file_config.dropout,
+            "train_gpt: --dropout differs from the checkpoint's ", file_config.dropout);
+    }
+    if (!data.vocab.empty() && header.metadata.count("vocab"))
+      check(vocab_from_metadata(header.metadata.at("vocab")) == data.vocab,
+            "train_gpt: the character vocabulary of '", opt.data, "' differs from the loaded file's");
+  } else {
+    opt.model.vocab_size = data.vocab_size;
+  }
+  check(data.vocab_size <= opt.model.vocab_size, "train_gpt: the data uses ", data.vocab_size,
+        " token ids but the model has vocab_size ", opt.model.vocab_size);
+
+  Trainer trainer(opt.model, opt.train, data);
+  if (!opt.init.empty()) trainer.load_weights(load_safetensors(opt.init));
+  if (!opt.resume.empty()) trainer.load_checkpoint(load_safetensors(opt.resume));
+
+  if (opt.eval_only) {
+    std::printf("val_loss %.6f\n", trainer.evaluate());
+    return 0;
+  }
+
+  const GPTConfig& c = trainer.model().config();
+  std::printf("train_gpt: %s: %zu tokens (train %lld, val %lld), vocab %lld | model %lld layers, %lld heads, width "
+              "%lld, block %lld, dropout %g, %lld parameters | %s, lr %g -> %g (%s, warmup %lld), batch %lld, "
+              "%lld steps\n",
+              opt.data.c_str(), data.tokens.size(), static_cast<long long>(data.n_train()),
+              static_cast<long long>(data.n_val()), static_cast<long long>(data.vocab_size),
+              static_cast<long long>(c.n_layer), static_cast<long long>(c.n_head), static_cast<long long>(c.n_embd),
+              static_cast<long long>(c.block_size), c.dropout,
+              static_cast<long long>(trainer.model().num_parameters()), opt.train.optimizer.c_str(), opt.train.lr,
+              opt.train.min_lr, opt.train.schedule.c_str(), static_cast<long long>(opt.train.warmup),
+              static_cast<long long>(opt.train.batch), static_cast<long long>(opt.train.steps));
+  if (trainer.step() > 0) std::printf("resumed at step %lld\n", static_cast<long long>(trainer.step()));
+  std::fflush(stdout);
+
+  std::ofstream log;
+  if (!opt.log_json.empty()) {
+    log.open(opt.log_json, trainer.step() > 0 ? std::ios::app : std::ios::trunc);
+    check(log.good(), "train_gpt: cannot open --log-json file '", opt.log_json, "'");
+  }
+  auto save = [&]() {
+    if (opt.save.empty()) return;
+    trainer.save_checkpoint(opt.save);
+    std::printf("saved %s at step %lld\n", opt.save.c_str(), static_cast<long long>(trainer.step()));
+  };
+
+  const int64_t end = opt.stop_at >= 0 ? std::min(opt.stop_at, opt.train.steps) : opt.train.steps;
+  const int64_t first = trainer.step();
+  const int64_t tokens_per_step = opt.train.batch * c.block_size;
+  const auto start = std::chrono::steady_clock::now();
+  double last_val = NAN;
+  while (trainer.step() < end) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const StepStats s = trainer.train_step();
+    const auto t1 = std::chrono::steady_clock::now();
+    const double step_seconds = std::chrono::duration<double>(t1 - t0).count();
+    const double elapsed = std::chrono::duration<double>(t1 - start).count();
+    const int64_t done = trainer.step() - first;
+    const double tokens_per_s = double(done * tokens_per_step) / elapsed;
+    const double eta = elapsed / double(done) * double(end - trainer.step());
+    if (log.is_open()) {
+      json::Value::Object line{{"step", s.step}, {"loss", s.loss}, {"lr", s.lr}, {"grad_norm", s.grad_norm},
+                               {"tokens_per_s", double(tokens_per_step) / step_seconds}};
+      log << json::Value(line).dump() << '\n';
+      log.flush();
+    }
+    const bool last = trainer.step() == end;
+    const bool eval = last || (opt.eval_every > 0 && trainer.step() % opt.eval_every == 0);
+    const bool print = eval || done == 1 || trainer.step() % 10 == 0;
+    if (print) {
+      std::printf("step %5lld/%lld | loss %.4f | lr %.2e | grad norm %.3f | %.0f tok/s | %s elapsed | ETA %s",
+                  static_cast<long long>(trainer.step()), static_cast<long long>(opt.train.steps), s.loss, s.lr,
+                  s.grad_norm, tokens_per_s, format_seconds(elapsed).c_str(), format_seconds(eta).c_str());
+      if (eval) {
+        last_val = trainer.evaluate();
+        std::printf(" | val loss %.4f", last_val);
+      }
+      std::printf("\n");
+      std::fflush(stdout);
+    }
+    if (opt.save_every > 0 && trainer.step() % opt.save_every == 0 && !last) save();
+  }
+  save();
+  (void)last_val;
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const Error& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  }
+}

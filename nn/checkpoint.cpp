@@ -1,0 +1,366 @@
+#include "nn/checkpoint.h"
+
+#include <charconv>
+#include <cmath>
+#include <fstream>
+#include <sstream>
+
+#include "autograd/autograd.h"
+#include "nn/json.h"
+#include "nn/safetensors.h"
+#include "optim/adam.h"
+#include "optim/clip.h"
+#include "optim/sgd.h"
+#include "tensor/error.h"
+#include "tensor/random.h"
+
+namespace mixtape {
+
+namespace {
+
+// Shortest decimal text that reads back to the same double, so a checkpoint restores options bit for bit.
+std::string format_double(double value) {
+  char buffer[64];
+  const auto result = std::to_chars(buffer, buffer + sizeof(buffer), value);
+  return std::string(buffer, result.ptr);
+}
+
+const std::string& entry(const std::map<std::string, std::string>& metadata, const std::string& key,
+                         const char* what) {
+  const auto it = metadata.find(key);
+  check(it != metadata.end(), what, ": metadata entry '", key, "' is missing");
+  return it->second;
+}
+
+template <class T>
+T parse_number(const std::string& text, const std::string& key, const char* what) {
+  T value{};
+  const auto result = std::from_chars(text.data(), text.data() + text.size(), value);
+  check(result.ec == std::errc() && result.ptr == text.data() + text.size(), what, ": metadata entry '", key,
+        "' = '", text, "' is not a valid number");
+  return value;
+}
+
+template <class T>
+T read(const std::map<std::string, std::string>& metadata, const std::string& key, const char* what) {
+  return parse_number<T>(entry(metadata, key, what), key, what);
+}
+
+std::string read_file_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  check(in.good(), "train_gpt: cannot open data file '", path, "'");
+  std::ostringstream text;
+  text << in.rdbuf();
+  check(!in.bad(), "train_gpt: error reading '", path, "'");
+  return text.str();
+}
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+}  // namespace
+
+// ---- data ----
+
+TokenData char_tokens(const std::string& text) {
+  TokenData data;
+  int id[256];
+  for (int& v : id) v = -1;
+  for (unsigned char c : text) id[c] = 1;
+  for (int c = 0; c < 256; ++c)
+    if (id[c] == 1) {
+      id[c] = static_cast<int>(data.vocab.size());
+      data.vocab.push_back(static_cast<uint8_t>(c));
+    }
+  data.vocab_size = static_cast<int64_t>(data.vocab.size());
+  data.tokens.reserve(text.size());
+  for (unsigned char c : text) data.tokens.push_back(id[c]);
+  return data;
+}
+
+TokenData load_token_file(const std::string& path, int64_t vocab_size) {
+  const std::string bytes = read_file_bytes(path);
+  if (ends_with(path, ".bin")) {
+    check(vocab_size > 0 && vocab_size <= 65536, "train_gpt: a .bin data file ('", path,
+          "') needs --vocab-size in [1, 65536], got ", vocab_size);
+    check(bytes.size() % 2 == 0, "train_gpt: '", path, "' has an odd byte count (", bytes.size(),
+          "); expected little-endian uint16 token ids");
+    TokenData data;
+    data.vocab_size = vocab_size;
+    data.tokens.resize(bytes.size() / 2);
+    for (size_t i = 0; i < data.tokens.size(); ++i) {
+      const int32_t id = static_cast<unsigned char>(bytes[2 * i]) | static_cast<unsigned char>(bytes[2 * i + 1]) << 8;
+      check(id < vocab_size, "train_gpt: token ", i, " of '", path, "' is ", id, ", not below --vocab-size ",
+            vocab_size);
+      data.tokens[i] = id;
+    }
+    return data;
+  }
+  check(ends_with(path, ".txt"), "train_gpt: --data '", path, "' must end in .txt (characters) or .bin (uint16 tokens)");
+  check(vocab_size == 0, "train_gpt: --vocab-size applies to .bin data only (a .txt vocabulary is its bytes)");
+  return char_tokens(bytes);
+}
+
+std::string vocab_to_metadata(const std::vector<uint8_t>& vocab) {
+  json::Value::Array values;
+  for (uint8_t b : vocab) values.emplace_back(int64_t{b});
+  return json::Value(std::move(values)).dump();
+}
+
+std::vector<uint8_t> vocab_from_metadata(const std::string& text) {
+  const json::Value value = json::parse(text);
+  std::vector<uint8_t> vocab;
+  for (const json::Value& v : value.as_array()) {
+    const int64_t b = v.as_integer();
+    check(b >= 0 && b < 256, "vocab metadata: entry ", b, " is not a byte value");
+    vocab.push_back(static_cast<uint8_t>(b));
+  }
+  return vocab;
+}
+
+// ---- options ----
+
+void TrainOptions::validate() const {
+  check(batch > 0, "train_gpt: --batch must be > 0, got ", batch);
+  check(steps >= 0, "train_gpt: --steps must be >= 0, got ", steps);
+  check(std::isfinite(lr) && lr > 0, "train_gpt: --lr must be > 0, got ", lr);
+  check(std::isfinite(min_lr) && min_lr >= 0 && min_lr <= lr, "train_gpt: --min-lr must be in [0, --lr], got ",
+        min_lr);
+  check(warmup >= 0, "train_gpt: --warmup must be >= 0, got ", warmup);
+  check(optimizer == "sgd" || optimizer == "adam" || optimizer == "adamw",
+        "train_gpt: --optimizer must be sgd, adam or adamw, got '", optimizer, "'");
+  check(std::isfinite(weight_decay) && weight_decay >= 0, "train_gpt: --weight-decay must be >= 0, got ",
+        weight_decay);
+  check(beta1 >= 0 && beta1 < 1, "train_gpt: --beta1 must be in [0, 1), got ", beta1);
+  check(beta2 >= 0 && beta2 < 1, "train_gpt: --beta2 must be in [0, 1), got ", beta2);
+  check(momentum >= 0 && momentum < 1, "train_gpt: --momentum must be in [0, 1), got ", momentum);
+  check(schedule == "constant" || schedule == "cosine", "train_gpt: --schedule must be constant or cosine, got '",
+        schedule, "'");
+  check(std::isfinite(grad_clip) && grad_clip >= 0, "train_gpt: --grad-clip must be >= 0 (0 = off), got ",
+        grad_clip);
+}
+
+std::map<std::string, std::string> TrainOptions::to_metadata() const {
+  return {{"train.batch", std::to_string(batch)},
+          {"train.steps", std::to_string(steps)},
+          {"train.lr", format_double(lr)},
+          {"train.min_lr", format_double(min_lr)},
+          {"train.warmup", std::to_string(warmup)},
+          {"train.optimizer", optimizer},
+          {"train.weight_decay", format_double(weight_decay)},
+          {"train.beta1", format_double(beta1)},
+          {"train.beta2", format_double(beta2)},
+          {"train.momentum", format_double(momentum)},
+          {"train.schedule", schedule},
+          {"train.grad_clip", format_double(grad_clip)},
+          {"train.seed", std::to_string(seed)},
+          {"train.sequential", sequential ? "true" : "false"}};
+}
+
+TrainOptions TrainOptions::from_metadata(const std::map<std::string, std::string>& m) {
+  const char* what = "training checkpoint";
+  TrainOptions o;
+  o.batch = read<int64_t>(m, "train.batch", what);
+  o.steps = read<int64_t>(m, "train.steps", what);
+  o.lr = read<double>(m, "train.lr", what);
+  o.min_lr = read<double>(m, "train.min_lr", what);
+  o.warmup = read<int64_t>(m, "train.warmup", what);
+  o.optimizer = entry(m, "train.optimizer", what);
+  o.weight_decay = read<double>(m, "train.weight_decay", what);
+  o.beta1 = read<double>(m, "train.beta1", what);
+  o.beta2 = read<double>(m, "train.beta2", what);
+  o.momentum = read<double>(m, "train.momentum", what);
+  o.schedule = entry(m, "train.schedule", what);
+  o.grad_clip = read<double>(m, "train.grad_clip", what);
+  o.seed = read<uint64_t>(m, "train.seed", what);
+  const std::string& sequential = entry(m, "train.sequential", what);
+  check(sequential == "true" || sequential == "false", what, ": train.sequential must be true or false, got '",
+        sequential, "'");
+  o.sequential = sequential == "true";
+  o.validate();
+  return o;
+}
+
+// ---- trainer ----
+
+Trainer::Trainer(const GPTConfig& config, const TrainOptions& options, const TokenData& data)
+    : config_(config), options_(options), data_(data) {
+  config_.validate();
+  options_.validate();
+  check(data.vocab_size <= config_.vocab_size, "train_gpt: the data has ", data.vocab_size,
+        " token ids but the model's vocab_size is ", config_.vocab_size);
+  check(data.n_train() > config_.block_size + 1, "train_gpt: the training split (", data.n_train(),
+        " tokens) is shorter than block + 2 = ", config_.block_size + 2);
+  model_ = std::make_unique<GPT>(config_, options_.seed);
+  model_->train();
+
+  // nanoGPT's groups: every parameter of >= 2 dims (matrices, embeddings) decays; biases and norm weights not.
+  ParamGroup decay{{}, options_.lr, options_.weight_decay}, no_decay{{}, options_.lr, 0.0};
+  for (const auto& [name, p] : model_->named_parameters()) (p.dim() >= 2 ? decay : no_decay).params.push_back(p);
+  std::vector<ParamGroup> groups{decay, no_decay};
+  const AdamOptions adam{options_.beta1, options_.beta2, 1e-8};
+  if (options_.optimizer == "sgd") optimizer_ = std::make_unique<SGD>(groups, SGDOptions{options_.momentum, 0, false});
+  else if (options_.optimizer == "adam") optimizer_ = std::make_unique<Adam>(groups, adam);
+  else optimizer_ = std::make_unique<AdamW>(groups, adam);
+
+  if (options_.schedule == "cosine") {
+    schedule_ = std::make_unique<WarmupCosineLR>(options_.lr, options_.min_lr, options_.warmup,
+                                                 std::max(options_.steps, options_.warmup));
+  } else if (options_.warmup > 0) {
+    // Constant after a linear warm-up: the cosine between lr and lr.
+    schedule_ = std::make_unique<WarmupCosineLR>(options_.lr, options_.lr, options_.warmup, options_.warmup);
+  } else {
+    schedule_ = std::make_unique<ConstantLR>(options_.lr);
+  }
+  data_seed_ = options_.seed * 0x9E3779B97F4A7C15ull + 0xDA7A5EEDull;
+}
+
+std::pair<Tensor, Tensor> Trainer::batch(int64_t step) const {
+  const int64_t B = options_.batch, T = config_.block_size;
+  const int64_t range = data_.n_train() - T - 1;  // > 0, checked by the constructor
+  std::vector<int64_t> x(static_cast<size_t>(B * T)), y(static_cast<size_t>(B * T));
+  for (int64_t i = 0; i < B; ++i) {
+    int64_t start;
+    if (options_.sequential) {
+      // ((s*B + i) * T) mod range, computed as (((s*B + i) mod range) * T) mod range to stay in int64.
+      start = (((step * B + i) % range) * T) % range;
+    } else {
+      // 64 random bits from (step, row) under the data seed; the modulo bias (range / 2^64) is negligible.
+      const auto bits = philox4x32(static_cast<uint64_t>(step), static_cast<uint64_t>(i), data_seed_);
+      start = static_cast<int64_t>((static_cast<uint64_t>(bits[0]) << 32 | bits[1]) % static_cast<uint64_t>(range));
+    }
+    for (int64_t t = 0; t < T; ++t) {
+      x[i * T + t] = data_.tokens[start + t];
+      y[i * T + t] = data_.tokens[start + t + 1];
+    }
+  }
+  return {Tensor::from_vector(x, {B, T}), Tensor::from_vector(y, {B, T})};
+}
+
+StepStats Trainer::train_step() {
+  StepStats stats;
+  stats.step = step_;
+  model_->train();
+  const auto [x, y] = batch(step_);
+  optimizer_->zero_grad();
+  const GPTOutput out = model_->forward(x, y);
+  stats.loss = out.loss.item();
+  backward(out.loss);
+  const std::vector<Tensor> params = optimizer_->params();
+  stats.grad_norm = options_.grad_clip > 0 ? clip_grad_norm(params, options_.grad_clip) : grad_norm(params);
+  stats.lr = apply_schedule(*optimizer_, *schedule_, step_);
+  optimizer_->step();
+  optimizer_->zero_grad();
+  ++step_;
+  return stats;
+}
+
+double Trainer::evaluate() {
+  const int64_t T = config_.block_size;
+  const int64_t base = data_.n_train();
+  const int64_t windows = (data_.n_val() - 1) / T;  // window k needs tokens k*T .. k*T + T (one more target)
+  check(windows > 0, "train_gpt: the validation split (", data_.n_val(), " tokens) is shorter than block + 1 = ",
+        T + 1);
+  NoGradGuard no_grad;
+  model_->eval();
+  double total = 0;
+  for (int64_t k0 = 0; k0 < windows; k0 += options_.batch) {
+    const int64_t rows = std::min(options_.batch, windows - k0);
+    std::vector<int64_t> x(static_cast<size_t>(rows * T)), y(static_cast<size_t>(rows * T));
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t t = 0; t < T; ++t) {
+        x[r * T + t] = data_.tokens[base + (k0 + r) * T + t];
+        y[r * T + t] = data_.tokens[base + (k0 + r) * T + t + 1];
+      }
+    const GPTOutput out = model_->forward(Tensor::from_vector(x, {rows, T}), Tensor::from_vector(y, {rows, T}));
+    total += out.loss.item() * static_cast<double>(rows);  // every window has T targets: weight by rows
+  }
+  model_->train();
+  return total / static_cast<double>(windows);
+}
+
+StateDict Trainer::checkpoint() {
+  StateDict state = model_->state_dict();
+  config_.to_metadata(state.metadata);
+  if (!data_.vocab.empty()) state.metadata["vocab"] = vocab_to_metadata(data_.vocab);
+  const StateDict opt = optimizer_->state_dict();
+  for (const auto& [name, t] : opt.tensors) state.tensors["optimizer." + name] = t;
+  for (const auto& [key, value] : opt.metadata) state.metadata["optimizer." + key] = value;
+  for (const auto& [key, value] : options_.to_metadata()) state.metadata[key] = value;
+  state.metadata["step"] = std::to_string(step_);
+  state.metadata["data.seed"] = std::to_string(data_seed_);
+  state.metadata["data.position"] = std::to_string(step_);
+  for (const auto& [name, gen] : model_->named_generators()) {
+    state.metadata["rng." + name + ".seed"] = std::to_string(gen->seed);
+    state.metadata["rng." + name + ".offset"] = std::to_string(gen->offset);
+  }
+  return state;
+}
+
+void Trainer::save_checkpoint(const std::string& path) { save_safetensors(path, checkpoint()); }
+
+StateDict model_part(const StateDict& state) {
+  StateDict model;
+  model.metadata = state.metadata;
+  for (const auto& [name, t] : state.tensors)
+    if (name.rfind("optimizer.", 0) != 0) model.tensors[name] = t;
+  return model;
+}
+
+void Trainer::load_weights(const StateDict& state) { model_->load_state_dict(model_part(state)); }
+
+void Trainer::load_checkpoint(const StateDict& state) {
+  const char* what = "training checkpoint";
+  // Everything is checked before anything changes.
+  std::map<std::string, std::string> config_meta;
+  config_.to_metadata(config_meta);
+  for (const auto& [key, value] : config_meta)
+    check(entry(state.metadata, key, what) == value, what, ": model option '", key, "' is ",
+          state.metadata.at(key), " in the checkpoint but ", value, " here");
+  for (const auto& [key, value] : options_.to_metadata())
+    if (key != "train.steps")
+      check(entry(state.metadata, key, what) == value, what, ": option '", key.substr(6), "' is ",
+            state.metadata.at(key), " in the checkpoint but ", value, " here");
+  if (!data_.vocab.empty() && state.metadata.count("vocab"))
+    check(vocab_from_metadata(state.metadata.at("vocab")) == data_.vocab, what,
+          ": the data's character vocabulary differs from the checkpoint's");
+  const int64_t step = read<int64_t>(state.metadata, "step", what);
+  check(step >= 0, what, ": step ", step, " is negative");
+  check(read<uint64_t>(state.metadata, "data.seed", what) == data_seed_, what, ": data.seed differs");
+  std::vector<std::pair<Generator*, Generator>> generators;
+  for (const auto& [name, gen] : model_->named_generators()) {
+    Generator g(read<uint64_t>(state.metadata, "rng." + name + ".seed", what));
+    g.offset = read<uint64_t>(state.metadata, "rng." + name + ".offset", what);
+    generators.emplace_back(gen, g);
+  }
+  StateDict opt;
+  for (const auto& [name, t] : state.tensors)
+    if (name.rfind("optimizer.", 0) == 0) opt.tensors[name.substr(10)] = t;
+  for (const auto& [key, value] : state.metadata)
+    if (key.rfind("optimizer.", 0) == 0) opt.metadata[key.substr(10)] = value;
+  check(!opt.metadata.empty(), what, ": no optimizer state (a weights-only file? use --init for those)");
+
+  // Model first: strict and fully validated before copying. The optimizer validates before changing too;
+  // if it throws, the model has new weights but the caller is expected to abandon the trainer.
+  model_->load_state_dict(model_part(state));
+  optimizer_->load_state_dict(opt);
+  for (auto& [gen, g] : generators) *gen = g;
+  step_ = step;
+}
+
+std::unique_ptr<GPT> load_model_file(const std::string& path, std::vector<uint8_t>* vocab) {
+  const StateDict state = load_safetensors(path);
+  const GPTConfig config = GPTConfig::from_metadata(state.metadata);
+  auto model = std::make_unique<GPT>(config, 0);
+  model->load_state_dict(model_part(state));
+  model->eval();
+  if (vocab) {
+    vocab->clear();
+    const auto it = state.metadata.find("vocab");
+    if (it != state.metadata.end()) *vocab = vocab_from_metadata(it->second);
+  }
+  return model;
+}
+
+}  // namespace mixtape

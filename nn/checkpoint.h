@@ -1,0 +1,123 @@
+#pragma once
+// The GPT trainer's core (examples/train_gpt.cpp is its command line) and its training checkpoints.
+//
+// Data: a token sequence; the training split is the first floor(0.9 * N) tokens, validation the rest.
+// A batch of step s (0 for the first optimizer step) has rows i = 0 .. batch-1 starting at
+//   sequential: ((s * batch + i) * block) mod (n_train - block - 1)
+//   random:     a Philox draw that depends only on (data seed, s, i), reduced mod (n_train - block - 1)
+// Inputs are `block` tokens from the start, targets the same shifted by one. Since a batch is a pure
+// function of (seed, step), the data sampler's whole state is its seed and the step.
+//
+// A training checkpoint is one safetensors file:
+//   tensors   the model's state dict (nanoGPT names) and the optimizer's, prefixed "optimizer."
+//   metadata  the GPT config (GPTConfig::to_metadata keys), "vocab" (char-level data: a JSON array of the
+//             byte values, in token-id order), "optimizer.*" (the optimizer's metadata), "train.*" (every
+//             option that shapes the trajectory), "step" (optimizer steps done = the schedule position),
+//             "data.seed", "data.position" (the next batch's step), "rng.<name>.seed|offset" for every
+//             dropout generator of the model.
+// Loading it into a Trainer built with the same options restores everything, so the run continues bit for
+// bit as if it had never stopped. A weights-only file (config + vocab + model tensors) is read by
+// load_model_file (--init, generate); a training checkpoint also works there (its optimizer part is ignored).
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "nn/gpt.h"
+#include "nn/state_dict.h"
+#include "optim/optimizer.h"
+#include "optim/schedule.h"
+
+namespace mixtape {
+
+struct TokenData {
+  std::vector<int32_t> tokens;
+  std::vector<uint8_t> vocab;  // char-level: byte of token id t; empty for .bin token files
+  int64_t vocab_size = 0;
+  int64_t n_train() const { return static_cast<int64_t>(tokens.size()) * 9 / 10; }
+  int64_t n_val() const { return static_cast<int64_t>(tokens.size()) - n_train(); }
+};
+
+// Character level: vocabulary = the sorted set of bytes in the file.
+TokenData char_tokens(const std::string& text);
+// .txt -> char_tokens of the file; .bin -> little-endian uint16 ids, each checked < vocab_size (> 0 needed).
+TokenData load_token_file(const std::string& path, int64_t vocab_size = 0);
+
+// "vocab" metadata <-> byte list.
+std::string vocab_to_metadata(const std::vector<uint8_t>& vocab);
+std::vector<uint8_t> vocab_from_metadata(const std::string& text);
+
+struct TrainOptions {
+  int64_t batch = 16;
+  int64_t steps = 1000;  // total optimizer steps; the cosine schedule decays over them
+  double lr = 1e-3;
+  double min_lr = 1e-4;
+  int64_t warmup = 0;
+  std::string optimizer = "adamw";  // sgd | adam | adamw
+  double weight_decay = 0.1;
+  double beta1 = 0.9;
+  double beta2 = 0.99;
+  double momentum = 0.9;  // sgd only
+  std::string schedule = "cosine";  // constant | cosine
+  double grad_clip = 1.0;  // 0 = off
+  uint64_t seed = 1337;
+  bool sequential = false;
+
+  void validate() const;  // Error naming the option
+  std::map<std::string, std::string> to_metadata() const;  // keys "train.<option>"
+  static TrainOptions from_metadata(const std::map<std::string, std::string>& metadata);
+};
+
+struct StepStats {
+  int64_t step = 0;  // the step number (0-based) this update was
+  double loss = 0;   // the batch's loss before the update
+  double lr = 0;
+  double grad_norm = 0;  // before clipping
+};
+
+class Trainer {
+ public:
+  // Builds the model (initialised from options.seed) and the optimizer. `data` must outlive the trainer.
+  Trainer(const GPTConfig& config, const TrainOptions& options, const TokenData& data);
+
+  // Inputs and targets [batch, block] (i64) of step s.
+  std::pair<Tensor, Tensor> batch(int64_t step) const;
+  // One optimizer step on batch(step()), then step() advances.
+  StepStats train_step();
+  // Mean token loss over every non-overlapping validation window that fits (eval mode, no gradients).
+  // Does not touch any random state. Error if the validation split is shorter than block + 1.
+  double evaluate();
+
+  int64_t step() const { return step_; }
+  GPT& model() { return *model_; }
+  Optimizer& optimizer() { return *optimizer_; }
+  const TrainOptions& options() const { return options_; }
+
+  StateDict checkpoint();
+  void save_checkpoint(const std::string& path);
+  // Restores model, optimizer, step and random state. The checkpoint's config and options must equal this
+  // trainer's (Error naming the first that differs, except "train.steps", which may be extended).
+  void load_checkpoint(const StateDict& state);
+  // Model weights only (strict), from a weights file or a training checkpoint.
+  void load_weights(const StateDict& state);
+
+ private:
+  GPTConfig config_;
+  TrainOptions options_;
+  const TokenData& data_;
+  std::unique_ptr<GPT> model_;
+  std::unique_ptr<Optimizer> optimizer_;
+  std::unique_ptr<LRSchedule> schedule_;
+  uint64_t data_seed_;
+  int64_t step_ = 0;
+};
+
+// The model tensors of a state dict (drops "optimizer." entries).
+StateDict model_part(const StateDict& state);
+
+// The model saved in a weights file or checkpoint: config from its metadata, weights loaded strictly, eval
+// mode. vocab receives the "vocab" metadata (empty when absent).
+std::unique_ptr<GPT> load_model_file(const std::string& path, std::vector<uint8_t>* vocab = nullptr);
+
+}  // namespace mixtape
