@@ -1,0 +1,152 @@
+// generate: samples text from a GPT saved by train_gpt (a training checkpoint or a weights file whose
+// metadata holds the config and, for character-level models, the vocabulary).
+//
+//   generate --model ckpt.safetensors [--prompt TEXT] [--tokens N] [--temperature X] [--top-k K] [--seed N]
+//
+// Each new token is drawn from softmax(logits / temperature) restricted to the top-k logits (k = 0: all),
+// with the uniform draw of token i a pure function of (seed, i) (Philox), so a run is reproducible.
+// Without a vocabulary (a .bin-trained model) the prompt and output are space-separated token ids.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <iostream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "autograd/autograd.h"
+#include "nn/checkpoint.h"
+#include "tensor/random.h"
+
+using namespace mixtape;
+
+namespace {
+
+struct Options {
+  std::string model;
+  std::string prompt;
+  int64_t tokens = 500;
+  double temperature = 1.0;
+  int64_t top_k = 0;
+  uint64_t seed = 1337;
+};
+
+void usage() {
+  std::cout << "usage: generate --model FILE [--prompt TEXT] [--tokens N] [--temperature X] [--top-k K] [--seed N]\n";
+}
+
+Options parse(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string flag = argv[i];
+    if (flag == "--help" || flag == "-h") { usage(); std::exit(0); }
+    check(i + 1 < argc, "generate: ", flag, " needs a value");
+    const std::string value = argv[++i];
+    auto integer = [&](int64_t low) {
+      char* end = nullptr;
+      const long long v = std::strtoll(value.c_str(), &end, 10);
+      check(!value.empty() && end && *end == 0 && v >= low, "generate: ", flag, " expects an integer >= ", low,
+            ", got '", value, "'");
+      return static_cast<int64_t>(v);
+    };
+    if (flag == "--model" || flag == "--init" || flag == "--checkpoint") o.model = value;
+    else if (flag == "--prompt") o.prompt = value;
+    else if (flag == "--tokens") o.tokens = integer(0);
+    else if (flag == "--top-k") o.top_k = integer(0);
+    else if (flag == "--seed") o.seed = static_cast<uint64_t>(integer(0));
+    else if (flag == "--temperature") {
+      char* end = nullptr;
+      o.temperature = std::strtod(value.c_str(), &end);
+      check(!value.empty() && end && *end == 0 && std::isfinite(o.temperature) && o.temperature > 0,
+            "generate: --temperature expects a number > 0, got '", value, "'");
+    } else {
+      usage();
+      fail("generate: unknown option ", flag);
+    }
+  }
+  check(!o.model.empty(), "generate: --model FILE is required (a train_gpt checkpoint or weights file)");
+  return o;
+}
+
+int run(int argc, char** argv) {
+  const Options opt = parse(argc, argv);
+  std::vector<uint8_t> vocab;
+  std::unique_ptr<GPT> model = load_model_file(opt.model, &vocab);
+  const GPTConfig& config = model->config();
+
+  std::vector<int64_t> ids;
+  if (!vocab.empty()) {
+    for (unsigned char c : opt.prompt) {
+      const auto it = std::find(vocab.begin(), vocab.end(), c);
+      check(it != vocab.end(), "generate: the prompt's byte ", int(c), " ('", std::string(1, char(c)),
+            "') is not in the model's vocabulary");
+      ids.push_back(it - vocab.begin());
+    }
+    if (ids.empty()) {  // start from a newline when the vocabulary has one, else token 0
+      const auto it = std::find(vocab.begin(), vocab.end(), uint8_t('\n'));
+      ids.push_back(it != vocab.end() ? it - vocab.begin() : 0);
+    }
+  } else {
+    std::istringstream in(opt.prompt);
+    int64_t id;
+    while (in >> id) {
+      check(id >= 0 && id < config.vocab_size, "generate: prompt token ", id, " is outside [0, ", config.vocab_size,
+            ")");
+      ids.push_back(id);
+    }
+    check(in.eof(), "generate: without a character vocabulary, --prompt must be space-separated token ids");
+    if (ids.empty()) ids.push_back(0);
+  }
+
+  if (!vocab.empty()) std::fwrite(opt.prompt.data(), 1, opt.prompt.size(), stdout);
+  NoGradGuard no_grad;
+  const int64_t V = config.vocab_size;
+  for (int64_t i = 0; i < opt.tokens; ++i) {
+    const int64_t T = std::min<int64_t>(static_cast<int64_t>(ids.size()), config.block_size);
+    const std::vector<int64_t> window(ids.end() - T, ids.end());
+    const Tensor logits = model->forward(Tensor::from_vector(window, {1, T})).logits;  // [1, T, V]
+    std::vector<double> z = logits.select(1, T - 1).select(0, 0).to_vector<double>();
+    for (double& v : z) v /= opt.temperature;
+    if (opt.top_k > 0 && opt.top_k < V) {
+      std::vector<double> sorted = z;
+      std::nth_element(sorted.begin(), sorted.begin() + (opt.top_k - 1), sorted.end(), std::greater<double>());
+      const double kth = sorted[opt.top_k - 1];
+      for (double& v : z)
+        if (v < kth) v = -INFINITY;
+    }
+    // softmax in double, then the inverse CDF at a Philox uniform.
+    const double max = *std::max_element(z.begin(), z.end());
+    double total = 0;
+    for (double& v : z) total += (v = std::exp(v - max));
+    const auto bits = philox4x32(static_cast<uint64_t>(i), 0, opt.seed);
+    const double u = uniform_double_from_bits(bits[0], bits[1]) * total;
+    double acc = 0;
+    int64_t next = V - 1;
+    for (int64_t v = 0; v < V; ++v)
+      if (z[v] > 0 && (acc += z[v]) > u) { next = v; break; }
+    while (z[next] == 0) --next;  // rounding at the top end: the last token with probability > 0
+    ids.push_back(next);
+    if (!vocab.empty()) {
+      check(next < static_cast<int64_t>(vocab.size()), "generate: sampled token ", next,
+            " has no entry in the vocabulary");
+      std::fputc(vocab[next], stdout);
+    } else {
+      std::printf("%lld ", static_cast<long long>(next));
+    }
+    std::fflush(stdout);
+  }
+  std::printf("\n");
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  }
+}
