@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "autograd/autograd.h"
-#include "nn/checkpoint.h"
+#include "optim/training.h"
 #include "tensor/random.h"
 
 using namespace mixtape;

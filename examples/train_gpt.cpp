@@ -1,5 +1,5 @@
 // train_gpt: trains a GPT (nanoGPT's model) on a text file (character level) or a .bin file of uint16 token
-// ids, with checkpoints that resume bit for bit. The training core lives in nn/checkpoint.h.
+// ids, with checkpoints that resume bit for bit. The training core lives in optim/training.h.
 //
 //   train_gpt --data ../shared/data/tinyshakespeare.txt --steps 2000 --save ckpt.safetensors
 //   train_gpt --data ... --resume ckpt.safetensors --steps 4000 --save ckpt.safetensors
@@ -13,7 +13,7 @@
 #include <set>
 #include <string>
 
-#include "nn/checkpoint.h"
+#include "optim/training.h"
 #include "nn/json.h"
 #include "nn/safetensors.h"
 

@@ -1,4 +1,4 @@
-// The GPT trainer's core (nn/checkpoint.h): batches, evaluation, and resumption that is bit-exact.
+// The GPT trainer's core (optim/training.h): batches, evaluation, and resumption that is bit-exact.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -8,7 +8,7 @@
 #include <unistd.h>
 
 #include "autograd/autograd.h"
-#include "nn/checkpoint.h"
+#include "optim/training.h"
 #include "nn/safetensors.h"
 #include "test_util.h"
 

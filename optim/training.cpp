@@ -1,4 +1,4 @@
-#include "nn/checkpoint.h"
+#include "optim/training.h"
 
 #include <charconv>
 #include <cmath>
