@@ -52,21 +52,6 @@ std::vector<double> scattered(const Tensor& view_of_iota, const Tensor& grad_out
   return result;
 }
 
-// True once the elementwise ops exist (summing two gradients needs add / add_). Tests that sum gradients
-// skip until then; they run unchanged after integration.
-bool have_elementwise() {
-  try {
-    Tensor a = Tensor::zeros({1});
-    a.add_(add(a, a));
-    return true;
-  } catch (const Error& error) {
-    if (std::string(error.what()).find("placeholder") != std::string::npos) return false;
-    throw;
-  }
-}
-#define SKIP_WITHOUT_ELEMENTWISE() \
-  if (!have_elementwise()) GTEST_SKIP() << "summing gradients needs add/add_, still placeholders in this tree"
-
 // A contiguous f64 copy of t's values for host loops.
 std::vector<double> host(const Tensor& t) { return t.to_vector<double>(); }
 
@@ -205,7 +190,6 @@ TEST(Autograd, RecordingFollowsRequiresGrad) {
 // ---- accumulation and summing (need add / add_) -------------------------------------------------------------
 
 TEST(Autograd, LeafGradientsAccumulateAcrossBackwardCalls) {
-  SKIP_WITHOUT_ELEMENTWISE();
   const Tensor x = leaf(iota({2, 3}));
   const Tensor g1 = gradient_like(x.transpose(0, 1)), g2 = gradient_like(x, -0.5);
   backward({x.transpose(0, 1)}, {g1});
@@ -217,7 +201,6 @@ TEST(Autograd, LeafGradientsAccumulateAcrossBackwardCalls) {
 }
 
 TEST(Autograd, DiamondGraphSumsGradients) {
-  SKIP_WITHOUT_ELEMENTWISE();
   // x -> h = clone(x) -> a = h[0:3], b = h[1:4] -> y = a + b: every path's gradient reaches h and is summed
   // there before clone's backward runs once.
   const Tensor x = leaf(iota({4}));
@@ -235,7 +218,6 @@ TEST(Autograd, DiamondGraphSumsGradients) {
 }
 
 TEST(Autograd, OutputsThatFeedEachOtherAreSummedBeforeRunning) {
-  SKIP_WITHOUT_ELEMENTWISE();
   const Tensor x = leaf(iota({2, 2}));
   const Tensor y1 = x.clone();
   const Tensor y2 = y1.transpose(0, 1);  // consumes y1: y1's node must wait for y2's gradient
@@ -534,17 +516,12 @@ TEST(Gradcheck, PassesThroughF32AndBack) {
   EXPECT_GT(result.max_abs_error, 0);  // the f32 rounding is visible, i.e. the cast did happen
 }
 
-TEST(Gradcheck, PassesExpandOnceSumToExists) {
-  // expand's backward sums the broadcast dims back (sum_to); skip while that is a placeholder here.
+TEST(Gradcheck, PassesExpand) {
+  // expand's backward sums the broadcast dims back (sum_to).
   const Tensor x = Tensor::randn({3, 1}, 11, DType::F64);
-  try {
-    const GradcheckResult result =
-        gradcheck([](const std::vector<Tensor>& in) { return in[0].expand({2, 3, 4}); }, {x});
-    EXPECT_TRUE(result.ok) << result.message;
-  } catch (const Error& error) {
-    if (std::string(error.what()).find("placeholder") == std::string::npos) throw;
-    GTEST_SKIP() << "sum_to is still a placeholder in this tree";
-  }
+  const GradcheckResult result =
+      gradcheck([](const std::vector<Tensor>& in) { return in[0].expand({2, 3, 4}); }, {x});
+  EXPECT_TRUE(result.ok) << result.message;
 }
 
 TEST(Gradcheck, PassesIntegerInputsThroughUnperturbed) {

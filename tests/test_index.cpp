@@ -20,7 +20,7 @@ std::vector<double> values(const Tensor& t) { return t.to_vector<double>(); }
 
 }  // namespace
 
-// ---- embedding ---------------------------------------------------------------------------------------------
+// ---- embedding --------------------------------------------------------------------------------------------
 
 TEST(Embedding, GathersRowsInEveryDtypeForAnyIndexShape) {
   for (DType dtype : kFloatDtypes) {
@@ -47,7 +47,8 @@ TEST(Embedding, ReadsTransposedWeightAndStridedIndices) {
   const std::vector<double> s = values(storage), o = values(out);
   const int64_t rows[] = {6, 2, 0};
   for (int64_t i = 0; i < 3; ++i)
-    for (int64_t c = 0; c < 5; ++c) EXPECT_EQ(o[static_cast<size_t>(i * 5 + c)], s[static_cast<size_t>(c * 7 + rows[i])]);
+    for (int64_t c = 0; c < 5; ++c)
+      EXPECT_EQ(o[static_cast<size_t>(i * 5 + c)], s[static_cast<size_t>(c * 7 + rows[i])]);
 }
 
 TEST(EmbeddingGrad, MatchesFiniteDifferencesWithRepeatedIndices) {
@@ -72,7 +73,8 @@ TEST(EmbeddingGrad, SumsRepeatedRowsInFp32AndRoundsOnce) {
     const std::vector<double> g = values(grad_out);
     std::vector<double> reference(static_cast<size_t>(4 * C), 0.0);
     for (int64_t i = 0; i < n; ++i)
-      for (int64_t c = 0; c < C; ++c) reference[static_cast<size_t>(ids[i] * C + c)] += g[static_cast<size_t>(i * C + c)];
+      for (int64_t c = 0; c < C; ++c)
+        reference[static_cast<size_t>(ids[i] * C + c)] += g[static_cast<size_t>(i * C + c)];
     ASSERT_EQ(weight.grad().dtype(), dtype);
     EXPECT_TRUE(within_ulp(weight.grad(), Tensor::from_vector(reference, {4, C}), 1)) << dtype_name(dtype);
   }
@@ -88,8 +90,11 @@ TEST(EmbeddingGrad, IsBitwiseDeterministicOnLargeInputs) {
     Tensor weight = Tensor::randn({V, C}, 7).requires_grad_();
     backward({embedding(weight, indices)}, {grad_out});
     const std::vector<float> grad = weight.grad().to_vector<float>();
-    if (run == 0) first = grad;
-    else EXPECT_EQ(grad, first);
+    if (run == 0) {
+      first = grad;
+    } else {
+      EXPECT_EQ(grad, first);
+    }
   }
   // And the sums are right: compare one row with a double loop.
   const std::vector<int64_t> ids = indices.to_vector<int64_t>();
@@ -110,15 +115,16 @@ TEST(EmbeddingErrors, NameTheOpTheIndexAndTheVocabulary) {
   EXPECT_ERROR_MENTIONS(embedding(weight, Tensor::ones({2})), "embedding", "f32[2]", "i32 or i64");
   EXPECT_ERROR_MENTIONS(embedding(Tensor::ones({5}), Tensor::zeros({2}, DType::I64)), "embedding", "f32[5]",
                         "2-d");
-  EXPECT_ERROR_MENTIONS(embedding(Tensor::zeros({5, 3}, DType::I64), Tensor::zeros({2}, DType::I64)), "embedding",
-                        "i64[5,3]", "floating");
+  EXPECT_ERROR_MENTIONS(embedding(Tensor::zeros({5, 3}, DType::I64), Tensor::zeros({2}, DType::I64)),
+                        "embedding", "i64[5,3]", "floating");
 }
 
-// ---- cat, stack ----------------------------------------------------------------------------------------------
+// ---- cat, stack -------------------------------------------------------------------------------------------
 
 TEST(Cat, JoinsAlongAnyDimInEveryDtype) {
   for (DType dtype : kFloatDtypes) {
-    const Tensor a = Tensor::arange(0, 6, 1, dtype).view({2, 3}), b = Tensor::arange(6, 10, 1, dtype).view({2, 2});
+    const Tensor a = Tensor::arange(0, 6, 1, dtype).view({2, 3}),
+                 b = Tensor::arange(6, 10, 1, dtype).view({2, 2});
     const Tensor along_1 = cat({a, b}, -1);
     EXPECT_EQ(along_1.shape(), (Shape{2, 5}));
     EXPECT_EQ(values(along_1), (std::vector<double>{0, 1, 2, 6, 7, 3, 4, 5, 8, 9}));
@@ -132,7 +138,8 @@ TEST(Cat, JoinsAlongAnyDimInEveryDtype) {
   EXPECT_EQ(values(cat({t, Tensor::empty({3, 0}), t}, 1)),
             (std::vector<double>{0, 3, 0, 3, 1, 4, 1, 4, 2, 5, 2, 5}));
   EXPECT_EQ(values(cat({Tensor::from_vector(std::vector<int64_t>{1, 2}, {2}),
-                        Tensor::from_vector(std::vector<int64_t>{3}, {1})}, 0)),
+                        Tensor::from_vector(std::vector<int64_t>{3}, {1})},
+                       0)),
             (std::vector<double>{1, 2, 3}));
 }
 
@@ -152,7 +159,8 @@ TEST(CatGrad, MatchesFiniteDifferences) {
 }
 
 TEST(CatGrad, GradientsComeBackInEachInputsDtype) {
-  Tensor a = Tensor::ones({2}, DType::BF16).requires_grad_(), b = Tensor::ones({3}, DType::F32).requires_grad_();
+  Tensor a = Tensor::ones({2}, DType::BF16).requires_grad_(),
+         b = Tensor::ones({3}, DType::F32).requires_grad_();
   backward({cat({a, b}, 0)}, {Tensor::arange(1, 6)});
   EXPECT_EQ(a.grad().dtype(), DType::BF16);
   EXPECT_EQ(values(a.grad()), (std::vector<double>{1, 2}));
@@ -182,13 +190,15 @@ TEST(CatErrors, NameTheOpAndTheShapes) {
                         "dim 0");
   EXPECT_ERROR_MENTIONS(cat({Tensor::ones({2, 3}), Tensor::ones({3})}, 0), "cat", "f32[3]", "dims");
   EXPECT_ERROR_MENTIONS(cat({Tensor::ones({2}), Tensor::ones({2})}, 1), "cat", "dim");
-  EXPECT_ERROR_MENTIONS(cat({Tensor::ones({2}), Tensor::zeros({2}, DType::I64)}, 0), "cat", "f32[2]", "i64[2]");
+  EXPECT_ERROR_MENTIONS(cat({Tensor::ones({2}), Tensor::zeros({2}, DType::I64)}, 0), "cat", "f32[2]",
+                        "i64[2]");
   EXPECT_ERROR_MENTIONS(cat({Tensor::scalar(1)}, 0), "cat", "f32[]", "at least 1 dim");
-  EXPECT_ERROR_MENTIONS(stack({Tensor::ones({2, 3}), Tensor::ones({2, 4})}, 0), "stack", "f32[2,4]", "f32[2,3]");
+  EXPECT_ERROR_MENTIONS(stack({Tensor::ones({2, 3}), Tensor::ones({2, 4})}, 0), "stack", "f32[2,4]",
+                        "f32[2,3]");
   EXPECT_ERROR_MENTIONS(stack({}, 0), "stack", "at least one");
 }
 
-// ---- split ---------------------------------------------------------------------------------------------------
+// ---- split ------------------------------------------------------------------------------------------------
 
 TEST(Split, BySizeGivesViewsWithASmallerLastPiece) {
   const Tensor x = Tensor::arange(0, 14).view({2, 7});
@@ -220,6 +230,13 @@ TEST(SplitGrad, MatchesFiniteDifferences) {
   };
   const GradcheckResult result = gradcheck(f, {Tensor::randn({3, 4}, 14), Tensor::randn({3, 2}, 16)});
   EXPECT_TRUE(result.ok) << result.message;
+  // Every piece of one input rejoined in another order: the pieces' gradients accumulate into one input.
+  auto h = [](const std::vector<Tensor>& in) {
+    const std::vector<Tensor> pieces = split(in[0], 2, 1);  // widths 2, 2, 1
+    return cat({pieces[2], pieces[0], pieces[1]}, 1);
+  };
+  const GradcheckResult reordered = gradcheck(h, {Tensor::randn({3, 5}, 17)});
+  EXPECT_TRUE(reordered.ok) << reordered.message;
   auto g = [](const std::vector<Tensor>& in) { return split(in[0], 2, 0)[1]; };
   EXPECT_TRUE(gradcheck(g, {Tensor::randn({5, 2}, 15)}).ok);
 }

@@ -38,3 +38,18 @@ TEST(Tensor, ToF16RoundsToNearestEven) {
   const Tensor t = Tensor::from_vector(std::vector<double>{2049.0, 2051.0}, {2}).to(DType::F16);
   EXPECT_EQ(t.to_vector<double>(), (std::vector<double>{2048.0, 2052.0}));
 }
+
+TEST(Tensor, EmptyTensorsAreContiguousWhateverTheirShape) {
+  EXPECT_TRUE(Tensor::zeros({1, 2, 0, 4}).is_contiguous());
+  EXPECT_TRUE(Tensor::zeros({0, 3}).mT().is_contiguous());
+  EXPECT_EQ(Tensor::zeros({2, 0, 3}).contiguous().numel(), 0);
+}
+
+TEST(Tensor, InPlaceArithmeticOnABroadcastViewIsAnError) {
+  Tensor base = Tensor::ones({1, 3});
+  Tensor wide = base.expand({4, 3});
+  EXPECT_THROW(wide.mul_(2), Error);
+  EXPECT_THROW(wide.add_(Tensor::ones({4, 3})), Error);
+  EXPECT_THROW(wide.copy_(Tensor::zeros({4, 3})), Error);
+  EXPECT_EQ(base.to_vector<double>(), (std::vector<double>{1, 1, 1}));  // nothing was written
+}

@@ -1,6 +1,6 @@
 // CPU matmul: oneDNN for f32 and bf16 (bf16 accumulates in f32 inside oneDNN and rounds once on store), f16
-// through f32 (oneDNN 2.6 has no f16 matmul on CPUs without AVX512-FP16), and a plain loop for f64, which only
-// serves references and gradcheck.
+// through f32 (oneDNN 2.6 has no f16 matmul on CPUs without AVX512-FP16), and a plain loop for f64, which
+// only serves references and gradcheck.
 //
 // The kernel receives a [..., M, K], b [..., K, N] with out's batch dims already broadcast (stride 0) and a
 // contiguous out. Before reaching oneDNN the geometry is simplified:
@@ -14,8 +14,8 @@
 // When oneDNN cannot take a layout (or would only offer its slow reference implementation) the operands are
 // packed into contiguous buffers instead. The decision and the primitive are cached per geometry, so a
 // training loop builds each primitive once.
-#include <dnnl.hpp>
 #include <omp.h>
+#include <dnnl.hpp>
 
 #include <algorithm>
 #include <cstring>
@@ -123,7 +123,7 @@ Geometry simplify(const Tensor& a, const Tensor& b, const Tensor& out) {
   return g;
 }
 
-// ---- f64: a plain loop ---------------------------------------------------------------------------------
+// ---- f64: a plain loop ------------------------------------------------------------------------------------
 
 // out row i = sum_k a[i, k] * b[k, :], accumulated in place in the output row; the columns are tiled so
 // that the output tile stays in L1 while the rows of b stream through.
@@ -162,7 +162,7 @@ void matmul_f64(const Geometry& g, const double* a, const double* b, double* out
   }
 }
 
-// ---- oneDNN plans --------------------------------------------------------------------------------------
+// ---- oneDNN plans -----------------------------------------------------------------------------------------
 
 // How an operand reaches oneDNN.
 enum class Packing : uint8_t {
@@ -175,7 +175,8 @@ struct Plan {
   dnnl::matmul primitive;
   memory::desc a_md, b_md, out_md;
   Packing a_packing = Packing::None, b_packing = Packing::None;
-  bool via_f32 = false;  // inputs converted to f32, f32 result rounded into out (f16, or bf16 without support)
+  // Inputs converted to f32 and the f32 result rounded into out (f16, or bf16 where this CPU lacks it).
+  bool via_f32 = false;
 };
 
 memory::data_type dnnl_type(DType dtype) {
@@ -191,7 +192,8 @@ memory::data_type dnnl_type(DType dtype) {
 // unless `materialize` (then stride 0 and full size, so a copy repeats them).
 Shape operand_shape(const Geometry& g, const MatrixLayout& m, int64_t rows, int64_t cols, bool materialize) {
   Shape shape;
-  for (size_t d = 0; d < g.batch.size(); ++d) shape.push_back(m.batch[d] == 0 && !materialize ? 1 : g.batch[d]);
+  for (size_t d = 0; d < g.batch.size(); ++d)
+    shape.push_back(m.batch[d] == 0 && !materialize ? 1 : g.batch[d]);
   shape.push_back(rows);
   shape.push_back(cols);
   return shape;
@@ -256,10 +258,11 @@ Plan make_plan(const Geometry& g, DType dtype) {
   if (dtype != DType::F16) attempts.push_back({dtype, false});
   if (dtype != DType::F32) attempts.push_back({DType::F32, true});
   // Try the cheapest packing first: own strides, then compact copies, then fully materialised copies.
-  const std::pair<Packing, Packing> packings[] = {
-      {Packing::None, Packing::None},       {Packing::Compact, Packing::None},
-      {Packing::None, Packing::Compact},    {Packing::Compact, Packing::Compact},
-      {Packing::Materialize, Packing::Materialize}};
+  const std::pair<Packing, Packing> packings[] = {{Packing::None, Packing::None},
+                                                  {Packing::Compact, Packing::None},
+                                                  {Packing::None, Packing::Compact},
+                                                  {Packing::Compact, Packing::Compact},
+                                                  {Packing::Materialize, Packing::Materialize}};
   for (const auto& [compute, via_f32] : attempts) {
     for (const auto& [a_packing, b_packing] : packings) {
       // Converting to f32 packs anyway, so only packed variants apply.
@@ -271,8 +274,8 @@ Plan make_plan(const Geometry& g, DType dtype) {
       }
     }
   }
-  fail("matmul: oneDNN has no implementation for ", dtype_name(dtype), " batch ", shape_str(g.batch), " M ", g.M,
-       " K ", g.K, " N ", g.N);
+  fail("matmul: oneDNN has no implementation for ", dtype_name(dtype), " batch ", shape_str(g.batch), " M ",
+       g.M, " K ", g.K, " N ", g.N);
 }
 
 struct KeyHash {
@@ -289,8 +292,11 @@ std::shared_ptr<const Plan> plan_for(const Geometry& g, DType dtype) {
   static std::mutex mutex;
   static std::unordered_map<std::vector<int64_t>, std::shared_ptr<const Plan>, KeyHash> plans;
   constexpr size_t kMaxPlans = 4096;
-  std::vector<int64_t> key = {static_cast<int64_t>(dtype), g.M, g.K, g.N, g.a.row_stride, g.a.col_stride,
-                              g.b.row_stride, g.b.col_stride, g.out.row_stride, g.out.col_stride};
+  std::vector<int64_t> key = {static_cast<int64_t>(dtype), g.M, g.K, g.N};
+  for (const MatrixLayout* m : {&g.a, &g.b, &g.out}) {
+    key.push_back(m->row_stride);
+    key.push_back(m->col_stride);
+  }
   key.insert(key.end(), g.batch.begin(), g.batch.end());
   key.insert(key.end(), g.a.batch.begin(), g.a.batch.end());
   key.insert(key.end(), g.b.batch.begin(), g.b.batch.end());
@@ -319,12 +325,14 @@ Tensor prepare_operand(const Tensor& t, const Geometry& g, const MatrixLayout& m
 }  // namespace
 
 void CpuBackend::matmul(const Tensor& a, const Tensor& b, const Tensor& out) {
-  check(a.dim() >= 2 && a.dim() == b.dim() && a.dim() == out.dim(), "cpu matmul: operands ", a.description(),
-        " x ", b.description(), " -> ", out.description(), " must have the same number (>= 2) of dims");
-  check(a.dtype() == b.dtype() && a.dtype() == out.dtype(), "cpu matmul: dtypes differ: ", a.description(), " x ",
-        b.description(), " -> ", out.description());
+  // Messages are formatted only on failure (check() would format its arguments on every call).
+  if (a.dim() < 2 || a.dim() != b.dim() || a.dim() != out.dim())
+    fail("cpu matmul: operands ", a.description(), " x ", b.description(), " -> ", out.description(),
+         " must have the same number (>= 2) of dims");
+  if (a.dtype() != b.dtype() || a.dtype() != out.dtype())
+    fail("cpu matmul: dtypes differ: ", a.description(), " x ", b.description(), " -> ", out.description());
   if (out.numel() == 0) return;
-  check(out.is_contiguous(), "cpu matmul: output ", out.description(), " must be contiguous");
+  if (!out.is_contiguous()) fail("cpu matmul: output ", out.description(), " must be contiguous");
   if (a.size(-1) == 0) {  // an empty sum
     fill(out, 0);
     return;

@@ -1,0 +1,397 @@
+// safetensors reading and writing. The reader trusts nothing in the file: the header is parsed strictly and
+// every entry is checked (dtype, shape, byte range, layout) before any tensor is allocated, so the memory
+// allocated is bounded by the file's own size and a bad file is an Error, never a crash or partial load.
+#include "nn/safetensors.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <initializer_list>
+#include <bit>
+#include <cerrno>
+#include <cstring>
+#include <optional>
+#include <vector>
+
+#include "nn/json.h"
+#include "tensor/error.h"
+
+namespace mixtape {
+
+namespace {
+
+// Tensor bytes are copied as they are in memory; the format is little-endian.
+static_assert(std::endian::native == std::endian::little, "safetensors I/O assumes a little-endian host");
+
+// The reference reader refuses headers above 100 MB; a larger length is corruption, not a real header.
+constexpr uint64_t kMaxHeaderBytes = 100'000'000;
+
+const char* safetensors_dtype_name(DType dtype) {
+  switch (dtype) {
+    case DType::F32: return "F32";
+    case DType::F16: return "F16";
+    case DType::BF16: return "BF16";
+    case DType::F64: return "F64";
+    case DType::I32: return "I32";
+    case DType::I64: return "I64";
+  }
+  return "?";
+}
+
+std::optional<DType> dtype_from_safetensors(std::string_view name) {
+  for (DType dtype : {DType::F32, DType::F16, DType::BF16, DType::F64, DType::I32, DType::I64})
+    if (name == safetensors_dtype_name(dtype)) return dtype;
+  return std::nullopt;
+}
+
+// The reference writer lays tensors out by descending position in its Dtype enum (... F16, BF16, I32, F32,
+// F64, I64), then by name. Following it makes our files byte-identical to Python's for the same tensors, and
+// (the header being padded to 8 bytes) starts every tensor at a multiple of its element size.
+int layout_rank(DType dtype) {
+  switch (dtype) {
+    case DType::I64: return 0;
+    case DType::F64: return 1;
+    case DType::F32: return 2;
+    case DType::I32: return 3;
+    case DType::BF16: return 4;
+    case DType::F16: return 5;
+  }
+  return 6;
+}
+
+std::string system_error_text(int error_number) { return std::strerror(error_number); }
+
+// Writes all of [data, data + size) or returns the errno of the failure (0 on success).
+int write_all(int fd, const void* data, size_t size) {
+  const char* bytes = static_cast<const char*>(data);
+  while (size > 0) {
+    const ssize_t written = ::write(fd, bytes, size);
+    if (written < 0) {
+      if (errno == EINTR) continue;
+      return errno;
+    }
+    bytes += written;
+    size -= static_cast<size_t>(written);
+  }
+  return 0;
+}
+
+// Reads exactly size bytes. Returns 0 on success, the errno of a failed read, or -1 at a premature end.
+int read_all(int fd, void* data, size_t size) {
+  char* bytes = static_cast<char*>(data);
+  while (size > 0) {
+    const ssize_t got = ::read(fd, bytes, size);
+    if (got < 0) {
+      if (errno == EINTR) continue;
+      return errno;
+    }
+    if (got == 0) return -1;
+    bytes += got;
+    size -= static_cast<size_t>(got);
+  }
+  return 0;
+}
+
+// The temp file of an atomic save: closed and removed unless the save commits (renames it over the target).
+class TempFile {
+ public:
+  TempFile(std::string path, int fd) : path_(std::move(path)), fd_(fd) {}
+  TempFile(const TempFile&) = delete;
+  TempFile& operator=(const TempFile&) = delete;
+  ~TempFile() {
+    if (fd_ >= 0) ::close(fd_);
+    if (!committed_) ::unlink(path_.c_str());
+  }
+  int fd() const { return fd_; }
+  // Returns the errno of close(), 0 on success. Close reports deferred write errors (NFS, quota).
+  int close() {
+    const int result = ::close(fd_);
+    fd_ = -1;
+    return result == 0 ? 0 : errno;
+  }
+  void commit() { committed_ = true; }
+
+ private:
+  std::string path_;
+  int fd_;
+  bool committed_ = false;
+};
+
+struct Entry {
+  std::string name;
+  Tensor tensor;  // contiguous, CPU
+  uint64_t bytes;
+};
+
+std::string directory_of(const std::string& path) {
+  const size_t slash = path.rfind('/');
+  if (slash == std::string::npos) return ".";
+  if (slash == 0) return "/";
+  return path.substr(0, slash);
+}
+
+}  // namespace
+
+void save_safetensors(const std::string& path, const StateDict& state) {
+  // ---- check everything and build the header before touching the file system ----
+  std::vector<Entry> entries;
+  for (const auto& [name, tensor] : state.tensors) {
+    check(name != "__metadata__", "save_safetensors: '", path,
+          "': a tensor may not be named '__metadata__' (the key is reserved for metadata)");
+    check(json::is_valid_utf8(name), "save_safetensors: '", path, "': tensor name is not valid UTF-8");
+    check(tensor.defined(), "save_safetensors: '", path, "': tensor '", name, "' is undefined");
+    check(tensor.device().is_cpu(), "save_safetensors: '", path, "': tensor '", name, "' is ",
+          tensor.description(), "; only CPU tensors can be saved (move it with .to(Device::cpu()))");
+    Tensor contiguous = tensor.detach().contiguous();
+    const uint64_t bytes = static_cast<uint64_t>(contiguous.numel()) * dtype_size(contiguous.dtype());
+    entries.push_back({name, contiguous, bytes});
+  }
+  std::stable_sort(entries.begin(), entries.end(), [](const Entry& a, const Entry& b) {
+    return layout_rank(a.tensor.dtype()) < layout_rank(b.tensor.dtype());
+  });
+
+  json::Value::Object header;
+  if (!state.metadata.empty()) {
+    json::Value::Object metadata;
+    for (const auto& [key, value] : state.metadata) {
+      check(json::is_valid_utf8(key) && json::is_valid_utf8(value), "save_safetensors: '", path,
+            "': metadata entry is not valid UTF-8");
+      metadata.emplace_back(key, json::Value(value));
+    }
+    header.emplace_back("__metadata__", json::Value(std::move(metadata)));
+  }
+  uint64_t offset = 0;
+  for (const Entry& entry : entries) {
+    json::Value::Array shape;
+    for (int64_t size : entry.tensor.shape()) shape.emplace_back(size);
+    json::Value::Array offsets{json::Value(static_cast<int64_t>(offset)),
+                               json::Value(static_cast<int64_t>(offset + entry.bytes))};
+    header.emplace_back(entry.name, json::Value(json::Value::Object{
+                                        {"dtype", json::Value(safetensors_dtype_name(entry.tensor.dtype()))},
+                                        {"shape", json::Value(std::move(shape))},
+                                        {"data_offsets", json::Value(std::move(offsets))}}));
+    offset += entry.bytes;
+  }
+  std::string header_text = json::Value(std::move(header)).dump();
+  // Spaces are JSON whitespace: padding the header to a multiple of 8 aligns the data region for mmap
+  // readers.
+  header_text.append((8 - header_text.size() % 8) % 8, ' ');
+  uint64_t header_length = header_text.size();
+  unsigned char length_bytes[8];
+  for (int i = 0; i < 8; ++i) length_bytes[i] = static_cast<unsigned char>(header_length >> (8 * i));
+
+  // ---- write temp, fsync, rename ----
+  const std::string temp_path = path + ".tmp." + std::to_string(::getpid());
+  auto io_error = [&](int error_number, const char* step) {
+    fail("save_safetensors: cannot write '", path, "': ", system_error_text(error_number), " (", step, " '",
+         temp_path, "')");
+  };
+  const int fd = ::open(temp_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0644);
+  if (fd < 0) io_error(errno, "creating the temp file");
+  TempFile temp(temp_path, fd);
+  int status = write_all(fd, length_bytes, sizeof length_bytes);
+  if (status == 0) status = write_all(fd, header_text.data(), header_text.size());
+  for (const Entry& entry : entries) {
+    if (status != 0) break;
+    if (entry.bytes > 0) status = write_all(fd, entry.tensor.data_ptr(), entry.bytes);
+  }
+  if (status != 0) io_error(status, "writing the temp file");
+  if (::fsync(fd) != 0) io_error(errno, "syncing the temp file");
+  if ((status = temp.close()) != 0) io_error(status, "closing the temp file");
+  if (::rename(temp_path.c_str(), path.c_str()) != 0) io_error(errno, "renaming the temp file");
+  temp.commit();
+  // Make the rename itself durable. Best effort: the data is already safely in place under its name.
+  const int directory = ::open(directory_of(path).c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (directory >= 0) {
+    ::fsync(directory);
+    ::close(directory);
+  }
+}
+
+namespace {
+
+class Loader {
+ public:
+  explicit Loader(const std::string& path) : path_(path) {}
+
+  StateDict load() {
+    const int fd = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) problem("cannot open: ", system_error_text(errno));
+    struct FdCloser {
+      int fd;
+      ~FdCloser() { ::close(fd); }
+    } closer{fd};
+    struct stat info;
+    if (::fstat(fd, &info) != 0) problem("cannot stat: ", system_error_text(errno));
+    if (!S_ISREG(info.st_mode)) problem("not a regular file");
+    const uint64_t file_size = static_cast<uint64_t>(info.st_size);
+
+    // ---- the 8-byte header length ----
+    if (file_size < 8)
+      problem("truncated: the file is ", file_size, " bytes, shorter than the 8-byte header length");
+    unsigned char length_bytes[8];
+    read_exactly(fd, length_bytes, 8, "the header length");
+    uint64_t header_length = 0;
+    for (int i = 0; i < 8; ++i) header_length |= static_cast<uint64_t>(length_bytes[i]) << (8 * i);
+    if (header_length > kMaxHeaderBytes)
+      problem("header length ", header_length, " exceeds the limit of ", kMaxHeaderBytes, " bytes");
+    if (header_length > file_size - 8)
+      problem("truncated or corrupt: header length ", header_length, " is larger than the ", file_size - 8,
+              " bytes after the length field");
+
+    // ---- the header ----
+    std::string header_text(header_length, '\0');
+    read_exactly(fd, header_text.data(), header_length, "the header");
+    json::Value header;
+    try {
+      header = json::parse(header_text);
+    } catch (const Error& error) {
+      problem("invalid JSON header (byte offsets count from the header's start, file byte 8): ",
+              error.what());
+    }
+    if (!header.is_object())
+      problem("the header is a JSON ", json::kind_name(header.kind()), ", not an object");
+
+    StateDict state;
+    std::vector<Planned> plan;
+    for (const auto& [name, entry] : header.as_object()) {
+      if (name == "__metadata__") {
+        read_metadata(entry, state);
+      } else {
+        plan.push_back(plan_tensor(name, entry));
+      }
+    }
+
+    // ---- the layout: tensors tile [0, data size) exactly, in offset order ----
+    const uint64_t data_size = file_size - 8 - header_length;
+    std::sort(plan.begin(), plan.end(), [](const Planned& a, const Planned& b) {
+      return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
+    });
+    uint64_t position = 0;
+    for (const Planned& tensor : plan) {
+      if (tensor.end > data_size)
+        problem("data_offsets [", tensor.begin, ", ", tensor.end, "] of tensor '", tensor.name,
+                "' are outside the data region of ", data_size, " bytes (truncated file?)");
+      if (tensor.begin > position)
+        problem("gap in the data: no tensor covers bytes [", position, ", ", tensor.begin,
+                ") before tensor '", tensor.name, "'");
+      if (tensor.begin < position)
+        problem("tensor '", tensor.name, "' at data_offsets [", tensor.begin, ", ", tensor.end,
+                "] overlaps the tensor before it, which ends at ", position);
+      position = tensor.end;
+    }
+    if (position != data_size)
+      problem("the data region is ", data_size, " bytes but the tensors end at byte ", position,
+              " (trailing bytes)");
+
+    // ---- the data, in one sequential pass (the header was just read, so fd is at the data region) ----
+    for (Planned& tensor : plan) {
+      Tensor values = Tensor::empty(tensor.shape, tensor.dtype);
+      if (tensor.end > tensor.begin)
+        read_exactly(fd, values.data_ptr(), tensor.end - tensor.begin, "tensor '" + tensor.name + "'");
+      state.tensors.emplace(tensor.name, std::move(values));
+    }
+    return state;
+  }
+
+ private:
+  struct Planned {
+    std::string name;
+    DType dtype;
+    Shape shape;
+    uint64_t begin, end;
+  };
+
+  template <class... Parts>
+  [[noreturn]] void problem(const Parts&... parts) const {
+    fail("load_safetensors: '", path_, "': ", parts...);
+  }
+
+  void read_exactly(int fd, void* data, uint64_t size, const std::string& what) const {
+    const int status = read_all(fd, data, size);
+    if (status == -1) problem("truncated: the file ended while reading ", what);
+    if (status != 0) problem("cannot read ", what, ": ", system_error_text(status));
+  }
+
+  void read_metadata(const json::Value& metadata, StateDict& state) const {
+    if (!metadata.is_object())
+      problem("__metadata__ is a JSON ", json::kind_name(metadata.kind()), ", expected an object of strings");
+    for (const auto& [key, value] : metadata.as_object()) {
+      if (!value.is_string())
+        problem("__metadata__ value of '", key, "' is a JSON ", json::kind_name(value.kind()),
+                " (", value.dump(), "), expected a string");
+      state.metadata.emplace(key, value.as_string());
+    }
+  }
+
+  // A non-negative integer, or an error naming the field and the tensor.
+  uint64_t read_count(const json::Value& value, const char* field, const std::string& tensor) const {
+    if (!value.is_integer() || value.as_integer() < 0)
+      problem(field, " of tensor '", tensor, "' has the entry ", value.dump(),
+              ", expected a non-negative integer");
+    return static_cast<uint64_t>(value.as_integer());
+  }
+
+  Planned plan_tensor(const std::string& name, const json::Value& entry) const {
+    if (!entry.is_object())
+      problem("header entry of tensor '", name, "' is a JSON ", json::kind_name(entry.kind()),
+              ", expected an object with dtype, shape and data_offsets");
+    const json::Value* dtype = entry.find("dtype");
+    const json::Value* shape = entry.find("shape");
+    const json::Value* offsets = entry.find("data_offsets");
+    using Field = std::pair<const char*, const json::Value*>;
+    for (auto [field, value] : std::initializer_list<Field>{{"dtype", dtype}, {"shape", shape},
+                                                            {"data_offsets", offsets}})
+      if (value == nullptr) problem("header entry of tensor '", name, "' lacks \"", field, "\"");
+
+    if (!dtype->is_string())
+      problem("dtype of tensor '", name, "' is ", dtype->dump(), ", expected a string");
+    const std::optional<DType> parsed_dtype = dtype_from_safetensors(dtype->as_string());
+    if (!parsed_dtype)
+      problem("not supported: dtype ", dtype->as_string(), " in tensor '", name,
+              "' (mixtape reads F32, F16, BF16, F64, I32 and I64)");
+
+    if (!shape->is_array()) problem("shape of tensor '", name, "' is ", shape->dump(), ", expected an array");
+    Planned planned{name, *parsed_dtype, {}, 0, 0};
+    // numel * itemsize, with overflow detected: a hostile shape must not wrap around to a small size. The
+    // product of the non-zero extents must fit int64 even when some extent is 0, or the strides would not.
+    uint64_t nonzero_product = 1;
+    bool has_zero = false, overflow = false;
+    for (const json::Value& size : shape->as_array()) {
+      const uint64_t extent = read_count(size, "shape", name);
+      if (extent == 0) has_zero = true;
+      else overflow = overflow || __builtin_mul_overflow(nonzero_product, extent, &nonzero_product);
+      planned.shape.push_back(static_cast<int64_t>(extent));
+    }
+    uint64_t bytes = 0;
+    if (!has_zero)
+      overflow = overflow || __builtin_mul_overflow(nonzero_product, dtype_size(*parsed_dtype), &bytes);
+    if (overflow || nonzero_product > static_cast<uint64_t>(INT64_MAX))
+      problem("shape ", shape->dump(), " of tensor '", name,
+              "' is too large (more than 2^63 elements or bytes)");
+
+    if (!offsets->is_array() || offsets->as_array().size() != 2)
+      problem("data_offsets of tensor '", name, "' is ", offsets->dump(), ", expected [begin, end]");
+    planned.begin = read_count(offsets->as_array()[0], "data_offsets", name);
+    planned.end = read_count(offsets->as_array()[1], "data_offsets", name);
+    if (planned.end < planned.begin)
+      problem("data_offsets [", planned.begin, ", ", planned.end, "] of tensor '", name,
+              "' end before they begin");
+    if (planned.end - planned.begin != bytes)
+      problem("tensor '", name, "' has data_offsets [", planned.begin, ", ", planned.end, "] (",
+              planned.end - planned.begin, " bytes) but ", dtype->as_string(), " ", shape_str(planned.shape),
+              " needs ", bytes, " bytes");
+    return planned;
+  }
+
+  std::string path_;
+};
+
+}  // namespace
+
+StateDict load_safetensors(const std::string& path) { return Loader(path).load(); }
+
+}  // namespace mixtape

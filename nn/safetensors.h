@@ -1,0 +1,23 @@
+#pragma once
+// The safetensors file format (github.com/huggingface/safetensors), so checkpoints move to and from PyTorch:
+//   [u64 little-endian N][N bytes of UTF-8 JSON header, space-padded][raw little-endian tensor data]
+// The header maps each tensor name to {"dtype", "shape", "data_offsets": [begin, end]} (offsets relative to
+// the first data byte) and may hold "__metadata__", an object of string -> string.
+#include <string>
+
+#include "nn/state_dict.h"
+
+namespace mixtape {
+
+// Writes every tensor (CPU only; dtype kept, made contiguous, named in sorted order, laid out in that order
+// without gaps) and the metadata. The header is padded with spaces so the data starts at a multiple of 8
+// bytes, as the reference writer does. Atomic: writes path + ".tmp.<pid>", fsyncs, renames over path; on
+// any failure the temp file is removed, an existing file at path is left as it was, and Error names the
+// path and the system's reason. (A symlink at path is replaced by the new file, not written through.)
+void save_safetensors(const std::string& path, const StateDict& state);
+
+// Reads the whole file in one pass, validating all of it first: a truncated, corrupt or unsupported file is
+// an Error naming the file and the problem, never a partial result. Reads F32, F16, BF16, F64, I32, I64.
+StateDict load_safetensors(const std::string& path);
+
+}  // namespace mixtape

@@ -1,0 +1,598 @@
+// safetensors checkpoints and the JSON reader/writer under them. Layout references are bytes written out by
+// hand from the format's specification (github.com/huggingface/safetensors), not produced by the code under
+// test; corruption tests build broken files byte by byte and require an Error naming the file and problem.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <string>
+#include <vector>
+
+#include "nn/json.h"
+#include "nn/safetensors.h"
+#include "tests/test_util.h"
+
+namespace mixtape {
+namespace {
+
+namespace fs = std::filesystem;
+
+// ============================================================================ JSON
+
+TEST(Json, ParsesNestedObjectsArraysNumbersAndLiterals) {
+  const json::Value value =
+      json::parse(" {\"a\": [1, -2, 3.5, true, false, null, {\"b\": []}], \"c\": {}, \"d\": \"x\"} \n");
+  ASSERT_TRUE(value.is_object());
+  const auto& members = value.as_object();
+  ASSERT_EQ(members.size(), 3u);
+  EXPECT_EQ(members[0].first, "a");  // order kept as written
+  EXPECT_EQ(members[1].first, "c");
+  EXPECT_EQ(members[2].first, "d");
+  const auto& a = value.find("a")->as_array();
+  ASSERT_EQ(a.size(), 7u);
+  EXPECT_EQ(a[0].as_integer(), 1);
+  EXPECT_EQ(a[1].as_integer(), -2);
+  EXPECT_TRUE(a[2].is_number());
+  EXPECT_EQ(a[2].as_number(), 3.5);
+  EXPECT_TRUE(a[3].as_bool());
+  EXPECT_FALSE(a[4].as_bool());
+  EXPECT_TRUE(a[5].is_null());
+  EXPECT_TRUE(a[6].find("b")->as_array().empty());
+  EXPECT_TRUE(value.find("c")->as_object().empty());
+  EXPECT_EQ(value.find("d")->as_string(), "x");
+  EXPECT_EQ(value.find("missing"), nullptr);
+  EXPECT_ERROR_MENTIONS(value.find("d")->as_integer(), "expected integer", "got string");
+}
+
+TEST(Json, IntegersFitInt64AndOtherNumbersAreDoubles) {
+  EXPECT_EQ(json::parse("9223372036854775807").as_integer(), INT64_MAX);
+  EXPECT_EQ(json::parse("-9223372036854775808").as_integer(), INT64_MIN);
+  EXPECT_EQ(json::parse("-0").as_integer(), 0);
+  // One past int64: still a number, but not an integer, so callers wanting a count reject it.
+  EXPECT_TRUE(json::parse("9223372036854775808").is_number());
+  EXPECT_EQ(json::parse("1e3").as_number(), 1000.0);
+  EXPECT_TRUE(json::parse("1e3").is_number());
+  EXPECT_EQ(json::parse("-1.25E-2").as_number(), -0.0125);
+  EXPECT_ERROR_MENTIONS(json::parse("1e400"), "out of range", "at byte 0");
+}
+
+TEST(Json, DecodesEveryEscapeIncludingSurrogatePairs) {
+  const std::string text = R"("\" \\ \/ \b \f \n \r \t \u0041 \u00e9 \u20AC \ud83d\ude00 \uD834\uDD1E")";
+  const std::string expected =
+      "\" \\ / \b \f \n \r \t A \xC3\xA9 \xE2\x82\xAC \xF0\x9F\x98\x80 \xF0\x9D\x84\x9E";
+  EXPECT_EQ(json::parse(text).as_string(), expected);
+  // Raw UTF-8 passes through unchanged.
+  EXPECT_EQ(json::parse("\"caf\xC3\xA9 \xF0\x9F\x98\x80\"").as_string(), "caf\xC3\xA9 \xF0\x9F\x98\x80");
+}
+
+TEST(Json, RejectsMalformedTextNamingTheProblemAndByteOffset) {
+  struct Case {
+    std::string text, problem;
+    size_t offset;
+  };
+  const std::vector<Case> cases = {
+      {"", "unexpected end of input", 0},
+      {"[1,]", "expected a value", 3},
+      {"{\"a\":1,}", "expected a string key", 7},
+      {"{\"a\" 1}", "expected ':'", 5},
+      {"{\"a\":1 \"b\":2}", "expected ',' or '}'", 7},
+      {"[1 2]", "expected ',' or ']'", 3},
+      {"01", "leading zero", 0},
+      {"-", "expected a digit", 1},
+      {"1.", "expected a digit after '.'", 2},
+      {"1e", "expected a digit in the exponent", 2},
+      {"tru", "invalid literal", 0},
+      {"nan", "invalid literal", 0},
+      {"'a'", "expected a value", 0},
+      {"[1] x", "after the value", 4},
+      {"\"abc", "to close the string", 4},
+      {"\"a\nb\"", "unescaped control character", 2},
+      {"\"\\x\"", "invalid escape", 1},
+      {"\"\\u12G4\"", "invalid hex digit", 5},
+      {"\"ab\\udc00\"", "lone low surrogate", 3},
+      {"\"\\ud800\"", "not followed by a low surrogate", 1},
+      {"\"\\ud800\\u0041\"", "not followed by a low surrogate", 1},
+      {"\"\xFF\"", "invalid UTF-8", 1},
+      {"\"\xC0\xAF\"", "invalid UTF-8", 1},          // overlong '/'
+      {"\"\xED\xA0\x80\"", "invalid UTF-8", 1},      // an encoded surrogate
+      {"\"\xE2\x82\"", "invalid UTF-8", 1},          // truncated sequence
+      {"{\"k\":1,\"k\":2}", "duplicate key \"k\"", 7},
+      {"[{\"a\":{\"a\":1,\"a\":2}}]", "duplicate key \"a\"", 13},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.text);
+    EXPECT_ERROR_MENTIONS(json::parse(c.text), "json: ", c.problem, "at byte " + std::to_string(c.offset));
+  }
+}
+
+TEST(Json, LimitsNestingDepthInsteadOfOverflowingTheStack) {
+  EXPECT_NO_THROW(json::parse(std::string(200, '[') + std::string(200, ']')));
+  EXPECT_ERROR_MENTIONS(json::parse(std::string(100000, '[')), "nesting deeper than 256");
+}
+
+TEST(Json, WriterEscapesAndRoundTrips) {
+  EXPECT_EQ(json::quote("a\"b\\c\n\t\x01\x1f/\xC3\xA9"), "\"a\\\"b\\\\c\\n\\t\\u0001\\u001f/\xC3\xA9\"");
+  EXPECT_ERROR_MENTIONS(json::quote("ok\xFF"), "not valid UTF-8", "at byte 2");
+  json::Value::Object object;
+  object.emplace_back("s", json::Value("x\"\n\xF0\x9F\x98\x80"));
+  object.emplace_back("i", json::Value(int64_t{-42}));
+  object.emplace_back("d", json::Value(0.1));
+  object.emplace_back("a", json::Value(json::Value::Array{json::Value(true), json::Value(nullptr)}));
+  const std::string text = json::Value(object).dump();
+  EXPECT_EQ(text,
+            "{\"s\":\"x\\\"\\n\xF0\x9F\x98\x80\",\"i\":-42,\"d\":0.10000000000000001,\"a\":[true,null]}");
+  const json::Value back = json::parse(text);
+  EXPECT_EQ(back.find("s")->as_string(), "x\"\n\xF0\x9F\x98\x80");
+  EXPECT_EQ(back.find("i")->as_integer(), -42);
+  EXPECT_EQ(back.find("d")->as_number(), 0.1);  // 17 digits read back as the same double
+  EXPECT_EQ(back.dump(), text);
+}
+
+// ============================================================================ safetensors helpers
+
+// A fresh directory per test, removed afterwards.
+class Safetensors : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::string pattern = (fs::temp_directory_path() / "mixtape_safetensors_XXXXXX").string();
+    ASSERT_NE(::mkdtemp(pattern.data()), nullptr);
+    dir_ = pattern;
+  }
+  void TearDown() override {
+    std::error_code ignored;
+    fs::permissions(dir_, fs::perms::owner_all, ignored);
+    fs::remove_all(dir_, ignored);
+  }
+  std::string path(const std::string& name) const { return (dir_ / name).string(); }
+  std::vector<std::string> directory_listing() const {
+    std::vector<std::string> names;
+    for (const auto& entry : fs::directory_iterator(dir_)) names.push_back(entry.path().filename().string());
+    std::sort(names.begin(), names.end());
+    return names;
+  }
+  fs::path dir_;
+};
+
+std::string read_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+void write_bytes(const std::string& path, const std::string& bytes) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  ASSERT_TRUE(out.good());
+}
+
+// The 8-byte little-endian length, spelled out byte by byte.
+std::string le64(uint64_t value) {
+  std::string bytes;
+  for (int i = 0; i < 8; ++i) bytes += static_cast<char>((value >> (8 * i)) & 0xFF);
+  return bytes;
+}
+
+// A whole file: length, header as given (no padding added), data.
+std::string file_bytes(const std::string& header, const std::string& data) {
+  return le64(header.size()) + header + data;
+}
+
+// The little-endian bytes of float values, from their IEEE-754 bit patterns.
+std::string f32_bytes(std::initializer_list<uint32_t> bit_patterns) {
+  std::string bytes;
+  for (uint32_t bits : bit_patterns)
+    for (int i = 0; i < 4; ++i) bytes += static_cast<char>((bits >> (8 * i)) & 0xFF);
+  return bytes;
+}
+
+std::string tensor_bytes(const Tensor& t) {
+  const Tensor c = t.contiguous();
+  return std::string(static_cast<const char*>(c.data_ptr()), c.numel() * dtype_size(c.dtype()));
+}
+
+// ============================================================================ round trips
+
+TEST_F(Safetensors, RoundTripsAllSixDtypesScalarsEmptyTensorsAndMetadata) {
+  StateDict state;
+  state.tensors["f32"] = Tensor::randn({3, 4}, 1, DType::F32);
+  state.tensors["f16"] = Tensor::randn({5}, 2, DType::F16);
+  state.tensors["bf16"] = Tensor::randn({2, 3, 2}, 3, DType::BF16);
+  state.tensors["f64"] = Tensor::randn({7}, 4, DType::F64);
+  state.tensors["i32"] = Tensor::from_vector(std::vector<int32_t>{INT32_MIN, -1, 0, INT32_MAX}, {2, 2});
+  state.tensors["i64"] = Tensor::from_vector(std::vector<int64_t>{INT64_MIN, -1, INT64_MAX}, {3});
+  state.tensors["scalar"] = Tensor::scalar(2.5, DType::F64);
+  state.tensors["empty"] = Tensor::empty({0, 3}, DType::BF16);
+  state.tensors["empty.1d"] = Tensor::empty({0}, DType::I32);
+  state.tensors["transposed"] = Tensor::randn({3, 5}, 5, DType::F32).mT();  // saved contiguous
+  state.tensors["transformer.h.0.ln_1.weight"] = Tensor::ones({8});
+  state.metadata["config"] = "{\"n_layer\": 4, \"path\": \"C:\\\\x\"}";
+  state.metadata["vocab"] = "\n\t\"\\ \x01\x1f caf\xC3\xA9 \xE2\x82\xAC \xF0\x9F\x98\x80";
+  state.metadata["unicode key \xE6\x97\xA5\xE6\x9C\xAC"] = "";
+  state.metadata[""] = "empty key";
+
+  const std::string file = path("model.safetensors");
+  save_safetensors(file, state);
+  const StateDict back = load_safetensors(file);
+
+  EXPECT_EQ(back.metadata, state.metadata);
+  ASSERT_EQ(back.tensors.size(), state.tensors.size());
+  for (const auto& [name, tensor] : state.tensors) {
+    SCOPED_TRACE(name);
+    ASSERT_EQ(back.tensors.count(name), 1u);
+    const Tensor& loaded = back.tensors.at(name);
+    EXPECT_EQ(loaded.dtype(), tensor.dtype());
+    EXPECT_EQ(loaded.shape(), tensor.shape());
+    EXPECT_TRUE(loaded.is_contiguous());
+    EXPECT_EQ(tensor_bytes(loaded), tensor_bytes(tensor));  // bit-exact, NaN payloads and -0 included
+  }
+  EXPECT_EQ(back.tensors.at("scalar").dim(), 0);
+  EXPECT_EQ(back.tensors.at("scalar").item(), 2.5);
+  EXPECT_EQ(directory_listing(), std::vector<std::string>{"model.safetensors"});  // no temp file left
+}
+
+TEST_F(Safetensors, EmptyStateDictRoundTrips) {
+  const std::string file = path("empty.safetensors");
+  save_safetensors(file, StateDict{});
+  // "{}" padded with six spaces to 8 bytes, and no data.
+  EXPECT_EQ(read_bytes(file), le64(8) + "{}      ");
+  const StateDict back = load_safetensors(file);
+  EXPECT_TRUE(back.tensors.empty());
+  EXPECT_TRUE(back.metadata.empty());
+}
+
+// ============================================================================ layout, byte for byte
+
+TEST_F(Safetensors, WritesTheReferenceLayoutByteForByte) {
+  StateDict state;
+  state.tensors["a"] = Tensor::from_vector(std::vector<float>{1.0f, 2.0f}, {2});
+  const std::string file = path("a.safetensors");
+  save_safetensors(file, state);
+  // What Python's safetensors.torch.save_file({"a": torch.tensor([1.0, 2.0])}) writes: compact JSON of 54
+  // bytes padded with 2 spaces to 56 (a multiple of 8), then 1.0f = 0x3f800000 and 2.0f = 0x40000000.
+  const std::string header = "{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]}}  ";
+  ASSERT_EQ(header.size(), 56u);
+  const std::string expected = std::string("\x38\0\0\0\0\0\0\0", 8) + header +
+                               std::string("\x00\x00\x80\x3f\x00\x00\x00\x40", 8);
+  EXPECT_EQ(read_bytes(file), expected);
+}
+
+TEST_F(Safetensors, OrdersTensorsLikeTheReferenceWriterAndPutsMetadataFirst) {
+  // The reference orders by dtype (I64 before F16) then name, so "b" (I64) precedes "a" (F16) and every
+  // tensor starts at a multiple of its element size.
+  StateDict state;
+  state.tensors["a"] = Tensor::from_vector(std::vector<float>{1.0f, -2.0f, 0.5f}, {3}, DType::F16);
+  state.tensors["b"] = Tensor::from_vector(std::vector<int64_t>{258}, {1});
+  state.metadata["format"] = "pt";
+  const std::string file = path("ab.safetensors");
+  save_safetensors(file, state);
+  const std::string header =
+      "{\"__metadata__\":{\"format\":\"pt\"},"
+      "\"b\":{\"dtype\":\"I64\",\"shape\":[1],\"data_offsets\":[0,8]},"
+      "\"a\":{\"dtype\":\"F16\",\"shape\":[3],\"data_offsets\":[8,14]}}     ";  // 139 + 5 spaces
+  ASSERT_EQ(header.size(), 144u);
+  // 258 = 0x0102 as int64 LE; f16 1.0 = 0x3c00, -2.0 = 0xc000, 0.5 = 0x3800.
+  const std::string data =
+      std::string("\x02\x01\0\0\0\0\0\0", 8) + std::string("\x00\x3c\x00\xc0\x00\x38", 6);
+  EXPECT_EQ(read_bytes(file), le64(144) + header + data);
+}
+
+TEST_F(Safetensors, LoadsAHandMadeFileInTheReferenceLayout) {
+  const std::string file = path("reference.safetensors");
+  const std::string header = "{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]}}  ";
+  write_bytes(file, file_bytes(header, f32_bytes({0x3f800000, 0x40000000})));
+  const StateDict state = load_safetensors(file);
+  ASSERT_EQ(state.tensors.size(), 1u);
+  const Tensor& a = state.tensors.at("a");
+  EXPECT_EQ(a.dtype(), DType::F32);
+  EXPECT_EQ(a.shape(), (Shape{2}));
+  EXPECT_EQ(a.to_vector<float>(), (std::vector<float>{1.0f, 2.0f}));
+  EXPECT_TRUE(state.metadata.empty());
+}
+
+TEST_F(Safetensors, LoadsOtherWritersLayoutsUnpaddedPrettyPrintedAndInAnyKeyOrder) {
+  // Keys in any order, whitespace anywhere, metadata last, tensors listed out of offset order, extra keys
+  // in an entry ignored (as the reference reader does), no padding.
+  const std::string header =
+      "{\n  \"y\": {\"data_offsets\": [4, 12], \"shape\": [1, 2], \"dtype\": \"F32\", \"note\": 1},\n"
+      "  \"x\": {\"dtype\": \"I32\", \"shape\": [], \"data_offsets\": [0, 4]},\n"
+      "  \"__metadata__\": {\"step\": \"7\"}\n}";
+  const std::string file = path("pretty.safetensors");
+  write_bytes(file, file_bytes(header, std::string("\x05\0\0\0", 4) + f32_bytes({0xbf800000, 0x3e800000})));
+  const StateDict state = load_safetensors(file);
+  EXPECT_EQ(state.tensors.at("x").dim(), 0);
+  EXPECT_EQ(state.tensors.at("x").item(), 5);
+  EXPECT_EQ(state.tensors.at("y").to_vector<float>(), (std::vector<float>{-1.0f, 0.25f}));
+  EXPECT_EQ(state.metadata.at("step"), "7");
+}
+
+// ============================================================================ corruption
+
+class SafetensorsCorrupt : public Safetensors {
+ protected:
+  // Writes bytes to a file and expects loading it to fail naming the file and every part.
+  template <class... Parts>
+  void expect_load_error(const std::string& bytes, const Parts&... parts) {
+    const std::string file = path("bad.safetensors");
+    write_bytes(file, bytes);
+    EXPECT_ERROR_MENTIONS(load_safetensors(file), "load_safetensors", file, parts...);
+  }
+  // A file with one F32 tensor "x" described by entry (the JSON object text) and the given data size.
+  void expect_entry_error(const std::string& entry, size_t data_size, const std::string& problem) {
+    SCOPED_TRACE(entry);
+    expect_load_error(file_bytes("{\"x\":" + entry + "}", std::string(data_size, '\0')), problem);
+  }
+};
+
+TEST_F(SafetensorsCorrupt, MissingFileOrDirectoryIsAnError) {
+  const std::string missing = path("missing.safetensors");
+  EXPECT_ERROR_MENTIONS(load_safetensors(missing), missing, "cannot open", "No such file or directory");
+  EXPECT_ERROR_MENTIONS(load_safetensors(dir_.string()), dir_.string(), "not a regular file");
+}
+
+TEST_F(SafetensorsCorrupt, ShortFilesAndBadHeaderLengths) {
+  expect_load_error("", "the file is 0 bytes, shorter than the 8-byte header length");
+  expect_load_error(std::string("\x02\0\0\0", 4), "the file is 4 bytes");
+  expect_load_error(le64(100) + "{}", "header length 100 is larger than the 2 bytes after the length field");
+  expect_load_error(le64(100'000'001) + "{}", "header length 100000001 exceeds the limit of 100000000 bytes");
+  expect_load_error(le64(UINT64_MAX) + "{}", "exceeds the limit");
+}
+
+TEST_F(SafetensorsCorrupt, InvalidJsonGivesItsOffset) {
+  expect_load_error(file_bytes("{\"x\":{\"dtype\":\"F32\",}}", ""), "invalid JSON header", "at byte 20");
+  expect_load_error(file_bytes("{\"x\":\"\xFF\"}", ""), "invalid JSON header", "invalid UTF-8", "at byte 6");
+  expect_load_error(file_bytes(std::string("{}\0\0", 4), ""), "invalid JSON header", "at byte 2");
+  expect_load_error(file_bytes("[]", ""), "the header is a JSON array, not an object");
+}
+
+TEST_F(SafetensorsCorrupt, DuplicateKeysAreRejected) {
+  const std::string entry = "{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}";
+  expect_load_error(file_bytes("{\"x\":" + entry + ",\"x\":" + entry + "}", std::string(4, '\0')),
+                    "duplicate key \"x\"");
+  expect_load_error(file_bytes("{\"__metadata__\":{\"k\":\"1\",\"k\":\"2\"}}", ""), "duplicate key \"k\"");
+}
+
+TEST_F(SafetensorsCorrupt, EntriesMissingFieldsOrWithBadTypes) {
+  expect_entry_error("{\"shape\":[1],\"data_offsets\":[0,4]}", 4, "tensor 'x' lacks \"dtype\"");
+  expect_entry_error("{\"dtype\":\"F32\",\"data_offsets\":[0,4]}", 4, "tensor 'x' lacks \"shape\"");
+  expect_entry_error("{\"dtype\":\"F32\",\"shape\":[1]}", 4, "tensor 'x' lacks \"data_offsets\"");
+  expect_entry_error("[1]", 0, "header entry of tensor 'x' is a JSON array, expected an object");
+  expect_entry_error("{\"dtype\":32,\"shape\":[1],\"data_offsets\":[0,4]}", 4, "dtype of tensor 'x' is 32");
+  expect_entry_error("{\"dtype\":\"F32\",\"shape\":4,\"data_offsets\":[0,4]}", 4, "shape of tensor 'x' is 4");
+  expect_entry_error("{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0]}", 4,
+                     "data_offsets of tensor 'x' is [0], expected [begin, end]");
+  expect_entry_error("{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":{}}", 4,
+                     "data_offsets of tensor 'x'");
+}
+
+TEST_F(SafetensorsCorrupt, UnsupportedDtypesAreNamed) {
+  expect_entry_error("{\"dtype\":\"F8_E4M3\",\"shape\":[4],\"data_offsets\":[0,4]}", 4,
+                     "not supported: dtype F8_E4M3 in tensor 'x'");
+  expect_entry_error("{\"dtype\":\"BOOL\",\"shape\":[4],\"data_offsets\":[0,4]}", 4,
+                     "not supported: dtype BOOL in tensor 'x'");
+  expect_entry_error("{\"dtype\":\"f32\",\"shape\":[1],\"data_offsets\":[0,4]}", 4,
+                     "not supported: dtype f32 in tensor 'x'");  // names are case-sensitive
+}
+
+TEST_F(SafetensorsCorrupt, ShapesMustBeNonNegativeIntegers) {
+  const std::string tail = ",\"data_offsets\":[0,4]}";
+  expect_entry_error("{\"dtype\":\"F32\",\"shape\":[-1]" + tail, 4, "shape of tensor 'x' has the entry -1");
+  expect_entry_error("{\"dtype\":\"F32\",\"shape\":[1.5]" + tail, 4, "shape of tensor 'x' has the entry 1.5");
+  expect_entry_error("{\"dtype\":\"F32\",\"shape\":[1e0]" + tail, 4, "shape of tensor 'x' has the entry 1");
+  expect_entry_error("{\"dtype\":\"F32\",\"shape\":[\"1\"]" + tail, 4,
+                     "shape of tensor 'x' has the entry \"1\"");
+  expect_entry_error("{\"dtype\":\"F32\",\"shape\":[null]" + tail, 4, "expected a non-negative integer");
+  // Extents whose product overflows must not wrap around to a size that matches the offsets.
+  expect_entry_error("{\"dtype\":\"F32\",\"shape\":[4294967296,4294967296,4294967296]" + tail, 4,
+                     "too large");
+  expect_entry_error("{\"dtype\":\"F64\",\"shape\":[2305843009213693952]" + tail, 4, "too large");
+}
+
+TEST_F(SafetensorsCorrupt, OffsetsMustMatchTheTensorAndStayInTheDataRegion) {
+  expect_entry_error("{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,4]}", 4,
+                     "tensor 'x' has data_offsets [0, 4] (4 bytes) but F32 [2] needs 8 bytes");
+  expect_entry_error("{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,8]}", 8,
+                     "(8 bytes) but F32 [1] needs 4 bytes");
+  expect_entry_error("{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[8,4]}", 8, "end before they begin");
+  expect_entry_error("{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[-4,0]}", 4,
+                     "data_offsets of tensor 'x' has the entry -4");
+  expect_entry_error("{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]}", 4,
+                     "data_offsets [0, 8] of tensor 'x' are outside the data region of 4 bytes");
+  expect_entry_error("{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}", 6,
+                     "the data region is 6 bytes but the tensors end at byte 4 (trailing bytes)");
+}
+
+TEST_F(SafetensorsCorrupt, OverlapsAndGapsAreRejected) {
+  auto entry = [](const char* name, int begin, int end) {
+    return std::string("\"") + name + "\":{\"dtype\":\"I32\",\"shape\":[" +
+           std::to_string((end - begin) / 4) + "],\"data_offsets\":[" + std::to_string(begin) + "," +
+           std::to_string(end) + "]}";
+  };
+  expect_load_error(file_bytes("{" + entry("a", 0, 8) + "," + entry("b", 4, 12) + "}", std::string(12, '\0')),
+                    "tensor 'b' at data_offsets [4, 12] overlaps the tensor before it, which ends at 8");
+  expect_load_error(file_bytes("{" + entry("a", 0, 8) + "," + entry("b", 0, 8) + "}", std::string(8, '\0')),
+                    "overlaps");
+  expect_load_error(file_bytes("{" + entry("a", 0, 4) + "," + entry("b", 8, 12) + "}", std::string(12, '\0')),
+                    "gap in the data: no tensor covers bytes [4, 8) before tensor 'b'");
+  expect_load_error(file_bytes("{" + entry("a", 4, 8) + "}", std::string(8, '\0')),
+                    "no tensor covers bytes [0, 4)");
+  // An empty tensor inside another one is an overlap too; at a boundary it is fine.
+  expect_load_error(file_bytes("{" + entry("a", 0, 8) + "," + entry("e", 4, 4) + "}", std::string(8, '\0')),
+                    "tensor 'e' at data_offsets [4, 4] overlaps");
+  const std::string fine = path("fine.safetensors");
+  write_bytes(fine, file_bytes("{" + entry("a", 0, 8) + "," + entry("e", 8, 8) + "}", std::string(8, '\0')));
+  EXPECT_EQ(load_safetensors(fine).tensors.at("e").numel(), 0);
+}
+
+TEST_F(SafetensorsCorrupt, MetadataValuesMustBeStrings) {
+  expect_load_error(file_bytes("{\"__metadata__\":{\"step\":7}}", ""),
+                    "__metadata__ value of 'step' is a JSON integer (7), expected a string");
+  expect_load_error(file_bytes("{\"__metadata__\":{\"a\":\"ok\",\"b\":null}}", ""),
+                    "value of 'b' is a JSON null");
+  expect_load_error(file_bytes("{\"__metadata__\":[\"a\"]}", ""), "__metadata__ is a JSON array");
+}
+
+// A good file cut at every length, and every header byte overwritten: each must be an Error (or, for a
+// harmless edit, a successful load), never a crash. Run this under the ASan build too.
+TEST_F(SafetensorsCorrupt, EveryTruncationIsAnErrorNeverACrash) {
+  StateDict state;
+  state.tensors["w"] = Tensor::randn({3, 5}, 11, DType::F32);
+  state.tensors["b"] = Tensor::randn({5}, 12, DType::BF16);
+  state.tensors["s"] = Tensor::scalar(3, DType::I64);
+  state.metadata["note"] = "truncate me";
+  const std::string good_file = path("good.safetensors");
+  save_safetensors(good_file, state);
+  const std::string good = read_bytes(good_file);
+  ASSERT_GT(good.size(), 100u);
+  const std::string file = path("cut.safetensors");
+  for (size_t length = 0; length < good.size(); ++length) {
+    SCOPED_TRACE("length " + std::to_string(length));
+    write_bytes(file, good.substr(0, length));
+    EXPECT_ERROR_MENTIONS(load_safetensors(file), "load_safetensors", file);
+  }
+  write_bytes(file, good + "x");
+  EXPECT_ERROR_MENTIONS(load_safetensors(file), file, "trailing bytes");
+}
+
+TEST_F(SafetensorsCorrupt, OverwrittenHeaderBytesNeverCrash) {
+  StateDict state;
+  state.tensors["w"] = Tensor::randn({2, 3}, 13, DType::F16);
+  state.tensors["i"] = Tensor::from_vector(std::vector<int32_t>{1, 2}, {2});
+  state.metadata["k"] = "v";
+  const std::string good_file = path("good.safetensors");
+  save_safetensors(good_file, state);
+  const std::string good = read_bytes(good_file);
+  const size_t header_end = 8 + static_cast<unsigned char>(good[0]);
+  const std::string file = path("flipped.safetensors");
+  int errors = 0, loads = 0;
+  for (size_t pos = 0; pos < header_end; ++pos) {
+    for (unsigned char replacement : std::string("\x00\x7f\xff\"9-]}\\", 9)) {
+      std::string bytes = good;
+      if (static_cast<unsigned char>(bytes[pos]) == replacement) continue;
+      bytes[pos] = static_cast<char>(replacement);
+      write_bytes(file, bytes);
+      try {
+        load_safetensors(file);
+        ++loads;  // e.g. a digit changed inside a metadata string
+      } catch (const Error& error) {
+        ++errors;
+        EXPECT_NE(std::string(error.what()).find(file), std::string::npos) << error.what();
+      }
+    }
+  }
+  EXPECT_GT(errors, 0);
+}
+
+// ============================================================================ saving
+
+TEST_F(Safetensors, SaveRejectsUnsaveableStateBeforeTouchingTheDisk) {
+  const std::string file = path("x.safetensors");
+  StateDict reserved;
+  reserved.tensors["__metadata__"] = Tensor::ones({1});
+  EXPECT_ERROR_MENTIONS(save_safetensors(file, reserved), file, "'__metadata__'", "reserved");
+  StateDict undefined;
+  undefined.tensors["w"] = Tensor();
+  EXPECT_ERROR_MENTIONS(save_safetensors(file, undefined), file, "tensor 'w' is undefined");
+  StateDict bad_name;
+  bad_name.tensors["w\xFF"] = Tensor::ones({1});
+  EXPECT_ERROR_MENTIONS(save_safetensors(file, bad_name), file, "not valid UTF-8");
+  StateDict bad_metadata;
+  bad_metadata.metadata["k"] = "\xC0\xAF";
+  EXPECT_ERROR_MENTIONS(save_safetensors(file, bad_metadata), file, "metadata", "not valid UTF-8");
+  EXPECT_TRUE(directory_listing().empty());
+}
+
+TEST_F(Safetensors, SaveReplacesAnExistingFile) {
+  const std::string file = path("ckpt.safetensors");
+  StateDict first, second;
+  first.tensors["a"] = Tensor::ones({100});
+  second.tensors["b"] = Tensor::zeros({2}, DType::I64);
+  save_safetensors(file, first);
+  save_safetensors(file, second);
+  const StateDict back = load_safetensors(file);
+  ASSERT_EQ(back.tensors.size(), 1u);
+  EXPECT_EQ(back.tensors.count("b"), 1u);
+  EXPECT_EQ(directory_listing(), std::vector<std::string>{"ckpt.safetensors"});
+}
+
+TEST_F(Safetensors, SaveIntoAMissingDirectoryFailsNamingThePathAndReason) {
+  const std::string file = path("no/such/dir/ckpt.safetensors");
+  StateDict state;
+  state.tensors["a"] = Tensor::ones({2});
+  EXPECT_ERROR_MENTIONS(save_safetensors(file, state), "save_safetensors", file, "No such file or directory");
+  EXPECT_TRUE(directory_listing().empty());
+}
+
+TEST_F(Safetensors, FailedWriteLeavesTheOldFileIntactAndNoTempFile) {
+  const std::string file = path("ckpt.safetensors");
+  StateDict old_state;
+  old_state.tensors["old"] = Tensor::arange(0, 10);
+  save_safetensors(file, old_state);
+  const std::string old_bytes = read_bytes(file);
+
+  // Make the write itself fail half way: a file size limit turns write() into EFBIG (with SIGXFSZ ignored).
+  StateDict big;
+  big.tensors["big"] = Tensor::zeros({64 * 1024});  // 256 KiB
+  struct rlimit saved;
+  ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &saved), 0);
+  const auto saved_handler = ::signal(SIGXFSZ, SIG_IGN);
+  struct rlimit limited = saved;
+  limited.rlim_cur = 16 * 1024;
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &limited), 0);
+  bool threw = false;
+  std::string message;
+  try {
+    save_safetensors(file, big);
+  } catch (const Error& error) {
+    threw = true;
+    message = error.what();
+  }
+  ::setrlimit(RLIMIT_FSIZE, &saved);
+  ::signal(SIGXFSZ, saved_handler);
+
+  ASSERT_TRUE(threw);
+  EXPECT_NE(message.find(file), std::string::npos) << message;
+  EXPECT_NE(message.find(std::strerror(EFBIG)), std::string::npos) << message;
+  EXPECT_EQ(read_bytes(file), old_bytes);
+  EXPECT_EQ(directory_listing(), std::vector<std::string>{"ckpt.safetensors"});
+  EXPECT_EQ(load_safetensors(file).tensors.at("old").numel(), 10);
+}
+
+TEST_F(Safetensors, UnwritableDirectoryLeavesTheOldFileIntact) {
+  if (::geteuid() == 0) GTEST_SKIP() << "root ignores directory permissions";
+  const std::string file = path("ckpt.safetensors");
+  StateDict state;
+  state.tensors["old"] = Tensor::ones({3});
+  save_safetensors(file, state);
+  const std::string old_bytes = read_bytes(file);
+  fs::permissions(dir_, fs::perms::owner_read | fs::perms::owner_exec);
+  state.tensors["old"] = Tensor::zeros({3});
+  EXPECT_ERROR_MENTIONS(save_safetensors(file, state), file, "Permission denied");
+  fs::permissions(dir_, fs::perms::owner_all);
+  EXPECT_EQ(read_bytes(file), old_bytes);
+  EXPECT_EQ(directory_listing(), std::vector<std::string>{"ckpt.safetensors"});
+}
+
+TEST_F(Safetensors, TempFileInTheWayIsAnErrorAndIsNotRemoved) {
+  // A directory squatting on the temp name makes creating the temp file fail; the save must report it
+  // and leave both the old file and the squatter alone (it only removes what it created).
+  const std::string file = path("ckpt.safetensors");
+  StateDict state;
+  state.tensors["old"] = Tensor::ones({3});
+  save_safetensors(file, state);
+  const std::string old_bytes = read_bytes(file);
+  const std::string temp = file + ".tmp." + std::to_string(::getpid());
+  fs::create_directory(temp);
+  EXPECT_ERROR_MENTIONS(save_safetensors(file, state), file, "Is a directory", "creating the temp file");
+  EXPECT_EQ(read_bytes(file), old_bytes);
+  EXPECT_TRUE(fs::is_directory(temp));
+}
+
+}  // namespace
+}  // namespace mixtape
