@@ -16,15 +16,16 @@ namespace {
 DType stats_dtype(DType dtype) { return dtype == DType::F64 ? DType::F64 : DType::F32; }
 
 // Every counted target must address a class: the kernels index without checking.
-void check_targets_in_range(const Tensor& flat_targets, int64_t V, int64_t ignore_index, const Tensor& logits) {
+void check_targets_in_range(const Tensor& flat_targets, int64_t V, int64_t ignore_index,
+                            const Tensor& logits) {
   if (!flat_targets.device().is_cpu()) return;  // only CPU memory can be read here; a device kernel checks
   dispatch_index(flat_targets.dtype(), "softmax_cross_entropy", [&]<typename I>() {
     const I* target = flat_targets.data<I>();
     for (int64_t i = 0; i < flat_targets.numel(); ++i) {
       const int64_t t = static_cast<int64_t>(target[i]);
       check(t == ignore_index || (t >= 0 && t < V), "softmax_cross_entropy: target ", t, " at row ", i,
-            " is out of range for V = ", V, " classes (logits ", logits.description(), "; expected 0 <= target < ",
-            V, " or ignore_index ", ignore_index, ")");
+            " is out of range for V = ", V, " classes (logits ", logits.description(),
+            "; expected 0 <= target < ", V, " or ignore_index ", ignore_index, ")");
     }
   });
 }
@@ -33,16 +34,18 @@ void check_targets_in_range(const Tensor& flat_targets, int64_t V, int64_t ignor
 
 Tensor softmax_cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore_index) {
   const char* op = "softmax_cross_entropy";
-  check(logits.defined() && targets.defined(), op, ": logits ", logits.defined() ? logits.description() : "undefined",
-        " and targets ", targets.defined() ? targets.description() : "undefined", " must both be defined");
+  check(logits.defined() && targets.defined(), op, ": logits ",
+        logits.defined() ? logits.description() : "undefined", " and targets ",
+        targets.defined() ? targets.description() : "undefined", " must both be defined");
   check(is_floating(logits.dtype()), op, ": logits must be floating (f32, f16, bf16 or f64), got ",
         logits.description());
   check(logits.dim() >= 1, op, ": logits must have a class dim (the last), got ", logits.description());
-  check(targets.dtype() == DType::I32 || targets.dtype() == DType::I64, op, ": targets must be i32 or i64, got ",
-        targets.description());
+  check(targets.dtype() == DType::I32 || targets.dtype() == DType::I64, op,
+        ": targets must be i32 or i64, got ", targets.description());
   const Shape row_shape(logits.shape().begin(), logits.shape().end() - 1);
-  check(targets.shape() == row_shape, op, ": targets ", targets.description(), " must have the shape of logits ",
-        logits.description(), " without the class dim (expected ", shape_str(row_shape), ")");
+  check(targets.shape() == row_shape, op, ": targets ", targets.description(),
+        " must have the shape of logits ", logits.description(), " without the class dim (expected ",
+        shape_str(row_shape), ")");
   check(targets.device() == logits.device(), op, ": logits on ", logits.device(), ", targets on ",
         targets.device());
 
@@ -57,12 +60,14 @@ Tensor softmax_cross_entropy(const Tensor& logits, const Tensor& targets, int64_
   backend_of(logits).softmax_cross_entropy(rows, flat_targets, ignore_index, loss, lse);
 
   const Shape logits_shape = logits.shape();
-  record_backward(op, {logits}, loss, [rows, flat_targets, lse, ignore_index, loss_dtype, logits_shape](const Tensor& g) {
-    Tensor grad = Tensor::empty(rows.shape(), rows.dtype(), rows.device());
-    backend_of(rows).softmax_cross_entropy_backward(g.to(loss_dtype).contiguous(), rows, flat_targets, lse,
-                                                    ignore_index, grad);
-    return Grads{grad.view(logits_shape)};
-  }, {logits, targets});
+  record_backward(op, {logits}, loss,
+                  [rows, flat_targets, lse, ignore_index, loss_dtype, logits_shape](const Tensor& g) {
+                    Tensor grad = Tensor::empty(rows.shape(), rows.dtype(), rows.device());
+                    backend_of(rows).softmax_cross_entropy_backward(g.to(loss_dtype).contiguous(), rows,
+                                                                    flat_targets, lse, ignore_index, grad);
+                    return Grads{grad.view(logits_shape)};
+                  },
+                  {logits, targets});
   return loss;
 }
 
@@ -79,11 +84,12 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
   check(k.shape().back() == q.shape().back() && v.shape().back() == q.shape().back(), op,
         ": head dim D differs: q ", q.description(), ", k ", k.description(), ", v ", v.description(),
         " (expected the same last dim)");
-  check(k.shape() == q.shape() && v.shape() == q.shape(), op, ": k ", k.description(), " and v ", v.description(),
-        " must have q's shape ", q.description(), " (causal self-attention: the same B, H and T)");
+  check(k.shape() == q.shape() && v.shape() == q.shape(), op, ": k ", k.description(), " and v ",
+        v.description(), " must have q's shape ", q.description(),
+        " (causal self-attention: the same B, H and T)");
   check(q.shape()[3] >= 1, op, ": head dim D must be at least 1, got q ", q.description());
-  check(k.device() == q.device() && v.device() == q.device(), op, ": q on ", q.device(), ", k on ", k.device(),
-        ", v on ", v.device());
+  check(k.device() == q.device() && v.device() == q.device(), op, ": q on ", q.device(), ", k on ",
+        k.device(), ", v on ", v.device());
 
   const Shape& shape = q.shape();
   const double scale = 1.0 / std::sqrt(static_cast<double>(shape[3]));
@@ -94,14 +100,17 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
   backend_of(q).causal_attention(qc, kc, vc, scale, out, lse);
 
   const Tensor out_data = out.detach();  // not `out` itself: the node it gets would own a cycle
-  record_backward(op, {q, k, v}, out, [qc, kc, vc, out_data, lse, scale](const Tensor& g) {
-    const Tensor gc = g.to(qc.dtype()).contiguous();
-    Tensor grad_q = Tensor::empty(qc.shape(), qc.dtype(), qc.device());
-    Tensor grad_k = Tensor::empty(qc.shape(), qc.dtype(), qc.device());
-    Tensor grad_v = Tensor::empty(qc.shape(), qc.dtype(), qc.device());
-    backend_of(qc).causal_attention_backward(gc, qc, kc, vc, out_data, lse, scale, grad_q, grad_k, grad_v);
-    return Grads{grad_q, grad_k, grad_v};
-  }, {q, k, v, out});
+  record_backward(op, {q, k, v}, out,
+                  [qc, kc, vc, out_data, lse, scale](const Tensor& g) {
+                    const Tensor gc = g.to(qc.dtype()).contiguous();
+                    Tensor grad_q = Tensor::empty(qc.shape(), qc.dtype(), qc.device());
+                    Tensor grad_k = Tensor::empty(qc.shape(), qc.dtype(), qc.device());
+                    Tensor grad_v = Tensor::empty(qc.shape(), qc.dtype(), qc.device());
+                    backend_of(qc).causal_attention_backward(gc, qc, kc, vc, out_data, lse, scale, grad_q,
+                                                             grad_k, grad_v);
+                    return Grads{grad_q, grad_k, grad_v};
+                  },
+                  {q, k, v, out});
   return out;
 }
 

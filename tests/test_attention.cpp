@@ -17,15 +17,11 @@
 
 using namespace mixtape;
 using mixtape::testing::all_close;
+using mixtape::testing::kFloatDtypes;
+using mixtape::testing::uniform_tensor;
 using mixtape::testing::within_ulp;
 
 namespace {
-
-Tensor uniform_tensor(const Shape& shape, uint64_t seed, double low, double high, DType dtype) {
-  std::vector<double> values = Tensor::rand(shape, seed, DType::F64).to_vector<double>();
-  for (double& v : values) v = low + (high - low) * v;
-  return Tensor::from_vector(values, shape, dtype);
-}
 
 // The textbook composition: softmax(q k^T / sqrt(D) with -inf above the diagonal) v, differentiable through
 // the ordinary ops. Materialises [B, H, T, T].
@@ -39,10 +35,12 @@ Tensor naive_attention(const Tensor& q, const Tensor& k, const Tensor& v) {
   return matmul(softmax(masked_fill(scores, mask, -INFINITY), -1), v);
 }
 
-// Plain double loops from the definition, for the 16-bit tests: out_i = sum_{j<=i} softmax_j(q_i.k_j / sqrt(D)) v_j.
+// Plain double loops from the definition, for the 16-bit tests: out_i = sum_{j<=i} softmax_j(q_i.k_j /
+// sqrt(D)) v_j.
 std::vector<double> reference_attention(const Tensor& q, const Tensor& k, const Tensor& v) {
   const int64_t BH = q.size(0) * q.size(1), T = q.size(2), D = q.size(3);
-  const std::vector<double> qv = q.to_vector<double>(), kv = k.to_vector<double>(), vv = v.to_vector<double>();
+  const std::vector<double> qv = q.to_vector<double>(), kv = k.to_vector<double>(),
+                            vv = v.to_vector<double>();
   std::vector<double> out(qv.size());
   const long double scale = 1.0L / std::sqrt(static_cast<long double>(D));
   std::vector<long double> s(static_cast<size_t>(T));
@@ -52,7 +50,8 @@ std::vector<double> reference_attention(const Tensor& q, const Tensor& k, const 
       long double m = -INFINITY, sum = 0;
       for (int64_t j = 0; j <= i; ++j) {
         long double dot = 0;
-        for (int64_t d = 0; d < D; ++d) dot += static_cast<long double>(qv[row + d]) * kv[(h * T + j) * D + d];
+        for (int64_t d = 0; d < D; ++d)
+          dot += static_cast<long double>(qv[row + d]) * kv[(h * T + j) * D + d];
         s[j] = dot * scale;
         m = std::max(m, s[j]);
       }
@@ -84,7 +83,8 @@ double max_abs(const Tensor& t) {
   return m;
 }
 
-void expect_gradcheck(const std::function<Tensor(const std::vector<Tensor>&)>& f, const std::vector<Tensor>& inputs) {
+void expect_gradcheck(const std::function<Tensor(const std::vector<Tensor>&)>& f,
+                      const std::vector<Tensor>& inputs) {
   const GradcheckResult result = gradcheck(f, inputs);
   EXPECT_TRUE(result.ok) << result.message;
 }
@@ -95,7 +95,8 @@ void expect_gradcheck(const std::function<Tensor(const std::vector<Tensor>&)>& f
 size_t peak_extra_bytes(const std::function<void()>& fn) {
   cpu::CachingAllocator& allocator = cpu::cpu_backend().caching_allocator();
   const cpu::CachingAllocator::Stats before = allocator.stats();
-  const size_t gap = before.peak_allocated_bytes - before.allocated_bytes;  // a multiple of 512 (rounded sizes)
+  const size_t gap =
+      before.peak_allocated_bytes - before.allocated_bytes;  // a multiple of 512 (rounded sizes)
   const Tensor ballast = gap > 0 ? Tensor::empty({static_cast<int64_t>(gap / 4)}) : Tensor();
   const size_t peak = allocator.stats().peak_allocated_bytes;
   EXPECT_EQ(allocator.stats().allocated_bytes, peak);
@@ -190,18 +191,21 @@ TEST(Attention, GradientsMatchFiniteDifferences) {
   // Small T, D, including T that no block size divides; the kernel's blocks are larger, so every case also
   // checks ragged blocks.
   for (const auto& [T, D] : std::vector<std::pair<int64_t, int64_t>>{{5, 3}, {7, 4}, {9, 3}}) {
-    expect_gradcheck([](const std::vector<Tensor>& in) { return scaled_dot_product_attention(in[0], in[1], in[2]); },
-                     {uniform_tensor({2, 2, T, D}, 12, -1, 1, DType::F64),
-                      uniform_tensor({2, 2, T, D}, 13, -1, 1, DType::F64),
-                      uniform_tensor({2, 2, T, D}, 14, -1, 1, DType::F64)});
+    expect_gradcheck(
+        [](const std::vector<Tensor>& in) { return scaled_dot_product_attention(in[0], in[1], in[2]); },
+        {uniform_tensor({2, 2, T, D}, 12, -1, 1, DType::F64),
+         uniform_tensor({2, 2, T, D}, 13, -1, 1, DType::F64),
+         uniform_tensor({2, 2, T, D}, 14, -1, 1, DType::F64)});
   }
   // Through strided views of one fused qkv tensor.
-  expect_gradcheck([](const std::vector<Tensor>& in) {
-    const Tensor& qkv = in[0];  // [B, T, 3, H, D]
-    return scaled_dot_product_attention(qkv.select(2, 0).permute({0, 2, 1, 3}),
-                                        qkv.select(2, 1).permute({0, 2, 1, 3}),
-                                        qkv.select(2, 2).permute({0, 2, 1, 3}));
-  }, {uniform_tensor({1, 6, 3, 2, 4}, 15, -1, 1, DType::F64)});
+  expect_gradcheck(
+      [](const std::vector<Tensor>& in) {
+        const Tensor& qkv = in[0];  // [B, T, 3, H, D]
+        return scaled_dot_product_attention(qkv.select(2, 0).permute({0, 2, 1, 3}),
+                                            qkv.select(2, 1).permute({0, 2, 1, 3}),
+                                            qkv.select(2, 2).permute({0, 2, 1, 3}));
+      },
+      {uniform_tensor({1, 6, 3, 2, 4}, 15, -1, 1, DType::F64)});
 }
 
 // Gradients through several blocks (T = 150: two full 64-blocks and a ragged one; B*H = 2 splits the key
@@ -253,7 +257,8 @@ TEST(Attention, ResultDoesNotDependOnThreadCount) {
   auto run = [&](int threads) {
     const int saved = omp_get_max_threads();
     omp_set_num_threads(threads);
-    Tensor qq = q.detach().requires_grad_(), kk = k.detach().requires_grad_(), vv = v.detach().requires_grad_();
+    Tensor qq = q.detach().requires_grad_(), kk = k.detach().requires_grad_(),
+           vv = v.detach().requires_grad_();
     const Tensor out = scaled_dot_product_attention(qq, kk, vv);
     backward({out}, {g});
     omp_set_num_threads(saved);
@@ -293,19 +298,19 @@ TEST(Attention, MemoryStaysLinearInSequenceLength) {
 
 TEST(Attention, RejectsMismatchedShapesDtypesAndHeadDims) {
   const Tensor q = Tensor::zeros({2, 3, 8, 4});
-  EXPECT_ERROR_MENTIONS(scaled_dot_product_attention(q, Tensor::zeros({2, 3, 8, 5}), q), "scaled_dot_product_attention",
-                        "head dim", "f32[2,3,8,4]", "f32[2,3,8,5]");
-  EXPECT_ERROR_MENTIONS(scaled_dot_product_attention(q, q, Tensor::zeros({2, 3, 8, 6})), "scaled_dot_product_attention",
-                        "head dim", "f32[2,3,8,6]");
-  EXPECT_ERROR_MENTIONS(scaled_dot_product_attention(q, Tensor::zeros({2, 3, 9, 4}), q), "scaled_dot_product_attention",
-                        "f32[2,3,9,4]", "f32[2,3,8,4]", "shape");
-  EXPECT_ERROR_MENTIONS(scaled_dot_product_attention(q, q, Tensor::zeros({1, 3, 8, 4})), "scaled_dot_product_attention",
-                        "f32[1,3,8,4]");
+  EXPECT_ERROR_MENTIONS(scaled_dot_product_attention(q, Tensor::zeros({2, 3, 8, 5}), q),
+                        "scaled_dot_product_attention", "head dim", "f32[2,3,8,4]", "f32[2,3,8,5]");
+  EXPECT_ERROR_MENTIONS(scaled_dot_product_attention(q, q, Tensor::zeros({2, 3, 8, 6})),
+                        "scaled_dot_product_attention", "head dim", "f32[2,3,8,6]");
+  EXPECT_ERROR_MENTIONS(scaled_dot_product_attention(q, Tensor::zeros({2, 3, 9, 4}), q),
+                        "scaled_dot_product_attention", "f32[2,3,9,4]", "f32[2,3,8,4]", "shape");
+  EXPECT_ERROR_MENTIONS(scaled_dot_product_attention(q, q, Tensor::zeros({1, 3, 8, 4})),
+                        "scaled_dot_product_attention", "f32[1,3,8,4]");
   EXPECT_ERROR_MENTIONS(scaled_dot_product_attention(Tensor::zeros({3, 8, 4}), Tensor::zeros({3, 8, 4}),
                                                      Tensor::zeros({3, 8, 4})),
                         "scaled_dot_product_attention", "[B, H, T, D]", "f32[3,8,4]");
-  EXPECT_ERROR_MENTIONS(scaled_dot_product_attention(q, q.to(DType::F16), q), "scaled_dot_product_attention", "dtype",
-                        "f16[2,3,8,4]");
+  EXPECT_ERROR_MENTIONS(scaled_dot_product_attention(q, q.to(DType::F16), q), "scaled_dot_product_attention",
+                        "dtype", "f16[2,3,8,4]");
   const Tensor qi = Tensor::zeros({2, 3, 8, 4}, DType::I32);
   EXPECT_ERROR_MENTIONS(scaled_dot_product_attention(qi, qi, qi), "scaled_dot_product_attention", "floating",
                         "i32[2,3,8,4]");

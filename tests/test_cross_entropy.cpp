@@ -15,22 +15,15 @@
 
 using namespace mixtape;
 using mixtape::testing::all_close;
+using mixtape::testing::kFloatDtypes;
+using mixtape::testing::uniform_tensor;
 using mixtape::testing::within_ulp;
 
 namespace {
 
-const std::vector<DType> kFloatDtypes = {DType::F32, DType::F16, DType::BF16, DType::F64};
-
-// Values drawn uniformly from [low, high) and rounded to dtype: the tensor holds exactly what the reference
-// reads back with to_vector<double>().
-Tensor uniform_tensor(const Shape& shape, uint64_t seed, double low, double high, DType dtype) {
-  std::vector<double> values = Tensor::rand(shape, seed, DType::F64).to_vector<double>();
-  for (double& v : values) v = low + (high - low) * v;
-  return Tensor::from_vector(values, shape, dtype);
-}
-
 // Targets in [0, V), with every `ignore_every`-th row (0: none) set to ignore_index.
-std::vector<int64_t> make_targets(int64_t N, int64_t V, uint64_t seed, int64_t ignore_every, int64_t ignore_index) {
+std::vector<int64_t> make_targets(int64_t N, int64_t V, uint64_t seed, int64_t ignore_every,
+                                  int64_t ignore_index) {
   std::vector<int64_t> targets = Tensor::randint(0, V, {N}, seed).to_vector<int64_t>();
   if (ignore_every > 0)
     for (int64_t i = 0; i < N; i += ignore_every) targets[i] = ignore_index;
@@ -45,8 +38,9 @@ struct CrossEntropyReference {
 // From the definition, in long double: loss = 1/count sum_{counted i} (log sum_j e^{x_ij} - x_{i,t_i}),
 // grad_ij = (e^{x_ij} / sum_k e^{x_ik} - [j == t_i]) / count on counted rows, 0 elsewhere (and everywhere
 // when no row counts).
-CrossEntropyReference reference_cross_entropy(const std::vector<double>& x, const std::vector<int64_t>& targets,
-                                              int64_t V, int64_t ignore_index) {
+CrossEntropyReference reference_cross_entropy(const std::vector<double>& x,
+                                              const std::vector<int64_t>& targets, int64_t V,
+                                              int64_t ignore_index) {
   const int64_t N = static_cast<int64_t>(targets.size());
   CrossEntropyReference r;
   r.grad.assign(x.size(), 0.0);
@@ -71,7 +65,8 @@ Tensor f64(const std::vector<double>& values, const Shape& shape) {
   return Tensor::from_vector(values, shape, DType::F64);
 }
 
-void expect_gradcheck(const std::function<Tensor(const std::vector<Tensor>&)>& f, const std::vector<Tensor>& inputs) {
+void expect_gradcheck(const std::function<Tensor(const std::vector<Tensor>&)>& f,
+                      const std::vector<Tensor>& inputs) {
   const GradcheckResult result = gradcheck(f, inputs);
   EXPECT_TRUE(result.ok) << result.message;
 }
@@ -108,7 +103,8 @@ TEST(SoftmaxCrossEntropy, LeadingDimsAndI32TargetsAreRows) {
   // Non-contiguous logits: the same rows read through a transposed view.
   const Tensor transposed = logits.transpose(0, 1).contiguous().transpose(0, 1);
   ASSERT_FALSE(transposed.is_contiguous());
-  EXPECT_NEAR(softmax_cross_entropy(transposed, Tensor::from_vector(targets, {B, T})).item(), expected, 1e-14);
+  EXPECT_NEAR(softmax_cross_entropy(transposed, Tensor::from_vector(targets, {B, T})).item(), expected,
+              1e-14);
 }
 
 // Large logits (|x| up to 80) would overflow e^x in float without the max shift.
@@ -128,7 +124,8 @@ TEST(SoftmaxCrossEntropy, CustomIgnoreIndexMayBeAClass) {
   const double expected = reference_cross_entropy(logits.to_vector<double>(), targets, V, 2).loss;
   EXPECT_NEAR(softmax_cross_entropy(logits, Tensor::from_vector(targets, {N}), 2).item(), expected, 1e-14);
   // Rows with target 2 really were dropped: the loss differs from the one counting every row.
-  EXPECT_GT(std::abs(expected - reference_cross_entropy(logits.to_vector<double>(), targets, V, -100).loss), 1e-3);
+  EXPECT_GT(std::abs(expected - reference_cross_entropy(logits.to_vector<double>(), targets, V, -100).loss),
+            1e-3);
 }
 
 // The mean over zero rows is defined as 0 with gradient 0: a batch that is all padding must not poison
@@ -155,9 +152,9 @@ TEST(SoftmaxCrossEntropy, GradientsMatchFiniteDifferencesWithIgnoredRows) {
                    {uniform_tensor({N, V}, 11, -2, 2, DType::F64)});
   // [B, T, V] through a non-contiguous view, i32 targets.
   const Tensor targets32 = Tensor::from_vector(std::vector<int32_t>{1, -100, 0, 3, 2, 4}, {2, 3});
-  expect_gradcheck([&](const std::vector<Tensor>& in) {
-    return softmax_cross_entropy(in[0].transpose(0, 1), targets32);
-  }, {uniform_tensor({3, 2, V}, 12, -2, 2, DType::F64)});
+  expect_gradcheck(
+      [&](const std::vector<Tensor>& in) { return softmax_cross_entropy(in[0].transpose(0, 1), targets32); },
+      {uniform_tensor({3, 2, V}, 12, -2, 2, DType::F64)});
 }
 
 // grad = (p - onehot) * g / count is formed in fp32 and rounded once: 16-bit grads are within 1 ulp of the
@@ -175,9 +172,12 @@ TEST(SoftmaxCrossEntropy, FusedGradientMatchesDoubleReferenceInEveryDtype) {
     for (double& g : expected) g *= upstream;
     const Tensor reference = f64(expected, {N, V});
     EXPECT_EQ(logits.grad().dtype(), dtype);
-    if (is_low_precision(dtype)) EXPECT_TRUE(within_ulp(logits.grad(), reference, 1)) << dtype_name(dtype);
-    else if (dtype == DType::F32) EXPECT_TRUE(all_close(logits.grad(), reference, 1e-9, 2e-6));
-    else EXPECT_TRUE(all_close(logits.grad(), reference, 1e-16, 1e-13));
+    if (is_low_precision(dtype))
+      EXPECT_TRUE(within_ulp(logits.grad(), reference, 1)) << dtype_name(dtype);
+    else if (dtype == DType::F32)
+      EXPECT_TRUE(all_close(logits.grad(), reference, 1e-9, 2e-6));
+    else
+      EXPECT_TRUE(all_close(logits.grad(), reference, 1e-16, 1e-13));
   }
 }
 
@@ -208,10 +208,12 @@ TEST(SoftmaxCrossEntropy, ResultDoesNotDependOnThreadCount) {
 
 TEST(SoftmaxCrossEntropy, RejectsTargetsOutOfRangeNamingValueRowAndV) {
   const Tensor logits = Tensor::zeros({4, 10});
-  EXPECT_ERROR_MENTIONS(softmax_cross_entropy(logits, Tensor::from_vector(std::vector<int64_t>{1, 2, 10, 3}, {4})),
-                        "softmax_cross_entropy", "target 10", "row 2", "V = 10", "f32[4,10]");
-  EXPECT_ERROR_MENTIONS(softmax_cross_entropy(logits, Tensor::from_vector(std::vector<int32_t>{-1, 0, 0, 0}, {4})),
-                        "softmax_cross_entropy", "target -1", "row 0", "V = 10");
+  EXPECT_ERROR_MENTIONS(
+      softmax_cross_entropy(logits, Tensor::from_vector(std::vector<int64_t>{1, 2, 10, 3}, {4})),
+      "softmax_cross_entropy", "target 10", "row 2", "V = 10", "f32[4,10]");
+  EXPECT_ERROR_MENTIONS(
+      softmax_cross_entropy(logits, Tensor::from_vector(std::vector<int32_t>{-1, 0, 0, 0}, {4})),
+      "softmax_cross_entropy", "target -1", "row 0", "V = 10");
   // -100 is only special when it is the ignore_index.
   EXPECT_ERROR_MENTIONS(
       softmax_cross_entropy(logits, Tensor::from_vector(std::vector<int64_t>{0, -100, 0, 0}, {4}), -1),
@@ -220,14 +222,15 @@ TEST(SoftmaxCrossEntropy, RejectsTargetsOutOfRangeNamingValueRowAndV) {
 
 TEST(SoftmaxCrossEntropy, RejectsBadShapesAndDtypes) {
   const Tensor logits = Tensor::zeros({4, 10});
-  EXPECT_ERROR_MENTIONS(softmax_cross_entropy(logits, Tensor::zeros({5}, DType::I64)), "softmax_cross_entropy",
-                        "i64[5]", "f32[4,10]", "[4]");
-  EXPECT_ERROR_MENTIONS(softmax_cross_entropy(logits, Tensor::zeros({4, 1}, DType::I64)), "softmax_cross_entropy",
-                        "i64[4,1]", "[4]");
+  EXPECT_ERROR_MENTIONS(softmax_cross_entropy(logits, Tensor::zeros({5}, DType::I64)),
+                        "softmax_cross_entropy", "i64[5]", "f32[4,10]", "[4]");
+  EXPECT_ERROR_MENTIONS(softmax_cross_entropy(logits, Tensor::zeros({4, 1}, DType::I64)),
+                        "softmax_cross_entropy", "i64[4,1]", "[4]");
   EXPECT_ERROR_MENTIONS(softmax_cross_entropy(logits, Tensor::zeros({4})), "softmax_cross_entropy", "targets",
                         "f32[4]", "i32 or i64");
-  EXPECT_ERROR_MENTIONS(softmax_cross_entropy(Tensor::zeros({4, 10}, DType::I32), Tensor::zeros({4}, DType::I64)),
-                        "softmax_cross_entropy", "i32[4,10]", "floating");
+  EXPECT_ERROR_MENTIONS(
+      softmax_cross_entropy(Tensor::zeros({4, 10}, DType::I32), Tensor::zeros({4}, DType::I64)),
+      "softmax_cross_entropy", "i32[4,10]", "floating");
   EXPECT_ERROR_MENTIONS(softmax_cross_entropy(Tensor::scalar(1), Tensor::scalar(0, DType::I64)),
                         "softmax_cross_entropy", "f32[]", "class dim");
 }

@@ -50,7 +50,8 @@ inline int64_t round_up(int64_t n, int64_t multiple) { return (n + multiple - 1)
 // written as plain arithmetic so the loops over it vectorise (std::exp is an opaque call):
 // x = n ln2 + r with |r| <= ln2 / 2 (ln2 split in two so n ln2 is exact), e^r from the Cephes expf
 // polynomial, 2^n written into the exponent bits. At and below -87 (e^x near the float subnormals) and at
-// -inf the result is 0; x is clamped to 88 above (a rounding's worth above 0 is all that occurs); NaN stays NaN.
+// -inf the result is 0; x is clamped to 88 above (a rounding's worth above 0 is all that occurs); NaN stays
+// NaN.
 inline float exp_nonpositive(float x) {
   constexpr float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
   constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: x + kRound - kRound rounds x to an integer
@@ -71,8 +72,10 @@ inline float exp_nonpositive(float x) {
 
 template <class A>
 inline A exp_of(A x) {
-  if constexpr (std::is_same_v<A, float>) return exp_nonpositive(x);
-  else return std::exp(x);  // f64 is the reference dtype: the library exp, speed matters less
+  if constexpr (std::is_same_v<A, float>)
+    return exp_nonpositive(x);
+  else
+    return std::exp(x);  // f64 is the reference dtype: the library exp, speed matters less
 }
 
 // C[R x kTileCols] (row stride ldc) = (Accumulate ? C : 0) + sum_k A(r, k) B[k, :], with
@@ -115,10 +118,17 @@ void product_tiles(int64_t M, int64_t N, int64_t K, const A* a, int64_t a_rs, in
       ci += 4 * ldc;
     }
     switch (M - i0) {
-      case 3: product_tile<A, 3, Accumulate>(K, ai, a_rs, a_cs, b + j0, ldb, ci, ldc); break;
-      case 2: product_tile<A, 2, Accumulate>(K, ai, a_rs, a_cs, b + j0, ldb, ci, ldc); break;
-      case 1: product_tile<A, 1, Accumulate>(K, ai, a_rs, a_cs, b + j0, ldb, ci, ldc); break;
-      default: break;
+      case 3:
+        product_tile<A, 3, Accumulate>(K, ai, a_rs, a_cs, b + j0, ldb, ci, ldc);
+        break;
+      case 2:
+        product_tile<A, 2, Accumulate>(K, ai, a_rs, a_cs, b + j0, ldb, ci, ldc);
+        break;
+      case 1:
+        product_tile<A, 1, Accumulate>(K, ai, a_rs, a_cs, b + j0, ldb, ci, ldc);
+        break;
+      default:
+        break;
     }
   }
 }
@@ -134,7 +144,9 @@ void load_rows(const T* __restrict src, int64_t rows, int64_t D, A* __restrict d
 
 // Whether [rows, D] rows of T must be copied to serve as a row-major [rows, Dp] matrix of A.
 template <class T, class A>
-bool needs_copy(int64_t D, int64_t Dp) { return !std::is_same_v<T, A> || D != Dp; }
+bool needs_copy(int64_t D, int64_t Dp) {
+  return !std::is_same_v<T, A> || D != Dp;
+}
 
 // The [rows, D] rows at src as a row-major [rows, Dp] matrix of A: src itself when it already is one (f32 or
 // f64 with D a multiple of kTileCols), else a converted, zero-padded copy in `buffer`.
@@ -158,8 +170,8 @@ inline DType stats_dtype(DType x) { return x == DType::F64 ? DType::F64 : DType:
 
 void check_bhtd(const char* op, const char* name, const Tensor& t, const Shape& shape, DType dtype) {
   // An empty tensor has no layout to get wrong (and is_contiguous() says no for some empty shapes).
-  check(t.defined() && t.shape() == shape && (t.is_contiguous() || t.numel() == 0) && t.dtype() == dtype, op, ": ", name,
-        " must be contiguous ", dtype_name(dtype), shape_str(shape), ", got ", t.description());
+  check(t.defined() && t.shape() == shape && (t.is_contiguous() || t.numel() == 0) && t.dtype() == dtype, op,
+        ": ", name, " must be contiguous ", dtype_name(dtype), shape_str(shape), ", got ", t.description());
 }
 
 // Run a loop in parallel only when it has enough work to pay for waking the threads.
@@ -168,7 +180,9 @@ inline bool worth_parallel(int64_t tasks, int64_t BH, int64_t T, int64_t D) {
 }
 
 // For query row i (absolute) and the key block starting at j0 with `cols` keys: how many keys it may see.
-inline int64_t visible_keys(int64_t i, int64_t j0, int64_t cols) { return std::clamp<int64_t>(i - j0 + 1, 0, cols); }
+inline int64_t visible_keys(int64_t i, int64_t j0, int64_t cols) {
+  return std::clamp<int64_t>(i - j0 + 1, 0, cols);
+}
 
 }  // namespace
 
@@ -210,7 +224,8 @@ void CpuBackend::causal_attention(const Tensor& q, const Tensor& k, const Tensor
       load_transposed(kp + bh * T * D, T, D, kt_all + bh * D * Tp, Tp);
       if (copy_v) load_rows(vp + bh * T * D, T, D, vs_copy + bh * T * Dp, Dp);
     }
-    const A* vs_all = copy_v ? vs_copy : rows_in_acc(vp, BH * T, D, Dp, vs_copy);  // the latter copies nothing
+    const A* vs_all =
+        copy_v ? vs_copy : rows_in_acc(vp, BH * T, D, Dp, vs_copy);  // the latter copies nothing
 #pragma omp parallel if (parallel)
     {
       std::vector<A> q_copy(needs_copy<T_, A>(D, Dp) ? kBlockQ * Dp : 0);
@@ -226,7 +241,7 @@ void CpuBackend::causal_attention(const Tensor& q, const Tensor& k, const Tensor
         std::fill(l.begin(), l.end(), A(0));
         for (int64_t j0 = 0; j0 < i0 + rows; j0 += kBlockK) {
           const int64_t cols = std::min({kBlockK, T - j0, i0 + rows - j0});
-          const A* kt = kt_all + bh * D * Tp + j0;  // [D, kBlockK] block of k^T, row stride Tp
+          const A* kt = kt_all + bh * D * Tp + j0;    // [D, kBlockK] block of k^T, row stride Tp
           const A* vs = vs_all + (bh * T + j0) * Dp;  // [cols, Dp] block of v
           // s = q k^T for the block (scaled below).
           product_tiles<false>(rows, kBlockK, D, qs, Dp, 1, kt, Tp, s.data(), kBlockK);
@@ -275,13 +290,20 @@ void CpuBackend::causal_attention(const Tensor& q, const Tensor& k, const Tensor
 // ---- backward --------------------------------------------------------------------------------------------
 
 void CpuBackend::causal_attention_backward(const Tensor& grad_out, const Tensor& q, const Tensor& k,
-                                           const Tensor& v, const Tensor& out, const Tensor& lse, double scale,
-                                           const Tensor& grad_q, const Tensor& grad_k, const Tensor& grad_v) {
+                                           const Tensor& v, const Tensor& out, const Tensor& lse,
+                                           double scale, const Tensor& grad_q, const Tensor& grad_k,
+                                           const Tensor& grad_v) {
   const char* op = "causal_attention_backward";
   check(q.dim() == 4, op, ": q must be [B, H, T, D], got ", q.description());
   const int64_t B = q.shape()[0], H = q.shape()[1], T = q.shape()[2], D = q.shape()[3];
-  for (const auto& [name, t] : {std::pair<const char*, const Tensor&>{"grad_out", grad_out}, {"q", q}, {"k", k},
-                                {"v", v}, {"out", out}, {"grad_q", grad_q}, {"grad_k", grad_k}, {"grad_v", grad_v}})
+  for (const auto& [name, t] : {std::pair<const char*, const Tensor&>{"grad_out", grad_out},
+                                {"q", q},
+                                {"k", k},
+                                {"v", v},
+                                {"out", out},
+                                {"grad_q", grad_q},
+                                {"grad_k", grad_k},
+                                {"grad_v", grad_v}})
     check_bhtd(op, name, t, q.shape(), q.dtype());
   check_bhtd(op, "lse", lse, {B, H, T}, stats_dtype(q.dtype()));
   dispatch_float(q.dtype(), op, [&]<typename T_>() {

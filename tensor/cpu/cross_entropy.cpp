@@ -25,8 +25,8 @@ inline bool parallel_rows(int64_t N, int64_t V) { return N > 1 && N * V >= 2 * k
 
 void check_tensor(const char* op, const char* name, const Tensor& t, const Shape& shape, DType dtype) {
   // An empty tensor has no layout to get wrong (and is_contiguous() says no for some empty shapes).
-  check(t.defined() && t.shape() == shape && (t.is_contiguous() || t.numel() == 0) && t.dtype() == dtype, op, ": ", name,
-        " must be contiguous ", dtype_name(dtype), shape_str(shape), ", got ", t.description());
+  check(t.defined() && t.shape() == shape && (t.is_contiguous() || t.numel() == 0) && t.dtype() == dtype, op,
+        ": ", name, " must be contiguous ", dtype_name(dtype), shape_str(shape), ", got ", t.description());
 }
 
 void check_targets(const char* op, const Tensor& targets, int64_t N) {
@@ -90,9 +90,9 @@ void CpuBackend::softmax_cross_entropy(const Tensor& logits, const Tensor& targe
   });
 }
 
-void CpuBackend::softmax_cross_entropy_backward(const Tensor& grad_loss, const Tensor& logits, const Tensor& targets,
-                                                const Tensor& lse, int64_t ignore_index,
-                                                const Tensor& grad_logits) {
+void CpuBackend::softmax_cross_entropy_backward(const Tensor& grad_loss, const Tensor& logits,
+                                                const Tensor& targets, const Tensor& lse,
+                                                int64_t ignore_index, const Tensor& grad_logits) {
   const char* op = "softmax_cross_entropy_backward";
   check(logits.dim() == 2, op, ": logits must be [N, V], got ", logits.description());
   const int64_t N = logits.shape()[0], V = logits.shape()[1];
