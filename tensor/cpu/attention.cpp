@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "tensor/cpu/cpu_backend.h"
+#include "tensor/cpu/fast_exp.h"
 
 namespace mixtape::cpu {
 
@@ -46,37 +47,6 @@ constexpr int64_t kTileRows = 4;
 
 inline int64_t round_up(int64_t n, int64_t multiple) { return (n + multiple - 1) / multiple * multiple; }
 
-// e^x in float for the x <= 0 this file needs (scores minus their max or their log-sum-exp), within ~1 ulp,
-// written as plain arithmetic so the loops over it vectorise (std::exp is an opaque call):
-// x = n ln2 + r with |r| <= ln2 / 2 (ln2 split in two so n ln2 is exact), e^r from the Cephes expf
-// polynomial, 2^n written into the exponent bits. At and below -87 (e^x near the float subnormals) and at
-// -inf the result is 0; x is clamped to 88 above (a rounding's worth above 0 is all that occurs); NaN stays
-// NaN.
-inline float exp_nonpositive(float x) {
-  constexpr float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
-  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: x + kRound - kRound rounds x to an integer
-  constexpr float kLowest = -87.0f, kHighest = 88.0f;
-  const float xc = x < kLowest ? kLowest : (x > kHighest ? kHighest : x);
-  const float n = (xc * kLog2e + kRound) - kRound;
-  const float r = (xc - n * kLn2Hi) - n * kLn2Lo;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const float two_to_n = std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);  // n in [-126, 127]
-  return x < kLowest ? 0.0f : p * two_to_n;
-}
-
-template <class A>
-inline A exp_of(A x) {
-  if constexpr (std::is_same_v<A, float>)
-    return exp_nonpositive(x);
-  else
-    return std::exp(x);  // f64 is the reference dtype: the library exp, speed matters less
-}
 
 // C[R x kTileCols] (row stride ldc) = (Accumulate ? C : 0) + sum_k A(r, k) B[k, :], with
 // A(r, k) = a[r * a_rs + k * a_cs] (so A may be read transposed) and B row-major (row stride ldb). The
@@ -259,12 +229,12 @@ void CpuBackend::causal_attention(const Tensor& q, const Tensor& k, const Tensor
             A block_sum = 0;
 #pragma omp simd reduction(+ : block_sum)
             for (int64_t c = 0; c < n; ++c) {
-              sr[c] = exp_of(sr[c] - m_new);
+              sr[c] = fast_exp(sr[c] - m_new);
               block_sum += sr[c];
             }
             std::fill(sr + n, sr + cols, A(0));
             // Rescale what earlier blocks accumulated to the new max (a = 0 on the first block: m = -inf).
-            const A a = n > 0 ? exp_of(m[r] - m_new) : A(1);
+            const A a = n > 0 ? fast_exp(m[r] - m_new) : A(1);
             if (a != A(1)) {
               A* orow = o.data() + r * Dp;
               for (int64_t d = 0; d < Dp; ++d) orow[d] *= a;
@@ -387,7 +357,7 @@ void CpuBackend::causal_attention_backward(const Tensor& grad_out, const Tensor&
               A* dsr = ds.data() + r * kBlockK;
 #pragma omp simd
               for (int64_t c = 0; c < n; ++c) {
-                pr[c] = exp_of(scale_a * pr[c] - row_lse);
+                pr[c] = fast_exp(scale_a * pr[c] - row_lse);
                 dsr[c] = pr[c] * (dsr[c] - row_delta);  // ds = p (dp - delta)
               }
               std::fill(pr + n, pr + kBlockK, A(0));

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "tensor/cpu/cpu_backend.h"
+#include "tensor/cpu/fast_exp.h"
 #include "tensor/cpu/lane_sum.h"
 #include "tensor/cpu/strided.h"
 
@@ -347,30 +348,6 @@ void CpuBackend::var(const Tensor& x, const std::vector<int64_t>& dims, int64_t 
 
 namespace {
 
-// exp(t) for the softmax kernels, where t = x - max <= 0. double: std::exp. float: a branch-free version
-// the compiler vectorises (glibc's expf is a scalar call):
-//   t = k ln2 + r with k = round(t / ln2) and |r| <= ln2 / 2 (Cody-Waite: ln2 split in a short high part,
-//   so k * ln2_hi is exact, and a low correction); e^r by its degree-7 Taylor polynomial (truncation
-//   < 0.35^8 / 8! ~ 5e-9 relative); 2^k placed in the exponent bits. Within ~2 ulp of the exact value.
-// Results below FLT_MIN (t < -87.33) flush to 0, so -inf (a masked entry) gives exactly 0; NaN stays NaN.
-inline double softmax_exp(double t) { return std::exp(t); }
-inline float softmax_exp(float t) {
-  constexpr float kLog2e = 1.44269504088896341f;
-  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer, kept in the low bits
-  constexpr float kLn2High = 0.693359375f, kLn2Low = -2.12194440e-4f;
-  const float shifted = t * kLog2e + kRound;
-  const float k = shifted - kRound;
-  const float r = (t - k * kLn2High) - k * kLn2Low;
-  const float e_r =
-      1.0f +
-      r * (1.0f +
-           r * (1.0f / 2 +
-                r * (1.0f / 6 + r * (1.0f / 24 + r * (1.0f / 120 + r * (1.0f / 720 + r * (1.0f / 5040)))))));
-  const uint32_t k_bits = std::bit_cast<uint32_t>(shifted) - std::bit_cast<uint32_t>(kRound);  // k mod 2^32
-  const float two_to_k = std::bit_cast<float>((k_bits + 127u) << 23);
-  return t < -87.33f ? 0.0f : e_r * two_to_k;
-}
-
 // max_j v[j] ignoring NaN (-inf for an empty row), with kLanes independent maxima so it vectorises.
 template <class A>
 A row_max(const A* v, int64_t n) {
@@ -448,12 +425,12 @@ void CpuBackend::softmax(const Tensor& x, int64_t dim, bool log, const Tensor& o
         if (log) {
           // log_softmax_j = (x_j - m) - log1p(rest)
           const A rest =
-              lane_sum<A>(n, [&](int64_t j) { return j == argmax ? A(0) : softmax_exp(e[j] - m); });
+              lane_sum<A>(n, [&](int64_t j) { return j == argmax ? A(0) : fast_exp(e[j] - m); });
           const A log_total = std::log1p(rest);
           for (int64_t j = 0; j < n; ++j) yr[j * so] = convert<T>((e[j] - m) - log_total);
         } else {
           // softmax_j = exp(x_j - m) / (1 + rest)
-          for (int64_t j = 0; j < n; ++j) e[j] = softmax_exp(e[j] - m);
+          for (int64_t j = 0; j < n; ++j) e[j] = fast_exp(e[j] - m);
           const A rest = lane_sum<A>(n, [&](int64_t j) { return j == argmax ? A(0) : e[j]; });
           const A total = A(1) + rest;
           for (int64_t j = 0; j < n; ++j) yr[j * so] = convert<T>(e[j] / total);
@@ -485,7 +462,7 @@ void CpuBackend::softmax_backward(const Tensor& y, const Tensor& grad_y, int64_t
         A total = 0;
         for (int64_t j = 0; j < n; ++j) total += convert<A>(gr[j * sg]);
         for (int64_t j = 0; j < n; ++j)
-          dr[j * sd] = convert<T>(convert<A>(gr[j * sg]) - softmax_exp(convert<A>(yr[j * sy])) * total);
+          dr[j * sd] = convert<T>(convert<A>(gr[j * sg]) - fast_exp(convert<A>(yr[j * sy])) * total);
       } else {
         // y = softmax(x): dy_j/dx_i = y_j (delta_ij - y_i), so dx_j = y_j (g_j - sum_k g_k y_k)
         A dot = 0;
