@@ -47,7 +47,6 @@ constexpr int64_t kTileRows = 4;
 
 inline int64_t round_up(int64_t n, int64_t multiple) { return (n + multiple - 1) / multiple * multiple; }
 
-
 // C[R x kTileCols] (row stride ldc) = (Accumulate ? C : 0) + sum_k A(r, k) B[k, :], with
 // A(r, k) = a[r * a_rs + k * a_cs] (so A may be read transposed) and B row-major (row stride ldb). The
 // accumulator tile lives in vector registers for the whole k loop (R = 8: 16 AVX-512 registers).
