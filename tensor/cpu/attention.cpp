@@ -31,7 +31,7 @@
 #include <vector>
 
 #include "tensor/cpu/cpu_backend.h"
-#include "tensor/cpu/fast_exp.h"
+#include "tensor/cpu/fast_math.h"
 
 namespace mixtape::cpu {
 

@@ -24,7 +24,7 @@
 #include <vector>
 
 #include "tensor/cpu/cpu_backend.h"
-#include "tensor/cpu/fast_exp.h"
+#include "tensor/cpu/fast_math.h"
 #include "tensor/cpu/lane_sum.h"
 #include "tensor/cpu/strided.h"
 
