@@ -52,10 +52,10 @@ void usage() {
       "             --grad-clip X (0 = off) --seed N --sequential\n"
       "  checkpoints: --init FILE --save FILE --save-every N --resume FILE --stop-at STEP\n"
       "  output:    --eval-every N (0 = only at the end) --eval-only --log-json FILE\n"
-      "             --no-final-eval (no validation pass at the last step, unless it is a multiple of --eval-every)\n"
-      "  sampling:  --sample N (after training, print \"sample:\" and N generated characters, or token ids for\n"
-      "             .bin data; 0 = off) --temperature X (> 0, default 0.8) --top-k K (0 = all, the default)\n"
-      "             seeded with --seed; the sampler is generate's\n";
+      "             --no-final-eval (skip the validation pass of the last step unless --eval-every hits it)\n"
+      "  sampling:  --sample N (after training: a line \"sample:\", then N generated characters, or token\n"
+      "             ids for .bin data; 0 = off) --temperature X (> 0, default 0.8) --top-k K (0 = all,\n"
+      "             the default); seeded with --seed; the sampler is generate's\n";
 }
 
 Options parse(int argc, char** argv) {
@@ -151,8 +151,8 @@ std::string format_seconds(double s) {
   return buffer;
 }
 
-// "sample:" and then opt.sample tokens from the model (characters, or space-separated ids without a vocabulary),
-// from the vocabulary's newline (token 0 without one), seeded with the training seed.
+// "sample:" and then opt.sample tokens from the model (characters, or space-separated ids without a
+// vocabulary), from the vocabulary's newline (token 0 without one), seeded with the training seed.
 void print_sample(const Options& opt, GPT& model, const std::vector<uint8_t>& vocab) {
   std::printf("sample:\n");
   std::fflush(stdout);
@@ -278,7 +278,8 @@ int run(int argc, char** argv) {
       log.flush();
     }
     const bool last = trainer.step() == end;
-    const bool eval = (last && opt.final_eval) || (opt.eval_every > 0 && trainer.step() % opt.eval_every == 0);
+    const bool periodic = opt.eval_every > 0 && trainer.step() % opt.eval_every == 0;
+    const bool eval = periodic || (last && opt.final_eval);
     const bool print = last || eval || done == 1 || trainer.step() % 10 == 0;
     if (print) {
       std::printf("step %5lld/%lld | loss %.4f | lr %.2e | grad norm %.3f | %.0f tok/s | %s elapsed | ETA %s",

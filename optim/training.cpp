@@ -359,7 +359,9 @@ namespace {
 // Puts a module in eval mode and gives it back in the mode it had, also when an exception leaves early.
 class EvalModeGuard {
  public:
-  explicit EvalModeGuard(Module& module) : module_(module), was_training_(module.is_training()) { module_.eval(); }
+  explicit EvalModeGuard(Module& module) : module_(module), was_training_(module.is_training()) {
+    module_.eval();
+  }
   ~EvalModeGuard() { module_.train(was_training_); }
   EvalModeGuard(const EvalModeGuard&) = delete;
   EvalModeGuard& operator=(const EvalModeGuard&) = delete;
@@ -372,15 +374,16 @@ class EvalModeGuard {
 }  // namespace
 
 std::vector<int64_t> sample_tokens(GPT& model, std::vector<int64_t> ids, int64_t n, double temperature,
-                                   int64_t top_k, uint64_t seed, const std::function<void(int64_t)>& on_token) {
+                                   int64_t top_k, uint64_t seed,
+                                   const std::function<void(int64_t)>& on_token) {
   const GPTConfig& config = model.config();
   const int64_t V = config.vocab_size;
   check(!ids.empty(), "sample_tokens: the prompt is empty (give at least one token to start from)");
   for (int64_t id : ids)
     check(id >= 0 && id < V, "sample_tokens: prompt token ", id, " is outside [0, ", V, ")");
   check(n >= 0, "sample_tokens: the number of tokens must be >= 0, got ", n);
-  check(std::isfinite(temperature) && temperature > 0, "sample_tokens: temperature must be > 0 and finite, got ",
-        temperature);
+  check(std::isfinite(temperature) && temperature > 0,
+        "sample_tokens: temperature must be > 0 and finite, got ", temperature);
   check(top_k >= 0, "sample_tokens: top_k must be >= 0 (0 = all), got ", top_k);
 
   NoGradGuard no_grad;

@@ -142,14 +142,16 @@ if(NOT n EQUAL 1 OR NOT out MATCHES "step    30/30 \\| [^\n]* \\| val loss [0-9.
   check_failed("a 30-step run with --eval-every 0 should evaluate once, at step 30: ${out}")
 endif()
 
-# --no-final-eval --sample 50: a longer run (the model for the generate checks below) that prints no validation
-# loss, still prints its last progress line, then "sample:" and 50 characters of the file's byte set.
+# --no-final-eval --sample 50: a longer run (the model for the generate checks below) that prints no
+# validation loss, still prints its last progress line, then "sample:" and 50 characters of the file's byte
+# set.
 run(out ${TRAIN_GPT} --data words.txt ${tiny} --steps 150 --lr 1e-2 --eval-every 0 --no-final-eval
     --save words.safetensors --sample 50)
 if(out MATCHES "val loss")
   check_failed("--no-final-eval still printed a validation loss: ${out}")
 endif()
-set(progress "step   150/150 \\| loss [0-9.]+ \\| lr [0-9.e+-]+ \\| grad norm [0-9.]+ \\| [0-9]+ tok/s \\| [0-9]+:[0-9][0-9] elapsed \\| ETA [0-9]+:[0-9][0-9]\n")
+string(CONCAT progress "step   150/150 \\| loss [0-9.]+ \\| lr [0-9.e+-]+ \\| grad norm [0-9.]+ \\| "
+                       "[0-9]+ tok/s \\| [0-9]+:[0-9][0-9] elapsed \\| ETA [0-9]+:[0-9][0-9]\n")
 if(NOT out MATCHES "${progress}")
   check_failed("no progress line for the last step in the documented format: ${out}")
 endif()
@@ -207,11 +209,14 @@ else()
 endif()
 
 # Option errors.
-run_fails("--temperature 0" ${TRAIN_GPT} --data words.txt --temperature 0 MENTIONS "--temperature" "> 0" "'0'")
-run_fails("--temperature nan" ${TRAIN_GPT} --data words.txt --temperature nan MENTIONS "--temperature" "'nan'")
+run_fails("--temperature 0" ${TRAIN_GPT} --data words.txt --temperature 0
+          MENTIONS "--temperature" "> 0" "'0'")
+run_fails("--temperature nan" ${TRAIN_GPT} --data words.txt --temperature nan
+          MENTIONS "--temperature" "'nan'")
 run_fails("--top-k -1" ${TRAIN_GPT} --data words.txt --top-k -1 MENTIONS "--top-k" "'-1'")
 run_fails("--sample x" ${TRAIN_GPT} --data words.txt --sample x MENTIONS "--sample" "'x'")
-run_fails("--vocab-size with .txt" ${TRAIN_GPT} --data words.txt --vocab-size 50 MENTIONS "--vocab-size" ".bin")
+run_fails("--vocab-size with .txt" ${TRAIN_GPT} --data words.txt --vocab-size 50
+          MENTIONS "--vocab-size" ".bin")
 
 # ================================================================ generate
 # Same seed, same text; another seed, other text (the trained model's next-word choices stay uncertain, so
@@ -241,12 +246,13 @@ if(NOT p MATCHES "^the cat" OR NOT n EQUAL 18)  # the prompt, 10 characters, a n
 endif()
 run_fails("prompt byte outside the vocabulary" ${GENERATE} --model words.safetensors --prompt "the Zebra"
           MENTIONS "byte 90" "'Z'" "vocabulary")
-run_fails("generate --temperature 0" ${GENERATE} --model words.safetensors --temperature 0 MENTIONS "--temperature")
+run_fails("generate --temperature 0" ${GENERATE} --model words.safetensors --temperature 0
+          MENTIONS "--temperature")
 
 # ================================================================ token ids (.bin)
-# A period of 50: t_j = 17 j mod 50 (17 is coprime to 50, so every id 0..49 once per period), repeated 40 times
-# (2000 tokens, 4000 bytes), written as little-endian uint16 by printf's octal escapes. Each token determines
-# the next, so the pattern is memorised and the loss can fall far below ln(50) = 3.9.
+# A period of 50: t_j = 17 j mod 50 (17 is coprime to 50, so every id 0..49 once per period), repeated 40
+# times (2000 tokens, 4000 bytes), written as little-endian uint16 by printf's octal escapes. Each token
+# determines the next, so the pattern is memorised and the loss can fall far below ln(50) = 3.9.
 find_program(PRINTF printf REQUIRED)
 set(period "")
 set(period_hex "")

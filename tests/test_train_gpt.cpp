@@ -253,7 +253,8 @@ std::vector<double> last_logits(GPT& model, const std::vector<int64_t>& ids) {
   NoGradGuard no_grad;
   const int64_t T = std::min<int64_t>(static_cast<int64_t>(ids.size()), model.config().block_size);
   const std::vector<int64_t> window(ids.end() - T, ids.end());
-  return model.forward(Tensor::from_vector(window, {1, T})).logits.select(1, T - 1).select(0, 0).to_vector<double>();
+  const Tensor logits = model.forward(Tensor::from_vector(window, {1, T})).logits;  // [1, T, V]
+  return logits.select(1, T - 1).select(0, 0).to_vector<double>();
 }
 
 // A model with some training, so its next-token distributions are far from uniform yet not one-hot.
@@ -286,7 +287,8 @@ TEST(TrainGPT, SampleWithTopKOneIsGreedyArgmaxWhateverTheSeed) {
   const std::vector<int64_t> expected(greedy.begin() + 11, greedy.end());
   for (uint64_t seed : {1u, 2u, 99u})
     for (double temperature : {0.1, 1.0, 5.0})
-      EXPECT_EQ(sample_tokens(model, prompt, 12, temperature, 1, seed), expected) << seed << " " << temperature;
+      EXPECT_EQ(sample_tokens(model, prompt, 12, temperature, 1, seed), expected)
+          << "seed " << seed << ", temperature " << temperature;
 }
 
 TEST(TrainGPT, SampleIsReproducibleForASeedAndDiffersAcrossSeeds) {
@@ -305,7 +307,8 @@ TEST(TrainGPT, SampleIsReproducibleForASeedAndDiffersAcrossSeeds) {
   }
   // The callback sees every new token, in order.
   std::vector<int64_t> streamed;
-  const auto d = sample_tokens(m.model(), {newline}, 40, 1.0, 0, 5, [&](int64_t t) { streamed.push_back(t); });
+  const auto d =
+      sample_tokens(m.model(), {newline}, 40, 1.0, 0, 5, [&](int64_t t) { streamed.push_back(t); });
   EXPECT_EQ(streamed, a);
   EXPECT_EQ(d, a);
 }
@@ -413,7 +416,8 @@ TEST(TrainGPT, BinTokenFileErrorsNameTheProblem) {
   EXPECT_ERROR_MENTIONS(load_token_file(odd, 50), "odd byte count (3)");
   std::filesystem::remove(odd);
 
-  const std::string big = write_temp_file("big.bin", std::string("\x01\x00\x31\x00\x32\x00", 6));  // 1, 49, 50
+  // ids 1, 49, 50
+  const std::string big = write_temp_file("big.bin", std::string("\x01\x00\x31\x00\x32\x00", 6));
   EXPECT_NO_THROW(load_token_file(big, 51));
   EXPECT_ERROR_MENTIONS(load_token_file(big, 50), "token 2 of");
   EXPECT_ERROR_MENTIONS(load_token_file(big, 50), "is 50, not below --vocab-size 50");
