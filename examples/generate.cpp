@@ -4,7 +4,8 @@
 //   generate --model ckpt.safetensors [--prompt TEXT] [--tokens N] [--temperature X] [--top-k K] [--seed N]
 //
 // Each new token is drawn from softmax(logits / temperature) restricted to the top-k logits (k = 0: all),
-// with the uniform draw of token i a pure function of (seed, i) (Philox), so a run is reproducible.
+// with the uniform draw of token i a pure function of (seed, i) (Philox), so a run is reproducible; the
+// sampler is mixtape::sample_tokens (optim/training.h), which train_gpt --sample uses too.
 // Without a vocabulary (a .bin-trained model) the prompt and output are space-separated token ids.
 #include <algorithm>
 #include <cmath>
@@ -15,9 +16,7 @@
 #include <string>
 #include <vector>
 
-#include "autograd/autograd.h"
 #include "optim/training.h"
-#include "tensor/random.h"
 
 using namespace mixtape;
 
@@ -83,10 +82,7 @@ int run(int argc, char** argv) {
             "') is not in the model's vocabulary");
       ids.push_back(it - vocab.begin());
     }
-    if (ids.empty()) {  // start from a newline when the vocabulary has one, else token 0
-      const auto it = std::find(vocab.begin(), vocab.end(), uint8_t('\n'));
-      ids.push_back(it != vocab.end() ? it - vocab.begin() : 0);
-    }
+    if (ids.empty()) ids.push_back(default_start_token(vocab));
   } else {
     std::istringstream in(opt.prompt);
     int64_t id;
@@ -100,33 +96,7 @@ int run(int argc, char** argv) {
   }
 
   if (!vocab.empty()) std::fwrite(opt.prompt.data(), 1, opt.prompt.size(), stdout);
-  NoGradGuard no_grad;
-  const int64_t V = config.vocab_size;
-  for (int64_t i = 0; i < opt.tokens; ++i) {
-    const int64_t T = std::min<int64_t>(static_cast<int64_t>(ids.size()), config.block_size);
-    const std::vector<int64_t> window(ids.end() - T, ids.end());
-    const Tensor logits = model->forward(Tensor::from_vector(window, {1, T})).logits;  // [1, T, V]
-    std::vector<double> z = logits.select(1, T - 1).select(0, 0).to_vector<double>();
-    for (double& v : z) v /= opt.temperature;
-    if (opt.top_k > 0 && opt.top_k < V) {
-      std::vector<double> sorted = z;
-      std::nth_element(sorted.begin(), sorted.begin() + (opt.top_k - 1), sorted.end(), std::greater<double>());
-      const double kth = sorted[opt.top_k - 1];
-      for (double& v : z)
-        if (v < kth) v = -INFINITY;
-    }
-    // softmax in double, then the inverse CDF at a Philox uniform.
-    const double max = *std::max_element(z.begin(), z.end());
-    double total = 0;
-    for (double& v : z) total += (v = std::exp(v - max));
-    const auto bits = philox4x32(static_cast<uint64_t>(i), 0, opt.seed);
-    const double u = uniform_double_from_bits(bits[0], bits[1]) * total;
-    double acc = 0;
-    int64_t next = V - 1;
-    for (int64_t v = 0; v < V; ++v)
-      if (z[v] > 0 && (acc += z[v]) > u) { next = v; break; }
-    while (z[next] == 0) --next;  // rounding at the top end: the last token with probability > 0
-    ids.push_back(next);
+  sample_tokens(*model, ids, opt.tokens, opt.temperature, opt.top_k, opt.seed, [&](int64_t next) {
     if (!vocab.empty()) {
       check(next < static_cast<int64_t>(vocab.size()), "generate: sampled token ", next,
             " has no entry in the vocabulary");
@@ -135,7 +105,7 @@ int run(int argc, char** argv) {
       std::printf("%lld ", static_cast<long long>(next));
     }
     std::fflush(stdout);
-  }
+  });
   std::printf("\n");
   return 0;
 }

@@ -4,6 +4,10 @@
 //   train_gpt --data ../shared/data/tinyshakespeare.txt --steps 2000 --save ckpt.safetensors
 //   train_gpt --data ... --resume ckpt.safetensors --steps 4000 --save ckpt.safetensors
 //   train_gpt --data ... --init ckpt.safetensors --eval-only            -> "val_loss <x>"
+//   train_gpt --data ... --steps 500 --sample 200 --temperature 0.8       -> a line "sample:", then the text
+//
+// The progress line's tok/s and ETA come from the time spent in training steps only (evaluation and
+// checkpoint saves are left out); "elapsed" is wall-clock time since the first step of this run.
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -31,6 +35,10 @@ struct Options {
   int64_t stop_at = -1;
   std::string init, save, resume, log_json;
   bool eval_only = false;
+  bool final_eval = true;  // --no-final-eval turns off the validation pass forced at the last step
+  int64_t sample = 0;      // characters (tokens for .bin data) to sample after training
+  double temperature = 0.8;
+  int64_t top_k = 0;
   std::set<std::string> given;  // flags set on the command line
 };
 
@@ -43,7 +51,11 @@ void usage() {
       "             --weight-decay X --beta1 X --beta2 X --momentum X (sgd) --schedule constant|cosine\n"
       "             --grad-clip X (0 = off) --seed N --sequential\n"
       "  checkpoints: --init FILE --save FILE --save-every N --resume FILE --stop-at STEP\n"
-      "  output:    --eval-every N (0 = only at the end) --eval-only --log-json FILE\n";
+      "  output:    --eval-every N (0 = only at the end) --eval-only --log-json FILE\n"
+      "             --no-final-eval (skip the validation pass of the last step unless --eval-every hits it)\n"
+      "  sampling:  --sample N (after training: a line \"sample:\", then N generated characters, or token\n"
+      "             ids for .bin data; 0 = off) --temperature X (> 0, default 0.8) --top-k K (0 = all,\n"
+      "             the default); seeded with --seed; the sampler is generate's\n";
 }
 
 Options parse(int argc, char** argv) {
@@ -67,6 +79,7 @@ Options parse(int argc, char** argv) {
     o.given.insert(flag);
     if (flag == "--sequential") { o.train.sequential = true; continue; }
     if (flag == "--eval-only") { o.eval_only = true; continue; }
+    if (flag == "--no-final-eval") { o.final_eval = false; continue; }
     check(i + 1 < argc, "train_gpt: ", flag, " needs a value");
     const std::string value = argv[++i];
     auto integer = [&](int64_t low) {
@@ -111,6 +124,14 @@ Options parse(int argc, char** argv) {
     else if (flag == "--save") o.save = value;
     else if (flag == "--resume") o.resume = value;
     else if (flag == "--log-json") o.log_json = value;
+    else if (flag == "--sample") o.sample = integer(0);
+    else if (flag == "--top-k") o.top_k = integer(0);
+    else if (flag == "--temperature") {
+      char* end = nullptr;
+      o.temperature = std::strtod(value.c_str(), &end);
+      check(!value.empty() && end && *end == 0 && std::isfinite(o.temperature) && o.temperature > 0,
+            "train_gpt: --temperature must be a number > 0 (and finite), got '", value, "'");
+    }
     else {
       usage();
       fail("train_gpt: unknown option ", flag);
@@ -128,6 +149,26 @@ std::string format_seconds(double s) {
   const long long t = static_cast<long long>(std::llround(s));
   std::snprintf(buffer, sizeof(buffer), "%lld:%02lld", t / 60, t % 60);
   return buffer;
+}
+
+// "sample:" and then opt.sample tokens from the model (characters, or space-separated ids without a
+// vocabulary), from the vocabulary's newline (token 0 without one), seeded with the training seed.
+void print_sample(const Options& opt, GPT& model, const std::vector<uint8_t>& vocab) {
+  std::printf("sample:\n");
+  std::fflush(stdout);
+  sample_tokens(model, {default_start_token(vocab)}, opt.sample, opt.temperature, opt.top_k, opt.train.seed,
+                [&, first = true](int64_t next) mutable {
+                  if (!vocab.empty()) {
+                    check(next < static_cast<int64_t>(vocab.size()), "train_gpt: sampled token ", next,
+                          " has no entry in the vocabulary");
+                    std::fputc(vocab[next], stdout);
+                  } else {
+                    std::printf(first ? "%lld" : " %lld", static_cast<long long>(next));
+                  }
+                  first = false;
+                });
+  std::printf("\n");
+  std::fflush(stdout);
 }
 
 int run(int argc, char** argv) {
@@ -185,6 +226,7 @@ int run(int argc, char** argv) {
 
   if (opt.eval_only) {
     std::printf("val_loss %.6f\n", trainer.evaluate());
+    if (opt.sample > 0) print_sample(opt, trainer.model(), data.vocab);
     return 0;
   }
 
@@ -217,16 +259,18 @@ int run(int argc, char** argv) {
   const int64_t first = trainer.step();
   const int64_t tokens_per_step = opt.train.batch * c.block_size;
   const auto start = std::chrono::steady_clock::now();
-  double last_val = NAN;
+  double train_seconds = 0;  // inside train_step only: the rate excludes evaluations and saves
   while (trainer.step() < end) {
     const auto t0 = std::chrono::steady_clock::now();
     const StepStats s = trainer.train_step();
     const auto t1 = std::chrono::steady_clock::now();
     const double step_seconds = std::chrono::duration<double>(t1 - t0).count();
+    train_seconds += step_seconds;
     const double elapsed = std::chrono::duration<double>(t1 - start).count();
     const int64_t done = trainer.step() - first;
-    const double tokens_per_s = double(done * tokens_per_step) / elapsed;
-    const double eta = elapsed / double(done) * double(end - trainer.step());
+    const double tokens_per_s = double(done * tokens_per_step) / train_seconds;
+    // Remaining steps at the training step rate so far (future evaluations and saves are not included).
+    const double eta = train_seconds / double(done) * double(end - trainer.step());
     if (log.is_open()) {
       json::Value::Object line{{"step", s.step}, {"loss", s.loss}, {"lr", s.lr}, {"grad_norm", s.grad_norm},
                                {"tokens_per_s", double(tokens_per_step) / step_seconds}};
@@ -234,15 +278,15 @@ int run(int argc, char** argv) {
       log.flush();
     }
     const bool last = trainer.step() == end;
-    const bool eval = last || (opt.eval_every > 0 && trainer.step() % opt.eval_every == 0);
-    const bool print = eval || done == 1 || trainer.step() % 10 == 0;
+    const bool periodic = opt.eval_every > 0 && trainer.step() % opt.eval_every == 0;
+    const bool eval = periodic || (last && opt.final_eval);
+    const bool print = last || eval || done == 1 || trainer.step() % 10 == 0;
     if (print) {
       std::printf("step %5lld/%lld | loss %.4f | lr %.2e | grad norm %.3f | %.0f tok/s | %s elapsed | ETA %s",
                   static_cast<long long>(trainer.step()), static_cast<long long>(opt.train.steps), s.loss, s.lr,
                   s.grad_norm, tokens_per_s, format_seconds(elapsed).c_str(), format_seconds(eta).c_str());
       if (eval) {
-        last_val = trainer.evaluate();
-        std::printf(" | val loss %.4f", last_val);
+        std::printf(" | val loss %.4f", trainer.evaluate());
       }
       std::printf("\n");
       std::fflush(stdout);
@@ -250,7 +294,7 @@ int run(int argc, char** argv) {
     if (opt.save_every > 0 && trainer.step() % opt.save_every == 0 && !last) save();
   }
   save();
-  (void)last_val;
+  if (opt.sample > 0) print_sample(opt, trainer.model(), data.vocab);
   return 0;
 }
 

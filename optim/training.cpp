@@ -1,5 +1,6 @@
 #include "optim/training.h"
 
+#include <algorithm>
 #include <charconv>
 #include <cmath>
 #include <fstream>
@@ -80,6 +81,9 @@ TokenData char_tokens(const std::string& text) {
 }
 
 TokenData load_token_file(const std::string& path, int64_t vocab_size) {
+  // The name is checked before the file is opened, so a wrong extension is reported as such.
+  check(ends_with(path, ".txt") || ends_with(path, ".bin"), "train_gpt: --data '", path,
+        "' must end in .txt (characters) or .bin (uint16 tokens)");
   const std::string bytes = read_file_bytes(path);
   if (ends_with(path, ".bin")) {
     check(vocab_size > 0 && vocab_size <= 65536, "train_gpt: a .bin data file ('", path,
@@ -97,7 +101,6 @@ TokenData load_token_file(const std::string& path, int64_t vocab_size) {
     }
     return data;
   }
-  check(ends_with(path, ".txt"), "train_gpt: --data '", path, "' must end in .txt (characters) or .bin (uint16 tokens)");
   check(vocab_size == 0, "train_gpt: --vocab-size applies to .bin data only (a .txt vocabulary is its bytes)");
   return char_tokens(bytes);
 }
@@ -347,6 +350,83 @@ void Trainer::load_checkpoint(const StateDict& state) {
   optimizer_->load_state_dict(opt);
   for (auto& [gen, g] : generators) *gen = g;
   step_ = step;
+}
+
+// ---- sampling ----
+
+namespace {
+
+// Puts a module in eval mode and gives it back in the mode it had, also when an exception leaves early.
+class EvalModeGuard {
+ public:
+  explicit EvalModeGuard(Module& module) : module_(module), was_training_(module.is_training()) {
+    module_.eval();
+  }
+  ~EvalModeGuard() { module_.train(was_training_); }
+  EvalModeGuard(const EvalModeGuard&) = delete;
+  EvalModeGuard& operator=(const EvalModeGuard&) = delete;
+
+ private:
+  Module& module_;
+  bool was_training_;
+};
+
+}  // namespace
+
+std::vector<int64_t> sample_tokens(GPT& model, std::vector<int64_t> ids, int64_t n, double temperature,
+                                   int64_t top_k, uint64_t seed,
+                                   const std::function<void(int64_t)>& on_token) {
+  const GPTConfig& config = model.config();
+  const int64_t V = config.vocab_size;
+  check(!ids.empty(), "sample_tokens: the prompt is empty (give at least one token to start from)");
+  for (int64_t id : ids)
+    check(id >= 0 && id < V, "sample_tokens: prompt token ", id, " is outside [0, ", V, ")");
+  check(n >= 0, "sample_tokens: the number of tokens must be >= 0, got ", n);
+  check(std::isfinite(temperature) && temperature > 0,
+        "sample_tokens: temperature must be > 0 and finite, got ", temperature);
+  check(top_k >= 0, "sample_tokens: top_k must be >= 0 (0 = all), got ", top_k);
+
+  NoGradGuard no_grad;
+  EvalModeGuard eval_mode(model);
+  std::vector<int64_t> out;
+  out.reserve(static_cast<size_t>(n));
+  ids.reserve(ids.size() + static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t T = std::min<int64_t>(static_cast<int64_t>(ids.size()), config.block_size);
+    const std::vector<int64_t> window(ids.end() - T, ids.end());
+    const Tensor logits = model.forward(Tensor::from_vector(window, {1, T})).logits;  // [1, T, V]
+    std::vector<double> z = logits.select(1, T - 1).select(0, 0).to_vector<double>();
+    for (double& v : z) v /= temperature;
+    if (top_k > 0 && top_k < V) {
+      // Every logit below the k-th largest is out; ties with the k-th all stay in.
+      std::vector<double> sorted = z;
+      std::nth_element(sorted.begin(), sorted.begin() + (top_k - 1), sorted.end(), std::greater<double>());
+      const double kth = sorted[top_k - 1];
+      for (double& v : z)
+        if (v < kth) v = -INFINITY;
+    }
+    // softmax in double (unnormalised: exp(z - max), so the largest is exactly 1 and never 0), then the
+    // inverse CDF at a Philox uniform scaled by the total.
+    const double max = *std::max_element(z.begin(), z.end());
+    double total = 0;
+    for (double& v : z) total += (v = std::exp(v - max));
+    const auto bits = philox4x32(static_cast<uint64_t>(i), 0, seed);
+    const double u = uniform_double_from_bits(bits[0], bits[1]) * total;
+    double acc = 0;
+    int64_t next = V - 1;
+    for (int64_t v = 0; v < V; ++v)
+      if (z[v] > 0 && (acc += z[v]) > u) { next = v; break; }
+    while (z[next] == 0) --next;  // rounding at the top end: the last token with probability > 0
+    ids.push_back(next);
+    out.push_back(next);
+    if (on_token) on_token(next);
+  }
+  return out;
+}
+
+int64_t default_start_token(const std::vector<uint8_t>& vocab) {
+  const auto it = std::find(vocab.begin(), vocab.end(), uint8_t('\n'));
+  return it != vocab.end() ? it - vocab.begin() : 0;
 }
 
 std::unique_ptr<GPT> load_model_file(const std::string& path, std::vector<uint8_t>* vocab) {

@@ -19,6 +19,7 @@
 // bit as if it had never stopped. A weights-only file (config + vocab + model tensors) is read by
 // load_model_file (--init, generate); a training checkpoint also works there (its optimizer part is ignored).
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -115,6 +116,27 @@ class Trainer {
 
 // The model tensors of a state dict (drops "optimizer." entries).
 StateDict model_part(const StateDict& state);
+
+// ---- sampling (generate, train_gpt --sample) ----
+
+// Autoregressive sampling: appends n tokens to prompt_ids and returns those n new tokens (not the prompt).
+// Token i (0-based among the new ones) is drawn from softmax(logits / temperature) of the last position of
+// the window (the last min(length, block_size) tokens), restricted to the logits >= the top_k-th largest
+// (top_k = 0 or >= vocab_size: all), by the inverse CDF (in token-id order, in double) at the uniform
+// uniform_double_from_bits(philox4x32(i, 0, seed)). So a run is a pure function of (model, prompt, n,
+// temperature, top_k, seed); top_k = 1 is greedy (argmax) whatever the seed, unless the top logits tie
+// exactly (tied logits all stay in).
+// Runs without gradients and in eval mode (no dropout), restoring the model's mode afterwards. on_token is
+// called with each new token as soon as it is drawn (for streaming output).
+// Errors: empty prompt, a prompt id outside [0, vocab_size), n < 0, temperature not > 0 and finite,
+// top_k < 0.
+std::vector<int64_t> sample_tokens(GPT& model, std::vector<int64_t> prompt_ids, int64_t n, double temperature,
+                                   int64_t top_k, uint64_t seed,
+                                   const std::function<void(int64_t)>& on_token = {});
+
+// The token a sample starts from without a prompt: the newline of a character vocabulary when it has one,
+// else token 0.
+int64_t default_start_token(const std::vector<uint8_t>& vocab);
 
 // The model saved in a weights file or checkpoint: config from its metadata, weights loaded strictly, eval
 // mode. vocab receives the "vocab" metadata (empty when absent).

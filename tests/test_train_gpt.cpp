@@ -1,15 +1,19 @@
 // The GPT trainer's core (optim/training.h): batches, evaluation, and resumption that is bit-exact.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <set>
 #include <string>
 #include <unistd.h>
 
 #include "autograd/autograd.h"
 #include "optim/training.h"
 #include "nn/safetensors.h"
+#include "tensor/random.h"
 #include "test_util.h"
 
 using namespace mixtape;
@@ -238,4 +242,194 @@ TEST(TrainGPT, VocabMetadataRoundTripsEveryByte) {
   for (int b = 0; b < 256; ++b) vocab.push_back(static_cast<uint8_t>(b));
   EXPECT_EQ(vocab_from_metadata(vocab_to_metadata(vocab)), vocab);
   EXPECT_ERROR_MENTIONS(vocab_from_metadata("[1, 300]"), "300");
+}
+
+// ---- sample_tokens ----
+
+namespace {
+
+// The logits of the last position for a window of ids (the model in eval mode, no gradients).
+std::vector<double> last_logits(GPT& model, const std::vector<int64_t>& ids) {
+  NoGradGuard no_grad;
+  const int64_t T = std::min<int64_t>(static_cast<int64_t>(ids.size()), model.config().block_size);
+  const std::vector<int64_t> window(ids.end() - T, ids.end());
+  const Tensor logits = model.forward(Tensor::from_vector(window, {1, T})).logits;  // [1, T, V]
+  return logits.select(1, T - 1).select(0, 0).to_vector<double>();
+}
+
+// A model with some training, so its next-token distributions are far from uniform yet not one-hot.
+struct TrainedModel {
+  TokenData data = char_tokens(sample_text());
+  std::unique_ptr<Trainer> trainer;
+  TrainedModel() {
+    TrainOptions options = tiny_options("adamw");
+    options.steps = 30;
+    options.lr = 1e-2;
+    trainer = std::make_unique<Trainer>(tiny_config(data.vocab_size, 0.1), options, data);
+    for (int i = 0; i < 30; ++i) trainer->train_step();
+  }
+  GPT& model() { return trainer->model(); }
+};
+
+}  // namespace
+
+TEST(TrainGPT, SampleWithTopKOneIsGreedyArgmaxWhateverTheSeed) {
+  TrainedModel m;
+  GPT& model = m.model();
+  // A prompt longer than the block (8): only the last 8 tokens are the window.
+  const std::vector<int64_t> prompt(m.data.tokens.begin(), m.data.tokens.begin() + 11);
+  std::vector<int64_t> greedy = prompt;
+  model.eval();
+  for (int i = 0; i < 12; ++i) {
+    const std::vector<double> z = last_logits(model, greedy);
+    greedy.push_back(std::max_element(z.begin(), z.end()) - z.begin());
+  }
+  const std::vector<int64_t> expected(greedy.begin() + 11, greedy.end());
+  for (uint64_t seed : {1u, 2u, 99u})
+    for (double temperature : {0.1, 1.0, 5.0})
+      EXPECT_EQ(sample_tokens(model, prompt, 12, temperature, 1, seed), expected)
+          << "seed " << seed << ", temperature " << temperature;
+}
+
+TEST(TrainGPT, SampleIsReproducibleForASeedAndDiffersAcrossSeeds) {
+  TrainedModel m;
+  const int64_t newline = default_start_token(m.data.vocab);
+  ASSERT_EQ(m.data.vocab[newline], '\n');
+  const auto a = sample_tokens(m.model(), {newline}, 40, 1.0, 0, 5);
+  const auto b = sample_tokens(m.model(), {newline}, 40, 1.0, 0, 5);
+  const auto c = sample_tokens(m.model(), {newline}, 40, 1.0, 0, 6);
+  ASSERT_EQ(a.size(), 40u);
+  EXPECT_EQ(a, b);
+  EXPECT_NE(a, c);
+  for (int64_t t : a) {
+    EXPECT_GE(t, 0);
+    EXPECT_LT(t, m.data.vocab_size);
+  }
+  // The callback sees every new token, in order.
+  std::vector<int64_t> streamed;
+  const auto d =
+      sample_tokens(m.model(), {newline}, 40, 1.0, 0, 5, [&](int64_t t) { streamed.push_back(t); });
+  EXPECT_EQ(streamed, a);
+  EXPECT_EQ(d, a);
+}
+
+TEST(TrainGPT, SampleDrawsTokenIFromTheTopKSoftmaxAtThePhiloxUniformOfI) {
+  // An independent reading of the documented rule for the first new token: keep the k largest logits,
+  // softmax(z / temperature) over them, the first token whose cumulative probability exceeds u.
+  TrainedModel m;
+  GPT& model = m.model();
+  model.eval();
+  const std::vector<int64_t> prompt(m.data.tokens.begin() + 3, m.data.tokens.begin() + 9);
+  const std::vector<double> z = last_logits(model, prompt);
+  const double temperature = 1.5;
+  const int64_t k = 4;
+  std::vector<int64_t> order(z.size());
+  for (size_t v = 0; v < z.size(); ++v) order[v] = static_cast<int64_t>(v);
+  std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return z[a] > z[b]; });
+  std::vector<double> p(z.size(), 0.0);
+  double sum = 0;
+  for (int64_t j = 0; j < k; ++j) sum += p[order[j]] = std::exp((z[order[j]] - z[order[0]]) / temperature);
+  std::set<int64_t> drawn;
+  for (uint64_t seed = 0; seed < 24; ++seed) {
+    const auto bits = philox4x32(0, 0, seed);
+    const double u = uniform_double_from_bits(bits[0], bits[1]);
+    int64_t expected = -1;
+    double cdf = 0;
+    for (size_t v = 0; v < p.size() && expected < 0; ++v)
+      if (p[v] > 0 && (cdf += p[v] / sum) > u) expected = static_cast<int64_t>(v);
+    const int64_t got = sample_tokens(model, prompt, 1, temperature, k, seed)[0];
+    EXPECT_EQ(got, expected) << "seed " << seed << " u " << u;
+    drawn.insert(got);
+  }
+  // The draws really vary over the top k (so the comparison covers more than the argmax).
+  EXPECT_GE(drawn.size(), 2u);
+  EXPECT_LE(drawn.size(), static_cast<size_t>(k));
+}
+
+TEST(TrainGPT, SampleRunsInEvalModeAndRestoresTheModelsMode) {
+  // With dropout 0.1, a sample drawn in training mode would depend on the dropout stream; the sampler
+  // switches to eval mode, so the result is the same from either mode, and the mode is given back.
+  TrainedModel m;
+  GPT& model = m.model();
+  model.train();
+  const auto from_train = sample_tokens(model, {0}, 20, 1.0, 0, 3);
+  EXPECT_TRUE(model.is_training());
+  model.eval();
+  const auto from_eval = sample_tokens(model, {0}, 20, 1.0, 0, 3);
+  EXPECT_FALSE(model.is_training());
+  EXPECT_EQ(from_train, from_eval);
+  // An error leaves the mode restored too.
+  model.train();
+  EXPECT_ERROR_MENTIONS(sample_tokens(model, {0}, 2, 1.0, 0, 3, [](int64_t) { fail("stop"); }), "stop");
+  EXPECT_TRUE(model.is_training());
+}
+
+TEST(TrainGPT, SampleRejectsBadArgumentsNamingThem) {
+  const TokenData data = char_tokens(sample_text());
+  GPT model(tiny_config(data.vocab_size, 0), 1);
+  EXPECT_ERROR_MENTIONS(sample_tokens(model, {}, 3, 1.0, 0, 1), "empty");
+  EXPECT_ERROR_MENTIONS(sample_tokens(model, {data.vocab_size}, 3, 1.0, 0, 1),
+                        "token " + std::to_string(data.vocab_size));
+  EXPECT_ERROR_MENTIONS(sample_tokens(model, {-1}, 3, 1.0, 0, 1), "-1");
+  EXPECT_ERROR_MENTIONS(sample_tokens(model, {0}, 3, 0.0, 0, 1), "temperature");
+  EXPECT_ERROR_MENTIONS(sample_tokens(model, {0}, 3, INFINITY, 0, 1), "temperature");
+  EXPECT_ERROR_MENTIONS(sample_tokens(model, {0}, 3, 1.0, -2, 1), "top_k");
+  EXPECT_ERROR_MENTIONS(sample_tokens(model, {0}, -1, 1.0, 0, 1), "-1");
+  EXPECT_TRUE(sample_tokens(model, {0}, 0, 1.0, 0, 1).empty());
+}
+
+TEST(TrainGPT, DefaultStartTokenIsTheNewlineOfTheVocabularyElseZero) {
+  EXPECT_EQ(default_start_token({' ', '\n', 'a'}), 1);  // not sorted on purpose: the position is the id
+  EXPECT_EQ(default_start_token({'\n', 'a'}), 0);
+  EXPECT_EQ(default_start_token({'a', 'b', '\n'}), 2);
+  EXPECT_EQ(default_start_token({'a', 'b'}), 0);
+  EXPECT_EQ(default_start_token({}), 0);
+}
+
+// ---- token files ----
+
+namespace {
+
+std::string write_temp_file(const std::string& name, const std::string& bytes) {
+  const std::string path =
+      (std::filesystem::temp_directory_path() / (std::to_string(getpid()) + "_" + name)).string();
+  std::ofstream out(path, std::ios::binary);
+  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  return path;
+}
+
+}  // namespace
+
+TEST(TrainGPT, BinTokenFileIsLittleEndianUint16) {
+  // ids 0x0201 = 513, 3, 0xFFFF = 65535, 0x0100 = 256
+  const std::string bytes("\x01\x02\x03\x00\xff\xff\x00\x01", 8);
+  const std::string path = write_temp_file("tokens.bin", bytes);
+  const TokenData data = load_token_file(path, 65536);
+  std::filesystem::remove(path);
+  EXPECT_EQ(data.tokens, (std::vector<int32_t>{513, 3, 65535, 256}));
+  EXPECT_EQ(data.vocab_size, 65536);
+  EXPECT_TRUE(data.vocab.empty());
+}
+
+TEST(TrainGPT, BinTokenFileErrorsNameTheProblem) {
+  const std::string odd = write_temp_file("odd.bin", std::string("\x01\x00\x02", 3));
+  EXPECT_ERROR_MENTIONS(load_token_file(odd, 50), "odd byte count (3)");
+  std::filesystem::remove(odd);
+
+  // ids 1, 49, 50
+  const std::string big = write_temp_file("big.bin", std::string("\x01\x00\x31\x00\x32\x00", 6));
+  EXPECT_NO_THROW(load_token_file(big, 51));
+  EXPECT_ERROR_MENTIONS(load_token_file(big, 50), "token 2 of");
+  EXPECT_ERROR_MENTIONS(load_token_file(big, 50), "is 50, not below --vocab-size 50");
+  EXPECT_ERROR_MENTIONS(load_token_file(big), "--vocab-size");        // missing
+  EXPECT_ERROR_MENTIONS(load_token_file(big, 70000), "--vocab-size");  // over uint16's range
+  std::filesystem::remove(big);
+
+  const std::string text = write_temp_file("chars.txt", "abca");
+  EXPECT_ERROR_MENTIONS(load_token_file(text, 10), "--vocab-size applies to .bin");
+  const TokenData chars = load_token_file(text);
+  std::filesystem::remove(text);
+  EXPECT_EQ(chars.vocab, (std::vector<uint8_t>{'a', 'b', 'c'}));
+  EXPECT_EQ(chars.tokens, (std::vector<int32_t>{0, 1, 2, 0}));
+  EXPECT_ERROR_MENTIONS(load_token_file("data.csv"), ".txt");
 }

@@ -1,0 +1,316 @@
+# End-to-end tests of the train_gpt and generate command lines: real runs on small generated data, checking
+# what the programs print and write. Every check reports through check_failed (SEND_ERROR: the script goes on
+# and the test fails at the end); a command that exits with an unexpected status stops the script.
+# Run as: cmake -DTRAIN_GPT=<exe> -DGENERATE=<exe> -DWORK_DIR=<scratch dir> -P examples_cli.cmake
+cmake_minimum_required(VERSION 3.25)
+foreach(var TRAIN_GPT GENERATE WORK_DIR)
+  if(NOT DEFINED ${var})
+    message(FATAL_ERROR "examples_cli.cmake: -D${var}=... is required")
+  endif()
+endforeach()
+file(REMOVE_RECURSE ${WORK_DIR})
+file(MAKE_DIRECTORY ${WORK_DIR})
+
+function(check_failed what)
+  message(SEND_ERROR "CHECK FAILED: ${what}")
+endfunction()
+
+# run(<out-var> <command...>): the command must exit 0; <out-var> receives its stdout.
+function(run out)
+  execute_process(COMMAND ${ARGN} WORKING_DIRECTORY ${WORK_DIR} RESULT_VARIABLE status OUTPUT_VARIABLE stdout
+                  ERROR_VARIABLE stderr)
+  if(NOT status EQUAL 0)
+    message(FATAL_ERROR "failed (${status}): ${ARGN}\nstdout:\n${stdout}\nstderr:\n${stderr}")
+  endif()
+  set(${out} "${stdout}" PARENT_SCOPE)
+endfunction()
+
+# run_fails(<what> <command...> MENTIONS <text>...): the command must exit non-zero with an "error:" line on
+# stderr that contains every <text>.
+function(run_fails what)
+  cmake_parse_arguments(PARSE_ARGV 1 arg "" "" "MENTIONS")
+  execute_process(COMMAND ${arg_UNPARSED_ARGUMENTS} WORKING_DIRECTORY ${WORK_DIR} RESULT_VARIABLE status
+                  OUTPUT_VARIABLE stdout ERROR_VARIABLE stderr)
+  if(status EQUAL 0)
+    check_failed("${what}: expected an error, but it succeeded: ${arg_UNPARSED_ARGUMENTS}\n${stdout}")
+    return()
+  endif()
+  if(NOT stderr MATCHES "^error: ")
+    check_failed("${what}: stderr does not start with 'error: ': ${stderr}")
+  endif()
+  foreach(text IN LISTS arg_MENTIONS)
+    string(FIND "${stderr}" "${text}" at)
+    if(at EQUAL -1)
+      check_failed("${what}: the error does not mention '${text}': ${stderr}")
+    endif()
+  endforeach()
+endfunction()
+
+# "1.234567" -> 1234567 (millionths), for comparisons in CMake's integer arithmetic.
+function(to_micro out text)
+  if(NOT text MATCHES "^([0-9]+)\\.([0-9]+)$")
+    message(FATAL_ERROR "not a decimal number: '${text}'")
+  endif()
+  set(whole ${CMAKE_MATCH_1})
+  string(SUBSTRING "${CMAKE_MATCH_2}000000" 0 6 fraction)
+  string(REGEX REPLACE "^0+([0-9])" "\\1" fraction "${fraction}")
+  math(EXPR value "${whole} * 1000000 + ${fraction}")
+  set(${out} ${value} PARENT_SCOPE)
+endfunction()
+
+# The generate output for a .bin model: exactly `count` space-separated ids, each in [0, vocab).
+function(check_ids what text count vocab)
+  string(STRIP "${text}" text)
+  if(NOT text MATCHES "^[0-9]+( [0-9]+)*$")
+    check_failed("${what}: not space-separated integers: '${text}'")
+    return()
+  endif()
+  string(REPLACE " " ";" ids "${text}")
+  list(LENGTH ids n)
+  if(NOT n EQUAL count)
+    check_failed("${what}: ${n} ids instead of ${count}: '${text}'")
+  endif()
+  foreach(id IN LISTS ids)
+    if(id GREATER_EQUAL vocab)
+      check_failed("${what}: id ${id} is not below ${vocab}: '${text}'")
+    endif()
+  endforeach()
+endfunction()
+
+# ================================================================ character-level data (.txt)
+# Words drawn by an LCG: 15 distinct bytes ("the cat sat on a mat.\n dog ran"), with real but learnable
+# structure. About 6 KB: train 90 %, validation 10 % (~600 tokens, 18 windows of block 32).
+set(words "the " "cat " "sat " "on " "a " "mat.\n" "dog " "ran ")
+set(text "")
+set(state 12345)
+foreach(i RANGE 1 1500)
+  math(EXPR state "(${state} * 1103515245 + 12345) % 2147483648")
+  math(EXPR w "(${state} / 65536) % 8")
+  list(GET words ${w} word)
+  string(APPEND text "${word}")
+endforeach()
+file(WRITE ${WORK_DIR}/words.txt "${text}")
+set(vocab_size 15)
+set(ln_vocab_micro 2708050)  # ln(15) = 2.708050
+set(tiny --layers 1 --heads 2 --width 32 --block 32 --batch 8)
+
+# --steps 0 --save: a fresh model; evaluated through --init ... --eval-only its loss is about ln(vocab), since
+# the initial logits are small (wte ~ N(0, 0.02^2), so logit std ~ 0.02 * sqrt(32) ~ 0.1 after ln_f).
+run(out ${TRAIN_GPT} --data words.txt ${tiny} --steps 0 --save fresh.safetensors)
+if(NOT out MATCHES "vocab ${vocab_size} \\|")
+  check_failed("the header line does not say 'vocab ${vocab_size}': ${out}")
+endif()
+if(NOT out MATCHES "saved fresh.safetensors at step 0")
+  check_failed("--steps 0 --save did not report the save: ${out}")
+endif()
+run(out ${TRAIN_GPT} --data words.txt --init fresh.safetensors --eval-only)
+if(NOT out MATCHES "^val_loss ([0-9]+\\.[0-9]+)\n$")
+  check_failed("--eval-only printed '${out}', not one line 'val_loss <x>'")
+else()
+  message(STATUS "fresh model: val_loss ${CMAKE_MATCH_1} (ln ${vocab_size} = 2.708050)")
+  to_micro(loss ${CMAKE_MATCH_1})
+  math(EXPR diff "${loss} - ${ln_vocab_micro}")
+  if(diff LESS -100000 OR diff GREATER 100000)
+    check_failed("fresh model: val_loss ${CMAKE_MATCH_1} is not within 0.1 of ln(${vocab_size}) = 2.708")
+  endif()
+endif()
+
+# 30 steps with --log-json: one JSON line per step, in order, with every field.
+run(out ${TRAIN_GPT} --data words.txt ${tiny} --steps 30 --eval-every 0 --log-json log.jsonl)
+file(STRINGS ${WORK_DIR}/log.jsonl lines)
+list(LENGTH lines n)
+if(NOT n EQUAL 30)
+  check_failed("--log-json wrote ${n} lines for 30 steps")
+endif()
+set(expected_step 0)
+set(number "-?[0-9]+(\\.[0-9]+)?(e[-+][0-9]+)?")
+foreach(line IN LISTS lines)
+  foreach(field step loss lr grad_norm tokens_per_s)
+    if(NOT line MATCHES "\"${field}\":${number}[,}]")
+      check_failed("log line lacks a numeric \"${field}\": ${line}")
+    endif()
+  endforeach()
+  if(NOT line MATCHES "\"step\":${expected_step}[,}]")
+    check_failed("log line ${expected_step} has another step: ${line}")
+  endif()
+  math(EXPR expected_step "${expected_step} + 1")
+endforeach()
+# Without --no-final-eval the last step is evaluated (this is also the control for the check below).
+string(REGEX MATCHALL "val loss" evals "${out}")
+list(LENGTH evals n)
+if(NOT n EQUAL 1 OR NOT out MATCHES "step    30/30 \\| [^\n]* \\| val loss [0-9.]+\n")
+  check_failed("a 30-step run with --eval-every 0 should evaluate once, at step 30: ${out}")
+endif()
+
+# --no-final-eval --sample 50: a longer run (the model for the generate checks below) that prints no
+# validation loss, still prints its last progress line, then "sample:" and 50 characters of the file's byte
+# set.
+run(out ${TRAIN_GPT} --data words.txt ${tiny} --steps 150 --lr 1e-2 --eval-every 0 --no-final-eval
+    --save words.safetensors --sample 50)
+if(out MATCHES "val loss")
+  check_failed("--no-final-eval still printed a validation loss: ${out}")
+endif()
+string(CONCAT progress "step   150/150 \\| loss [0-9.]+ \\| lr [0-9.e+-]+ \\| grad norm [0-9.]+ \\| "
+                       "[0-9]+ tok/s \\| [0-9]+:[0-9][0-9] elapsed \\| ETA [0-9]+:[0-9][0-9]\n")
+if(NOT out MATCHES "${progress}")
+  check_failed("no progress line for the last step in the documented format: ${out}")
+endif()
+set(sample_text "")
+string(FIND "${out}" "saved words.safetensors at step 150\nsample:\n" at)
+if(at EQUAL -1)
+  check_failed("no 'sample:' line right after the final save: ${out}")
+else()
+  string(FIND "${out}" "sample:\n" at)
+  math(EXPR at "${at} + 8")
+  string(SUBSTRING "${out}" ${at} -1 rest)
+  string(LENGTH "${rest}" n)
+  string(SUBSTRING "${rest}" 0 50 sample_text)
+  string(SUBSTRING "${rest}" 50 -1 after)
+  if(NOT n EQUAL 51 OR NOT after STREQUAL "\n")
+    check_failed("--sample 50 printed ${n} bytes after 'sample:' (50 and a newline expected): '${rest}'")
+  endif()
+  foreach(i RANGE 0 49)
+    string(SUBSTRING "${sample_text}" ${i} 1 c)
+    string(FIND "${text}" "${c}" known)
+    if(known EQUAL -1)
+      check_failed("sample character ${i} ('${c}') is not a byte of the training text: '${sample_text}'")
+    endif()
+  endforeach()
+endif()
+# The sample is generate's sampler at the training seed (1337 by default), --temperature 0.8 and all tokens,
+# from a newline: generate with the same settings prints the same text.
+run(gen ${GENERATE} --model words.safetensors --tokens 50 --temperature 0.8 --seed 1337)
+if(NOT gen STREQUAL "${sample_text}\n")
+  check_failed("train_gpt --sample differs from generate at the same seed:\n'${sample_text}'\nvs\n'${gen}'")
+endif()
+
+# tok/s counts training time only. With --batch 1 and --eval-every 1 each evaluation (18 validation windows)
+# costs several training steps, so a rate that counted it would be several times lower. The log's per-step
+# tokens_per_s (tokens / step seconds) gives the training time independently: sum(tokens / rate).
+run(out ${TRAIN_GPT} --data words.txt --layers 1 --heads 2 --width 32 --block 32 --batch 1 --steps 10
+    --eval-every 1 --log-json rate.jsonl)
+file(STRINGS ${WORK_DIR}/rate.jsonl lines)
+set(train_us 0)
+foreach(line IN LISTS lines)
+  if(line MATCHES "\"tokens_per_s\":([0-9]+)[.,}]")
+    math(EXPR train_us "${train_us} + 32 * 1000000 / ${CMAKE_MATCH_1}")
+  endif()
+endforeach()
+if(NOT out MATCHES "step    10/10 \\|[^\n]*\\| ([0-9]+) tok/s \\|" OR train_us EQUAL 0)
+  check_failed("no step-10 progress line with tok/s, or no rates in the log: ${out}")
+else()
+  math(EXPR expected "10 * 32 * 1000000 / ${train_us}")
+  message(STATUS "tok/s at step 10: ${CMAKE_MATCH_1}; from the log's step times: ${expected}")
+  math(EXPR low "${expected} * 9 / 10")
+  math(EXPR high "${expected} * 11 / 10")
+  if(CMAKE_MATCH_1 LESS low OR CMAKE_MATCH_1 GREATER high)
+    check_failed("progress tok/s ${CMAKE_MATCH_1} is not the training-only rate ${expected} from the log")
+  endif()
+endif()
+
+# Option errors.
+run_fails("--temperature 0" ${TRAIN_GPT} --data words.txt --temperature 0
+          MENTIONS "--temperature" "> 0" "'0'")
+run_fails("--temperature nan" ${TRAIN_GPT} --data words.txt --temperature nan
+          MENTIONS "--temperature" "'nan'")
+run_fails("--top-k -1" ${TRAIN_GPT} --data words.txt --top-k -1 MENTIONS "--top-k" "'-1'")
+run_fails("--sample x" ${TRAIN_GPT} --data words.txt --sample x MENTIONS "--sample" "'x'")
+run_fails("--vocab-size with .txt" ${TRAIN_GPT} --data words.txt --vocab-size 50
+          MENTIONS "--vocab-size" ".bin")
+
+# ================================================================ generate
+# Same seed, same text; another seed, other text (the trained model's next-word choices stay uncertain, so
+# 200 tokens at temperature 1 differ); --top-k 1 is greedy: one text whatever the seed or temperature.
+run(a ${GENERATE} --model words.safetensors --tokens 200 --temperature 1 --seed 5)
+run(b ${GENERATE} --model words.safetensors --tokens 200 --temperature 1 --seed 5)
+run(c ${GENERATE} --model words.safetensors --tokens 200 --temperature 1 --seed 6)
+string(LENGTH "${a}" n)
+if(NOT n EQUAL 201)
+  check_failed("generate --tokens 200 printed ${n} bytes (200 and a newline expected)")
+endif()
+if(NOT a STREQUAL b)
+  check_failed("generate with the same --seed printed different text:\n${a}\nvs\n${b}")
+endif()
+if(a STREQUAL c)
+  check_failed("generate with --seed 5 and --seed 6 printed the same text:\n${a}")
+endif()
+run(g1 ${GENERATE} --model words.safetensors --tokens 100 --top-k 1 --seed 1)
+run(g2 ${GENERATE} --model words.safetensors --tokens 100 --top-k 1 --seed 2 --temperature 3)
+if(NOT g1 STREQUAL g2)
+  check_failed("--top-k 1 depends on the seed or temperature:\n${g1}\nvs\n${g2}")
+endif()
+run(p ${GENERATE} --model words.safetensors --prompt "the cat" --tokens 10 --seed 3)
+string(LENGTH "${p}" n)
+if(NOT p MATCHES "^the cat" OR NOT n EQUAL 18)  # the prompt, 10 characters, a newline
+  check_failed("generate --prompt 'the cat' --tokens 10 printed '${p}'")
+endif()
+run_fails("prompt byte outside the vocabulary" ${GENERATE} --model words.safetensors --prompt "the Zebra"
+          MENTIONS "byte 90" "'Z'" "vocabulary")
+run_fails("generate --temperature 0" ${GENERATE} --model words.safetensors --temperature 0
+          MENTIONS "--temperature")
+
+# ================================================================ token ids (.bin)
+# A period of 50: t_j = 17 j mod 50 (17 is coprime to 50, so every id 0..49 once per period), repeated 40
+# times (2000 tokens, 4000 bytes), written as little-endian uint16 by printf's octal escapes. Each token
+# determines the next, so the pattern is memorised and the loss can fall far below ln(50) = 3.9.
+find_program(PRINTF printf REQUIRED)
+set(period "")
+set(period_hex "")
+set(ids_of_period "")
+foreach(j RANGE 0 49)
+  math(EXPR id "17 * ${j} % 50")
+  math(EXPR octal "(${id} / 8) * 10 + ${id} % 8")  # ids < 64: two octal digits
+  math(EXPR hex "${id}" OUTPUT_FORMAT HEXADECIMAL)
+  string(REGEX REPLACE "^0x(.)$" "0x0\\1" hex "${hex}")
+  string(SUBSTRING "${hex}" 2 2 hex)
+  string(APPEND period "\\${octal}\\000")
+  string(APPEND period_hex "${hex}00")
+  list(APPEND ids_of_period ${id})
+endforeach()
+string(REPEAT "${period}" 40 pattern)
+string(REPEAT "${period_hex}" 40 pattern_hex)
+execute_process(COMMAND ${PRINTF} "${pattern}" OUTPUT_FILE ${WORK_DIR}/pattern.bin RESULT_VARIABLE status)
+file(READ ${WORK_DIR}/pattern.bin bytes HEX)
+if(NOT status EQUAL 0 OR NOT bytes STREQUAL pattern_hex)
+  message(FATAL_ERROR "printf did not write the intended pattern.bin (status ${status}): ${bytes}")
+endif()
+
+run(out ${TRAIN_GPT} --data pattern.bin --vocab-size 50 --layers 1 --heads 2 --width 32 --block 16 --batch 8
+    --steps 120 --lr 1e-2 --eval-every 0 --save pattern.safetensors --sample 20)
+if(NOT out MATCHES "vocab 50 \\|")
+  check_failed("the .bin header line does not say 'vocab 50': ${out}")
+endif()
+if(NOT out MATCHES "step   120/120 \\|[^\n]* \\| val loss ([0-9]+\\.[0-9]+)\n")
+  check_failed("no final validation loss for the .bin run: ${out}")
+else()
+  message(STATUS ".bin pattern: val loss ${CMAKE_MATCH_1} after 120 steps")
+  to_micro(loss ${CMAKE_MATCH_1})
+  if(loss GREATER 200000)
+    check_failed("the memorisable pattern's val loss is ${CMAKE_MATCH_1}, not below 0.2")
+  endif()
+endif()
+if(NOT out MATCHES "\nsample:\n([^\n]*)\n$")
+  check_failed("no 'sample:' line and ids at the end of the .bin run: ${out}")
+else()
+  check_ids("train_gpt --sample 20 (.bin)" "${CMAKE_MATCH_1}" 20 50)
+endif()
+run(out ${GENERATE} --model pattern.safetensors --tokens 20)
+check_ids("generate --tokens 20 (.bin)" "${out}" 20 50)
+# Greedy continuation of "0 17" is the pattern itself: 34 1 18 ... (t_2 .. t_11).
+run(out ${GENERATE} --model pattern.safetensors --prompt "0 17" --tokens 10 --top-k 1)
+list(SUBLIST ids_of_period 2 10 expected)
+string(REPLACE ";" " " expected "${expected}")
+string(STRIP "${out}" out)
+if(NOT out STREQUAL expected)
+  check_failed("greedy continuation of '0 17' is '${out}', not the pattern '${expected}'")
+endif()
+run_fails("generate: a prompt id >= vocab_size" ${GENERATE} --model pattern.safetensors --prompt "3 50"
+          MENTIONS "prompt token 50" "[0, 50)")
+
+# .bin errors: the flag is missing, an id is out of range (t_2 = 34 >= 30), the byte count is odd.
+run_fails(".bin without --vocab-size" ${TRAIN_GPT} --data pattern.bin MENTIONS "pattern.bin" "--vocab-size")
+run_fails(".bin token >= --vocab-size" ${TRAIN_GPT} --data pattern.bin --vocab-size 30
+          MENTIONS "token 2 of" "is 34, not below --vocab-size 30")
+execute_process(COMMAND ${PRINTF} "\\001\\000\\002" OUTPUT_FILE ${WORK_DIR}/odd.bin)
+run_fails(".bin with an odd byte count" ${TRAIN_GPT} --data odd.bin --vocab-size 50
+          MENTIONS "odd.bin" "odd byte count (3)")
