@@ -6,6 +6,10 @@
 //   train_gpt --data ... --init ckpt.safetensors --eval-only            -> "val_loss <x>"
 //   train_gpt --data ... --steps 500 --sample 200 --temperature 0.8       -> a line "sample:", then the text
 //
+// --log-json FILE: one JSON object per step: step (0-based), loss (the batch's loss before the update), lr,
+// grad_norm (before clipping), tokens_per_s (that step alone), and val_loss on the steps that evaluated
+// (after that step's update). examples/plot_loss.sh turns it into a PNG.
+//
 // The progress line's tok/s and ETA come from the time spent in training steps only (evaluation and
 // checkpoint saves are left out); "elapsed" is wall-clock time since the first step of this run.
 #include <chrono>
@@ -51,7 +55,7 @@ void usage() {
       "             --weight-decay X --beta1 X --beta2 X --momentum X (sgd) --schedule constant|cosine\n"
       "             --grad-clip X (0 = off) --seed N --sequential\n"
       "  checkpoints: --init FILE --save FILE --save-every N --resume FILE --stop-at STEP\n"
-      "  output:    --eval-every N (0 = only at the end) --eval-only --log-json FILE\n"
+      "  output:    --eval-every N (0 = only at the end) --eval-only --log-json FILE (a JSON line per step)\n"
       "             --no-final-eval (skip the validation pass of the last step unless --eval-every hits it)\n"
       "  sampling:  --sample N (after training: a line \"sample:\", then N generated characters, or token\n"
       "             ids for .bin data; 0 = off) --temperature X (> 0, default 0.8) --top-k K (0 = all,\n"
@@ -271,23 +275,23 @@ int run(int argc, char** argv) {
     const double tokens_per_s = double(done * tokens_per_step) / train_seconds;
     // Remaining steps at the training step rate so far (future evaluations and saves are not included).
     const double eta = train_seconds / double(done) * double(end - trainer.step());
-    if (log.is_open()) {
-      json::Value::Object line{{"step", s.step}, {"loss", s.loss}, {"lr", s.lr}, {"grad_norm", s.grad_norm},
-                               {"tokens_per_s", double(tokens_per_step) / step_seconds}};
-      log << json::Value(line).dump() << '\n';
-      log.flush();
-    }
     const bool last = trainer.step() == end;
     const bool periodic = opt.eval_every > 0 && trainer.step() % opt.eval_every == 0;
     const bool eval = periodic || (last && opt.final_eval);
     const bool print = last || eval || done == 1 || trainer.step() % 10 == 0;
+    const double val_loss = eval ? trainer.evaluate() : NAN;  // after this step's update
+    if (log.is_open()) {
+      json::Value::Object line{{"step", s.step}, {"loss", s.loss}, {"lr", s.lr}, {"grad_norm", s.grad_norm},
+                               {"tokens_per_s", double(tokens_per_step) / step_seconds}};
+      if (eval) line.emplace_back("val_loss", val_loss);
+      log << json::Value(line).dump() << '\n';
+      log.flush();
+    }
     if (print) {
       std::printf("step %5lld/%lld | loss %.4f | lr %.2e | grad norm %.3f | %.0f tok/s | %s elapsed | ETA %s",
                   static_cast<long long>(trainer.step()), static_cast<long long>(opt.train.steps), s.loss, s.lr,
                   s.grad_norm, tokens_per_s, format_seconds(elapsed).c_str(), format_seconds(eta).c_str());
-      if (eval) {
-        std::printf(" | val loss %.4f", trainer.evaluate());
-      }
+      if (eval) std::printf(" | val loss %.4f", val_loss);
       std::printf("\n");
       std::fflush(stdout);
     }

@@ -59,8 +59,10 @@ class Backend {
   virtual void softmax_backward(const Tensor& y, const Tensor& grad_y, int64_t dim, bool log,
                                 const Tensor& grad_x) = 0;
 
-  // out[..., M, N] = a[..., M, K] @ b[..., K, N]; batch dims are already broadcast (may have stride 0).
-  virtual void matmul(const Tensor& a, const Tensor& b, const Tensor& out) = 0;
+  // out[..., M, N] = a[..., M, K] @ b[..., K, N] (+ bias[N]); batch dims are already broadcast (may have
+  // stride 0). bias (contiguous [N], a's dtype) may be undefined; when given it is added to the accumulator
+  // before the single rounding into out (a linear layer's epilogue).
+  virtual void matmul(const Tensor& a, const Tensor& b, const Tensor& out, const Tensor& bias) = 0;
 
   // Normalisation over the last dim of x [N, C] (contiguous). mean/rstd are f32 [N] (f64 when x is f64, so
   // the reference dtype keeps full precision); weight/bias [C] may be undefined. rms_norm has no mean.

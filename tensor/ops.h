@@ -70,6 +70,9 @@ Tensor log_softmax(const Tensor& x, int64_t dim);
 // [.., M, K] @ [.., K, N] with batch dims broadcast; 1-d operands are treated as in numpy.matmul.
 // f32 and bf16 run natively in oneDNN (fp32 accumulation); f16 is converted to f32 on the way in.
 Tensor matmul(const Tensor& a, const Tensor& b);
+// x [..., K] @ weight[N, K]^T (+ bias[N], which may be undefined) -> [..., N], like torch.nn.functional.linear;
+// the bias is added inside the matmul kernel (one rounding, no separate pass). Mixed dtypes promote.
+Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias = Tensor());
 
 // ---- indexing and joining ----
 Tensor embedding(const Tensor& weight, const Tensor& indices);  // weight [V, C], indices i32/i64 any shape

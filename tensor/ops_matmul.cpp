@@ -80,7 +80,7 @@ Tensor matmul(const Tensor& a, const Tensor& b) {
   Shape out_shape = batch;
   out_shape.insert(out_shape.end(), {M, N});
   Tensor out = Tensor::empty(out_shape, dtype, x.device());
-  backend_of(x).matmul(broadcast_to_batch(x, batch), broadcast_to_batch(w, batch), out);
+  backend_of(x).matmul(broadcast_to_batch(x, batch), broadcast_to_batch(w, batch), out, Tensor());
 
   // d(x @ w) = dx @ w + x @ dw:  grad_x = g @ w^T,  grad_w = x^T @ g, each summed over the batch dims its
   // operand was broadcast along. Only the gradients an operand needs are computed.
@@ -106,6 +106,55 @@ Tensor matmul(const Tensor& a, const Tensor& b) {
 
   if (a.dim() == 1) out = out.squeeze(-2);
   if (b.dim() == 1) out = out.squeeze(-1);
+  return out;
+}
+
+// linear: x [..., K] @ weight[N, K]^T + bias[N] in one kernel call (the bias joins the accumulator, so a
+// bf16 layer rounds once, and no separate add pass runs over the output).
+Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
+  if (!x.defined() || !weight.defined())
+    fail("linear: input ", x.description(), " and weight ", weight.description(), " must be defined");
+  if (!is_floating(x.dtype()) || !is_floating(weight.dtype()) || (bias.defined() && !is_floating(bias.dtype())))
+    fail("linear: expected floating dtypes (f32, f16, bf16 or f64), got input ", x.description(), ", weight ",
+         weight.description(), ", bias ", bias.description());
+  if (x.dim() < 1 || weight.dim() != 2 || x.size(-1) != weight.size(1))
+    fail("linear: input ", x.description(), " and weight ", weight.description(),
+         ": expected input [..., K] and weight [N, K]");
+  if (bias.defined() && (bias.dim() != 1 || bias.size(0) != weight.size(0)))
+    fail("linear: bias ", bias.description(), " must be [N] = [", weight.size(0), "] for weight ",
+         weight.description());
+  if (x.device() != weight.device() || (bias.defined() && bias.device() != x.device()))
+    fail("linear: input ", x.description(), ", weight ", weight.description(), " and bias ", bias.description(),
+         " must be on one device");
+
+  DType dtype = promote(x.dtype(), weight.dtype());
+  if (bias.defined()) dtype = promote(dtype, bias.dtype());
+  const Tensor xs = x.to(dtype), ws = weight.to(dtype);
+  const Tensor bs = bias.defined() ? bias.to(dtype) : Tensor();
+  const int64_t K = ws.size(1), N = ws.size(0);
+  Shape out_shape = xs.shape();
+  out_shape.back() = N;
+  Tensor out = Tensor::empty(out_shape, dtype, xs.device());
+  {
+    // The kernel's operands: x as [..., M, K] ([1, K] for a vector), weight^T [K, N] broadcast over x's batch.
+    const Tensor x2 = xs.dim() == 1 ? xs.detach().unsqueeze(0) : xs.detach();
+    const Tensor out2 = xs.dim() == 1 ? out.unsqueeze(0) : out;
+    const Shape batch(x2.shape().begin(), x2.shape().end() - 2);
+    const Tensor b_contig = bs.defined() ? bs.detach().contiguous() : Tensor();
+    backend_of(xs).matmul(x2, broadcast_to_batch(ws.detach().mT(), batch), out2, b_contig);
+  }
+
+  // grad_x = g @ W, grad_W = g^T x over all rows at once, grad_b = g summed over all but the last dim.
+  const bool x_grad = xs.requires_grad(), w_grad = ws.requires_grad(), b_grad = bs.defined() && bs.requires_grad();
+  const Tensor xd = xs.detach(), wd = ws.detach();
+  auto backward = [xd, wd, x_grad, w_grad, b_grad, K, N](const Tensor& g) {
+    Grads grads(3);
+    if (x_grad) grads[0] = matmul(g, wd);
+    if (w_grad) grads[1] = matmul(g.reshape({-1, N}).mT(), xd.reshape({-1, K}));
+    if (b_grad) grads[2] = sum_to(g, {N});
+    return grads;
+  };
+  record_backward("linear", {xs, ws, bs}, out, std::move(backward), {xs, ws});
   return out;
 }
 

@@ -272,3 +272,85 @@ TEST(MatmulErrors, NameTheOpTheShapesAndTheProblem) {
   EXPECT_ERROR_MENTIONS(matmul(Tensor::ones({3}), Tensor::ones({4})), "matmul", "f32[3]", "f32[4]",
                         "inner dims differ (3 vs 4)");
 }
+
+// ---- linear: x @ W^T + b with the bias in the matmul kernel ----------------------------------------------
+
+namespace {
+
+// x [..., K] @ w[N, K]^T + b[N] in double by index arithmetic (b may be undefined).
+Tensor reference_linear(const Tensor& x, const Tensor& w, const Tensor& b) {
+  const std::vector<double> xv = x.to_vector<double>(), wv = w.to_vector<double>();
+  const std::vector<double> bv = b.defined() ? b.to_vector<double>() : std::vector<double>();
+  const int64_t K = w.size(1), N = w.size(0), rows = x.numel() / K;
+  std::vector<double> out(static_cast<size_t>(rows * N));
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t n = 0; n < N; ++n) {
+      double total = b.defined() ? bv[static_cast<size_t>(n)] : 0.0;
+      for (int64_t k = 0; k < K; ++k)
+        total += xv[static_cast<size_t>(r * K + k)] * wv[static_cast<size_t>(n * K + k)];
+      out[static_cast<size_t>(r * N + n)] = total;
+    }
+  Shape shape = x.shape();
+  shape.back() = N;
+  return Tensor::from_vector(out, shape, DType::F64);
+}
+
+}  // namespace
+
+TEST(Linear, MatchesTheReferenceInEveryDtypeWithAndWithoutBias) {
+  // Positive data, so matches_reference's per-dtype bounds apply; for f16/bf16 the bias enters the fp32
+  // accumulator, so the whole x W^T + b is rounded once (1 ulp, like a plain product).
+  for (DType dtype : {DType::F32, DType::BF16, DType::F16, DType::F64}) {
+    for (bool with_bias : {true, false}) {
+      SCOPED_TRACE(std::string(dtype_name(dtype)) + (with_bias ? " with bias" : " without bias"));
+      const Tensor x = Tensor::rand({3, 17, 64}, 60, dtype), w = Tensor::rand({40, 64}, 61, dtype);
+      const Tensor b = with_bias ? Tensor::rand({40}, 62, dtype) : Tensor();
+      const Tensor out = linear(x, w, b);
+      ASSERT_EQ(out.shape(), (Shape{3, 17, 40}));
+      ASSERT_EQ(out.dtype(), dtype);
+      EXPECT_TRUE(matches_reference(out, reference_linear(x, w, b)));
+    }
+  }
+}
+
+TEST(Linear, VectorInputStridedInputAndEmptyInnerDim) {
+  const Tensor w = Tensor::rand({6, 5}, 63), b = Tensor::rand({6}, 64);
+  const Tensor v = Tensor::rand({5}, 65);
+  const Tensor out = linear(v, w, b);
+  EXPECT_EQ(out.shape(), (Shape{6}));
+  EXPECT_TRUE(all_close(out, reference_linear(v, w, b), 0, 1e-6));
+  // A transposed (non-contiguous) input gives the values of its contiguous copy.
+  const Tensor xt = Tensor::rand({5, 7}, 66).mT();
+  EXPECT_TRUE(all_close(linear(xt, w, b), reference_linear(xt.contiguous(), w, b), 0, 1e-6));
+  // K = 0: every row is the bias.
+  const Tensor empty = linear(Tensor::zeros({4, 0}), Tensor::zeros({6, 0}), b);
+  EXPECT_TRUE(all_close(empty, b.unsqueeze(0).expand({4, 6}), 0, 0));
+}
+
+TEST(Linear, EqualsMatmulPlusBiasInF32) {
+  // The fused epilogue and the two-op composition differ only by the rounding of the bias add.
+  const Tensor x = Tensor::randn({2, 9, 32}, 67), w = Tensor::randn({24, 32}, 68), b = Tensor::randn({24}, 69);
+  EXPECT_TRUE(all_close(linear(x, w, b), add(matmul(x, w.mT()), b), 1e-5, 1e-5));
+}
+
+TEST(LinearGrad, MatchesFiniteDifferences) {
+  auto f = [](const std::vector<Tensor>& in) { return linear(in[0], in[1], in[2]); };
+  const GradcheckResult three_d =
+      gradcheck(f, {Tensor::randn({2, 3, 4}, 70), Tensor::randn({5, 4}, 71), Tensor::randn({5}, 72)});
+  EXPECT_TRUE(three_d.ok) << three_d.message;
+  const GradcheckResult vector =
+      gradcheck(f, {Tensor::randn({4}, 73), Tensor::randn({3, 4}, 74), Tensor::randn({3}, 75)});
+  EXPECT_TRUE(vector.ok) << vector.message;
+  auto no_bias = [](const std::vector<Tensor>& in) { return linear(in[0].mT(), in[1]); };
+  const GradcheckResult strided = gradcheck(no_bias, {Tensor::randn({4, 3}, 76), Tensor::randn({2, 4}, 77)});
+  EXPECT_TRUE(strided.ok) << strided.message;
+}
+
+TEST(LinearErrors, NameTheOpTheShapesAndTheProblem) {
+  EXPECT_ERROR_MENTIONS(linear(Tensor::ones({2, 3}), Tensor::ones({4, 5})), "linear", "f32[2,3]", "f32[4,5]",
+                        "weight [N, K]");
+  EXPECT_ERROR_MENTIONS(linear(Tensor::ones({2, 3}), Tensor::ones({4, 3}), Tensor::ones({5})), "linear",
+                        "f32[5]", "[N] = [4]");
+  EXPECT_ERROR_MENTIONS(linear(Tensor::ones({2, 3}, DType::I32), Tensor::ones({4, 3})), "linear", "i32[2,3]",
+                        "floating");
+}

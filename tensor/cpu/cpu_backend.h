@@ -63,7 +63,7 @@ class CpuBackend final : public Backend {
   void softmax_backward(const Tensor& y, const Tensor& grad_y, int64_t dim, bool log, const Tensor& grad_x) override;
 
   // matmul.cpp
-  void matmul(const Tensor& a, const Tensor& b, const Tensor& out) override;
+  void matmul(const Tensor& a, const Tensor& b, const Tensor& out, const Tensor& bias) override;
 
   // norm.cpp
   void layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps, const Tensor& out,

@@ -11,6 +11,8 @@
 //   3. each matrix is passed with its own strides (a transposed operand costs no copy) as long as one of its
 //      last two dims has unit stride; broadcast batch dims become size-1 dims of that operand's memory
 //      descriptor, which oneDNN broadcasts itself.
+// A bias [N] (a linear layer's) is oneDNN's bias argument, broadcast over every other dim and added in the
+// f32 accumulator before the one rounding to out; the f64 loop starts each output row from it.
 // When oneDNN cannot take a layout (or would only offer its slow reference implementation) the operands are
 // packed into contiguous buffers instead. The decision and the primitive are cached per geometry, so a
 // training loop builds each primitive once.
@@ -127,7 +129,7 @@ Geometry simplify(const Tensor& a, const Tensor& b, const Tensor& out) {
 
 // out row i = sum_k a[i, k] * b[k, :], accumulated in place in the output row; the columns are tiled so
 // that the output tile stays in L1 while the rows of b stream through.
-void matmul_f64(const Geometry& g, const double* a, const double* b, double* out) {
+void matmul_f64(const Geometry& g, const double* a, const double* b, const double* bias, double* out) {
   int64_t batch_count = 1;
   for (int64_t s : g.batch) batch_count *= s;
   const int64_t rows = batch_count * g.M;
@@ -148,7 +150,7 @@ void matmul_f64(const Geometry& g, const double* a, const double* b, double* out
     double* o = out + out_off;
     for (int64_t j0 = 0; j0 < g.N; j0 += kTile) {
       const int64_t j1 = std::min(g.N, j0 + kTile);
-      for (int64_t j = j0; j < j1; ++j) o[j * g.out.col_stride] = 0;
+      for (int64_t j = j0; j < j1; ++j) o[j * g.out.col_stride] = bias ? bias[j] : 0.0;
       for (int64_t k = 0; k < g.K; ++k) {
         const double aik = a[a_off + k * g.a.col_stride];
         const double* brow = b + b_off + k * g.b.row_stride;
@@ -173,7 +175,7 @@ enum class Packing : uint8_t {
 
 struct Plan {
   dnnl::matmul primitive;
-  memory::desc a_md, b_md, out_md;
+  memory::desc a_md, b_md, out_md, bias_md;  // bias_md: zero when there is no bias
   Packing a_packing = Packing::None, b_packing = Packing::None;
   // Inputs converted to f32 and the f32 result rounded into out (f16, or bf16 where this CPU lacks it).
   bool via_f32 = false;
@@ -220,7 +222,8 @@ memory::desc make_md(const Shape& dims, const Strides& strides, memory::data_typ
 
 // Creates the primitive for one choice of packing; empty when oneDNN has nothing better than its reference
 // implementation for it.
-bool try_plan(const Geometry& g, memory::data_type type, Packing a_packing, Packing b_packing, Plan& plan) {
+bool try_plan(const Geometry& g, memory::data_type type, bool bias, Packing a_packing, Packing b_packing,
+              Plan& plan) {
   auto md_for = [&](const MatrixLayout& m, int64_t rows, int64_t cols, Packing packing) {
     const Shape shape = operand_shape(g, m, rows, cols, packing == Packing::Materialize);
     if (packing == Packing::None) {
@@ -234,8 +237,16 @@ bool try_plan(const Geometry& g, memory::data_type type, Packing a_packing, Pack
   if (a_md.is_zero() || b_md.is_zero()) return false;
   const Shape out_shape = operand_shape(g, g.out, g.M, g.N, true);
   const memory::desc out_md = make_md(out_shape, operand_strides(g.out), type);
+  // The bias as a [1, ..., 1, N] tensor: oneDNN broadcasts it over the size-1 dims.
+  memory::desc bias_md;
+  if (bias) {
+    Shape bias_shape(out_shape.size(), 1);
+    bias_shape.back() = g.N;
+    bias_md = make_md(bias_shape, contiguous_strides(bias_shape), type);
+  }
   try {
-    const dnnl::matmul::desc desc(a_md, b_md, out_md);
+    const dnnl::matmul::desc desc = bias ? dnnl::matmul::desc(a_md, b_md, bias_md, out_md)
+                                         : dnnl::matmul::desc(a_md, b_md, out_md);
     const dnnl::matmul::primitive_desc pd(desc, dnnl_engine(), /*allow_empty=*/true);
     if (!pd) return false;
     const std::string impl = pd.impl_info_str();
@@ -247,12 +258,13 @@ bool try_plan(const Geometry& g, memory::data_type type, Packing a_packing, Pack
   plan.a_md = a_md;
   plan.b_md = b_md;
   plan.out_md = out_md;
+  plan.bias_md = bias_md;
   plan.a_packing = a_packing;
   plan.b_packing = b_packing;
   return true;
 }
 
-Plan make_plan(const Geometry& g, DType dtype) {
+Plan make_plan(const Geometry& g, DType dtype, bool bias) {
   // f16 goes through f32; bf16 does too where this CPU has no fast bf16 matmul.
   std::vector<std::pair<DType, bool>> attempts;  // (compute dtype, via_f32)
   if (dtype != DType::F16) attempts.push_back({dtype, false});
@@ -268,7 +280,7 @@ Plan make_plan(const Geometry& g, DType dtype) {
       // Converting to f32 packs anyway, so only packed variants apply.
       if (via_f32 && (a_packing == Packing::None || b_packing == Packing::None)) continue;
       Plan plan;
-      if (try_plan(g, dnnl_type(compute), a_packing, b_packing, plan)) {
+      if (try_plan(g, dnnl_type(compute), bias, a_packing, b_packing, plan)) {
         plan.via_f32 = via_f32;
         return plan;
       }
@@ -288,11 +300,11 @@ struct KeyHash {
 
 // The plan for a geometry, built on first use. Plans are never evicted individually (a model has a handful
 // of shapes); the cache is cleared if it ever grows past kMaxPlans (shapes that change every step).
-std::shared_ptr<const Plan> plan_for(const Geometry& g, DType dtype) {
+std::shared_ptr<const Plan> plan_for(const Geometry& g, DType dtype, bool bias) {
   static std::mutex mutex;
   static std::unordered_map<std::vector<int64_t>, std::shared_ptr<const Plan>, KeyHash> plans;
   constexpr size_t kMaxPlans = 4096;
-  std::vector<int64_t> key = {static_cast<int64_t>(dtype), g.M, g.K, g.N};
+  std::vector<int64_t> key = {static_cast<int64_t>(dtype), bias, g.M, g.K, g.N};
   for (const MatrixLayout* m : {&g.a, &g.b, &g.out}) {
     key.push_back(m->row_stride);
     key.push_back(m->col_stride);
@@ -305,7 +317,7 @@ std::shared_ptr<const Plan> plan_for(const Geometry& g, DType dtype) {
   auto it = plans.find(key);
   if (it != plans.end()) return it->second;
   if (plans.size() >= kMaxPlans) plans.clear();  // callers in flight keep their plan alive
-  auto plan = std::make_shared<const Plan>(make_plan(g, dtype));
+  auto plan = std::make_shared<const Plan>(make_plan(g, dtype, bias));
   plans.emplace(std::move(key), plan);
   return plan;
 }
@@ -324,32 +336,49 @@ Tensor prepare_operand(const Tensor& t, const Geometry& g, const MatrixLayout& m
 
 }  // namespace
 
-void CpuBackend::matmul(const Tensor& a, const Tensor& b, const Tensor& out) {
+void CpuBackend::matmul(const Tensor& a, const Tensor& b, const Tensor& out, const Tensor& bias) {
   // Messages are formatted only on failure (check() would format its arguments on every call).
   if (a.dim() < 2 || a.dim() != b.dim() || a.dim() != out.dim())
     fail("cpu matmul: operands ", a.description(), " x ", b.description(), " -> ", out.description(),
          " must have the same number (>= 2) of dims");
   if (a.dtype() != b.dtype() || a.dtype() != out.dtype())
     fail("cpu matmul: dtypes differ: ", a.description(), " x ", b.description(), " -> ", out.description());
+  const bool has_bias = bias.defined();
+  if (has_bias && (bias.dim() != 1 || bias.size(0) != out.size(-1) || bias.dtype() != out.dtype() ||
+                   !bias.is_contiguous()))
+    fail("cpu matmul: bias ", bias.description(), " must be a contiguous ", dtype_name(out.dtype()), "[",
+         out.size(-1), "] for output ", out.description());
   if (out.numel() == 0) return;
   if (!out.is_contiguous()) fail("cpu matmul: output ", out.description(), " must be contiguous");
-  if (a.size(-1) == 0) {  // an empty sum
-    fill(out, 0);
+  if (a.size(-1) == 0) {  // an empty sum: out = bias (or 0) in every row
+    if (has_bias) {
+      Strides rows(static_cast<size_t>(out.dim()), 0);
+      rows.back() = 1;
+      copy(make_view(bias, out.shape(), rows, bias.offset()), out);
+    } else {
+      fill(out, 0);
+    }
     return;
   }
   const Geometry g = simplify(a, b, out);
   if (a.dtype() == DType::F64) {
-    matmul_f64(g, a.data<double>(), b.data<double>(), out.data<double>());
+    matmul_f64(g, a.data<double>(), b.data<double>(), has_bias ? bias.data<double>() : nullptr,
+               out.data<double>());
     return;
   }
   check(a.dtype() == DType::F32 || is_low_precision(a.dtype()), "cpu matmul: dtype ", dtype_name(a.dtype()),
         " is not supported (expected f32, f16, bf16 or f64)");
 
-  const std::shared_ptr<const Plan> shared_plan = plan_for(g, a.dtype());
+  const std::shared_ptr<const Plan> shared_plan = plan_for(g, a.dtype(), has_bias);
   const Plan& plan = *shared_plan;
   const DType compute = plan.via_f32 ? DType::F32 : a.dtype();
   const Tensor a_in = prepare_operand(a, g, g.a, g.M, g.K, plan.a_packing, compute);
   const Tensor b_in = prepare_operand(b, g, g.b, g.K, g.N, plan.b_packing, compute);
+  Tensor bias_in = bias;
+  if (has_bias && bias.dtype() != compute) {  // via f32: the bias joins the f32 accumulator as f32
+    bias_in = Tensor::empty(bias.shape(), compute, bias.device());
+    copy(bias, bias_in);
+  }
   // Via f32 the result lands in an f32 buffer and is rounded into out once.
   const Tensor out_f32 = plan.via_f32 ? Tensor::empty(out.shape(), DType::F32, out.device()) : Tensor();
   const Tensor& dst = plan.via_f32 ? out_f32 : out;
@@ -357,8 +386,10 @@ void CpuBackend::matmul(const Tensor& a, const Tensor& b, const Tensor& out) {
     memory a_mem(plan.a_md, dnnl_engine(), a_in.data_ptr());
     memory b_mem(plan.b_md, dnnl_engine(), b_in.data_ptr());
     memory out_mem(plan.out_md, dnnl_engine(), dst.data_ptr());
-    plan.primitive.execute(dnnl_stream(),
-                           {{DNNL_ARG_SRC, a_mem}, {DNNL_ARG_WEIGHTS, b_mem}, {DNNL_ARG_DST, out_mem}});
+    std::unordered_map<int, memory> args = {{DNNL_ARG_SRC, a_mem}, {DNNL_ARG_WEIGHTS, b_mem},
+                                            {DNNL_ARG_DST, out_mem}};
+    if (has_bias) args.emplace(DNNL_ARG_BIAS, memory(plan.bias_md, dnnl_engine(), bias_in.data_ptr()));
+    plan.primitive.execute(dnnl_stream(), args);
     dnnl_stream().wait();
   } catch (const dnnl::error& error) {
     fail("cpu matmul: oneDNN failed on ", a.description(), " x ", b.description(), ": ", error.what());
