@@ -1,5 +1,5 @@
-// train_gpt: trains a GPT (nanoGPT's model) on a text file (character level) or a .bin file of uint16 token
-// ids, with checkpoints that resume bit for bit. The training core lives in optim/training.h.
+// train_gpt: trains a GPT (nanoGPT's model) on a text file (character level; any name not ending in .bin) or
+// a .bin file of uint16 token ids, with checkpoints that resume bit for bit. The training core lives in optim/training.h.
 //
 //   train_gpt --data ../shared/data/tinyshakespeare.txt --steps 2000 --save ckpt.safetensors
 //   train_gpt --data ... --resume ckpt.safetensors --steps 4000 --save ckpt.safetensors
@@ -48,7 +48,7 @@ struct Options {
 
 void usage() {
   std::cout <<
-      "usage: train_gpt --data FILE(.txt|.bin) [options]\n"
+      "usage: train_gpt --data FILE (text, or .bin: uint16 token ids) [options]\n"
       "  data:      --vocab-size N (.bin only)\n"
       "  model:     --layers N --heads N --width N --block N --dropout X\n"
       "  training:  --batch N --steps N --lr X --min-lr X --warmup N --optimizer sgd|adam|adamw\n"
@@ -141,7 +141,7 @@ Options parse(int argc, char** argv) {
       fail("train_gpt: unknown option ", flag);
     }
   }
-  check(!o.data.empty(), "train_gpt: --data FILE is required (.txt for characters, .bin for uint16 tokens)");
+  check(!o.data.empty(), "train_gpt: --data FILE is required (a text file for characters, or .bin for uint16 tokens)");
   check(o.init.empty() || o.resume.empty(), "train_gpt: --init and --resume exclude each other");
   check(o.save_every == 0 || !o.save.empty(), "train_gpt: --save-every needs --save FILE");
   if (o.given.count("--min-lr") == 0 && o.train.min_lr > o.train.lr) o.train.min_lr = o.train.lr / 10;

@@ -81,9 +81,8 @@ TokenData char_tokens(const std::string& text) {
 }
 
 TokenData load_token_file(const std::string& path, int64_t vocab_size) {
-  // The name is checked before the file is opened, so a wrong extension is reported as such.
-  check(ends_with(path, ".txt") || ends_with(path, ".bin"), "train_gpt: --data '", path,
-        "' must end in .txt (characters) or .bin (uint16 tokens)");
+  // A name ending in .bin is nanoGPT's token format; any other file is text (fortune files, say, have no
+  // extension at all).
   const std::string bytes = read_file_bytes(path);
   if (ends_with(path, ".bin")) {
     check(vocab_size > 0 && vocab_size <= 65536, "train_gpt: a .bin data file ('", path,
@@ -101,7 +100,8 @@ TokenData load_token_file(const std::string& path, int64_t vocab_size) {
     }
     return data;
   }
-  check(vocab_size == 0, "train_gpt: --vocab-size applies to .bin data only (a .txt vocabulary is its bytes)");
+  check(vocab_size == 0, "train_gpt: --vocab-size applies to .bin data only ('", path,
+        "' is read as text: its vocabulary is its bytes)");
   return char_tokens(bytes);
 }
 

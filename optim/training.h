@@ -42,7 +42,8 @@ struct TokenData {
 
 // Character level: vocabulary = the sorted set of bytes in the file.
 TokenData char_tokens(const std::string& text);
-// .txt -> char_tokens of the file; .bin -> little-endian uint16 ids, each checked < vocab_size (> 0 needed).
+// *.bin -> little-endian uint16 ids, each checked < vocab_size (> 0 needed); any other file (.txt, or a name
+// without extension) -> char_tokens of its bytes.
 TokenData load_token_file(const std::string& path, int64_t vocab_size = 0);
 
 // "vocab" metadata <-> byte list.
