@@ -39,10 +39,12 @@ Tensor rows_contiguous(const Tensor& t) {
   return data.stride(-1) == 1 || data.size(-1) == 1 ? data : data.contiguous();
 }
 
-// Columns [first, first + H*D) of x [B, T, W] (last dim contiguous) as heads [B, H, T, D]:
-// element (b, h, t, d) = x[b, t, first + h*D + d]. A view (no autograd history); no copy.
+// Columns [first, first + H*D) of x [B, T, W] as heads [B, H, T, D]: element (b, h, t, d) =
+// x[b, t, first + h*D + d]. A view (no autograd history); no copy.
 Tensor heads_view(const Tensor& x, int64_t first, int64_t H, int64_t D) {
-  return make_view(x, {x.size(0), H, x.size(1), D}, {x.stride(0), D, x.stride(1), 1}, x.offset() + first);
+  const int64_t s = x.stride(2);  // 1 for what the front end passes (see rows_contiguous)
+  return make_view(x, {x.size(0), H, x.size(1), D}, {x.stride(0), D * s, x.stride(1), s},
+                   x.offset() + first * s);
 }
 
 }  // namespace
