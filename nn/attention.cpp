@@ -14,17 +14,14 @@ CausalSelfAttention::CausalSelfAttention(int64_t n_embd, int64_t n_head, bool bi
 }
 
 Tensor CausalSelfAttention::forward(const Tensor& x) {
-  check(x.defined() && x.dim() == 3 && x.size(2) == n_embd, "CausalSelfAttention: expected x [B, T, ", n_embd,
-        "], got ", x.defined() ? x.description() : std::string("undefined"));
-  const int64_t B = x.size(0), T = x.size(1), C = n_embd, H = n_head, D = C / H;
-  // [B, T, 3C] -> three [B, T, C] views -> [B, T, H, D] -> [B, H, T, D] (strided views; the attention kernel
-  // reads any strides, so no copies here).
-  const std::vector<Tensor> qkv = split(c_attn->forward(x), C, 2);
-  auto heads = [&](const Tensor& t) { return t.view({B, T, H, D}).transpose(1, 2); };
-  const Tensor y = scaled_dot_product_attention(heads(qkv[0]), heads(qkv[1]), heads(qkv[2]));
-  // [B, H, T, D] -> [B, T, H, D] -> [B, T, C] (one copy to make the heads adjacent again).
-  const Tensor merged = y.transpose(1, 2).reshape({B, T, C});
-  return resid_dropout->forward(c_proj->forward(merged));
+  // The message is built only on failure (check() would format its arguments on every call).
+  if (!x.defined() || x.dim() != 3 || x.size(2) != n_embd) [[unlikely]]
+    fail("CausalSelfAttention: expected x [B, T, ", n_embd, "], got ",
+         x.defined() ? x.description() : std::string("undefined"));
+  // c_attn gives q, k, v side by side in [B, T, 3C]; the fused op reads each head in place and returns the
+  // heads merged as [B, T, C] (its backward writes one [B, T, 3C] gradient): no split, transpose or copy.
+  const Tensor y = causal_self_attention(c_attn->forward(x), n_head);
+  return resid_dropout->forward(c_proj->forward(y));
 }
 
 }  // namespace mixtape

@@ -1,7 +1,8 @@
 #pragma once
 // Causal multi-head self-attention as in nanoGPT: one fused projection c_attn [3C, C] whose output rows are
-// q, k, v in that order, heads [B, H, T, D] with D = C / H, the fused causal scaled_dot_product_attention,
-// heads merged back to [B, T, C], output projection c_proj [C, C], and residual dropout.
+// q, k, v in that order, heads [B, H, T, D] with D = C / H, causal attention merged back to [B, T, C] (the
+// fused causal_self_attention op, which reads the heads in place in c_attn's output), output projection
+// c_proj [C, C], and residual dropout.
 //
 // Dropout on the attention probabilities (nanoGPT's attn_dropout) is not applied: the fused kernel never forms
 // them. With dropout = 0 (nanoGPT's default and the fine-tuning setting) the two are identical.

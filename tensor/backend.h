@@ -95,11 +95,15 @@ class Backend {
   // from logits and lse straight into grad_logits; ignored rows get 0. grad_loss is 0-d, loss's dtype.
   virtual void softmax_cross_entropy_backward(const Tensor& grad_loss, const Tensor& logits, const Tensor& targets,
                                               const Tensor& lse, int64_t ignore_index, const Tensor& grad_logits) = 0;
-  // Causal attention over contiguous q, k, v, out [B, H, T, D]: out_i = sum_{j <= i} softmax_j(scale q_i.k_j) v_j.
-  // lse [B, H, T] (f32, f64 for f64) gets each query row's log-sum-exp of scores; memory O(B*H*T*D).
+  // Causal attention over q, k, v, out [B, H, T, D]: out_i = sum_{j <= i} softmax_j(scale q_i.k_j) v_j.
+  // Every [B, H, T, D] operand here needs only its last dim contiguous (B, H, T strides are free: e.g. the
+  // thirds of a fused qkv [B, T, 3C] seen as heads); outputs are written through their strides and must not
+  // overlap. lse [B, H, T] (f32, f64 for f64; contiguous) gets each query row's log-sum-exp of scores;
+  // memory O(B*H*T*D).
   virtual void causal_attention(const Tensor& q, const Tensor& k, const Tensor& v, double scale, const Tensor& out,
                                 const Tensor& lse) = 0;
-  // grad_q/k/v (contiguous [B, H, T, D]) from grad_out, the forward's out and lse; probabilities recomputed.
+  // grad_q/k/v [B, H, T, D] (strided as above) from grad_out, the forward's out and lse; probabilities
+  // recomputed.
   virtual void causal_attention_backward(const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v,
                                          const Tensor& out, const Tensor& lse, double scale, const Tensor& grad_q,
                                          const Tensor& grad_k, const Tensor& grad_v) = 0;

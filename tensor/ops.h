@@ -104,8 +104,15 @@ Tensor dropout(const Tensor& x, double p, Generator& generator, bool training = 
 // targets i32/i64 [...] each in [0, V) or ignore_index. The softmax runs in fp32 (f64 for f64 logits); the
 // result is a 0-d f32 (f64 for f64). When no row counts the loss is 0 and its gradient 0 (not NaN).
 Tensor softmax_cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore_index = -100);
-// Causal self-attention softmax(q k^T / sqrt(D) + mask) v over q, k, v [B, H, T, D] of one dtype (any strides),
-// computed block by block (online softmax): memory O(B*H*T*D), never a [T, T] score matrix.
+// Causal self-attention softmax(q k^T / sqrt(D) + mask) v over q, k, v [B, H, T, D] of one dtype (any
+// strides; read in place when the last dim is contiguous), computed block by block (online softmax): memory
+// O(B*H*T*D), never a [T, T] score matrix. The output is contiguous [B, H, T, D].
 Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v);
+// GPT's multi-head causal self-attention from a fused projection: qkv [B, T, 3C] holds q, k, v in that order
+// along the last dim (nanoGPT's c_attn), each [B, T, C] split into n_head heads of D = C / n_head. Returns
+// [B, T, C], the heads' outputs side by side (what goes into c_proj). Equals scaled_dot_product_attention on
+// the thirds viewed as [B, H, T, D] and merged back, bit for bit, but the kernel reads the heads in qkv and
+// writes them into the [B, T, C] output (and the gradient into one [B, T, 3C]) in place: no copies around it.
+Tensor causal_self_attention(const Tensor& qkv, int64_t n_head);
 
 }  // namespace mixtape

@@ -1,6 +1,8 @@
-// Fused softmax_cross_entropy and causal scaled_dot_product_attention: front ends. The kernels
-// (tensor/cpu/cross_entropy.cpp, tensor/cpu/attention.cpp) see contiguous inputs; the front ends check the
-// arguments, make the inputs so, and record the fused backward kernels.
+// Fused softmax_cross_entropy, causal scaled_dot_product_attention and causal_self_attention: front ends.
+// The cross-entropy kernel (tensor/cpu/cross_entropy.cpp) sees contiguous rows; the attention kernels
+// (tensor/cpu/attention.cpp) read and write [B, H, T, D] heads with any strides but a contiguous head dim, so
+// the attention front ends pass views (a copy only for a strided last dim). The front ends check the
+// arguments and record the fused backward kernels.
 #include <cmath>
 #include <string>
 
@@ -28,6 +30,21 @@ void check_targets_in_range(const Tensor& flat_targets, int64_t V, int64_t ignor
             "; expected 0 <= target < ", V, " or ignore_index ", ignore_index, ")");
     }
   });
+}
+
+// A [B, H, T, D] operand for the attention kernels, which read rows in place: t itself when its head dim is
+// contiguous (whatever the other strides), else a contiguous copy.
+Tensor rows_contiguous(const Tensor& t) {
+  const Tensor data = t.detach();
+  return data.stride(-1) == 1 || data.size(-1) == 1 ? data : data.contiguous();
+}
+
+// Columns [first, first + H*D) of x [B, T, W] as heads [B, H, T, D]: element (b, h, t, d) =
+// x[b, t, first + h*D + d]. A view (no autograd history); no copy.
+Tensor heads_view(const Tensor& x, int64_t first, int64_t H, int64_t D) {
+  const int64_t s = x.stride(2);  // 1 for what the front end passes (see rows_contiguous)
+  return make_view(x, {x.size(0), H, x.size(1), D}, {x.stride(0), D * s, x.stride(1), s},
+                   x.offset() + first * s);
 }
 
 }  // namespace
@@ -93,24 +110,67 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
 
   const Shape& shape = q.shape();
   const double scale = 1.0 / std::sqrt(static_cast<double>(shape[3]));
-  // The qkv split of a fused projection gives strided views: the kernel wants contiguous [B, H, T, D].
-  const Tensor qc = q.detach().contiguous(), kc = k.detach().contiguous(), vc = v.detach().contiguous();
+  // The kernel reads any B, H, T strides (e.g. the qkv split of a fused projection) in place.
+  const Tensor qd = rows_contiguous(q), kd = rows_contiguous(k), vd = rows_contiguous(v);
   Tensor out = Tensor::empty(shape, q.dtype(), q.device());
   const Tensor lse = Tensor::empty({shape[0], shape[1], shape[2]}, stats_dtype(q.dtype()), q.device());
-  backend_of(q).causal_attention(qc, kc, vc, scale, out, lse);
+  backend_of(q).causal_attention(qd, kd, vd, scale, out, lse);
 
   const Tensor out_data = out.detach();  // not `out` itself: the node it gets would own a cycle
   record_backward(op, {q, k, v}, out,
-                  [qc, kc, vc, out_data, lse, scale](const Tensor& g) {
-                    const Tensor gc = g.to(qc.dtype()).contiguous();
-                    Tensor grad_q = Tensor::empty(qc.shape(), qc.dtype(), qc.device());
-                    Tensor grad_k = Tensor::empty(qc.shape(), qc.dtype(), qc.device());
-                    Tensor grad_v = Tensor::empty(qc.shape(), qc.dtype(), qc.device());
-                    backend_of(qc).causal_attention_backward(gc, qc, kc, vc, out_data, lse, scale, grad_q,
+                  [qd, kd, vd, out_data, lse, scale](const Tensor& g) {
+                    const Tensor gd = rows_contiguous(g.to(qd.dtype()));
+                    Tensor grad_q = Tensor::empty(qd.shape(), qd.dtype(), qd.device());
+                    Tensor grad_k = Tensor::empty(qd.shape(), qd.dtype(), qd.device());
+                    Tensor grad_v = Tensor::empty(qd.shape(), qd.dtype(), qd.device());
+                    backend_of(qd).causal_attention_backward(gd, qd, kd, vd, out_data, lse, scale, grad_q,
                                                              grad_k, grad_v);
                     return Grads{grad_q, grad_k, grad_v};
                   },
                   {q, k, v, out});
+  return out;
+}
+
+Tensor causal_self_attention(const Tensor& qkv, int64_t n_head) {
+  const char* op = "causal_self_attention";
+  // Messages are built only on failure: this runs once per layer per step.
+  if (!qkv.defined()) [[unlikely]]
+    fail(op, ": qkv is undefined (expected [B, T, 3C] with q, k, v along the last dim)");
+  if (!is_floating(qkv.dtype())) [[unlikely]]
+    fail(op, ": qkv must be floating (f32, f16, bf16 or f64), got ", qkv.description());
+  if (qkv.dim() != 3) [[unlikely]]
+    fail(op, ": qkv must be [B, T, 3C] (q, k, v along the last dim), got ", qkv.description());
+  if (n_head < 1) [[unlikely]]
+    fail(op, ": n_head must be at least 1, got ", n_head, " (qkv ", qkv.description(), ")");
+  const int64_t width = qkv.size(2);
+  if (width == 0 || width % 3 != 0 || (width / 3) % n_head != 0) [[unlikely]]
+    fail(op, ": the last dim of qkv ", qkv.description(), " is ", width,
+         "; expected 3C (q, k, v) with C a positive multiple of n_head = ", n_head);
+
+  const int64_t B = qkv.size(0), T = qkv.size(1), C = width / 3, H = n_head, D = C / H;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+  // q, k, v are the thirds of qkv seen as heads, read in place (a copy only when the last dim is strided).
+  const Tensor x = rows_contiguous(qkv);
+  Tensor out = Tensor::empty({B, T, C}, qkv.dtype(), qkv.device());
+  const Tensor lse = Tensor::empty({B, H, T}, stats_dtype(qkv.dtype()), qkv.device());
+  // The kernel writes head h of row (b, t) straight to out[b, t, h*D : (h+1)*D]: the heads come out merged.
+  backend_of(qkv).causal_attention(heads_view(x, 0, H, D), heads_view(x, C, H, D), heads_view(x, 2 * C, H, D),
+                                   scale, heads_view(out, 0, H, D), lse);
+
+  const Tensor out_data = out.detach();  // not `out` itself: the node it gets would own a cycle
+  record_backward(op, {qkv}, out,
+                  [x, out_data, lse, scale, C, H, D](const Tensor& g) {
+                    const Tensor gd = rows_contiguous(g.to(x.dtype()));
+                    // One [B, T, 3C] gradient; the kernel writes dq, dk, dv into its thirds.
+                    Tensor grad_qkv = Tensor::empty(x.shape(), x.dtype(), x.device());
+                    backend_of(x).causal_attention_backward(
+                        heads_view(gd, 0, H, D), heads_view(x, 0, H, D), heads_view(x, C, H, D),
+                        heads_view(x, 2 * C, H, D), heads_view(out_data, 0, H, D), lse, scale,
+                        heads_view(grad_qkv, 0, H, D), heads_view(grad_qkv, C, H, D),
+                        heads_view(grad_qkv, 2 * C, H, D));
+                    return Grads{grad_qkv};
+                  },
+                  {qkv, out});
   return out;
 }
 

@@ -1,12 +1,17 @@
 // Causal scaled_dot_product_attention: the streaming kernel against the naive composition (matmul, causal
 // mask, softmax, matmul) up to T = 1024, 16-bit results against f64, gradients against finite differences
-// and against the composition's autograd, the O(T*D) memory claim, and the errors bad shapes raise.
+// and against the composition's autograd, strided (non-contiguous) heads against contiguous ones bit for bit,
+// the O(T*D) memory claim, and the errors bad shapes raise. Then causal_self_attention (heads read in place
+// in a fused [B, T, 3C] qkv): against a plain double reference, bit for bit against the split / view /
+// scaled_dot_product_attention / merge composition it replaces, gradcheck, no copies, and its errors.
 #include <gtest/gtest.h>
 #include <omp.h>
 
 #include <cmath>
 #include <functional>
 #include <limits>
+#include <string>
+#include <tuple>
 #include <vector>
 
 #include "autograd/autograd.h"
@@ -314,4 +319,330 @@ TEST(Attention, RejectsMismatchedShapesDtypesAndHeadDims) {
   const Tensor qi = Tensor::zeros({2, 3, 8, 4}, DType::I32);
   EXPECT_ERROR_MENTIONS(scaled_dot_product_attention(qi, qi, qi), "scaled_dot_product_attention", "floating",
                         "i32[2,3,8,4]");
+}
+
+// ---- strided heads ---------------------------------------------------------------------------------------
+
+namespace {
+
+// The layouts a [B, H, T, D] operand arrives in, each built from its own base tensor holding `values`
+// (contiguous [B, H, T, D]) at the viewed positions.
+enum class Layout { Contiguous, HeadsOfTokens, EveryOtherRow, WideBatchStride, StridedHeadDim };
+
+const char* layout_name(Layout layout) {
+  switch (layout) {
+    case Layout::Contiguous: return "contiguous";
+    case Layout::HeadsOfTokens: return "[B, T, H, D] transposed";
+    case Layout::EveryOtherRow: return "every other row of [B, H, 2T+1, D]";
+    case Layout::WideBatchStride: return "select(1, 1) of [B, 2, H, T, D]";
+    case Layout::StridedHeadDim: return "[B, H, D, T] transposed";
+  }
+  return "";
+}
+
+Tensor in_layout(const Tensor& values, Layout layout) {
+  const int64_t B = values.size(0), H = values.size(1), T = values.size(2), D = values.size(3);
+  switch (layout) {
+    case Layout::Contiguous:
+      return values.clone();
+    case Layout::HeadsOfTokens:  // sB = THD, sH = D, sT = HD: a fused projection's heads
+      return values.transpose(1, 2).contiguous().transpose(1, 2);
+    case Layout::EveryOtherRow: {  // sT = 2D, offset D
+      Tensor base = Tensor::zeros({B, H, 2 * T + 1, D}, values.dtype());
+      Tensor view = base.slice(2, 1, 2 * T + 1, 2);
+      view.copy_(values);
+      return view;
+    }
+    case Layout::WideBatchStride: {  // sB = 2HTD, offset HTD
+      Tensor base = Tensor::zeros({B, 2, H, T, D}, values.dtype());
+      Tensor view = base.select(1, 1);
+      view.copy_(values);
+      return view;
+    }
+    case Layout::StridedHeadDim:  // stride(3) = T: the one layout the front end copies first
+      return values.transpose(2, 3).contiguous().transpose(2, 3);
+  }
+  return values;
+}
+
+}  // namespace
+
+// The kernels address row (b, h, t) through the B, H, T strides and sum in the same order whatever the
+// layout, so every layout of q, k, v and of the incoming gradient gives bitwise the contiguous results. Each
+// dtype and D covers both ways rows are read: in place (f32 with D = 32, f64 with D = 16: whole register
+// tiles, read with their row stride) and through padded fp32 copies (D = 5, and every 16-bit dtype);
+// T = 150 with B*H = 2 also takes the backward's split of key blocks into groups (dq partials stored through
+// strides).
+TEST(Attention, StridedHeadsGiveBitwiseTheContiguousResults) {
+  struct Case {
+    DType dtype;
+    Shape shape;
+  };
+  for (const Case& c : {Case{DType::F32, {2, 2, 70, 32}}, Case{DType::F32, {2, 2, 70, 5}},
+                        Case{DType::F64, {2, 2, 70, 16}}, Case{DType::BF16, {2, 2, 70, 32}},
+                        Case{DType::F16, {2, 2, 70, 8}}, Case{DType::F32, {1, 2, 150, 32}}}) {
+    const Tensor q = uniform_tensor(c.shape, 40, -2, 2, c.dtype);
+    const Tensor k = uniform_tensor(c.shape, 41, -2, 2, c.dtype);
+    const Tensor v = uniform_tensor(c.shape, 42, -1, 1, c.dtype);
+    const Tensor g = uniform_tensor(c.shape, 43, -1, 1, c.dtype);
+    const Tensor out = scaled_dot_product_attention(q, k, v);
+    const Grads3 grads = attention_grads(scaled_dot_product_attention, q, k, v, g);
+    for (Layout layout : {Layout::HeadsOfTokens, Layout::EveryOtherRow, Layout::WideBatchStride,
+                          Layout::StridedHeadDim}) {
+      const std::string what =
+          std::string(dtype_name(c.dtype)) + shape_str(c.shape) + ", " + layout_name(layout);
+      const Tensor qs = in_layout(q, layout), ks = in_layout(k, layout), vs = in_layout(v, layout);
+      ASSERT_NE(qs.strides(), contiguous_strides(qs.shape())) << what;
+      const Tensor strided_out = scaled_dot_product_attention(qs, ks, vs);
+      EXPECT_TRUE(strided_out.is_contiguous()) << what;
+      EXPECT_EQ(strided_out.to_vector<double>(), out.to_vector<double>()) << what;
+      const Grads3 strided = attention_grads(scaled_dot_product_attention, qs, ks, vs, in_layout(g, layout));
+      EXPECT_EQ(strided.q.to_vector<double>(), grads.q.to_vector<double>()) << what;
+      EXPECT_EQ(strided.k.to_vector<double>(), grads.k.to_vector<double>()) << what;
+      EXPECT_EQ(strided.v.to_vector<double>(), grads.v.to_vector<double>()) << what;
+    }
+  }
+}
+
+// The kernel itself writes out and the gradients through their strides: here into the interleaved
+// [B, T, H, D] layout, in place of the default contiguous buffers.
+TEST(Attention, KernelWritesOutputsThroughTheirStrides) {
+  const Shape shape = {2, 3, 70, 32};
+  const Tensor q = uniform_tensor(shape, 44, -2, 2, DType::F32);
+  const Tensor k = uniform_tensor(shape, 45, -2, 2, DType::F32);
+  const Tensor v = uniform_tensor(shape, 46, -1, 1, DType::F32);
+  const Tensor g = uniform_tensor(shape, 47, -1, 1, DType::F32);
+  const double scale = 1.0 / std::sqrt(32.0);
+  cpu::CpuBackend& backend = cpu::cpu_backend();
+  auto interleaved = [&] { return Tensor::zeros({2, 70, 3, 32}).transpose(1, 2); };  // [B, T, H, D] storage
+  const Tensor lse = Tensor::empty({2, 3, 70}), lse_strided = Tensor::empty({2, 3, 70});
+  const Tensor out = Tensor::empty(shape), out_strided = interleaved();
+  backend.causal_attention(q, k, v, scale, out, lse);
+  backend.causal_attention(q, k, v, scale, out_strided, lse_strided);
+  EXPECT_EQ(out_strided.to_vector<double>(), out.to_vector<double>());
+  EXPECT_EQ(lse_strided.to_vector<double>(), lse.to_vector<double>());
+  const Tensor gq = Tensor::empty(shape), gk = Tensor::empty(shape), gv = Tensor::empty(shape);
+  const Tensor gq_s = interleaved(), gk_s = interleaved(), gv_s = interleaved();
+  backend.causal_attention_backward(g, q, k, v, out, lse, scale, gq, gk, gv);
+  backend.causal_attention_backward(g, q, k, v, out, lse, scale, gq_s, gk_s, gv_s);
+  EXPECT_EQ(gq_s.to_vector<double>(), gq.to_vector<double>());
+  EXPECT_EQ(gk_s.to_vector<double>(), gk.to_vector<double>());
+  EXPECT_EQ(gv_s.to_vector<double>(), gv.to_vector<double>());
+}
+
+TEST(Attention, KernelRejectsAStridedHeadDimNamingTheTensorAndItsStrides) {
+  cpu::CpuBackend& backend = cpu::cpu_backend();
+  const Tensor q = Tensor::zeros({1, 2, 8, 4}), lse = Tensor::empty({1, 2, 8});
+  const Tensor strided = Tensor::zeros({1, 2, 4, 8}).transpose(2, 3);  // strides [64,32,1,8]
+  EXPECT_ERROR_MENTIONS(backend.causal_attention(q, strided, q, 0.5, Tensor::empty({1, 2, 8, 4}), lse),
+                        "causal_attention", "k must be f32[1,2,8,4]", "head dim D contiguous",
+                        "strides [64,32,1,8]");
+  EXPECT_ERROR_MENTIONS(backend.causal_attention(q, q, q, 0.5, Tensor::empty({1, 2, 8, 5}), lse),
+                        "causal_attention", "out", "f32[1,2,8,5]", "f32[1,2,8,4]");
+  EXPECT_ERROR_MENTIONS(backend.causal_attention(q, q, q, 0.5, Tensor::empty({1, 2, 8, 4}),
+                                                 Tensor::empty({1, 8, 2}).transpose(1, 2)),
+                        "causal_attention", "lse must be contiguous f32[1,2,8]");
+  EXPECT_ERROR_MENTIONS(backend.causal_attention_backward(strided, q, q, q, q, lse, 0.5, q.clone(), q.clone(),
+                                                          q.clone()),
+                        "causal_attention_backward", "grad_out", "strides [64,32,1,8]");
+  EXPECT_ERROR_MENTIONS(backend.causal_attention_backward(q, q, q, q, q, lse, 0.5, q.clone(), strided,
+                                                          q.clone()),
+                        "causal_attention_backward", "grad_k", "head dim D contiguous");
+}
+
+// ---- causal_self_attention -------------------------------------------------------------------------------
+
+namespace {
+
+// Plain double loops from the definition, indexing qkv [B, T, 3C] directly: head h of token t reads
+// q = qkv[b, t, h*D : (h+1)*D], k at column C + h*D, v at 2C + h*D, and writes out[b, t, h*D : (h+1)*D].
+std::vector<double> reference_self_attention(const Tensor& qkv, int64_t H) {
+  const int64_t B = qkv.size(0), T = qkv.size(1), C = qkv.size(2) / 3, D = C / H;
+  const std::vector<double> x = qkv.contiguous().to_vector<double>();
+  auto at = [&](int64_t b, int64_t t, int64_t part, int64_t h, int64_t d) {
+    return static_cast<long double>(x[(b * T + t) * 3 * C + part * C + h * D + d]);
+  };
+  std::vector<double> out(static_cast<size_t>(B * T * C));
+  const long double scale = 1.0L / std::sqrt(static_cast<long double>(D));
+  std::vector<long double> s(static_cast<size_t>(T));
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t i = 0; i < T; ++i) {
+        long double m = -INFINITY, sum = 0;
+        for (int64_t j = 0; j <= i; ++j) {
+          long double dot = 0;
+          for (int64_t d = 0; d < D; ++d) dot += at(b, i, 0, h, d) * at(b, j, 1, h, d);
+          s[j] = dot * scale;
+          m = std::max(m, s[j]);
+        }
+        for (int64_t j = 0; j <= i; ++j) sum += std::exp(s[j] - m);
+        for (int64_t d = 0; d < D; ++d) {
+          long double o = 0;
+          for (int64_t j = 0; j <= i; ++j) o += std::exp(s[j] - m) / sum * at(b, j, 2, h, d);
+          out[(b * T + i) * C + h * D + d] = static_cast<double>(o);
+        }
+      }
+  return out;
+}
+
+// What CausalSelfAttention computed before the fused op: split qkv into thirds, view each as heads
+// [B, H, T, D], scaled_dot_product_attention, merge the heads back to [B, T, C].
+Tensor attention_through_heads(const Tensor& qkv, int64_t H) {
+  const int64_t B = qkv.size(0), T = qkv.size(1), C = qkv.size(2) / 3, D = C / H;
+  const std::vector<Tensor> parts = split(qkv, C, 2);
+  auto heads = [&](const Tensor& t) { return t.view({B, T, H, D}).transpose(1, 2); };
+  return scaled_dot_product_attention(heads(parts[0]), heads(parts[1]), heads(parts[2]))
+      .transpose(1, 2)
+      .reshape({B, T, C});
+}
+
+// qkv [B, T, 3C] = [q | k | v] with q, k in [-2, 2] and v in [v_low, v_high].
+Tensor make_qkv(int64_t B, int64_t T, int64_t C, uint64_t seed, double v_low, double v_high, DType dtype) {
+  return cat({uniform_tensor({B, T, C}, seed, -2, 2, dtype),  // q
+              uniform_tensor({B, T, C}, seed + 1, -2, 2, dtype),  // k
+              uniform_tensor({B, T, C}, seed + 2, v_low, v_high, dtype)},  // v
+             2);
+}
+
+// Gradient of <g, f(qkv)> with respect to qkv.
+Tensor qkv_grad(const std::function<Tensor(const Tensor&)>& f, const Tensor& qkv, const Tensor& g) {
+  Tensor x = qkv.detach().requires_grad_();
+  backward({f(x)}, {g});
+  return x.grad();
+}
+
+}  // namespace
+
+// Against plain double loops over qkv: f32 and f64 to their accumulation error (as the scaled_dot_product_
+// attention tests: f32 1e-5 relative plus 1e-6 of the output scale; f64 1e-12 relative); 16-bit with v in
+// [1, 2], where every output is a convex combination without cancellation, within 1 ulp (the fp32
+// accumulation error is ~T * 2^-24 relative, far below a 16-bit ulp, then one rounding on store).
+// T = 150 spans three query blocks (one ragged); H = 3 heads of D = 32 (in place for f32 and f64).
+TEST(CausalSelfAttentionOp, MatchesPlainDoubleReferenceInEveryDtype) {
+  const int64_t B = 2, T = 150, H = 3, C = 96;
+  for (DType dtype : {DType::F32, DType::F64, DType::F16, DType::BF16}) {
+    const bool narrow = dtype == DType::F16 || dtype == DType::BF16;
+    const Tensor qkv = make_qkv(B, T, C, 50, narrow ? 1 : -1, narrow ? 2 : 1, dtype);
+    const Tensor out = causal_self_attention(qkv, H);
+    ASSERT_EQ(out.shape(), (Shape{B, T, C}));
+    EXPECT_EQ(out.dtype(), dtype);
+    EXPECT_TRUE(out.is_contiguous());
+    const Tensor exact = Tensor::from_vector(reference_self_attention(qkv, H), {B, T, C}, DType::F64);
+    if (dtype == DType::F32)
+      EXPECT_TRUE(all_close(out, exact, 1e-6 * max_abs(exact), 1e-5));
+    else if (dtype == DType::F64)
+      EXPECT_TRUE(all_close(out, exact, 1e-14, 1e-12));
+    else
+      EXPECT_TRUE(within_ulp(out, exact, 1)) << dtype_name(dtype);
+  }
+}
+
+// The fused op runs the same kernel over the same rows in the same order as the composition it replaces, so
+// the output and the qkv gradient are bitwise equal in every dtype and for either way of reading rows
+// (D = 32: in place for f32 and f64; D = 5: padded copies), including few heads (B*H = 2: the backward's
+// key-block groups) and a non-contiguous incoming gradient.
+TEST(CausalSelfAttentionOp, EqualsTheHeadsCompositionBitwiseForwardAndBackward) {
+  struct Case {
+    int64_t B, T, H, D;
+  };
+  for (DType dtype : {DType::F32, DType::F64, DType::F16, DType::BF16})
+    for (const Case& c : {Case{2, 70, 3, 32}, Case{2, 150, 4, 5}, Case{1, 130, 2, 32}}) {
+      const int64_t C = c.H * c.D;
+      const std::string what = std::string(dtype_name(dtype)) + " B=" + std::to_string(c.B) +
+                               " T=" + std::to_string(c.T) + " H=" + std::to_string(c.H) +
+                               " D=" + std::to_string(c.D);
+      const Tensor qkv = make_qkv(c.B, c.T, C, 60, -1, 1, dtype);
+      const Tensor g = uniform_tensor({c.B, c.T, C}, 63, -1, 1, dtype);
+      const auto fused = [&](const Tensor& x) { return causal_self_attention(x, c.H); };
+      const auto composed = [&](const Tensor& x) { return attention_through_heads(x, c.H); };
+      EXPECT_EQ(fused(qkv).to_vector<double>(), composed(qkv).to_vector<double>()) << what;
+      const Tensor grad = qkv_grad(fused, qkv, g);
+      ASSERT_EQ(grad.shape(), qkv.shape()) << what;
+      EXPECT_EQ(grad.dtype(), dtype) << what;
+      EXPECT_EQ(grad.to_vector<double>(), qkv_grad(composed, qkv, g).to_vector<double>()) << what;
+      // The same gradient arriving as a transposed view (last dim strided: copied once before the kernel).
+      const Tensor g_strided = g.transpose(1, 2).contiguous().transpose(1, 2);
+      EXPECT_EQ(qkv_grad(fused, qkv, g_strided).to_vector<double>(), grad.to_vector<double>()) << what;
+    }
+}
+
+TEST(CausalSelfAttentionOp, GradientsMatchFiniteDifferences) {
+  // Several heads, T not a multiple of anything, D = 3 (padded copies) and D = 16 (f64 rows read in place).
+  using Sizes = std::tuple<int64_t, int64_t, int64_t>;  // T, H, D
+  for (const auto& [T, H, D] : std::vector<Sizes>{{5, 2, 3}, {9, 3, 2}, {6, 2, 16}})
+    expect_gradcheck([H](const std::vector<Tensor>& in) { return causal_self_attention(in[0], H); },
+                     {uniform_tensor({2, T, 3 * H * D}, 70, -1, 1, DType::F64)});
+  // A transposed qkv (last dim strided: copied once) and one sliced along T (read in place with its strides).
+  expect_gradcheck(
+      [](const std::vector<Tensor>& in) { return causal_self_attention(in[0].transpose(1, 2), 2); },
+      {uniform_tensor({2, 12, 7}, 71, -1, 1, DType::F64)});  // [B, 3C, T]
+  expect_gradcheck(
+      [](const std::vector<Tensor>& in) { return causal_self_attention(in[0].slice(1, 1, 8, 2), 2); },
+      {uniform_tensor({2, 9, 12}, 72, -1, 1, DType::F64)});  // every other token of [B, 9, 3C]
+}
+
+// Non-contiguous qkv views give the results of their contiguous copies, bit for bit.
+TEST(CausalSelfAttentionOp, NonContiguousQkvGivesTheContiguousResults) {
+  const int64_t B = 2, T = 70, C = 64, H = 2;
+  const Tensor qkv = make_qkv(B, T, C, 80, -1, 1, DType::F32);
+  const Tensor g = uniform_tensor({B, T, C}, 83, -1, 1, DType::F32);
+  const auto fused = [&](const Tensor& x) { return causal_self_attention(x, H); };
+  const std::vector<double> out = fused(qkv).to_vector<double>();
+  const std::vector<double> grad = qkv_grad(fused, qkv, g).to_vector<double>();
+  Tensor wide = Tensor::zeros({B, 2 * T, 3 * C});  // every other token: sB = 6TC, sT = 6C
+  wide.slice(1, 0, 2 * T, 2).copy_(qkv);
+  const Tensor transposed = qkv.transpose(1, 2).contiguous().transpose(1, 2);  // stride(2) = T
+  for (const Tensor& view : {wide.slice(1, 0, 2 * T, 2), transposed}) {
+    ASSERT_FALSE(view.is_contiguous());
+    EXPECT_EQ(fused(view).to_vector<double>(), out);
+    EXPECT_EQ(qkv_grad(fused, view, g).to_vector<double>(), grad);
+  }
+}
+
+TEST(CausalSelfAttentionOp, EmptyBatchOrSequenceGivesEmptyOutputAndGradient) {
+  for (const Shape& shape : {Shape{0, 5, 12}, Shape{2, 0, 12}}) {
+    Tensor qkv = Tensor::zeros(shape).requires_grad_();
+    const Tensor out = causal_self_attention(qkv, 2);
+    EXPECT_EQ(out.shape(), (Shape{shape[0], shape[1], 4}));
+    backward({out}, {Tensor::zeros(out.shape())});
+    EXPECT_EQ(qkv.grad().shape(), shape);
+  }
+}
+
+// The forward allocates its output, lse and the kernel's k^T scratch (the size of one third of qkv) and
+// nothing else: a single copy of q, k or v (one third each) or of the merged output would exceed the bound.
+// The backward allocates the one [B, T, 3C] gradient plus the kernel's delta ([B, H, T]) and per-thread dq
+// scratch (threads x [T, D] fp32): no copy of qkv, out or the incoming gradient, no zero fill of a gradient
+// assembled from thirds. (qkv.grad is preset, so the engine adds into it instead of copying.) Sizes are
+// multiples of the allocator's 512-byte rounding, so the bounds are exact.
+TEST(CausalSelfAttentionOp, AllocatesNoCopiesOfItsInputsOrOutputs) {
+  const int64_t B = 2, T = 128, C = 128, H = 2, D = 64;
+  Tensor qkv = uniform_tensor({B, T, 3 * C}, 90, -1, 1, DType::F32).requires_grad_();
+  qkv.set_grad(Tensor::zeros(qkv.shape()));
+  const Tensor g = uniform_tensor({B, T, C}, 91, -1, 1, DType::F32);
+  const size_t third = static_cast<size_t>(B * T * C * 4), stats = static_cast<size_t>(B * H * T * 4);
+  Tensor out;
+  const size_t forward_bytes = peak_extra_bytes([&] { out = causal_self_attention(qkv, H); });
+  EXPECT_LE(forward_bytes, third + stats + third) << forward_bytes << " bytes";  // out, lse, k^T
+  const size_t dq = static_cast<size_t>(omp_get_max_threads() * T * D * 4);
+  const size_t backward_bytes = peak_extra_bytes([&] { backward({out}, {g}); });
+  EXPECT_LE(backward_bytes, 3 * third + stats + dq) << backward_bytes << " bytes";
+  EXPECT_EQ(qkv.grad().to_vector<double>(),
+            qkv_grad([&](const Tensor& x) { return causal_self_attention(x, H); }, qkv, g).to_vector<double>());
+}
+
+TEST(CausalSelfAttentionOp, RejectsBadShapesDtypesAndHeadCounts) {
+  const char* op = "causal_self_attention";
+  EXPECT_ERROR_MENTIONS(causal_self_attention(Tensor(), 2), op, "undefined", "[B, T, 3C]");
+  EXPECT_ERROR_MENTIONS(causal_self_attention(Tensor::zeros({2, 4, 12}, DType::I32), 2), op, "floating",
+                        "i32[2,4,12]");
+  EXPECT_ERROR_MENTIONS(causal_self_attention(Tensor::zeros({4, 12}), 2), op, "[B, T, 3C]", "f32[4,12]");
+  EXPECT_ERROR_MENTIONS(causal_self_attention(Tensor::zeros({1, 2, 4, 12}), 2), op, "[B, T, 3C]",
+                        "f32[1,2,4,12]");
+  EXPECT_ERROR_MENTIONS(causal_self_attention(Tensor::zeros({2, 4, 13}), 1), op, "f32[2,4,13]", "3C");
+  EXPECT_ERROR_MENTIONS(causal_self_attention(Tensor::zeros({2, 4, 18}), 4), op, "f32[2,4,18]",
+                        "multiple of n_head = 4");
+  EXPECT_ERROR_MENTIONS(causal_self_attention(Tensor::zeros({2, 4, 0}), 1), op, "f32[2,4,0]", "3C");
+  EXPECT_ERROR_MENTIONS(causal_self_attention(Tensor::zeros({2, 4, 12}), 0), op, "n_head", "0",
+                        "f32[2,4,12]");
 }

@@ -1,6 +1,14 @@
 // Causal scaled-dot-product attention on the CPU, flash-attention style (forward and backward).
 //
-// q, k, v, out are contiguous [B, H, T, D]; each (batch, head) is a [T, D] slice. The [T, T] score matrix is
+// q, k, v, out (and grad_out, grad_q, grad_k, grad_v) are [B, H, T, D] with the head dim D contiguous (stride
+// 1) and any strides sB, sH, sT for the rest: row (b, h, t) is the D values at data + b*sB + h*sH + t*sT.
+// So the three thirds of a fused qkv projection [B, T, 3C], viewed as [B, T, H, D] and transposed to
+// [B, H, T, D] (sB = 3TC, sH = D, sT = 3C), are read in place, and out / grad_qkv are written straight into
+// [B, T, C] / [B, T, 3C] layouts: attention in a GPT needs no copies around it. Outputs must not overlap
+// each other or the inputs. lse [B, H, T] is contiguous. Strides change only where rows are read and
+// written, never an order of summation: strided and contiguous inputs give bitwise the same results.
+//
+// Each (batch, head) is a [T, D] slice. The [T, T] score matrix is
 // never formed. The forward walks a block of kBlockQ query rows over the key blocks at or before its
 // diagonal, keeping per row the running max m, the running sum l and the unnormalised output o in fp32
 // (f64 for f64) — the online softmax:
@@ -18,14 +26,16 @@
 // Every block product is C (+)= A B on fp32 (f64) matrices (product_tiles below): B is row-major with a
 // padded width, so the inner loop runs along contiguous memory, and an 8-row x kTileCols tile of C stays in
 // vector registers over the whole inner dimension. The key block (k^T, v) is reused from cache by every
-// query row of a block. f32 (f64) inputs whose D fills whole tiles are read in place; other dtypes and widths
-// are converted to padded fp32 (f64) rows once per head, never once per block pair.
+// query row of a block. f32 (f64) inputs whose D fills whole tiles are read in place, with their row stride
+// sT as the leading dimension; other dtypes and widths are converted to padded fp32 (f64) rows once per
+// head, never once per block pair.
 #include <omp.h>
 
 #include <algorithm>
 #include <bit>
 #include <cmath>
 #include <limits>
+#include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -102,11 +112,34 @@ void product_tiles(int64_t M, int64_t N, int64_t K, const A* a, int64_t a_rs, in
   }
 }
 
-// dst[r, d] = src[r, d] for r < rows, d < D; columns D..Dp-1 are zero (padding that products read).
+// A [B, H, T, D] operand of the kernels: row (b, h, t) = the D contiguous values at
+// data + b*sB + h*sH + t*sT. Heads are numbered bh = b*H + h.
+template <class T>
+struct Heads {
+  T* data;
+  int64_t H, sB, sH, sT;
+  T* head(int64_t bh) const { return data + (bh / H) * sB + (bh % H) * sH; }  // row (b, h, 0)
+  T* row(int64_t bh, int64_t t) const { return head(bh) + t * sT; }
+};
+
+template <class T>
+Heads<T> heads_of(const Tensor& t) {
+  return {t.data<std::remove_const_t<T>>(), t.size(1), t.stride(0), t.stride(1), t.stride(2)};
+}
+
+// A row-major matrix of A with leading dimension ld (row r at data + r * ld).
+template <class A>
+struct Rows {
+  const A* data;
+  int64_t ld;
+};
+
+// dst[r, d] = src[r * ld_src + d] for r < rows, d < D; columns D..Dp-1 are zero (padding that products read).
 template <class T, class A>
-void load_rows(const T* __restrict src, int64_t rows, int64_t D, A* __restrict dst, int64_t Dp) {
+void load_rows(const T* __restrict src, int64_t ld_src, int64_t rows, int64_t D, A* __restrict dst,
+               int64_t Dp) {
   for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t d = 0; d < D; ++d) dst[r * Dp + d] = convert<A>(src[r * D + d]);
+    for (int64_t d = 0; d < D; ++d) dst[r * Dp + d] = convert<A>(src[r * ld_src + d]);
     for (int64_t d = D; d < Dp; ++d) dst[r * Dp + d] = A(0);
   }
 }
@@ -117,30 +150,48 @@ bool needs_copy(int64_t D, int64_t Dp) {
   return !std::is_same_v<T, A> || D != Dp;
 }
 
-// The [rows, D] rows at src as a row-major [rows, Dp] matrix of A: src itself when it already is one (f32 or
-// f64 with D a multiple of kTileCols), else a converted, zero-padded copy in `buffer`.
+// The [rows, D] rows at src (row stride ld_src) as a row-major matrix of A with Dp columns: src itself, with
+// its own row stride, when it already is one (f32 or f64 with D a multiple of kTileCols), else a converted,
+// zero-padded [rows, Dp] copy in `buffer`.
 template <class T, class A>
-const A* rows_in_acc(const T* src, int64_t rows, int64_t D, int64_t Dp, A* buffer) {
+Rows<A> rows_in_acc(const T* src, int64_t ld_src, int64_t rows, int64_t D, int64_t Dp, A* buffer) {
   if constexpr (std::is_same_v<T, A>)
-    if (D == Dp) return src;
-  load_rows(src, rows, D, buffer, Dp);
-  return buffer;
+    if (D == Dp) return {src, ld_src};
+  load_rows(src, ld_src, rows, D, buffer, Dp);
+  return {buffer, Dp};
 }
 
-// dst[d, c] = src[c, d] for c < cols, zero for cols <= c < ld: keys as the B operand of q k^T.
+// dst[d, c] = src[c * ld_src + d] for c < cols, zero for cols <= c < ld: keys as the B operand of q k^T.
 template <class T, class A>
-void load_transposed(const T* __restrict src, int64_t cols, int64_t D, A* __restrict dst, int64_t ld) {
+void load_transposed(const T* __restrict src, int64_t ld_src, int64_t cols, int64_t D, A* __restrict dst,
+                     int64_t ld) {
   for (int64_t d = 0; d < D; ++d) std::fill(dst + d * ld + cols, dst + (d + 1) * ld, A(0));
   for (int64_t c = 0; c < cols; ++c)
-    for (int64_t d = 0; d < D; ++d) dst[d * ld + c] = convert<A>(src[c * D + d]);
+    for (int64_t d = 0; d < D; ++d) dst[d * ld + c] = convert<A>(src[c * ld_src + d]);
 }
 
 inline DType stats_dtype(DType x) { return x == DType::F64 ? DType::F64 : DType::F32; }
 
+// A [B, H, T, D] operand: the given shape and dtype, the head dim contiguous (any other strides). The
+// message is only built on failure (this runs per layer per step).
 void check_bhtd(const char* op, const char* name, const Tensor& t, const Shape& shape, DType dtype) {
-  // An empty tensor has no layout to get wrong (and is_contiguous() says no for some empty shapes).
-  check(t.defined() && t.shape() == shape && (t.is_contiguous() || t.numel() == 0) && t.dtype() == dtype, op,
-        ": ", name, " must be contiguous ", dtype_name(dtype), shape_str(shape), ", got ", t.description());
+  // An empty tensor (or D = 1) has no layout to get wrong.
+  const bool ok = t.defined() && t.shape() == shape && t.dtype() == dtype &&
+                  (t.stride(3) == 1 || t.size(3) == 1 || t.numel() == 0);
+  if (!ok) [[unlikely]]
+    fail(op, ": ", name, " must be ", dtype_name(dtype), shape_str(shape),
+         " [B, H, T, D] with the head dim D contiguous (stride 1; B, H, T may have any strides), got ",
+         t.defined() ? t.description() : std::string("undefined"), " with strides ",
+         t.defined() ? shape_str(t.strides()) : std::string("[]"));
+}
+
+// lse and delta: contiguous [B, H, T] statistics.
+void check_stats(const char* op, const Tensor& lse, const Shape& shape, DType dtype) {
+  const bool ok = lse.defined() && lse.shape() == shape && lse.dtype() == dtype &&
+                  (lse.is_contiguous() || lse.numel() == 0);
+  if (!ok) [[unlikely]]
+    fail(op, ": lse must be contiguous ", dtype_name(dtype), shape_str(shape), ", got ",
+         lse.defined() ? lse.description() : std::string("undefined"));
 }
 
 // Run a loop in parallel only when it has enough work to pay for waking the threads.
@@ -160,13 +211,14 @@ inline int64_t visible_keys(int64_t i, int64_t j0, int64_t cols) {
 void CpuBackend::causal_attention(const Tensor& q, const Tensor& k, const Tensor& v, double scale,
                                   const Tensor& out, const Tensor& lse) {
   const char* op = "causal_attention";
-  check(q.dim() == 4, op, ": q must be [B, H, T, D], got ", q.description());
+  if (!q.defined() || q.dim() != 4) [[unlikely]]
+    fail(op, ": q must be [B, H, T, D], got ", q.defined() ? q.description() : std::string("undefined"));
   const int64_t B = q.shape()[0], H = q.shape()[1], T = q.shape()[2], D = q.shape()[3];
   check_bhtd(op, "q", q, q.shape(), q.dtype());
   check_bhtd(op, "k", k, q.shape(), q.dtype());
   check_bhtd(op, "v", v, q.shape(), q.dtype());
   check_bhtd(op, "out", out, q.shape(), q.dtype());
-  check_bhtd(op, "lse", lse, {B, H, T}, stats_dtype(q.dtype()));
+  check_stats(op, lse, {B, H, T}, stats_dtype(q.dtype()));
   dispatch_float(q.dtype(), op, [&]<typename T_>() {
     using A = acc_t<T_>;
     const int64_t Dp = round_up(std::max<int64_t>(D, 1), kTileCols<A>);  // padded width of row-major tiles
@@ -174,14 +226,13 @@ void CpuBackend::causal_attention(const Tensor& q, const Tensor& k, const Tensor
     const int64_t tasks = BH * query_blocks;
     const bool parallel = worth_parallel(tasks, BH, T, D);
     const A scale_a = static_cast<A>(scale);
-    const T_* qp = q.data<T_>();
-    const T_* kp = k.data<T_>();
-    const T_* vp = v.data<T_>();
-    T_* op_ = out.data<T_>();
+    const Heads<const T_> qh = heads_of<const T_>(q), kh = heads_of<const T_>(k), vh = heads_of<const T_>(v);
+    const Heads<T_> oh = heads_of<T_>(out);
     A* lse_out = lse.data<A>();
     // Every query block of a head reads all the head's earlier key blocks, so k and v are prepared once up
     // front: k^T as [BH, D, Tp] (keys padded to whole blocks with zeros: score tiles are kBlockK wide) and v
-    // as [BH * T, Dp] (v itself when it already is that). At most twice the input's size; freed on return.
+    // as [BH * T, Dp] (or v itself, in place, when its rows already are that). At most twice the input's
+    // size; freed on return.
     const int64_t Tp = round_up(T, kBlockK);
     const Tensor kt_tensor = Tensor::empty({BH * D * Tp}, dtype_of<A>::value);
     const bool copy_v = needs_copy<T_, A>(D, Dp);
@@ -190,11 +241,14 @@ void CpuBackend::causal_attention(const Tensor& q, const Tensor& k, const Tensor
     A* vs_copy = vs_tensor.data<A>();
 #pragma omp parallel for schedule(static) if (parallel)
     for (int64_t bh = 0; bh < BH; ++bh) {
-      load_transposed(kp + bh * T * D, T, D, kt_all + bh * D * Tp, Tp);
-      if (copy_v) load_rows(vp + bh * T * D, T, D, vs_copy + bh * T * Dp, Dp);
+      load_transposed(kh.head(bh), kh.sT, T, D, kt_all + bh * D * Tp, Tp);
+      if (copy_v) load_rows(vh.head(bh), vh.sT, T, D, vs_copy + bh * T * Dp, Dp);
     }
-    const A* vs_all =
-        copy_v ? vs_copy : rows_in_acc(vp, BH * T, D, Dp, vs_copy);  // the latter copies nothing
+    // Head bh's v as a [T, Dp] matrix of A.
+    auto v_rows = [&](int64_t bh) -> Rows<A> {
+      if (copy_v) return {vs_copy + bh * T * Dp, Dp};
+      return rows_in_acc(vh.head(bh), vh.sT, T, D, Dp, static_cast<A*>(nullptr));  // in place: no copy
+    };
 #pragma omp parallel if (parallel)
     {
       std::vector<A> q_copy(needs_copy<T_, A>(D, Dp) ? kBlockQ * Dp : 0);
@@ -204,16 +258,17 @@ void CpuBackend::causal_attention(const Tensor& q, const Tensor& k, const Tensor
       for (int64_t task = 0; task < tasks; ++task) {
         const int64_t qb = query_blocks - 1 - task / BH, bh = task % BH;
         const int64_t i0 = qb * kBlockQ, rows = std::min(kBlockQ, T - i0);
-        const A* qs = rows_in_acc(qp + (bh * T + i0) * D, rows, D, Dp, q_copy.data());
+        const Rows<A> qs = rows_in_acc(qh.row(bh, i0), qh.sT, rows, D, Dp, q_copy.data());
+        const Rows<A> vr = v_rows(bh);
         std::fill(o.begin(), o.end(), A(0));
         std::fill(m.begin(), m.end(), -std::numeric_limits<A>::infinity());
         std::fill(l.begin(), l.end(), A(0));
         for (int64_t j0 = 0; j0 < i0 + rows; j0 += kBlockK) {
           const int64_t cols = std::min({kBlockK, T - j0, i0 + rows - j0});
-          const A* kt = kt_all + bh * D * Tp + j0;    // [D, kBlockK] block of k^T, row stride Tp
-          const A* vs = vs_all + (bh * T + j0) * Dp;  // [cols, Dp] block of v
+          const A* kt = kt_all + bh * D * Tp + j0;  // [D, kBlockK] block of k^T, row stride Tp
+          const A* vs = vr.data + j0 * vr.ld;       // [cols, Dp] block of v, row stride vr.ld
           // s = q k^T for the block (scaled below).
-          product_tiles<false>(rows, kBlockK, D, qs, Dp, 1, kt, Tp, s.data(), kBlockK);
+          product_tiles<false>(rows, kBlockK, D, qs.data, qs.ld, 1, kt, Tp, s.data(), kBlockK);
           // Online softmax: turn each row of s into e^(scale s - m') in place (0 where the mask hides a key).
           for (int64_t r = 0; r < rows; ++r) {
             A* sr = s.data() + r * kBlockK;
@@ -242,12 +297,12 @@ void CpuBackend::causal_attention(const Tensor& q, const Tensor& k, const Tensor
             m[r] = m_new;
           }
           // o += p v
-          product_tiles<true>(rows, Dp, cols, s.data(), kBlockK, 1, vs, Dp, o.data(), Dp);
+          product_tiles<true>(rows, Dp, cols, s.data(), kBlockK, 1, vs, vr.ld, o.data(), Dp);
         }
         for (int64_t r = 0; r < rows; ++r) {
           // Row i sees key 0 at least, so l >= 1 (the max term is e^0) and the division is safe.
           const A inv_l = A(1) / l[r];
-          T_* dst = op_ + (bh * T + i0 + r) * D;
+          T_* dst = oh.row(bh, i0 + r);
           for (int64_t d = 0; d < D; ++d) dst[d] = convert<T_>(o[r * Dp + d] * inv_l);
           lse_out[bh * T + i0 + r] = m[r] + std::log(l[r]);
         }
@@ -263,7 +318,8 @@ void CpuBackend::causal_attention_backward(const Tensor& grad_out, const Tensor&
                                            double scale, const Tensor& grad_q, const Tensor& grad_k,
                                            const Tensor& grad_v) {
   const char* op = "causal_attention_backward";
-  check(q.dim() == 4, op, ": q must be [B, H, T, D], got ", q.description());
+  if (!q.defined() || q.dim() != 4) [[unlikely]]
+    fail(op, ": q must be [B, H, T, D], got ", q.defined() ? q.description() : std::string("undefined"));
   const int64_t B = q.shape()[0], H = q.shape()[1], T = q.shape()[2], D = q.shape()[3];
   for (const auto& [name, t] : {std::pair<const char*, const Tensor&>{"grad_out", grad_out},
                                 {"q", q},
@@ -274,20 +330,15 @@ void CpuBackend::causal_attention_backward(const Tensor& grad_out, const Tensor&
                                 {"grad_k", grad_k},
                                 {"grad_v", grad_v}})
     check_bhtd(op, name, t, q.shape(), q.dtype());
-  check_bhtd(op, "lse", lse, {B, H, T}, stats_dtype(q.dtype()));
+  check_stats(op, lse, {B, H, T}, stats_dtype(q.dtype()));
   dispatch_float(q.dtype(), op, [&]<typename T_>() {
     using A = acc_t<T_>;
     const int64_t Dp = round_up(std::max<int64_t>(D, 1), kTileCols<A>);
     const int64_t BH = B * H, key_blocks = (T + kBlockK - 1) / kBlockK;
-    const T_* qp = q.data<T_>();
-    const T_* kp = k.data<T_>();
-    const T_* vp = v.data<T_>();
-    const T_* gop = grad_out.data<T_>();
-    const T_* outp = out.data<T_>();
+    const Heads<const T_> qh = heads_of<const T_>(q), kh = heads_of<const T_>(k), vh = heads_of<const T_>(v);
+    const Heads<const T_> goh = heads_of<const T_>(grad_out), oh = heads_of<const T_>(out);
+    const Heads<T_> gqh = heads_of<T_>(grad_q), gkh = heads_of<T_>(grad_k), gvh = heads_of<T_>(grad_v);
     const A* lse_in = lse.data<A>();
-    T_* gqp = grad_q.data<T_>();
-    T_* gkp = grad_k.data<T_>();
-    T_* gvp = grad_v.data<T_>();
     const A scale_a = static_cast<A>(scale);
 
     // A task is one head's key blocks kb = group, group + groups, ... With few heads, each head's key
@@ -305,12 +356,15 @@ void CpuBackend::causal_attention_backward(const Tensor& grad_out, const Tensor&
     const Tensor delta_tensor = Tensor::empty({BH * T}, dtype_of<A>::value);
     A* delta = delta_tensor.data<A>();
 #pragma omp parallel for schedule(static) if (parallel)
-    for (int64_t i = 0; i < BH * T; ++i) {
-      A sum = 0;
+    for (int64_t bh = 0; bh < BH; ++bh)
+      for (int64_t i = 0; i < T; ++i) {
+        const T_* gor = goh.row(bh, i);
+        const T_* outr = oh.row(bh, i);
+        A sum = 0;
 #pragma omp simd reduction(+ : sum)
-      for (int64_t d = 0; d < D; ++d) sum += convert<A>(gop[i * D + d]) * convert<A>(outp[i * D + d]);
-      delta[i] = sum;
-    }
+        for (int64_t d = 0; d < D; ++d) sum += convert<A>(gor[d]) * convert<A>(outr[d]);
+        delta[bh * T + i] = sum;
+      }
     // fp32 [T, Dp] dq accumulators: one per thread (stored at the end of each task) when groups == 1, else
     // one per task. When q, do and k are not already [T, Dp] matrices of A, each thread also converts its
     // head's q, do and k once per task (three [T, Dp] copies per thread).
@@ -328,27 +382,26 @@ void CpuBackend::causal_attention_backward(const Tensor& grad_out, const Tensor&
 #pragma omp for schedule(dynamic, 1)
       for (int64_t task = 0; task < tasks; ++task) {
         const int64_t bh = task / groups, group = task % groups;
-        const int64_t head = bh * T * D;
-        const A* qh = rows_in_acc(qp + head, T, D, Dp, copies);
-        const A* doh = rows_in_acc(gop + head, T, D, Dp, copy ? copies + T * Dp : nullptr);
-        const A* kh = rows_in_acc(kp + head, T, D, Dp, copy ? copies + 2 * T * Dp : nullptr);
+        const Rows<A> qm = rows_in_acc(qh.head(bh), qh.sT, T, D, Dp, copies);
+        const Rows<A> dom = rows_in_acc(goh.head(bh), goh.sT, T, D, Dp, copy ? copies + T * Dp : nullptr);
+        const Rows<A> km = rows_in_acc(kh.head(bh), kh.sT, T, D, Dp, copy ? copies + 2 * T * Dp : nullptr);
         A* dq = dq_all + (groups == 1 ? omp_get_thread_num() : task) * T * Dp;
         std::fill(dq, dq + T * Dp, A(0));
         for (int64_t kb = group; kb < key_blocks; kb += groups) {
           const int64_t j0 = kb * kBlockK, cols = std::min(kBlockK, T - j0);
-          load_transposed(kp + head + j0 * D, cols, D, kt.data(), kBlockK);
-          load_transposed(vp + head + j0 * D, cols, D, vt.data(), kBlockK);
+          load_transposed(kh.row(bh, j0), kh.sT, cols, D, kt.data(), kBlockK);
+          load_transposed(vh.row(bh, j0), vh.sT, cols, D, vt.data(), kBlockK);
           std::fill(dk.begin(), dk.end(), A(0));
           std::fill(dv.begin(), dv.end(), A(0));
           // Query blocks that see this key block: those ending at or after j0.
           for (int64_t i0 = j0 / kBlockQ * kBlockQ; i0 < T; i0 += kBlockQ) {
             const int64_t rows = std::min(kBlockQ, T - i0);
-            const A* qs = qh + i0 * Dp;
-            const A* dos = doh + i0 * Dp;
+            const A* qs = qm.data + i0 * qm.ld;
+            const A* dos = dom.data + i0 * dom.ld;
             // p = e^(scale q k^T - lse) (0 where masked): the forward's probabilities, recomputed.
-            product_tiles<false>(rows, kBlockK, D, qs, Dp, 1, kt.data(), kBlockK, p.data(), kBlockK);
+            product_tiles<false>(rows, kBlockK, D, qs, qm.ld, 1, kt.data(), kBlockK, p.data(), kBlockK);
             // dp = do v^T
-            product_tiles<false>(rows, kBlockK, D, dos, Dp, 1, vt.data(), kBlockK, ds.data(), kBlockK);
+            product_tiles<false>(rows, kBlockK, D, dos, dom.ld, 1, vt.data(), kBlockK, ds.data(), kBlockK);
             for (int64_t r = 0; r < rows; ++r) {
               const int64_t i = i0 + r, n = visible_keys(i, j0, cols);
               const A row_lse = lse_in[bh * T + i], row_delta = delta[bh * T + i];
@@ -363,19 +416,25 @@ void CpuBackend::causal_attention_backward(const Tensor& grad_out, const Tensor&
               std::fill(dsr + n, dsr + kBlockK, A(0));
             }
             // dv += p^T do;  dk += ds^T q;  dq += ds k  (dk and dq are scaled on store)
-            product_tiles<true>(cols, Dp, rows, p.data(), 1, kBlockK, dos, Dp, dv.data(), Dp);
-            product_tiles<true>(cols, Dp, rows, ds.data(), 1, kBlockK, qs, Dp, dk.data(), Dp);
-            product_tiles<true>(rows, Dp, cols, ds.data(), kBlockK, 1, kh + j0 * Dp, Dp, dq + i0 * Dp, Dp);
+            product_tiles<true>(cols, Dp, rows, p.data(), 1, kBlockK, dos, dom.ld, dv.data(), Dp);
+            product_tiles<true>(cols, Dp, rows, ds.data(), 1, kBlockK, qs, qm.ld, dk.data(), Dp);
+            product_tiles<true>(rows, Dp, cols, ds.data(), kBlockK, 1, km.data + j0 * km.ld, km.ld,
+                                dq + i0 * Dp, Dp);
           }
-          for (int64_t c = 0; c < cols; ++c)
+          for (int64_t c = 0; c < cols; ++c) {
+            T_* gk = gkh.row(bh, j0 + c);
+            T_* gv = gvh.row(bh, j0 + c);
             for (int64_t d = 0; d < D; ++d) {
-              gkp[head + (j0 + c) * D + d] = convert<T_>(scale_a * dk[c * Dp + d]);
-              gvp[head + (j0 + c) * D + d] = convert<T_>(dv[c * Dp + d]);
+              gk[d] = convert<T_>(scale_a * dk[c * Dp + d]);
+              gv[d] = convert<T_>(dv[c * Dp + d]);
             }
+          }
         }
         if (groups == 1)
-          for (int64_t i = 0; i < T; ++i)
-            for (int64_t d = 0; d < D; ++d) gqp[head + i * D + d] = convert<T_>(scale_a * dq[i * Dp + d]);
+          for (int64_t i = 0; i < T; ++i) {
+            T_* gq = gqh.row(bh, i);
+            for (int64_t d = 0; d < D; ++d) gq[d] = convert<T_>(scale_a * dq[i * Dp + d]);
+          }
       }
     }
     if (groups > 1) {
@@ -383,10 +442,11 @@ void CpuBackend::causal_attention_backward(const Tensor& grad_out, const Tensor&
 #pragma omp parallel for schedule(static) if (parallel)
       for (int64_t row = 0; row < BH * T; ++row) {
         const int64_t bh = row / T, i = row % T;
+        T_* gq = gqh.row(bh, i);
         for (int64_t d = 0; d < D; ++d) {
           A sum = 0;
           for (int64_t g = 0; g < groups; ++g) sum += dq_all[((bh * groups + g) * T + i) * Dp + d];
-          gqp[row * D + d] = convert<T_>(scale_a * sum);
+          gq[d] = convert<T_>(scale_a * sum);
         }
       }
     }
