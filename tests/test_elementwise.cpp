@@ -330,6 +330,29 @@ TEST(UnaryOps, F32GeluIsWithinOneUlpOfTheExactValue) {
               }), 1));
 }
 
+TEST(UnaryGrad, F32GeluDerivativeIsWithinOneUlpPlusTheErfcFitError) {
+  // The f32 backward computes Phi(x) + x phi(x) in double (erfc_and_gaussian shares e^(-x^2/2) between the
+  // two terms) and rounds once. Its only error beyond that rounding is erfc's relative 2e-10, i.e. an
+  // absolute 2e-10 * (Phi(x) + |x| phi(x)): invisible except where the two terms cancel, around the
+  // derivative's zero at x = -0.7518, where it is tens of ulps of a tiny result. So the bound is one ulp
+  // plus 3e-10 times the sum of the terms' magnitudes.
+  const Tensor x = uniform({100000}, -12, 12, DType::F32, 23);
+  Tensor xg = x.detach().requires_grad_();
+  backward({sum(gelu(xg))});
+  const std::vector<double> xs = x.to_vector<double>(), got = xg.grad().to_vector<double>();
+  int bad = 0;
+  for (size_t i = 0; i < xs.size(); ++i) {
+    const long double y = xs[i], cdf = erfcl(-y / kSqrt2) / 2, xpdf = y * expl(-y * y / 2) / sqrtl(2 * kPi);
+    const double want = static_cast<double>(cdf + xpdf);
+    const float magnitude = std::fabs(static_cast<float>(want));
+    const double ulp = std::nextafter(magnitude, INFINITY) - magnitude;
+    const double bound = ulp + 3e-10 * static_cast<double>(cdf + fabsl(xpdf));
+    if (std::fabs(got[i] - want) > bound && bad++ < 5)
+      ADD_FAILURE() << "x = " << xs[i] << ": got " << got[i] << ", exact " << want << " (bound " << bound << ")";
+  }
+  EXPECT_EQ(bad, 0);
+}
+
 TEST(UnaryOps, NonContiguousInputsGiveTheSameValues) {
   for (DType dtype : kFloatDtypes) {
     SCOPED_TRACE(dtype_name(dtype));

@@ -146,10 +146,10 @@ A gelu_erf_derivative(A x) {
 }
 
 [[gnu::always_inline]] inline float gelu_erf_derivative(float x) {
+  // phi(x) = e^(-x^2/2) / sqrt(2 pi) = e^(-z^2) / sqrt(2 pi) with z = -x / sqrt2: erfc's own Gaussian.
   const double xd = x;
-  const double cdf = 0.5 * erfc_of_float(-xd * (std::numbers::sqrt2 / 2));
-  const double pdf = exp_nonpositive(-0.5 * xd * xd) * (0.5 * std::numbers::inv_sqrtpi * std::numbers::sqrt2);
-  return static_cast<float>(cdf + xd * pdf);
+  const auto [erfc, gaussian] = erfc_and_gaussian(-xd * (std::numbers::sqrt2 / 2));
+  return static_cast<float>(0.5 * erfc + xd * gaussian * (0.5 * std::numbers::inv_sqrtpi * std::numbers::sqrt2));
 }
 
 // d/dx x sigmoid(x) = s + x s (1 - s).

@@ -67,7 +67,12 @@ inline double fast_exp(double x) { return std::exp(x); }
 // erfc(z) e^(z^2) (1 + z/2) on z in [0, 10.5]; the idea of the variable t is Numerical Recipes' erfcc, whose
 // own 10-term formula is only good to 1.2e-7. z^2 is exact in double when z is a float. Beyond z = 10.5,
 // erfc(z) < 1e-49 and the result is 0; for z < 0, erfc(z) = 2 - erfc(-z). NaN stays NaN.
-[[gnu::always_inline]] inline double erfc_of_float(double z) {
+// erfc_and_gaussian also returns the e^(-z^2) it computed on the way (GELU's derivative needs both).
+struct ErfcAndGaussian {
+  double erfc, gaussian;
+};
+
+[[gnu::always_inline]] inline ErfcAndGaussian erfc_and_gaussian(double z) {
   const double a = z < 0 ? -z : z;
   const double t = 1.0 / (1.0 + 0.5 * a);
   double g = -0.00995666089534071;
@@ -83,8 +88,11 @@ inline double fast_exp(double x) { return std::exp(x); }
   g = g * t + 0.24794189607431485;
   g = g * t + 0.2820174409407522;
   g = g * t + 0.2820971720880584;
-  const double tail = a > 10.5 ? 0.0 : exp_nonpositive(-a * a) * t * g;
-  return z < 0 ? 2.0 - tail : tail;
+  const double gaussian = exp_nonpositive(-a * a);
+  const double tail = a > 10.5 ? 0.0 : gaussian * t * g;
+  return {z < 0 ? 2.0 - tail : tail, gaussian};
 }
+
+[[gnu::always_inline]] inline double erfc_of_float(double z) { return erfc_and_gaussian(z).erfc; }
 
 }  // namespace mixtape::cpu
