@@ -62,6 +62,17 @@ inline uint16_t float_to_bf16_bits(float value) {
   return static_cast<uint16_t>((bits + 0x7fffu + odd) >> 16);
 }
 
+// ---- tf32 (NVIDIA TensorFloat-32: fp32's 8-bit exponent, 10 of its 23 mantissa bits) -------------------
+// float -> the nearest tf32 value, ties to even, kept in a float (the low 13 mantissa bits zero): what a TF32
+// tensor-core matmul does to its inputs. Like bf16, a carry may bump the exponent, and the largest finite
+// floats round to Inf; subnormals round at the same bit; NaN stays NaN (quiet), Inf stays Inf.
+inline float round_to_tf32(float value) {
+  const uint32_t bits = std::bit_cast<uint32_t>(value);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return std::bit_cast<float>(bits | 0x400000u);  // quiet NaN
+  const uint32_t odd = (bits >> 13) & 1u;
+  return std::bit_cast<float>((bits + 0x0fffu + odd) & ~0x1fffu);
+}
+
 inline float bf16_bits_to_float(uint16_t bf16) {
   uint32_t bits = static_cast<uint32_t>(bf16) << 16;
   if ((bits & 0x7fffffffu) > 0x7f800000u) bits |= 0x400000u;  // NaN made quiet

@@ -342,7 +342,8 @@ TEST(UnaryGrad, F32GeluDerivativeIsWithinOneUlpPlusTheErfcFitError) {
   const std::vector<double> xs = x.to_vector<double>(), got = xg.grad().to_vector<double>();
   int bad = 0;
   for (size_t i = 0; i < xs.size(); ++i) {
-    const long double y = xs[i], cdf = erfcl(-y / kSqrt2) / 2, xpdf = y * expl(-y * y / 2) / sqrtl(2 * kPi);
+    const long double y = xs[i], cdf = erfcl(-y / kSqrt2) / 2;
+    const long double xpdf = y * expl(-y * y / 2) / sqrtl(2 * kPi);
     const double want = static_cast<double>(cdf + xpdf);
     const float magnitude = std::fabs(static_cast<float>(want));
     const double ulp = std::nextafter(magnitude, INFINITY) - magnitude;

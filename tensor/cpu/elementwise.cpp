@@ -149,7 +149,8 @@ A gelu_erf_derivative(A x) {
   // phi(x) = e^(-x^2/2) / sqrt(2 pi) = e^(-z^2) / sqrt(2 pi) with z = -x / sqrt2: erfc's own Gaussian.
   const double xd = x;
   const auto [erfc, gaussian] = erfc_and_gaussian(-xd * (std::numbers::sqrt2 / 2));
-  return static_cast<float>(0.5 * erfc + xd * gaussian * (0.5 * std::numbers::inv_sqrtpi * std::numbers::sqrt2));
+  constexpr double kInvSqrt2Pi = 0.5 * std::numbers::inv_sqrtpi * std::numbers::sqrt2;
+  return static_cast<float>(0.5 * erfc + xd * gaussian * kInvSqrt2Pi);
 }
 
 // d/dx x sigmoid(x) = s + x s (1 - s).

@@ -2,10 +2,10 @@
 // Vectorisable transcendental functions for the kernels' hot loops. glibc's expf and erfcf do not vectorise
 // here and cost 3x (exp) to 10x (erfc) more per element.
 //
-// fast_exp(float): exp for the kernels' hot loops (softmax, attention): a branch-free float version the compiler vectorises,
-// within 1 ulp of the correctly rounded exp on [-87, 88]; below -87 it returns exactly 0 (so a masked -inf
-// entry gives 0), inputs above 88 are clamped (callers pass x - max <= 0), and NaN stays NaN. glibc's expf does not
-// vectorise here and costs about 3x more. f64 keeps std::exp: it is the reference dtype.
+// fast_exp(float), for softmax and attention: a branch-free float exp the compiler vectorises, within 1 ulp
+// of the correctly rounded exp on [-87, 88]; below -87 it returns exactly 0 (so a masked -inf entry gives
+// 0), inputs above 88 are clamped (callers pass x - max <= 0), and NaN stays NaN. f64 keeps std::exp: it is
+// the reference dtype.
 #include <bit>
 #include <cmath>
 #include <cstdint>

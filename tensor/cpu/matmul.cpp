@@ -13,6 +13,8 @@
 //      descriptor, which oneDNN broadcasts itself.
 // A bias [N] (a linear layer's) is oneDNN's bias argument, broadcast over every other dim and added in the
 // f32 accumulator before the one rounding to out; the f64 loop starts each output row from it.
+// With allow_tf32() (tensor/precision.h) an f32 product packs both operands and rounds the packed copies to
+// tf32 (10 mantissa bits, nearest even) before oneDNN's f32 product: the numerics of a TF32 tensor core.
 // When oneDNN cannot take a layout (or would only offer its slow reference implementation) the operands are
 // packed into contiguous buffers instead. The decision and the primitive are cached per geometry, so a
 // training loop builds each primitive once.
@@ -28,6 +30,8 @@
 
 #include "tensor/cpu/cpu_backend.h"
 #include "tensor/cpu/strided.h"
+#include "tensor/half.h"
+#include "tensor/precision.h"
 
 namespace mixtape::cpu {
 
@@ -264,7 +268,7 @@ bool try_plan(const Geometry& g, memory::data_type type, bool bias, Packing a_pa
   return true;
 }
 
-Plan make_plan(const Geometry& g, DType dtype, bool bias) {
+Plan make_plan(const Geometry& g, DType dtype, bool bias, bool tf32) {
   // f16 goes through f32; bf16 does too where this CPU has no fast bf16 matmul.
   std::vector<std::pair<DType, bool>> attempts;  // (compute dtype, via_f32)
   if (dtype != DType::F16) attempts.push_back({dtype, false});
@@ -277,8 +281,8 @@ Plan make_plan(const Geometry& g, DType dtype, bool bias) {
                                                   {Packing::Materialize, Packing::Materialize}};
   for (const auto& [compute, via_f32] : attempts) {
     for (const auto& [a_packing, b_packing] : packings) {
-      // Converting to f32 packs anyway, so only packed variants apply.
-      if (via_f32 && (a_packing == Packing::None || b_packing == Packing::None)) continue;
+      // Converting to f32 (or rounding to tf32) packs anyway, so only packed variants apply.
+      if ((via_f32 || tf32) && (a_packing == Packing::None || b_packing == Packing::None)) continue;
       Plan plan;
       if (try_plan(g, dnnl_type(compute), bias, a_packing, b_packing, plan)) {
         plan.via_f32 = via_f32;
@@ -300,11 +304,11 @@ struct KeyHash {
 
 // The plan for a geometry, built on first use. Plans are never evicted individually (a model has a handful
 // of shapes); the cache is cleared if it ever grows past kMaxPlans (shapes that change every step).
-std::shared_ptr<const Plan> plan_for(const Geometry& g, DType dtype, bool bias) {
+std::shared_ptr<const Plan> plan_for(const Geometry& g, DType dtype, bool bias, bool tf32) {
   static std::mutex mutex;
   static std::unordered_map<std::vector<int64_t>, std::shared_ptr<const Plan>, KeyHash> plans;
   constexpr size_t kMaxPlans = 4096;
-  std::vector<int64_t> key = {static_cast<int64_t>(dtype), bias, g.M, g.K, g.N};
+  std::vector<int64_t> key = {static_cast<int64_t>(dtype), bias, tf32, g.M, g.K, g.N};
   for (const MatrixLayout* m : {&g.a, &g.b, &g.out}) {
     key.push_back(m->row_stride);
     key.push_back(m->col_stride);
@@ -317,7 +321,7 @@ std::shared_ptr<const Plan> plan_for(const Geometry& g, DType dtype, bool bias) 
   auto it = plans.find(key);
   if (it != plans.end()) return it->second;
   if (plans.size() >= kMaxPlans) plans.clear();  // callers in flight keep their plan alive
-  auto plan = std::make_shared<const Plan>(make_plan(g, dtype, bias));
+  auto plan = std::make_shared<const Plan>(make_plan(g, dtype, bias, tf32));
   plans.emplace(std::move(key), plan);
   return plan;
 }
@@ -332,6 +336,14 @@ Tensor prepare_operand(const Tensor& t, const Geometry& g, const MatrixLayout& m
   Tensor packed = Tensor::empty(shape, compute, t.device());
   cpu_backend().copy(view, packed);
   return packed;
+}
+
+// Rounds a packed f32 operand to tf32 in place.
+void round_packed_to_tf32(const Tensor& packed) {
+  float* p = packed.data<float>();
+  const int64_t n = packed.numel();
+#pragma omp parallel for schedule(static) if (n >= 65536)
+  for (int64_t i = 0; i < n; ++i) p[i] = round_to_tf32(p[i]);
 }
 
 }  // namespace
@@ -369,11 +381,16 @@ void CpuBackend::matmul(const Tensor& a, const Tensor& b, const Tensor& out, con
   check(a.dtype() == DType::F32 || is_low_precision(a.dtype()), "cpu matmul: dtype ", dtype_name(a.dtype()),
         " is not supported (expected f32, f16, bf16 or f64)");
 
-  const std::shared_ptr<const Plan> shared_plan = plan_for(g, a.dtype(), has_bias);
+  const bool tf32 = a.dtype() == DType::F32 && allow_tf32();
+  const std::shared_ptr<const Plan> shared_plan = plan_for(g, a.dtype(), has_bias, tf32);
   const Plan& plan = *shared_plan;
   const DType compute = plan.via_f32 ? DType::F32 : a.dtype();
   const Tensor a_in = prepare_operand(a, g, g.a, g.M, g.K, plan.a_packing, compute);
   const Tensor b_in = prepare_operand(b, g, g.b, g.K, g.N, plan.b_packing, compute);
+  if (tf32) {  // the plan packed both (fresh buffers, never the caller's memory)
+    round_packed_to_tf32(a_in);
+    round_packed_to_tf32(b_in);
+  }
   Tensor bias_in = bias;
   if (has_bias && bias.dtype() != compute) {  // via f32: the bias joins the f32 accumulator as f32
     bias_in = Tensor::empty(bias.shape(), compute, bias.device());
