@@ -250,13 +250,22 @@ void DynamicLossScaler::load_state_dict(const std::map<std::string, std::string>
   hysteresis_tracker_ = hysteresis;
 }
 
+// Checked against apex/amp/scaler.py LossScaler.unscale_and_update: overflow: S /= 2 (later versions:
+// max(min_loss_scale, S / 2) when min_loss_scale is set), unskipped = 0; clean: unskipped += 1; then, in the
+// same call, unskipped == scale_window: S = min(max_loss_scale, S * 2), unskipped = 0. Apex's factor is a
+// fixed 2; scale_factor generalises it as growth = scale_factor, backoff = 1 / scale_factor.
+// Checked against apex/amp/scaler.py LossScaler.unscale_and_update: overflow: S /= 2 (later versions:
+// max(min_loss_scale, S / 2) when min_loss_scale is set), unskipped = 0; clean: unskipped += 1; then, in the
+// same call, unskipped == scale_window: S = min(max_loss_scale, S * 2), unskipped = 0. Apex's factor is a
+// fixed 2; scale_factor generalises it as growth = scale_factor, backoff = 1 / scale_factor.
 DynamicLossScaler apex_dynamic_scaler(double init_scale, int64_t scale_window,
                                       std::optional<double> min_loss_scale, double max_loss_scale,
                                       double scale_factor) {
   check(std::isfinite(scale_factor) && scale_factor > 1, "apex_dynamic_scaler: scale_factor must be finite ",
         "and > 1, got ", scale_factor);
-  if (min_loss_scale)
-    check_scale("apex_dynamic_scaler", "min_loss_scale", *min_loss_scale);
+  check_scale("apex_dynamic_scaler", "init_scale", init_scale);
+  check_at_least_one("apex_dynamic_scaler", "scale_window", scale_window);
+  if (min_loss_scale) check_scale("apex_dynamic_scaler", "min_loss_scale", *min_loss_scale);
   DynamicLossScalerOptions options;
   options.initial_scale = init_scale;
   options.min_scale = min_loss_scale.value_or(std::numeric_limits<double>::denorm_min());

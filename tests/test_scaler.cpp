@@ -437,7 +437,9 @@ TEST(ApexDynamicScaler, WithoutMinLossScaleKeepsHalvingAboveZero) {
 
 TEST(ApexDynamicScaler, RejectsInvalidOptions) {
   EXPECT_ERROR_MENTIONS(apex_dynamic_scaler(16, 2, 4.0, 64, 1.0), "scale_factor", "1");
-  EXPECT_ERROR_MENTIONS(apex_dynamic_scaler(16, 0), "growth_interval", "0");
+  EXPECT_ERROR_MENTIONS(apex_dynamic_scaler(16, 0), "apex_dynamic_scaler", "scale_window", "0");
+  EXPECT_ERROR_MENTIONS(apex_dynamic_scaler(0), "init_scale", "0");
+  EXPECT_ERROR_MENTIONS(apex_dynamic_scaler(16, 2, 4.0, 8.0), "min_scale", "max_scale", "8");
   EXPECT_ERROR_MENTIONS(apex_dynamic_scaler(16, 2, -1.0), "min_loss_scale", "-1");
 }
 
