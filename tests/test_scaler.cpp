@@ -233,6 +233,19 @@ TEST(GradScaler, ExplicitUnscaleBeforeStepIsNotRepeated) {
   EXPECT_EQ(p.to_vector<double>(), (std::vector<double>{3}));
 }
 
+TEST(GradScaler, UnscaleReplacesANonContiguousGradientByAnUnscaledContiguousOne) {
+  // The gradient [[8, 16], [24, 32]] seen transposed; S = 8 gives [[1, 3], [2, 4]] in row-major order.
+  GradScaler scaler({.init_scale = 8});
+  Tensor p = Tensor::zeros({2, 2});
+  p.requires_grad_();
+  p.set_grad(Tensor::from_vector(std::vector<double>{8, 16, 24, 32}, {2, 2}, DType::F32).transpose(0, 1));
+  ASSERT_FALSE(p.grad().is_contiguous());
+  SGD sgd({p}, 1.0);
+  scaler.unscale(sgd);
+  EXPECT_TRUE(p.grad().is_contiguous());
+  EXPECT_EQ(p.grad().to_vector<double>(), (std::vector<double>{1, 3, 2, 4}));
+}
+
 TEST(GradScaler, UnscalingTwiceOrAfterStepOrSteppingTwiceIsAnError) {
   GradScaler scaler;
   Tensor p = parameter({1});
