@@ -49,6 +49,9 @@ class Backend {
   // dst += alpha * src (in place, src broadcast to dst)
   virtual void add_inplace(const Tensor& dst, const Tensor& src, double alpha) = 0;
   virtual void mul_scalar_inplace(const Tensor& dst, double value) = 0;
+  // AMP: multiplies each contiguous floating tensor of `grads` in place by inv_scale (in fp32, f64 for f64,
+  // rounded once) and returns whether any element was non-finite before or after the multiply. One pass.
+  virtual bool unscale_and_check_finite(const std::vector<Tensor>& grads, double inv_scale) = 0;
 
   // Reduces x over `dims` (sorted, unique) into out, which has x's shape with those dims set to 1.
   virtual void reduce(ReduceOp op, const Tensor& x, const std::vector<int64_t>& dims, const Tensor& out) = 0;

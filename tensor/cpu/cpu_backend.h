@@ -37,6 +37,7 @@ class CachingAllocator final : public Allocator {
 class CpuBackend final : public Backend {
  public:
   Allocator& allocator() override { return allocator_; }
+  bool unscale_and_check_finite(const std::vector<Tensor>& grads, double inv_scale) override;
   CachingAllocator& caching_allocator() { return allocator_; }
 
   void copy(const Tensor& src, const Tensor& dst) override;

@@ -1,0 +1,145 @@
+#pragma once
+// Loss scalers: multiply the loss by a scale S before backward so small fp16 gradients do not flush to
+// zero, divide the gradients by S before the optimizer step, and adapt S to the overflows seen.
+//
+// One interface (LossScaler), three scalers with the published rules:
+//   GradScaler         torch.cuda.amp.GradScaler: per-optimizer unscale/step, update() combines them.
+//   DynamicLossScaler  Megatron-LM DynamicGradScaler / Colossal-AI naive AMP: backoff only after
+//                      `hysteresis` overflows, growth refills the hysteresis, min/max clamps.
+//   StaticLossScaler   a fixed scale (Megatron's ConstantGradScaler); update() does nothing.
+// apex_dynamic_scaler() builds Apex's amp LossScaler out of DynamicLossScaler (hysteresis 1).
+//
+// state_dict(): metadata strings (numbers as the shortest text that reads back bit for bit), ready to be
+// merged into a training checkpoint's StateDict metadata under a prefix; load_state_dict() checks the type
+// and every entry before it changes anything.
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+
+#include "optim/optimizer.h"
+#include "tensor/tensor.h"
+
+namespace mixtape {
+
+class LossScaler {
+ public:
+  virtual ~LossScaler() = default;
+  virtual const char* name() const = 0;  // "GradScaler", "DynamicLossScaler", "StaticLossScaler"
+
+  double scale() const { return scale_; }  // the current scale S
+  // loss * S (a recorded op, so backward sees it); the loss is returned unchanged when S is exactly 1.
+  virtual Tensor scale(const Tensor& loss) const;
+  // Adapts S after a step: found_inf says whether any gradient of the step was inf or NaN.
+  virtual void update(bool found_inf) = 0;
+
+  virtual std::map<std::string, std::string> state_dict() const = 0;
+  virtual void load_state_dict(const std::map<std::string, std::string>& state) = 0;
+
+ protected:
+  explicit LossScaler(double scale) : scale_(scale) {}
+  double scale_;
+};
+
+// ---- PyTorch GradScaler ----
+struct GradScalerOptions {
+  double init_scale = 65536.0;  // 2^16
+  double growth_factor = 2.0;
+  double backoff_factor = 0.5;
+  int64_t growth_interval = 2000;
+  bool enabled = true;
+};
+
+class GradScaler final : public LossScaler {
+ public:
+  explicit GradScaler(GradScalerOptions options = {});
+  const char* name() const override { return "GradScaler"; }
+
+  using LossScaler::scale;
+  Tensor scale(const Tensor& loss) const override;  // pass-through when disabled
+  // Divides the gradients of `optimizer`'s parameters by S in place and records whether any was non-finite.
+  // At most once per optimizer between update()s, and not after step() (PyTorch's errors). Rejects f16
+  // gradients, as PyTorch's public unscale_ does: those need f32 master weights (amp/optimizer).
+  void unscale(Optimizer& optimizer);
+  // Unscales if not done yet, then runs optimizer.step() unless a gradient was non-finite. Returns whether
+  // it stepped. Disabled: just optimizer.step().
+  bool step(Optimizer& optimizer);
+  // Combines every optimizer's found_inf since the last update (an Error if none was unscaled) and applies
+  // update(found_inf_any); resets the per-optimizer records.
+  void update();
+  // The rule itself: found_inf: S *= backoff, tracker = 0; else tracker += 1 and at growth_interval
+  // S *= growth (kept only if finite in fp32, as PyTorch keeps S as an fp32 tensor), tracker = 0.
+  void update(bool found_inf) override;
+
+  bool enabled() const { return options_.enabled; }
+  int64_t growth_tracker() const { return growth_tracker_; }
+  const GradScalerOptions& options() const { return options_; }
+
+  std::map<std::string, std::string> state_dict() const override;  // empty when disabled (as PyTorch)
+  void load_state_dict(const std::map<std::string, std::string>& state) override;
+
+ private:
+  enum class Stage { Ready, Unscaled, Stepped };
+  struct OptimizerState {
+    Stage stage = Stage::Ready;
+    bool found_inf = false;
+  };
+  GradScalerOptions options_;
+  int64_t growth_tracker_ = 0;
+  std::map<const Optimizer*, OptimizerState> per_optimizer_;
+};
+
+// ---- Megatron-LM / Colossal-AI dynamic scaler with hysteresis ----
+struct DynamicLossScalerOptions {
+  double initial_scale = 4294967296.0;  // 2^32
+  double min_scale = 1.0;
+  double max_scale = 4294967296.0;  // 2^32
+  double growth_factor = 2.0;
+  double backoff_factor = 0.5;
+  int64_t growth_interval = 1000;
+  int64_t hysteresis = 2;
+};
+
+class DynamicLossScaler : public LossScaler {
+ public:
+  explicit DynamicLossScaler(DynamicLossScalerOptions options = {});
+  const char* name() const override { return "DynamicLossScaler"; }
+  // overflow: growth_tracker = 0, hysteresis_tracker -= 1, and when it is <= 0
+  //           S = max(S * backoff, min_scale) (every further overflow backs off until a growth refills it);
+  // clean:    growth_tracker += 1; at growth_interval: growth_tracker = 0, hysteresis_tracker = hysteresis,
+  //           S = min(S * growth, max_scale).
+  void update(bool found_inf) override;
+
+  int64_t growth_tracker() const { return growth_tracker_; }
+  int64_t hysteresis_tracker() const { return hysteresis_tracker_; }
+  const DynamicLossScalerOptions& options() const { return options_; }
+
+  std::map<std::string, std::string> state_dict() const override;
+  void load_state_dict(const std::map<std::string, std::string>& state) override;
+
+ private:
+  DynamicLossScalerOptions options_;
+  int64_t growth_tracker_ = 0;
+  int64_t hysteresis_tracker_;
+};
+
+// ---- fixed scale ----
+class StaticLossScaler final : public LossScaler {
+ public:
+  explicit StaticLossScaler(double scale = 1.0);
+  const char* name() const override { return "StaticLossScaler"; }
+  void update(bool) override {}
+  std::map<std::string, std::string> state_dict() const override;
+  void load_state_dict(const std::map<std::string, std::string>& state) override;
+};
+
+// Apex amp's dynamic LossScaler (apex/amp/scaler.py update_scale): overflow: S = max(min_loss_scale, S / 2),
+// unskipped = 0; clean: unskipped += 1; at scale_window: S = min(max_loss_scale, S * 2), unskipped = 0.
+// That is DynamicLossScaler with hysteresis 1 (each overflow backs off). Apex's min_loss_scale=None (no floor)
+// is std::nullopt here, mapped to the smallest positive double so S can never reach 0.
+DynamicLossScaler apex_dynamic_scaler(double init_scale = 65536.0, int64_t scale_window = 2000,
+                                      std::optional<double> min_loss_scale = std::nullopt,
+                                      double max_loss_scale = 16777216.0 /* 2^24 */,
+                                      double scale_factor = 2.0);
+
+}  // namespace mixtape

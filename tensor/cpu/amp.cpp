@@ -1,0 +1,45 @@
+// AMP kernels: the fused unscale + non-finite check a loss scaler runs on every gradient each step.
+#include <cmath>
+#include <vector>
+
+#include "tensor/cpu/cpu_backend.h"
+#include "tensor/cpu/strided.h"  // kParallelGrain
+
+namespace mixtape::cpu {
+
+namespace {
+
+// g[i] = round(g[i] * inv_scale) in acc_t<T> (fp32 for f32/f16/bf16, f64 for f64) — the multiply PyTorch's
+// CUDA kernel does with a float inv_scale. Returns whether any input or product is inf/NaN. The check and the
+// multiply share the one load, and `||` reduction keeps the loop free of early exits so it vectorises.
+template <class T>
+bool unscale_one(T* g, int64_t n, double inv_scale) {
+  using Acc = acc_t<T>;
+  const Acc inv = static_cast<Acc>(inv_scale);
+  bool found = false;
+#pragma omp parallel for simd schedule(static) reduction(|| : found) if (n >= 2 * kParallelGrain)
+  for (int64_t i = 0; i < n; ++i) {
+    const Acc x = convert<Acc>(g[i]);
+    const T y = convert<T>(x * inv);
+    // Finite before and after: an x that is finite but whose scaled value overflows the dtype (inv > 1, or
+    // the rounding of a 16-bit store) is reported too, as the step would otherwise write inf.
+    found = found || !std::isfinite(x) || !std::isfinite(convert<Acc>(y));
+    g[i] = y;
+  }
+  return found;
+}
+
+}  // namespace
+
+bool CpuBackend::unscale_and_check_finite(const std::vector<Tensor>& grads, double inv_scale) {
+  bool found_inf = false;
+  for (const Tensor& g : grads) {
+    const bool found = dispatch_float(g.dtype(), "unscale_and_check_finite", [&]<typename T>() {
+      return unscale_one<T>(g.data<T>(), g.numel(), inv_scale);
+    });
+    found_inf = found_inf || found;
+  }
+  return found_inf;
+}
+
+}  // namespace mixtape::cpu
