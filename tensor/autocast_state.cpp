@@ -86,10 +86,16 @@ Tensor autocast_cast(const Tensor& x, DType target) {
   }
   CastKey key{x.storage().get(), x.version(), x.offset(), x.shape(), x.strides(), x.dtype(), target};
   auto found = state.cache.find(key);
-  if (found != state.cache.end()) return found->second.cast;
+  // A backward() since the cast was cached has run and released its node: a forward that used it again
+  // could not backpropagate ("graph already used"), so such an entry is cast afresh (one forward + backward
+  // per step inside one long scope keeps working).
+  if (found != state.cache.end()) {
+    const std::shared_ptr<Node>& node = found->second.cast.grad_fn();
+    if (node && node->backward) return found->second.cast;
+  }
   ++state.casts;
   Tensor cast = x.to(target);
-  state.cache.emplace(std::move(key), CastEntry{x, cast});
+  state.cache.insert_or_assign(std::move(key), CastEntry{x, cast});
   return cast;
 }
 

@@ -292,6 +292,19 @@ TEST(AutocastCache, ActivationsAndNoGradCastsAreNotCached) {
   EXPECT_TRUE(w.grad().defined());
 }
 
+TEST(AutocastCache, ACachedCastServesASecondForwardAndBackwardInTheSameScope) {
+  Tensor w = randn({3, 2}, 44).detach();
+  w.requires_grad_();
+  const Tensor x = randn({4, 3}, 45);
+  Autocast guard(DType::BF16);
+  backward(sum(matmul(x, w)));
+  const std::vector<double> once = w.grad().to_vector<double>();
+  backward(sum(matmul(x, w)));  // the cached cast's backward node runs a second time
+  const std::vector<double> twice = w.grad().to_vector<double>();
+  ASSERT_EQ(once.size(), twice.size());
+  for (size_t i = 0; i < once.size(); ++i) EXPECT_EQ(twice[i], 2 * once[i]);  // x2 is exact in binary
+}
+
 // ---- a model ----
 
 TEST(Autocast, GPTForwardUnderBF16IsCloseToF32AndGivesF32Grads) {
