@@ -224,6 +224,21 @@ TEST(Autocast, GradientsReachF32LeavesAsF32AndMatchTheExplicitCasts) {
   EXPECT_TRUE(testing::all_close(w.grad(), wf.grad(), 0.1, 1.0 / 32));
 }
 
+TEST(Autocast, EachLeafGetsItsGradientInItsOwnDtype) {
+  Tensor h = randn({2, 5}, 46, DType::BF16).detach(), f = randn({2, 5}, 47).detach();
+  h.requires_grad_();
+  f.requires_grad_();
+  Tensor loss;
+  {
+    Autocast guard(DType::F16);
+    // softmax widens h to f32 (fp32 policy); mul and add promote; matmul narrows f to f16.
+    loss = add(sum(mul(softmax(h, -1), h)), sum(matmul(f, f.mT())));
+  }
+  backward(loss);
+  EXPECT_EQ(h.grad().dtype(), DType::BF16);
+  EXPECT_EQ(f.grad().dtype(), DType::F32);
+}
+
 TEST(Autocast, BackwardInsideAnOpenScopeComputesInTheSavedDtypes) {
   Tensor w = randn({3, 3}, 35).detach();
   w.requires_grad_();
