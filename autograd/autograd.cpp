@@ -2,6 +2,7 @@
 
 #include <unordered_map>
 
+#include "tensor/autocast_state.h"
 #include "tensor/ops.h"
 
 namespace mixtape {
@@ -49,6 +50,7 @@ void backward(const std::vector<Tensor>& outputs, const std::vector<Tensor>& gra
   check(outputs.size() == grad_outputs.size(), "backward: ", outputs.size(), " outputs but ",
         grad_outputs.size(), " grad_outputs");
   NoGradGuard no_grad;  // backward closures build no graph of their own
+  AutocastScope no_autocast(std::nullopt);  // closures run in the saved dtypes, not an open scope's
   std::unordered_map<Node*, Tensor> pending;  // gradient summed so far for each node's output
   std::unordered_map<Node*, int> dependents;  // how many not-yet-run nodes feed into each node
   std::vector<std::shared_ptr<Node>> roots;

@@ -2,6 +2,8 @@
 // The op front ends. Each checks its arguments (throwing mixtape::Error naming the op, shapes and dtypes),
 // computes in the dtype its inputs promote to, calls the backend kernel and records its backward.
 // Floating ops accept f32/f16/bf16/f64; f16/bf16 accumulate in fp32 and round once on store.
+// Inside an Autocast scope (amp/autocast.h) the ops of kAutocastTable (tensor/autocast_state.h) first cast
+// their floating inputs per their policy (lower precision, fp32 or promote); other ops are unaffected.
 #include <cstdint>
 #include <vector>
 

@@ -6,6 +6,7 @@
 #include <utility>
 #include <vector>
 
+#include "tensor/autocast_state.h"
 #include "tensor/autograd_node.h"
 #include "tensor/backend.h"
 #include "tensor/ops.h"
@@ -154,6 +155,8 @@ Tensor scalar_op(BinaryOp op, const char* name, const Tensor& a, double scalar, 
 // ---- tensor-tensor ---------------------------------------------------------------------------------------
 
 Tensor add(const Tensor& a, const Tensor& b) {
+  if (const auto cast = autocast_inputs(AutocastOp::Add, a, b)) [[unlikely]]
+    return add((*cast)[0], (*cast)[1]);
   const BinaryInputs in = prepare_binary("add", a, b);
   Tensor out = run_binary(BinaryOp::Add, in);
   record_binary("add", a, b, out, {}, [](const Tensor& g, bool, bool) { return GradPair{g, g}; });
@@ -161,6 +164,8 @@ Tensor add(const Tensor& a, const Tensor& b) {
 }
 
 Tensor sub(const Tensor& a, const Tensor& b) {
+  if (const auto cast = autocast_inputs(AutocastOp::Sub, a, b)) [[unlikely]]
+    return sub((*cast)[0], (*cast)[1]);
   const BinaryInputs in = prepare_binary("sub", a, b);
   Tensor out = run_binary(BinaryOp::Sub, in);
   record_binary("sub", a, b, out, {}, [](const Tensor& g, bool, bool need_b) {
@@ -170,6 +175,8 @@ Tensor sub(const Tensor& a, const Tensor& b) {
 }
 
 Tensor mul(const Tensor& a, const Tensor& b) {
+  if (const auto cast = autocast_inputs(AutocastOp::Mul, a, b)) [[unlikely]]
+    return mul((*cast)[0], (*cast)[1]);
   const BinaryInputs in = prepare_binary("mul", a, b);
   Tensor out = run_binary(BinaryOp::Mul, in);
   const Tensor x = in.a, y = in.b;
@@ -181,6 +188,8 @@ Tensor mul(const Tensor& a, const Tensor& b) {
 
 // d(a/b)/da = 1/b; d(a/b)/db = -a/b^2 = -(a/b)/b, so grad_b = -grad_a * out.
 Tensor div(const Tensor& a, const Tensor& b) {
+  if (const auto cast = autocast_inputs(AutocastOp::Div, a, b)) [[unlikely]]
+    return div((*cast)[0], (*cast)[1]);
   const BinaryInputs in = prepare_binary("div", a, b);
   Tensor out = run_binary(BinaryOp::Div, in);
   const Tensor y = in.b, quotient = out.detach();
@@ -197,6 +206,8 @@ Tensor div(const Tensor& a, const Tensor& b) {
 // convention for b >= 0; for b < 0 the one-sided limit would be -inf). For a < 0 it is NaN: log(a) is
 // undefined and a^b is real only for integer b, so there is no derivative in b.
 Tensor pow(const Tensor& a, const Tensor& b) {
+  if (const auto cast = autocast_inputs(AutocastOp::Pow, a, b)) [[unlikely]]
+    return pow((*cast)[0], (*cast)[1]);
   const BinaryInputs in = prepare_binary("pow", a, b);
   Tensor out = run_binary(BinaryOp::Pow, in);
   const Tensor base = in.a, exponent = in.b, power = out.detach();
@@ -254,13 +265,22 @@ Tensor div(double a, const Tensor& b) {
 }
 
 // d(x^p)/dx = p x^(p-1), and 0 for p == 0.
-Tensor pow(const Tensor& a, double exponent) { return unary_op(UnaryOp::PowScalar, "pow", a, exponent); }
+Tensor pow(const Tensor& a, double exponent) {
+  if (const auto cast = autocast_inputs(AutocastOp::Pow, a)) [[unlikely]] return pow((*cast)[0], exponent);
+  return unary_op(UnaryOp::PowScalar, "pow", a, exponent);
+}
 
 // ---- unary -----------------------------------------------------------------------------------------------
 
 Tensor neg(const Tensor& x) { return unary_op(UnaryOp::Neg, "neg", x); }
-Tensor exp(const Tensor& x) { return unary_op(UnaryOp::Exp, "exp", x); }
-Tensor log(const Tensor& x) { return unary_op(UnaryOp::Log, "log", x); }
+Tensor exp(const Tensor& x) {
+  if (const auto cast = autocast_inputs(AutocastOp::Exp, x)) [[unlikely]] return exp((*cast)[0]);
+  return unary_op(UnaryOp::Exp, "exp", x);
+}
+Tensor log(const Tensor& x) {
+  if (const auto cast = autocast_inputs(AutocastOp::Log, x)) [[unlikely]] return log((*cast)[0]);
+  return unary_op(UnaryOp::Log, "log", x);
+}
 Tensor sqrt(const Tensor& x) { return unary_op(UnaryOp::Sqrt, "sqrt", x); }
 Tensor rsqrt(const Tensor& x) { return unary_op(UnaryOp::Rsqrt, "rsqrt", x); }
 Tensor tanh(const Tensor& x) { return unary_op(UnaryOp::Tanh, "tanh", x); }
@@ -276,6 +296,9 @@ Tensor abs(const Tensor& x) { return unary_op(UnaryOp::Abs, "abs", x); }  // abs
 // ---- selection -------------------------------------------------------------------------------------------
 
 Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
+  // Only a and b take part in autocast: the condition is a mask, never cast.
+  if (const auto cast = autocast_inputs(AutocastOp::Where, a, b)) [[unlikely]]
+    return where(cond, (*cast)[0], (*cast)[1]);
   check_defined("where", cond);
   check_defined("where", a);
   check_defined("where", b);

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <string>
 
+#include "tensor/autocast_state.h"
 #include "tensor/autograd_node.h"
 #include "tensor/backend.h"
 #include "tensor/ops.h"
@@ -50,6 +51,9 @@ Tensor heads_view(const Tensor& x, int64_t first, int64_t H, int64_t D) {
 }  // namespace
 
 Tensor softmax_cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore_index) {
+  // Only the logits take part in autocast; the integer targets are never cast.
+  if (const auto cast = autocast_inputs(AutocastOp::SoftmaxCrossEntropy, logits)) [[unlikely]]
+    return softmax_cross_entropy((*cast)[0], targets, ignore_index);
   const char* op = "softmax_cross_entropy";
   check(logits.defined() && targets.defined(), op, ": logits ",
         logits.defined() ? logits.description() : "undefined", " and targets ",
@@ -89,6 +93,8 @@ Tensor softmax_cross_entropy(const Tensor& logits, const Tensor& targets, int64_
 }
 
 Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v) {
+  if (const auto cast = autocast_inputs(AutocastOp::ScaledDotProductAttention, q, k, v)) [[unlikely]]
+    return scaled_dot_product_attention((*cast)[0], (*cast)[1], (*cast)[2]);
   const char* op = "scaled_dot_product_attention";
   auto describe = [](const Tensor& t) { return t.defined() ? t.description() : std::string("undefined"); };
   check(q.defined() && k.defined() && v.defined(), op, ": q ", describe(q), ", k ", describe(k), " and v ",
@@ -132,6 +138,8 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
 }
 
 Tensor causal_self_attention(const Tensor& qkv, int64_t n_head) {
+  if (const auto cast = autocast_inputs(AutocastOp::CausalSelfAttention, qkv)) [[unlikely]]
+    return causal_self_attention((*cast)[0], n_head);
   const char* op = "causal_self_attention";
   // Messages are built only on failure: this runs once per layer per step.
   if (!qkv.defined()) [[unlikely]]

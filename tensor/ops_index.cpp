@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <string>
 
+#include "tensor/autocast_state.h"
 #include "tensor/autograd_node.h"
 #include "tensor/backend.h"
 #include "tensor/ops.h"
@@ -70,6 +71,7 @@ Tensor embedding(const Tensor& weight, const Tensor& indices) {
 }
 
 Tensor cat(const std::vector<Tensor>& tensors, int64_t dim) {
+  if (const auto cast = autocast_inputs(AutocastOp::Cat, tensors)) [[unlikely]] return cat(*cast, dim);
   check(!tensors.empty(), "cat: needs at least one tensor");
   for (size_t i = 0; i < tensors.size(); ++i) check(tensors[i].defined(), "cat: tensor ", i, " is undefined");
   const Tensor& first = tensors[0];
@@ -122,6 +124,7 @@ Tensor cat(const std::vector<Tensor>& tensors, int64_t dim) {
 }
 
 Tensor stack(const std::vector<Tensor>& tensors, int64_t dim) {
+  if (const auto cast = autocast_inputs(AutocastOp::Stack, tensors)) [[unlikely]] return stack(*cast, dim);
   check(!tensors.empty(), "stack: needs at least one tensor");
   for (size_t i = 0; i < tensors.size(); ++i) {
     check(tensors[i].defined(), "stack: tensor ", i, " is undefined");

@@ -6,6 +6,7 @@
 // check(), whose arguments are evaluated before the call.
 #include <algorithm>
 
+#include "tensor/autocast_state.h"
 #include "tensor/autograd_node.h"
 #include "tensor/backend.h"
 #include "tensor/ops.h"
@@ -54,6 +55,8 @@ Tensor reduce_to(const Tensor& grad, const Shape& shape) {
 }  // namespace
 
 Tensor matmul(const Tensor& a, const Tensor& b) {
+  if (const auto cast = autocast_inputs(AutocastOp::Matmul, a, b)) [[unlikely]]
+    return matmul((*cast)[0], (*cast)[1]);
   if (!a.defined() || !b.defined())
     fail("matmul: ", a.description(), " x ", b.description(), ": undefined operand");
   if (a.dim() < 1 || b.dim() < 1)
@@ -112,6 +115,8 @@ Tensor matmul(const Tensor& a, const Tensor& b) {
 // linear: x [..., K] @ weight[N, K]^T + bias[N] in one kernel call (the bias joins the accumulator, so a
 // bf16 layer rounds once, and no separate add pass runs over the output).
 Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
+  if (const auto cast = autocast_inputs(AutocastOp::Linear, x, weight, bias)) [[unlikely]]
+    return linear((*cast)[0], (*cast)[1], (*cast)[2]);
   if (!x.defined() || !weight.defined())
     fail("linear: input ", x.description(), " and weight ", weight.description(), " must be defined");
   if (!is_floating(x.dtype()) || !is_floating(weight.dtype()) || (bias.defined() && !is_floating(bias.dtype())))

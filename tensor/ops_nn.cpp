@@ -2,6 +2,7 @@
 // contiguous rows; the front end flattens the leading dims and records the fused backward kernels.
 #include <cmath>
 
+#include "tensor/autocast_state.h"
 #include "tensor/autograd_node.h"
 #include "tensor/backend.h"
 #include "tensor/ops.h"
@@ -43,6 +44,8 @@ Tensor as_rows(const Tensor& x) {
 }  // namespace
 
 LayerNormResult layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps) {
+  if (const auto cast = autocast_inputs(AutocastOp::LayerNorm, x, weight, bias)) [[unlikely]]
+    return layer_norm((*cast)[0], (*cast)[1], (*cast)[2], eps);
   check_norm_input("layer_norm", x, eps);
   const Tensor w = prepare_affine("layer_norm", "weight", x, weight);
   const Tensor b = prepare_affine("layer_norm", "bias", x, bias);
@@ -73,6 +76,8 @@ LayerNormResult layer_norm(const Tensor& x, const Tensor& weight, const Tensor& 
 }
 
 RMSNormResult rms_norm(const Tensor& x, const Tensor& weight, double eps) {
+  if (const auto cast = autocast_inputs(AutocastOp::RMSNorm, x, weight)) [[unlikely]]
+    return rms_norm((*cast)[0], (*cast)[1], eps);
   check_norm_input("rms_norm", x, eps);
   const Tensor w = prepare_affine("rms_norm", "weight", x, weight);
   const Tensor rows = as_rows(x);

@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <sstream>
 
+#include "tensor/autocast_state.h"
 #include "tensor/autograd_node.h"
 #include "tensor/backend.h"
 #include "tensor/ops.h"
@@ -116,6 +117,8 @@ Tensor softmax_impl(const char* op, const Tensor& input, int64_t dim, bool log) 
 }  // namespace
 
 Tensor sum(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim) {
+  if (const auto cast = autocast_inputs(AutocastOp::Sum, x)) [[unlikely]]
+    return sum((*cast)[0], dims, keepdim);
   const ReduceDims r = resolve_dims("sum", x, dims, keepdim);
   Tensor out = run_reduce(ReduceOp::Sum, x, r);
   const Shape x_shape = x.shape();
@@ -125,6 +128,8 @@ Tensor sum(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim) {
 }
 
 Tensor mean(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim) {
+  if (const auto cast = autocast_inputs(AutocastOp::Mean, x)) [[unlikely]]
+    return mean((*cast)[0], dims, keepdim);
   const ReduceDims r = resolve_dims("mean", x, dims, keepdim);
   Tensor out = run_reduce(ReduceOp::Mean, x, r);
   const Shape x_shape = x.shape();
@@ -144,6 +149,8 @@ Tensor min(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim) {
 }
 
 Tensor var(const Tensor& x, const std::vector<int64_t>& dims, int64_t correction, bool keepdim) {
+  if (const auto cast = autocast_inputs(AutocastOp::Var, x)) [[unlikely]]
+    return var((*cast)[0], dims, correction, keepdim);
   const ReduceDims r = resolve_dims("var", x, dims, keepdim);
   check(correction >= 0, "var: correction must be >= 0, got ", correction, " for ", x.description());
   Tensor out = Tensor::empty(r.keep_shape, x.dtype(), x.device());
@@ -179,7 +186,13 @@ Tensor sum_to(const Tensor& x, const Shape& shape) {
   return sum(x, dims, true).reshape(shape);
 }
 
-Tensor softmax(const Tensor& x, int64_t dim) { return softmax_impl("softmax", x, dim, false); }
-Tensor log_softmax(const Tensor& x, int64_t dim) { return softmax_impl("log_softmax", x, dim, true); }
+Tensor softmax(const Tensor& x, int64_t dim) {
+  if (const auto cast = autocast_inputs(AutocastOp::Softmax, x)) [[unlikely]] return softmax((*cast)[0], dim);
+  return softmax_impl("softmax", x, dim, false);
+}
+Tensor log_softmax(const Tensor& x, int64_t dim) {
+  if (const auto cast = autocast_inputs(AutocastOp::LogSoftmax, x)) [[unlikely]] return log_softmax((*cast)[0], dim);
+  return softmax_impl("log_softmax", x, dim, true);
+}
 
 }  // namespace mixtape

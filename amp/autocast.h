@@ -1,0 +1,41 @@
+#pragma once
+// Autocast: a thread-local scope in which the ops of the policy table (amp/policy.h) run in a lower
+// precision, in fp32, or in their widest input dtype, with the casts recorded on the tape (Tensor::to), so
+// gradients reach fp32 leaves as fp32.
+//
+//   {
+//     Autocast guard(DType::BF16);       // matmul/linear/attention run in bf16; softmax, norms, losses in f32
+//     Tensor loss = model.forward(x, y);
+//     {
+//       Autocast off(std::nullopt);      // a region that must stay in the inputs' dtypes
+//       ...
+//     }                                  // bf16 autocast again
+//   }                                    // off; the weight-cast cache is dropped here
+//   backward(loss);                      // backward ignores autocast: it runs in the dtypes saved forward
+//
+// Scopes nest; each restores the state it found. Leaf tensors that require grad (weights) are cast once per
+// outermost scope (the cast cache), so run one forward per scope. The mechanism lives in
+// tensor/autocast_state.h, below amp/, because op front ends call it.
+#include <optional>
+
+#include "tensor/autocast_state.h"
+#include "tensor/dtype.h"
+
+namespace mixtape {
+
+class Autocast {
+ public:
+  // dtype: F16 or BF16 turns autocast on in that dtype; std::nullopt turns it off inside this scope.
+  // Any other dtype throws mixtape::Error.
+  explicit Autocast(std::optional<DType> dtype) : scope_(dtype) {}
+  Autocast(const Autocast&) = delete;
+  Autocast& operator=(const Autocast&) = delete;
+
+  static bool enabled() { return autocast_enabled(); }
+  static std::optional<DType> dtype() { return autocast_dtype(); }
+
+ private:
+  AutocastScope scope_;
+};
+
+}  // namespace mixtape
