@@ -1,0 +1,101 @@
+#pragma once
+// MixedPrecisionOptimizer: wraps any Optimizer (SGD, Adam, AdamW, ...) so it trains fp16/bf16 parameters
+// through fp32 master weights, with one or more loss scalers (Megatron-LM's MixedPrecisionOptimizer /
+// Float16OptimizerWithFloat16Params, Apex's O2 master weights, Colossal-AI's naive AMP optimizer).
+//
+// At construction every fp16/bf16 parameter of the wrapped optimizer gets an fp32 master copy, and the
+// wrapped optimizer's param groups are rewired to the masters (so its state — momenta, exp_avg — is kept
+// for, and computed on, the masters). fp32 parameters are their own masters (Megatron's
+// fp32_from_fp32_params). The wrapped optimizer must not have taken a step yet.
+//
+// One step:
+//   backward(loss[, loss_id])  backward of loss * S[loss_id]. Gradients of different losses carry different
+//                              scales, so when the loss id changes the model gradients so far are folded
+//                              into the master gradients first (Apex's stash-and-unscale for num_losses).
+//   step()                     1. fold: master_grad += model_grad / S (fp32, one fused pass that also
+//                                 checks finiteness: unscale_and_check_finite); model grads dropped
+//                              2. found_inf all-reduced (MAX) over the process group, if one is given
+//                              3. found_inf: skip — parameters, masters and optimizer state unchanged
+//                              4. optional clip_grad on the unscaled master grads (squared norm summed
+//                                 over the process group), optional log_num_zeros_in_grad
+//                              5. the wrapped optimizer steps on the masters; each master is rounded once
+//                                 (nearest even) into its model parameter
+//                              6. every scaler is updated with its own loss's found_inf
+//   zero_grad()                drops model and master gradients.
+//
+// Without master weights (Apex O3, or master_weights = false) the model parameters are stepped directly:
+// 16-bit parameters lose every update below half their ulp — the reason master weights exist (tested).
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "amp/process_group.h"
+#include "amp/scaler.h"
+#include "nn/state_dict.h"
+#include "optim/optimizer.h"
+#include "tensor/tensor.h"
+
+namespace mixtape {
+
+struct MixedPrecisionOptions {
+  bool master_weights = true;           // fp32 masters for fp16/bf16 parameters
+  double clip_grad = 0;                 // max global L2 norm of the unscaled gradients; 0 = off
+  bool log_num_zeros_in_grad = false;   // count zero elements of the unscaled gradients (StepResult)
+  ProcessGroup* group = nullptr;        // found_inf MAX and norm/zero-count SUM over it; null = local
+};
+
+struct StepResult {
+  bool skipped = false;        // a gradient was inf/NaN (on any rank of the group): nothing was updated
+  double grad_norm = 0;        // of the unscaled gradients, before clipping (0 if skipped)
+  int64_t num_zeros = -1;      // zero gradient elements; -1 unless log_num_zeros_in_grad
+  double loss_scale = 1;       // S[0] used for this step (before the update)
+};
+
+class MixedPrecisionOptimizer {
+ public:
+  // scalers: one per loss (Apex num_losses); at least one. Use StaticLossScaler(1) for "no scaling" (bf16).
+  MixedPrecisionOptimizer(std::unique_ptr<Optimizer> optimizer,
+                          std::vector<std::unique_ptr<LossScaler>> scalers, MixedPrecisionOptions options = {});
+  MixedPrecisionOptimizer(std::unique_ptr<Optimizer> optimizer, std::unique_ptr<LossScaler> scaler,
+                          MixedPrecisionOptions options = {});
+
+  // loss * S[loss_id] (a recorded op) — for callers that run backward themselves.
+  Tensor scale_loss(const Tensor& loss, int loss_id = 0);
+  // backward(scale_loss(loss, loss_id)), folding pending gradients of another loss id first.
+  void backward(const Tensor& loss, int loss_id = 0);
+  StepResult step();
+  void zero_grad();
+
+  Optimizer& optimizer() { return *optimizer_; }  // holds the masters: set lr on its param_groups()
+  const Optimizer& optimizer() const { return *optimizer_; }
+  std::vector<Tensor> model_params() const;   // in the wrapped optimizer's parameter order
+  std::vector<Tensor> master_params() const;  // same order; a master is the model tensor itself when fp32
+  int num_losses() const { return static_cast<int>(scalers_.size()); }
+  LossScaler& scaler(int loss_id = 0);
+  double loss_scale(int loss_id = 0) const;
+  const MixedPrecisionOptions& options() const { return options_; }
+  int64_t skipped_steps() const { return skipped_steps_; }
+
+  // The wrapped optimizer's state dict (its state is the masters'), plus
+  //   tensors  "master.<i>"           fp32 master of parameter i (only for parameters with a separate master)
+  //   metadata "amp.num_losses", "amp.master_weights", "amp.skipped_steps", "scaler.<k>.<entry>" per scaler
+  // load_state_dict validates everything (types, shapes, scaler types) before changing anything.
+  StateDict state_dict() const;
+  void load_state_dict(const StateDict& dict);
+
+ private:
+  void fold_pending_grads();  // model grads (scaled by S[pending_loss_]) -> master grads, records found_inf
+
+  std::unique_ptr<Optimizer> optimizer_;
+  std::vector<std::unique_ptr<LossScaler>> scalers_;
+  MixedPrecisionOptions options_;
+  std::vector<Tensor> model_params_;
+  std::vector<Tensor> master_params_;
+  std::vector<bool> found_inf_;  // per loss id, since the last step
+  int pending_loss_ = -1;        // loss id whose scale the model grads carry; -1: none pending
+  int64_t skipped_steps_ = 0;
+};
+
+}  // namespace mixtape
