@@ -28,7 +28,7 @@
 #include <vector>
 
 #include "nn/json.h"
-#include "optim/training.h"
+#include "examples/training.h"
 
 using namespace mixtape;
 

@@ -1,5 +1,5 @@
 // train_gpt: trains a GPT (nanoGPT's model) on a text file (character level; any name not ending in .bin) or
-// a .bin file of uint16 token ids, with checkpoints that resume bit for bit. The training core lives in optim/training.h.
+// a .bin file of uint16 token ids, with checkpoints that resume bit for bit. The training core lives in examples/training.h.
 //
 //   train_gpt --data ../shared/data/tinyshakespeare.txt --steps 2000 --save ckpt.safetensors
 //   train_gpt --data ... --resume ckpt.safetensors --steps 4000 --save ckpt.safetensors
@@ -18,10 +18,12 @@
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
+#include <optional>
 #include <set>
+#include <sstream>
 #include <string>
 
-#include "optim/training.h"
+#include "examples/training.h"
 #include "nn/json.h"
 #include "nn/safetensors.h"
 
@@ -38,6 +40,7 @@ struct Options {
   int64_t save_every = 0;
   int64_t stop_at = -1;
   std::string init, save, resume, log_json;
+  std::string precision = "fp32", amp_config_file;  // --precision, --amp-config
   bool eval_only = false;
   bool final_eval = true;  // --no-final-eval turns off the validation pass forced at the last step
   int64_t sample = 0;      // characters (tokens for .bin data) to sample after training
@@ -54,6 +57,9 @@ void usage() {
       "  training:  --batch N --steps N --lr X --min-lr X --warmup N --optimizer sgd|adam|adamw\n"
       "             --weight-decay X --beta1 X --beta2 X --momentum X (sgd) --schedule constant|cosine\n"
       "             --grad-clip X (0 = off) --seed N --sequential\n"
+      "  precision: --precision fp32|tf32|fp16|bf16|fp16_apex[:O0..O3]|fp16_naive|bf16_naive (default fp32)\n"
+      "             --amp-config FILE.json (the mode's options, e.g. {\"initial_scale\": 65536}; it may name\n"
+      "             the mode as \"mixed_precision\")\n"
       "  checkpoints: --init FILE --save FILE --save-every N --resume FILE --stop-at STEP\n"
       "  output:    --eval-every N (0 = only at the end) --eval-only --log-json FILE (a JSON line per step)\n"
       "             --no-final-eval (skip the validation pass of the last step unless --eval-every hits it)\n"
@@ -128,6 +134,8 @@ Options parse(int argc, char** argv) {
     else if (flag == "--save") o.save = value;
     else if (flag == "--resume") o.resume = value;
     else if (flag == "--log-json") o.log_json = value;
+    else if (flag == "--precision") o.precision = value;
+    else if (flag == "--amp-config") o.amp_config_file = value;
     else if (flag == "--sample") o.sample = integer(0);
     else if (flag == "--top-k") o.top_k = integer(0);
     else if (flag == "--temperature") {
@@ -142,6 +150,17 @@ Options parse(int argc, char** argv) {
     }
   }
   check(!o.data.empty(), "train_gpt: --data FILE is required (a text file for characters, or .bin for uint16 tokens)");
+  if (o.amp_config_file.empty()) {
+    o.train.amp = AmpConfig::parse(o.precision);
+  } else {
+    std::ifstream file(o.amp_config_file, std::ios::binary);
+    check(file.good(), "train_gpt: cannot read --amp-config file '", o.amp_config_file, "'");
+    std::stringstream text;
+    text << file.rdbuf();
+    o.train.amp = AmpConfig::from_json(text.str(), o.given.count("--precision")
+                                                       ? std::optional<std::string_view>(o.precision)
+                                                       : std::nullopt);
+  }
   check(o.init.empty() || o.resume.empty(), "train_gpt: --init and --resume exclude each other");
   check(o.save_every == 0 || !o.save.empty(), "train_gpt: --save-every needs --save FILE");
   if (o.given.count("--min-lr") == 0 && o.train.min_lr > o.train.lr) o.train.min_lr = o.train.lr / 10;
@@ -205,7 +224,8 @@ int run(int argc, char** argv) {
           {"--warmup", "train.warmup"}, {"--optimizer", "train.optimizer"},
           {"--weight-decay", "train.weight_decay"}, {"--beta1", "train.beta1"}, {"--beta2", "train.beta2"},
           {"--momentum", "train.momentum"}, {"--schedule", "train.schedule"}, {"--grad-clip", "train.grad_clip"},
-          {"--seed", "train.seed"}, {"--sequential", "train.sequential"}};
+          {"--seed", "train.seed"}, {"--sequential", "train.sequential"}, {"--precision", "train.precision"},
+          {"--amp-config", "train.amp_config"}};
       for (const auto& [flag, key] : flags)
         check(opt.given.count(flag) == 0 || mine_meta.at(key) == file_meta.at(key), "train_gpt: ", flag, " ",
               mine_meta.at(key), " differs from the checkpoint's ", file_meta.at(key),
@@ -237,14 +257,15 @@ int run(int argc, char** argv) {
   const GPTConfig& c = trainer.model().config();
   std::printf("train_gpt: %s: %zu tokens (train %lld, val %lld), vocab %lld | model %lld layers, %lld heads, width "
               "%lld, block %lld, dropout %g, %lld parameters | %s, lr %g -> %g (%s, warmup %lld), batch %lld, "
-              "%lld steps\n",
+              "%lld steps | precision %s\n",
               opt.data.c_str(), data.tokens.size(), static_cast<long long>(data.n_train()),
               static_cast<long long>(data.n_val()), static_cast<long long>(data.vocab_size),
               static_cast<long long>(c.n_layer), static_cast<long long>(c.n_head), static_cast<long long>(c.n_embd),
               static_cast<long long>(c.block_size), c.dropout,
               static_cast<long long>(trainer.model().num_parameters()), opt.train.optimizer.c_str(), opt.train.lr,
               opt.train.min_lr, opt.train.schedule.c_str(), static_cast<long long>(opt.train.warmup),
-              static_cast<long long>(opt.train.batch), static_cast<long long>(opt.train.steps));
+              static_cast<long long>(opt.train.batch), static_cast<long long>(opt.train.steps),
+              opt.train.amp.name().c_str());
   if (trainer.step() > 0) std::printf("resumed at step %lld\n", static_cast<long long>(trainer.step()));
   std::fflush(stdout);
 
@@ -264,9 +285,12 @@ int run(int argc, char** argv) {
   const int64_t tokens_per_step = opt.train.batch * c.block_size;
   const auto start = std::chrono::steady_clock::now();
   double train_seconds = 0;  // inside train_step only: the rate excludes evaluations and saves
+  int64_t skipped = 0;       // steps skipped on gradient overflow (this run)
+  const bool scaled = opt.train.amp.mixed_precision != "fp32" && opt.train.amp.mixed_precision != "tf32";
   while (trainer.step() < end) {
     const auto t0 = std::chrono::steady_clock::now();
     const StepStats s = trainer.train_step();
+    skipped += s.skipped ? 1 : 0;
     const auto t1 = std::chrono::steady_clock::now();
     const double step_seconds = std::chrono::duration<double>(t1 - t0).count();
     train_seconds += step_seconds;
@@ -282,7 +306,8 @@ int run(int argc, char** argv) {
     const double val_loss = eval ? trainer.evaluate() : NAN;  // after this step's update
     if (log.is_open()) {
       json::Value::Object line{{"step", s.step}, {"loss", s.loss}, {"lr", s.lr}, {"grad_norm", s.grad_norm},
-                               {"tokens_per_s", double(tokens_per_step) / step_seconds}};
+                               {"tokens_per_s", double(tokens_per_step) / step_seconds},
+                               {"loss_scale", s.loss_scale}, {"skipped", s.skipped}};
       if (eval) line.emplace_back("val_loss", val_loss);
       log << json::Value(line).dump() << '\n';
       log.flush();
@@ -291,6 +316,8 @@ int run(int argc, char** argv) {
       std::printf("step %5lld/%lld | loss %.4f | lr %.2e | grad norm %.3f | %.0f tok/s | %s elapsed | ETA %s",
                   static_cast<long long>(trainer.step()), static_cast<long long>(opt.train.steps), s.loss, s.lr,
                   s.grad_norm, tokens_per_s, format_seconds(elapsed).c_str(), format_seconds(eta).c_str());
+      if (scaled)
+        std::printf(" | scale %g | skipped %lld", trainer.amp_optimizer().loss_scale(), static_cast<long long>(skipped));
       if (eval) std::printf(" | val loss %.4f", val_loss);
       std::printf("\n");
       std::fflush(stdout);

@@ -1,4 +1,4 @@
-// The GPT trainer's core (optim/training.h): batches, evaluation, and resumption that is bit-exact.
+// The GPT trainer's core (examples/training.h): batches, evaluation, and resumption that is bit-exact.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -11,7 +11,7 @@
 #include <unistd.h>
 
 #include "autograd/autograd.h"
-#include "optim/training.h"
+#include "examples/training.h"
 #include "nn/safetensors.h"
 #include "tensor/random.h"
 #include "test_util.h"

@@ -10,9 +10,14 @@
 //
 // A training checkpoint is one safetensors file:
 //   tensors   the model's state dict (nanoGPT names) and the optimizer's, prefixed "optimizer."
+//             The model tensors are stored in fp32 whatever the precision mode (a 16-bit parameter is exactly
+//             representable, and equals its fp32 master rounded), so generate and --init read every file;
+//             loading converts them back to the model's dtypes. The masters and loss-scaler state are in
+//             the optimizer part ("optimizer.master.<i>", "optimizer.scaler.<k>.*").
 //   metadata  the GPT config (GPTConfig::to_metadata keys), "vocab" (char-level data: a JSON array of the
 //             byte values, in token-id order), "optimizer.*" (the optimizer's metadata), "train.*" (every
-//             option that shapes the trajectory), "step" (optimizer steps done = the schedule position),
+//             option that shapes the trajectory, the precision mode "train.precision" and its options
+//             "train.amp_config" included), "step" (optimizer steps done = the schedule position),
 //             "data.seed", "data.position" (the next batch's step), "rng.<name>.seed|offset" for every
 //             dropout generator of the model.
 // Loading it into a Trainer built with the same options restores everything, so the run continues bit for
@@ -25,6 +30,8 @@
 #include <string>
 #include <vector>
 
+#include "amp/booster.h"
+#include "amp/config.h"
 #include "nn/gpt.h"
 #include "nn/state_dict.h"
 #include "optim/optimizer.h"
@@ -65,6 +72,7 @@ struct TrainOptions {
   double grad_clip = 1.0;  // 0 = off
   uint64_t seed = 1337;
   bool sequential = false;
+  AmpConfig amp;  // precision mode (--precision / --amp-config); default fp32
 
   void validate() const;  // Error naming the option
   std::map<std::string, std::string> to_metadata() const;  // keys "train.<option>"
@@ -75,7 +83,9 @@ struct StepStats {
   int64_t step = 0;  // the step number (0-based) this update was
   double loss = 0;   // the batch's loss before the update
   double lr = 0;
-  double grad_norm = 0;  // before clipping
+  double grad_norm = 0;  // of the unscaled gradients, before clipping (0 when the step was skipped)
+  bool skipped = false;  // a gradient overflowed: the update was skipped and the loss scale backed off
+  double loss_scale = 1;  // the scale this step's loss was multiplied by
 };
 
 class Trainer {
@@ -93,7 +103,10 @@ class Trainer {
 
   int64_t step() const { return step_; }
   GPT& model() { return *model_; }
-  Optimizer& optimizer() { return *optimizer_; }
+  // The wrapped optimizer: its parameters are the fp32 master weights when the mode keeps them.
+  Optimizer& optimizer() { return optimizer_->optimizer(); }
+  MixedPrecisionOptimizer& amp_optimizer() { return *optimizer_; }
+  Booster& booster() { return booster_; }
   const TrainOptions& options() const { return options_; }
 
   StateDict checkpoint();
@@ -105,11 +118,15 @@ class Trainer {
   void load_weights(const StateDict& state);
 
  private:
+  Tensor forward_loss(const Tensor& x, const Tensor& y);  // the mean loss, in fp32
+  StateDict model_part_in_model_dtypes(const StateDict& state) const;
+
   GPTConfig config_;
   TrainOptions options_;
   const TokenData& data_;
   std::unique_ptr<GPT> model_;
-  std::unique_ptr<Optimizer> optimizer_;
+  Booster booster_;
+  std::unique_ptr<MixedPrecisionOptimizer> optimizer_;
   std::unique_ptr<LRSchedule> schedule_;
   uint64_t data_seed_;
   int64_t step_ = 0;

@@ -1,4 +1,4 @@
-#include "optim/training.h"
+#include "examples/training.h"
 
 #include <algorithm>
 #include <charconv>
@@ -142,6 +142,7 @@ void TrainOptions::validate() const {
         schedule, "'");
   check(std::isfinite(grad_clip) && grad_clip >= 0, "train_gpt: --grad-clip must be >= 0 (0 = off), got ",
         grad_clip);
+  amp.validate();
 }
 
 std::map<std::string, std::string> TrainOptions::to_metadata() const {
@@ -158,7 +159,9 @@ std::map<std::string, std::string> TrainOptions::to_metadata() const {
           {"train.schedule", schedule},
           {"train.grad_clip", format_double(grad_clip)},
           {"train.seed", std::to_string(seed)},
-          {"train.sequential", sequential ? "true" : "false"}};
+          {"train.sequential", sequential ? "true" : "false"},
+          {"train.precision", amp.name()},
+          {"train.amp_config", amp.to_json()}};
 }
 
 TrainOptions TrainOptions::from_metadata(const std::map<std::string, std::string>& m) {
@@ -181,6 +184,8 @@ TrainOptions TrainOptions::from_metadata(const std::map<std::string, std::string
   check(sequential == "true" || sequential == "false", what, ": train.sequential must be true or false, got '",
         sequential, "'");
   o.sequential = sequential == "true";
+  // Checkpoints from before the precision modes are fp32.
+  if (m.count("train.amp_config")) o.amp = AmpConfig::from_json(m.at("train.amp_config"));
   o.validate();
   return o;
 }
@@ -188,7 +193,7 @@ TrainOptions TrainOptions::from_metadata(const std::map<std::string, std::string
 // ---- trainer ----
 
 Trainer::Trainer(const GPTConfig& config, const TrainOptions& options, const TokenData& data)
-    : config_(config), options_(options), data_(data) {
+    : config_(config), options_(options), data_(data), booster_(options.amp) {
   config_.validate();
   options_.validate();
   check(data.vocab_size <= config_.vocab_size, "train_gpt: the data has ", data.vocab_size,
@@ -203,9 +208,15 @@ Trainer::Trainer(const GPTConfig& config, const TrainOptions& options, const Tok
   for (const auto& [name, p] : model_->named_parameters()) (p.dim() >= 2 ? decay : no_decay).params.push_back(p);
   std::vector<ParamGroup> groups{decay, no_decay};
   const AdamOptions adam{options_.beta1, options_.beta2, 1e-8};
-  if (options_.optimizer == "sgd") optimizer_ = std::make_unique<SGD>(groups, SGDOptions{options_.momentum, 0, false});
-  else if (options_.optimizer == "adam") optimizer_ = std::make_unique<Adam>(groups, adam);
-  else optimizer_ = std::make_unique<AdamW>(groups, adam);
+  std::unique_ptr<Optimizer> optimizer;
+  if (options_.optimizer == "sgd") optimizer = std::make_unique<SGD>(groups, SGDOptions{options_.momentum, 0, false});
+  else if (options_.optimizer == "adam") optimizer = std::make_unique<Adam>(groups, adam);
+  else optimizer = std::make_unique<AdamW>(groups, adam);
+  // The precision mode converts the model (naive / Apex O2, O3) and wraps the optimizer; grad_clip clips the
+  // unscaled (master) gradients.
+  BoostOptions boost;
+  boost.clip_grad = options_.grad_clip;
+  optimizer_ = booster_.boost(*model_, std::move(optimizer), boost);
 
   if (options_.schedule == "cosine") {
     schedule_ = std::make_unique<WarmupCosineLR>(options_.lr, options_.min_lr, options_.warmup,
@@ -247,13 +258,14 @@ StepStats Trainer::train_step() {
   model_->train();
   const auto [x, y] = batch(step_);
   optimizer_->zero_grad();
-  const GPTOutput out = model_->forward(x, y);
-  stats.loss = out.loss.item();
-  backward(out.loss);
-  const std::vector<Tensor> params = optimizer_->params();
-  stats.grad_norm = options_.grad_clip > 0 ? clip_grad_norm(params, options_.grad_clip) : grad_norm(params);
-  stats.lr = apply_schedule(*optimizer_, *schedule_, step_);
-  optimizer_->step();
+  const Tensor loss = forward_loss(x, y);
+  stats.loss = loss.item();
+  stats.loss_scale = optimizer_->loss_scale();
+  booster_.backward(loss, *optimizer_);
+  stats.lr = apply_schedule(optimizer_->optimizer(), *schedule_, step_);
+  const StepResult result = booster_.step(*optimizer_);
+  stats.grad_norm = result.grad_norm;
+  stats.skipped = result.skipped;
   optimizer_->zero_grad();
   ++step_;
   return stats;
@@ -276,15 +288,23 @@ double Trainer::evaluate() {
         x[r * T + t] = data_.tokens[base + (k0 + r) * T + t];
         y[r * T + t] = data_.tokens[base + (k0 + r) * T + t + 1];
       }
-    const GPTOutput out = model_->forward(Tensor::from_vector(x, {rows, T}), Tensor::from_vector(y, {rows, T}));
-    total += out.loss.item() * static_cast<double>(rows);  // every window has T targets: weight by rows
+    const Tensor loss = forward_loss(Tensor::from_vector(x, {rows, T}), Tensor::from_vector(y, {rows, T}));
+    total += loss.item() * static_cast<double>(rows);  // every window has T targets: weight by rows
   }
   model_->train();
   return total / static_cast<double>(windows);
 }
 
+Tensor Trainer::forward_loss(const Tensor& x, const Tensor& y) {
+  // Through the booster: autocast, or the cast model's input/output casts (the loss comes back in fp32).
+  return booster_.forward([&](const std::vector<Tensor>& in) { return std::vector<Tensor>{model_->forward(in[0], in[1]).loss}; },
+                          {x, y})[0];
+}
+
 StateDict Trainer::checkpoint() {
   StateDict state = model_->state_dict();
+  for (auto& [name, t] : state.tensors)
+    if (is_floating(t.dtype()) && t.dtype() != DType::F32) t = t.to(DType::F32);  // exact (see the header)
   config_.to_metadata(state.metadata);
   if (!data_.vocab.empty()) state.metadata["vocab"] = vocab_to_metadata(data_.vocab);
   const StateDict opt = optimizer_->state_dict();
@@ -311,7 +331,20 @@ StateDict model_part(const StateDict& state) {
   return model;
 }
 
-void Trainer::load_weights(const StateDict& state) { model_->load_state_dict(model_part(state)); }
+// The model part of `state` with each floating tensor in the dtype of the model's own tensor (files hold fp32).
+StateDict Trainer::model_part_in_model_dtypes(const StateDict& state) const {
+  StateDict part = model_part(state);
+  const StateDict mine = model_->state_dict();
+  for (auto& [name, t] : part.tensors) {
+    const auto found = mine.tensors.find(name);
+    if (found != mine.tensors.end() && is_floating(t.dtype()) && is_floating(found->second.dtype()) &&
+        t.dtype() != found->second.dtype())
+      t = t.to(found->second.dtype());
+  }
+  return part;
+}
+
+void Trainer::load_weights(const StateDict& state) { model_->load_state_dict(model_part_in_model_dtypes(state)); }
 
 void Trainer::load_checkpoint(const StateDict& state) {
   const char* what = "training checkpoint";
@@ -346,7 +379,7 @@ void Trainer::load_checkpoint(const StateDict& state) {
 
   // Model first: strict and fully validated before copying. The optimizer validates before changing too;
   // if it throws, the model has new weights but the caller is expected to abandon the trainer.
-  model_->load_state_dict(model_part(state));
+  model_->load_state_dict(model_part_in_model_dtypes(state));
   optimizer_->load_state_dict(opt);
   for (auto& [gen, g] : generators) *gen = g;
   step_ = step;

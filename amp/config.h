@@ -1,0 +1,93 @@
+#pragma once
+// AmpConfig: the precision modes users know, with their option names and defaults, checked at construction.
+//
+//   mixed_precision  what it is                                            options (defaults)
+//   "fp32"           plain fp32                                            —
+//   "tf32"           fp32 storage, matmul inputs rounded to tf32           —
+//   "fp16"           PyTorch AMP: fp16 autocast + GradScaler, fp32 params  init_scale 2^16, growth_factor 2,
+//                                                                          backoff_factor 0.5,
+//                                                                          growth_interval 2000, enabled true
+//   "bf16"           PyTorch AMP: bf16 autocast, fp32 params               the same, enabled false (no scaler)
+//   "fp16_apex"      NVIDIA Apex amp, opt_level O0..O3 (table below)       Apex's properties
+//   "fp16_naive"     Colossal-AI / InternEvo naive AMP: the whole model    clip_grad 0, log_num_zeros_in_grad
+//   "bf16_naive"     in fp16/bf16, fp32 master weights, the hysteresis     false, initial_scale 2^32,
+//                    loss scaler (DynamicLossScaler)                       min_scale 1, growth_factor 2,
+//                                                                          backoff_factor 0.5,
+//                                                                          growth_interval 1000,
+//                                                                          hysteresis 2, max_scale 2^32,
+//                                                                          verbose false, output_to_fp32 true
+//
+// Apex's property table (apex/amp/frontend.py), each property overridable as in amp.initialize():
+//   opt_level  cast_model_type  patch_torch_functions  keep_batchnorm_fp32  master_weights  loss_scale
+//   O0         fp32             false                  —                    false           1.0
+//   O1         —                true                   —                    —               "dynamic"
+//   O2         fp16             false                  true                 true            "dynamic"
+//   O3         fp16             false                  false                false           1.0
+// plus cast_model_outputs (—: fp32 when the model is cast), num_losses 1, verbosity 1, min_loss_scale —,
+// max_loss_scale 2^24. Apex refuses, and so do we: cast_model_type, keep_batchnorm_fp32 or master_weights
+// with O1, patch_torch_functions outside O1. keep_batchnorm_fp32 here keeps the norm layers (LayerNorm,
+// RMSNorm) in fp32. patch_torch_functions is fp16 autocast.
+//
+// Text forms: parse("fp16_apex:O2") (a mode, with the opt level after a colon), and JSON objects
+//   {"mixed_precision": "fp16_naive", "initial_scale": 65536, "hysteresis": 3}
+// whose other keys must be options of that mode (Apex's loss_scale is a number or "dynamic"; dtypes are
+// "fp16"/"bf16"/"fp32"). Every unknown mode, unknown key and invalid value is an Error naming it.
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "amp/scaler.h"
+#include "tensor/dtype.h"
+
+namespace mixtape {
+
+struct ApexProperties {
+  std::string opt_level = "O1";
+  std::optional<DType> cast_model_type;       // nullopt: the model is not cast (O1)
+  bool patch_torch_functions = true;          // fp16 autocast around the ops
+  std::optional<bool> keep_batchnorm_fp32;    // nullopt: Apex's None
+  bool master_weights = false;                // O1's None counts as false: its params are fp32 already
+  std::optional<double> loss_scale;           // nullopt: "dynamic"
+  std::optional<DType> cast_model_outputs;    // nullopt: fp32 when the model is cast
+  int64_t num_losses = 1;
+  int64_t verbosity = 1;
+  std::optional<double> min_loss_scale;       // dynamic scaling floor; nullopt: none
+  double max_loss_scale = 16777216.0;         // 2^24
+
+  static ApexProperties for_opt_level(const std::string& opt_level);  // Apex's table; Error if not O0..O3
+};
+
+struct NaiveAmpOptions {
+  double clip_grad = 0;                       // max grad norm; 0 = the trainer's own clipping
+  bool log_num_zeros_in_grad = false;
+  DynamicLossScalerOptions scaler;            // initial_scale, min_scale, max_scale, growth/backoff, hysteresis
+  bool verbose = false;                       // print each scale change
+  bool output_to_fp32 = true;
+};
+
+struct AmpConfig {
+  std::string mixed_precision = "fp32";
+  GradScalerOptions grad_scaler;  // "fp16" / "bf16" (bf16: enabled = false unless set)
+  ApexProperties apex;            // "fp16_apex"
+  NaiveAmpOptions naive;          // "fp16_naive" / "bf16_naive"
+
+  static const std::vector<std::string>& modes();  // every mode name, in the table's order
+  // "fp32", "bf16", "fp16_apex:O2", ...: the mode's defaults. Validated.
+  static AmpConfig parse(std::string_view mode);
+  // A JSON object as above. `mode`, when given (train_gpt --precision), is the mode if the object has no
+  // "mixed_precision"; if it has one, they must agree (Error otherwise). Validated.
+  static AmpConfig from_json(std::string_view text, std::optional<std::string_view> mode = std::nullopt);
+
+  void validate() const;         // Error naming the mode, the option and the allowed values
+  std::string to_json() const;   // every option of the mode; from_json(to_json()) gives the same config
+  std::string name() const;      // "bf16", "fp16_apex:O2"
+
+  // What the mode does, for Booster and the logs.
+  std::optional<DType> autocast_dtype() const;  // F16/BF16 when ops are autocast (fp16, bf16, apex O1)
+  std::optional<DType> model_dtype() const;     // the dtype parameters are cast to (naive, apex O2/O3, O0)
+  bool is_naive() const { return mixed_precision == "fp16_naive" || mixed_precision == "bf16_naive"; }
+};
+
+}  // namespace mixtape
