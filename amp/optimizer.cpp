@@ -64,7 +64,8 @@ MixedPrecisionOptimizer::MixedPrecisionOptimizer(std::unique_ptr<Optimizer> opti
                                                  MixedPrecisionOptions options)
     : optimizer_(std::move(optimizer)), scalers_(std::move(scalers)), options_(options) {
   check(optimizer_ != nullptr, kWho, ": expected an optimizer to wrap, got null");
-  check(!scalers_.empty(), kWho, ": expected at least one loss scaler (one per loss; StaticLossScaler(1) for ",
+  check(!scalers_.empty(), kWho,
+        ": expected at least one loss scaler (one per loss; StaticLossScaler(1) for ",
         "no scaling), got none");
   for (size_t k = 0; k < scalers_.size(); ++k)
     check(scalers_[k] != nullptr, kWho, ": loss scaler ", k, " is null, expected a LossScaler");
@@ -94,12 +95,13 @@ MixedPrecisionOptimizer::MixedPrecisionOptimizer(std::unique_ptr<Optimizer> opti
 }
 
 MixedPrecisionOptimizer::MixedPrecisionOptimizer(std::unique_ptr<Optimizer> optimizer,
-                                                 std::unique_ptr<LossScaler> scaler, MixedPrecisionOptions options)
+                                                 std::unique_ptr<LossScaler> scaler,
+                                                 MixedPrecisionOptions options)
     : MixedPrecisionOptimizer(std::move(optimizer), one_scaler(std::move(scaler)), options) {}
 
 void MixedPrecisionOptimizer::check_loss_id(int loss_id, const char* what) const {
-  check(loss_id >= 0 && loss_id < num_losses(), kWho, ".", what, ": loss_id ", loss_id, " out of range, expected ",
-        "0 <= loss_id < num_losses = ", num_losses());
+  check(loss_id >= 0 && loss_id < num_losses(), kWho, ".", what, ": loss_id ", loss_id,
+        " out of range, expected ", "0 <= loss_id < num_losses = ", num_losses());
 }
 
 LossScaler& MixedPrecisionOptimizer::scaler(int loss_id) {
@@ -140,7 +142,8 @@ void MixedPrecisionOptimizer::fold_pending_grads() {
   if (pending_loss_ < 0) {
     if (stepped_) return;  // the installed gradients are the previous step's, already unscaled
     for (const Tensor& param : model_params_)
-      check(!param.grad().defined(), kWho, ": parameter ", param.description(), " has a gradient, but no loss ",
+      check(!param.grad().defined(), kWho, ": parameter ", param.description(),
+            " has a gradient, but no loss ",
             "went through scale_loss()/backward() of this optimizer since the last step or zero_grad(); ",
             "expected its gradients to carry a known loss scale");
     return;
@@ -213,7 +216,8 @@ StepResult MixedPrecisionOptimizer::step() {
     // dtype, so the f32 sum is rounded once there).
     for (size_t i = 0; i < master_params_.size(); ++i) {
       Tensor grad = accumulators_[i];
-      if (grad.defined() && grad.dtype() != master_params_[i].dtype()) grad = grad.to(master_params_[i].dtype());
+      if (grad.defined() && grad.dtype() != master_params_[i].dtype())
+        grad = grad.to(master_params_[i].dtype());
       master_params_[i].set_grad(grad);
       accumulators_[i] = Tensor();
     }
@@ -271,8 +275,8 @@ void MixedPrecisionOptimizer::load_state_dict(const StateDict& dict) {
   const auto master_weights = dict.metadata.find("amp.master_weights");
   check(master_weights != dict.metadata.end(), who, ": missing metadata entry 'amp.master_weights'");
   const std::string expected_mw = options_.master_weights ? "true" : "false";
-  check(master_weights->second == expected_mw, who, ": entry 'amp.master_weights' is '", master_weights->second,
-        "', expected '", expected_mw, "' (this optimizer's option)");
+  check(master_weights->second == expected_mw, who, ": entry 'amp.master_weights' is '",
+        master_weights->second, "', expected '", expected_mw, "' (this optimizer's option)");
   const int64_t skipped = read_count(dict.metadata, "amp.skipped_steps");
 
   StateDict inner;  // what the wrapped optimizer's state dict holds
@@ -288,8 +292,8 @@ void MixedPrecisionOptimizer::load_state_dict(const StateDict& dict) {
       const auto [end, ec] = std::from_chars(index.data(), index.data() + index.size(), k);
       check(dot != std::string::npos && dot + 1 < key.size() && !index.empty() && ec == std::errc() &&
                 end == index.data() + index.size() && k < scalers_.size(),
-            who, ": unexpected metadata entry '", key, "' (expected scaler.<k>.<entry> with k < ", num_losses(),
-            ")");
+            who, ": unexpected metadata entry '", key, "' (expected scaler.<k>.<entry> with k < ",
+            num_losses(), ")");
       scaler_states[k][key.substr(dot + 1)] = value;
     } else {
       inner.metadata[key] = value;
@@ -318,8 +322,8 @@ void MixedPrecisionOptimizer::load_state_dict(const StateDict& dict) {
     const std::string index = key.substr(7);
     size_t i = 0;
     const auto [end, ec] = std::from_chars(index.data(), index.data() + index.size(), i);
-    check(!index.empty() && ec == std::errc() && end == index.data() + index.size() && i < master_params_.size() &&
-              !master_params_[i].same(model_params_[i]),
+    check(!index.empty() && ec == std::errc() && end == index.data() + index.size() &&
+              i < master_params_.size() && !master_params_[i].same(model_params_[i]),
           who, ": unexpected tensor entry '", key, "' (parameter ", index, " has no separate fp32 master)");
     check(tensor.defined() && tensor.shape() == master_params_[i].shape() &&
               tensor.dtype() == master_params_[i].dtype(),
@@ -328,8 +332,9 @@ void MixedPrecisionOptimizer::load_state_dict(const StateDict& dict) {
     masters[i] = tensor;
   }
   for (size_t i = 0; i < master_params_.size(); ++i)
-    check(master_params_[i].same(model_params_[i]) || masters.count(i), who, ": missing tensor entry 'master.", i,
-          "' (the fp32 master of ", model_params_[i].description(), ")");
+    check(master_params_[i].same(model_params_[i]) || masters.count(i), who,
+          ": missing tensor entry 'master.", i, "' (the fp32 master of ", model_params_[i].description(),
+          ")");
 
   // ---- apply, rolling back on a failure inside the wrapped optimizer or a scaler ----
   const StateDict old_optimizer = optimizer_->state_dict();

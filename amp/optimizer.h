@@ -86,7 +86,9 @@ class MixedPrecisionOptimizer {
   // The wrapped optimizer's state dict (its state is the masters'), plus
   //   tensors  "master.<i>"           fp32 master of parameter i (only for parameters with a separate master)
   //   metadata "amp.num_losses", "amp.master_weights", "amp.skipped_steps", "scaler.<k>.<entry>" per scaler
-  // load_state_dict validates everything (types, shapes, scaler types) before changing anything.
+  // load_state_dict validates everything (types, shapes, scaler types) before changing anything; a failure
+  // inside the wrapped optimizer's or a scaler's own load rolls back what was loaded. On success the masters
+  // take the saved values, each model parameter its master rounded once, and pending gradients are dropped.
   StateDict state_dict() const;
   void load_state_dict(const StateDict& dict);
 

@@ -3,8 +3,8 @@
 // process-group hook, and a bit-exact resume through state_dict.
 //
 // Gradients are made exact where possible: a loss sum(p * c) has the gradient c, and with a power-of-two
-// loss scale S both c * S (in fp16) and the unscale by 1/S are exact, so expected values are computed in plain
-// double from c without going through the code under test.
+// loss scale S both c * S (in fp16) and the unscale by 1/S are exact, so expected values are computed in
+// plain double from c without going through the code under test.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -48,7 +48,8 @@ Tensor linear_loss(const Tensor& p, const std::vector<double>& c) {
 
 std::vector<double> values(const Tensor& t) { return t.detach().to_vector<double>(); }
 
-std::vector<std::unique_ptr<LossScaler>> scalers(std::unique_ptr<LossScaler> a, std::unique_ptr<LossScaler> b) {
+std::vector<std::unique_ptr<LossScaler>> scalers(std::unique_ptr<LossScaler> a,
+                                                 std::unique_ptr<LossScaler> b) {
   std::vector<std::unique_ptr<LossScaler>> list;
   list.push_back(std::move(a));
   list.push_back(std::move(b));
@@ -74,8 +75,8 @@ void expect_same_state(const StateDict& a, const StateDict& b) {
 // ------------------------------------------------------------------------------------------ master weights
 
 // Every update lr * g ~ 1e-4 is below half the spacing of the 16-bit numbers just under 1.0 (fp16: 2^-12 ~
-// 2.4e-4, bf16: 2^-9 ~ 2e-3), so a 16-bit parameter stepped directly never moves, while the fp32 master accumulates the updates
-// and its rounding moves the 16-bit parameter once the sum passes half an ulp.
+// 2.4e-4, bf16: 2^-9 ~ 2e-3), so a 16-bit parameter stepped directly never moves, while the fp32 master
+// accumulates the updates and its rounding moves the 16-bit parameter once the sum passes half an ulp.
 TEST(MasterWeights, Fp16ParameterWithoutMastersDoesNotMoveWithMastersItDoes) {
   constexpr int kSteps = 60;
   constexpr double kLr = 1e-3;
@@ -112,8 +113,8 @@ TEST(MasterWeights, Fp16ParameterWithoutMastersDoesNotMoveWithMastersItDoes) {
     EXPECT_EQ(values(plain), std::vector<double>(3, 1.0)) << name;
     EXPECT_EQ(values(no_master), std::vector<double>(3, 1.0)) << name;
 
-    // The master: kSteps fp32 updates of lr * g each; every one rounds by at most half an fp32 ulp at ~1 (2^-24)
-    // in the product and in the subtraction, hence the bound 2 * kSteps * 2^-24.
+    // The master: kSteps fp32 updates of lr * g each; every one rounds by at most half an fp32 ulp at ~1
+    // (2^-24) in the product and in the subtraction, hence the bound 2 * kSteps * 2^-24.
     const double exact = 1.0 - kSteps * kLr * g;
     const Tensor master = with.master_params()[0];
     for (double m : values(master)) EXPECT_NEAR(m, exact, 2 * kSteps * std::ldexp(1.0, -24)) << name;
@@ -159,7 +160,8 @@ TEST(MixedPrecisionSkippedStep, LeavesParametersMastersAndAdamStateBitExactAndBa
     ASSERT_FALSE(opt.step().skipped);
   }
   const StateDict before = opt.state_dict();
-  const std::vector<double> w_before = values(w), b_before = values(b), master_before = values(opt.master_params()[0]);
+  const std::vector<double> w_before = values(w), b_before = values(b),
+                            master_before = values(opt.master_params()[0]);
 
   std::vector<double> used_scales;
   for (int skip = 0; skip < 3; ++skip) {
@@ -188,8 +190,8 @@ TEST(MixedPrecisionSkippedStep, LeavesParametersMastersAndAdamStateBitExactAndBa
   // only the scaler entries and the skip count differ.
   StateDict after = opt.state_dict();
   StateDict expected = before;
-  for (const char* key : {"amp.skipped_steps", "scaler.0.scale", "scaler.0.growth_tracker",
-                          "scaler.0.hysteresis_tracker"}) {
+  for (const char* key :
+       {"amp.skipped_steps", "scaler.0.scale", "scaler.0.growth_tracker", "scaler.0.hysteresis_tracker"}) {
     expected.metadata.erase(key);
     after.metadata.erase(key);
   }
@@ -212,7 +214,8 @@ TEST(MixedPrecisionUnscale, MasterGradientsAreModelGradientsDividedByTheScale) {
   Tensor h = leaf({0.5, -1, 2, 0.25}, DType::F16);
   Tensor f = leaf({1, 2, 3}, DType::F32);
   Tensor d = leaf({1, 2}, DType::F64);
-  MixedPrecisionOptimizer opt(std::make_unique<SGD>(std::vector<Tensor>{h, f, d}, 0.0), static_scaler(kScale));
+  MixedPrecisionOptimizer opt(std::make_unique<SGD>(std::vector<Tensor>{h, f, d}, 0.0),
+                              static_scaler(kScale));
   const Tensor loss = add(add(linear_loss(h, {0.1, -3.3, 1e-3, 7}), linear_loss(f, {0.3, -1e-5, 2.5})),
                           linear_loss(d, {0.7, -0.9}));
   backward(opt.scale_loss(loss));  // the caller runs backward itself
@@ -273,7 +276,8 @@ TEST(MixedPrecisionClipGrad, ReportsTheUnscaledNormAndClipsLikeClipGradNormOnAnF
 
 TEST(MixedPrecisionNumZeros, CountsZeroElementsOfTheUnscaledGradientsOnlyWhenAsked) {
   for (bool log : {false, true}) {
-    Tensor w = leaf({1, 2, 3, 4}, DType::F16), b = leaf({1, 2, 3}, DType::F32), unused = leaf({5}, DType::F32);
+    Tensor w = leaf({1, 2, 3, 4}, DType::F16), b = leaf({1, 2, 3}, DType::F32),
+           unused = leaf({5}, DType::F32);
     MixedPrecisionOptions options;
     options.log_num_zeros_in_grad = log;
     MixedPrecisionOptimizer opt(std::make_unique<SGD>(std::vector<Tensor>{w, b, unused}, 0.1),
@@ -390,7 +394,8 @@ TEST(MixedPrecisionEquivalence, Fp32ModelWithStaticScaleOneMatchesTheBareAdamBit
   const std::vector<double> init = {0.3, -1.7, 2.2, 0.01};
   Tensor a = leaf(init, DType::F32), b = leaf(init, DType::F32);
   Adam bare({a}, 3e-2, 0.01);
-  MixedPrecisionOptimizer wrapped(std::make_unique<Adam>(std::vector<Tensor>{b}, 3e-2, 0.01), static_scaler(1));
+  MixedPrecisionOptimizer wrapped(std::make_unique<Adam>(std::vector<Tensor>{b}, 3e-2, 0.01),
+                                  static_scaler(1));
   auto loss = [](const Tensor& p) { return sum(mul(mul(p, p), constant({1, 2, 3, 4}, DType::F32))); };
   for (int step = 0; step < 5; ++step) {
     bare.zero_grad();
@@ -404,8 +409,8 @@ TEST(MixedPrecisionEquivalence, Fp32ModelWithStaticScaleOneMatchesTheBareAdamBit
   EXPECT_NE(values(a), init);
 }
 
-// PyTorch's GradScaler rule with growth_interval 2: two clean steps double S, an overflow halves it and resets
-// the tracker. Steps: C C O C C C use S = 2^16, 2^16, 2^17 (overflow -> 2^16), 2^16, 2^16, 2^17.
+// PyTorch's GradScaler rule with growth_interval 2: two clean steps double S, an overflow halves it and
+// resets the tracker. Steps: C C O C C C use S = 2^16, 2^16, 2^17 (overflow -> 2^16), 2^16, 2^16, 2^17.
 TEST(MixedPrecisionGradScalerInside, ScaleSequenceFollowsPyTorchsRuleAcrossAnOverflow) {
   Tensor w = leaf({1, 2}, DType::F32);
   GradScalerOptions scaler_options;
@@ -510,7 +515,8 @@ TEST(MixedPrecisionStateDict, BadDictsAreRejectedAndChangeNothing) {
                         "f32[3]");
   StateDict wrong_dtype = good;
   wrong_dtype.tensors["master.0"] = Tensor::zeros({3}, DType::F16);
-  EXPECT_ERROR_MENTIONS(target.opt->load_state_dict(wrong_dtype), "MixedPrecisionOptimizer", "master.0", "f16");
+  EXPECT_ERROR_MENTIONS(target.opt->load_state_dict(wrong_dtype), "MixedPrecisionOptimizer", "master.0",
+                        "f16");
   StateDict missing_master = good;
   missing_master.tensors.erase("master.0");
   EXPECT_ERROR_MENTIONS(target.opt->load_state_dict(missing_master), "MixedPrecisionOptimizer", "master.0");
@@ -547,8 +553,8 @@ TEST(MixedPrecisionConstruction, RejectsNoScalerANullScalerAndAnOptimizerThatAlr
   auto stepped = std::make_unique<Adam>(std::vector<Tensor>{f}, 0.1);
   f.set_grad(constant({1, 1}, DType::F32));
   stepped->step();
-  EXPECT_ERROR_MENTIONS(MixedPrecisionOptimizer(std::move(stepped), static_scaler(1)), "MixedPrecisionOptimizer",
-                        "Adam", "not taken a step");
+  EXPECT_ERROR_MENTIONS(MixedPrecisionOptimizer(std::move(stepped), static_scaler(1)),
+                        "MixedPrecisionOptimizer", "Adam", "not taken a step");
 
   MixedPrecisionOptimizer opt(std::make_unique<SGD>(std::vector<Tensor>{w}, 0.1), static_scaler(1));
   EXPECT_ERROR_MENTIONS(opt.scale_loss(Tensor::scalar(1), 1), "MixedPrecisionOptimizer", "loss_id 1",
