@@ -35,15 +35,34 @@ NaiveAMPModel::NaiveAMPModel(Module& model, NaiveAMPOptions options)
     : model_(model), options_(std::move(options)), dtype_(parse_dtype(options_.dtype)) {
   // "tf32": parameters stay fp32; the f32 matmuls round their inputs to tf32 (process-wide, as InternEvo sets
   // torch.backends.cuda.matmul.allow_tf32 — it is not restored when the wrapper goes away).
+  for (UnaryModule* module : options_.fp32_modules)
+    check(module != nullptr && contains(model_, *module),
+          "NaiveAMPModel: options.fp32_modules holds a module that is not a submodule of the wrapped model");
   if (options_.dtype == "tf32") set_allow_tf32(true);
+  // The fp32 islands' values before the whole model is rounded to the low dtype (copies: to() replaces the
+  // handles, but a copy is what survives whatever the conversion does to shared storage).
+  std::vector<StateDict> fp32_values;
+  for (UnaryModule* module : options_.fp32_modules) {
+    StateDict values;
+    for (const auto& [name, tensor] : module->state_dict().tensors) values.tensors.emplace(name, tensor.clone());
+    fp32_values.push_back(std::move(values));
+  }
   model_.to(dtype_);
+  NoGradGuard no_grad;  // the copies below write into leaves
+  for (size_t i = 0; i < options_.fp32_modules.size(); ++i) {
+    set_fp32(*options_.fp32_modules[i]);
+    for (const auto& [name, slot] : options_.fp32_modules[i]->state_dict().tensors) {
+      Tensor target = slot;  // shares the module's (new, fp32) storage
+      target.copy_(fp32_values[i].tensors.at(name));
+    }
+  }
 }
 
 void NaiveAMPModel::set_fp32(UnaryModule& module) {
   check(contains(model_, module), "NaiveAMPModel::set_fp32: the module is not a submodule of the wrapped model");
-  // Parameters come back from the low dtype: values rounded at construction stay rounded (as in InternEvo);
-  // freshly initialised norms (weight 1, bias 0) are exact. Module::to makes new leaves, so build the
-  // optimizer after the set_fp32 calls.
+  // Parameters come back from the low dtype: values rounded at construction stay rounded (as in InternEvo;
+  // options.fp32_modules avoids that); freshly initialised norms (weight 1, bias 0) are exact either way.
+  // Module::to makes new leaves, so the optimizer is built after the set_fp32 calls.
   module.to(DType::F32);
   // The hooks capture the low dtype by value: they outlive neither the module nor depend on this wrapper.
   const DType low = dtype_;

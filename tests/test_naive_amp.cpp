@@ -13,6 +13,7 @@
 #include "autograd/autograd.h"
 #include "nn/gpt.h"
 #include "nn/layers.h"
+#include "tensor/autograd_node.h"
 #include "tensor/ops.h"
 #include "tensor/precision.h"
 #include "tests/test_util.h"
@@ -188,6 +189,31 @@ TEST(NaiveAMPModel, ParametersEndInTheLowDtypeExceptFp32ModulesWhichStayFp32) {
       EXPECT_TRUE(parameter.requires_grad() && parameter.is_leaf()) << name;
     }
   }
+}
+
+TEST(NaiveAMPModel, Fp32ModulesGivenAtConstructionKeepTheirExactFp32Values) {
+  // 1 + 2^-12 needs 13 significant bits: bf16 (8) rounds it to 1, fp32 holds it exactly.
+  const double value = 1.0 + std::ldexp(1.0, -12);
+  GPT early(tiny_gpt_config(), 1), late(tiny_gpt_config(), 1);
+  for (GPT* gpt : {&early, &late}) {
+    NoGradGuard no_grad;
+    Tensor weight = gpt->ln_f->named_parameters()[0].second;
+    weight.fill_(value);
+  }
+  NaiveAMPModel amp_early(early, {.dtype = "bf16", .fp32_modules = {early.ln_f.get()}});
+  NaiveAMPModel amp_late(late, {.dtype = "bf16"});
+  amp_late.set_fp32(*late.ln_f);
+  EXPECT_TRUE(early.ln_f->has_forward_hooks());
+  const Tensor early_weight = early.ln_f->named_parameters()[0].second;
+  const Tensor late_weight = late.ln_f->named_parameters()[0].second;
+  ASSERT_EQ(early_weight.dtype(), DType::F32);
+  ASSERT_EQ(late_weight.dtype(), DType::F32);
+  EXPECT_TRUE(early_weight.requires_grad() && early_weight.is_leaf());
+  for (double w : early_weight.to_vector<double>()) ASSERT_EQ(w, value);
+  for (double w : late_weight.to_vector<double>()) ASSERT_EQ(w, 1.0);  // came back from bf16
+  GPT stranger(tiny_gpt_config(), 1);
+  EXPECT_ERROR_MENTIONS(NaiveAMPModel(early, {.dtype = "bf16", .fp32_modules = {stranger.ln_f.get()}}),
+                        "fp32_modules", "not a submodule");
 }
 
 TEST(NaiveAMPModel, Fp32ModuleSeesFp32InputAndHandsTheLowDtypeBack) {
