@@ -50,7 +50,8 @@ class NaiveAMPModel {
   // The same for a wrapped UnaryModule (Error if the model is not one).
   Tensor operator()(const Tensor& x);
 
-  void sync_buffers();  // broadcast of floating buffers from rank 0 when sync_buffer and a group are set
+  // Broadcast of floating buffers from rank 0 when sync_buffer and a group of more than one rank are set.
+  void sync_buffers();
 
   Module& model() { return model_; }
   DType dtype() const { return dtype_; }  // F16, BF16, or F32 for "tf32"
