@@ -55,12 +55,9 @@ std::unique_ptr<MixedPrecisionOptimizer> Booster::boost(Module& model, std::uniq
       if (c.apex.cast_model_outputs && *c.apex.cast_model_outputs != cast &&
           *c.apex.cast_model_outputs != DType::F32)
         output_dtype_ = *c.apex.cast_model_outputs;
+      // keep_batchnorm_fp32: the norm layers keep their fp32 values and run in fp32.
+      if (c.apex.keep_batchnorm_fp32.value_or(false)) collect_norms(model, naive.fp32_modules);
       naive_ = std::make_unique<NaiveAMPModel>(model, naive);
-      if (c.apex.keep_batchnorm_fp32.value_or(false)) {
-        std::vector<UnaryModule*> norms;
-        collect_norms(model, norms);
-        for (UnaryModule* norm : norms) naive_->set_fp32(*norm);
-      }
     }
   } else if (c.mixed_precision == "fp16_apex" && c.apex.cast_model_outputs) {
     output_dtype_ = c.apex.cast_model_outputs;  // O1 with cast_model_outputs

@@ -168,5 +168,7 @@ TEST(Booster, MisuseIsAnError) {
   auto optimizer = booster.boost(model, adamw_on(model, 1e-3));
   GPT other(tiny_config(), 1);
   EXPECT_ERROR_MENTIONS(booster.boost(other, adamw_on(other, 1e-3)), "already");
-  EXPECT_ERROR_MENTIONS(Booster(AmpConfig{"fp64"}), "unknown mixed_precision", "fp64");
+  AmpConfig unknown;
+  unknown.mixed_precision = "fp64";
+  EXPECT_ERROR_MENTIONS(Booster{unknown}, "unknown mixed_precision", "fp64");
 }
