@@ -314,3 +314,38 @@ run_fails(".bin token >= --vocab-size" ${TRAIN_GPT} --data pattern.bin --vocab-s
 execute_process(COMMAND ${PRINTF} "\\001\\000\\002" OUTPUT_FILE ${WORK_DIR}/odd.bin)
 run_fails(".bin with an odd byte count" ${TRAIN_GPT} --data odd.bin --vocab-size 50
           MENTIONS "odd.bin" "odd byte count (3)")
+
+# ================================================================ precision modes (--precision, --amp-config)
+# Every mode trains (the progress line names the mode, shows the loss scale), a JSON file sets a mode's options,
+# a checkpoint resumes in its own mode only, its weights are fp32 so generate reads them, and bad values are
+# errors naming them.
+foreach(mode fp32 tf32 fp16 bf16 fp16_apex:O0 fp16_apex:O1 fp16_apex:O2 fp16_apex:O3 fp16_naive bf16_naive)
+  run(out ${TRAIN_GPT} --data words.txt ${tiny} --steps 6 --eval-every 0 --precision ${mode})
+  if(NOT out MATCHES "precision ${mode}\n")
+    check_failed("--precision ${mode}: the header line does not name the mode: ${out}")
+  endif()
+  if(NOT out MATCHES "step     6/6 \\| loss [0-9.]+ [^\n]*\\| val loss [0-9.]+\n")
+    check_failed("--precision ${mode}: no final step with a finite loss: ${out}")
+  endif()
+endforeach()
+file(WRITE ${WORK_DIR}/naive.json "{\"mixed_precision\": \"fp16_naive\", \"initial_scale\": 1024, \"hysteresis\": 3}")
+run(out ${TRAIN_GPT} --data words.txt ${tiny} --steps 4 --eval-every 0 --amp-config naive.json --save amp.safetensors)
+if(NOT out MATCHES "precision fp16_naive\n" OR NOT out MATCHES "\\| scale 1024 \\|")
+  check_failed("--amp-config naive.json: expected fp16_naive at scale 1024: ${out}")
+endif()
+run(out ${GENERATE} --model amp.safetensors --tokens 5)
+run_fails("resume in another mode" ${TRAIN_GPT} --data words.txt --resume amp.safetensors --steps 8
+          --precision bf16 MENTIONS "--precision" "checkpoint")
+run(out ${TRAIN_GPT} --data words.txt --resume amp.safetensors --steps 6 --eval-every 0)
+if(NOT out MATCHES "resumed at step 4" OR NOT out MATCHES "precision fp16_naive")
+  check_failed("resuming an fp16_naive checkpoint: ${out}")
+endif()
+run_fails("unknown mode" ${TRAIN_GPT} --data words.txt --precision fp8 MENTIONS "fp8" "fp16_naive")
+run_fails("unknown opt level" ${TRAIN_GPT} --data words.txt --precision fp16_apex:O5 MENTIONS "O5" "opt_level")
+file(WRITE ${WORK_DIR}/bad.json "{\"hysteresis\": 0}")
+run_fails("hysteresis 0" ${TRAIN_GPT} --data words.txt --precision fp16_naive --amp-config bad.json
+          MENTIONS "hysteresis" ">= 1")
+file(WRITE ${WORK_DIR}/typo.json "{\"growth_intervall\": 10}")
+run_fails("unknown key" ${TRAIN_GPT} --data words.txt --precision fp16 --amp-config typo.json
+          MENTIONS "growth_intervall" "growth_interval")
+run_fails("missing --amp-config file" ${TRAIN_GPT} --data words.txt --amp-config nothere.json MENTIONS "nothere.json")

@@ -67,11 +67,12 @@ bool bit_equal(const Tensor& a, const Tensor& b) {
   return std::memcmp(ac.data_ptr(), bc.data_ptr(), static_cast<size_t>(a.numel()) * dtype_size(a.dtype())) == 0;
 }
 
-void expect_resume_is_bit_exact(const std::string& optimizer, bool sequential) {
+void expect_resume_is_bit_exact(const std::string& optimizer, bool sequential, const AmpConfig& amp = {}) {
   const TokenData data = char_tokens(sample_text());
   const GPTConfig config = tiny_config(data.vocab_size, 0.1);  // dropout > 0: the RNG state must be restored
   TrainOptions options = tiny_options(optimizer);
   options.sequential = sequential;
+  options.amp = amp;
 
   Trainer straight(config, options, data);
   std::vector<double> straight_losses;
@@ -110,6 +111,43 @@ TEST(TrainGPT, ResumedSGDSequentialRunReproducesTheUninterruptedRunBitForBit) {
   expect_resume_is_bit_exact("sgd", true);
 }
 TEST(TrainGPT, ResumedAdamRunReproducesTheUninterruptedRunBitForBit) { expect_resume_is_bit_exact("adam", false); }
+
+// Mixed precision: the fp32 masters and the scaler state (scale, growth and hysteresis trackers) are in the
+// checkpoint, so a resumed run is bit-exact too. The scalers start high enough to overflow and back off, and
+// grow every 2 clean steps, so their trackers are mid-way at the save.
+TEST(TrainGPT, ResumedMixedPrecisionRunsReproduceTheUninterruptedRunBitForBit) {
+  expect_resume_is_bit_exact("adamw", false,
+                             AmpConfig::from_json(R"({"initial_scale":1e30,"max_scale":1e30,"growth_interval":2})",
+                                                  "fp16_naive"));
+  expect_resume_is_bit_exact("adamw", false, AmpConfig::from_json(R"({"init_scale":1e9,"growth_interval":3})", "fp16"));
+  expect_resume_is_bit_exact("adam", false, AmpConfig::parse("fp16_apex:O2"));
+  expect_resume_is_bit_exact("sgd", false, AmpConfig::parse("bf16_naive"));
+  expect_resume_is_bit_exact("adamw", false, AmpConfig::parse("bf16"));
+}
+
+TEST(TrainGPT, MixedPrecisionCheckpointHoldsFp32WeightsMastersAndScalerState) {
+  const TokenData data = char_tokens(sample_text());
+  const GPTConfig config = tiny_config(data.vocab_size, 0);
+  TrainOptions options = tiny_options("adamw");
+  options.amp = AmpConfig::parse("fp16_naive");
+  Trainer trainer(config, options, data);
+  for (int i = 0; i < 3; ++i) trainer.train_step();
+  const StateDict state = trainer.checkpoint();
+  EXPECT_EQ(state.tensors.at("transformer.wte.weight").dtype(), DType::F32);  // generate / --init read it
+  EXPECT_EQ(trainer.model().named_parameters()[0].second.dtype(), DType::F16);
+  EXPECT_EQ(state.tensors.at("optimizer.master.0").dtype(), DType::F32);
+  EXPECT_EQ(state.metadata.at("optimizer.scaler.0.type"), "DynamicLossScaler");
+  EXPECT_EQ(state.metadata.at("train.precision"), "fp16_naive");
+  // The saved weights are the model's fp16 values, exactly.
+  EXPECT_EQ(state.tensors.at("transformer.wte.weight").to(DType::F16).to_vector<float>(),
+            trainer.model().named_parameters()[0].second.to_vector<float>());
+  // Another precision mode is another trajectory: refused, naming the option.
+  TrainOptions fp32 = tiny_options("adamw");
+  Trainer other(config, fp32, data);
+  EXPECT_ERROR_MENTIONS(other.load_checkpoint(state), "precision");
+  // But its weights load anywhere (a weights file is fp32).
+  other.load_weights(state);
+}
 
 TEST(TrainGPT, SequentialBatchesFollowTheDocumentedFormula) {
   const TokenData data = char_tokens(sample_text());
