@@ -471,8 +471,14 @@ std::string plot_script(const std::vector<ModeResult>& results, const std::strin
   static const char* colours[] = {"#000000", "#7f7f7f", "#1f77b4", "#d62728", "#9467bd",
                                   "#8c564b", "#e377c2", "#ff7f0e", "#2ca02c", "#17becf"};
   std::vector<std::string> modes;
-  for (const ModeResult& r : results)
-    if (r.ok) modes.push_back(r.mode);
+  double top_scale = 1;  // the loss-scale axis spans [2^-1, 2^(k+1)] around [1, max scale]: never empty
+  for (const ModeResult& r : results) {
+    if (!r.ok) continue;
+    modes.push_back(r.mode);
+    for (const StepLog& step : r.steps)
+      if (std::isfinite(step.loss_scale)) top_scale = std::max(top_scale, step.loss_scale);
+  }
+  const int top_exponent = static_cast<int>(std::ceil(std::log2(top_scale))) + 1;
   auto plot = [&](int column, bool dashed) {  // dashed: overlapping curves (equal scales) stay visible
     std::string cmd = "plot ";
     for (size_t i = 0; i < modes.size(); ++i) {
@@ -504,6 +510,7 @@ std::string plot_script(const std::vector<ModeResult>& results, const std::strin
       "set title \"loss scale (log2 axis)\"\n"
       "set ylabel \"loss scale\"\n"
       "set logscale y 2\n"
+      "set yrange [0.5:" + std::to_string(std::ldexp(1.0, top_exponent)) + "]\n"
       "set format y \"2^%L\"\n"
       "set key bottom right\n" +
       plot(3, true) + "unset multiplot\n";
