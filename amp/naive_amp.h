@@ -28,6 +28,9 @@ struct NaiveAMPOptions {
   bool output_to_fp32 = true;
   bool sync_buffer = true;
   ProcessGroup* group = nullptr;  // data-parallel group for sync_buffer
+  // Submodules to set_fp32 at construction, keeping their original fp32 values (set_fp32 after construction
+  // converts back from the low dtype, so values the low dtype cannot hold stay rounded, as in InternEvo).
+  std::vector<UnaryModule*> fp32_modules = {};
 };
 
 class NaiveAMPModel {
@@ -35,7 +38,9 @@ class NaiveAMPModel {
   // Converts `model` in place (it must outlive the wrapper). Error on an unknown dtype.
   NaiveAMPModel(Module& model, NaiveAMPOptions options = {});
 
-  // Marks `module` (a submodule of the wrapped model) to keep fp32 parameters and compute in fp32.
+  // Marks `module` (a submodule of the wrapped model, or the model itself) to keep fp32 parameters and
+  // compute in fp32; Error if it is not in the model. Its parameters become new leaves: build the optimizer
+  // after the set_fp32 calls. The hooks stay on the module after the wrapper is gone.
   void set_fp32(UnaryModule& module);
 
   // Runs `forward` on `inputs` with floating inputs cast to the low dtype, after sync_buffers(); floating
@@ -45,7 +50,8 @@ class NaiveAMPModel {
   // The same for a wrapped UnaryModule (Error if the model is not one).
   Tensor operator()(const Tensor& x);
 
-  void sync_buffers();  // broadcast of floating buffers from rank 0 when sync_buffer and a group are set
+  // Broadcast of floating buffers from rank 0 when sync_buffer and a group of more than one rank are set.
+  void sync_buffers();
 
   Module& model() { return model_; }
   DType dtype() const { return dtype_; }  // F16, BF16, or F32 for "tf32"

@@ -22,6 +22,11 @@
 //                                 (nearest even) into its model parameter
 //                              6. every scaler is updated with its own loss's found_inf
 //   zero_grad()                drops model and master gradients.
+// After a step the unscaled gradients stay on the masters (and on fp32 parameters, their own masters) for
+// inspection until zero_grad() or the next scale_loss()/backward(), which starts from zero gradients: a new
+// accumulation never mixes the last step's unscaled gradients with scaled ones. Gradients must reach the
+// model through scale_loss()/backward() of this optimizer (their scale must be known): step() rejects model
+// gradients that appeared otherwise.
 //
 // Without master weights (Apex O3, or master_weights = false) the model parameters are stepped directly:
 // 16-bit parameters lose every update below half their ulp — the reason master weights exist (tested).
@@ -81,12 +86,17 @@ class MixedPrecisionOptimizer {
   // The wrapped optimizer's state dict (its state is the masters'), plus
   //   tensors  "master.<i>"           fp32 master of parameter i (only for parameters with a separate master)
   //   metadata "amp.num_losses", "amp.master_weights", "amp.skipped_steps", "scaler.<k>.<entry>" per scaler
-  // load_state_dict validates everything (types, shapes, scaler types) before changing anything.
+  // load_state_dict validates everything (types, shapes, scaler types) before changing anything; a failure
+  // inside the wrapped optimizer's or a scaler's own load rolls back what was loaded. On success the masters
+  // take the saved values, each model parameter its master rounded once, and pending gradients are dropped.
   StateDict state_dict() const;
   void load_state_dict(const StateDict& dict);
 
  private:
   void fold_pending_grads();  // model grads (scaled by S[pending_loss_]) -> master grads, records found_inf
+  void begin_backward(int loss_id);  // clears after a step, folds another loss id's grads, sets pending
+  void clear_grads();                // model and master gradients, accumulators, found_inf, pending
+  void check_loss_id(int loss_id, const char* what) const;
 
   std::unique_ptr<Optimizer> optimizer_;
   std::vector<std::unique_ptr<LossScaler>> scalers_;
@@ -95,6 +105,11 @@ class MixedPrecisionOptimizer {
   std::vector<Tensor> master_params_;
   std::vector<bool> found_inf_;  // per loss id, since the last step
   int pending_loss_ = -1;        // loss id whose scale the model grads carry; -1: none pending
+  // Per parameter: the sum of the unscaled gradients folded since the last step, in Optimizer::state_dtype
+  // (f32; f64 for f64 parameters). Kept apart from .grad so a parameter that is its own master never holds
+  // scaled and unscaled gradients at once; installed as the master's .grad by step().
+  std::vector<Tensor> accumulators_;
+  bool stepped_ = false;         // the installed gradients are the last step's (already unscaled, consumed)
   int64_t skipped_steps_ = 0;
 };
 

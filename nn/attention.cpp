@@ -20,8 +20,8 @@ Tensor CausalSelfAttention::forward(const Tensor& x) {
          x.defined() ? x.description() : std::string("undefined"));
   // c_attn gives q, k, v side by side in [B, T, 3C]; the fused op reads each head in place and returns the
   // heads merged as [B, T, C] (its backward writes one [B, T, 3C] gradient): no split, transpose or copy.
-  const Tensor y = causal_self_attention(c_attn->forward(x), n_head);
-  return resid_dropout->forward(c_proj->forward(y));
+  const Tensor y = causal_self_attention((*c_attn)(x), n_head);
+  return (*resid_dropout)((*c_proj)(y));
 }
 
 }  // namespace mixtape

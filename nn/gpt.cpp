@@ -143,7 +143,7 @@ MLP::MLP(const GPTConfig& config, uint64_t seed) : activation(config.activation)
 }
 
 Tensor MLP::forward(const Tensor& x) {
-  Tensor hidden = c_fc->forward(x);
+  Tensor hidden = (*c_fc)(x);
   switch (activation) {
     case Activation::Gelu: hidden = gelu(hidden, GeluApproximation::None); break;
     case Activation::GeluTanh: hidden = gelu(hidden, GeluApproximation::Tanh); break;
@@ -153,7 +153,7 @@ Tensor MLP::forward(const Tensor& x) {
       break;
     }
   }
-  return dropout->forward(c_proj->forward(hidden));
+  return (*dropout)((*c_proj)(hidden));
 }
 
 Block::Block(const GPTConfig& config, uint64_t seed) {
@@ -165,8 +165,8 @@ Block::Block(const GPTConfig& config, uint64_t seed) {
 }
 
 Tensor Block::forward(const Tensor& x) {
-  const Tensor after_attention = add(x, attn->forward(ln_1->forward(x)));
-  return add(after_attention, mlp->forward(ln_2->forward(after_attention)));
+  const Tensor after_attention = add(x, (*attn)((*ln_1)(x)));
+  return add(after_attention, (*mlp)((*ln_2)(after_attention)));
 }
 
 GPT::GPT(const GPTConfig& config, uint64_t seed) : config_(config) {
@@ -212,11 +212,11 @@ GPTOutput GPT::forward(const Tensor& idx, const Tensor& targets) {
   check(T <= config_.block_size, "GPT: cannot forward a sequence of length ", T, " (idx ", idx.description(),
         "): block_size is only ", config_.block_size);
   const Tensor positions = Tensor::arange(0, static_cast<double>(T), 1, DType::I64, idx.device());
-  Tensor x = drop->forward(add(wte->forward(idx), wpe->forward(positions)));  // [B, T, C] + [T, C]
-  for (const auto& block : *h) x = block->forward(x);
-  x = ln_f->forward(x);
+  Tensor x = (*drop)(add((*wte)(idx), (*wpe)(positions)));  // [B, T, C] + [T, C]
+  for (const auto& block : *h) x = (*block)(x);
+  x = (*ln_f)(x);
   GPTOutput output;
-  output.logits = lm_head ? lm_head->forward(x) : matmul(x, wte->weight.mT());
+  output.logits = lm_head ? (*lm_head)(x) : matmul(x, wte->weight.mT());
   if (targets.defined()) {
     check(targets.shape() == idx.shape(), "GPT: targets ", targets.description(), " must have idx's shape ",
           idx.description());

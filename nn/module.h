@@ -7,6 +7,7 @@
 // to(dtype) can replace a handle in place and the member sees it. Children are held as std::shared_ptr by the
 // parent (the parent usually also keeps a typed copy of the pointer). Modules are neither copyable nor movable:
 // the registered addresses point into the object itself.
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -83,10 +84,34 @@ class Module {
 };
 
 // A module with one tensor in and one out (layers that can be swapped behind one pointer, e.g. the norm).
+//
+// Call it as module(x), not module.forward(x): operator() runs the forward hooks, if set, around the virtual
+// forward — pre(x) replaces the input, post(y) replaces the output — like PyTorch's forward pre-hooks and
+// forward hooks. Parents call their children through operator() so a hook set on any child fires (amp/'s
+// NaiveAMPModel casts an fp32 island's input and output this way; nn/ itself knows nothing of dtypes).
+// Hooks are plain functions of a tensor: whatever they do (a Tensor::to) is recorded on the tape as usual.
 class UnaryModule : public Module {
  public:
+  using ForwardHook = std::function<Tensor(const Tensor&)>;
+
   virtual Tensor forward(const Tensor& x) = 0;
-  Tensor operator()(const Tensor& x) { return forward(x); }
+  Tensor operator()(const Tensor& x) {
+    if (!pre_hook_ && !post_hook_) [[likely]] return forward(x);
+    Tensor y = forward(pre_hook_ ? pre_hook_(x) : x);
+    return post_hook_ ? post_hook_(y) : y;
+  }
+
+  // Replaces both hooks (an empty function is no hook); clear_forward_hooks() removes them.
+  void set_forward_hooks(ForwardHook pre, ForwardHook post) {
+    pre_hook_ = std::move(pre);
+    post_hook_ = std::move(post);
+  }
+  void clear_forward_hooks() { set_forward_hooks(nullptr, nullptr); }
+  bool has_forward_hooks() const { return pre_hook_ || post_hook_; }
+
+ private:
+  ForwardHook pre_hook_;
+  ForwardHook post_hook_;
 };
 
 // Children named "0", "1", ... (nanoGPT's transformer.h).

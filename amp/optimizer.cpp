@@ -1,0 +1,367 @@
+#include "amp/optimizer.h"
+
+#include <charconv>
+#include <cmath>
+#include <set>
+#include <system_error>
+#include <utility>
+
+#include "autograd/autograd.h"
+#include "optim/clip.h"
+#include "tensor/autograd_node.h"
+#include "tensor/error.h"
+#include "tensor/ops.h"
+
+namespace mixtape {
+
+namespace {
+
+constexpr const char* kWho = "MixedPrecisionOptimizer";
+
+bool is_16bit(DType dtype) { return dtype == DType::F16 || dtype == DType::BF16; }
+
+// Unscaled gradients are accumulated in the dtype the wrapped optimizer computes in: f64 for f64 parameters,
+// f32 for everything else (f32, f16, bf16).
+DType accumulation_dtype(const Tensor& param) { return Optimizer::state_dtype(param); }
+
+std::vector<std::unique_ptr<LossScaler>> one_scaler(std::unique_ptr<LossScaler> scaler) {
+  std::vector<std::unique_ptr<LossScaler>> scalers;
+  scalers.push_back(std::move(scaler));
+  return scalers;
+}
+
+int64_t read_count(const std::map<std::string, std::string>& metadata, const std::string& key) {
+  const auto found = metadata.find(key);
+  check(found != metadata.end(), kWho, ".load_state_dict: missing metadata entry '", key, "'");
+  const std::string& text = found->second;
+  int64_t value = 0;
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+  check(!text.empty() && ec == std::errc() && end == text.data() + text.size() && value >= 0, kWho,
+        ".load_state_dict: metadata entry '", key, "' is '", text, "', expected a non-negative integer");
+  return value;
+}
+
+// Zero elements of a contiguous f32/f64 gradient.
+int64_t count_zeros(const Tensor& grad) {
+  const Tensor g = grad.contiguous();
+  const int64_t n = g.numel();
+  int64_t zeros = 0;
+  if (g.dtype() == DType::F64) {
+    const double* p = g.data<double>();
+    for (int64_t i = 0; i < n; ++i) zeros += p[i] == 0.0;
+  } else {
+    const Tensor f = g.dtype() == DType::F32 ? g : g.to(DType::F32);
+    const float* p = f.data<float>();
+    for (int64_t i = 0; i < n; ++i) zeros += p[i] == 0.0f;
+  }
+  return zeros;
+}
+
+}  // namespace
+
+MixedPrecisionOptimizer::MixedPrecisionOptimizer(std::unique_ptr<Optimizer> optimizer,
+                                                 std::vector<std::unique_ptr<LossScaler>> scalers,
+                                                 MixedPrecisionOptions options)
+    : optimizer_(std::move(optimizer)), scalers_(std::move(scalers)), options_(options) {
+  check(optimizer_ != nullptr, kWho, ": expected an optimizer to wrap, got null");
+  check(!scalers_.empty(), kWho,
+        ": expected at least one loss scaler (one per loss; StaticLossScaler(1) for ",
+        "no scaling), got none");
+  for (size_t k = 0; k < scalers_.size(); ++k)
+    check(scalers_[k] != nullptr, kWho, ": loss scaler ", k, " is null, expected a LossScaler");
+  check(std::isfinite(options_.clip_grad) && options_.clip_grad >= 0, kWho,
+        ": clip_grad must be finite and >= 0 (0 = off), got ", options_.clip_grad);
+  for (const Tensor& param : optimizer_->params())
+    check(optimizer_->state(param) == nullptr, kWho, ": the wrapped ", optimizer_->name(),
+          " already has state for parameter ", param.description(),
+          "; expected an optimizer that has not taken a step (its state must be computed on the masters)");
+
+  NoGradGuard no_grad;
+  for (ParamGroup& group : optimizer_->param_groups()) {
+    for (Tensor& param : group.params) {
+      model_params_.push_back(param);
+      if (options_.master_weights && is_16bit(param.dtype())) {
+        // A new fp32 leaf holding the exact value of the 16-bit parameter (16-bit -> fp32 is exact).
+        Tensor master = Tensor::empty(param.shape(), DType::F32, param.device());
+        master.copy_(param);
+        master.requires_grad_();
+        param = master;  // the wrapped optimizer now updates (and keeps its state for) the master
+      }
+      master_params_.push_back(param);
+    }
+  }
+  accumulators_.resize(model_params_.size());
+  found_inf_.assign(scalers_.size(), false);
+}
+
+MixedPrecisionOptimizer::MixedPrecisionOptimizer(std::unique_ptr<Optimizer> optimizer,
+                                                 std::unique_ptr<LossScaler> scaler,
+                                                 MixedPrecisionOptions options)
+    : MixedPrecisionOptimizer(std::move(optimizer), one_scaler(std::move(scaler)), options) {}
+
+void MixedPrecisionOptimizer::check_loss_id(int loss_id, const char* what) const {
+  check(loss_id >= 0 && loss_id < num_losses(), kWho, ".", what, ": loss_id ", loss_id,
+        " out of range, expected ", "0 <= loss_id < num_losses = ", num_losses());
+}
+
+LossScaler& MixedPrecisionOptimizer::scaler(int loss_id) {
+  check_loss_id(loss_id, "scaler");
+  return *scalers_[static_cast<size_t>(loss_id)];
+}
+
+double MixedPrecisionOptimizer::loss_scale(int loss_id) const {
+  check_loss_id(loss_id, "loss_scale");
+  return scalers_[static_cast<size_t>(loss_id)]->scale();
+}
+
+std::vector<Tensor> MixedPrecisionOptimizer::model_params() const { return model_params_; }
+std::vector<Tensor> MixedPrecisionOptimizer::master_params() const { return master_params_; }
+
+void MixedPrecisionOptimizer::begin_backward(int loss_id) {
+  if (stepped_) {
+    // The gradients still installed are the last step's unscaled ones: a new accumulation starts from zero,
+    // never from them (they carry no loss scale and would be mixed with scaled ones).
+    zero_grad();
+  }
+  if (pending_loss_ >= 0 && pending_loss_ != loss_id) fold_pending_grads();
+  pending_loss_ = loss_id;
+}
+
+Tensor MixedPrecisionOptimizer::scale_loss(const Tensor& loss, int loss_id) {
+  check_loss_id(loss_id, "scale_loss");
+  begin_backward(loss_id);
+  return scalers_[static_cast<size_t>(loss_id)]->scale(loss);
+}
+
+void MixedPrecisionOptimizer::backward(const Tensor& loss, int loss_id) {
+  mixtape::backward(scale_loss(loss, loss_id));
+}
+
+void MixedPrecisionOptimizer::fold_pending_grads() {
+  NoGradGuard no_grad;
+  if (pending_loss_ < 0) {
+    if (stepped_) return;  // the installed gradients are the previous step's, already unscaled
+    for (const Tensor& param : model_params_)
+      check(!param.grad().defined(), kWho, ": parameter ", param.description(),
+            " has a gradient, but no loss ",
+            "went through scale_loss()/backward() of this optimizer since the last step or zero_grad(); ",
+            "expected its gradients to carry a known loss scale");
+    return;
+  }
+  const double inv_scale = 1.0 / scalers_[static_cast<size_t>(pending_loss_)]->scale();
+  // Private contiguous copies in the accumulation dtype (a 16-bit gradient is widened exactly; an f32/f64
+  // one is cloned, since the model's gradient may alias another tensor or be a broadcast view), then one
+  // fused pass unscales all of them and checks finiteness.
+  std::vector<Tensor> unscaled(model_params_.size());
+  for (size_t i = 0; i < model_params_.size(); ++i) {
+    const Tensor grad = model_params_[i].grad();
+    if (!grad.defined()) continue;
+    const DType dtype = accumulation_dtype(model_params_[i]);
+    unscaled[i] = grad.dtype() == dtype ? grad.clone() : grad.to(dtype).contiguous();
+  }
+  const bool found_inf = unscale_and_check_finite(unscaled, inv_scale);
+  if (found_inf) found_inf_[static_cast<size_t>(pending_loss_)] = true;
+  for (size_t i = 0; i < model_params_.size(); ++i) {
+    if (!unscaled[i].defined()) continue;
+    if (accumulators_[i].defined())
+      accumulators_[i].add_(unscaled[i]);  // f32 (f64) addition of the unscaled gradients of two losses
+    else
+      accumulators_[i] = unscaled[i];
+    model_params_[i].set_grad(Tensor());  // consumed: the next loss starts its model gradients from zero
+  }
+  pending_loss_ = -1;
+}
+
+void MixedPrecisionOptimizer::clear_grads() {
+  for (size_t i = 0; i < model_params_.size(); ++i) {
+    model_params_[i].set_grad(Tensor());
+    master_params_[i].set_grad(Tensor());
+    accumulators_[i] = Tensor();
+  }
+  pending_loss_ = -1;
+  found_inf_.assign(scalers_.size(), false);
+}
+
+void MixedPrecisionOptimizer::zero_grad() {
+  clear_grads();
+  stepped_ = false;
+}
+
+StepResult MixedPrecisionOptimizer::step() {
+  fold_pending_grads();
+  StepResult result;
+  result.loss_scale = scalers_[0]->scale();
+
+  // found_inf of each loss, MAX over the group: every rank skips together and backs off the same scalers.
+  std::vector<double> inf_flags(scalers_.size());
+  for (size_t k = 0; k < scalers_.size(); ++k) inf_flags[k] = found_inf_[k] ? 1.0 : 0.0;
+  if (options_.group) options_.group->all_reduce_max(inf_flags);
+  bool any_inf = false;
+  for (double flag : inf_flags) any_inf = any_inf || flag != 0.0;
+
+  if (any_inf) {
+    // Nothing is updated: parameters, masters and the wrapped optimizer's state (it never runs).
+    clear_grads();
+    stepped_ = false;
+    ++skipped_steps_;
+    for (size_t k = 0; k < scalers_.size(); ++k) scalers_[k]->update(inf_flags[k] != 0.0);
+    result.skipped = true;
+    return result;
+  }
+
+  {
+    NoGradGuard no_grad;
+    // Install the unscaled gradients on the masters (in the parameter's dtype for 16-bit parameters that are
+    // their own masters, master_weights = false: the wrapped optimizer wants a gradient of its parameter's
+    // dtype, so the f32 sum is rounded once there).
+    for (size_t i = 0; i < master_params_.size(); ++i) {
+      Tensor grad = accumulators_[i];
+      if (grad.defined() && grad.dtype() != master_params_[i].dtype())
+        grad = grad.to(master_params_[i].dtype());
+      master_params_[i].set_grad(grad);
+      accumulators_[i] = Tensor();
+    }
+  }
+
+  std::vector<double> sums = {grad_squared_norm(master_params_)};
+  if (options_.group) options_.group->all_reduce_sum(sums);
+  result.grad_norm = std::sqrt(sums[0]);
+  if (options_.clip_grad > 0) clip_grads_with_norm(master_params_, options_.clip_grad, result.grad_norm);
+
+  if (options_.log_num_zeros_in_grad) {
+    std::vector<double> zeros = {0.0};
+    for (const Tensor& master : master_params_)
+      if (master.grad().defined()) zeros[0] += static_cast<double>(count_zeros(master.grad()));
+    if (options_.group) options_.group->all_reduce_sum(zeros);
+    result.num_zeros = static_cast<int64_t>(zeros[0]);
+  }
+
+  optimizer_->step();
+  {
+    // Each separate master rounded once (nearest even) into its model parameter, in place: the parameter
+    // stays the same leaf and its version is bumped, so a graph that saved it notices.
+    NoGradGuard no_grad;
+    for (size_t i = 0; i < master_params_.size(); ++i)
+      if (!master_params_[i].same(model_params_[i])) model_params_[i].copy_(master_params_[i]);
+  }
+  for (auto& scaler : scalers_) scaler->update(false);
+  found_inf_.assign(scalers_.size(), false);
+  pending_loss_ = -1;
+  stepped_ = true;
+  return result;
+}
+
+StateDict MixedPrecisionOptimizer::state_dict() const {
+  NoGradGuard no_grad;
+  StateDict dict = optimizer_->state_dict();
+  for (size_t i = 0; i < master_params_.size(); ++i)
+    if (!master_params_[i].same(model_params_[i]))
+      dict.tensors["master." + std::to_string(i)] = master_params_[i].detach().clone();
+  dict.metadata["amp.num_losses"] = std::to_string(scalers_.size());
+  dict.metadata["amp.master_weights"] = options_.master_weights ? "true" : "false";
+  dict.metadata["amp.skipped_steps"] = std::to_string(skipped_steps_);
+  for (size_t k = 0; k < scalers_.size(); ++k)
+    for (const auto& [key, value] : scalers_[k]->state_dict())
+      dict.metadata["scaler." + std::to_string(k) + "." + key] = value;
+  return dict;
+}
+
+void MixedPrecisionOptimizer::load_state_dict(const StateDict& dict) {
+  const std::string who = std::string(kWho) + ".load_state_dict";
+  // ---- check everything we own, change nothing ----
+  const int64_t num = read_count(dict.metadata, "amp.num_losses");
+  check(num == num_losses(), who, ": the state dict has ", num, " loss scalers ('amp.num_losses'), expected ",
+        num_losses());
+  const auto master_weights = dict.metadata.find("amp.master_weights");
+  check(master_weights != dict.metadata.end(), who, ": missing metadata entry 'amp.master_weights'");
+  const std::string expected_mw = options_.master_weights ? "true" : "false";
+  check(master_weights->second == expected_mw, who, ": entry 'amp.master_weights' is '",
+        master_weights->second, "', expected '", expected_mw, "' (this optimizer's option)");
+  const int64_t skipped = read_count(dict.metadata, "amp.skipped_steps");
+
+  StateDict inner;  // what the wrapped optimizer's state dict holds
+  std::vector<std::map<std::string, std::string>> scaler_states(scalers_.size());
+  for (const auto& [key, value] : dict.metadata) {
+    if (key.rfind("amp.", 0) == 0) {
+      check(key == "amp.num_losses" || key == "amp.master_weights" || key == "amp.skipped_steps", who,
+            ": unexpected metadata entry '", key, "'");
+    } else if (key.rfind("scaler.", 0) == 0) {
+      const size_t dot = key.find('.', 7);
+      const std::string index = key.substr(7, dot == std::string::npos ? std::string::npos : dot - 7);
+      size_t k = 0;
+      const auto [end, ec] = std::from_chars(index.data(), index.data() + index.size(), k);
+      check(dot != std::string::npos && dot + 1 < key.size() && !index.empty() && ec == std::errc() &&
+                end == index.data() + index.size() && k < scalers_.size(),
+            who, ": unexpected metadata entry '", key, "' (expected scaler.<k>.<entry> with k < ",
+            num_losses(), ")");
+      scaler_states[k][key.substr(dot + 1)] = value;
+    } else {
+      inner.metadata[key] = value;
+    }
+  }
+  for (size_t k = 0; k < scalers_.size(); ++k) {
+    const bool saves_state = !scalers_[k]->state_dict().empty();  // a disabled GradScaler saves nothing
+    if (!saves_state) {
+      check(scaler_states[k].empty(), who, ": scaler ", k, " (", scalers_[k]->name(),
+            ") keeps no state, but the state dict has entries for it");
+      continue;
+    }
+    const auto type = scaler_states[k].find("type");
+    check(type != scaler_states[k].end(), who, ": missing metadata entry 'scaler.", k, ".type' (expected a ",
+          scalers_[k]->name(), ")");
+    check(type->second == scalers_[k]->name(), who, ": entry 'scaler.", k, ".type' is '", type->second,
+          "', expected '", scalers_[k]->name(), "'");
+  }
+
+  std::map<size_t, Tensor> masters;
+  for (const auto& [key, tensor] : dict.tensors) {
+    if (key.rfind("master.", 0) != 0) {
+      inner.tensors[key] = tensor;
+      continue;
+    }
+    const std::string index = key.substr(7);
+    size_t i = 0;
+    const auto [end, ec] = std::from_chars(index.data(), index.data() + index.size(), i);
+    check(!index.empty() && ec == std::errc() && end == index.data() + index.size() &&
+              i < master_params_.size() && !master_params_[i].same(model_params_[i]),
+          who, ": unexpected tensor entry '", key, "' (parameter ", index, " has no separate fp32 master)");
+    check(tensor.defined() && tensor.shape() == master_params_[i].shape() &&
+              tensor.dtype() == master_params_[i].dtype(),
+          who, ": tensor entry '", key, "' is ", tensor.defined() ? tensor.description() : "undefined",
+          ", expected ", master_params_[i].description());
+    masters[i] = tensor;
+  }
+  for (size_t i = 0; i < master_params_.size(); ++i)
+    check(master_params_[i].same(model_params_[i]) || masters.count(i), who,
+          ": missing tensor entry 'master.", i, "' (the fp32 master of ", model_params_[i].description(),
+          ")");
+
+  // ---- apply, rolling back on a failure inside the wrapped optimizer or a scaler ----
+  const StateDict old_optimizer = optimizer_->state_dict();
+  std::vector<std::map<std::string, std::string>> old_scalers;
+  for (const auto& scaler : scalers_) old_scalers.push_back(scaler->state_dict());
+  optimizer_->load_state_dict(inner);  // validates its whole dict first: throws having changed nothing
+  size_t loaded = 0;
+  try {
+    for (; loaded < scalers_.size(); ++loaded)
+      if (!old_scalers[loaded].empty()) scalers_[loaded]->load_state_dict(scaler_states[loaded]);
+  } catch (...) {
+    for (size_t k = 0; k < loaded; ++k)
+      if (!old_scalers[k].empty()) scalers_[k]->load_state_dict(old_scalers[k]);
+    optimizer_->load_state_dict(old_optimizer);
+    throw;
+  }
+
+  // Nothing below throws: the masters take the saved values and their model parameters the masters rounded
+  // once, exactly as after a step.
+  NoGradGuard no_grad;
+  for (auto& [i, tensor] : masters) {
+    master_params_[i].copy_(tensor.to(master_params_[i].device()));
+    model_params_[i].copy_(master_params_[i]);
+  }
+  skipped_steps_ = skipped;
+  clear_grads();
+  stepped_ = false;
+}
+
+}  // namespace mixtape
