@@ -10,8 +10,9 @@
 // sampling over a random token stream: the cost of a step does not depend on the token values). Each mixtape
 // mode (--precision a,b,c; default fp32,tf32,fp16,bf16,fp16_apex:O2,fp16_naive,bf16_naive) is its own Trainer
 // with TrainOptions::amp = AmpConfig::parse(mode), so a step includes the mode's casts, loss scaling,
-// overflow check and master-weight update. tf32 is a process-wide switch (tensor/precision.h) that building a
-// tf32 trainer turns on: it is set to (mode == "tf32") before every step, so it never leaks into another mode.
+// overflow check and master-weight update. tf32 is a process-wide switch (tensor/precision.h) that building
+// a tf32 trainer turns on: it is set to (mode == "tf32") before every step, so it never leaks into another
+// mode.
 //
 // The PyTorch side is bench/pytorch_train_step.py (the same model as tests/pytorch_parity.py, torch threads =
 // this process's OpenMP threads), run as a child process, once in fp32 and once under bf16 autocast
@@ -112,7 +113,8 @@ struct Side {
   }
 };
 
-// The mixtape sides, in --precision order; built once, shared by the Google Benchmark rows and the comparison.
+// The mixtape sides, in --precision order; built once, shared by the Google Benchmark rows and the
+// comparison.
 std::vector<std::unique_ptr<Side>>& sides() {
   static std::vector<std::unique_ptr<Side>> s;
   return s;
@@ -134,7 +136,8 @@ double median(std::vector<double> v) {
 
 // Runs the PyTorch script (autocast "none" or "bf16"); returns its step times, or an empty vector with `why`
 // set.
-std::vector<double> pytorch_steps(int steps, const std::string& autocast, std::string& version, std::string& why) {
+std::vector<double> pytorch_steps(int steps, const std::string& autocast, std::string& version,
+                                  std::string& why) {
   const std::string command = std::string("python3 ") + MIXTAPE_SOURCE_DIR + "/bench/pytorch_train_step.py" +
                               " --layers " + std::to_string(kModel.layers) + " --heads " +
                               std::to_string(kModel.heads) + " --width " + std::to_string(kModel.width) +
@@ -231,7 +234,7 @@ void compare(int rounds, int steps, bool with_pytorch) {
   };
   auto cell = [](double x) {
     char buffer[32];
-    if (std::isnan(x)) return std::string("—");
+    if (std::isnan(x)) return std::string("n/a");
     std::snprintf(buffer, sizeof(buffer), "%.2fx", x);
     return std::string(buffer);
   };
@@ -252,10 +255,13 @@ void compare(int rounds, int steps, bool with_pytorch) {
   if (with_pytorch && !why.empty()) std::printf("PyTorch: skipped: %s\n", why.c_str());
 
   std::printf("\n");
-  auto verdict = [](double x, double target) { return std::isnan(x) ? "n/a" : x >= target ? "met" : "NOT met"; };
+  auto verdict = [](double x, double target) {
+    return std::isnan(x) ? "n/a" : x >= target ? "met" : "NOT met";
+  };
   if (mixtape_fp32 && pt_fp32) {
     const double x = ratio(pt_fp32, *mixtape_fp32);
-    std::printf("mixtape fp32 / PyTorch fp32 = %.2f (target >= %.1f): %s\n", x, kTargetFp32, verdict(x, kTargetFp32));
+    std::printf("mixtape fp32 / PyTorch fp32 = %.2f (target >= %.1f): %s\n", x, kTargetFp32,
+                verdict(x, kTargetFp32));
   }
   if (mixtape_bf16 && pt_bf16) {
     const double x = ratio(pt_bf16, *mixtape_bf16);
@@ -295,7 +301,8 @@ std::vector<std::string> split_modes(const std::string& text) {
   for (const std::string& m : modes) {
     check(!m.empty(), "bench_train_gpt: --precision '", text, "' has an empty entry");
     AmpConfig::parse(m);  // Error naming an unknown mode
-    check(std::count(modes.begin(), modes.end(), m) == 1, "bench_train_gpt: --precision names '", m, "' twice");
+    check(std::count(modes.begin(), modes.end(), m) == 1, "bench_train_gpt: --precision names '", m,
+          "' twice");
   }
   return modes;
 }
@@ -315,8 +322,9 @@ int main(int argc, char** argv) {
     else if (a == "--no-pytorch") with_pytorch = false;
     else if (a == "--compare-only") only_compare = true;
     else {
-      std::fprintf(stderr, "bench_train_gpt: unknown option %s (own options: --rounds N --steps N --precision "
-                   "a,b,c --no-pytorch --compare-only; others go to Google Benchmark)\n", a.c_str());
+      std::fprintf(stderr, "bench_train_gpt: unknown option %s (own options: --rounds N --steps N "
+                   "--precision a,b,c --no-pytorch --compare-only; others go to Google Benchmark)\n",
+                   a.c_str());
       return 2;
     }
   }

@@ -11,9 +11,9 @@ gradient clipping at norm 1, AdamW (weight decay 0.1 on the >= 2-d parameters) w
 default). Batches are uniform random tokens (the time of a step does not depend on their values).
 
 --autocast bf16 is PyTorch's CPU mixed precision: the forward and the loss run under
-torch.autocast("cpu", dtype=torch.bfloat16) (matmuls/linears in bf16, the ops on autocast's fp32 list in fp32),
-the parameters, gradients and optimizer stay fp32, and there is no GradScaler (bf16 has fp32's exponent range,
-so gradients do not underflow the way fp16's do).
+torch.autocast("cpu", dtype=torch.bfloat16) (matmuls/linears in bf16, the ops on autocast's fp32 list in
+fp32), the parameters, gradients and optimizer stay fp32, and there is no GradScaler (bf16 has fp32's
+exponent range, so gradients do not underflow the way fp16's do).
 
 Prints one line of JSON: {"torch": version, "threads": n, "autocast": "none"|"bf16",
 "step_ms": [one time per timed step]}.

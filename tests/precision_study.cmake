@@ -69,8 +69,8 @@ if(NOT n EQUAL 3)
   check_failed("results.csv has ${n} lines, not a header and 2 rows:\n${lines}")
 else()
   list(GET lines 0 header)
-  set(expected_header "mode,final_train_loss,final_val_loss,val_diff_vs_fp32,val_diff_vs_fp32_pct,tokens_per_s,")
-  string(APPEND expected_header "peak_rss_mib,skipped_steps,final_loss_scale")
+  set(expected_header "mode,final_train_loss,final_val_loss,val_diff_vs_fp32,val_diff_vs_fp32_pct,")
+  string(APPEND expected_header "tokens_per_s,peak_rss_mib,skipped_steps,final_loss_scale")
   if(NOT header STREQUAL expected_header)
     check_failed("results.csv header is '${header}'")
   endif()
@@ -162,4 +162,5 @@ if(EXISTS ${WORK_DIR}/bad)
 endif()
 # A child that fails (train_gpt rejects --heads 3 for width 32) is reported with train_gpt's own message.
 run_fails("failing child" ${PRECISION_STUDY} --data words.txt --modes fp32 --layers 1 --heads 3 --width 32
-          --block 32 --steps 2 --out failing MENTIONS "train_gpt --precision fp32 failed" "1 of 1 modes failed")
+          --block 32 --steps 2 --out failing
+          MENTIONS "train_gpt --precision fp32 failed" "divisible by n_head" "1 of 1 modes failed")
