@@ -228,8 +228,9 @@ std::string describe_status(int status) {
   return "status " + std::to_string(status);
 }
 
-// Runs argv[0] with stdout and stderr into one pipe; every line goes to our stdout behind `prefix` (nothing
-// printed when prefix is empty... it is never empty here). `cwd`: the child's working directory, if given.
+// Runs args[0] (a path) with its stdout and stderr into one pipe, so its lines keep their order; each line
+// goes to our stdout behind `prefix`, and the last 8 are kept for an error message. `cwd`: the child's working
+// directory, if given. Waits for it with wait4, whose rusage is that child's alone (ru_maxrss: its peak RSS).
 ChildResult run_child(const std::vector<std::string>& args, const std::string& prefix,
                       const std::string& cwd = "") {
   int fds[2];
@@ -505,7 +506,7 @@ std::string plot_script(const std::vector<ModeResult>& results, const std::strin
       "set termoption noenhanced\n"
       "set multiplot layout 2,1 title \"" + title + "\"\n"
       "set grid\n"
-      "set key top right\n"
+      "set key outside right top\n"
       "set xlabel \"step\"\n"
       "set title \"training loss (trailing mean of " + std::to_string(kSmooth) + " steps)\"\n"
       "set ylabel \"loss (nats per token)\"\n" +
@@ -515,7 +516,7 @@ std::string plot_script(const std::vector<ModeResult>& results, const std::strin
       "set logscale y 2\n"
       "set yrange [0.5:" + std::to_string(std::ldexp(1.0, top_exponent)) + "]\n"
       "set format y \"2^%L\"\n"
-      "set key bottom right\n" +
+      "set key outside right top\n" +
       plot(3, true) + "unset multiplot\n";
   return s;
 }
