@@ -1,6 +1,6 @@
 // precision_study: one GPT, one data set, one seed, trained once under each precision mode, and a comparison.
 //
-//   precision_study                                   # all 10 modes, ~10 minutes on 2 cores
+//   precision_study                                   # all 10 modes, ~11 minutes on 2 cores
 //   precision_study --modes fp32,bf16,fp16_naive --steps 300 --out /tmp/study
 //   precision_study --data other.txt --layers 2 --width 64 ...
 //
@@ -82,8 +82,9 @@ struct Options {
   std::vector<std::string> modes = kDefaultModes;
   std::string out;
   // The study's defaults: 4 layers of width 128 on tinyshakespeare, val loss ~2.1 after 600 steps; measured on
-  // 2 quiet cores, ~35 s per fp32 mode and ~80 s per fp16 mode (fp16 kernels are slower on CPU), ~10 minutes
-  // for all ten. Every one can be overridden; they go on the child's command line in this order.
+  // 2 cores (AMD EPYC): 25-40 s per fp32/tf32/bf16 mode, 85-120 s per fp16 mode (the fp16 kernels are slower
+  // on this CPU), 11 minutes for all ten. Every one can be overridden; they go on the child's command line in
+  // this order.
   std::vector<std::pair<std::string, std::string>> train = {
       {"--layers", "4"},  {"--heads", "4"},        {"--width", "128"}, {"--block", "64"},
       {"--batch", "16"},  {"--steps", "600"},      {"--eval-every", "200"},
