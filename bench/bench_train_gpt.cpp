@@ -1,18 +1,29 @@
-// bench_train_gpt: the end-to-end training step of a GPT in fp32 (issue 3's model: 4 layers, 4 heads, width 256,
-// block 128, batch 16, vocab 65), in mixtape and in PyTorch, timed in the same run.
+// bench_train_gpt: the end-to-end training step of a GPT (issue 3's model: 4 layers, 4 heads, width 256,
+// block 128, batch 16, vocab 65) under each precision mode, in mixtape and in PyTorch, timed in the same run.
 //
 //   ./build/bench/bench_train_gpt                    # Google Benchmark rows, then the comparison table
-//   ./build/bench/bench_train_gpt --rounds 5 --steps 10 --no-pytorch
+//   ./build/bench/bench_train_gpt --compare-only --rounds 5 --steps 10 --precision fp32,bf16
+//   ./build/bench/bench_train_gpt --rounds 1 --steps 2 --no-pytorch     # a quick functional check
 //
 // A step is what train_gpt does per step: forward, fused cross-entropy, backward, global gradient clipping
 // at norm 1, AdamW (weight decay 0.1 on matrices and embeddings), on a random batch (the Trainer's own
-// sampling over a random token stream: the cost of a step does not depend on the token values).
+// sampling over a random token stream: the cost of a step does not depend on the token values). Each mixtape
+// mode (--precision a,b,c; default fp32,tf32,fp16,bf16,fp16_apex:O2,fp16_naive,bf16_naive) is its own Trainer
+// with TrainOptions::amp = AmpConfig::parse(mode), so a step includes the mode's casts, loss scaling,
+// overflow check and master-weight update. tf32 is a process-wide switch (tensor/precision.h) that building
+// a tf32 trainer turns on: it is set to (mode == "tf32") before every step, so it never leaks into another
+// mode.
 //
 // The PyTorch side is bench/pytorch_train_step.py (the same model as tests/pytorch_parity.py, torch threads =
-// this process's OpenMP threads), run as a child process. The comparison alternates rounds, mixtape then
-// PyTorch, so a burst of load from another process on a shared machine hits both; each side's figure is the
-// median of all its timed steps (first steps of each side excluded as warm-up), and the table also shows the
-// best step. Ratio = PyTorch ms/step / mixtape ms/step = mixtape tokens/s / PyTorch tokens/s.
+// this process's OpenMP threads), run as a child process, once in fp32 and once under bf16 autocast
+// (torch.autocast("cpu", dtype=torch.bfloat16) around forward + loss, no GradScaler: PyTorch's CPU AMP). The
+// comparison alternates rounds, every mixtape mode then both PyTorch runs, so a burst of load from another
+// process on a shared machine hits every side; each side's figure is the median of all its timed steps (first
+// steps of each side excluded as warm-up), and the table also shows the best step. A ratio "vs X" is
+// X's median ms/step / the row's median ms/step = the row's tokens/s / X's tokens/s (> 1: the row is faster).
+//
+// Targets printed at the end: mixtape fp32 >= 3x PyTorch fp32 (issue 3), mixtape bf16 >= 1.5x PyTorch bf16
+// autocast, and every fp16/bf16 mode at least as fast as mixtape fp32.
 //
 // PyTorch missing (no python3-torch) prints a note and only mixtape's figures.
 #include <benchmark/benchmark.h>
@@ -20,21 +31,31 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <map>
 #include <memory>
+#include <optional>
 #include <random>
+#include <sstream>
 #include <string>
 #include <vector>
 
-#include "nn/json.h"
 #include "examples/training.h"
+#include "nn/json.h"
+#include "tensor/precision.h"
 
 using namespace mixtape;
 
 namespace {
 
-constexpr double kTarget = 3.0;  // issue 3: mixtape fp32 >= 3x PyTorch fp32 tokens/s
+constexpr double kTargetFp32 = 3.0;       // issue 3: mixtape fp32 >= 3x PyTorch fp32 tokens/s
+constexpr double kTargetBf16 = 1.5;       // mixtape bf16 >= 1.5x PyTorch bf16 autocast tokens/s
+constexpr double kTargetLowVsFp32 = 1.0;  // every fp16/bf16 mode at least as fast as mixtape fp32
+
+const std::vector<std::string> kDefaultModes = {"fp32",         "tf32",       "fp16",      "bf16",
+                                                "fp16_apex:O2", "fp16_naive", "bf16_naive"};
 
 struct Model {
   int64_t layers = 4, heads = 4, width = 256, block = 128, batch = 16, vocab = 65;
@@ -52,10 +73,16 @@ TokenData random_tokens(int64_t vocab, int64_t n) {
   return data;
 }
 
-struct Setup {
-  TokenData data = random_tokens(kModel.vocab, 200000);
+const TokenData& bench_data() {
+  static const TokenData data = random_tokens(kModel.vocab, 200000);
+  return data;
+}
+
+// One mode's trainer. Every mode starts from the same initial weights (same seed) and sees the same batches.
+struct Side {
+  std::string mode;
   std::unique_ptr<Trainer> trainer;
-  Setup() {
+  explicit Side(std::string m) : mode(std::move(m)) {
     GPTConfig config;
     config.n_layer = kModel.layers;
     config.n_head = kModel.heads;
@@ -71,29 +98,35 @@ struct Setup {
     options.optimizer = "adamw";
     options.weight_decay = 0.1;
     options.grad_clip = 1.0;
-    trainer = std::make_unique<Trainer>(config, options, data);
+    options.amp = AmpConfig::parse(mode);
+    trainer = std::make_unique<Trainer>(config, options, bench_data());
+    set_allow_tf32(false);  // building a tf32 trainer turned it on process-wide; step() sets it per mode
+  }
+  void step() {
+    set_allow_tf32(mode == "tf32");
+    trainer->train_step();
   }
   double step_ms() {
     const auto t0 = std::chrono::steady_clock::now();
-    trainer->train_step();
+    step();
     return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   }
 };
 
-Setup& setup() {
-  static Setup s;
+// The mixtape sides, in --precision order; built once, shared by the Google Benchmark rows and the
+// comparison.
+std::vector<std::unique_ptr<Side>>& sides() {
+  static std::vector<std::unique_ptr<Side>> s;
   return s;
 }
 
-void BM_GPTTrainStep(benchmark::State& state) {
-  Setup& s = setup();
-  s.step_ms();  // warm-up: oneDNN primitives, the allocator's cache
-  for (auto _ : state) s.trainer->train_step();
+void BM_GPTTrainStep(benchmark::State& state, Side* side) {
+  side->step();  // warm-up: oneDNN primitives, the allocator's cache
+  for (auto _ : state) side->step();
   state.counters["tokens_per_s"] =
       benchmark::Counter(double(kModel.tokens_per_step()), benchmark::Counter::kIsIterationInvariantRate);
+  set_allow_tf32(false);
 }
-BENCHMARK(BM_GPTTrainStep)->Name("train_step_f32/gpt_4l_4h_w256_b128_bs16/mixtape")->Unit(benchmark::kMillisecond)
-    ->UseRealTime()->MinTime(3.0);
 
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -101,15 +134,17 @@ double median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
 }
 
-// Runs the PyTorch script; returns its step times, or an empty vector with `why` set.
-std::vector<double> pytorch_steps(int steps, std::string& version, std::string& why) {
+// Runs the PyTorch script (autocast "none" or "bf16"); returns its step times, or an empty vector with `why`
+// set.
+std::vector<double> pytorch_steps(int steps, const std::string& autocast, std::string& version,
+                                  std::string& why) {
   const std::string command = std::string("python3 ") + MIXTAPE_SOURCE_DIR + "/bench/pytorch_train_step.py" +
                               " --layers " + std::to_string(kModel.layers) + " --heads " +
                               std::to_string(kModel.heads) + " --width " + std::to_string(kModel.width) +
                               " --block " + std::to_string(kModel.block) + " --batch " +
                               std::to_string(kModel.batch) + " --vocab " + std::to_string(kModel.vocab) +
                               " --threads " + std::to_string(omp_get_max_threads()) + " --warmup 2 --steps " +
-                              std::to_string(steps) + " 2>&1";
+                              std::to_string(steps) + " --autocast " + autocast + " 2>&1";
   FILE* pipe = popen(command.c_str(), "r");
   if (!pipe) {
     why = "cannot start python3";
@@ -141,41 +176,135 @@ std::vector<double> pytorch_steps(int steps, std::string& version, std::string& 
   }
 }
 
+// A mode computes in fp16/bf16 when it autocasts or casts the model to a 16-bit type (not fp32, tf32 or
+// fp16_apex:O0, which keep everything in fp32).
+bool is_low_precision(const std::string& mode) {
+  const AmpConfig c = AmpConfig::parse(mode);
+  auto low = [](std::optional<DType> d) { return d && (*d == DType::F16 || *d == DType::BF16); };
+  return low(c.autocast_dtype()) || low(c.model_dtype());
+}
+
 void compare(int rounds, int steps, bool with_pytorch) {
-  Setup& s = setup();
-  std::vector<double> ours, theirs;
+  struct Timed {
+    std::string name;
+    std::vector<double> ms;
+  };
+  std::vector<Timed> mixtape;
+  for (const auto& side : sides()) mixtape.push_back({"mixtape " + side->mode, {}});
+  Timed torch_fp32{"PyTorch fp32", {}}, torch_bf16{"PyTorch bf16 autocast", {}};
   std::string version, why;
-  s.step_ms();
+  for (const auto& side : sides()) side->step();  // warm-up
   for (int r = 0; r < rounds; ++r) {
-    for (int i = 0; i < steps; ++i) ours.push_back(s.step_ms());
+    for (size_t k = 0; k < sides().size(); ++k)
+      for (int i = 0; i < steps; ++i) mixtape[k].ms.push_back(sides()[k]->step_ms());
+    set_allow_tf32(false);
     if (with_pytorch && why.empty()) {
-      const std::vector<double> t = pytorch_steps(steps, version, why);
-      theirs.insert(theirs.end(), t.begin(), t.end());
+      for (Timed* t : {&torch_fp32, &torch_bf16}) {
+        const std::vector<double> ms = pytorch_steps(steps, t == &torch_fp32 ? "none" : "bf16", version, why);
+        if (!why.empty()) break;
+        t->ms.insert(t->ms.end(), ms.begin(), ms.end());
+      }
     }
     std::fprintf(stderr, "round %d/%d done\n", r + 1, rounds);
   }
+  if (!why.empty()) {  // a partial PyTorch side is not comparable
+    torch_fp32.ms.clear();
+    torch_bf16.ms.clear();
+  }
+
   const double tokens = double(kModel.tokens_per_step());
-  std::printf("\nGPT training step, fp32: %lld layers, %lld heads, width %lld, block %lld, batch %lld, vocab %lld "
+  std::printf("\nGPT training step: %lld layers, %lld heads, width %lld, block %lld, batch %lld, vocab %lld "
               "(%lld tokens/step), %d threads; %d rounds x %d steps per side, alternating\n",
               static_cast<long long>(kModel.layers), static_cast<long long>(kModel.heads),
               static_cast<long long>(kModel.width), static_cast<long long>(kModel.block),
               static_cast<long long>(kModel.batch), static_cast<long long>(kModel.vocab),
               static_cast<long long>(kModel.tokens_per_step()), omp_get_max_threads(), rounds, steps);
-  std::printf("%-22s %14s %14s %16s %16s\n", "", "median ms/step", "best ms/step", "median tokens/s",
-              "best tokens/s");
-  auto row = [&](const std::string& name, const std::vector<double>& t) {
-    const double m = median(t), b = *std::min_element(t.begin(), t.end());
-    std::printf("%-22s %14.1f %14.1f %16.0f %16.0f\n", name.c_str(), m, b, tokens / m * 1e3, tokens / b * 1e3);
-  };
-  row("mixtape", ours);
-  if (!theirs.empty()) {
-    row("PyTorch " + version, theirs);
-    const double ratio = median(theirs) / median(ours);
-    std::printf("ratio mixtape / PyTorch tokens/s (medians): %.2fx   target >= %.1fx: %s\n", ratio, kTarget,
-                ratio >= kTarget ? "met" : "NOT met");
-  } else if (with_pytorch) {
-    std::printf("PyTorch: skipped: %s\n", why.c_str());
+  if (!version.empty()) std::printf("PyTorch %s\n", version.c_str());
+  const Timed* mixtape_fp32 = nullptr;
+  const Timed* mixtape_bf16 = nullptr;
+  for (const Timed& t : mixtape) {
+    if (t.name == "mixtape fp32") mixtape_fp32 = &t;
+    if (t.name == "mixtape bf16") mixtape_bf16 = &t;
   }
+  const Timed* pt_fp32 = torch_fp32.ms.empty() ? nullptr : &torch_fp32;
+  const Timed* pt_bf16 = torch_bf16.ms.empty() ? nullptr : &torch_bf16;
+  // X's median / the row's median: the row's speed relative to X (tokens/s ratio).
+  auto ratio = [](const Timed* reference, const Timed& row) {
+    return reference ? median(reference->ms) / median(row.ms) : NAN;
+  };
+  auto cell = [](double x) {
+    char buffer[32];
+    if (std::isnan(x)) return std::string("n/a");
+    std::snprintf(buffer, sizeof(buffer), "%.2fx", x);
+    return std::string(buffer);
+  };
+  std::printf("%-24s %10s %10s %12s %12s %14s %14s %14s\n", "", "median", "best", "median", "best",
+              "vs PyTorch", "vs PyTorch", "vs mixtape");
+  std::printf("%-24s %10s %10s %12s %12s %14s %14s %14s\n", "", "ms/step", "ms/step", "tokens/s", "tokens/s",
+              "fp32", "bf16 autocast", "fp32");
+  auto row = [&](const Timed& t) {
+    if (t.ms.empty()) return;
+    const double m = median(t.ms), b = *std::min_element(t.ms.begin(), t.ms.end());
+    std::printf("%-24s %10.1f %10.1f %12.0f %12.0f %14s %14s %14s\n", t.name.c_str(), m, b, tokens / m * 1e3,
+                tokens / b * 1e3, cell(ratio(pt_fp32, t)).c_str(), cell(ratio(pt_bf16, t)).c_str(),
+                cell(ratio(mixtape_fp32, t)).c_str());
+  };
+  row(torch_fp32);
+  row(torch_bf16);
+  for (const Timed& t : mixtape) row(t);
+  if (with_pytorch && !why.empty()) std::printf("PyTorch: skipped: %s\n", why.c_str());
+
+  std::printf("\n");
+  auto verdict = [](double x, double target) {
+    return std::isnan(x) ? "n/a" : x >= target ? "met" : "NOT met";
+  };
+  if (mixtape_fp32 && pt_fp32) {
+    const double x = ratio(pt_fp32, *mixtape_fp32);
+    std::printf("mixtape fp32 / PyTorch fp32 = %.2f (target >= %.1f): %s\n", x, kTargetFp32,
+                verdict(x, kTargetFp32));
+  }
+  if (mixtape_bf16 && pt_bf16) {
+    const double x = ratio(pt_bf16, *mixtape_bf16);
+    std::printf("mixtape bf16 / PyTorch bf16 autocast = %.2f (target >= %.1f): %s\n", x, kTargetBf16,
+                verdict(x, kTargetBf16));
+  } else {
+    std::printf("mixtape bf16 / PyTorch bf16 autocast = n/a (needs bf16 in --precision and PyTorch)\n");
+  }
+  if (mixtape_fp32) {
+    double lowest = NAN;
+    std::string which;
+    for (size_t k = 0; k < mixtape.size(); ++k) {
+      if (!is_low_precision(sides()[k]->mode)) continue;
+      const double x = ratio(mixtape_fp32, mixtape[k]);
+      if (std::isnan(lowest) || x < lowest) {
+        lowest = x;
+        which = sides()[k]->mode;
+      }
+    }
+    if (std::isnan(lowest))
+      std::printf("fp16/bf16 modes vs mixtape fp32: n/a (no fp16/bf16 mode in --precision)\n");
+    else
+      std::printf("fp16/bf16 modes vs mixtape fp32: min ratio %.2f (%s) (target >= %.1f): %s\n", lowest,
+                  which.c_str(), kTargetLowVsFp32, verdict(lowest, kTargetLowVsFp32));
+  } else {
+    std::printf("fp16/bf16 modes vs mixtape fp32: n/a (needs fp32 in --precision)\n");
+  }
+}
+
+std::vector<std::string> split_modes(const std::string& text) {
+  std::vector<std::string> modes;
+  std::string mode;
+  std::istringstream in(text);
+  while (std::getline(in, mode, ',')) modes.push_back(mode);
+  check(!modes.empty() && !text.empty() && text.back() != ',', "bench_train_gpt: --precision '", text,
+        "' is not a comma-separated list of modes");
+  for (const std::string& m : modes) {
+    check(!m.empty(), "bench_train_gpt: --precision '", text, "' has an empty entry");
+    AmpConfig::parse(m);  // Error naming an unknown mode
+    check(std::count(modes.begin(), modes.end(), m) == 1, "bench_train_gpt: --precision names '", m,
+          "' twice");
+  }
+  return modes;
 }
 
 }  // namespace
@@ -184,19 +313,29 @@ int main(int argc, char** argv) {
   benchmark::Initialize(&argc, argv);
   int rounds = 3, steps = 10;
   bool with_pytorch = true, only_compare = false;
+  std::string precision;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--rounds" && i + 1 < argc) rounds = std::max(1, std::atoi(argv[++i]));
     else if (a == "--steps" && i + 1 < argc) steps = std::max(1, std::atoi(argv[++i]));
+    else if (a == "--precision" && i + 1 < argc) precision = argv[++i];
     else if (a == "--no-pytorch") with_pytorch = false;
     else if (a == "--compare-only") only_compare = true;
     else {
-      std::fprintf(stderr, "bench_train_gpt: unknown option %s (own options: --rounds N --steps N --no-pytorch "
-                   "--compare-only; others go to Google Benchmark)\n", a.c_str());
+      std::fprintf(stderr, "bench_train_gpt: unknown option %s (own options: --rounds N --steps N "
+                   "--precision a,b,c --no-pytorch --compare-only; others go to Google Benchmark)\n",
+                   a.c_str());
       return 2;
     }
   }
   try {
+    const std::vector<std::string> modes = precision.empty() ? kDefaultModes : split_modes(precision);
+    for (const std::string& mode : modes) sides().push_back(std::make_unique<Side>(mode));
+    set_allow_tf32(false);
+    for (const auto& side : sides())
+      benchmark::RegisterBenchmark(("train_step/gpt_4l_4h_w256_b128_bs16/mixtape_" + side->mode).c_str(),
+                                   BM_GPTTrainStep, side.get())
+          ->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(3.0);
     if (!only_compare) benchmark::RunSpecifiedBenchmarks();
     compare(rounds, steps, with_pytorch);
   } catch (const std::exception& e) {

@@ -1,15 +1,22 @@
 #!/usr/bin/env python3
-"""The PyTorch side of bench_train_gpt: times the training step of the same GPT in PyTorch (fp32).
+"""The PyTorch side of bench_train_gpt: times the training step of the same GPT in PyTorch, in fp32 or under
+bf16 autocast.
 
     python3 bench/pytorch_train_step.py --layers 4 --heads 4 --width 256 --block 128 --batch 16 --vocab 65 \
-        --threads 2 --warmup 3 --steps 10
+        --threads 2 --warmup 3 --steps 10 [--autocast bf16]
 
 The model is tests/pytorch_parity.py's nanoGPT GPT (layernorm with bias, fused qkv, causal softmax attention,
 exact GELU, tied embeddings, no dropout), the step is train_gpt's: forward, cross-entropy, backward, global
 gradient clipping at norm 1, AdamW (weight decay 0.1 on the >= 2-d parameters) with fused=False (1.13's
 default). Batches are uniform random tokens (the time of a step does not depend on their values).
 
-Prints one line of JSON: {"torch": version, "threads": n, "step_ms": [one time per timed step]}.
+--autocast bf16 is PyTorch's CPU mixed precision: the forward and the loss run under
+torch.autocast("cpu", dtype=torch.bfloat16) (matmuls/linears in bf16, the ops on autocast's fp32 list in
+fp32), the parameters, gradients and optimizer stay fp32, and there is no GradScaler (bf16 has fp32's
+exponent range, so gradients do not underflow the way fp16's do).
+
+Prints one line of JSON: {"torch": version, "threads": n, "autocast": "none"|"bf16",
+"step_ms": [one time per timed step]}.
 Exit status 77 when PyTorch is missing (the import below tries Debian's /usr/bin/python3 first).
 """
 import argparse
@@ -29,6 +36,8 @@ def main():
     for name, default in [("layers", 4), ("heads", 4), ("width", 256), ("block", 128), ("batch", 16),
                           ("vocab", 65), ("threads", 2), ("warmup", 3), ("steps", 10)]:
         p.add_argument("--" + name, type=int, default=default)
+    p.add_argument("--autocast", choices=["none", "bf16"], default="none",
+                   help="bf16: forward + loss under torch.autocast('cpu', dtype=torch.bfloat16)")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     torch.manual_seed(1337)
@@ -45,14 +54,19 @@ def main():
         y = torch.randint(0, a.vocab, (a.batch, a.block))
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        loss = model(x, y)
+        if a.autocast == "bf16":
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(x, y)
+        else:
+            loss = model(x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         loss.item()
         if step >= a.warmup:
             times.append((time.perf_counter() - t0) * 1e3)
-    print(json.dumps({"torch": torch.__version__, "threads": torch.get_num_threads(), "step_ms": times}))
+    print(json.dumps({"torch": torch.__version__, "threads": torch.get_num_threads(), "autocast": a.autocast,
+                      "step_ms": times}))
 
 
 if __name__ == "__main__":

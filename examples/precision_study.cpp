@@ -1,0 +1,653 @@
+// precision_study: one GPT, one data set, one seed, trained once under each precision mode, and a comparison.
+//
+//   precision_study                                   # all 10 modes, ~11 minutes on 2 cores
+//   precision_study --modes fp32,bf16,fp16_naive --steps 300 --out /tmp/study
+//   precision_study --data other.txt --layers 2 --width 64 ...
+//
+// Each mode runs the train_gpt executable that sits next to this one, as a child process with identical flags
+// plus --precision MODE --log-json OUT/<mode>.jsonl (':' in a mode becomes '_' in file names:
+// fp16_apex_O2.jsonl). A process per mode gives each mode its own peak RSS (wait4's ru_maxrss: the child's
+// high-water mark of resident memory, model + optimizer + activations + allocator caches) and keeps tf32's
+// process-wide switch from leaking into the other modes. The child's output is streamed with a "[mode]"
+// prefix.
+//
+// Written to --out (default: <build>/precision_study), each through a temporary file and a rename, so a file
+// is complete or absent:
+//   results.md, results.csv  one row per mode:
+//       final train loss   mean of the last 10 steps' batch losses (one batch is noisy; 10 hold 10x the
+//                          tokens)
+//       final val loss     the validation loss after the last step (train_gpt's final evaluation)
+//       val diff vs fp32   final val loss - fp32's, absolute and relative to fp32's (empty without fp32)
+//       tokens/s           median of the per-step rates (robust to the odd step slowed by another process)
+//       peak RSS MiB       the child's ru_maxrss
+//       skipped steps      steps whose update was skipped on a gradient overflow
+//       final loss scale   the scale of the last step's loss
+//   <mode>.jsonl             train_gpt's per-step log
+//   precision_study.dat      per mode (a gnuplot index block, in --modes order): step, training loss
+//                            (trailing mean of 20 steps), loss scale
+//   precision_study.gp       the gnuplot script (rerun it in --out: gnuplot precision_study.gp)
+//   precision_study.png      two panels: smoothed training loss, and loss scale on a log2 axis
+// Without gnuplot the tables are still written (and a note says the plot was not). The Markdown table is also
+// printed at the end. Errors (unknown mode or option, missing data or train_gpt, a child failing) print
+// "error: ..." and exit non-zero; a failing mode does not stop the others, so the study reports what it can.
+#include <fcntl.h>
+#include <spawn.h>
+#include <sys/resource.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <optional>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "amp/config.h"
+#include "nn/json.h"
+#include "tensor/error.h"
+
+extern char** environ;
+
+using namespace mixtape;
+namespace fs = std::filesystem;
+
+namespace {
+
+const std::vector<std::string> kDefaultModes = {
+    "fp32",         "tf32",         "fp16",         "bf16",       "fp16_apex:O0",
+    "fp16_apex:O1", "fp16_apex:O2", "fp16_apex:O3", "fp16_naive", "bf16_naive"};
+constexpr size_t kFinalTrainSteps = 10;  // final train loss = mean of the last 10 batch losses
+constexpr size_t kSmooth = 20;           // the plotted training loss: trailing mean of 20 steps
+
+// train_gpt flags passed through to every child; the value is checked by train_gpt itself.
+const std::set<std::string> kValueFlags = {
+    "--layers", "--heads", "--width", "--block", "--dropout", "--batch", "--steps", "--lr", "--min-lr",
+    "--warmup", "--optimizer", "--weight-decay", "--beta1", "--beta2", "--momentum", "--schedule",
+    "--grad-clip", "--seed", "--eval-every", "--vocab-size"};
+
+struct Options {
+  std::string data;
+  std::vector<std::string> modes = kDefaultModes;
+  std::string out;
+  // The study's defaults: 4 layers of width 128 on tinyshakespeare, val loss ~2.1 after 600 steps; measured on
+  // 2 cores (AMD EPYC): 25-40 s per fp32/tf32/bf16 mode, 85-120 s per fp16 mode (the fp16 kernels are slower
+  // on this CPU), 11 minutes for all ten. Every one can be overridden; they go on the child's command line in
+  // this order.
+  std::vector<std::pair<std::string, std::string>> train = {
+      {"--layers", "4"},  {"--heads", "4"},        {"--width", "128"}, {"--block", "64"},
+      {"--batch", "16"},  {"--steps", "600"},      {"--eval-every", "200"},
+      {"--lr", "2e-3"},   {"--min-lr", "2e-4"},    {"--warmup", "50"}, {"--seed", "1337"}};
+  bool sequential = false;
+};
+
+void usage() {
+  std::cout <<
+      "usage: precision_study [--data FILE] [--modes a,b,c] [--out DIR] [train_gpt flags]\n"
+      "  --data FILE   training text (or .bin with --vocab-size); default: ../shared/data/\n"
+      "                tinyshakespeare.txt beside the source tree\n"
+      "  --modes LIST  comma-separated precision modes (default: all ten: fp32,tf32,fp16,bf16,\n"
+      "                fp16_apex:O0,fp16_apex:O1,fp16_apex:O2,fp16_apex:O3,fp16_naive,bf16_naive)\n"
+      "  --out DIR     output directory (default: <build>/precision_study)\n"
+      "  passed to every train_gpt run (defaults): --layers 4 --heads 4 --width 128 --block 64 --batch 16\n"
+      "                --steps 600 --eval-every 200 --lr 2e-3 --min-lr 2e-4 --warmup 50 --seed 1337;\n"
+      "                also --dropout --optimizer --weight-decay --beta1 --beta2 --momentum --schedule\n"
+      "                --grad-clip --vocab-size --sequential\n";
+}
+
+fs::path self_dir() {
+  std::error_code ec;
+  const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
+  check(!ec, "precision_study: cannot read /proc/self/exe (", ec.message(), ")");
+  return exe.parent_path();
+}
+
+std::vector<std::string> split(const std::string& text, char sep) {
+  std::vector<std::string> parts;
+  std::string part;
+  std::istringstream in(text);
+  while (std::getline(in, part, sep)) parts.push_back(part);
+  if (!text.empty() && text.back() == sep) parts.push_back("");
+  return parts;
+}
+
+std::string default_data() {
+  // The shared data sits beside the main checkout (<root>/shared/data with the source in <root>/main); a
+  // worktree one level deeper (<root>/wt/<name>) finds it one more level up.
+  const fs::path source = MIXTAPE_SOURCE_DIR;
+  const fs::path candidates[] = {source / ".." / "shared" / "data" / "tinyshakespeare.txt",
+                                 source / ".." / ".." / "shared" / "data" / "tinyshakespeare.txt"};
+  for (const fs::path& p : candidates)
+    if (fs::is_regular_file(p)) return fs::weakly_canonical(p).string();
+  fail("precision_study: no --data given and the default data is missing (looked for ",
+       candidates[0].string(), " and ", candidates[1].string(), "); pass --data FILE");
+}
+
+Options parse(int argc, char** argv) {
+  Options o;
+  std::set<std::string> given;
+  for (int i = 1; i < argc; ++i) {
+    const std::string flag = argv[i];
+    if (flag == "--help" || flag == "-h") { usage(); std::exit(0); }
+    if (flag == "--sequential") { o.sequential = true; continue; }
+    check(flag == "--data" || flag == "--modes" || flag == "--out" || kValueFlags.count(flag),
+          "precision_study: unknown option '", flag, "'",
+          flag == "--precision" || flag == "--amp-config" || flag == "--log-json"
+              ? " (set per mode by precision_study; choose the modes with --modes)"
+              : " (see --help)");
+    check(given.insert(flag).second, "precision_study: ", flag, " given twice");
+    check(i + 1 < argc, "precision_study: ", flag, " needs a value");
+    const std::string value = argv[++i];
+    if (flag == "--data") {
+      o.data = value;
+    } else if (flag == "--out") {
+      check(!value.empty(), "precision_study: --out needs a directory");
+      o.out = value;
+    } else if (flag == "--modes") {
+      o.modes = split(value, ',');
+      check(!o.modes.empty(), "precision_study: --modes needs at least one mode");
+      std::set<std::string> seen;
+      for (const std::string& mode : o.modes) {
+        check(!mode.empty(), "precision_study: --modes '", value, "' has an empty entry");
+        try {
+          AmpConfig::parse(mode);
+        } catch (const Error& e) {
+          fail("precision_study: --modes: unknown precision mode '", mode, "' (", e.what(), ")");
+        }
+        check(seen.insert(mode).second, "precision_study: --modes names '", mode, "' twice");
+      }
+    } else {
+      bool replaced = false;
+      for (auto& [f, v] : o.train)
+        if (f == flag) { v = value; replaced = true; }
+      if (!replaced) o.train.emplace_back(flag, value);
+    }
+  }
+  if (o.data.empty()) o.data = default_data();
+  check(fs::is_regular_file(o.data), "precision_study: --data '", o.data, "' is not a readable file");
+  if (o.out.empty()) o.out = (self_dir().parent_path() / "precision_study").string();
+  return o;
+}
+
+// ---- files ----
+
+std::string file_stem(const std::string& mode) {
+  std::string s = mode;
+  std::replace(s.begin(), s.end(), ':', '_');
+  return s;
+}
+
+// Writes `path` complete or not at all: a temporary file beside it, then a rename over it.
+void write_file(const fs::path& path, const std::string& text) {
+  const fs::path tmp = path.string() + ".tmp";
+  {
+    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
+    check(f.good(), "precision_study: cannot write '", tmp.string(), "'");
+    f << text;
+    f.flush();
+    check(f.good(), "precision_study: writing '", tmp.string(), "' failed");
+  }
+  std::error_code ec;
+  fs::rename(tmp, path, ec);
+  check(!ec, "precision_study: cannot rename '", tmp.string(), "' to '", path.string(), "' (", ec.message(),
+        ")");
+}
+
+std::optional<std::string> find_in_path(const std::string& name) {
+  const char* path = std::getenv("PATH");
+  if (!path) return std::nullopt;
+  for (const std::string& dir : split(path, ':')) {
+    const fs::path p = fs::path(dir.empty() ? "." : dir) / name;
+    if (access(p.c_str(), X_OK) == 0 && fs::is_regular_file(p)) return p.string();
+  }
+  return std::nullopt;
+}
+
+// ---- child processes ----
+
+struct ChildResult {
+  int status = 0;             // as from wait4
+  double peak_rss_mib = 0;    // ru_maxrss (KiB on Linux)
+  double seconds = 0;
+  std::deque<std::string> tail;  // the last lines of its output, for error messages
+};
+
+std::string describe_status(int status) {
+  if (WIFEXITED(status)) return "exit status " + std::to_string(WEXITSTATUS(status));
+  if (WIFSIGNALED(status)) return std::string("killed by signal ") + strsignal(WTERMSIG(status));
+  return "status " + std::to_string(status);
+}
+
+// Runs args[0] (a path) with its stdout and stderr into one pipe, so its lines keep their order; each line
+// goes to our stdout behind `prefix`, and the last 8 are kept for an error message. `cwd`: the child's working
+// directory, if given. Waits for it with wait4, whose rusage is that child's alone (ru_maxrss: its peak RSS).
+ChildResult run_child(const std::vector<std::string>& args, const std::string& prefix,
+                      const std::string& cwd = "") {
+  int fds[2];
+  check(pipe2(fds, O_CLOEXEC) == 0, "precision_study: pipe failed: ", std::strerror(errno));
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_adddup2(&actions, fds[1], STDOUT_FILENO);  // dup2 clears O_CLOEXEC on the copy
+  posix_spawn_file_actions_adddup2(&actions, fds[1], STDERR_FILENO);
+  if (!cwd.empty()) posix_spawn_file_actions_addchdir_np(&actions, cwd.c_str());
+  std::vector<char*> argv;
+  for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+  argv.push_back(nullptr);
+  pid_t pid = 0;
+  const auto t0 = std::chrono::steady_clock::now();
+  const int err = posix_spawn(&pid, argv[0], &actions, nullptr, argv.data(), environ);
+  posix_spawn_file_actions_destroy(&actions);
+  close(fds[1]);
+  if (err != 0) {
+    close(fds[0]);
+    fail("precision_study: cannot start '", args[0], "': ", std::strerror(err));
+  }
+
+  ChildResult result;
+  std::string pending;
+  auto emit = [&](const std::string& line) {
+    std::printf("%s%s\n", prefix.c_str(), line.c_str());
+    std::fflush(stdout);
+    result.tail.push_back(line);
+    if (result.tail.size() > 8) result.tail.pop_front();
+  };
+  char buffer[4096];
+  for (;;) {
+    const ssize_t n = read(fds[0], buffer, sizeof(buffer));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    pending.append(buffer, static_cast<size_t>(n));
+    for (size_t nl; (nl = pending.find('\n')) != std::string::npos; pending.erase(0, nl + 1))
+      emit(pending.substr(0, nl));
+  }
+  if (!pending.empty()) emit(pending);
+  close(fds[0]);
+
+  struct rusage usage {};
+  pid_t waited;
+  while ((waited = wait4(pid, &result.status, 0, &usage)) < 0 && errno == EINTR) {}
+  check(waited == pid, "precision_study: wait4 for '", args[0], "' failed: ", std::strerror(errno));
+  result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  result.peak_rss_mib = double(usage.ru_maxrss) / 1024.0;
+  return result;
+}
+
+// ---- the logs and their summary ----
+
+struct StepLog {
+  int64_t step = 0;
+  double loss = NAN, loss_scale = NAN, tokens_per_s = NAN, val_loss = NAN;
+  bool skipped = false;
+};
+
+struct ModeResult {
+  std::string mode;
+  bool ok = false;
+  std::string error;  // why it failed
+  std::vector<StepLog> steps;
+  double final_train_loss = NAN, final_val_loss = NAN, tokens_per_s = NAN, peak_rss_mib = NAN;
+  double final_loss_scale = NAN, seconds = 0;
+  int64_t skipped = 0;
+};
+
+double number_or_nan(const json::Value* v) {
+  if (!v || v->is_null()) return NAN;  // a non-finite value, should a log ever write one as null
+  return v->as_number();
+}
+
+std::vector<StepLog> read_log(const fs::path& path) {
+  std::ifstream in(path);
+  check(in.good(), "precision_study: cannot read the log '", path.string(), "'");
+  std::vector<StepLog> steps;
+  std::string line;
+  for (int64_t number = 1; std::getline(in, line); ++number) {
+    if (line.empty()) continue;
+    try {
+      const json::Value v = json::parse(line);
+      StepLog s;
+      const json::Value* step = v.find("step");
+      check(step != nullptr, "no \"step\"");
+      s.step = step->as_integer();
+      s.loss = number_or_nan(v.find("loss"));
+      s.loss_scale = number_or_nan(v.find("loss_scale"));
+      s.tokens_per_s = number_or_nan(v.find("tokens_per_s"));
+      s.val_loss = number_or_nan(v.find("val_loss"));
+      const json::Value* skipped = v.find("skipped");
+      s.skipped = skipped && skipped->as_bool();
+      steps.push_back(s);
+    } catch (const Error& e) {
+      fail("precision_study: ", path.string(), " line ", number, ": ", e.what());
+    }
+  }
+  check(!steps.empty(), "precision_study: the log '", path.string(), "' has no steps");
+  return steps;
+}
+
+double median(std::vector<double> v) {
+  v.erase(std::remove_if(v.begin(), v.end(), [](double x) { return !std::isfinite(x); }), v.end());
+  if (v.empty()) return NAN;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+
+void summarise(ModeResult& r) {
+  const std::vector<StepLog>& s = r.steps;
+  const size_t first = s.size() > kFinalTrainSteps ? s.size() - kFinalTrainSteps : 0;
+  double sum = 0;
+  for (size_t i = first; i < s.size(); ++i) sum += s[i].loss;  // a NaN loss makes the mean NaN: visible
+  r.final_train_loss = sum / double(s.size() - first);
+  for (const StepLog& step : s)
+    if (!std::isnan(step.val_loss)) r.final_val_loss = step.val_loss;
+  std::vector<double> rates;
+  for (const StepLog& step : s) rates.push_back(step.tokens_per_s);
+  r.tokens_per_s = median(rates);
+  r.skipped = std::count_if(s.begin(), s.end(), [](const StepLog& step) { return step.skipped; });
+  r.final_loss_scale = s.back().loss_scale;
+}
+
+// ---- tables ----
+
+std::string fmt(const char* format, double x) {
+  if (std::isnan(x)) return "";
+  char buffer[64];
+  std::snprintf(buffer, sizeof(buffer), format, x);
+  return buffer;
+}
+
+struct Row {
+  std::string mode, train, val, diff, diff_pct, rate, rss, skipped, scale;
+};
+
+std::vector<Row> table_rows(const std::vector<ModeResult>& results) {
+  double reference = NAN;
+  for (const ModeResult& r : results)
+    if (r.ok && r.mode == "fp32") reference = r.final_val_loss;
+  std::vector<Row> rows;
+  for (const ModeResult& r : results) {
+    if (!r.ok) continue;
+    Row row;
+    row.mode = r.mode;
+    row.train = fmt("%.4f", r.final_train_loss);
+    row.val = fmt("%.4f", r.final_val_loss);
+    row.diff = fmt("%.4f", r.final_val_loss - reference);
+    row.diff_pct = fmt("%.2f", (r.final_val_loss - reference) / reference * 100.0);
+    row.rate = fmt("%.0f", r.tokens_per_s);
+    row.rss = fmt("%.1f", r.peak_rss_mib);
+    row.skipped = std::to_string(r.skipped);
+    row.scale = fmt("%.9g", r.final_loss_scale);
+    rows.push_back(row);
+  }
+  return rows;
+}
+
+std::string csv_table(const std::vector<Row>& rows) {
+  std::string out =
+      "mode,final_train_loss,final_val_loss,val_diff_vs_fp32,val_diff_vs_fp32_pct,tokens_per_s,peak_rss_mib,"
+      "skipped_steps,final_loss_scale\n";
+  for (const Row& r : rows)
+    out += r.mode + "," + r.train + "," + r.val + "," + r.diff + "," + r.diff_pct + "," + r.rate + "," +
+           r.rss + "," + r.skipped + "," + r.scale + "\n";
+  return out;
+}
+
+std::string markdown_table(const std::vector<Row>& rows) {
+  const std::vector<std::string> header = {"mode",          "final train loss", "final val loss",
+                                           "val diff vs fp32", "val diff vs fp32 (%)", "tokens/s",
+                                           "peak RSS (MiB)", "skipped steps",    "final loss scale"};
+  std::vector<std::vector<std::string>> cells;
+  for (const Row& r : rows) {
+    auto dash = [](const std::string& s) { return s.empty() ? std::string("—") : s; };
+    auto sign = [&](const std::string& s) { return s.empty() || s[0] == '-' ? dash(s) : "+" + s; };
+    cells.push_back({r.mode, dash(r.train), dash(r.val), sign(r.diff), sign(r.diff_pct), dash(r.rate),
+                     dash(r.rss), r.skipped, dash(r.scale)});
+  }
+  std::vector<size_t> width(header.size());
+  auto length = [](const std::string& s) {  // display width: count UTF-8 lead bytes ("—" is one column)
+    return static_cast<size_t>(std::count_if(s.begin(), s.end(), [](char c) { return (c & 0xC0) != 0x80; }));
+  };
+  for (size_t c = 0; c < header.size(); ++c) {
+    width[c] = length(header[c]);
+    for (const auto& row : cells) width[c] = std::max(width[c], length(row[c]));
+  }
+  auto line = [&](const std::vector<std::string>& values) {
+    std::string out = "|";
+    for (size_t c = 0; c < values.size(); ++c) {
+      const std::string pad(width[c] - length(values[c]), ' ');
+      out += ' ';
+      if (c == 0) out.append(values[c]).append(pad);  // the mode left-aligned, numbers right-aligned
+      else out.append(pad).append(values[c]);
+      out += " |";
+    }
+    return out + "\n";
+  };
+  std::string out = line(header) + "|";
+  for (size_t c = 0; c < header.size(); ++c) {
+    out += c == 0 ? " :" : " ";
+    out.append(width[c] - 1, '-');
+    out += c == 0 ? " |" : ": |";
+  }
+  out += "\n";
+  for (const auto& row : cells) out += line(row);
+  return out;
+}
+
+// ---- the plot ----
+
+// One index block per successful mode: step (1-based: optimizer steps done), trailing mean of the last
+// kSmooth finite losses, loss scale.
+std::string plot_data(const std::vector<ModeResult>& results) {
+  std::string out = "# precision_study: step, training loss (trailing mean of 20 steps), loss scale\n";
+  char buffer[128];
+  for (const ModeResult& r : results) {
+    if (!r.ok) continue;
+    out += "# " + r.mode + "\n";
+    std::deque<double> window;
+    double sum = 0;
+    for (const StepLog& s : r.steps) {
+      if (std::isfinite(s.loss)) {
+        window.push_back(s.loss);
+        sum += s.loss;
+        if (window.size() > kSmooth) { sum -= window.front(); window.pop_front(); }
+      }
+      const double mean = window.empty() ? NAN : sum / double(window.size());
+      std::snprintf(buffer, sizeof(buffer), "%lld %.6f %.9g\n", static_cast<long long>(s.step + 1), mean,
+                    s.loss_scale);
+      out += buffer;
+    }
+    out += "\n\n";
+  }
+  return out;
+}
+
+std::string plot_script(const std::vector<ModeResult>& results, const std::string& title) {
+  static const char* colours[] = {"#000000", "#7f7f7f", "#1f77b4", "#d62728", "#9467bd",
+                                  "#8c564b", "#e377c2", "#ff7f0e", "#2ca02c", "#17becf"};
+  std::vector<std::string> modes;
+  double top_scale = 1;  // the loss-scale axis spans [2^-1, 2^(k+1)] around [1, max scale]: never empty
+  for (const ModeResult& r : results) {
+    if (!r.ok) continue;
+    modes.push_back(r.mode);
+    for (const StepLog& step : r.steps)
+      if (std::isfinite(step.loss_scale)) top_scale = std::max(top_scale, step.loss_scale);
+  }
+  const int top_exponent = static_cast<int>(std::ceil(std::log2(top_scale))) + 1;
+  auto plot = [&](int column, bool dashed) {  // dashed: overlapping curves (equal scales) stay visible
+    std::string cmd = "plot ";
+    for (size_t i = 0; i < modes.size(); ++i) {
+      if (i) cmd += ", \\\n     ";
+      cmd += "\"precision_study.dat\" index " + std::to_string(i) + " using 1:" + std::to_string(column) +
+             " with lines lw 2 dt " + std::to_string(dashed ? i % 5 + 1 : 1) + " lc rgb \"" +
+             colours[i % 10] + "\" title \"" + modes[i] + "\"";
+    }
+    return cmd + "\n";
+  };
+  std::string s =
+      "# precision_study: smoothed training loss and loss scale per precision mode.\n"
+      "# Run in this directory: gnuplot precision_study.gp\n"
+      "# (writes precision_study.png; gnuplot -e \"out='x.png'\" precision_study.gp writes x.png)\n"
+      "if (!exists(\"out\")) out = \"precision_study.png\"\n"
+      "if (strstrt(GPVAL_TERMINALS, \"pngcairo\") > 0) {\n"
+      "  set terminal pngcairo size 1000,1000 font \"sans,10\"\n"
+      "} else {\n"
+      "  set terminal png size 1000,1000\n"
+      "}\n"
+      "set output out\n"
+      "set termoption noenhanced\n"
+      "set multiplot layout 2,1 title \"" + title + "\"\n"
+      "set grid\n"
+      "set key outside right top\n"
+      "set xlabel \"step\"\n"
+      "set title \"training loss (trailing mean of " + std::to_string(kSmooth) + " steps)\"\n"
+      "set ylabel \"loss (nats per token)\"\n" +
+      plot(2, false) +
+      "set title \"loss scale (log2 axis)\"\n"
+      "set ylabel \"loss scale\"\n"
+      "set logscale y 2\n"
+      "set yrange [0.5:" + std::to_string(std::ldexp(1.0, top_exponent)) + "]\n"
+      "set format y \"2^%L\"\n"
+      "set key outside right top\n" +
+      plot(3, true) + "unset multiplot\n";
+  return s;
+}
+
+// ---- main ----
+
+int run(int argc, char** argv) {
+  const Options opt = parse(argc, argv);
+  const fs::path train_gpt = self_dir() / "train_gpt";
+  check(access(train_gpt.c_str(), X_OK) == 0, "precision_study: cannot find the train_gpt executable next to "
+        "this one (looked for ", train_gpt.string(), "); build it: cmake --build build --target train_gpt");
+  const fs::path out = opt.out;
+  std::error_code ec;
+  fs::create_directories(out, ec);
+  check(!ec && fs::is_directory(out), "precision_study: cannot create --out directory '", out.string(), "'",
+        ec ? " (" + ec.message() + ")" : "");
+
+  std::vector<std::string> common = {"--data", opt.data};
+  std::string flags_text;
+  for (const auto& [flag, value] : opt.train) {
+    common.push_back(flag);
+    common.push_back(value);
+    flags_text += " " + flag + " " + value;
+  }
+  if (opt.sequential) { common.push_back("--sequential"); flags_text += " --sequential"; }
+
+  size_t prefix_width = 0;
+  for (const std::string& m : opt.modes) prefix_width = std::max(prefix_width, m.size() + 2);
+  std::printf("precision_study: %zu modes, train_gpt --data %s%s\n  writing to %s\n", opt.modes.size(),
+              opt.data.c_str(), flags_text.c_str(), out.string().c_str());
+  std::fflush(stdout);
+
+  std::vector<ModeResult> results;
+  for (size_t k = 0; k < opt.modes.size(); ++k) {
+    ModeResult r;
+    r.mode = opt.modes[k];
+    const fs::path log = out / (file_stem(r.mode) + ".jsonl");
+    const fs::path log_tmp = log.string() + ".tmp";  // renamed once the run succeeded
+    fs::remove(log_tmp, ec);
+    std::vector<std::string> args = {train_gpt.string()};
+    args.insert(args.end(), common.begin(), common.end());
+    args.insert(args.end(), {"--precision", r.mode, "--log-json", log_tmp.string()});
+    std::printf("\n=== [%zu/%zu] %s\n", k + 1, opt.modes.size(), r.mode.c_str());
+    std::fflush(stdout);
+    std::string prefix = "[" + r.mode + "]";
+    prefix += std::string(prefix_width - prefix.size() + 1, ' ');
+    try {
+      const ChildResult child = run_child(args, prefix);
+      r.seconds = child.seconds;
+      r.peak_rss_mib = child.peak_rss_mib;
+      if (child.status != 0) {
+        std::string last;
+        for (const std::string& l : child.tail) last += "\n    " + l;
+        fail("train_gpt --precision ", r.mode, " failed (", describe_status(child.status),
+             "); its last output:", last);
+      }
+      fs::rename(log_tmp, log);
+      r.steps = read_log(log);
+      summarise(r);
+      r.ok = true;
+      std::printf("%sdone in %.0f s: final val loss %.4f, median %.0f tok/s, peak RSS %.1f MiB, "
+                  "%lld skipped\n", prefix.c_str(), r.seconds, r.final_val_loss, r.tokens_per_s, r.peak_rss_mib,
+                  static_cast<long long>(r.skipped));
+    } catch (const std::exception& e) {
+      r.error = e.what();
+      std::printf("%sFAILED: %s\n", prefix.c_str(), r.error.c_str());  // the summary error follows on stderr
+    }
+    std::fflush(stdout);
+    results.push_back(std::move(r));
+  }
+
+  const std::vector<Row> rows = table_rows(results);
+  const std::string table = markdown_table(rows);
+  std::string md = "# Precision study\n\n"
+                   "One GPT, one data set, one seed, trained once per precision mode (train_gpt --data " +
+                   opt.data + flags_text + " --precision MODE).\n\n" + table +
+                   "\nfinal train loss: mean of the last 10 steps' batch losses; final val loss: after the "
+                   "last step; val diff: vs fp32's final val loss; tokens/s: median of the per-step rates; "
+                   "peak RSS: the train_gpt process's ru_maxrss; final loss scale: the last step's.\n";
+  std::vector<std::string> failed;
+  for (const ModeResult& r : results)
+    if (!r.ok) failed.push_back(r.mode + ": " + r.error);
+  if (!failed.empty()) {
+    md += "\nFailed modes (not in the table):\n\n";
+    for (const std::string& f : failed) md += "- " + f + "\n";
+  }
+  write_file(out / "results.md", md);
+  write_file(out / "results.csv", csv_table(rows));
+  write_file(out / "precision_study.dat", plot_data(results));
+  write_file(out / "precision_study.gp", plot_script(results, "precision_study:" + flags_text));
+
+  std::string plot_note;
+  bool plot_failed = false;
+  if (rows.empty()) {
+    plot_note = "no mode succeeded: no plot";
+  } else if (const auto gnuplot = find_in_path("gnuplot")) {
+    const ChildResult g = run_child({*gnuplot, "-e", "out='precision_study.png.tmp'", "precision_study.gp"},
+                                    "[gnuplot] ", out.string());
+    if (g.status == 0 && fs::is_regular_file(out / "precision_study.png.tmp")) {
+      fs::rename(out / "precision_study.png.tmp", out / "precision_study.png");
+      plot_note = "wrote " + (out / "precision_study.png").string();
+    } else {
+      fs::remove(out / "precision_study.png.tmp", ec);
+      plot_note = "gnuplot failed (" + describe_status(g.status) + "): no plot";
+      plot_failed = true;
+    }
+  } else {
+    plot_note = "gnuplot not found (apt-get install gnuplot-nox): wrote the tables and precision_study.gp, "
+                "but no plot";
+  }
+
+  std::printf("\n%s\nwrote %s, %s\n%s\n", table.c_str(), (out / "results.md").string().c_str(),
+              (out / "results.csv").string().c_str(), plot_note.c_str());
+  if (!failed.empty()) {
+    std::string list;
+    for (const std::string& f : failed) list += "\n  " + f;
+    fail("precision_study: ", failed.size(), " of ", results.size(), " modes failed:", list);
+  }
+  check(!plot_failed, "precision_study: ", plot_note);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const std::exception& e) {
+    std::fflush(stdout);
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  }
+}
