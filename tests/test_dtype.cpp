@@ -3,6 +3,7 @@
 // plus the small DType helpers (size, name, promote, convert).
 #include <immintrin.h>
 
+#include <bit>
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
@@ -13,6 +14,7 @@
 #include <vector>
 
 #include "tensor/dtype.h"
+#include "tensor/tensor.h"
 #include "tensor/half.h"
 #include "test_util.h"
 
@@ -63,7 +65,7 @@ bool have_f16c() { return __builtin_cpu_supports("f16c"); }
   size_t bad = 0;
   std::ostringstream report;
   for (size_t i = 0; i < values.size(); ++i) {
-    const uint16_t got = float_to_half_bits(values[i]);
+    const uint16_t got = float_to_half_bits_portable(values[i]);
     if (got != expected[i] && bad++ < 5)
       report << std::hex << "float 0x" << float_bits(values[i]) << " (" << std::hexfloat << values[i]
              << "): got 0x" << got << ", F16C 0x" << expected[i] << std::dec << "\n";
@@ -160,7 +162,7 @@ std::vector<uint16_t> finite_patterns(uint16_t inf_bits) {
 TEST(Half, EveryPatternDecodesToItsFieldValue) {
   for (uint32_t b = 0; b < 65536; ++b) {
     const uint16_t bits = static_cast<uint16_t>(b);
-    const float value = half_bits_to_float(bits);
+    const float value = half_bits_to_float_portable(bits);
     const double expected = decode_half(bits);
     if (std::isnan(expected)) {
       ASSERT_TRUE(std::isnan(value)) << std::hex << bits;
@@ -177,7 +179,7 @@ TEST(Half, EveryNonNaNPatternRoundTripsBitExactly) {
   for (uint32_t b = 0; b < 65536; ++b) {
     const uint16_t bits = static_cast<uint16_t>(b);
     if ((bits & 0x7c00) == 0x7c00 && (bits & 0x03ff) != 0) continue;  // NaNs: next test
-    ASSERT_EQ(float_to_half_bits(half_bits_to_float(bits)), bits) << std::hex << "half 0x" << bits;
+    ASSERT_EQ(float_to_half_bits_portable(half_bits_to_float_portable(bits)), bits) << std::hex << "half 0x" << bits;
     ASSERT_EQ(Half(static_cast<float>(Half::from_bits(bits))).bits, bits);
     ++checked;
   }
@@ -192,13 +194,13 @@ TEST(Half, NaNsComeBackAsTheSameNaNMadeQuiet) {
   for (uint32_t b = 0; b < 65536; ++b) {
     const uint16_t bits = static_cast<uint16_t>(b);
     if ((bits & 0x7c00) != 0x7c00 || (bits & 0x03ff) == 0) continue;
-    const float value = half_bits_to_float(bits);
+    const float value = half_bits_to_float_portable(bits);
     const uint32_t fbits = float_bits(value);
     ASSERT_TRUE(std::isnan(value));
     const uint32_t expected_float = (static_cast<uint32_t>(bits & 0x8000) << 16) | 0x7f800000u |
                                     (static_cast<uint32_t>(bits & 0x03ff) << 13) | 0x400000u;
     ASSERT_EQ(fbits, expected_float) << std::hex << "half 0x" << bits;
-    const uint16_t back = float_to_half_bits(value);
+    const uint16_t back = float_to_half_bits_portable(value);
     ASSERT_EQ(back, bits | 0x0200) << std::hex << "half 0x" << bits;
     if (!(bits & 0x0200)) ++signalling;
   }
@@ -222,10 +224,10 @@ TEST(Half, MatchesF16COnEveryTieAndItsNeighbours) {
   }
   EXPECT_TRUE(matches_f16c(values));
   // The ties go to the even neighbour, visibly: 1 + 2^-11 is halfway between 1 and 1 + 2^-10.
-  EXPECT_EQ(float_to_half_bits(1.0f + 0x1p-11f), 0x3c00);
-  EXPECT_EQ(float_to_half_bits(1.0f + 3 * 0x1p-11f), 0x3c02);
-  EXPECT_EQ(float_to_half_bits(0x1p-25f), 0x0000);  // half of the smallest subnormal: to even (zero)
-  EXPECT_EQ(float_to_half_bits(3 * 0x1p-25f), 0x0002);
+  EXPECT_EQ(float_to_half_bits_portable(1.0f + 0x1p-11f), 0x3c00);
+  EXPECT_EQ(float_to_half_bits_portable(1.0f + 3 * 0x1p-11f), 0x3c02);
+  EXPECT_EQ(float_to_half_bits_portable(0x1p-25f), 0x0000);  // half of the smallest subnormal: to even (zero)
+  EXPECT_EQ(float_to_half_bits_portable(3 * 0x1p-25f), 0x0002);
 }
 
 TEST(Half, MatchesF16COnEveryFloatInTheSubnormalRange) {
@@ -259,11 +261,11 @@ TEST(Half, MatchesF16CAroundOverflow) {
   }
   for (uint32_t b = float_bits(FLT_MAX) - 100000; b <= float_bits(FLT_MAX); ++b) values.push_back(bits_float(b));
   EXPECT_TRUE(matches_f16c(values));
-  EXPECT_EQ(float_to_half_bits(65504.0f), 0x7bff);
-  EXPECT_EQ(float_to_half_bits(std::nextafter(65520.0f, 0.0f)), 0x7bff);
-  EXPECT_EQ(float_to_half_bits(65520.0f), 0x7c00);
-  EXPECT_EQ(float_to_half_bits(-65520.0f), 0xfc00);
-  EXPECT_EQ(float_to_half_bits(FLT_MAX), 0x7c00);
+  EXPECT_EQ(float_to_half_bits_portable(65504.0f), 0x7bff);
+  EXPECT_EQ(float_to_half_bits_portable(std::nextafter(65520.0f, 0.0f)), 0x7bff);
+  EXPECT_EQ(float_to_half_bits_portable(65520.0f), 0x7c00);
+  EXPECT_EQ(float_to_half_bits_portable(-65520.0f), 0xfc00);
+  EXPECT_EQ(float_to_half_bits_portable(FLT_MAX), 0x7c00);
 }
 
 TEST(Half, MatchesF16COnSpecials) {
@@ -278,9 +280,9 @@ TEST(Half, MatchesF16COnSpecials) {
         if (mantissa) values.push_back(bits_float(sign | 0x7f800000u | mantissa));
       }
   EXPECT_TRUE(matches_f16c(values));
-  EXPECT_EQ(float_to_half_bits(-0.0f), 0x8000);
-  EXPECT_EQ(float_to_half_bits(bits_float(0x7f800001u)), 0x7e00);  // signalling, payload below the kept bits
-  EXPECT_EQ(float_to_half_bits(bits_float(0xffc00000u)), 0xfe00);
+  EXPECT_EQ(float_to_half_bits_portable(-0.0f), 0x8000);
+  EXPECT_EQ(float_to_half_bits_portable(bits_float(0x7f800001u)), 0x7e00);  // signalling, payload below the kept bits
+  EXPECT_EQ(float_to_half_bits_portable(bits_float(0xffc00000u)), 0xfe00);
 }
 
 TEST(Half, MatchesF16COnTenMillionRandomFloats) {
@@ -401,7 +403,7 @@ TEST(Half, FromDoubleIsCorrectlyRoundedEvenWhereFloatWouldDoubleRound) {
     const uint16_t want = reference_round_double(v, kHalfFormat);
     if (Half(v).bits != want && bad++ < 5)
       ADD_FAILURE() << std::hexfloat << "double " << v << ": got 0x" << std::hex << Half(v).bits << ", want 0x" << want;
-    if (float_to_half_bits(static_cast<float>(v)) != want) ++naive_wrong;
+    if (float_to_half_bits_portable(static_cast<float>(v)) != want) ++naive_wrong;
     ASSERT_EQ(convert<Half>(v).bits, Half(v).bits);
   }
   EXPECT_EQ(bad, 0);
@@ -534,4 +536,41 @@ TEST(DType, ConvertBetweenIntegersAndFloats) {
 }
 
 }  // namespace
+}  // namespace mixtape
+
+namespace mixtape {
+
+// The library's kernels convert with float_to_half_bits / half_bits_to_float, which are F16C instructions when
+// the library is built for a CPU that has them: they must agree bit for bit with the portable reference
+// checked above, on all 65,536 halves and on floats around every rounding boundary.
+TEST(Half, LibraryConversionsAgreeWithThePortableReferenceOnEveryValue) {
+  std::vector<float> halves_as_float(65536), floats;
+  for (uint32_t bits = 0; bits < 65536; ++bits) {
+    halves_as_float[bits] = half_bits_to_float_portable(static_cast<uint16_t>(bits));
+    const float f = halves_as_float[bits];
+    if (std::isnan(f)) continue;
+    floats.push_back(f);
+    floats.push_back(std::nextafter(f, INFINITY));
+    floats.push_back(std::nextafter(f, -INFINITY));
+  }
+  std::mt19937 rng(42);
+  for (int i = 0; i < 100000; ++i) floats.push_back(std::bit_cast<float>(static_cast<uint32_t>(rng())));
+  // float -> half in the library (Tensor::to runs the CPU backend's copy kernel), then back portably.
+  const Tensor h = Tensor::from_vector(floats, {static_cast<int64_t>(floats.size())}).to(DType::F16);
+  const uint16_t* hb = static_cast<const uint16_t*>(h.contiguous().data_ptr());
+  size_t bad = 0;
+  for (size_t i = 0; i < floats.size(); ++i)
+    if (hb[i] != float_to_half_bits_portable(floats[i]) && bad++ < 5)
+      ADD_FAILURE() << std::hexfloat << floats[i] << ": library 0x" << std::hex << hb[i];
+  // half -> float in the library, on every bit pattern.
+  Tensor all = Tensor::empty({65536}, DType::F16, Device::cpu());
+  uint16_t* ab = static_cast<uint16_t*>(all.data_ptr());
+  for (uint32_t bits = 0; bits < 65536; ++bits) ab[bits] = static_cast<uint16_t>(bits);
+  const std::vector<float> back = all.to(DType::F32).to_vector<float>();
+  for (uint32_t bits = 0; bits < 65536; ++bits)
+    if (std::bit_cast<uint32_t>(back[bits]) != std::bit_cast<uint32_t>(halves_as_float[bits]) && bad++ < 10)
+      ADD_FAILURE() << "half 0x" << std::hex << bits << ": library " << std::hexfloat << back[bits];
+  EXPECT_EQ(bad, 0u);
+}
+
 }  // namespace mixtape

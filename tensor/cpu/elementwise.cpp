@@ -7,9 +7,12 @@
 // and convert<T> rounds once on store. Each loop has a contiguous fast path (every inner stride 1) that the
 // compiler vectorises for f32/f64, a path for an operand broadcast along the inner dim (stride 0, e.g. a
 // per-row scale), and a general strided path.
+#include <algorithm>
 #include <cmath>
 #include <numbers>
+#include <type_traits>
 
+#include "tensor/cpu/convert_block.h"
 #include "tensor/cpu/cpu_backend.h"
 #include "tensor/cpu/fast_math.h"
 #include "tensor/cpu/strided.h"
@@ -26,6 +29,14 @@ void check_same_shape(const char* op, const Tensor& a, const Tensor& b) {
   check(a.shape() == b.shape(), op, ": ", a.description(), " and ", b.description(), " differ in shape");
 }
 
+// 16-bit operands of a contiguous run are widened into a float block, f runs over floats (a loop the
+// compiler vectorises, as for f32), and the block is rounded back once: converting element by element
+// inside f's loop keeps it scalar, which made fp16 GELU 3x slower than f32's.
+constexpr int64_t kBlock = 256;
+
+template <class T>
+constexpr bool kWidenInBlocks = std::is_same_v<T, Half> || std::is_same_v<T, BFloat16>;
+
 // out = f(x) elementwise; x and out are T, f computes in C. The run lambdas are flattened (f and everything
 // it calls inlined) so the contiguous loops vectorise even for a long f such as gelu.
 template <class T, class C, class F>
@@ -37,6 +48,18 @@ void map_unary(const Tensor& x, const Tensor& out, int64_t grain, F f) {
   loop.run([&](const std::array<int64_t, 2>& at, int64_t n) __attribute__((flatten)) {
     T* dst = o + at[0];
     const T* src = in + at[1];
+    if constexpr (kWidenInBlocks<T> && std::is_same_v<C, float>) {
+      if (so == 1 && si == 1) {
+        alignas(64) float in_block[kBlock], out_block[kBlock];
+        for (int64_t j0 = 0; j0 < n; j0 += kBlock) {
+          const int64_t m = std::min(kBlock, n - j0);
+          widen_block(src + j0, in_block, m);
+          for (int64_t j = 0; j < m; ++j) out_block[j] = f(in_block[j]);
+          narrow_block(out_block, dst + j0, m);
+        }
+        return;
+      }
+    }
     if (so == 1 && si == 1) {
       for (int64_t j = 0; j < n; ++j) dst[j] = convert<T>(f(convert<C>(src[j])));
     } else {
@@ -57,6 +80,19 @@ void map_binary(const Tensor& a, const Tensor& b, const Tensor& out, int64_t gra
     T* dst = po + at[0];
     const T* x = pa + at[1];
     const T* y = pb + at[2];
+    if constexpr (kWidenInBlocks<T> && std::is_same_v<C, float>) {
+      if (so == 1 && sa == 1 && sb == 1) {
+        alignas(64) float x_block[kBlock], y_block[kBlock], out_block[kBlock];
+        for (int64_t j0 = 0; j0 < n; j0 += kBlock) {
+          const int64_t m = std::min(kBlock, n - j0);
+          widen_block(x + j0, x_block, m);
+          widen_block(y + j0, y_block, m);
+          for (int64_t j = 0; j < m; ++j) out_block[j] = f(x_block[j], y_block[j]);
+          narrow_block(out_block, dst + j0, m);
+        }
+        return;
+      }
+    }
     if (so == 1 && sa == 1 && sb == 1) {
       for (int64_t j = 0; j < n; ++j) dst[j] = convert<T>(f(convert<C>(x[j]), convert<C>(y[j])));
     } else if (so == 1 && sa == 1 && sb == 0) {  // b is one value along this run

@@ -1,0 +1,44 @@
+#pragma once
+// Contiguous runs of 16-bit values widened to float and rounded back in one vectorised pass (F16C's
+// vcvtph2ps / vcvtps2ph 8 at a time for fp16; bf16 is a shift the compiler vectorises). Same results as
+// convert<> element by element (round to nearest even), just without a scalar conversion per element.
+#include <cstdint>
+#include <type_traits>
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#include "tensor/dtype.h"
+
+namespace mixtape::cpu {
+
+template <class T>
+inline void widen_block(const T* src, float* dst, int64_t n) {
+#if defined(__F16C__)
+  if constexpr (std::is_same_v<T, Half>) {
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8)
+      _mm256_storeu_ps(dst + j, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + j))));
+    for (; j < n; ++j) dst[j] = convert<float>(src[j]);
+    return;
+  }
+#endif
+  for (int64_t j = 0; j < n; ++j) dst[j] = convert<float>(src[j]);
+}
+
+template <class T>
+inline void narrow_block(const float* src, T* dst, int64_t n) {
+#if defined(__F16C__)
+  if constexpr (std::is_same_v<T, Half>) {
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8)
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + j),
+                       _mm256_cvtps_ph(_mm256_loadu_ps(src + j), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    for (; j < n; ++j) dst[j] = convert<T>(src[j]);
+    return;
+  }
+#endif
+  for (int64_t j = 0; j < n; ++j) dst[j] = convert<T>(src[j]);
+}
+
+}  // namespace mixtape::cpu
