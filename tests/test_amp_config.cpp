@@ -3,8 +3,12 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <fstream>
+#include <sstream>
+#include <string>
 
 #include "amp/config.h"
+#include "amp/policy.h"
 #include "test_util.h"
 
 using namespace mixtape;
@@ -174,4 +178,15 @@ TEST(AmpConfig, ModeFromTheCommandLineAndTheFileMustAgree) {
   EXPECT_EQ(c.apex.opt_level, "O2");  // the opt level of --precision is kept
   EXPECT_EQ(c.apex.max_loss_scale, 1024.0);
   EXPECT_ERROR_MENTIONS(AmpConfig::from_json(R"({"opt_level":"O3"})", "fp16_apex:O2"), "O3", "O2");
+}
+
+// The README's policy table is the printed one (so the documentation cannot drift from kAutocastTable).
+TEST(AutocastPolicy, ReadmeShowsThePrintedTable) {
+  std::ifstream file(std::string(MIXTAPE_SOURCE_DIR) + "/README.md");
+  ASSERT_TRUE(file.good());
+  std::stringstream text;
+  text << file.rdbuf();
+  const std::string table = autocast_policy_table_markdown();
+  ASSERT_FALSE(table.empty());
+  EXPECT_NE(text.str().find(table), std::string::npos) << "README.md lacks the table:\n" << table;
 }
