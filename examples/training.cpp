@@ -10,7 +10,6 @@
 #include "nn/json.h"
 #include "nn/safetensors.h"
 #include "optim/adam.h"
-#include "optim/clip.h"
 #include "optim/sgd.h"
 #include "tensor/error.h"
 #include "tensor/random.h"

@@ -11,40 +11,7 @@ endforeach()
 file(REMOVE_RECURSE ${WORK_DIR})
 file(MAKE_DIRECTORY ${WORK_DIR})
 
-function(check_failed what)
-  message(SEND_ERROR "CHECK FAILED: ${what}")
-endfunction()
-
-# run(<out-var> <command...>): the command must exit 0; <out-var> receives its stdout.
-function(run out)
-  execute_process(COMMAND ${ARGN} WORKING_DIRECTORY ${WORK_DIR} RESULT_VARIABLE status OUTPUT_VARIABLE stdout
-                  ERROR_VARIABLE stderr)
-  if(NOT status EQUAL 0)
-    message(FATAL_ERROR "failed (${status}): ${ARGN}\nstdout:\n${stdout}\nstderr:\n${stderr}")
-  endif()
-  set(${out} "${stdout}" PARENT_SCOPE)
-endfunction()
-
-# run_fails(<what> <command...> MENTIONS <text>...): the command must exit non-zero with an "error:" line on
-# stderr that contains every <text>.
-function(run_fails what)
-  cmake_parse_arguments(PARSE_ARGV 1 arg "" "" "MENTIONS")
-  execute_process(COMMAND ${arg_UNPARSED_ARGUMENTS} WORKING_DIRECTORY ${WORK_DIR} RESULT_VARIABLE status
-                  OUTPUT_VARIABLE stdout ERROR_VARIABLE stderr)
-  if(status EQUAL 0)
-    check_failed("${what}: expected an error, but it succeeded: ${arg_UNPARSED_ARGUMENTS}\n${stdout}")
-    return()
-  endif()
-  if(NOT stderr MATCHES "^error: ")
-    check_failed("${what}: stderr does not start with 'error: ': ${stderr}")
-  endif()
-  foreach(text IN LISTS arg_MENTIONS)
-    string(FIND "${stderr}" "${text}" at)
-    if(at EQUAL -1)
-      check_failed("${what}: the error does not mention '${text}': ${stderr}")
-    endif()
-  endforeach()
-endfunction()
+include(${CMAKE_CURRENT_LIST_DIR}/cli_test_lib.cmake)
 
 # "1.234567" -> 1234567 (millionths), for comparisons in CMake's integer arithmetic.
 function(to_micro out text)
@@ -78,18 +45,7 @@ function(check_ids what text count vocab)
 endfunction()
 
 # ================================================================ character-level data (.txt)
-# Words drawn by an LCG: 15 distinct bytes ("the cat sat on a mat.\n dog ran"), with real but learnable
-# structure. About 6 KB: train 90 %, validation 10 % (~600 tokens, 18 windows of block 32).
-set(words "the " "cat " "sat " "on " "a " "mat.\n" "dog " "ran ")
-set(text "")
-set(state 12345)
-foreach(i RANGE 1 1500)
-  math(EXPR state "(${state} * 1103515245 + 12345) % 2147483648")
-  math(EXPR w "(${state} / 65536) % 8")
-  list(GET words ${w} word)
-  string(APPEND text "${word}")
-endforeach()
-file(WRITE ${WORK_DIR}/words.txt "${text}")
+write_words_text(${WORK_DIR}/words.txt text)
 set(vocab_size 15)
 set(ln_vocab_micro 2708050)  # ln(15) = 2.708050
 set(tiny --layers 1 --heads 2 --width 32 --block 32 --batch 8)
@@ -316,9 +272,9 @@ run_fails(".bin with an odd byte count" ${TRAIN_GPT} --data odd.bin --vocab-size
           MENTIONS "odd.bin" "odd byte count (3)")
 
 # ================================================================ precision modes (--precision, --amp-config)
-# Every mode trains (the progress line names the mode, shows the loss scale), a JSON file sets a mode's options,
-# a checkpoint resumes in its own mode only, its weights are fp32 so generate reads them, and bad values are
-# errors naming them.
+# Every mode trains (the progress line names the mode, shows the loss scale), a JSON file sets a mode's
+# options, a checkpoint resumes in its own mode only, its weights are fp32 so generate reads them, and bad
+# values are errors naming them.
 foreach(mode fp32 tf32 fp16 bf16 fp16_apex:O0 fp16_apex:O1 fp16_apex:O2 fp16_apex:O3 fp16_naive bf16_naive)
   run(out ${TRAIN_GPT} --data words.txt ${tiny} --steps 6 --eval-every 0 --precision ${mode})
   if(NOT out MATCHES "precision ${mode}\n")
@@ -328,8 +284,10 @@ foreach(mode fp32 tf32 fp16 bf16 fp16_apex:O0 fp16_apex:O1 fp16_apex:O2 fp16_ape
     check_failed("--precision ${mode}: no final step with a finite loss: ${out}")
   endif()
 endforeach()
-file(WRITE ${WORK_DIR}/naive.json "{\"mixed_precision\": \"fp16_naive\", \"initial_scale\": 1024, \"hysteresis\": 3}")
-run(out ${TRAIN_GPT} --data words.txt ${tiny} --steps 4 --eval-every 0 --amp-config naive.json --save amp.safetensors)
+file(WRITE ${WORK_DIR}/naive.json
+     "{\"mixed_precision\": \"fp16_naive\", \"initial_scale\": 1024, \"hysteresis\": 3}")
+run(out ${TRAIN_GPT} --data words.txt ${tiny} --steps 4 --eval-every 0 --amp-config naive.json
+    --save amp.safetensors)
 if(NOT out MATCHES "precision fp16_naive\n" OR NOT out MATCHES "\\| scale 1024 \\|")
   check_failed("--amp-config naive.json: expected fp16_naive at scale 1024: ${out}")
 endif()
@@ -341,11 +299,13 @@ if(NOT out MATCHES "resumed at step 4" OR NOT out MATCHES "precision fp16_naive"
   check_failed("resuming an fp16_naive checkpoint: ${out}")
 endif()
 run_fails("unknown mode" ${TRAIN_GPT} --data words.txt --precision fp8 MENTIONS "fp8" "fp16_naive")
-run_fails("unknown opt level" ${TRAIN_GPT} --data words.txt --precision fp16_apex:O5 MENTIONS "O5" "opt_level")
+run_fails("unknown opt level" ${TRAIN_GPT} --data words.txt --precision fp16_apex:O5
+          MENTIONS "O5" "opt_level")
 file(WRITE ${WORK_DIR}/bad.json "{\"hysteresis\": 0}")
 run_fails("hysteresis 0" ${TRAIN_GPT} --data words.txt --precision fp16_naive --amp-config bad.json
           MENTIONS "hysteresis" ">= 1")
 file(WRITE ${WORK_DIR}/typo.json "{\"growth_intervall\": 10}")
 run_fails("unknown key" ${TRAIN_GPT} --data words.txt --precision fp16 --amp-config typo.json
           MENTIONS "growth_intervall" "growth_interval")
-run_fails("missing --amp-config file" ${TRAIN_GPT} --data words.txt --amp-config nothere.json MENTIONS "nothere.json")
+run_fails("missing --amp-config file" ${TRAIN_GPT} --data words.txt --amp-config nothere.json
+          MENTIONS "nothere.json")

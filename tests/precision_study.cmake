@@ -11,22 +11,9 @@ endforeach()
 file(REMOVE_RECURSE ${WORK_DIR})
 file(MAKE_DIRECTORY ${WORK_DIR})
 
-function(check_failed what)
-  message(SEND_ERROR "CHECK FAILED: ${what}")
-endfunction()
+include(${CMAKE_CURRENT_LIST_DIR}/cli_test_lib.cmake)
 
-# The words text of examples_cli.cmake (an LCG over 8 words, ~6 KB): learnable, and its validation split
-# holds enough windows of block 32.
-set(words "the " "cat " "sat " "on " "a " "mat.\n" "dog " "ran ")
-set(text "")
-set(state 12345)
-foreach(i RANGE 1 1500)
-  math(EXPR state "(${state} * 1103515245 + 12345) % 2147483648")
-  math(EXPR w "(${state} / 65536) % 8")
-  list(GET words ${w} word)
-  string(APPEND text "${word}")
-endforeach()
-file(WRITE ${WORK_DIR}/words.txt "${text}")
+write_words_text(${WORK_DIR}/words.txt text)  # the text of examples_cli.cmake
 set(tiny --layers 1 --heads 2 --width 32 --block 32 --batch 8 --steps 20 --eval-every 10 --warmup 2 --lr 1e-2
          --min-lr 1e-3)
 
@@ -131,24 +118,6 @@ if(NOT n EQUAL 20)
 endif()
 
 # ---- errors: "error: ..." on stderr naming the problem, a non-zero exit ----
-function(run_fails what)
-  cmake_parse_arguments(PARSE_ARGV 1 arg "" "" "MENTIONS")
-  execute_process(COMMAND ${arg_UNPARSED_ARGUMENTS} WORKING_DIRECTORY ${WORK_DIR} RESULT_VARIABLE status
-                  OUTPUT_VARIABLE stdout ERROR_VARIABLE stderr)
-  if(status EQUAL 0)
-    check_failed("${what}: expected an error, but it succeeded: ${arg_UNPARSED_ARGUMENTS}\n${stdout}")
-    return()
-  endif()
-  if(NOT stderr MATCHES "^error: ")
-    check_failed("${what}: stderr does not start with 'error: ': ${stderr}")
-  endif()
-  foreach(text IN LISTS arg_MENTIONS)
-    string(FIND "${stderr}" "${text}" at)
-    if(at EQUAL -1)
-      check_failed("${what}: the error does not mention '${text}': ${stderr}")
-    endif()
-  endforeach()
-endfunction()
 run_fails("unknown mode" ${PRECISION_STUDY} --data words.txt --modes fp32,fp17 ${tiny} --out bad
           MENTIONS "--modes" "fp17")
 run_fails("unknown opt level" ${PRECISION_STUDY} --data words.txt --modes fp16_apex:O7 --out bad

@@ -1,0 +1,55 @@
+# Helpers shared by the command-line tests (examples_cli.cmake, precision_study.cmake); include() after
+# WORK_DIR is set. Checks report through check_failed (SEND_ERROR: the script goes on and the test fails at
+# the end); a command that exits with an unexpected status stops the script.
+
+function(check_failed what)
+  message(SEND_ERROR "CHECK FAILED: ${what}")
+endfunction()
+
+# run(<out-var> <command...>): the command must exit 0; <out-var> receives its stdout.
+function(run out)
+  execute_process(COMMAND ${ARGN} WORKING_DIRECTORY ${WORK_DIR} RESULT_VARIABLE status OUTPUT_VARIABLE stdout
+                  ERROR_VARIABLE stderr)
+  if(NOT status EQUAL 0)
+    message(FATAL_ERROR "failed (${status}): ${ARGN}\nstdout:\n${stdout}\nstderr:\n${stderr}")
+  endif()
+  set(${out} "${stdout}" PARENT_SCOPE)
+endfunction()
+
+# run_fails(<what> <command...> MENTIONS <text>...): the command must exit non-zero with an "error:" line on
+# stderr that contains every <text>.
+function(run_fails what)
+  cmake_parse_arguments(PARSE_ARGV 1 arg "" "" "MENTIONS")
+  execute_process(COMMAND ${arg_UNPARSED_ARGUMENTS} WORKING_DIRECTORY ${WORK_DIR} RESULT_VARIABLE status
+                  OUTPUT_VARIABLE stdout ERROR_VARIABLE stderr)
+  if(status EQUAL 0)
+    check_failed("${what}: expected an error, but it succeeded: ${arg_UNPARSED_ARGUMENTS}\n${stdout}")
+    return()
+  endif()
+  if(NOT stderr MATCHES "^error: ")
+    check_failed("${what}: stderr does not start with 'error: ': ${stderr}")
+  endif()
+  foreach(text IN LISTS arg_MENTIONS)
+    string(FIND "${stderr}" "${text}" at)
+    if(at EQUAL -1)
+      check_failed("${what}: the error does not mention '${text}': ${stderr}")
+    endif()
+  endforeach()
+endfunction()
+
+# write_words_text(<file> <out-var>): writes words drawn by an LCG (and returns the text): 15 distinct bytes
+# ("the cat sat on a mat.\n dog ran"), with real but learnable structure. About 6 KB: train 90 %,
+# validation 10 % (~600 tokens, 18 windows of block 32).
+function(write_words_text file out)
+  set(words "the " "cat " "sat " "on " "a " "mat.\n" "dog " "ran ")
+  set(text "")
+  set(state 12345)
+  foreach(i RANGE 1 1500)
+    math(EXPR state "(${state} * 1103515245 + 12345) % 2147483648")
+    math(EXPR w "(${state} / 65536) % 8")
+    list(GET words ${w} word)
+    string(APPEND text "${word}")
+  endforeach()
+  file(WRITE ${file} "${text}")
+  set(${out} "${text}" PARENT_SCOPE)
+endfunction()
