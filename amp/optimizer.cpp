@@ -9,6 +9,7 @@
 #include "autograd/autograd.h"
 #include "optim/clip.h"
 #include "tensor/autograd_node.h"
+#include "tensor/backend.h"
 #include "tensor/error.h"
 #include "tensor/ops.h"
 
@@ -39,22 +40,6 @@ int64_t read_count(const std::map<std::string, std::string>& metadata, const std
   check(!text.empty() && ec == std::errc() && end == text.data() + text.size() && value >= 0, kWho,
         ".load_state_dict: metadata entry '", key, "' is '", text, "', expected a non-negative integer");
   return value;
-}
-
-// Zero elements of a contiguous f32/f64 gradient.
-int64_t count_zeros(const Tensor& grad) {
-  const Tensor g = grad.contiguous();
-  const int64_t n = g.numel();
-  int64_t zeros = 0;
-  if (g.dtype() == DType::F64) {
-    const double* p = g.data<double>();
-    for (int64_t i = 0; i < n; ++i) zeros += p[i] == 0.0;
-  } else {
-    const Tensor f = g.dtype() == DType::F32 ? g : g.to(DType::F32);
-    const float* p = f.data<float>();
-    for (int64_t i = 0; i < n; ++i) zeros += p[i] == 0.0f;
-  }
-  return zeros;
 }
 
 }  // namespace
@@ -231,7 +216,8 @@ StepResult MixedPrecisionOptimizer::step() {
   if (options_.log_num_zeros_in_grad) {
     std::vector<double> zeros = {0.0};
     for (const Tensor& master : master_params_)
-      if (master.grad().defined()) zeros[0] += static_cast<double>(count_zeros(master.grad()));
+      if (master.grad().defined())
+        zeros[0] += static_cast<double>(backend_of(master.grad()).count_zeros({master.grad()}));
     if (options_.group) options_.group->all_reduce_sum(zeros);
     result.num_zeros = static_cast<int64_t>(zeros[0]);
   }

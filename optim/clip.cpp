@@ -5,63 +5,25 @@
 #include <vector>
 
 #include "tensor/autograd_node.h"
-#include "tensor/cpu/strided.h"  // kParallelGrain
+#include <map>
+
+#include "tensor/backend.h"
 #include "tensor/ops.h"
 
 namespace mixtape {
 
-namespace {
-
-// Elements per partial sum. Fixed (not per thread) so the additions happen in the same order on any number
-// of threads: the norm is reproducible bit for bit, as a resumed run needs.
-constexpr int64_t kChunk = 4096;
-// Independent running sums inside a chunk (element i goes to lane i % kLanes): a fixed order the compiler
-// can still vectorise, where one running sum would be a serial chain of dependent adds.
-constexpr int kLanes = 8;
-
-template <class T>
-double squared_norm(const T* g, int64_t n) {
-  const int64_t chunks = (n + kChunk - 1) / kChunk;
-  std::vector<double> partial(chunks);
-#pragma omp parallel for schedule(static) if (n >= 2 * cpu::kParallelGrain)
-  for (int64_t c = 0; c < chunks; ++c) {
-    const int64_t begin = c * kChunk, end = std::min(n, begin + kChunk);
-    // Squares of f32/f16/bf16 values are exact in double, and the sums lose far less than a float
-    // accumulator would (f32 keeps 24 bits: a million similar squares would lose ~10 of them).
-    double lanes[kLanes] = {};
-    int64_t i = begin;
-    for (; i + kLanes <= end; i += kLanes)
-      for (int j = 0; j < kLanes; ++j) {
-        const double x = convert<double>(g[i + j]);
-        lanes[j] += x * x;
-      }
-    for (int j = 0; i < end; ++i, ++j) {
-      const double x = convert<double>(g[i]);
-      lanes[j] += x * x;
-    }
-    partial[c] =
-        ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
-  }
-  double total = 0;
-  for (double p : partial) total += p;
-  return total;
-}
-
-}  // namespace
-
 double grad_squared_norm(const std::vector<Tensor>& params) {
   NoGradGuard no_grad;
-  double total = 0;
+  // One fused reduction per device, in a fixed order (reproducible bit for bit, as a resumed run needs).
+  std::map<std::pair<int, int>, std::vector<Tensor>> by_device;
   for (const Tensor& param : params) {
     check(param.defined(), "grad_norm: a parameter is an undefined tensor");
     const Tensor grad = param.grad();
     if (!grad.defined()) continue;
-    if (!grad.device().is_cpu())
-      not_supported("grad_norm on ", grad.device(), " gradients (", grad.description(), ")");
-    const Tensor flat = grad.contiguous();
-    total += dispatch_float(flat.dtype(), "grad_norm",
-                            [&]<typename T>() { return squared_norm<T>(flat.data<T>(), flat.numel()); });
+    by_device[{static_cast<int>(grad.device().type), grad.device().index}].push_back(grad);
   }
+  double total = 0;
+  for (auto& [key, grads] : by_device) total += backend_of(grads.front()).sum_of_squares(grads);
   return total;
 }
 

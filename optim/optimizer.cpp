@@ -87,9 +87,6 @@ void Optimizer::zero_grad() {
 void Optimizer::check_for_step(const Tensor& param, const Tensor& grad, int64_t index) const {
   const auto where = [&] { return std::string(" (parameter ") + std::to_string(index) + ")"; };
   check(param.is_leaf(), name(), ".step: parameter ", param.description(), where(), " is not a leaf");
-  if (!param.device().is_cpu())
-    not_supported(name(), ".step on ", param.device(), " parameters (", param.description(), where(),
-                  "): the fused update runs on CPU tensors only");
   check(param.is_contiguous(), name(), ".step: parameter ", param.description(), where(),
         " is not contiguous; the fused update walks parameters as flat arrays");
   check(grad.dtype() == param.dtype() && grad.shape() == param.shape() && grad.device() == param.device(),
@@ -119,12 +116,14 @@ void Optimizer::step() {
 
   NoGradGuard no_grad;
   const bool stateful = keeps_state();
+  std::vector<PendingUpdate> updates;
+  std::vector<ParamState> scratch;  // stateless optimizers' per-step state
+  scratch.reserve(static_cast<size_t>(index));
   for (const ParamGroup& group : groups_)
     for (const Tensor& param : group.params) {
       const Tensor grad = param.grad();
       if (!grad.defined()) continue;
-      ParamState scratch;
-      ParamState* state = &scratch;
+      ParamState* state = &scratch.emplace_back();
       if (stateful) {
         state = &state_[param.impl_ptr()];
         for (const std::string& buffer : buffer_names())
@@ -132,9 +131,10 @@ void Optimizer::step() {
             state->buffers[buffer] = Tensor::zeros(param.shape(), state_dtype(param), param.device());
       }
       ++state->step;
-      update(group, param, grad.contiguous(), *state);
-      param.bump_version();
+      updates.push_back({&group, param, grad.contiguous(), state});
     }
+  update(updates);
+  for (const PendingUpdate& u : updates) u.param.bump_version();
 }
 
 // ---- state_dict ----------------------------------------------------------------------------------------

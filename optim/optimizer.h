@@ -11,8 +11,8 @@
 // moments accurate, but the parameter itself still loses every update smaller than half its ulp (bf16 has
 // 8 significant bits): for real 16-bit training use amp/'s mixed-precision optimizer (f32 master weights).
 //
-// Devices: updates are fused CPU loops; a parameter on another device is "not supported" until the CUDA
-// backend brings a fused kernel.
+// Devices: updates are the backend's fused multi-tensor kernels (Backend::adam_step / sgd_step), one call
+// per device for all the parameters there, so CPU and CUDA parameters update alike.
 //
 // state_dict layout (nn/state_dict.h; parameters are numbered 0, 1, ... in group order, as PyTorch does):
 //   metadata "type"                       the optimizer's name(): "SGD", "Adam", "AdamW"
@@ -87,11 +87,16 @@ class Optimizer {
   // (SGD without momentum keeps none, so its parameters get no state at all).
   virtual std::vector<std::string> buffer_names() const = 0;
   virtual bool keeps_state() const { return true; }
-  // Applies one update to a contiguous CPU parameter. `grad` is contiguous and of param's dtype and shape;
-  // `state` has every buffer of buffer_names() (zero-filled on the first update) and its step already
-  // counts this update (1 on the first). Runs under NoGradGuard.
-  virtual void update(const ParamGroup& group, const Tensor& param, const Tensor& grad,
-                      ParamState& state) = 0;
+  // One parameter's part of a step: `grad` is contiguous and of param's dtype, shape and device; `state`
+  // has every buffer of buffer_names() (zero-filled on the first update) and its step already counts this
+  // update (1 on the first).
+  struct PendingUpdate {
+    const ParamGroup* group;
+    Tensor param, grad;
+    ParamState* state;
+  };
+  // Applies every update of one step (all parameters that have a gradient), under NoGradGuard.
+  virtual void update(const std::vector<PendingUpdate>& updates) = 0;
 
   // The optimizer's own hyperparameters as metadata entries, and their inverse. load_options must parse
   // and check every entry before it assigns any (load_state_dict relies on it changing nothing on error).

@@ -2,7 +2,9 @@
 
 #include <cmath>
 
-#include "tensor/cpu/strided.h"  // kParallelGrain
+#include <map>
+
+#include "tensor/backend.h"
 
 namespace mixtape {
 
@@ -17,28 +19,6 @@ void check_options(const char* who, const SGDOptions& options) {
         ", dampening ", options.dampening, ")");
 }
 
-// One SGD update of n contiguous elements. T is the parameter's type, A (= acc_t<T>) the type the update
-// computes in and the momentum buffer is kept in; the parameter is rounded to T once, on store.
-template <class T>
-void sgd_update(T* param, const T* grad, acc_t<T>* momentum_buffer, int64_t n, double lr_,
-                double weight_decay_, double momentum_, double dampening_, bool nesterov, bool first_step) {
-  using A = acc_t<T>;
-  const A lr = static_cast<A>(lr_), weight_decay = static_cast<A>(weight_decay_);
-  const A momentum = static_cast<A>(momentum_), one_minus_dampening = static_cast<A>(1 - dampening_);
-#pragma omp parallel for schedule(static) if (n >= 2 * cpu::kParallelGrain)
-  for (int64_t i = 0; i < n; ++i) {
-    const A p = convert<A>(param[i]);
-    A g = convert<A>(grad[i]);
-    if (weight_decay != 0) g += weight_decay * p;  // L2 penalty folded into the gradient
-    if (momentum != 0) {
-      const A buf = first_step ? g : momentum * momentum_buffer[i] + one_minus_dampening * g;
-      momentum_buffer[i] = buf;
-      g = nesterov ? g + momentum * buf : buf;
-    }
-    param[i] = convert<T>(p - lr * g);
-  }
-}
-
 }  // namespace
 
 SGD::SGD(std::vector<ParamGroup> groups, SGDOptions options)
@@ -49,14 +29,21 @@ SGD::SGD(std::vector<ParamGroup> groups, SGDOptions options)
 SGD::SGD(std::vector<Tensor> params, double lr, double weight_decay, SGDOptions options)
     : SGD(std::vector<ParamGroup>{ParamGroup{std::move(params), lr, weight_decay}}, options) {}
 
-void SGD::update(const ParamGroup& group, const Tensor& param, const Tensor& grad, ParamState& state) {
-  const int64_t n = param.numel();
-  dispatch_float(param.dtype(), "SGD.step", [&]<typename T>() {
-    acc_t<T>* buffer =
-        options_.momentum != 0 ? state.buffers.at("momentum_buffer").data<acc_t<T>>() : nullptr;
-    sgd_update<T>(param.data<T>(), grad.data<T>(), buffer, n, group.lr, group.weight_decay, options_.momentum,
-                  options_.dampening, options_.nesterov, state.step == 1);
-  });
+void SGD::update(const std::vector<PendingUpdate>& updates) {
+  std::map<std::pair<int, int>, std::vector<SgdUpdate>> by_device;
+  for (const PendingUpdate& u : updates) {
+    SgdUpdate s;
+    s.param = u.param;
+    s.grad = u.grad;
+    if (options_.momentum != 0) s.momentum_buffer = u.state->buffers.at("momentum_buffer");
+    s.lr = u.group->lr;
+    s.weight_decay = u.group->weight_decay;
+    s.first_step = u.state->step == 1;
+    const Device device = u.param.device();
+    by_device[{static_cast<int>(device.type), device.index}].push_back(std::move(s));
+  }
+  for (auto& [key, list] : by_device)
+    backend_of(list.front().param).sgd_step(list, options_.momentum, options_.dampening, options_.nesterov);
 }
 
 std::map<std::string, std::string> SGD::options_metadata() const {

@@ -36,7 +36,7 @@ class SGD : public Optimizer {
  protected:
   std::vector<std::string> buffer_names() const override { return {"momentum_buffer"}; }
   bool keeps_state() const override { return options_.momentum != 0; }
-  void update(const ParamGroup& group, const Tensor& param, const Tensor& grad, ParamState& state) override;
+  void update(const std::vector<PendingUpdate>& updates) override;
   std::map<std::string, std::string> options_metadata() const override;
   void load_options(const std::map<std::string, std::string>& metadata) override;
 

@@ -21,10 +21,41 @@ enum class UnaryOp {
 enum class BinaryOp { Add, Sub, Mul, Div, Pow };
 enum class ReduceOp { Sum, Mean, Max, Min };
 
+enum class WeightDecayMode { None, L2, Decoupled };  // Adam: none, L2 folded into the gradient, AdamW
+
+// One parameter's Adam update: its tensors (contiguous, equal numel) and its per-step scalars.
+struct AdamUpdate {
+  Tensor param, grad, exp_avg, exp_avg_sq;
+  double step_size = 0;              // lr / (1 - beta1^t)
+  double bias_correction2_sqrt = 1;  // sqrt(1 - beta2^t)
+  double weight_decay = 0;           // the L2 coefficient (mode L2)
+  double decay_factor = 1;           // 1 - lr * weight_decay (mode Decoupled)
+  WeightDecayMode mode = WeightDecayMode::None;
+};
+
+// One parameter's SGD update.
+struct SgdUpdate {
+  Tensor param, grad, momentum_buffer;
+  double lr = 0, weight_decay = 0;
+  bool first_step = false;  // the momentum buffer starts as the first gradient
+};
+
+// Bytes held by a device's allocator.
+struct MemoryStats {
+  size_t allocated_bytes = 0;       // in live tensors now
+  size_t peak_allocated_bytes = 0;  // the most allocated_bytes has been since the last reset
+  size_t cached_bytes = 0;          // freed by tensors, kept by the allocator for reuse
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
   virtual Allocator& allocator() = 0;
+  // Waits until every kernel queued on this device has finished (a no-op on the CPU, which runs in order).
+  virtual void synchronize() {}
+  virtual MemoryStats memory_stats() = 0;
+  virtual void reset_peak_memory_stats() = 0;
+  virtual void empty_cache() = 0;  // gives cached blocks back to the system
 
   // dst[i] = src[i] converted to dst's dtype (any strides on both sides, same shape).
   virtual void copy(const Tensor& src, const Tensor& dst) = 0;
@@ -52,6 +83,19 @@ class Backend {
   // AMP: multiplies each contiguous floating tensor of `grads` in place by inv_scale (in fp32, f64 for f64,
   // rounded once) and returns whether any element was non-finite before or after the multiply. One pass.
   virtual bool unscale_and_check_finite(const std::vector<Tensor>& grads, double inv_scale) = 0;
+
+  // ---- fused optimizer updates (multi-tensor: a device may batch every tensor of the list into few launches)
+  // Adam/AdamW on contiguous tensors (see optim/adam.h for the update); exp_avg/exp_avg_sq are kept in
+  // acc_t<param dtype>; the per-step scalars come in double and are rounded once to that type.
+  virtual void adam_step(const std::vector<AdamUpdate>& updates, double beta1, double beta2, double eps) = 0;
+  // SGD with momentum (optim/sgd.h); momentum_buffer is undefined when momentum == 0.
+  virtual void sgd_step(const std::vector<SgdUpdate>& updates, double momentum, double dampening,
+                        bool nesterov) = 0;
+  // Sum of squares of every element of every tensor, accumulated in double in an order fixed by the sizes
+  // alone (reproducible bit for bit on one device): the global gradient norm's reduction.
+  virtual double sum_of_squares(const std::vector<Tensor>& tensors) = 0;
+  // How many elements of the tensors are exactly zero (AMP's log_num_zeros_in_grad).
+  virtual int64_t count_zeros(const std::vector<Tensor>& tensors) = 0;
 
   // Reduces x over `dims` (sorted, unique) into out, which has x's shape with those dims set to 1.
   virtual void reduce(ReduceOp op, const Tensor& x, const std::vector<int64_t>& dims, const Tensor& out) = 0;
@@ -111,6 +155,12 @@ class Backend {
                                          const Tensor& out, const Tensor& lse, double scale, const Tensor& grad_q,
                                          const Tensor& grad_k, const Tensor& grad_v) = 0;
 };
+
+// Copies the bytes of contiguous src into contiguous dst (same dtype and numel) on another device; returns
+// when the copy is complete.
+void copy_between_devices(const Tensor& src, const Tensor& dst);
+// How many CUDA devices this process can use: 0 in a build without CUDA or on a machine without GPU/driver.
+int cuda_device_count();
 
 // The backend of a device (the per-device registry). CPU always exists; CUDA only when built with it.
 Backend& backend_for(Device device);

@@ -5,10 +5,17 @@
 #include <array>
 #include <cstdint>
 
+// The draw functions compile for the device too (tensor/cuda/), so a GPU draws the very same bits.
+#if defined(__CUDACC__)
+#define MIXTAPE_HOST_DEVICE __host__ __device__
+#else
+#define MIXTAPE_HOST_DEVICE
+#endif
+
 namespace mixtape {
 
 // Philox4x32 with 10 rounds: four 32-bit outputs for a 128-bit counter and 64-bit key.
-inline std::array<uint32_t, 4> philox4x32(uint64_t counter_low, uint64_t counter_high, uint64_t key) {
+MIXTAPE_HOST_DEVICE inline std::array<uint32_t, 4> philox4x32(uint64_t counter_low, uint64_t counter_high, uint64_t key) {
   constexpr uint32_t kMul0 = 0xD2511F53u, kMul1 = 0xCD9E8D57u;
   constexpr uint32_t kWeyl0 = 0x9E3779B9u, kWeyl1 = 0xBB67AE85u;
   uint32_t c0 = static_cast<uint32_t>(counter_low), c1 = static_cast<uint32_t>(counter_low >> 32);
@@ -30,9 +37,9 @@ inline std::array<uint32_t, 4> philox4x32(uint64_t counter_low, uint64_t counter
 }
 
 // Uniform float in [0, 1) from 24 random bits (every value exactly representable).
-inline float uniform_from_bits(uint32_t bits) { return static_cast<float>(bits >> 8) * 0x1p-24f; }
+MIXTAPE_HOST_DEVICE inline float uniform_from_bits(uint32_t bits) { return static_cast<float>(bits >> 8) * 0x1p-24f; }
 // Uniform double in [0, 1) from 53 random bits.
-inline double uniform_double_from_bits(uint32_t high, uint32_t low) {
+MIXTAPE_HOST_DEVICE inline double uniform_double_from_bits(uint32_t high, uint32_t low) {
   return static_cast<double>(((static_cast<uint64_t>(high) << 32 | low) >> 11)) * 0x1p-53;
 }
 

@@ -14,11 +14,6 @@
 
 namespace mixtape {
 
-Backend& backend_for(Device device) {
-  if (device.is_cpu()) return cpu::cpu_backend();
-  not_supported("backend for ", device, ": this build has no CUDA backend");
-}
-
 namespace cpu {
 
 CpuBackend& cpu_backend() {
@@ -76,6 +71,18 @@ CachingAllocator::Stats CachingAllocator::stats() const {
   std::lock_guard lock(mutex_);
   return stats_;
 }
+
+void CachingAllocator::reset_peak() {
+  std::lock_guard lock(mutex_);
+  stats_.peak_allocated_bytes = stats_.allocated_bytes;
+}
+
+MemoryStats CpuBackend::memory_stats() {
+  const CachingAllocator::Stats s = allocator_.stats();
+  return {s.allocated_bytes, s.peak_allocated_bytes, s.cached_bytes};
+}
+
+void CpuBackend::reset_peak_memory_stats() { allocator_.reset_peak(); }
 
 void CachingAllocator::empty_cache() {
   std::lock_guard lock(mutex_);

@@ -25,6 +25,7 @@ class CachingAllocator final : public Allocator {
   };
   Stats stats() const;
   void empty_cache();  // returns every cached block to the OS
+  void reset_peak();
   static constexpr size_t kMaxCachedBytes = size_t{2} << 30;
 
  private:
@@ -37,7 +38,16 @@ class CachingAllocator final : public Allocator {
 class CpuBackend final : public Backend {
  public:
   Allocator& allocator() override { return allocator_; }
+  MemoryStats memory_stats() override;
+  void reset_peak_memory_stats() override;
+  void empty_cache() override { allocator_.empty_cache(); }
+  // amp.cpp
   bool unscale_and_check_finite(const std::vector<Tensor>& grads, double inv_scale) override;
+  // optim.cpp
+  void adam_step(const std::vector<AdamUpdate>& updates, double beta1, double beta2, double eps) override;
+  void sgd_step(const std::vector<SgdUpdate>& updates, double momentum, double dampening, bool nesterov) override;
+  double sum_of_squares(const std::vector<Tensor>& tensors) override;
+  int64_t count_zeros(const std::vector<Tensor>& tensors) override;
   CachingAllocator& caching_allocator() { return allocator_; }
 
   void copy(const Tensor& src, const Tensor& dst) override;
