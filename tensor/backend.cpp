@@ -24,6 +24,7 @@ Backend& backend_for(Device device) {
 
 #ifndef MIXTAPE_WITH_CUDA
 int cuda_device_count() { return 0; }
+void set_cuda_allocation_poisoning(bool) {}
 
 void copy_between_devices(const Tensor& src, const Tensor& dst) {
   not_supported("copy from ", src.device(), " to ", dst.device(), ": this build of mixtape has no CUDA backend");

@@ -159,6 +159,10 @@ class Backend {
 // Copies the bytes of contiguous src into contiguous dst (same dtype and numel) on another device; returns
 // when the copy is complete.
 void copy_between_devices(const Tensor& src, const Tensor& dst);
+// Testing aid: while on, every new CUDA allocation is filled with 0xFF bytes (NaN in f32/f16/bf16/f64, -1 in
+// integers), so a kernel that leaves an output element unwritten shows up as a NaN. Off by default; a no-op
+// without CUDA.
+void set_cuda_allocation_poisoning(bool enabled);
 // How many CUDA devices this process can use: 0 in a build without CUDA or on a machine without GPU/driver.
 int cuda_device_count();
 

@@ -416,8 +416,15 @@ Tensor Tensor::to(DType target) const {
 
 Tensor Tensor::to(Device target) const {
   if (target == device()) return *this;
-  not_supported("to(", target, "): copies between ", device(), " and ", target,
-                " need the CUDA backend, which this build does not have");
+  // The bytes travel contiguous and in this dtype (a strided or converting copy runs on one device).
+  const Tensor dense = contiguous();
+  Tensor out = empty(shape(), dtype(), target);
+  copy_between_devices(dense, out);
+  if (is_floating(dtype())) {
+    const Device source = device();
+    record_backward("to", {dense}, out, [source](const Tensor& g) { return Grads{g.to(source)}; });
+  }
+  return out;
 }
 
 Tensor Tensor::detach() const {
@@ -498,8 +505,8 @@ double Tensor::item() const {
 
 template <class V>
 std::vector<V> Tensor::to_vector() const {
-  check(device().is_cpu(), "to_vector: tensor is on ", device(), "; call .to(Device::cpu()) first");
-  const Tensor dense = contiguous();
+  // A device tensor is copied to the host first (which waits for the kernels that write it).
+  const Tensor dense = device().is_cpu() ? contiguous() : detach().to(Device::cpu());
   std::vector<V> values(static_cast<size_t>(numel()));
   dispatch_all(dtype(), "to_vector", [&]<typename T>() {
     const T* in = dense.data<T>();

@@ -3,6 +3,7 @@
 #include "tensor/cuda/cuda_backend.h"
 
 #include <algorithm>
+#include <atomic>
 #include <memory>
 #include <mutex>
 #include <sstream>
@@ -36,6 +37,12 @@ const DeviceCount& device_count_once() {
 }  // namespace
 
 int cuda_device_count() { return device_count_once().count; }
+
+namespace {
+std::atomic<bool> poison_allocations{false};
+}  // namespace
+
+void set_cuda_allocation_poisoning(bool enabled) { poison_allocations.store(enabled); }
 
 Device Device::cuda(int index) {
   const DeviceCount& devices = device_count_once();
@@ -159,19 +166,26 @@ size_t CachingAllocator::round_size(size_t nbytes) {
 
 void* CachingAllocator::allocate(size_t nbytes) {
   const size_t size = round_size(nbytes);
+  void* ptr = nullptr;
   {
     std::lock_guard lock(mutex_);
     // Exact size classes: deallocate() gets only nbytes back, so a block must round to the size it has.
     auto it = free_blocks_.find(size);
     if (it != free_blocks_.end()) {
-      void* ptr = it->second;
+      ptr = it->second;
       free_blocks_.erase(it);
       stats_.cached_bytes -= size;
       stats_.allocated_bytes += size;
       stats_.peak_allocated_bytes = std::max(stats_.peak_allocated_bytes, stats_.allocated_bytes);
-      return ptr;
     }
   }
+  if (!ptr) ptr = allocate_new(size);
+  if (poison_allocations.load(std::memory_order_relaxed))
+    MIXTAPE_CUDA_CHECK(cudaMemsetAsync(ptr, 0xFF, size, backend(device_).stream()));
+  return ptr;
+}
+
+void* CachingAllocator::allocate_new(size_t size) {
   make_current(device_);
   void* ptr = nullptr;
   cudaError_t status = cudaMalloc(&ptr, size);

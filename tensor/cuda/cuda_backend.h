@@ -26,6 +26,8 @@ class CachingAllocator final : public Allocator {
   static size_t round_size(size_t nbytes);
 
  private:
+  void* allocate_new(size_t size);  // cudaMalloc, emptying the cache and retrying once when out of memory
+
   int device_;
   mutable std::mutex mutex_;
   std::multimap<size_t, void*> free_blocks_;  // by rounded size

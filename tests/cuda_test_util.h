@@ -1,0 +1,19 @@
+#pragma once
+// For tests that run on a GPU: they skip, with a message in the test output, on a machine without one, and
+// they run with allocation poisoning on (every new CUDA block is NaN-filled), so an output element a kernel
+// forgot to write fails the comparison instead of passing by luck.
+#include <gtest/gtest.h>
+
+#include "tensor/backend.h"
+#include "tensor/device.h"
+
+#define MIXTAPE_REQUIRE_CUDA()                                                                          \
+  do {                                                                                                  \
+    if (::mixtape::cuda_device_count() == 0)                                                            \
+      GTEST_SKIP() << "no CUDA GPU here (or mixtape built without CUDA): this GPU test did not run";    \
+    ::mixtape::set_cuda_allocation_poisoning(true);                                                     \
+  } while (0)
+
+namespace mixtape::testing {
+inline Device cuda0() { return Device::cuda(0); }
+}  // namespace mixtape::testing
