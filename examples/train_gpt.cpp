@@ -60,6 +60,7 @@ void usage() {
       "  precision: --precision fp32|tf32|fp16|bf16|fp16_apex[:O0..O3]|fp16_naive|bf16_naive (default fp32)\n"
       "             --amp-config FILE.json (the mode's options, e.g. {\"initial_scale\": 65536}; it may name\n"
       "             the mode as \"mixed_precision\")\n"
+      "  device:    --device cpu|cuda|cuda:N (default cpu; checkpoints move freely between devices)\n"
       "  checkpoints: --init FILE --save FILE --save-every N --resume FILE --stop-at STEP\n"
       "  output:    --eval-every N (0 = only at the end) --eval-only --log-json FILE (a JSON line per step)\n"
       "             --no-final-eval (skip the validation pass of the last step unless --eval-every hits it)\n"
@@ -135,6 +136,7 @@ Options parse(int argc, char** argv) {
     else if (flag == "--resume") o.resume = value;
     else if (flag == "--log-json") o.log_json = value;
     else if (flag == "--precision") o.precision = value;
+    else if (flag == "--device") o.train.device = Device::parse(value);
     else if (flag == "--amp-config") o.amp_config_file = value;
     else if (flag == "--sample") o.sample = integer(0);
     else if (flag == "--top-k") o.top_k = integer(0);
@@ -257,7 +259,7 @@ int run(int argc, char** argv) {
   const GPTConfig& c = trainer.model().config();
   std::printf("train_gpt: %s: %zu tokens (train %lld, val %lld), vocab %lld | model %lld layers, %lld heads, width "
               "%lld, block %lld, dropout %g, %lld parameters | %s, lr %g -> %g (%s, warmup %lld), batch %lld, "
-              "%lld steps | precision %s\n",
+              "%lld steps | precision %s%s\n",
               opt.data.c_str(), data.tokens.size(), static_cast<long long>(data.n_train()),
               static_cast<long long>(data.n_val()), static_cast<long long>(data.vocab_size),
               static_cast<long long>(c.n_layer), static_cast<long long>(c.n_head), static_cast<long long>(c.n_embd),
@@ -265,7 +267,8 @@ int run(int argc, char** argv) {
               static_cast<long long>(trainer.model().num_parameters()), opt.train.optimizer.c_str(), opt.train.lr,
               opt.train.min_lr, opt.train.schedule.c_str(), static_cast<long long>(opt.train.warmup),
               static_cast<long long>(opt.train.batch), static_cast<long long>(opt.train.steps),
-              opt.train.amp.name().c_str());
+              opt.train.amp.name().c_str(),
+              opt.train.device.is_cpu() ? "" : (" | device " + opt.train.device.str()).c_str());
   if (trainer.step() > 0) std::printf("resumed at step %lld\n", static_cast<long long>(trainer.step()));
   std::fflush(stdout);
 

@@ -200,6 +200,7 @@ Trainer::Trainer(const GPTConfig& config, const TrainOptions& options, const Tok
   check(data.n_train() > config_.block_size + 1, "train_gpt: the training split (", data.n_train(),
         " tokens) is shorter than block + 2 = ", config_.block_size + 2);
   model_ = std::make_unique<GPT>(config_, options_.seed);
+  model_->to(options_.device);
   model_->train();
 
   // nanoGPT's groups: every parameter of >= 2 dims (matrices, embeddings) decays; biases and norm weights not.
@@ -297,7 +298,7 @@ double Trainer::evaluate() {
 Tensor Trainer::forward_loss(const Tensor& x, const Tensor& y) {
   // Through the booster: autocast, or the cast model's input/output casts (the loss comes back in fp32).
   return booster_.forward([&](const std::vector<Tensor>& in) { return std::vector<Tensor>{model_->forward(in[0], in[1]).loss}; },
-                          {x, y})[0];
+                          {x.to(options_.device), y.to(options_.device)})[0];
 }
 
 StateDict Trainer::checkpoint() {
@@ -420,13 +421,14 @@ std::vector<int64_t> sample_tokens(GPT& model, std::vector<int64_t> ids, int64_t
 
   NoGradGuard no_grad;
   EvalModeGuard eval_mode(model);
+  const Device device = model.parameters().front().device();  // the prompt goes where the model is
   std::vector<int64_t> out;
   out.reserve(static_cast<size_t>(n));
   ids.reserve(ids.size() + static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) {
     const int64_t T = std::min<int64_t>(static_cast<int64_t>(ids.size()), config.block_size);
     const std::vector<int64_t> window(ids.end() - T, ids.end());
-    const Tensor logits = model.forward(Tensor::from_vector(window, {1, T})).logits;  // [1, T, V]
+    const Tensor logits = model.forward(Tensor::from_vector(window, {1, T}).to(device)).logits;  // [1, T, V]
     std::vector<double> z = logits.select(1, T - 1).select(0, 0).to_vector<double>();
     for (double& v : z) v /= temperature;
     if (top_k > 0 && top_k < V) {

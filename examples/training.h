@@ -73,6 +73,10 @@ struct TrainOptions {
   uint64_t seed = 1337;
   bool sequential = false;
   AmpConfig amp;  // precision mode (--precision / --amp-config); default fp32
+  // Where the model, its optimizer state and the batches live. Not part of a checkpoint's identity: a run
+  // saved on one device resumes on any other (the model is initialised on the CPU, then moved, so every
+  // device starts from the same weights).
+  Device device = Device::cpu();
 
   void validate() const;  // Error naming the option
   std::map<std::string, std::string> to_metadata() const;  // keys "train.<option>"

@@ -143,9 +143,8 @@ void save_safetensors(const std::string& path, const StateDict& state) {
           "': a tensor may not be named '__metadata__' (the key is reserved for metadata)");
     check(json::is_valid_utf8(name), "save_safetensors: '", path, "': tensor name is not valid UTF-8");
     check(tensor.defined(), "save_safetensors: '", path, "': tensor '", name, "' is undefined");
-    check(tensor.device().is_cpu(), "save_safetensors: '", path, "': tensor '", name, "' is ",
-          tensor.description(), "; only CPU tensors can be saved (move it with .to(Device::cpu()))");
-    Tensor contiguous = tensor.detach().contiguous();
+    // Device tensors are copied to the host here: a checkpoint is always plain bytes in a file.
+    Tensor contiguous = tensor.detach().contiguous().to(Device::cpu());
     const uint64_t bytes = static_cast<uint64_t>(contiguous.numel()) * dtype_size(contiguous.dtype());
     entries.push_back({name, contiguous, bytes});
   }

@@ -169,5 +169,8 @@ int cuda_device_count();
 // The backend of a device (the per-device registry). CPU always exists; CUDA only when built with it.
 Backend& backend_for(Device device);
 inline Backend& backend_of(const Tensor& t) { return backend_for(t.device()); }
+// A device's allocator statistics (current, peak and cached bytes) and a wait for its queued work.
+inline MemoryStats memory_stats(Device device) { return backend_for(device).memory_stats(); }
+inline void synchronize(Device device) { backend_for(device).synchronize(); }
 
 }  // namespace mixtape

@@ -12,6 +12,8 @@ struct Device {
 
   static Device cpu() { return {}; }
   static Device cuda(int index = 0);  // throws "not supported" when built without CUDA
+  // "cpu", "cuda" (= cuda:0) or "cuda:N"; Error naming the text otherwise (and Device::cuda's errors).
+  static Device parse(const std::string& text);
   bool is_cpu() const { return type == Type::CPU; }
   bool is_cuda() const { return type == Type::CUDA; }
   bool operator==(const Device&) const = default;

@@ -21,10 +21,12 @@ DType stats_dtype(DType dtype) { return dtype == DType::F64 ? DType::F64 : DType
 // Every counted target must address a class: the kernels index without checking.
 void check_targets_in_range(const Tensor& flat_targets, int64_t V, int64_t ignore_index,
                             const Tensor& logits) {
-  if (!flat_targets.device().is_cpu()) return;  // only CPU memory can be read here; a device kernel checks
-  dispatch_index(flat_targets.dtype(), "softmax_cross_entropy", [&]<typename I>() {
-    const I* target = flat_targets.data<I>();
-    for (int64_t i = 0; i < flat_targets.numel(); ++i) {
+  // Device targets are read through the host (a small copy: a bad target must be an Error, never a read
+  // outside the logits row).
+  const Tensor host = flat_targets.device().is_cpu() ? flat_targets : flat_targets.to(Device::cpu());
+  dispatch_index(host.dtype(), "softmax_cross_entropy", [&]<typename I>() {
+    const I* target = host.data<I>();
+    for (int64_t i = 0; i < host.numel(); ++i) {
       const int64_t t = static_cast<int64_t>(target[i]);
       check(t == ignore_index || (t >= 0 && t < V), "softmax_cross_entropy: target ", t, " at row ", i,
             " is out of range for V = ", V, " classes (logits ", logits.description(),

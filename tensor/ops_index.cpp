@@ -16,11 +16,12 @@ namespace {
 
 // Every index must address a row of the weight: the kernels index without checking.
 void check_indices_in_range(const Tensor& flat_indices, int64_t rows, const Tensor& weight) {
-  // Only CPU memory can be read here; a device backend checks in its kernel.
-  if (!flat_indices.device().is_cpu()) return;
-  dispatch_index(flat_indices.dtype(), "embedding", [&]<typename I>() {
-    const I* index = flat_indices.data<I>();
-    const int64_t n = flat_indices.numel();
+  // Device indices are read through the host (a small copy next to the gather: a bad index must be an
+  // Error, never a read outside the weight).
+  const Tensor host = flat_indices.device().is_cpu() ? flat_indices : flat_indices.to(Device::cpu());
+  dispatch_index(host.dtype(), "embedding", [&]<typename I>() {
+    const I* index = host.data<I>();
+    const int64_t n = host.numel();
     for (int64_t i = 0; i < n; ++i) {
       const int64_t v = static_cast<int64_t>(index[i]);
       if (v < 0 || v >= rows)

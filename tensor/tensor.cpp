@@ -468,11 +468,12 @@ Tensor& Tensor::copy_(const Tensor& src) {
   check_inplace(*this, "copy_");
   check_no_overlap(*this, "copy_");
   check(src.defined(), "copy_: source is undefined (destination ", description(), ")");
-  check(src.device() == device(), "copy_: source on ", src.device(), ", destination on ", device());
   const Shape shape = broadcast_shapes(src.shape(), this->shape(), "copy_");
   check(shape == this->shape(), "copy_: source ", src.description(), " does not broadcast to destination ",
         description());
-  backend_of(*this).copy(src.expand(shape).detach(), *this);
+  // From another device: the bytes move first (as they are), then convert and spread on this device.
+  const Tensor here = src.device() == device() ? src.detach() : src.detach().to(device());
+  backend_of(*this).copy(here.expand(shape), *this);
   bump_version();
   return *this;
 }

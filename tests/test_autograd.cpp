@@ -287,19 +287,25 @@ TEST(Autograd, NodeNoGradientReachesStillLetsTheNodesBelowRunAndFreesItsTensors)
   EXPECT_FALSE(w.grad().defined());
 }
 
-// Runs fn on a thread with a small stack (128 KiB), where recursing once per graph node would overflow.
+// Runs fn on a thread with a small stack, where recursing once per graph node would overflow: 128 KiB, or
+// the smallest power of two up to 512 KiB that pthread accepts (the thread's static TLS comes out of its
+// stack, and the CUDA libraries bring a large one). 10,000 nodes of recursion need over 1 MB either way.
 void run_on_small_stack(const std::function<void()>& fn) {
-  pthread_attr_t attributes;
-  pthread_attr_init(&attributes);
-  pthread_attr_setstacksize(&attributes, 128 * 1024);
-  pthread_t thread;
   auto trampoline = [](void* arg) -> void* {
     (*static_cast<const std::function<void()>*>(arg))();
     return nullptr;
   };
-  ASSERT_EQ(pthread_create(&thread, &attributes, trampoline, const_cast<std::function<void()>*>(&fn)), 0);
-  pthread_join(thread, nullptr);
-  pthread_attr_destroy(&attributes);
+  int status = -1;
+  for (size_t stack = 128 * 1024; stack <= 512 * 1024 && status != 0; stack *= 2) {
+    pthread_attr_t attributes;
+    pthread_attr_init(&attributes);
+    pthread_attr_setstacksize(&attributes, stack);
+    pthread_t thread;
+    status = pthread_create(&thread, &attributes, trampoline, const_cast<std::function<void()>*>(&fn));
+    if (status == 0) pthread_join(thread, nullptr);
+    pthread_attr_destroy(&attributes);
+  }
+  ASSERT_EQ(status, 0) << "no thread with a stack of at most 512 KiB could be started";
 }
 
 TEST(Autograd, DeepGraphsRunAndFreeWithoutRecursion) {

@@ -248,3 +248,27 @@ namespace mixtape::cuda {
 // For tensor/backend.cpp, which sees CudaBackend only as a declaration.
 Backend& as_backend(CudaBackend& backend) { return backend; }
 }  // namespace mixtape::cuda
+
+// ---- events (tensor/timer.cpp) ---------------------------------------------------------------------------
+namespace mixtape::cuda {
+
+std::shared_ptr<void> make_event(int device) {
+  backend(device).stream();  // makes the device current
+  cudaEvent_t event = nullptr;
+  MIXTAPE_CUDA_CHECK(cudaEventCreate(&event));
+  return std::shared_ptr<void>(event, [](void* e) { (void)cudaEventDestroy(static_cast<cudaEvent_t>(e)); });
+}
+
+void record_event(const std::shared_ptr<void>& event, int device) {
+  MIXTAPE_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(event.get()), backend(device).stream()));
+}
+
+double event_seconds_between(const std::shared_ptr<void>& start, const std::shared_ptr<void>& stop) {
+  MIXTAPE_CUDA_CHECK(cudaEventSynchronize(static_cast<cudaEvent_t>(stop.get())));
+  float milliseconds = 0;
+  MIXTAPE_CUDA_CHECK(cudaEventElapsedTime(&milliseconds, static_cast<cudaEvent_t>(start.get()),
+                                          static_cast<cudaEvent_t>(stop.get())));
+  return milliseconds * 1e-3;
+}
+
+}  // namespace mixtape::cuda
