@@ -25,6 +25,9 @@ Backend& backend_for(Device device) {
 #ifndef MIXTAPE_WITH_CUDA
 int cuda_device_count() { return 0; }
 void set_cuda_allocation_poisoning(bool) {}
+std::string cuda_device_name(int index) {
+  not_supported("cuda_device_name(", index, "): this build of mixtape has no CUDA backend");
+}
 
 void copy_between_devices(const Tensor& src, const Tensor& dst) {
   not_supported("copy from ", src.device(), " to ", dst.device(), ": this build of mixtape has no CUDA backend");

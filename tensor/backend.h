@@ -8,6 +8,7 @@
 // - all floating tensors of one call share one dtype unless stated; f16/bf16 accumulate in fp32, f64 in
 //   f64, and the result is rounded once on store.
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "tensor/tensor.h"
@@ -165,6 +166,8 @@ void copy_between_devices(const Tensor& src, const Tensor& dst);
 void set_cuda_allocation_poisoning(bool enabled);
 // How many CUDA devices this process can use: 0 in a build without CUDA or on a machine without GPU/driver.
 int cuda_device_count();
+// The GPU's name as the driver reports it ("NVIDIA H100 80GB HBM3"); Error for a bad index or without CUDA.
+std::string cuda_device_name(int index);
 
 // The backend of a device (the per-device registry). CPU always exists; CUDA only when built with it.
 Backend& backend_for(Device device);

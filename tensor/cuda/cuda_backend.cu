@@ -44,6 +44,13 @@ std::atomic<bool> poison_allocations{false};
 
 void set_cuda_allocation_poisoning(bool enabled) { poison_allocations.store(enabled); }
 
+std::string cuda_device_name(int index) {
+  const Device device = Device::cuda(index);
+  cudaDeviceProp properties{};
+  MIXTAPE_CUDA_CHECK(cudaGetDeviceProperties(&properties, device.index));
+  return properties.name;
+}
+
 Device Device::cuda(int index) {
   const DeviceCount& devices = device_count_once();
   check(devices.status == cudaSuccess, "Device::cuda(", index, "): no usable GPU: cudaGetDeviceCount failed with '",
