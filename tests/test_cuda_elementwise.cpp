@@ -4,14 +4,15 @@
 // test_dtype.cpp, so agreement with them is agreement with the math.
 //
 // Bounds, and why:
-// - copies/casts, fill, arange, uniform, randint, where, dropout, +, -, *, /, sqrt, 1/sqrt, neg, abs, relu,
-//   x^2, 1/x, the tensor-scalar ops (one double operation, rounded once): 0 ulp, i.e. identical values. Both
-//   sides do the same correctly rounded IEEE operations and the same conversions (round to nearest even;
-//   double and integers to f16/bf16 correctly rounded), and the Philox draws are the same integer function.
+// - copies/casts, fill, arange, uniform, randint, where, dropout, add_, mul_, +, -, *, /, sqrt, 1/sqrt, neg,
+//   abs, relu, x^2, 1/x, the tensor-scalar ops (one double operation, rounded once): 0 ulp, i.e. identical
+//   values. Both sides do the same correctly rounded IEEE operations and the same conversions (round to
+//   nearest even; double and integers to f16/bf16 correctly rounded), and the Philox draws are the same
+//   integer function.
 // - normal: 1 ulp in f32/f16/bf16, 16 ulp in f64: Box-Muller's log and cos come from libdevice on the GPU
 //   (log 1 ulp, cos 2 ulp in double) and glibc on the CPU; the double results differ by a few double ulps,
 //   which moves the rounded f32/f16/bf16 value only when it lies that close to a rounding midpoint.
-// - transcendental forward/backward ops: 8 ulp in f32 and f64, 1 ulp in f16/bf16. libdevice's expf, logf,
+// - transcendental forward/backward ops: 8 ulp in f32, 16 in f64, 1 ulp in f16/bf16. libdevice's expf, logf,
 //   tanhf, powf are within 2 ulp of the exact value (erfc in double 5 ulp), the CPU's libm/libmvec within
 //   1-4 ulp, and the few roundings of each formula (sigmoid's 1 / (1 + e), gelu's products) carry those
 //   differences through without amplifying them on the input ranges used here (no cancellation). In
@@ -19,10 +20,13 @@
 //   few ulps of a midpoint, which moves the result by one 16-bit ulp.
 // - through autograd, the backward ops that read the forward's output (tanh, sigmoid, exp, ...) see each
 //   device's own y, which may differ by the forward's bound, so those compare like the CPU suite compares with
-//   the derivative: 8 eps absolute and relative. The backward kernels alone (same x, y, g on both devices) are
-//   held to the ulp bounds above.
-// - add_ with alpha: 1 ulp. d + alpha * s is one fused multiply-add on both devices when the CPU is built for
-//   an FMA-capable target (as -march=native does on any current x86), else two roundings on the CPU.
+//   the derivative: 8 eps relative, 16 eps absolute. The backward kernels alone (same x, y, g on both devices)
+//   are held to the bounds above (relative, or absolute on the scale of the derivative's O(1) terms for the
+//   derivatives that cross zero).
+// - a * b + c is fused into one FMA by nvcc and, on an FMA-capable -march=native host, by GCC, but whether a
+//   given expression is fused is each compiler's choice. Where a test wants identical results it picks
+//   operands whose product is exact (add_'s alpha and uniform's high - low are powers of two, arange's step
+//   is 0.375), so fused or not gives the same value.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -95,7 +99,8 @@ Tensor cast_source(DType from, DType to, int64_t n, uint64_t seed) {
                         -(int64_t{1} << 62) - 12345})
         values.push_back(v);
     }
-    std::uniform_int_distribution<int64_t> draw(wide ? -(int64_t{1} << 62) : -2147483647, wide ? int64_t{1} << 62 : 2147483647);
+    const int64_t bound = wide ? int64_t{1} << 62 : int64_t{2147483647};
+    std::uniform_int_distribution<int64_t> draw(-bound, bound);
     std::uniform_int_distribution<int64_t> small(-3000, 3000);
     while (static_cast<int64_t>(values.size()) < n) values.push_back(values.size() % 2 ? draw(rng) : small(rng));
     values.resize(static_cast<size_t>(n));
@@ -150,7 +155,7 @@ std::vector<UnaryCase> unary_cases() {
   };
 }
 
-double transcendental_ulp(DType dtype) { return is_low_precision(dtype) ? 1 : 8; }
+double transcendental_ulp(DType dtype) { return is_low_precision(dtype) ? 1 : dtype == DType::F32 ? 8 : 16; }
 double epsilon(DType dtype) {
   switch (dtype) {
     case DType::F16: return 0x1p-10;
@@ -231,9 +236,10 @@ TEST(CudaArange, MatchesTheCpuInEveryDtype) {
     SCOPED_TRACE(dtype_name(dtype));
     EXPECT_TRUE(identical(Tensor::arange(0, 3000, 1, dtype, cuda0()), Tensor::arange(0, 3000, 1, dtype)));
     EXPECT_TRUE(identical(Tensor::arange(-40, 3000, 7, dtype, cuda0()), Tensor::arange(-40, 3000, 7, dtype)));
+    // start + i * step with i * step exact (see the header: the result then does not depend on FMA)
     if (is_floating(dtype)) {
-      EXPECT_TRUE(identical(Tensor::arange(-3.5, 700.25, 0.37, dtype, cuda0()),
-                            Tensor::arange(-3.5, 700.25, 0.37, dtype)));
+      EXPECT_TRUE(identical(Tensor::arange(-3.5, 700.25, 0.375, dtype, cuda0()),
+                            Tensor::arange(-3.5, 700.25, 0.375, dtype)));
     }
   }
 }
@@ -266,7 +272,8 @@ TEST(CudaRandom, RandintDrawsTheCpuBitsForNarrowAndFullWidthRanges) {
   MIXTAPE_REQUIRE_CUDA();
   for (DType dtype : {DType::I32, DType::I64}) {
     SCOPED_TRACE(dtype_name(dtype));
-    EXPECT_TRUE(identical(Tensor::randint(-5, 17, {5001}, 77, dtype, cuda0()), Tensor::randint(-5, 17, {5001}, 77, dtype)));
+    EXPECT_TRUE(identical(Tensor::randint(-5, 17, {5001}, 77, dtype, cuda0()),
+                          Tensor::randint(-5, 17, {5001}, 77, dtype)));
   }
   // Floating destinations (the front end makes integers only): the kernel directly.
   for (DType dtype : kFloatDtypes) {
@@ -319,7 +326,8 @@ TEST(CudaUnary, SpecialValuesGoThroughLikeOnTheCpu) {
   MIXTAPE_REQUIRE_CUDA();
   // NaN, infinities, zeros of both signs and the tails where sigmoid and gelu underflow or saturate.
   const double inf = std::numeric_limits<double>::infinity();
-  const std::vector<double> values = {std::nan(""), inf, -inf, 0.0, -0.0, -100, -30, -12, 12, 30, 100, 1e-30};
+  // (-80, not -100: e^-100 is a float subnormal with 5 significant bits, where one ulp of exp is 4% of silu.)
+  const std::vector<double> values = {std::nan(""), inf, -inf, 0.0, -0.0, -80, -30, -12, 12, 30, 100, 1e-30};
   for (DType dtype : kFloatDtypes) {
     const Tensor x = Tensor::from_vector(values, {static_cast<int64_t>(values.size())}, dtype);
     for (const UnaryCase& c : unary_cases()) {
@@ -341,13 +349,20 @@ TEST(CudaUnaryGrad, BackwardKernelsMatchTheCpuOnTheSameInputs) {
       Tensor host_grad = Tensor::empty({1031}, dtype), device_grad = Tensor::empty({1031}, dtype, cuda0());
       backend_for(Device::cpu()).unary_backward(c.kernel, x, y, g, host_grad, c.scalar);
       backend_for(cuda0()).unary_backward(c.kernel, gpu(x), gpu(y), gpu(g), device_grad, c.scalar);
-      // Derivatives made of correctly rounded operations are exact on both devices; x^p's p x^(p-1) calls pow
-      // for p other than 0, 1, 2; tanh's 1 - y^2 may or may not be fused: one ulp.
+      // Derivatives made of correctly rounded operations are identical on both devices (x^p's p x^(p-1) calls
+      // pow for p other than 0, 1, 2). tanh's 1 - y^2 may be fused into one FMA on one side only: y^2's
+      // rounding (half an ulp of y^2 < 0.82) relative to 1 - y^2 > 0.18 is at most ~3 ulp of the result.
       const bool general_pow = c.kernel == UnaryOp::PowScalar && c.scalar != 0 && c.scalar != 1 && c.scalar != 2;
       const bool exact = (c.exact && !general_pow) || c.kernel == UnaryOp::Exp || c.kernel == UnaryOp::Log ||
                          c.kernel == UnaryOp::Sigmoid;
-      const double bound = exact ? 0 : c.kernel == UnaryOp::Tanh ? 1 : transcendental_ulp(dtype);
-      EXPECT_TRUE(within_ulp(device_grad, host_grad, bound));
+      if (exact || c.kernel == UnaryOp::Tanh) {
+        EXPECT_TRUE(within_ulp(device_grad, host_grad, exact ? 0 : 4));
+      } else {
+        // The transcendental derivatives are sums of O(1) terms (silu' and both gelu' cross zero, where a
+        // relative bound means nothing): k ulps relative, or k eps absolute on the scale of |g| <= 2.
+        const double k = transcendental_ulp(dtype) * epsilon(dtype);
+        EXPECT_TRUE(all_close(device_grad, host_grad, 2 * k, k));
+      }
     }
   }
 }
@@ -481,21 +496,21 @@ TEST(CudaInPlace, AddBroadcastsConvertsAndScales) {
       const Tensor d0 = host_uniform({13, 259}, -2, 2, dst_dtype, 51);
       const Tensor s0 = host_uniform({259}, -2, 2, src_dtype, 52);
       Tensor host = d0.clone(), device = gpu(d0);
-      host.add_(s0, -1.7);
-      device.add_(gpu(s0), -1.7);
-      EXPECT_TRUE(within_ulp(device, host, 1)) << "broadcast source";
+      host.add_(s0, -2);
+      device.add_(gpu(s0), -2);
+      EXPECT_TRUE(identical(device, host)) << "broadcast source";
       // contiguous same-shape source (the vectorised path) and a transposed destination, each step from equal
       // starting values (so one-ulp differences do not add up)
       device = gpu(host);
       const Tensor s1 = host_uniform({13, 259}, -2, 2, src_dtype, 53);
       host.add_(s1);
       device.add_(gpu(s1));
-      EXPECT_TRUE(within_ulp(device, host, 1)) << "contiguous";
+      EXPECT_TRUE(identical(device, host)) << "contiguous";
       device = gpu(host);
       const Tensor s2 = host_uniform({259, 13}, -2, 2, src_dtype, 54);
       host.mT().add_(s2, 0.25);
       device.mT().add_(gpu(s2), 0.25);
-      EXPECT_TRUE(within_ulp(device, host, 1)) << "transposed destination";
+      EXPECT_TRUE(identical(device, host)) << "transposed destination";
     }
   }
 }

@@ -9,8 +9,9 @@
 // with C float for f32/f16/bf16 and double for f64 (double for every op with a double scalar), rounded once on
 // store. Transcendentals use libdevice's accurate functions (expf, tanhf, erfc, ...; never the __expf
 // intrinsics), so a result differs from the CPU's by at most the libm difference (a few ulp of C), which
-// rounding to f16/bf16 almost always hides. Both compilers contract a * b + c into one FMA (GCC on an
-// FMA-capable -march=native host, nvcc by default), so single products feeding a sum round the same way.
+// rounding to f16/bf16 almost always hides. nvcc fuses a * b + c into one FMA by default, as GCC does for the
+// CPU kernels on an FMA-capable -march=native host; which of two products a compiler fuses is its own choice,
+// so where a product feeds a sum the two devices can differ by an ulp (identical when the product is exact).
 //
 // Every kernel is one functor over N operands (operand 0 is the output) run by one of two grid-stride loops:
 // - contiguous: every operand is contiguous (after coalescing dims); groups of kVec elements are moved with
@@ -239,7 +240,9 @@ struct SiluGrad {
     return g * (l.s + v * l.s * l.one_minus_s);
   }
 };
-struct GeluErfGrad { template <class A> __device__ A operator()(A v, A g) const { return g * gelu_erf_derivative(v); } };
+struct GeluErfGrad {
+  template <class A> __device__ A operator()(A v, A g) const { return g * gelu_erf_derivative(v); }
+};
 struct GeluTanhGrad {
   template <class A> __device__ A operator()(A v, A g) const { return g * gelu_tanh_derivative(v); }
 };
@@ -752,7 +755,8 @@ void CudaBackend::where(const Tensor& cond, const Tensor& a, const Tensor& b, co
       using CondBits = typename bits_type<sizeof(Cond)>::type;
       using Bits = typename bits_type<sizeof(T)>::type;
       constexpr CondBits kSign = CondBits{1} << (8 * sizeof(Cond) - 1);
-      const CondBits mask = is_floating(cond.dtype()) ? static_cast<CondBits>(~kSign) : static_cast<CondBits>(~CondBits{0});
+      const CondBits mask =
+          is_floating(cond.dtype()) ? static_cast<CondBits>(~kSign) : static_cast<CondBits>(~CondBits{0});
       launch<4>(s, "where", {&out, &cond, &a, &b},
                 WhereFn<CondBits, Bits>{ptr<Bits>(out), ptr<const CondBits>(cond), ptr<const Bits>(a),
                                         ptr<const Bits>(b), mask});
