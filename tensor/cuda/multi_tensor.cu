@@ -293,17 +293,18 @@ bool CudaBackend::unscale_and_check_finite(const std::vector<Tensor>& grads, dou
   const Tensor flag = Tensor::empty({1}, DType::I32, Device::cuda(device()));
   int* found = static_cast<int*>(flag.data_ptr());
   MIXTAPE_CUDA_CHECK(cudaMemsetAsync(found, 0, sizeof(int), s));
-  for_each_dtype(grads, dtype_of_tensor, "unscale_and_check_finite", [&]<typename T>(const std::vector<size_t>& indices) {
-    using D = device_t<T>;
-    using A = device_acc_t<D>;
-    const A inv = static_cast<A>(inv_scale);
-    auto batcher = make_batcher<1, NoMeta, kUnscaleMax>([&](const auto& batch, int64_t chunks) {
-      unscale_kernel<D><<<blocks_for_chunks(chunks), kBlockThreads, 0, s>>>(batch, chunks, inv, found);
-      MIXTAPE_KERNEL_CHECK();
-    });
-    for (size_t i : indices) batcher.add({grads[i].data_ptr()}, grads[i].numel(), NoMeta{});
-    batcher.flush();
-  });
+  for_each_dtype(grads, dtype_of_tensor, "unscale_and_check_finite",
+                 [&]<typename T>(const std::vector<size_t>& indices) {
+                   using D = device_t<T>;
+                   using A = device_acc_t<D>;
+                   const A inv = static_cast<A>(inv_scale);
+                   auto batcher = make_batcher<1, NoMeta, kUnscaleMax>([&](const auto& batch, int64_t chunks) {
+                     unscale_kernel<D><<<blocks_for_chunks(chunks), kBlockThreads, 0, s>>>(batch, chunks, inv, found);
+                     MIXTAPE_KERNEL_CHECK();
+                   });
+                   for (size_t i : indices) batcher.add({grads[i].data_ptr()}, grads[i].numel(), NoMeta{});
+                   batcher.flush();
+                 });
   int host_found = 0;
   MIXTAPE_CUDA_CHECK(cudaMemcpyAsync(&host_found, found, sizeof(int), cudaMemcpyDeviceToHost, s));
   MIXTAPE_CUDA_CHECK(cudaStreamSynchronize(s));
@@ -312,47 +313,50 @@ bool CudaBackend::unscale_and_check_finite(const std::vector<Tensor>& grads, dou
 
 void CudaBackend::adam_step(const std::vector<AdamUpdate>& updates, double beta1, double beta2, double eps) {
   const cudaStream_t s = stream();
-  for_each_dtype(updates, [](const AdamUpdate& u) { return u.param.dtype(); }, "adam_step",
-                 [&]<typename T>(const std::vector<size_t>& indices) {
-    using D = device_t<T>;
-    using A = device_acc_t<D>;
-    // The scalars come in double and are rounded once to the compute type, as on the CPU.
-    const AdamScalars<A> scalars{static_cast<A>(beta1), static_cast<A>(1 - beta1), static_cast<A>(beta2),
-                                 static_cast<A>(1 - beta2), static_cast<A>(eps)};
-    auto batcher = make_batcher<4, AdamMeta<A>, kAdamMax>([&](const auto& batch, int64_t chunks) {
-      adam_kernel<D><<<blocks_for_chunks(chunks), kBlockThreads, 0, s>>>(batch, chunks, scalars);
-      MIXTAPE_KERNEL_CHECK();
-    });
-    for (size_t i : indices) {
-      const AdamUpdate& u = updates[i];
-      const AdamMeta<A> meta{static_cast<A>(u.step_size), static_cast<A>(u.bias_correction2_sqrt),
-                             static_cast<A>(u.weight_decay), static_cast<A>(u.decay_factor), static_cast<int>(u.mode)};
-      batcher.add({u.param.data_ptr(), u.grad.data_ptr(), u.exp_avg.data_ptr(), u.exp_avg_sq.data_ptr()},
-                  u.param.numel(), meta);
-    }
-    batcher.flush();
-  });
+  for_each_dtype(
+      updates, [](const AdamUpdate& u) { return u.param.dtype(); }, "adam_step",
+      [&]<typename T>(const std::vector<size_t>& indices) {
+        using D = device_t<T>;
+        using A = device_acc_t<D>;
+        // The scalars come in double and are rounded once to the compute type, as on the CPU.
+        const AdamScalars<A> scalars{static_cast<A>(beta1), static_cast<A>(1 - beta1), static_cast<A>(beta2),
+                                     static_cast<A>(1 - beta2), static_cast<A>(eps)};
+        auto batcher = make_batcher<4, AdamMeta<A>, kAdamMax>([&](const auto& batch, int64_t chunks) {
+          adam_kernel<D><<<blocks_for_chunks(chunks), kBlockThreads, 0, s>>>(batch, chunks, scalars);
+          MIXTAPE_KERNEL_CHECK();
+        });
+        for (size_t i : indices) {
+          const AdamUpdate& u = updates[i];
+          const AdamMeta<A> meta{static_cast<A>(u.step_size), static_cast<A>(u.bias_correction2_sqrt),
+                                 static_cast<A>(u.weight_decay), static_cast<A>(u.decay_factor),
+                                 static_cast<int>(u.mode)};
+          batcher.add({u.param.data_ptr(), u.grad.data_ptr(), u.exp_avg.data_ptr(), u.exp_avg_sq.data_ptr()},
+                      u.param.numel(), meta);
+        }
+        batcher.flush();
+      });
 }
 
 void CudaBackend::sgd_step(const std::vector<SgdUpdate>& updates, double momentum, double dampening, bool nesterov) {
   const cudaStream_t s = stream();
-  for_each_dtype(updates, [](const SgdUpdate& u) { return u.param.dtype(); }, "sgd_step",
-                 [&]<typename T>(const std::vector<size_t>& indices) {
-    using D = device_t<T>;
-    using A = device_acc_t<D>;
-    const SgdScalars<A> scalars{static_cast<A>(momentum), static_cast<A>(1 - dampening), nesterov ? 1 : 0};
-    auto batcher = make_batcher<3, SgdMeta<A>, kSgdMax>([&](const auto& batch, int64_t chunks) {
-      sgd_kernel<D><<<blocks_for_chunks(chunks), kBlockThreads, 0, s>>>(batch, chunks, scalars);
-      MIXTAPE_KERNEL_CHECK();
-    });
-    for (size_t i : indices) {
-      const SgdUpdate& u = updates[i];
-      const SgdMeta<A> meta{static_cast<A>(u.lr), static_cast<A>(u.weight_decay), u.first_step ? 1 : 0};
-      void* buffer = momentum != 0 ? u.momentum_buffer.data_ptr() : nullptr;
-      batcher.add({u.param.data_ptr(), u.grad.data_ptr(), buffer}, u.param.numel(), meta);
-    }
-    batcher.flush();
-  });
+  for_each_dtype(
+      updates, [](const SgdUpdate& u) { return u.param.dtype(); }, "sgd_step",
+      [&]<typename T>(const std::vector<size_t>& indices) {
+        using D = device_t<T>;
+        using A = device_acc_t<D>;
+        const SgdScalars<A> scalars{static_cast<A>(momentum), static_cast<A>(1 - dampening), nesterov ? 1 : 0};
+        auto batcher = make_batcher<3, SgdMeta<A>, kSgdMax>([&](const auto& batch, int64_t chunks) {
+          sgd_kernel<D><<<blocks_for_chunks(chunks), kBlockThreads, 0, s>>>(batch, chunks, scalars);
+          MIXTAPE_KERNEL_CHECK();
+        });
+        for (size_t i : indices) {
+          const SgdUpdate& u = updates[i];
+          const SgdMeta<A> meta{static_cast<A>(u.lr), static_cast<A>(u.weight_decay), u.first_step ? 1 : 0};
+          void* buffer = momentum != 0 ? u.momentum_buffer.data_ptr() : nullptr;
+          batcher.add({u.param.data_ptr(), u.grad.data_ptr(), buffer}, u.param.numel(), meta);
+        }
+        batcher.flush();
+      });
 }
 
 double CudaBackend::sum_of_squares(const std::vector<Tensor>& tensors) {

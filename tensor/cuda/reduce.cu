@@ -239,8 +239,8 @@ __global__ void reduce_columns_kernel(const In* x, Walk kept, Walk reduced, int6
   }
 }
 
-constexpr int64_t kRowChunk = 4096;       // reduced elements per warp in row mode
-constexpr int64_t kShortRow = 16;         // rows up to this length use the column kernel (a thread each)
+constexpr int64_t kRowChunk = 4096;          // reduced elements per warp in row mode
+constexpr int64_t kShortRow = 16;            // rows up to this length use the column kernel (a thread each)
 constexpr int64_t kColumnThreads = 1 << 17;  // column mode splits the reduction until this many threads run
 constexpr int64_t kMinColumnChunk = 64;
 
@@ -253,9 +253,10 @@ void run_reduction(CudaBackend& backend, const In* x, const ReduceGeometry& g, c
   const cudaStream_t stream = backend.stream();
   const Walk kept = make_walk(g.kept_sizes, g.kept_strides, "reduce");
   const Walk reduced = make_walk(g.reduced_sizes, g.reduced_strides, "reduce");
-  const bool columns = (g.kept_sizes.back() > 1 && std::abs(g.kept_strides.back()) < std::abs(g.reduced_strides.back()) &&
-                        g.reduced_sizes.back() > 1) ||
-                       g.n_reduced <= kShortRow;
+  const bool columns =
+      (g.kept_sizes.back() > 1 && std::abs(g.kept_strides.back()) < std::abs(g.reduced_strides.back()) &&
+       g.reduced_sizes.back() > 1) ||
+      g.n_reduced <= kShortRow;
   if (columns) {
     int64_t chunk = g.n_reduced < 1 ? 1 : g.n_reduced, chunks = 1;
     if (g.n_out < kColumnThreads && g.n_reduced > kMinColumnChunk) {
@@ -278,8 +279,8 @@ void run_reduction(CudaBackend& backend, const In* x, const ReduceGeometry& g, c
       next.reduced_strides = {g.n_out};
       next.n_out = g.n_out;
       next.n_reduced = chunks;
-      run_reduction<A, D, A, CombineRule, CombineRule, false>(backend, partial_ptr, next, combine_rule,
-                                                              combine_rule, sink);
+      run_reduction<A, D, A, CombineRule, CombineRule, false>(backend, partial_ptr, next, combine_rule, combine_rule,
+                                                              sink);
     }
     return;
   }
@@ -306,16 +307,14 @@ void run_reduction(CudaBackend& backend, const In* x, const ReduceGeometry& g, c
   }
 }
 
-
 void check_reduce_output(const char* op, const Tensor& x, const std::vector<int64_t>& dims, const Tensor& out) {
   Shape expected = x.shape();
   for (int64_t d : dims) {
     check(d >= 0 && d < x.dim(), op, ": dim ", d, " out of range for ", x.description());
     expected[static_cast<size_t>(d)] = 1;
   }
-  check(out.shape() == expected && out.is_contiguous() && out.dtype() == x.dtype(), op, ": output ",
-        out.description(), " must be contiguous ", dtype_name(x.dtype()), shape_str(expected), " for input ",
-        x.description());
+  check(out.shape() == expected && out.is_contiguous() && out.dtype() == x.dtype(), op, ": output ", out.description(),
+        " must be contiguous ", dtype_name(x.dtype()), shape_str(expected), " for input ", x.description());
 }
 
 // ---- softmax ------------------------------------------------------------------------------------------------
@@ -445,15 +444,20 @@ struct RowGroup {
     return blockIdx.x * groups_per_block() + (kBlock ? 0 : threadIdx.x / 32);
   }
   __device__ __forceinline__ static int64_t row_step() { return static_cast<int64_t>(gridDim.x) * groups_per_block(); }
-  __device__ __forceinline__ static int tid() { return kBlock ? static_cast<int>(threadIdx.x) : static_cast<int>(threadIdx.x % 32); }
+  __device__ __forceinline__ static int tid() {
+    return kBlock ? static_cast<int>(threadIdx.x) : static_cast<int>(threadIdx.x % 32);
+  }
   __device__ __forceinline__ static int nthreads() { return kBlock ? static_cast<int>(blockDim.x) : 32; }
 };
 
 // Softmax over contiguous rows (dim last, stride 1 in x and y); row starts from `rows` (other dims).
 // sum = 1 + rest, with rest the terms other than one maximum (each further maximum adds exactly 1): the 1
 // kept apart lets log_softmax use log1p(rest), as the CPU does.
+constexpr int kMaxRowThreads = 512;  // the largest block a row gets
+
 template <class D, bool kBlock>
-__global__ void softmax_rows_kernel(const D* x, D* y, OffsetCalculator<2> rows, int64_t count, int64_t n, bool log) {
+__global__ void __launch_bounds__(kMaxRowThreads)
+    softmax_rows_kernel(const D* x, D* y, OffsetCalculator<2> rows, int64_t count, int64_t n, bool log) {
   using A = device_acc_t<D>;
   using G = RowGroup<kBlock>;
   __shared__ A shared[32];
@@ -494,8 +498,8 @@ __global__ void softmax_rows_kernel(const D* x, D* y, OffsetCalculator<2> rows, 
 
 // Softmax over strided rows: one thread per row (neighbouring rows sit in neighbouring threads).
 template <class D>
-__global__ void softmax_strided_kernel(const D* x, D* y, OffsetCalculator<2> rows, int64_t count, int64_t n,
-                                       int64_t sx, int64_t sy, bool log) {
+__global__ void softmax_strided_kernel(const D* x, D* y, OffsetCalculator<2> rows, int64_t count, int64_t n, int64_t sx,
+                                       int64_t sy, bool log) {
   using A = device_acc_t<D>;
   for (int64_t r = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; r < count;
        r += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -531,8 +535,9 @@ __global__ void softmax_strided_kernel(const D* x, D* y, OffsetCalculator<2> row
 //   log:  dx_j = g_j - exp(y_j) * sum_k g_k          (y = log_softmax(x))
 //   else: dx_j = y_j * (g_j - sum_k g_k y_k)          (y = softmax(x))
 template <class D, bool kBlock>
-__global__ void softmax_backward_rows_kernel(const D* y, const D* g, D* dx, OffsetCalculator<3> rows, int64_t count,
-                                             int64_t n, bool log) {
+__global__ void __launch_bounds__(kMaxRowThreads)
+    softmax_backward_rows_kernel(const D* y, const D* g, D* dx, OffsetCalculator<3> rows, int64_t count, int64_t n,
+                                 bool log) {
   using A = device_acc_t<D>;
   using G = RowGroup<kBlock>;
   __shared__ A shared[32];
@@ -560,9 +565,8 @@ __global__ void softmax_backward_rows_kernel(const D* y, const D* g, D* dx, Offs
 }
 
 template <class D>
-__global__ void softmax_backward_strided_kernel(const D* y, const D* g, D* dx, OffsetCalculator<3> rows,
-                                                int64_t count, int64_t n, int64_t sy, int64_t sg, int64_t sd,
-                                                bool log) {
+__global__ void softmax_backward_strided_kernel(const D* y, const D* g, D* dx, OffsetCalculator<3> rows, int64_t count,
+                                                int64_t n, int64_t sy, int64_t sg, int64_t sd, bool log) {
   using A = device_acc_t<D>;
   for (int64_t r = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; r < count;
        r += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -578,8 +582,7 @@ __global__ void softmax_backward_strided_kernel(const D* y, const D* g, D* dx, O
         dr[j * sd] = store<D>(load_as<A>(gr[j * sg]) - softmax_exp(load_as<A>(yr[j * sy])) * total);
     } else {
       for (int64_t j = 0; j < n; ++j) total += load_as<A>(gr[j * sg]) * load_as<A>(yr[j * sy]);
-      for (int64_t j = 0; j < n; ++j)
-        dr[j * sd] = store<D>(load_as<A>(yr[j * sy]) * (load_as<A>(gr[j * sg]) - total));
+      for (int64_t j = 0; j < n; ++j) dr[j * sd] = store<D>(load_as<A>(yr[j * sy]) * (load_as<A>(gr[j * sg]) - total));
     }
   }
 }
@@ -604,7 +607,7 @@ void check_same_shape(const char* op, const Tensor& a, const Tensor& b) {
 
 constexpr int64_t kWarpRowMax = 1024;  // rows up to this length get one warp, longer rows one block
 
-int block_threads_for_row(int64_t n) { return n <= 8192 ? 256 : 512; }
+int block_threads_for_row(int64_t n) { return n <= 8192 ? 256 : kMaxRowThreads; }
 unsigned blocks_for_rows(int64_t count) {
   return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(count, 65535LL * 8)));
 }
@@ -681,7 +684,8 @@ void CudaBackend::softmax(const Tensor& x, int64_t dim, bool log, const Tensor& 
     if (contiguous_rows && n <= kWarpRowMax) {
       softmax_rows_kernel<D, false><<<blocks_for(count, kThreads / 32), kThreads, 0, s>>>(in, o, rows, count, n, log);
     } else if (contiguous_rows) {
-      softmax_rows_kernel<D, true><<<blocks_for_rows(count), block_threads_for_row(n), 0, s>>>(in, o, rows, count, n, log);
+      softmax_rows_kernel<D, true>
+          <<<blocks_for_rows(count), block_threads_for_row(n), 0, s>>>(in, o, rows, count, n, log);
     } else {
       softmax_strided_kernel<D><<<blocks_for(count), kThreads, 0, s>>>(in, o, rows, count, n, sx, so, log);
     }
@@ -712,8 +716,8 @@ void CudaBackend::softmax_backward(const Tensor& y, const Tensor& grad_y, int64_
       softmax_backward_rows_kernel<D, true>
           <<<blocks_for_rows(count), block_threads_for_row(n), 0, s>>>(yp, gp, dp, rows, count, n, log);
     } else {
-      softmax_backward_strided_kernel<D><<<blocks_for(count), kThreads, 0, s>>>(yp, gp, dp, rows, count, n, sy, sg, sd,
-                                                                                 log);
+      softmax_backward_strided_kernel<D>
+          <<<blocks_for(count), kThreads, 0, s>>>(yp, gp, dp, rows, count, n, sy, sg, sd, log);
     }
     MIXTAPE_KERNEL_CHECK();
   });
