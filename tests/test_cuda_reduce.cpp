@@ -6,6 +6,7 @@
 // exactly.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <functional>
@@ -33,8 +34,9 @@ namespace {
 const std::vector<DType> kDtypes = {DType::F32, DType::F16, DType::BF16, DType::F64};
 
 // Every element of `actual` (any device) within max_ulp ulps of `expected` (CPU, same dtype) or within
-// atol of it; NaN only where expected is NaN.
-::testing::AssertionResult matches_cpu(const Tensor& actual, const Tensor& expected, double max_ulp, double atol) {
+// atol + rtol * |expected| of it; NaN only where expected is NaN.
+::testing::AssertionResult matches_cpu(const Tensor& actual, const Tensor& expected, double max_ulp, double atol,
+                                       double rtol = 0) {
   if (actual.shape() != expected.shape() || actual.dtype() != expected.dtype())
     return ::testing::AssertionFailure() << actual.description() << " vs " << expected.description();
   const std::vector<double> got = actual.to(Device::cpu()).to_vector<double>(), want = expected.to_vector<double>();
@@ -42,7 +44,8 @@ const std::vector<DType> kDtypes = {DType::F32, DType::F16, DType::BF16, DType::
   std::string report;
   for (size_t i = 0; i < got.size(); ++i) {
     const bool ok = (std::isnan(got[i]) && std::isnan(want[i])) ||
-                    ulp_distance(actual.dtype(), got[i], want[i]) <= max_ulp || std::abs(got[i] - want[i]) <= atol;
+                    ulp_distance(actual.dtype(), got[i], want[i]) <= max_ulp ||
+                    std::abs(got[i] - want[i]) <= atol + rtol * std::abs(want[i]);
     if (!ok && bad++ < 5)
       report += "element " + std::to_string(i) + ": cuda " + std::to_string(got[i]) + ", cpu " +
                 std::to_string(want[i]) + "\n";
@@ -56,11 +59,27 @@ const std::vector<DType> kDtypes = {DType::F32, DType::F16, DType::BF16, DType::
   return matches_cpu(actual, expected, 0, 0);
 }
 
-// Bounds for sums of O(1) values over up to a few thousand terms, computed in a different order: the two
-// float accumulations differ by ~sqrt(n) * 2^-24 relative, so 2 ulp of the output dtype, or an absolute
-// 1e-4 (f32 / 16-bit accumulate in f32) or 1e-12 (f64) where a sum cancels towards zero.
-double sum_atol(DType dtype) { return dtype == DType::F64 ? 1e-12 : 1e-4; }
+// Bounds for sums of n values of magnitude <= 2 added in two different orders. Each side's rounding error is
+// a random walk of ~n roundings of partial sums up to ~sqrt(n) in size; its worst case grows like n * eps.
+// The bound: 2 ulp of the output dtype, or an absolute n * 4e-7 + 1e-4 for float accumulation (f32, f16,
+// bf16: ~6x the typical difference at n = 800, ~10x at n = 300000), n * 1e-15 + 1e-13 for f64. The absolute
+// part matters where a sum cancels towards zero and an ulp of the result means nothing.
+double sum_atol(DType dtype, int64_t n) {
+  return dtype == DType::F64 ? 1e-15 * static_cast<double>(n) + 1e-13 : 4e-7 * static_cast<double>(n) + 1e-4;
+}
+// Variance sums positive squares: relative differences ~sqrt(n) eps, bounded here by 16 sqrt(n) eps.
+double var_rtol(DType dtype, int64_t n) {
+  return (dtype == DType::F64 ? 16 * 1.1e-16 : 16 * 6e-8) * std::sqrt(static_cast<double>(n)) + 1e-15;
+}
 constexpr double kSumUlp = 2;
+
+// Elements combined into each output of a reduction of `shape` over `dims` (all dims when empty).
+int64_t reduced_count(const Shape& shape, const std::vector<int64_t>& dims) {
+  int64_t n = 1;
+  for (size_t d = 0; d < shape.size(); ++d)
+    if (dims.empty() || std::find(dims.begin(), dims.end(), static_cast<int64_t>(d)) != dims.end()) n *= shape[d];
+  return n;
+}
 
 // The same view on the CPU tensor and on its CUDA copy (views cost no kernel, so the CUDA side stays strided).
 struct Pair {
@@ -104,8 +123,10 @@ TEST(CudaReduce, SumAndMeanMatchCpuOverEveryDimSetAndLayout) {
         for (bool keepdim : {false, true}) {
           SCOPED_TRACE(dtype_name(dtype) + std::string(" ") + name + " dims " + shape_str(dims) +
                        (keepdim ? " keepdim" : ""));
-          EXPECT_TRUE(matches_cpu(sum(x.gpu, dims, keepdim), sum(x.cpu, dims, keepdim), kSumUlp, sum_atol(dtype)));
-          EXPECT_TRUE(matches_cpu(mean(x.gpu, dims, keepdim), mean(x.cpu, dims, keepdim), kSumUlp, sum_atol(dtype)));
+          const int64_t n = reduced_count(x.cpu.shape(), dims);
+          EXPECT_TRUE(matches_cpu(sum(x.gpu, dims, keepdim), sum(x.cpu, dims, keepdim), kSumUlp, sum_atol(dtype, n)));
+          EXPECT_TRUE(matches_cpu(mean(x.gpu, dims, keepdim), mean(x.cpu, dims, keepdim), kSumUlp,
+                                  sum_atol(dtype, n) / static_cast<double>(n)));
         }
 }
 
@@ -153,13 +174,13 @@ TEST(CudaReduce, LongAndShortReductionsTakeEveryKernelPath) {
     for (const Case& c : cases) {
       SCOPED_TRACE(dtype_name(dtype) + std::string(" ") + shape_str(c.shape) + " dims " + shape_str(c.dims));
       const Pair x = random_pair(c.shape, 40, dtype, -1, 1);
-      // A sum of n values in [-1, 1] in two different orders: differences ~ sqrt(n) * 6e-8 (f32 accumulation).
-      const double atol = dtype == DType::F64 ? 1e-11 : 2e-3;
+      const int64_t n = reduced_count(c.shape, c.dims);
+      const double atol = sum_atol(dtype, n);
       EXPECT_TRUE(matches_cpu(sum(x.gpu, c.dims), sum(x.cpu, c.dims), kSumUlp, atol));
-      EXPECT_TRUE(matches_cpu(mean(x.gpu, c.dims), mean(x.cpu, c.dims), kSumUlp, atol / 100));
+      EXPECT_TRUE(matches_cpu(mean(x.gpu, c.dims), mean(x.cpu, c.dims), kSumUlp, atol / static_cast<double>(n)));
       EXPECT_TRUE(equals_cpu(max(x.gpu, c.dims), max(x.cpu, c.dims)));
       EXPECT_TRUE(equals_cpu(min(x.gpu, c.dims), min(x.cpu, c.dims)));
-      EXPECT_TRUE(matches_cpu(var(x.gpu, c.dims), var(x.cpu, c.dims), kSumUlp, dtype == DType::F64 ? 1e-12 : 1e-5));
+      EXPECT_TRUE(matches_cpu(var(x.gpu, c.dims), var(x.cpu, c.dims), kSumUlp, 0, var_rtol(dtype, n)));
     }
 }
 
@@ -178,9 +199,11 @@ TEST(CudaVar, MatchesCpuWithEveryCorrection) {
         for (int64_t correction : {0, 1}) {
           SCOPED_TRACE(dtype_name(dtype) + std::string(" ") + name + " dims " + shape_str(dims) + " correction " +
                        std::to_string(correction));
-          // Squared deviations are positive: no cancellation, so ulp bounds hold (atol only for tiny results).
+          // Squared deviations are positive: no cancellation, a relative bound holds (the absolute one is for
+          // the broadcast layout, whose variance over the broadcast dim is 0 up to rounding of the mean).
           EXPECT_TRUE(matches_cpu(var(x.gpu, dims, correction), var(x.cpu, dims, correction), kSumUlp,
-                                  dtype == DType::F64 ? 1e-13 : 1e-6));
+                                  dtype == DType::F64 ? 1e-13 : 1e-6,
+                                  var_rtol(dtype, reduced_count(x.cpu.shape(), dims))));
         }
 }
 
@@ -188,7 +211,7 @@ TEST(CudaVar, IsTwoPassAccurateForALargeMean) {
   MIXTAPE_REQUIRE_CUDA();
   // |mean| = 1000 >> std ~ 0.6: one pass (E[x^2] - E[x]^2) would lose every digit in f32.
   const Pair x = random_pair({16, 300}, 70, DType::F32, 999, 1001);
-  EXPECT_TRUE(matches_cpu(var(x.gpu, {1}), var(x.cpu, {1}), 4, 1e-5));
+  EXPECT_TRUE(matches_cpu(var(x.gpu, {1}), var(x.cpu, {1}), kSumUlp, 0, var_rtol(DType::F32, 300)));
 }
 
 // ---- softmax ------------------------------------------------------------------------------------------------
@@ -196,35 +219,43 @@ TEST(CudaVar, IsTwoPassAccurateForALargeMean) {
 namespace {
 
 // softmax or log_softmax forward and backward on both devices for x (a CPU/CUDA pair of one layout).
+// Forward bounds: 4 ulp (CUDA's expf is within 2 ulp, the CPU's polynomial within 1, then a division), or a
+// relative 2e-6 in f32 for long rows (the two sides sum the row in different orders), or an absolute bound
+// for results near 0 (log_softmax's (x - max) - log(sum) can cancel).
 void check_softmax(const Pair& x, int64_t dim, bool log, uint64_t seed) {
   const DType dtype = x.cpu.dtype();
-  const double atol = dtype == DType::F64 ? 1e-13 : (dtype == DType::F32 ? 1e-6 : 1e-4);
+  const bool f64 = dtype == DType::F64;
+  const double atol = f64 ? 1e-13 : 1e-6, rtol = f64 ? 1e-13 : 2e-6;
+  const int64_t d = dim < 0 ? dim + x.cpu.dim() : dim;
+  const int64_t n = x.cpu.shape()[d];
   Tensor xc = x.cpu.detach(), xg = x.gpu.detach();
-  const bool through_autograd = dtype == DType::F32 || dtype == DType::F64;
+  const bool through_autograd = dtype == DType::F32 || f64;
   if (through_autograd) {
     xc.requires_grad_();
     xg.requires_grad_();
   }
   const Tensor yc = log ? log_softmax(xc, dim) : softmax(xc, dim);
   const Tensor yg = log ? log_softmax(xg, dim) : softmax(xg, dim);
-  // Forward: exp differs by an ulp or two between the CPU's polynomial and CUDA's expf.
-  EXPECT_TRUE(matches_cpu(yg, yc, 4, atol)) << "forward";
-  const Pair g = random_pair(x.cpu.shape(), seed, dtype, -1, 1);
+  EXPECT_TRUE(matches_cpu(yg, yc, 4, atol, rtol)) << "forward";
   if (through_autograd) {
-    // The op's backward through the tape, from the same upstream gradient (each side's own y: in f32/f64 the
-    // two y differ by an ulp at most, which moves grad_x by about as much).
+    // The op's backward through the tape from the same upstream gradient, each side from its own y (which
+    // differ by a few ulp, moving grad_x by about as much).
+    const Pair g = random_pair(x.cpu.shape(), seed, dtype, -1, 1);
     backward({yc}, {g.cpu});
     backward({yg}, {g.gpu});
-    EXPECT_TRUE(matches_cpu(xg.grad(), xc.grad(), 4, log ? 10 * atol : atol)) << "backward through autograd";
+    EXPECT_TRUE(matches_cpu(xg.grad(), xc.grad(), 4, f64 ? 1e-12 : 1e-5, 2 * rtol)) << "backward through autograd";
   }
-  // The backward kernel on identical inputs (16-bit forward results may differ by an ulp, and an ulp of a
-  // bf16 log-probability is 1% of its exp): y is x's layout itself (strided as x), g contiguous.
-  const int64_t d = dim < 0 ? dim + x.cpu.dim() : dim;
+  // The backward kernel on identical inputs, every dtype (16-bit forward results may differ by an ulp, and an
+  // ulp of a bf16 log-probability is 1% of its exp): y = the CPU's forward result (contiguous) on both
+  // devices, grad_y = x's layout itself (strided as x, any values do for a gradient). Its row sum has the
+  // rounding of any sum of n values.
+  const Tensor y_cpu = yc.detach();
+  const Tensor y_gpu = y_cpu.to(cuda0());
   const Tensor dc = Tensor::empty(x.cpu.shape(), dtype, Device::cpu());
   const Tensor dg = Tensor::empty(x.cpu.shape(), dtype, cuda0());
-  backend_for(Device::cpu()).softmax_backward(x.cpu, g.cpu, d, log, dc);
-  backend_for(cuda0()).softmax_backward(x.gpu, g.gpu, d, log, dg);
-  EXPECT_TRUE(matches_cpu(dg, dc, kSumUlp, dtype == DType::F64 ? 1e-12 : 1e-4)) << "softmax_backward kernel";
+  backend_for(Device::cpu()).softmax_backward(y_cpu, x.cpu, d, log, dc);
+  backend_for(cuda0()).softmax_backward(y_gpu, x.gpu, d, log, dg);
+  EXPECT_TRUE(matches_cpu(dg, dc, kSumUlp, sum_atol(dtype, n), rtol)) << "softmax_backward kernel";
 }
 
 }  // namespace
@@ -271,8 +302,8 @@ TEST(CudaSoftmax, NaNAndInfRowsMatchCpu) {
   for (bool log : {false, true}) {
     const Tensor cpu = Tensor::from_vector(values, {4, 40}, DType::F32);
     const Tensor gpu = cpu.to(cuda0());
-    EXPECT_TRUE(
-        matches_cpu(log ? log_softmax(gpu, 1) : softmax(gpu, 1), log ? log_softmax(cpu, 1) : softmax(cpu, 1), 4, 1e-6))
+    EXPECT_TRUE(matches_cpu(log ? log_softmax(gpu, 1) : softmax(gpu, 1), log ? log_softmax(cpu, 1) : softmax(cpu, 1), 4,
+                            1e-6, 2e-6))
         << (log ? "log_softmax" : "softmax");
   }
 }
