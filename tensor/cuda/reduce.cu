@@ -4,7 +4,8 @@
 // A reduction is   out[o] = combine_j load(x[kept_offset(o) + reduced_offset(j)])   (the CPU's geometry:
 // kept dims and reduced dims, size-1 dims dropped, neighbours merged). Two kernels cover the loop orders:
 //  - row mode (the reduced dims are innermost in memory): one warp per (output, chunk of the reduced
-//    elements); lanes read consecutive elements and combine with a fixed shuffle tree;
+//    elements); lanes read consecutive elements (16-byte packs when the run is contiguous and aligned) and
+//    combine with a fixed shuffle tree;
 //  - column mode (a kept dim is innermost, or rows are too short for a warp): one thread per (chunk, output),
 //    adjacent threads on adjacent outputs, so a warp reads consecutive memory.
 // When a reduction is split into several chunks, the partial results (acc type) form a new, contiguous
@@ -174,6 +175,15 @@ __device__ __forceinline__ void emit(const Sink<A>& sink, int64_t index, A value
 
 __device__ __forceinline__ int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
 
+// 16 bytes of elements, for vector loads and stores.
+template <class D>
+struct alignas(16) Pack {
+  static constexpr int kSize = 16 / static_cast<int>(sizeof(D));
+  D v[kSize];
+};
+
+__device__ __forceinline__ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
 template <class A, class Rule>
 __device__ __forceinline__ A warp_combine(A v, const Rule& rule) {
 #pragma unroll
@@ -182,13 +192,14 @@ __device__ __forceinline__ A warp_combine(A v, const Rule& rule) {
 }
 
 // Row mode: warp w handles unit (o, chunk) = (w / chunks, w % chunks); results go to partial[unit] (A) when
-// chunks > 1, else to the sink at o. kLoad: apply rule.load (first stage) or combine raw partials.
-// In is the stored element type; D the reduction's element type (for the final store).
+// chunks > 1, else to the sink at o. Contiguous rows are read in 16-byte packs. kLoad: apply rule.load (first stage) or
+// combine raw partials. In is the stored element type; D the reduction's element type (for the final store).
 template <class In, class D, class A, class Rule, bool kLoad>
 __global__ void reduce_rows_kernel(const In* x, Walk kept, Walk reduced, int64_t n_out, int64_t n_reduced,
                                    int64_t chunk, int64_t chunks, Rule rule, A* partial, Sink<A> sink) {
   const int lane = threadIdx.x % 32;
   const int64_t warps_per_block = blockDim.x / 32;
+  const bool contiguous = reduced.dims == 1 && reduced.strides[0] == 1;
   const int64_t units = n_out * chunks;
   for (int64_t unit = blockIdx.x * warps_per_block + threadIdx.x / 32; unit < units;
        unit += static_cast<int64_t>(gridDim.x) * warps_per_block) {
@@ -196,12 +207,31 @@ __global__ void reduce_rows_kernel(const In* x, Walk kept, Walk reduced, int64_t
     const In* base = x + kept.offset(o);
     const int64_t begin = c * chunk, end = imin(begin + chunk, n_reduced);
     A acc = rule.identity();
-    for (int64_t j = begin + lane; j < end; j += 32) {
-      const A v = load_as<A>(base[reduced.offset(j)]);
+    auto take = [&](In element) {
+      const A v = load_as<A>(element);
       if constexpr (kLoad)
         acc = rule.combine(acc, rule.load(v, o));
       else
         acc = rule.combine(acc, v);
+    };
+    if (contiguous) {
+      // 16-byte loads when the chunk starts aligned (chunks are multiples of a pack), then the tail.
+      const In* p = base + begin;
+      const int64_t length = end - begin;
+      int64_t tail = 0;
+      if (aligned16(p)) {
+        constexpr int V = Pack<In>::kSize;
+        const int64_t packs = length / V;
+        for (int64_t k = lane; k < packs; k += 32) {
+          const Pack<In> pack = reinterpret_cast<const Pack<In>*>(p)[k];
+#pragma unroll
+          for (int e = 0; e < V; ++e) take(pack.v[e]);
+        }
+        tail = packs * V;
+      }
+      for (int64_t j = tail + lane; j < length; j += 32) take(p[j]);
+    } else {
+      for (int64_t j = begin + lane; j < end; j += 32) take(base[reduced.offset(j)]);
     }
     acc = warp_combine(acc, rule);
     if (lane == 0) {
@@ -325,15 +355,6 @@ __device__ __forceinline__ float softmax_exp(float d) { return d < -87.0f ? 0.0f
 __device__ __forceinline__ double softmax_exp(double d) { return exp(d); }
 __device__ __forceinline__ float log1p_acc(float v) { return log1pf(v); }
 __device__ __forceinline__ double log1p_acc(double v) { return log1p(v); }
-
-// 16 bytes of elements, for vector loads and stores.
-template <class D>
-struct alignas(16) Pack {
-  static constexpr int kSize = 16 / static_cast<int>(sizeof(D));
-  D v[kSize];
-};
-
-__device__ __forceinline__ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
 template <class A>
 struct MaxNumOp {  // both operands are never NaN here
