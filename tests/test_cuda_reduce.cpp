@@ -376,7 +376,7 @@ struct ParamSet {
 ParamSet make_params(DType dtype, uint64_t seed) {
   ParamSet set;
   std::vector<Shape> shapes = {{1}, {5}, {350, 200}, {16384}, {16385}, {3, 7}};
-  for (int k = 0; k < 40; ++k) shapes.push_back({k + 1});
+  for (int k = 0; k < 50; ++k) shapes.push_back({k + 1});  // 56 params: two launches for Adam and SGD
   for (const Shape& shape : shapes) {
     Tensor cpu = uniform_tensor(shape, seed++, -2, 2, dtype);
     Tensor gpu = cpu.to(cuda0());
