@@ -212,6 +212,12 @@ uint32_t alignment_of(const void* ptr) {
   return alignment;
 }
 
+// The alignment every batch step keeps: that of the step in bytes (256 for no step, a broadcast or one entry).
+uint32_t batch_alignment(int64_t batch_stride, size_t element_size) {
+  if (batch_stride == 0) return 256;
+  return alignment_of(reinterpret_cast<const void*>(static_cast<uintptr_t>(batch_stride) * element_size));
+}
+
 // ---- plans ------------------------------------------------------------------------------------------------
 
 // Everything the descriptors and the algorithm depend on.
@@ -491,9 +497,11 @@ void run_matmul(CudaBackend& backend, const Tensor& a, const Tensor& b, const Te
   const void* b_ptr = A.data_ptr();  // cuBLASLt's B
   void* d_ptr = out.data_ptr();
   const void* bias_ptr = has_bias ? bias.data_ptr() : nullptr;
-  key.a_align = alignment_of(a_ptr);
-  key.b_align = alignment_of(b_ptr);
-  key.d_align = alignment_of(d_ptr);
+  // Every batch entry's matrix must meet the alignment the algorithm is chosen for, not only the first.
+  const size_t element = dtype_size(key.dtype);
+  key.a_align = std::min(alignment_of(a_ptr), batch_alignment(key.a_batch_stride, element));
+  key.b_align = std::min(alignment_of(b_ptr), batch_alignment(key.b_batch_stride, element));
+  key.d_align = std::min(alignment_of(d_ptr), batch_alignment(key.d_batch_stride, element));
   key.bias_align = has_bias ? alignment_of(bias_ptr) : 0;
 
   const auto handle = static_cast<cublasLtHandle_t>(backend.cublaslt_handle());
