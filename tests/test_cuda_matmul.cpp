@@ -202,7 +202,8 @@ TEST(CudaMatmul, EmptyReductionWritesZerosAndEmptyOutputsNothing) {
     const Tensor out = matmul(a, b);
     EXPECT_EQ(out.shape(), (Shape{5, 7}));
     EXPECT_EQ(out.to_vector<double>(), std::vector<double>(35, 0.0)) << dtype_name(dtype);
-    const Tensor batched = matmul(Tensor::zeros({2, 3, 0}, dtype).to(cuda0()), Tensor::zeros({2, 0, 4}, dtype).to(cuda0()));
+    const Tensor batched =
+        matmul(Tensor::zeros({2, 3, 0}, dtype).to(cuda0()), Tensor::zeros({2, 0, 4}, dtype).to(cuda0()));
     EXPECT_EQ(batched.to_vector<double>(), std::vector<double>(24, 0.0)) << dtype_name(dtype);
     // M == 0 or N == 0: nothing to write, no error.
     EXPECT_EQ(matmul(Tensor::zeros({0, 6}, dtype).to(cuda0()), Tensor::ones({6, 4}, dtype).to(cuda0())).shape(),
@@ -293,7 +294,8 @@ TEST(CudaMatmul, LinearGradientsMatchCpu) {
   const Tensor x0 = uniform_tensor({2, 5, 32}, 101, -1, 1, DType::F32);
   const Tensor w0 = uniform_tensor({24, 32}, 102, -1, 1, DType::F32);
   const Tensor b0 = uniform_tensor({24}, 103, -1, 1, DType::F32);
-  Tensor x_cpu = x0.detach().requires_grad_(), w_cpu = w0.detach().requires_grad_(), b_cpu = b0.detach().requires_grad_();
+  Tensor x_cpu = x0.detach().requires_grad_(), w_cpu = w0.detach().requires_grad_(),
+         b_cpu = b0.detach().requires_grad_();
   Tensor x_gpu = x0.to(cuda0()).detach().requires_grad_(), w_gpu = w0.to(cuda0()).detach().requires_grad_(),
          b_gpu = b0.to(cuda0()).detach().requires_grad_();
   const Tensor grad_out = uniform_tensor({2, 5, 24}, 104, -1, 1, DType::F32);

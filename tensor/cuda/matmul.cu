@@ -158,7 +158,7 @@ LtMatrix lt_of_out(const Geometry& g) { return lt_matrix(g.N, g.M, g.out.col_str
 
 // A contiguous copy of operand t ([..., rows, cols] under out's batch dims) with every batch dim at out's size:
 // broadcast (stride-0 or size-1) dims are repeated, so the copy has ordinary strides everywhere.
-Tensor materialize(CudaBackend& backend, const Tensor& t, const Tensor& out) {
+Tensor materialize(Backend& backend, const Tensor& t, const Tensor& out) {
   Shape shape = out.shape();
   shape[shape.size() - 2] = t.size(-2);
   shape[shape.size() - 1] = t.size(-1);
@@ -237,12 +237,14 @@ struct PlanKey {
             a_batch_stride, b_batch_stride, d_batch_stride, a_align, b_align, d_align, bias_align};
   }
   std::string describe() const {
-    std::string text = std::string(dtype_name(dtype)) + " out[" + std::to_string(batch) + " x " +
-                       std::to_string(M) + ", " + std::to_string(N) + "] = a[" + std::to_string(M) + ", " +
-                       std::to_string(K) + "]" + (b.transpose ? " (a transposed view)" : "") + " @ b[" + std::to_string(K) +
-                       ", " + std::to_string(N) + "]" + (a.transpose ? " (a transposed view)" : "") +
-                       " (epilogue " + epilogue_name(epilogue) + (tf32 ? ", tf32" : "") + ")";
-    return text;
+    auto matrix = [](const char* name, int64_t rows, int64_t cols, bool transposed) {
+      return std::string(name) + "[" + std::to_string(rows) + ", " + std::to_string(cols) + "]" +
+             (transposed ? " (a transposed view)" : "");
+    };
+    // key.b is cuBLASLt's B, i.e. our a; key.a is our b.
+    return std::string(dtype_name(dtype)) + " batch " + std::to_string(batch) + ": " + matrix("a", M, K, b.transpose) +
+           " @ " + matrix("b", K, N, a.transpose) + " (epilogue " + epilogue_name(epilogue) + (tf32 ? ", tf32" : "") +
+           ")";
   }
 };
 
@@ -429,27 +431,16 @@ void check_int32(int64_t value, const char* what, const Tensor& a, const Tensor&
          " exceeds cuBLASLt's 32-bit limit");
 }
 
-void run_matmul(CudaBackend& backend, const Tensor& a, const Tensor& b, const Tensor& out, const Tensor& bias,
-                bool gelu) {
-  if (a.dim() < 2 || a.dim() != b.dim() || a.dim() != out.dim())
-    fail("cuda matmul: operands ", a.description(), " x ", b.description(), " -> ", out.description(),
-         " must have the same number (>= 2) of dims");
-  if (a.dtype() != b.dtype() || a.dtype() != out.dtype())
-    fail("cuda matmul: dtypes differ: ", a.description(), " x ", b.description(), " -> ", out.description());
-  const bool has_bias = bias.defined();
-  if (has_bias && (bias.dim() != 1 || bias.size(0) != out.size(-1) || bias.dtype() != out.dtype() ||
-                   !bias.is_contiguous()))
-    fail("cuda matmul: bias ", bias.description(), " must be a contiguous ", dtype_name(out.dtype()), "[",
-         out.size(-1), "] for output ", out.description());
-  if (out.numel() == 0) return;
-  if (!out.is_contiguous()) fail("cuda matmul: output ", out.description(), " must be contiguous");
-  lt_type(a.dtype());  // rejects integer dtypes before any work
-  if (a.size(-1) == 0) {  // an empty sum: out = bias (or 0) in every row
-    if (gelu) fail("cuda matmul_gelu: K == 0 is not supported (", a.description(), " x ", b.description(), ")");
-    fill_rows(backend, out, bias);
-    return;
-  }
+// The product as cuBLASLt will run it: the operands (a and b themselves, or copies where cuBLASLt cannot read
+// their layout) and the plan key with every layout decision. Host-side only (copies go through `backend`).
+struct LtProblem {
+  Tensor A, B;  // our a and b (cuBLASLt's B and A)
+  PlanKey key;
+};
 
+LtProblem lower(Backend& backend, const Tensor& a, const Tensor& b, const Tensor& out, const void* bias_ptr,
+                bool gelu, int device) {
+  const bool has_bias = bias_ptr != nullptr;
   // Operands cuBLASLt cannot read are copied; the geometry is then recomputed from the copies.
   Tensor A = a, B = b;
   Geometry g = simplify(A, B, out);
@@ -473,9 +464,10 @@ void run_matmul(CudaBackend& backend, const Tensor& a, const Tensor& b, const Te
 
   PlanKey key;
   key.dtype = a.dtype();
-  key.epilogue = gelu ? (has_bias ? Epilogue::GeluBias : Epilogue::Gelu) : (has_bias ? Epilogue::Bias : Epilogue::None);
+  if (gelu) key.epilogue = has_bias ? Epilogue::GeluBias : Epilogue::Gelu;
+  else key.epilogue = has_bias ? Epilogue::Bias : Epilogue::None;
   key.tf32 = a.dtype() == DType::F32 && allow_tf32();
-  key.device = backend.device();
+  key.device = device;
   key.M = g.M;
   key.N = g.N;
   key.K = g.K;
@@ -495,14 +487,44 @@ void run_matmul(CudaBackend& backend, const Tensor& a, const Tensor& b, const Te
   check_int32(std::max({key.a.ld, key.b.ld, key.d.ld}), "a leading dimension", a, b);
   const void* a_ptr = B.data_ptr();  // cuBLASLt's A
   const void* b_ptr = A.data_ptr();  // cuBLASLt's B
-  void* d_ptr = out.data_ptr();
-  const void* bias_ptr = has_bias ? bias.data_ptr() : nullptr;
+  const void* d_ptr = out.data_ptr();
   // Every batch entry's matrix must meet the alignment the algorithm is chosen for, not only the first.
   const size_t element = dtype_size(key.dtype);
   key.a_align = std::min(alignment_of(a_ptr), batch_alignment(key.a_batch_stride, element));
   key.b_align = std::min(alignment_of(b_ptr), batch_alignment(key.b_batch_stride, element));
   key.d_align = std::min(alignment_of(d_ptr), batch_alignment(key.d_batch_stride, element));
   key.bias_align = has_bias ? alignment_of(bias_ptr) : 0;
+  return {A, B, key};
+}
+
+void run_matmul(CudaBackend& backend, const Tensor& a, const Tensor& b, const Tensor& out, const Tensor& bias,
+                bool gelu) {
+  if (a.dim() < 2 || a.dim() != b.dim() || a.dim() != out.dim())
+    fail("cuda matmul: operands ", a.description(), " x ", b.description(), " -> ", out.description(),
+         " must have the same number (>= 2) of dims");
+  if (a.dtype() != b.dtype() || a.dtype() != out.dtype())
+    fail("cuda matmul: dtypes differ: ", a.description(), " x ", b.description(), " -> ", out.description());
+  const bool has_bias = bias.defined();
+  if (has_bias && (bias.dim() != 1 || bias.size(0) != out.size(-1) || bias.dtype() != out.dtype() ||
+                   !bias.is_contiguous()))
+    fail("cuda matmul: bias ", bias.description(), " must be a contiguous ", dtype_name(out.dtype()), "[",
+         out.size(-1), "] for output ", out.description());
+  if (out.numel() == 0) return;
+  if (!out.is_contiguous()) fail("cuda matmul: output ", out.description(), " must be contiguous");
+  lt_type(a.dtype());  // rejects integer dtypes before any work
+  if (a.size(-1) == 0) {  // an empty sum: out = bias (or 0) in every row
+    if (gelu) fail("cuda matmul_gelu: K == 0 is not supported (", a.description(), " x ", b.description(), ")");
+    fill_rows(backend, out, bias);
+    return;
+  }
+
+  const LtProblem problem =
+      lower(backend, a, b, out, has_bias ? bias.data_ptr() : nullptr, gelu, backend.device());
+  const PlanKey& key = problem.key;
+  const void* a_ptr = problem.B.data_ptr();  // cuBLASLt's A
+  const void* b_ptr = problem.A.data_ptr();  // cuBLASLt's B
+  void* d_ptr = out.data_ptr();
+  const void* bias_ptr = has_bias ? bias.data_ptr() : nullptr;
 
   const auto handle = static_cast<cublasLtHandle_t>(backend.cublaslt_handle());
   void* workspace = backend.workspace();
