@@ -279,7 +279,8 @@ TEST(CudaEmbedding, BackwardEqualsCpuBitForBitAndIsDeterministic) {
 TEST(CudaEmbedding, BackwardWithI32IndicesAndALargeVocabulary) {
   MIXTAPE_REQUIRE_CUDA();
   const int64_t V = 70000, n = 4096, C = 24;  // keys need 17 bits
-  std::vector<int32_t> ids = Tensor::randint(0, V, {n}, 36, DType::I32).to_vector<int32_t>();
+  const std::vector<int64_t> drawn = Tensor::randint(0, V, {n}, 36).to_vector<int64_t>();
+  std::vector<int32_t> ids(drawn.begin(), drawn.end());
   for (int64_t i = 0; i < n; i += 3) ids[static_cast<size_t>(i)] = static_cast<int32_t>(V - 1);  // a hot row
   const Tensor indices = Tensor::from_vector(ids, {64, 64});
   const Tensor g = uniform_tensor({64, 64, C}, 37, -1, 1, DType::BF16);
