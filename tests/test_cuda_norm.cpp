@@ -130,17 +130,18 @@ TEST(CudaLayerNorm, WithoutWeightOrBiasAndOnNonContiguousInput) {
   MIXTAPE_REQUIRE_CUDA();
   for (DType dtype : kFloatDtypes)
     for (int64_t C : {int64_t{16}, int64_t{45}}) {
-      // x [2, 9, C] read through a transpose: the front end makes the rows contiguous.
+      // x [2, 9, C] read through a transpose (on each device): the front end makes the rows contiguous, and
+      // the gradient flows back through the transpose to the leaf.
       const Tensor base = uniform_tensor({C, 18}, 5, -2, 2, dtype);
-      const Tensor x = base.transpose(0, 1).reshape({2, 9, C});
+      auto as_x = [C](const Tensor& leaf) { return leaf.transpose(0, 1).reshape({2, 9, C}); };
       const Tensor g = uniform_tensor({2, 9, C}, 6, -1, 1, dtype);
       const Tensor w = uniform_tensor({C}, 7, 0.5, 1.5, dtype), b = uniform_tensor({C}, 8, -0.5, 0.5, dtype);
       const std::string at = label(dtype, 18, C);
       for (int variant = 0; variant < 3; ++variant) {  // neither, weight only, bias only
-        Tensor xc = cpu_leaf(x), xg = cuda_leaf(x);
+        Tensor xc = cpu_leaf(base), xg = cuda_leaf(base);
         Tensor wc = variant == 1 ? cpu_leaf(w) : Tensor(), wg = variant == 1 ? cuda_leaf(w) : Tensor();
         Tensor bc = variant == 2 ? cpu_leaf(b) : Tensor(), bg = variant == 2 ? cuda_leaf(b) : Tensor();
-        const LayerNormResult rc = layer_norm(xc, wc, bc), rg = layer_norm(xg, wg, bg);
+        const LayerNormResult rc = layer_norm(as_x(xc), wc, bc), rg = layer_norm(as_x(xg), wg, bg);
         backward({rc.out}, {g});
         backward({rg.out}, {g.to(cuda0())});
         EXPECT_TRUE(close_to_cpu(rg.out, rc.out)) << at << " variant " << variant;
@@ -210,15 +211,15 @@ TEST(CudaRmsNorm, ForwardAndBackwardMatchCpu) {
 TEST(CudaRmsNorm, NonContiguousInputAndReproducibleWeightGradient) {
   MIXTAPE_REQUIRE_CUDA();
   const int64_t N = 700, C = 40;
-  const Tensor x = uniform_tensor({C, N}, 23, -2, 2, DType::F32).transpose(0, 1);
+  const Tensor x = uniform_tensor({C, N}, 23, -2, 2, DType::F32);  // used as x^T [N, C] on each device
   const Tensor w = uniform_tensor({C}, 24, 0.5, 1.5, DType::F32);
   const Tensor g = uniform_tensor({N, C}, 25, -1, 1, DType::F32);
   Tensor xc = cpu_leaf(x), wc = cpu_leaf(w);
-  backward({rms_norm(xc, wc).out}, {g});
+  backward({rms_norm(xc.transpose(0, 1), wc).out}, {g});
   Tensor first;
   for (int run = 0; run < 2; ++run) {
     Tensor xg = cuda_leaf(x), wg = cuda_leaf(w);
-    backward({rms_norm(xg, wg).out}, {g.to(cuda0())});
+    backward({rms_norm(xg.transpose(0, 1), wg).out}, {g.to(cuda0())});
     EXPECT_TRUE(close_to_cpu(xg.grad(), xc.grad()));
     EXPECT_TRUE(close_to_cpu(wg.grad(), wc.grad()));
     if (run == 0) {
@@ -239,14 +240,14 @@ TEST(CudaEmbedding, ForwardGathersTheCpuBits) {
       for (int64_t C : {int64_t{8}, int64_t{37}, int64_t{768}}) {
         const Tensor indices = Tensor::randint(0, V, {3, 41}, 30, index_dtype);  // many repeats
         const Tensor weight = uniform_tensor({V, C}, 31, -1, 1, dtype);
-        // Also a transposed (tied) weight: rows are strided, element loads.
-        const Tensor tied = uniform_tensor({C, V}, 32, -1, 1, dtype).transpose(0, 1);
+        // Also a transposed (tied) weight, transposed on each device: rows are strided, element loads.
+        const Tensor tied = uniform_tensor({C, V}, 32, -1, 1, dtype);
         const std::string at = label(dtype, V, C) + " " + dtype_name(index_dtype);
-        for (const Tensor& w : {weight, tied}) {
-          const Tensor out = embedding(w.to(cuda0()), indices.to(cuda0()));
-          EXPECT_EQ(out.shape(), (Shape{3, 41, C})) << at;
-          EXPECT_TRUE(bitwise_equal(out, embedding(w, indices))) << at;
-        }
+        const Tensor out = embedding(weight.to(cuda0()), indices.to(cuda0()));
+        EXPECT_EQ(out.shape(), (Shape{3, 41, C})) << at;
+        EXPECT_TRUE(bitwise_equal(out, embedding(weight, indices))) << at;
+        const Tensor tied_out = embedding(tied.to(cuda0()).transpose(0, 1), indices.to(cuda0()));
+        EXPECT_TRUE(bitwise_equal(tied_out, embedding(tied.transpose(0, 1), indices))) << at << " tied";
       }
 }
 
@@ -322,15 +323,16 @@ TEST(CudaCrossEntropy, NonContiguousLogitsCustomIgnoreIndexAndReproducibleLoss) 
   MIXTAPE_REQUIRE_CUDA();
   const int64_t V = 24;
   // logits [2, 30, V] read through a transpose; ignore_index 2 is a class.
-  const Tensor logits = uniform_tensor({V, 60}, 42, -3, 3, DType::F32).transpose(0, 1).reshape({2, 30, V});
+  const Tensor logits = uniform_tensor({V, 60}, 42, -3, 3, DType::F32);  // the leaf; read as below
+  auto as_logits = [](const Tensor& leaf) { return leaf.transpose(0, 1).reshape({2, 30, V}); };
   const Tensor targets = Tensor::randint(0, V, {2, 30}, 43);
   Tensor lc = cpu_leaf(logits);
-  const Tensor loss_c = softmax_cross_entropy(lc, targets, 2);
+  const Tensor loss_c = softmax_cross_entropy(as_logits(lc), targets, 2);
   backward(loss_c);
   Tensor first;
   for (int run = 0; run < 2; ++run) {
     Tensor lg = cuda_leaf(logits);
-    const Tensor loss_g = softmax_cross_entropy(lg, targets.to(cuda0()), 2);
+    const Tensor loss_g = softmax_cross_entropy(as_logits(lg), targets.to(cuda0()), 2);
     backward(loss_g);
     EXPECT_TRUE(close_to_cpu(loss_g, loss_c));
     EXPECT_TRUE(close_to_cpu(lg.grad(), lc.grad()));
