@@ -1,14 +1,300 @@
-// PLACEHOLDER: cross_entropy.cu is being written; until then every kernel here throws "not supported".
+// Softmax cross-entropy on CUDA: the forward and the fused backward, with the math of
+// tensor/cpu/cross_entropy.cpp (f16/bf16/f32 compute in float, f64 in double; lse saved in that type).
+//
+// Forward: one block per row of logits [N, V] (32..512 threads by V, 16-byte loads when aligned) computes
+//   lse_i = m + log(sum_j e^(x_ij - m)),  m = the row max (0 when it is not finite, as on the CPU);
+// then one block sums (lse_i - x_{i, t_i}) over the counted rows in double in a fixed tree (thread t takes
+// rows t, t + 256, ...; a fixed shuffle/shared-memory tree combines them), so the loss is reproducible bit
+// for bit; loss = total / count, 0 when no row counts.
+// Backward: one block counts the counted rows into a device scalar; then one block per row writes
+//   grad_ij = (e^(x_ij - lse_i) - [j == t_i]) * g / count   (0 for ignored rows)
+// straight into grad_logits.
+#include <algorithm>
+#include <cstdint>
+#include <initializer_list>
+
+#include "tensor/cuda/common.cuh"
 #include "tensor/cuda/cuda_backend.h"
 
 namespace mixtape::cuda {
 
-void CudaBackend::softmax_cross_entropy(const Tensor& /*logits*/, const Tensor& /*targets*/, int64_t /*ignore_index*/, const Tensor& /*loss*/, const Tensor& /*lse*/) {
-  not_supported("CUDA softmax_cross_entropy: the kernel is not written yet");
+namespace {
+
+template <class D>
+struct alignas(16) Pack {
+  static constexpr int kSize = 16 / static_cast<int>(sizeof(D));
+  D v[kSize];
+};
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+__device__ __forceinline__ float dev_exp(float x) { return expf(x); }
+__device__ __forceinline__ double dev_exp(double x) { return exp(x); }
+__device__ __forceinline__ float dev_log(float x) { return logf(x); }
+__device__ __forceinline__ double dev_log(double x) { return log(x); }
+
+struct SumOp {
+  template <class A> __device__ __forceinline__ A operator()(A a, A b) const { return a + b; }
+};
+// std::max(a, b) as the CPU's row max uses it: b when a < b, else a (a NaN b is skipped).
+struct MaxOp {
+  template <class A> __device__ __forceinline__ A operator()(A a, A b) const { return a < b ? b : a; }
+};
+
+// op over the block (blockDim.x a multiple of 32, at most 1024), thread 0's result broadcast to every thread.
+// Fixed tree: reproducible. `shared` holds 32 A.
+template <class A, class Op>
+__device__ __forceinline__ A block_reduce(A v, A* shared, Op op) {
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) v = op(v, __shfl_down_sync(0xffffffffu, v, o));
+  const int warps = static_cast<int>(blockDim.x) / 32;
+  if (warps == 1) return __shfl_sync(0xffffffffu, v, 0);
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  __syncthreads();  // the previous call's readers are done with shared
+  if (lane == 0) shared[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    v = shared[lane < warps ? lane : 0];  // lanes past the warps repeat warp 0's value and are never combined in
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) {
+      const A other = __shfl_down_sync(0xffffffffu, v, o);
+      if (lane + o < warps) v = op(v, other);
+    }
+    if (lane == 0) shared[0] = v;
+  }
+  __syncthreads();
+  return shared[0];
 }
 
-void CudaBackend::softmax_cross_entropy_backward(const Tensor& /*grad_loss*/, const Tensor& /*logits*/, const Tensor& /*targets*/, const Tensor& /*lse*/, int64_t /*ignore_index*/, const Tensor& /*grad_logits*/) {
-  not_supported("CUDA softmax_cross_entropy_backward: the kernel is not written yet");
+// Group k of a row as A (16-byte load when kVec, else element loads; elements past V are not read).
+template <class D, class A, bool kVec>
+__device__ __forceinline__ void load_group(const D* p, int64_t k, int64_t V, A (&out)[Pack<D>::kSize]) {
+  constexpr int W = Pack<D>::kSize;
+  if constexpr (kVec) {
+    const Pack<D> pk = reinterpret_cast<const Pack<D>*>(p)[k];
+#pragma unroll
+    for (int e = 0; e < W; ++e) out[e] = load_as<A>(pk.v[e]);
+  } else {
+#pragma unroll
+    for (int e = 0; e < W; ++e) {
+      const int64_t j = k * W + e;
+      out[e] = j < V ? load_as<A>(p[j]) : A(0);
+    }
+  }
+}
+
+int row_threads(int64_t groups) {
+  int threads = 32;
+  while (threads < 512 && threads * 4 < groups) threads *= 2;
+  return threads;
+}
+
+unsigned row_blocks(int64_t N) { return static_cast<unsigned>(std::min<int64_t>(N, int64_t{1} << 20)); }
+
+// lse[i] = log sum_j e^(x_ij), shifted by the row max when it is finite.
+template <class D, bool kVec>
+__global__ void row_lse_kernel(const D* __restrict__ logits, device_acc_t<D>* __restrict__ lse, int64_t N,
+                               int64_t V) {
+  using A = device_acc_t<D>;
+  constexpr int W = Pack<D>::kSize;
+  __shared__ A shared[32];
+  const int64_t groups = (V + W - 1) / W;
+  for (int64_t i = blockIdx.x; i < N; i += gridDim.x) {
+    const D* xi = logits + i * V;
+    A m = -INFINITY;
+    for (int64_t k = threadIdx.x; k < groups; k += blockDim.x) {
+      A v[W];
+      load_group<D, A, kVec>(xi, k, V, v);
+#pragma unroll
+      for (int e = 0; e < W; ++e)
+        if (kVec || k * W + e < V) m = MaxOp{}(m, v[e]);
+    }
+    m = block_reduce(m, shared, MaxOp{});
+    const A shift = isfinite(m) ? m : A(0);
+    A sum = A(0);
+    for (int64_t k = threadIdx.x; k < groups; k += blockDim.x) {
+      A v[W];
+      load_group<D, A, kVec>(xi, k, V, v);
+#pragma unroll
+      for (int e = 0; e < W; ++e)
+        if (kVec || k * W + e < V) sum += dev_exp(v[e] - shift);
+    }
+    sum = block_reduce(sum, shared, SumOp{});
+    if (threadIdx.x == 0) lse[i] = shift + dev_log(sum);
+  }
+}
+
+constexpr int kLossThreads = 256;
+
+// One block: loss = (sum over counted rows of double(lse_i - x_{i, t_i})) / count, 0 when count is 0.
+template <class D, class I>
+__global__ void loss_kernel(const D* __restrict__ logits, const I* __restrict__ target,
+                            const device_acc_t<D>* __restrict__ lse, int64_t N, int64_t V, int64_t ignore_index,
+                            device_acc_t<D>* __restrict__ loss) {
+  using A = device_acc_t<D>;
+  __shared__ double shared_total[32];
+  __shared__ long long shared_count[32];
+  double total = 0;
+  long long count = 0;
+  for (int64_t i = threadIdx.x; i < N; i += blockDim.x) {
+    const int64_t t = static_cast<int64_t>(target[i]);
+    if (t == ignore_index) continue;
+    total += static_cast<double>(lse[i] - load_as<A>(logits[i * V + t]));
+    ++count;
+  }
+  total = block_reduce(total, shared_total, SumOp{});
+  count = block_reduce(count, shared_count, SumOp{});
+  if (threadIdx.x == 0)
+    loss[0] = count > 0 ? static_cast<A>(total / static_cast<double>(count)) : A(0);
+}
+
+// One block: count[0] = the number of rows whose target is not ignore_index.
+template <class I>
+__global__ void count_kernel(const I* __restrict__ target, int64_t N, int64_t ignore_index,
+                             long long* __restrict__ count_out) {
+  __shared__ long long shared[32];
+  long long count = 0;
+  for (int64_t i = threadIdx.x; i < N; i += blockDim.x) count += static_cast<int64_t>(target[i]) != ignore_index;
+  count = block_reduce(count, shared, SumOp{});
+  if (threadIdx.x == 0) count_out[0] = count;
+}
+
+// grad row i = (e^(x_ij - lse_i) - [j == t_i]) * grad_loss / count, or 0 for an ignored row.
+template <class D, class I, bool kVec>
+__global__ void cross_entropy_backward_kernel(const device_acc_t<D>* __restrict__ grad_loss,
+                                              const D* __restrict__ logits, const I* __restrict__ target,
+                                              const device_acc_t<D>* __restrict__ lse,
+                                              const long long* __restrict__ count_in, int64_t N, int64_t V,
+                                              int64_t ignore_index, D* __restrict__ grad) {
+  using A = device_acc_t<D>;
+  constexpr int W = Pack<D>::kSize;
+  const int64_t groups = (V + W - 1) / W;
+  const long long count = count_in[0];
+  // As the CPU: row_scale = g / count (0 when nothing counts), formed once in A.
+  const A row_scale = count > 0 ? grad_loss[0] / static_cast<A>(count) : A(0);
+  for (int64_t i = blockIdx.x; i < N; i += gridDim.x) {
+    const D* xi = logits + i * V;
+    D* gi = grad + i * V;
+    const int64_t t = static_cast<int64_t>(target[i]);
+    const bool ignored = t == ignore_index;
+    const A l = ignored ? A(0) : lse[i];
+    for (int64_t k = threadIdx.x; k < groups; k += blockDim.x) {
+      A v[W], o[W];
+      load_group<D, A, kVec>(xi, k, V, v);
+#pragma unroll
+      for (int e = 0; e < W; ++e) {
+        const int64_t j = k * W + e;
+        if (ignored)
+          o[e] = A(0);
+        else if (j == t)  // (p - 1) formed in A before the one rounding
+          o[e] = (dev_exp(v[e] - l) - A(1)) * row_scale;
+        else
+          o[e] = dev_exp(v[e] - l) * row_scale;
+      }
+      if constexpr (kVec) {
+        Pack<D> pk;
+#pragma unroll
+        for (int e = 0; e < W; ++e) pk.v[e] = store<D>(o[e]);
+        reinterpret_cast<Pack<D>*>(gi)[k] = pk;
+      } else {
+#pragma unroll
+        for (int e = 0; e < W; ++e)
+          if (k * W + e < V) gi[k * W + e] = store<D>(o[e]);
+      }
+    }
+  }
+}
+
+DType stats_dtype(DType logits) { return logits == DType::F64 ? DType::F64 : DType::F32; }
+
+void check_tensor(const char* op, const char* name, const Tensor& t, const Shape& shape, DType dtype) {
+  check(t.defined() && t.shape() == shape && (t.is_contiguous() || t.numel() == 0) && t.dtype() == dtype, op,
+        ": ", name, " must be contiguous ", dtype_name(dtype), shape_str(shape), ", got ", t.description());
+}
+
+void check_targets(const char* op, const Tensor& targets, int64_t N) {
+  check(targets.defined() && targets.dim() == 1 && targets.shape()[0] == N && targets.is_contiguous() &&
+            (targets.dtype() == DType::I32 || targets.dtype() == DType::I64),
+        op, ": targets must be contiguous i32/i64 [", N, "], got ", targets.description());
+}
+
+template <class D>
+bool can_vectorise(int64_t V, std::initializer_list<const void*> pointers) {
+  if (V % Pack<D>::kSize != 0) return false;
+  for (const void* p : pointers)
+    if (!aligned16(p)) return false;
+  return true;
+}
+
+}  // namespace
+
+void CudaBackend::softmax_cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore_index,
+                                        const Tensor& loss, const Tensor& lse) {
+  const char* op = "softmax_cross_entropy";
+  check(logits.dim() == 2, op, ": logits must be [N, V], got ", logits.description());
+  const int64_t N = logits.shape()[0], V = logits.shape()[1];
+  check_tensor(op, "logits", logits, {N, V}, logits.dtype());
+  check_targets(op, targets, N);
+  check_tensor(op, "loss", loss, {}, stats_dtype(logits.dtype()));
+  check_tensor(op, "lse", lse, {N}, stats_dtype(logits.dtype()));
+  cudaStream_t s = stream();
+  dispatch_float(logits.dtype(), op, [&]<typename T>() {
+    using D = device_t<T>;
+    using A = device_acc_t<D>;
+    const D* x = device_ptr<T>(logits);
+    A* lse_out = static_cast<A*>(lse.data_ptr());
+    if (N > 0) {
+      const int threads = row_threads((V + Pack<D>::kSize - 1) / Pack<D>::kSize);
+      if (can_vectorise<D>(V, {x}))
+        row_lse_kernel<D, true><<<row_blocks(N), threads, 0, s>>>(x, lse_out, N, V);
+      else
+        row_lse_kernel<D, false><<<row_blocks(N), threads, 0, s>>>(x, lse_out, N, V);
+      MIXTAPE_KERNEL_CHECK();
+    }
+    dispatch_index(targets.dtype(), op, [&]<typename I>() {
+      loss_kernel<D, I><<<1, kLossThreads, 0, s>>>(x, static_cast<const I*>(targets.data_ptr()), lse_out, N, V,
+                                                   ignore_index, static_cast<A*>(loss.data_ptr()));
+      MIXTAPE_KERNEL_CHECK();
+    });
+  });
+}
+
+void CudaBackend::softmax_cross_entropy_backward(const Tensor& grad_loss, const Tensor& logits,
+                                                 const Tensor& targets, const Tensor& lse, int64_t ignore_index,
+                                                 const Tensor& grad_logits) {
+  const char* op = "softmax_cross_entropy_backward";
+  check(logits.dim() == 2, op, ": logits must be [N, V], got ", logits.description());
+  const int64_t N = logits.shape()[0], V = logits.shape()[1];
+  check_tensor(op, "logits", logits, {N, V}, logits.dtype());
+  check_targets(op, targets, N);
+  check_tensor(op, "grad_loss", grad_loss, {}, stats_dtype(logits.dtype()));
+  check_tensor(op, "lse", lse, {N}, stats_dtype(logits.dtype()));
+  check_tensor(op, "grad_logits", grad_logits, {N, V}, logits.dtype());
+  if (N == 0 || V == 0) return;
+  cudaStream_t s = stream();
+  Tensor count = Tensor::empty({1}, DType::I64, logits.device());
+  auto* count_ptr = static_cast<long long*>(count.data_ptr());
+  dispatch_float(logits.dtype(), op, [&]<typename T>() {
+    using D = device_t<T>;
+    using A = device_acc_t<D>;
+    dispatch_index(targets.dtype(), op, [&]<typename I>() {
+      const I* target = static_cast<const I*>(targets.data_ptr());
+      count_kernel<I><<<1, kLossThreads, 0, s>>>(target, N, ignore_index, count_ptr);
+      MIXTAPE_KERNEL_CHECK();
+      const D* x = device_ptr<T>(logits);
+      D* grad = device_ptr<T>(grad_logits);
+      const A* g = static_cast<const A*>(grad_loss.data_ptr());
+      const A* l = static_cast<const A*>(lse.data_ptr());
+      const int threads = row_threads((V + Pack<D>::kSize - 1) / Pack<D>::kSize);
+      if (can_vectorise<D>(V, {x, grad}))
+        cross_entropy_backward_kernel<D, I, true><<<row_blocks(N), threads, 0, s>>>(g, x, target, l, count_ptr, N, V,
+                                                                                     ignore_index, grad);
+      else
+        cross_entropy_backward_kernel<D, I, false><<<row_blocks(N), threads, 0, s>>>(g, x, target, l, count_ptr, N,
+                                                                                      V, ignore_index, grad);
+      MIXTAPE_KERNEL_CHECK();
+    });
+  });
 }
 
 }  // namespace mixtape::cuda

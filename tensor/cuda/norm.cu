@@ -1,22 +1,462 @@
-// PLACEHOLDER: norm.cu is being written; until then every kernel here throws "not supported".
+// Fused layer_norm / rms_norm, forward and backward, on CUDA: the same math and accumulation types as
+// tensor/cpu/norm.cpp (f16/bf16/f32 in float, f64 in double, one rounding on store; mean/rstd saved in
+// f32, f64 for f64).
+//
+// x is [N, C] contiguous rows. Forward: one block per row (32..512 threads, by C), threads reading groups of
+// 16 bytes when every operand is 16-byte aligned and C is a multiple of the group, element by element
+// otherwise. The statistics are the CPU's: the row is shifted by its first element, mean = x_0 + dm with
+// dm = 1/C sum (x_j - x_0), var = 1/C sum (x_j - x_0 - dm)^2 (two passes), rstd = 1 / sqrt(var + eps).
+// Block sums use a fixed shuffle tree, so results are bitwise the same run to run.
+//
+// Backward: grad_x by one block per row (two passes: the two row sums, then dx). grad_weight / grad_bias are
+// reduced over rows without atomics: rows are cut into chunks whose size depends on N only; one thread per
+// (chunk, column) sums its chunk's rows in order into a scratch [chunks, C] (acc type), and a second kernel
+// sums each column's partials in chunk order and rounds once. Reproducible bit for bit.
+#include <algorithm>
+#include <cstdint>
+#include <initializer_list>
+
+#include "tensor/cuda/common.cuh"
 #include "tensor/cuda/cuda_backend.h"
 
 namespace mixtape::cuda {
 
-void CudaBackend::layer_norm(const Tensor& /*x*/, const Tensor& /*weight*/, const Tensor& /*bias*/, double /*eps*/, const Tensor& /*out*/, const Tensor& /*mean*/, const Tensor& /*rstd*/) {
-  not_supported("CUDA layer_norm: the kernel is not written yet");
+namespace {
+
+// ---- helpers ----------------------------------------------------------------------------------------------
+
+template <class D>
+struct alignas(16) Pack {
+  static constexpr int kSize = 16 / static_cast<int>(sizeof(D));
+  D v[kSize];
+};
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+__device__ __forceinline__ float dev_sqrt(float x) { return sqrtf(x); }
+__device__ __forceinline__ double dev_sqrt(double x) { return sqrt(x); }
+
+// The sum of v over the block (blockDim.x a multiple of 32, at most 1024), the same value in every thread.
+// The tree is fixed by blockDim, so the result is reproducible. `shared` holds 32 A.
+template <class A>
+__device__ __forceinline__ A block_sum(A v, A* shared) {
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) v += __shfl_down_sync(0xffffffffu, v, o);
+  const int warps = static_cast<int>(blockDim.x) / 32;
+  if (warps == 1) return __shfl_sync(0xffffffffu, v, 0);
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  __syncthreads();  // the previous call's readers are done with shared
+  if (lane == 0) shared[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    v = lane < warps ? shared[lane] : A(0);
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) v += __shfl_down_sync(0xffffffffu, v, o);
+    if (lane == 0) shared[0] = v;
+  }
+  __syncthreads();
+  return shared[0];
 }
 
-void CudaBackend::layer_norm_backward(const Tensor& /*grad_out*/, const Tensor& /*x*/, const Tensor& /*weight*/, const Tensor& /*mean*/, const Tensor& /*rstd*/, const Tensor& /*grad_x*/, const Tensor& /*grad_weight*/, const Tensor& /*grad_bias*/) {
-  not_supported("CUDA layer_norm_backward: the kernel is not written yet");
+// Group k of a row: elements [k * V, k * V + V) as A. kVec: one 16-byte load (the caller guarantees
+// alignment and C % V == 0); otherwise element loads, elements past C read as 0 (callers skip them).
+template <class D, class A, bool kVec>
+__device__ __forceinline__ void load_group(const D* p, int64_t k, int64_t C, A (&out)[Pack<D>::kSize]) {
+  constexpr int V = Pack<D>::kSize;
+  if constexpr (kVec) {
+    const Pack<D> pk = reinterpret_cast<const Pack<D>*>(p)[k];
+#pragma unroll
+    for (int e = 0; e < V; ++e) out[e] = load_as<A>(pk.v[e]);
+  } else {
+#pragma unroll
+    for (int e = 0; e < V; ++e) {
+      const int64_t j = k * V + e;
+      out[e] = j < C ? load_as<A>(p[j]) : A(0);
+    }
+  }
 }
 
-void CudaBackend::rms_norm(const Tensor& /*x*/, const Tensor& /*weight*/, double /*eps*/, const Tensor& /*out*/, const Tensor& /*rstd*/) {
-  not_supported("CUDA rms_norm: the kernel is not written yet");
+template <class D, class A, bool kVec>
+__device__ __forceinline__ void store_group(D* p, int64_t k, int64_t C, const A (&in)[Pack<D>::kSize]) {
+  constexpr int V = Pack<D>::kSize;
+  if constexpr (kVec) {
+    Pack<D> pk;
+#pragma unroll
+    for (int e = 0; e < V; ++e) pk.v[e] = store<D>(in[e]);
+    reinterpret_cast<Pack<D>*>(p)[k] = pk;
+  } else {
+#pragma unroll
+    for (int e = 0; e < V; ++e) {
+      const int64_t j = k * V + e;
+      if (j < C) p[j] = store<D>(in[e]);
+    }
+  }
 }
 
-void CudaBackend::rms_norm_backward(const Tensor& /*grad_out*/, const Tensor& /*x*/, const Tensor& /*weight*/, const Tensor& /*rstd*/, const Tensor& /*grad_x*/, const Tensor& /*grad_weight*/) {
-  not_supported("CUDA rms_norm_backward: the kernel is not written yet");
+// 32..512 threads per row, enough for about four groups each.
+int row_threads(int64_t groups) {
+  int threads = 32;
+  while (threads < 512 && threads * 4 < groups) threads *= 2;
+  return threads;
+}
+
+unsigned row_blocks(int64_t N) { return static_cast<unsigned>(std::min<int64_t>(N, int64_t{1} << 20)); }
+
+// ---- forward ----------------------------------------------------------------------------------------------
+
+// kMean: layer_norm (shifted two-pass statistics, bias); otherwise rms_norm (rstd = 1/sqrt(mean(x^2) + eps)).
+template <class D, bool kVec, bool kMean>
+__global__ void norm_forward_kernel(const D* __restrict__ x, const D* __restrict__ w, const D* __restrict__ b,
+                                    D* __restrict__ out, device_acc_t<D>* __restrict__ mean_out,
+                                    device_acc_t<D>* __restrict__ rstd_out, int64_t N, int64_t C,
+                                    device_acc_t<D> eps) {
+  using A = device_acc_t<D>;
+  constexpr int V = Pack<D>::kSize;
+  __shared__ A shared[32];
+  const int64_t groups = (C + V - 1) / V;
+  const A inv_C = A(1) / static_cast<A>(C);
+  for (int64_t i = blockIdx.x; i < N; i += gridDim.x) {
+    const D* xi = x + i * C;
+    D* oi = out + i * C;
+    A shift = A(0), dm = A(0), s;
+    if constexpr (kMean) {
+      shift = C > 0 ? load_as<A>(xi[0]) : A(0);
+      A acc = A(0);
+      for (int64_t k = threadIdx.x; k < groups; k += blockDim.x) {
+        A v[V];
+        load_group<D, A, kVec>(xi, k, C, v);
+#pragma unroll
+        for (int e = 0; e < V; ++e)
+          if (kVec || k * V + e < C) acc += v[e] - shift;
+      }
+      dm = block_sum(acc, shared) * inv_C;
+      acc = A(0);
+      for (int64_t k = threadIdx.x; k < groups; k += blockDim.x) {
+        A v[V];
+        load_group<D, A, kVec>(xi, k, C, v);
+#pragma unroll
+        for (int e = 0; e < V; ++e) {
+          const A d = (v[e] - shift) - dm;
+          if (kVec || k * V + e < C) acc += d * d;
+        }
+      }
+      const A var = block_sum(acc, shared) * inv_C;
+      s = A(1) / dev_sqrt(var + eps);
+    } else {
+      A acc = A(0);
+      for (int64_t k = threadIdx.x; k < groups; k += blockDim.x) {
+        A v[V];
+        load_group<D, A, kVec>(xi, k, C, v);
+#pragma unroll
+        for (int e = 0; e < V; ++e)
+          if (kVec || k * V + e < C) acc += v[e] * v[e];
+      }
+      const A ms = block_sum(acc, shared) * inv_C;
+      s = A(1) / dev_sqrt(ms + eps);
+    }
+    for (int64_t k = threadIdx.x; k < groups; k += blockDim.x) {
+      A v[V], wv[V], bv[V];
+      load_group<D, A, kVec>(xi, k, C, v);
+      if (w) load_group<D, A, kVec>(w, k, C, wv);
+      if (kMean && b) load_group<D, A, kVec>(b, k, C, bv);
+      A o[V];
+#pragma unroll
+      for (int e = 0; e < V; ++e) {
+        if constexpr (kMean) {
+          const A norm = ((v[e] - shift) - dm) * s;
+          if (w && b)
+            o[e] = norm * wv[e] + bv[e];
+          else if (w)
+            o[e] = norm * wv[e];
+          else if (b)
+            o[e] = norm + bv[e];
+          else
+            o[e] = norm;
+        } else {
+          o[e] = w ? v[e] * s * wv[e] : v[e] * s;
+        }
+      }
+      store_group<D, A, kVec>(oi, k, C, o);
+    }
+    if (threadIdx.x == 0) {
+      if (kMean && mean_out) mean_out[i] = shift + dm;
+      if (rstd_out) rstd_out[i] = s;
+    }
+  }
+}
+
+// ---- backward: grad_x -------------------------------------------------------------------------------------
+
+//   norm_j = (x_j - mean) * rstd (x_j * rstd for rms_norm);  dnorm_j = w_j * g_j
+//   dx_j = rstd * (dnorm_j - mean_k(dnorm_k) - norm_j * mean_k(dnorm_k * norm_k))   (no mean term for rms)
+template <class D, bool kVec, bool kMean>
+__global__ void norm_backward_dx_kernel(const D* __restrict__ g, const D* __restrict__ x, const D* __restrict__ w,
+                                        const device_acc_t<D>* __restrict__ mean,
+                                        const device_acc_t<D>* __restrict__ rstd, D* __restrict__ dx, int64_t N,
+                                        int64_t C) {
+  using A = device_acc_t<D>;
+  constexpr int V = Pack<D>::kSize;
+  __shared__ A shared[32];
+  const int64_t groups = (C + V - 1) / V;
+  const A inv_C = A(1) / static_cast<A>(C);
+  for (int64_t i = blockIdx.x; i < N; i += gridDim.x) {
+    const D* xi = x + i * C;
+    const D* gi = g + i * C;
+    D* di = dx + i * C;
+    const A m = kMean ? mean[i] : A(0), s = rstd[i];
+    A acc_dnorm = A(0), acc_dnorm_norm = A(0);
+    for (int64_t k = threadIdx.x; k < groups; k += blockDim.x) {
+      A xv[V], gv[V], wv[V];
+      load_group<D, A, kVec>(xi, k, C, xv);
+      load_group<D, A, kVec>(gi, k, C, gv);
+      if (w) load_group<D, A, kVec>(w, k, C, wv);
+#pragma unroll
+      for (int e = 0; e < V; ++e) {
+        if (kVec || k * V + e < C) {
+          const A norm = kMean ? (xv[e] - m) * s : xv[e] * s;
+          const A dnorm = w ? wv[e] * gv[e] : gv[e];
+          if (kMean) acc_dnorm += dnorm;
+          acc_dnorm_norm += dnorm * norm;
+        }
+      }
+    }
+    const A dnorm_mean = kMean ? block_sum(acc_dnorm, shared) * inv_C : A(0);
+    const A dnorm_norm_mean = block_sum(acc_dnorm_norm, shared) * inv_C;
+    for (int64_t k = threadIdx.x; k < groups; k += blockDim.x) {
+      A xv[V], gv[V], wv[V], o[V];
+      load_group<D, A, kVec>(xi, k, C, xv);
+      load_group<D, A, kVec>(gi, k, C, gv);
+      if (w) load_group<D, A, kVec>(w, k, C, wv);
+#pragma unroll
+      for (int e = 0; e < V; ++e) {
+        const A dnorm = w ? wv[e] * gv[e] : gv[e];
+        if constexpr (kMean) {
+          const A norm = (xv[e] - m) * s;
+          o[e] = s * (dnorm - dnorm_mean - norm * dnorm_norm_mean);
+        } else {
+          const A norm = xv[e] * s;
+          o[e] = s * (dnorm - norm * dnorm_norm_mean);
+        }
+      }
+      store_group<D, A, kVec>(di, k, C, o);
+    }
+  }
+}
+
+// ---- backward: grad_weight / grad_bias --------------------------------------------------------------------
+
+// Thread (column c, chunk blockIdx.y) sums rows [chunk * rows_per_chunk, ...) in order:
+//   partial_w[chunk, c] = sum g_ic * norm_ic,  partial_b[chunk, c] = sum g_ic   (partial_b may be null)
+template <class D, bool kMean>
+__global__ void norm_weight_partial_kernel(const D* __restrict__ g, const D* __restrict__ x,
+                                           const device_acc_t<D>* __restrict__ mean,
+                                           const device_acc_t<D>* __restrict__ rstd, int64_t N, int64_t C,
+                                           int64_t rows_per_chunk, device_acc_t<D>* __restrict__ partial_w,
+                                           device_acc_t<D>* __restrict__ partial_b) {
+  using A = device_acc_t<D>;
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= C) return;
+  const int64_t chunk = blockIdx.y;
+  const int64_t begin = chunk * rows_per_chunk;
+  const int64_t end = begin + rows_per_chunk < N ? begin + rows_per_chunk : N;
+  A sw = A(0), sb = A(0);
+  for (int64_t r = begin; r < end; ++r) {
+    const A gv = load_as<A>(g[r * C + c]);
+    const A xv = load_as<A>(x[r * C + c]);
+    const A norm = kMean ? (xv - mean[r]) * rstd[r] : xv * rstd[r];
+    sw += gv * norm;
+    sb += gv;
+  }
+  if (partial_w) partial_w[chunk * C + c] = sw;
+  if (partial_b) partial_b[chunk * C + c] = sb;
+}
+
+// out[c] = sum over chunks (in order) of partial[chunk, c], rounded once; 0 when there are no chunks.
+template <class D>
+__global__ void combine_partials_kernel(const device_acc_t<D>* __restrict__ partial, int64_t chunks, int64_t C,
+                                        D* __restrict__ out) {
+  using A = device_acc_t<D>;
+  for (int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; c < C;
+       c += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    A s = A(0);
+    for (int64_t k = 0; k < chunks; ++k) s += partial[k * C + c];
+    out[c] = store<D>(s);
+  }
+}
+
+// Rows per chunk of the weight reduction: a function of N only (at most 1024 chunks, at least 32 rows each).
+int64_t rows_per_chunk(int64_t N) { return std::max<int64_t>(32, (N + 1023) / 1024); }
+
+// ---- argument checks (as the CPU's) -----------------------------------------------------------------------
+
+DType stats_dtype(DType x) { return x == DType::F64 ? DType::F64 : DType::F32; }
+
+void check_rows(const char* op, const char* name, const Tensor& t, int64_t N, int64_t C, DType dtype) {
+  check(t.defined() && t.dim() == 2 && t.shape()[0] == N && t.shape()[1] == C && t.is_contiguous() &&
+            t.dtype() == dtype,
+        op, ": ", name, " must be contiguous ", dtype_name(dtype), "[", N, ",", C, "], got ",
+        t.description());
+}
+
+void check_vector(const char* op, const char* name, const Tensor& t, int64_t n, DType dtype) {
+  if (!t.defined()) return;
+  check(t.dim() == 1 && t.shape()[0] == n && t.is_contiguous() && t.dtype() == dtype, op, ": ", name,
+        " must be contiguous ", dtype_name(dtype), "[", n, "], got ", t.description());
+}
+
+template <class T>
+device_t<T>* ptr_or_null(const Tensor& t) {
+  return t.defined() ? device_ptr<T>(t) : nullptr;
+}
+template <class A>
+A* acc_ptr_or_null(const Tensor& t) {
+  return t.defined() ? static_cast<A*>(t.data_ptr()) : nullptr;
+}
+
+// Whether rows of C elements of D can use 16-byte groups with these operands (null ones are ignored).
+template <class D>
+bool can_vectorise(int64_t C, std::initializer_list<const void*> pointers) {
+  if (C % Pack<D>::kSize != 0) return false;
+  for (const void* p : pointers)
+    if (p && !aligned16(p)) return false;
+  return true;
+}
+
+template <class D, bool kMean>
+void launch_forward(cudaStream_t stream, const D* x, const D* w, const D* b, D* out, device_acc_t<D>* mean,
+                    device_acc_t<D>* rstd, int64_t N, int64_t C, double eps) {
+  if (N == 0) return;
+  const int64_t groups = (C + Pack<D>::kSize - 1) / Pack<D>::kSize;
+  const int threads = row_threads(groups);
+  const auto e = static_cast<device_acc_t<D>>(eps);
+  if (can_vectorise<D>(C, {x, w, b, out}))
+    norm_forward_kernel<D, true, kMean><<<row_blocks(N), threads, 0, stream>>>(x, w, b, out, mean, rstd, N, C, e);
+  else
+    norm_forward_kernel<D, false, kMean><<<row_blocks(N), threads, 0, stream>>>(x, w, b, out, mean, rstd, N, C, e);
+  MIXTAPE_KERNEL_CHECK();
+}
+
+// grad_x (when dx is not null) and the weight / bias reductions (when dw / db are not null).
+template <class D, bool kMean>
+void launch_backward(cudaStream_t stream, Device device, const D* g, const D* x, const D* w,
+                     const device_acc_t<D>* mean, const device_acc_t<D>* rstd, D* dx, D* dw, D* db, int64_t N,
+                     int64_t C) {
+  using A = device_acc_t<D>;
+  if (dx && N > 0) {
+    const int64_t groups = (C + Pack<D>::kSize - 1) / Pack<D>::kSize;
+    const int threads = row_threads(groups);
+    if (can_vectorise<D>(C, {g, x, w, dx}))
+      norm_backward_dx_kernel<D, true, kMean><<<row_blocks(N), threads, 0, stream>>>(g, x, w, mean, rstd, dx, N, C);
+    else
+      norm_backward_dx_kernel<D, false, kMean><<<row_blocks(N), threads, 0, stream>>>(g, x, w, mean, rstd, dx, N, C);
+    MIXTAPE_KERNEL_CHECK();
+  }
+  if ((!dw && !db) || C == 0) return;
+  const int64_t per_chunk = rows_per_chunk(N);
+  const int64_t chunks = (N + per_chunk - 1) / per_chunk;
+  const DType acc_dtype = sizeof(A) == 8 ? DType::F64 : DType::F32;
+  // Scratch from the caching allocator; freed (stream-ordered) when these tensors go out of scope.
+  Tensor partial_w, partial_b;
+  if (dw) partial_w = Tensor::empty({std::max<int64_t>(chunks, 1), C}, acc_dtype, device);
+  if (db) partial_b = Tensor::empty({std::max<int64_t>(chunks, 1), C}, acc_dtype, device);
+  A* pw = dw ? static_cast<A*>(partial_w.data_ptr()) : nullptr;
+  A* pb = db ? static_cast<A*>(partial_b.data_ptr()) : nullptr;
+  if (chunks > 0) {
+    const dim3 grid(static_cast<unsigned>((C + kThreads - 1) / kThreads), static_cast<unsigned>(chunks));
+    norm_weight_partial_kernel<D, kMean><<<grid, kThreads, 0, stream>>>(g, x, mean, rstd, N, C, per_chunk, pw, pb);
+    MIXTAPE_KERNEL_CHECK();
+  }
+  if (dw) {
+    combine_partials_kernel<D><<<blocks_for(C), kThreads, 0, stream>>>(pw, chunks, C, dw);
+    MIXTAPE_KERNEL_CHECK();
+  }
+  if (db) {
+    combine_partials_kernel<D><<<blocks_for(C), kThreads, 0, stream>>>(pb, chunks, C, db);
+    MIXTAPE_KERNEL_CHECK();
+  }
+}
+
+}  // namespace
+
+// ---- layer_norm ------------------------------------------------------------------------------------------
+
+void CudaBackend::layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps,
+                             const Tensor& out, const Tensor& mean, const Tensor& rstd) {
+  check(x.dim() == 2, "layer_norm: x must be [N, C], got ", x.description());
+  const int64_t N = x.shape()[0], C = x.shape()[1];
+  check_rows("layer_norm", "x", x, N, C, x.dtype());
+  check_rows("layer_norm", "out", out, N, C, x.dtype());
+  check_vector("layer_norm", "weight", weight, C, x.dtype());
+  check_vector("layer_norm", "bias", bias, C, x.dtype());
+  check_vector("layer_norm", "mean", mean, N, stats_dtype(x.dtype()));
+  check_vector("layer_norm", "rstd", rstd, N, stats_dtype(x.dtype()));
+  dispatch_float(x.dtype(), "layer_norm", [&]<typename T>() {
+    using D = device_t<T>;
+    using A = device_acc_t<D>;
+    launch_forward<D, true>(stream(), device_ptr<T>(x), ptr_or_null<T>(weight), ptr_or_null<T>(bias),
+                            device_ptr<T>(out), acc_ptr_or_null<A>(mean), acc_ptr_or_null<A>(rstd), N, C, eps);
+  });
+}
+
+void CudaBackend::layer_norm_backward(const Tensor& grad_out, const Tensor& x, const Tensor& weight,
+                                      const Tensor& mean, const Tensor& rstd, const Tensor& grad_x,
+                                      const Tensor& grad_weight, const Tensor& grad_bias) {
+  check(x.dim() == 2, "layer_norm_backward: x must be [N, C], got ", x.description());
+  const int64_t N = x.shape()[0], C = x.shape()[1];
+  check_rows("layer_norm_backward", "x", x, N, C, x.dtype());
+  check_rows("layer_norm_backward", "grad_out", grad_out, N, C, x.dtype());
+  check_vector("layer_norm_backward", "weight", weight, C, x.dtype());
+  check_vector("layer_norm_backward", "mean", mean, N, stats_dtype(x.dtype()));
+  check_vector("layer_norm_backward", "rstd", rstd, N, stats_dtype(x.dtype()));
+  check(mean.defined() && rstd.defined(), "layer_norm_backward: mean and rstd are required");
+  if (grad_x.defined()) check_rows("layer_norm_backward", "grad_x", grad_x, N, C, x.dtype());
+  check_vector("layer_norm_backward", "grad_weight", grad_weight, C, x.dtype());
+  check_vector("layer_norm_backward", "grad_bias", grad_bias, C, x.dtype());
+  dispatch_float(x.dtype(), "layer_norm_backward", [&]<typename T>() {
+    using D = device_t<T>;
+    using A = device_acc_t<D>;
+    launch_backward<D, true>(stream(), x.device(), device_ptr<T>(grad_out), device_ptr<T>(x),
+                             ptr_or_null<T>(weight), acc_ptr_or_null<A>(mean), acc_ptr_or_null<A>(rstd),
+                             ptr_or_null<T>(grad_x), ptr_or_null<T>(grad_weight), ptr_or_null<T>(grad_bias), N, C);
+  });
+}
+
+// ---- rms_norm --------------------------------------------------------------------------------------------
+
+void CudaBackend::rms_norm(const Tensor& x, const Tensor& weight, double eps, const Tensor& out,
+                           const Tensor& rstd) {
+  check(x.dim() == 2, "rms_norm: x must be [N, C], got ", x.description());
+  const int64_t N = x.shape()[0], C = x.shape()[1];
+  check_rows("rms_norm", "x", x, N, C, x.dtype());
+  check_rows("rms_norm", "out", out, N, C, x.dtype());
+  check_vector("rms_norm", "weight", weight, C, x.dtype());
+  check_vector("rms_norm", "rstd", rstd, N, stats_dtype(x.dtype()));
+  dispatch_float(x.dtype(), "rms_norm", [&]<typename T>() {
+    using D = device_t<T>;
+    using A = device_acc_t<D>;
+    launch_forward<D, false>(stream(), device_ptr<T>(x), ptr_or_null<T>(weight), static_cast<const D*>(nullptr),
+                             device_ptr<T>(out), static_cast<A*>(nullptr), acc_ptr_or_null<A>(rstd), N, C, eps);
+  });
+}
+
+void CudaBackend::rms_norm_backward(const Tensor& grad_out, const Tensor& x, const Tensor& weight,
+                                    const Tensor& rstd, const Tensor& grad_x, const Tensor& grad_weight) {
+  check(x.dim() == 2, "rms_norm_backward: x must be [N, C], got ", x.description());
+  const int64_t N = x.shape()[0], C = x.shape()[1];
+  check_rows("rms_norm_backward", "x", x, N, C, x.dtype());
+  check_rows("rms_norm_backward", "grad_out", grad_out, N, C, x.dtype());
+  check_vector("rms_norm_backward", "weight", weight, C, x.dtype());
+  check_vector("rms_norm_backward", "rstd", rstd, N, stats_dtype(x.dtype()));
+  check(rstd.defined(), "rms_norm_backward: rstd is required");
+  if (grad_x.defined()) check_rows("rms_norm_backward", "grad_x", grad_x, N, C, x.dtype());
+  check_vector("rms_norm_backward", "grad_weight", grad_weight, C, x.dtype());
+  dispatch_float(x.dtype(), "rms_norm_backward", [&]<typename T>() {
+    using D = device_t<T>;
+    using A = device_acc_t<D>;
+    launch_backward<D, false>(stream(), x.device(), device_ptr<T>(grad_out), device_ptr<T>(x),
+                              ptr_or_null<T>(weight), static_cast<const A*>(nullptr), acc_ptr_or_null<A>(rstd),
+                              ptr_or_null<T>(grad_x), ptr_or_null<T>(grad_weight), static_cast<D*>(nullptr), N, C);
+  });
 }
 
 }  // namespace mixtape::cuda
