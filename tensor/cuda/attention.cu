@@ -167,8 +167,8 @@ __global__ void __launch_bounds__(kBlockThreads)
   using A = device_acc_t<Dt>;
   constexpr int E = DMAX / kGroup;
   constexpr int BK = stream_rows<A, DMAX>();
-  __shared__ alignas(16) A k_tile[BK * DMAX];
-  __shared__ alignas(16) A v_tile[BK * DMAX];
+  __shared__ __align__(16) A k_tile[BK * DMAX];
+  __shared__ __align__(16) A v_tile[BK * DMAX];
 
   const int64_t bh = blockIdx.x, i0 = last_first_tile();
   const int g = threadIdx.x % kGroup;
@@ -245,8 +245,8 @@ __global__ void __launch_bounds__(kBlockThreads)
   using A = device_acc_t<Dt>;
   constexpr int E = DMAX / kGroup;
   constexpr int BQ = stream_rows<A, DMAX>();
-  __shared__ alignas(16) A q_tile[BQ * DMAX];
-  __shared__ alignas(16) A do_tile[BQ * DMAX];
+  __shared__ __align__(16) A q_tile[BQ * DMAX];
+  __shared__ __align__(16) A do_tile[BQ * DMAX];
   __shared__ A lse_tile[BQ];
   __shared__ A delta_tile[BQ];
 
@@ -305,8 +305,8 @@ __global__ void __launch_bounds__(kBlockThreads)
   using A = device_acc_t<Dt>;
   constexpr int E = DMAX / kGroup;
   constexpr int BK = stream_rows<A, DMAX>();
-  __shared__ alignas(16) A k_tile[BK * DMAX];
-  __shared__ alignas(16) A v_tile[BK * DMAX];
+  __shared__ __align__(16) A k_tile[BK * DMAX];
+  __shared__ __align__(16) A v_tile[BK * DMAX];
 
   const int64_t bh = blockIdx.x, i0 = last_first_tile();
   const int g = threadIdx.x % kGroup;
