@@ -10,9 +10,12 @@
 //   dtypes: f32 (no TF32: CUBLAS_COMPUTE_32F; mixtape with allow_tf32 off), tf32 (f32 storage,
 //   CUBLAS_COMPUTE_32F_FAST_TF32; mixtape with allow_tf32 on), bf16 and f16 (16-bit A, B and C,
 //   CUBLAS_COMPUTE_32F: fp32 accumulation, as mixtape's contract).
-//   shapes (M x K x N): 4096 x 4096 x 4096 as matmul(a [M,K], b [K,N]); and GPT-2 small's forward linears at
-//   M = 8192 tokens (batch 8 x block 1024) as linear(x [M,K], w [N,K]) = x w^T: qkv 768 -> 2304, attention
-//   projection 768 -> 768, MLP up 768 -> 3072, MLP down 3072 -> 768, the tied vocabulary head 768 -> 50304.
+//   shapes (M x K x N): 4096 x 4096 x 4096 as matmul(a [M,K], b [K,N]); GPT-2 small's forward linears at
+//   8192 tokens (batch 8 x block 1024) as linear(x [M,K], w [N,K]) = x w^T: qkv 768 -> 2304, attention
+//   projection 768 -> 768, MLP up 768 -> 3072, MLP down 3072 -> 768, the tied vocabulary head 768 -> 50304;
+//   and the backward GEMMs of the MLP up layer and the vocabulary head: dgrad dX = dY W as matmul(dY, W)
+//   (8192 x 3072 x 768, 8192 x 50304 x 768) and wgrad dW = dY^T X as matmul(dY.mT(), X) with dY stored
+//   [tokens, out] (3072 x 8192 x 768, 50304 x 8192 x 768): a transposed operand, as autograd produces it.
 // Memory-bound rows: mixtape's op vs cudaMemcpyAsync device-to-device moving the same bytes (a copy of X
 // bytes moves 2X: it reads X and writes X); rate = bytes moved per second, target ratio >= 0.8. Bytes
 // counted per op (the compulsory traffic: each input read once, each output written once; [C] weights and
@@ -193,15 +196,28 @@ cudaDataType_t cuda_type(GemmType t) {
   return t == GemmType::BF16 ? CUDA_R_16BF : t == GemmType::F16 ? CUDA_R_16F : CUDA_R_32F;
 }
 
+// How out [M,N] is formed from the stored operands.
+enum class GemmForm {
+  Matmul,      // matmul(a, b): a [M,K], b [K,N]
+  Linear,      // linear(x, w) = x w^T: a = x [M,K], b = w [N,K] (a forward layer)
+  TransposedA  // matmul(a.mT(), b): a [K,M] seen transposed, b [K,N] (a weight gradient dY^T X)
+};
 struct GemmShape {
   int64_t M, K, N;
-  bool linear;  // linear(x [M,K], w [N,K]) = x w^T; else matmul(a [M,K], b [K,N])
+  GemmForm form;
   const char* what;
 };
 const GemmShape kGemmShapes[] = {
-    {4096, 4096, 4096, false, "square"},      {8192, 768, 2304, true, "GPT-2 qkv"},
-    {8192, 768, 768, true, "GPT-2 attn proj"}, {8192, 768, 3072, true, "GPT-2 mlp up"},
-    {8192, 3072, 768, true, "GPT-2 mlp down"}, {8192, 768, 50304, true, "GPT-2 vocab head"},
+    {4096, 4096, 4096, GemmForm::Matmul, "square"},
+    {8192, 768, 2304, GemmForm::Linear, "GPT-2 qkv"},
+    {8192, 768, 768, GemmForm::Linear, "GPT-2 attn proj"},
+    {8192, 768, 3072, GemmForm::Linear, "GPT-2 mlp up"},
+    {8192, 3072, 768, GemmForm::Linear, "GPT-2 mlp down"},
+    {8192, 768, 50304, GemmForm::Linear, "GPT-2 vocab head"},
+    {8192, 3072, 768, GemmForm::Matmul, "GPT-2 mlp up dgrad"},
+    {3072, 8192, 768, GemmForm::TransposedA, "GPT-2 mlp up wgrad"},
+    {8192, 50304, 768, GemmForm::Matmul, "GPT-2 vocab head dgrad"},
+    {50304, 8192, 768, GemmForm::TransposedA, "GPT-2 vocab head wgrad"},
 };
 
 std::string shape_name(const GemmShape& s) {
@@ -209,14 +225,33 @@ std::string shape_name(const GemmShape& s) {
 }
 
 struct GemmOperands {
-  Tensor a, b;  // a [M,K]; b [K,N] (matmul) or [N,K] (linear)
+  Tensor a, b;  // as stored (see GemmForm)
 };
+// The operands of a (shape, dtype), made once for both sides of a comparison (the mixtape and cuBLAS rows
+// run one after the other): the last pair made is kept, until release_gemm_operands() (main calls it before
+// exit: device tensors must go before the CUDA backend's registry is destroyed).
+std::string cached_key;
+GemmOperands cached;
+void release_gemm_operands() {
+  cached = {};
+  cached_key.clear();
+}
 GemmOperands gemm_operands(const GemmShape& s, GemmType t) {
+  const std::string key = shape_name(s) + "/" + std::to_string(int(s.form)) + "/" + name(t);
+  if (key == cached_key) return cached;
+  cached = {};  // frees the previous pair first
+  cached_key.clear();
   const DType dtype = storage(t);
-  // Values in [-0.5, 0.5): no overflow in f16 for K up to 4096.
-  Tensor a = sub(Tensor::rand({s.M, s.K}, 1, dtype), 0.5).to(kDevice);
-  Tensor b = sub(Tensor::rand(s.linear ? Shape{s.N, s.K} : Shape{s.K, s.N}, 2, dtype), 0.5).to(kDevice);
-  return {a, b};
+  // Values in [-0.5, 0.5) scaled by 1/sqrt(K / 1024): sums of K products stay O(10), far from f16's range.
+  const double scale = 1.0 / std::sqrt(std::max(1.0, double(s.K) / 1024));
+  auto make = [&](const Shape& shape, uint64_t seed) {
+    return mul(sub(Tensor::rand(shape, seed, dtype), 0.5), scale).to(kDevice);
+  };
+  const Shape a_shape = s.form == GemmForm::TransposedA ? Shape{s.K, s.M} : Shape{s.M, s.K};
+  const Shape b_shape = s.form == GemmForm::Linear ? Shape{s.N, s.K} : Shape{s.K, s.N};
+  cached = {make(a_shape, 1), make(b_shape, 2)};
+  cached_key = key;
+  return cached;
 }
 
 void gemm_mixtape(benchmark::State& state, std::string key, GemmShape s, GemmType t) {
@@ -226,7 +261,9 @@ void gemm_mixtape(benchmark::State& state, std::string key, GemmShape s, GemmTyp
     timed(
         state, key,
         [&] {
-          const Tensor out = s.linear ? linear(in.a, in.b) : matmul(in.a, in.b);
+          const Tensor out = s.form == GemmForm::Linear        ? linear(in.a, in.b)
+                             : s.form == GemmForm::TransposedA ? matmul(in.a.mT(), in.b)
+                                                               : matmul(in.a, in.b);
           benchmark::DoNotOptimize(out.data_ptr());
         },
         true, 2.0 * double(s.M) * double(s.K) * double(s.N), true);
@@ -242,16 +279,22 @@ void gemm_cublas(benchmark::State& state, std::string key, GemmShape s, GemmType
     const cublasComputeType_t compute = t == GemmType::TF32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
     const float alpha = 1, beta = 0;
     const int M = int(s.M), N = int(s.N), K = int(s.K);
-    // Row-major C [M,N] is column-major C^T [N,M] (ld N); so C^T = op(B)^T-side first:
-    //   matmul: C^T = B^T A^T, with B^T = column-major view of b [K,N] (N x K, ld N), A^T of a (K x M, ld K).
-    //   linear: C^T = W A^T, with W = transpose of the column-major view of w [N,K] (K x N, ld K).
+    // Row-major C [M,N] is column-major C^T [N,M] (ld N), and C^T = op(b) op(a) in column-major terms (m = N,
+    // n = M, k = K), first operand b:
+    //   Matmul:      b [K,N] is column-major N x K (ld N): no transpose; a [M,K] is column-major K x M (ld K).
+    //   Linear:      w [N,K] is column-major K x N (ld K): transposed; a as Matmul.
+    //   TransposedA: b as Matmul; a [K,M] is column-major M x K (ld M): transposed.
+    const cublasOperation_t op_b = s.form == GemmForm::Linear ? CUBLAS_OP_T : CUBLAS_OP_N;
+    const cublasOperation_t op_a = s.form == GemmForm::TransposedA ? CUBLAS_OP_T : CUBLAS_OP_N;
+    const int ld_b = s.form == GemmForm::Linear ? K : N;
+    const int ld_a = s.form == GemmForm::TransposedA ? M : K;
     synchronize(kDevice);  // the operands were copied on mixtape's stream
     timed(
         state, key,
         [&] {
-          CUBLAS_CHECK(cublasGemmEx(b.handle, s.linear ? CUBLAS_OP_T : CUBLAS_OP_N, CUBLAS_OP_N, N, M, K, &alpha,
-                                    in.b.data_ptr(), type, s.linear ? K : N, in.a.data_ptr(), type, K, &beta,
-                                    out.data_ptr(), type, N, compute, CUBLAS_GEMM_DEFAULT));
+          CUBLAS_CHECK(cublasGemmEx(b.handle, op_b, op_a, N, M, K, &alpha, in.b.data_ptr(), type, ld_b,
+                                    in.a.data_ptr(), type, ld_a, &beta, out.data_ptr(), type, N, compute,
+                                    CUBLAS_GEMM_DEFAULT));
         },
         false, 2.0 * double(s.M) * double(s.K) * double(s.N), true);
   });
@@ -264,7 +307,6 @@ constexpr int64_t kNormRows = 16384, kNormCols = 768;
 constexpr int64_t kSoftmaxRows = 16384, kSoftmaxCols = 1024;
 constexpr int64_t kCeRows = 8192, kCeVocab = 50304;
 
-// A device-to-device copy of `bytes` bytes on the baseline stream (moves 2 * bytes).
 // cudaMalloc'd bytes, freed on scope exit (the baselines do not go through mixtape's allocator).
 struct DeviceBuffer {
   void* ptr = nullptr;
@@ -274,6 +316,7 @@ struct DeviceBuffer {
   DeviceBuffer& operator=(const DeviceBuffer&) = delete;
 };
 
+// A device-to-device copy of `bytes` bytes on the baseline stream (moves 2 * bytes).
 void memcpy_baseline(benchmark::State& state, std::string key, int64_t bytes) {
   guarded(state, key, [&] {
     const DeviceBuffer src{static_cast<size_t>(bytes)}, dst{static_cast<size_t>(bytes)};
@@ -453,8 +496,10 @@ int main(int argc, char** argv) {
     std::printf("bench_cuda_ops on %s\n", cuda_device_name(kDevice.index).c_str());
     register_benchmarks();
     benchmark::RunSpecifiedBenchmarks();
+    release_gemm_operands();
     print_summary();
   } catch (const std::exception& e) {
+    release_gemm_operands();
     std::fprintf(stderr, "bench_cuda_ops: %s\n", e.what());
     return 1;
   }

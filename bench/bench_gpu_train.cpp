@@ -6,6 +6,8 @@
 //   ./build/bench/bench_gpu_train --pytorch --json gpu_train.json  # plus PyTorch eager / torch.compile
 //   ./build/bench/bench_gpu_train --modes bf16,fp16 --warmup 5 --steps 50
 //   ./build/bench/bench_gpu_train --layers 2 --block 256 --batch 4 --steps 3 --modes fp32   # a quick check
+//   ./build/bench/bench_gpu_train --cpu --layers 2 --heads 2 --width 64 --block 64 --vocab 256 --batch 4
+//       --warmup 1 --steps 3 --json /tmp/t.json   # checks this program itself on the CPU (no GPU needed)
 //
 // Model: GPTConfig's defaults = GPT-2 small as nanoGPT trains it: 12 layers, 12 heads, width 768, block 1024,
 // vocab 50304, layernorm with bias, exact GELU, tied embeddings, no dropout; batch 16 (16384 tokens/step).
@@ -19,9 +21,10 @@
 // logged loss, the gradient norm), as in train_gpt.
 //
 // Timing: every mode runs alone, one after the other (its Trainer is destroyed and the allocator's cache
-// emptied before the next, so each mode's peak memory is its own): --warmup steps (default 3; for modes with
-// a dynamic loss scaler the warm-up goes on, up to 200 more steps, until two consecutive steps were not
-// skipped, so the timed steps do not include the scaler's initial back-off: a skipped step does no update),
+// emptied before the next, so each mode's peak memory is its own): --warmup steps (default 3; when one of
+// them was skipped by a loss scaler, the warm-up goes on, up to 200 more steps, until 5 consecutive steps
+// were not, so the timed steps do not include the scaler's initial back-off: a skipped step does no update;
+// skipped timed steps are counted and printed),
 // then the device's peak-memory counter is reset, then --steps steps (default 20), each timed by CUDA events
 // on the backend's stream around train_step() (the device is idle when a step starts: the previous one ended
 // with a wait). Reported: the median and best step, tokens/s of the median, peak memory = the allocator's
@@ -83,11 +86,13 @@ namespace {
 
 constexpr double kScalerOverheadTarget = 0.03;  // fp16 + GradScaler at most 3 % slower than bf16
 constexpr int kMaxExtraWarmup = 200;            // loss-scaler back-off steps allowed beyond --warmup
+constexpr int kCleanSteps = 5;                  // ... until this many consecutive steps were not skipped
 
 struct Options {
   int64_t layers = 12, heads = 12, width = 768, block = 1024, vocab = 50304, batch = 16;
   std::vector<std::string> modes = {"fp32", "tf32", "bf16", "fp16", "fp16_naive"};
   int warmup = 3, steps = 20, device = 0;
+  bool cpu = false;  // --cpu: a functional check of this program on the CPU (tiny models), not a benchmark
   bool pytorch = false;
   std::string pytorch_modes = "eager_fp32,eager_tf32,eager_bf16,eager_fp16,compile_bf16";
   std::string pytorch_attention = "sdpa";
@@ -184,7 +189,7 @@ Result run_mixtape(const Options& o, const std::string& mode, const TokenData& d
   Result r;
   r.name = "mixtape " + mode;
   r.mode = mode;
-  const Device device = Device::cuda(o.device);
+  const Device device = o.cpu ? Device::cpu() : Device::cuda(o.device);
   try {
     GPTConfig config;
     config.n_layer = o.layers;
@@ -208,16 +213,20 @@ Result run_mixtape(const Options& o, const std::string& mode, const TokenData& d
     // Building a tf32 trainer turns tf32 on process-wide: that is what decides the mode's peak.
     r.peak_class = is_low_precision(options.amp) ? PeakClass::Half : allow_tf32() ? PeakClass::Tf32 : PeakClass::Fp32;
 
-    for (int i = 0; i < o.warmup; ++i) trainer->train_step();
-    // Dynamic loss scalers start high (naive AMP at 2^32) and back off through skipped steps: warm up past
-    // them, so the timed steps are steady-state steps.
+    // Dynamic loss scalers start high (naive AMP at 2^32) and back off through skipped steps: once a warm-up
+    // step was skipped, the warm-up goes on until kCleanSteps consecutive steps were not, so the timed steps
+    // are steady-state steps.
     int clean = 0;
-    while (clean < 2 && r.extra_warmup < kMaxExtraWarmup) {
-      const StepStats s = trainer->train_step();
-      clean = s.skipped ? 0 : clean + 1;
+    bool any_skipped = false;
+    for (int i = 0; i < o.warmup; ++i) {
+      const bool skipped = trainer->train_step().skipped;
+      any_skipped = any_skipped || skipped;
+      clean = skipped ? 0 : clean + 1;
+    }
+    while (any_skipped && clean < kCleanSteps && r.extra_warmup < kMaxExtraWarmup) {
+      clean = trainer->train_step().skipped ? 0 : clean + 1;
       ++r.extra_warmup;
     }
-    r.extra_warmup = std::max<int64_t>(0, r.extra_warmup - 2);  // the two clean steps are ordinary warm-up
 
     synchronize(device);
     backend_for(device).reset_peak_memory_stats();
@@ -290,6 +299,7 @@ std::vector<Result> run_pytorch(const Options& o, std::string& version, std::str
         check(step_ms != nullptr, "no \"step_ms\" key");
         for (const json::Value& t : step_ms->as_array()) r.ms.push_back(t.as_number());
         if (const json::Value* p = v.find("peak_bytes")) r.peak_bytes = p->as_number();
+        if (const json::Value* k = v.find("skipped_steps")) r.skipped = int64_t(k->as_number());
       }
       const std::string m = r.mode;
       r.peak_class = m.find("fp32") != std::string::npos   ? PeakClass::Fp32
@@ -353,7 +363,8 @@ void usage() {
                "         [--modes fp32,tf32,bf16,fp16,fp16_naive] [--warmup N] [--steps N] [--device N]\n"
                "         [--peak-tflops X] [--json FILE] [--pytorch] [--pytorch-modes "
                "eager_fp32,eager_tf32,eager_bf16,eager_fp16,compile_bf16]\n"
-               "         [--pytorch-attention sdpa|math] [--pytorch-adamw fused|foreach|single]\n");
+               "         [--pytorch-attention sdpa|math] [--pytorch-adamw fused|foreach|single]\n"
+               "         [--cpu]   (a functional check of this program on the CPU with a tiny model)\n");
 }
 
 int run(int argc, char** argv) {
@@ -365,7 +376,7 @@ int run(int argc, char** argv) {
       field = std::atoll(argv[++i]);
       check(field > 0, "bench_gpu_train: ", a, " must be a positive integer, got '", argv[i], "'");
     };
-    if (!has_value && a != "--pytorch" && a != "--help" && a != "-h") {
+    if (!has_value && a != "--pytorch" && a != "--cpu" && a != "--help" && a != "-h") {
       std::fprintf(stderr, "bench_gpu_train: %s needs a value\n", a.c_str());
       usage();
       return 2;
@@ -387,6 +398,7 @@ int run(int argc, char** argv) {
       check(o.peak_tflops > 0, "bench_gpu_train: --peak-tflops must be > 0, got '", argv[i], "'");
     } else if (a == "--json") o.json_path = argv[++i];
     else if (a == "--pytorch") o.pytorch = true;
+    else if (a == "--cpu") o.cpu = true;
     else if (a == "--pytorch-modes") {
       split_list(argv[++i], "--pytorch-modes");
       o.pytorch_modes = argv[i];
@@ -401,14 +413,14 @@ int run(int argc, char** argv) {
   check(o.width % o.heads == 0, "bench_gpu_train: --width must be a multiple of --heads");
 
   const int count = cuda_device_count();
-  if (count == 0) {
+  if (count == 0 && !o.cpu) {
     std::printf("bench_gpu_train: SKIPPED: no CUDA device (this program times training on a GPU; "
                 "bench_train_gpt is the CPU benchmark)\n");
     return 77;
   }
-  check(o.device < count, "bench_gpu_train: --device ", o.device, " but this machine has ", count,
+  check(o.cpu || o.device < count, "bench_gpu_train: --device ", o.device, " but this machine has ", count,
         " CUDA device(s)");
-  const std::string device_name = cuda_device_name(o.device);
+  const std::string device_name = o.cpu ? std::string("cpu") : cuda_device_name(o.device);
   const DevicePeaks* peaks = find_peaks(device_name);
 
   // Enough tokens that the batches do not repeat much; the values do not matter.
@@ -431,13 +443,13 @@ int run(int argc, char** argv) {
   // ---- the table
   const double tokens = double(o.tokens_per_step());
   const double flops = flops_per_step(o, false), flops_nanogpt = flops_per_step(o, true);
-  std::printf("\nGPT training step on %s (cuda:%d): %lld layers, %lld heads, width %lld, block %lld, vocab %lld, "
-              "batch %lld (%lld tokens/step); %d warm-up + %d timed steps per mode, CUDA events\n",
-              device_name.c_str(), o.device, (long long)o.layers, (long long)o.heads, (long long)o.width,
+  std::printf("\nGPT training step on %s (%s): %lld layers, %lld heads, width %lld, block %lld, vocab %lld, "
+              "batch %lld (%lld tokens/step); %d warm-up + %d timed steps per mode, timed by %s\n",
+              device_name.c_str(), o.cpu ? "cpu" : ("cuda:" + std::to_string(o.device)).c_str(), (long long)o.layers, (long long)o.heads, (long long)o.width,
               (long long)o.block, (long long)o.vocab, (long long)o.batch, (long long)o.tokens_per_step(),
-              o.warmup, o.steps);
+              o.warmup, o.steps, o.cpu ? "the host clock" : "CUDA events");
   std::printf("N = %.2fM parameters without wpe; model FLOPs/step = 6*N*B*T + 6*L*B*T^2*C (causal attention "
-              "counted half) = %.3f TFLOP (nanoGPT's 6*N*B*T + 12*L*B*T^2*C = %.3f TFLOP)\n",
+              "counted half) = %.4g TFLOP (nanoGPT's 6*N*B*T + 12*L*B*T^2*C = %.4g TFLOP)\n",
               non_embedding_params(o) / 1e6, flops / 1e12, flops_nanogpt / 1e12);
   if (o.peak_tflops > 0)
     std::printf("peak: %.1f TFLOP/s for every mode (--peak-tflops)\n", o.peak_tflops);
