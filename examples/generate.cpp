@@ -29,10 +29,12 @@ struct Options {
   double temperature = 1.0;
   int64_t top_k = 0;
   uint64_t seed = 1337;
+  Device device = Device::cpu();
 };
 
 void usage() {
-  std::cout << "usage: generate --model FILE [--prompt TEXT] [--tokens N] [--temperature X] [--top-k K] [--seed N]\n";
+  std::cout << "usage: generate --model FILE [--prompt TEXT] [--tokens N] [--temperature X] [--top-k K] [--seed N]\n"
+               "                [--device cpu|cuda|cuda:N]\n";
 }
 
 Options parse(int argc, char** argv) {
@@ -51,6 +53,7 @@ Options parse(int argc, char** argv) {
     };
     if (flag == "--model" || flag == "--init" || flag == "--checkpoint") o.model = value;
     else if (flag == "--prompt") o.prompt = value;
+    else if (flag == "--device") o.device = Device::parse(value);
     else if (flag == "--tokens") o.tokens = integer(0);
     else if (flag == "--top-k") o.top_k = integer(0);
     else if (flag == "--seed") o.seed = static_cast<uint64_t>(integer(0));
@@ -72,6 +75,7 @@ int run(int argc, char** argv) {
   const Options opt = parse(argc, argv);
   std::vector<uint8_t> vocab;
   std::unique_ptr<GPT> model = load_model_file(opt.model, &vocab);
+  model->to(opt.device);
   const GPTConfig& config = model->config();
 
   std::vector<int64_t> ids;
