@@ -1,0 +1,58 @@
+#pragma once
+// A Communicator is one process group: collectives and point-to-point transfers on Tensors among its ranks.
+// Tensors go over MPI. fp16/bf16 reductions run in fp32 on that path (each rank's values widened,
+// reduced, rounded once), so a 16-bit all-reduce loses no more than one rounding. CUDA tensors travel
+// through the host for now (copied to CPU, reduced as above, copied back); the NCCL path replaces that.
+//
+// Every rank of the group must make the same calls in the same order with tensors of the same shape and
+// dtype. Each tensor collective first compares (dtype, numel) across the group in one small all-reduce, so a
+// mismatch is an Error on every rank naming both sides, never a silent mix of unrelated bytes; a recv checks
+// the size of what arrived. Tensors must be contiguous.
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "tensor/tensor.h"
+
+namespace mixtape::dist {
+
+enum class Reduction { Sum, Max };
+
+class Communicator {
+ public:
+  // Every rank of the job (MPI_COMM_WORLD). dist::init must have run.
+  static Communicator world();
+
+  // The group of the ranks that pass the same color, ordered by key (MPI_Comm_split); every rank of this
+  // group must call it. `name` is used in error messages ("tensor-parallel group").
+  Communicator split(int color, int key, std::string name) const;
+
+  int rank() const;
+  int size() const;
+  const std::string& name() const;
+
+  // In place: every rank ends with the elementwise reduction over the group.
+  void all_reduce(const Tensor& tensor, Reduction op) const;
+  void all_reduce(std::span<double> values, Reduction op) const;
+  // Rank i's tensor becomes chunk i (along dim 0) of the result on every rank: [size * d0, ...].
+  Tensor all_gather(const Tensor& tensor) const;
+  // The reduction over the group of `tensor` (dim 0 divisible by size), of which this rank keeps chunk
+  // rank() along dim 0.
+  Tensor reduce_scatter(const Tensor& tensor, Reduction op) const;
+  // Rank root's tensor replaces everyone's, in place.
+  void broadcast(const Tensor& tensor, int root) const;
+  // Blocking point-to-point: recv fills `tensor` (shape and dtype must match the sender's).
+  void send(const Tensor& tensor, int dest, int tag = 0) const;
+  void recv(const Tensor& tensor, int source, int tag = 0) const;
+  void barrier() const;
+
+  struct Impl;  // dist/communicator.cpp
+
+ private:
+  explicit Communicator(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
+  std::shared_ptr<Impl> impl_;
+};
+
+}  // namespace mixtape::dist
