@@ -77,7 +77,11 @@ void copy_between_devices(const Tensor& src, const Tensor& dst) {
     // dst's stream may still be using dst's old block, src's stream may still be writing src.
     to.synchronize();
     from.synchronize();
-    MIXTAPE_CUDA_CHECK(cudaMemcpyPeer(dst.data_ptr(), to.device(), src.data_ptr(), from.device(), nbytes));
+    // Not cudaMemcpyPeer: it is asynchronous to the host and ordered only with the legacy default stream,
+    // which our cudaStreamNonBlocking streams do not wait for. Queue it on dst's stream and wait for it.
+    const cudaStream_t stream = to.stream();
+    MIXTAPE_CUDA_CHECK(cudaMemcpyPeerAsync(dst.data_ptr(), to.device(), src.data_ptr(), from.device(), nbytes, stream));
+    MIXTAPE_CUDA_CHECK(cudaStreamSynchronize(stream));
     return;
   }
   cuda::CudaBackend& gpu = cuda::backend(src.device().is_cuda() ? src.device().index : dst.device().index);
