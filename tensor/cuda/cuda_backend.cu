@@ -114,13 +114,12 @@ CudaBackend& backend(int index) {
 // ---- backend ---------------------------------------------------------------------------------------------
 
 namespace {
-thread_local int current_device = -1;  // what this thread last passed to cudaSetDevice through stream()
-
+// Asks the runtime rather than remembering: NCCL, a benchmark or user code may call cudaSetDevice too, and a
+// cached answer would then launch on the wrong GPU. cudaGetDevice is a thread-local read in the runtime.
 void make_current(int device) {
-  if (current_device != device) {
-    MIXTAPE_CUDA_CHECK(cudaSetDevice(device));
-    current_device = device;
-  }
+  int current = -1;
+  MIXTAPE_CUDA_CHECK(cudaGetDevice(&current));
+  if (current != device) MIXTAPE_CUDA_CHECK(cudaSetDevice(device));
 }
 }  // namespace
 
