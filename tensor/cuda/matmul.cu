@@ -354,8 +354,11 @@ bool find_algo(cublasLtHandle_t handle, Plan& plan, const PlanKey& key) {
   int count = 0;
   const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(handle, plan.desc, plan.a, plan.b, plan.d, plan.d,
                                                                preference, 1, &result, &count);
-  // NOT_SUPPORTED: no heuristic for this configuration, an answer like count == 0; anything else is an error.
+  // NOT_SUPPORTED: no heuristic for this configuration, an answer like count == 0. With an epilogue, an
+  // INVALID_VALUE can also mean "this epilogue with these types" (not documented per type): the caller then
+  // retries without it. Anything else is an error.
   if (status == CUBLAS_STATUS_NOT_SUPPORTED) return false;
+  if (status == CUBLAS_STATUS_INVALID_VALUE && key.epilogue != Epilogue::None && !plan.bias_via_beta) return false;
   check_cublas(status, "cublasLtMatmulAlgoGetHeuristic(...)", __FILE__, __LINE__);
   if (count < 1 || result.state != CUBLAS_STATUS_SUCCESS) return false;
   plan.algo = result.algo;
