@@ -23,6 +23,8 @@
 // neighbour" exchange (Megatron's send_forward_recv_backward / send_backward_recv_forward, done there with
 // batched isend/irecv), the even stage of the pair sends first and the odd one receives first, so the two
 // blocking calls of one side always meet the two of the other side in the same order.
+// Also checked under real rendezvous: with `mpiexec --mca pml ob1 --mca btl self,tcp --mca btl_tcp_eager_limit 64
+// --mca btl_tcp_max_send_size 64` the tests pass, and with both sides of an exchange sending first they hang.
 #include <cstdint>
 #include <functional>
 #include <string>
