@@ -9,11 +9,15 @@
 #include <string>
 #include <vector>
 
+#include "amp/optimizer.h"
+#include "amp/scaler.h"
 #include "autograd/autograd.h"
+#include "dist/process_group.h"
 #include "dist/pipeline.h"
 #include "dist/world.h"
 #include "nn/gpt.h"
 #include "nn/layers.h"
+#include "optim/sgd.h"
 #include "tensor/ops.h"
 #include "../test_util.h"
 
@@ -262,6 +266,72 @@ TEST(PipelineSchedule, TheLastStageBackpropagatesTheLossTimesTheAmpLossScale) {
     };
     check_stack_step(pp, embedding, DType::F64, options, 4, 8, std::string("scale_loss ") + to_string(kind));
     EXPECT_EQ(calls, pp.rank() == pp.size() - 1 ? 4 : 1);
+  }
+}
+
+TEST(PipelineSchedule, TrainsWithAMixedPrecisionOptimizerOnEveryStageLikeOneProcess) {
+  // Three SGD steps under a GradScaler (scale 2^10): the last stage scales each micro-batch's loss through
+  // the optimizer's scale_loss; the other stages' optimizers learn of the scaled backward from the hook's one
+  // call, so step() accepts the gradients that arrived through the pipeline (and unscales them).
+  const Tensor x = uniform_tensor({kBatch, kWidth}, 7, -1, 1, DType::F32);
+  const Tensor target = uniform_tensor({kBatch, kWidth}, 8, -1, 1, DType::F32);
+  GradScalerOptions scaler_options;
+  scaler_options.init_scale = 1024;
+  constexpr int kSteps = 3;
+  Stack reference(DType::F32);
+  std::vector<Tensor> all_params = {reference.tied->weight};
+  for (const auto& layer : reference.layers) {
+    all_params.push_back(layer->weight);
+    all_params.push_back(layer->bias);
+  }
+  MixedPrecisionOptimizer ref_optimizer(std::make_unique<SGD>(all_params, 0.1),
+                                        std::make_unique<GradScaler>(scaler_options));
+  std::vector<double> ref_losses;
+  for (int step = 0; step < kSteps; ++step) {
+    const Tensor loss = reference.full_loss(x, target);
+    ref_losses.push_back(loss.item());
+    ref_optimizer.backward(loss);
+    ref_optimizer.step();
+  }
+
+  for (int P : {2, 4}) {
+    const Communicator pp = pipeline_of(P);
+    const Communicator embedding = make_embedding_group(pp);
+    const int s = pp.rank();
+    Stack model(DType::F32);
+    const int64_t per_stage = kLayers / P;
+    std::vector<Tensor> params;
+    if (s == 0 || s == P - 1) params.push_back(model.tied->weight);
+    for (int64_t i = s * per_stage; i < (s + 1) * per_stage; ++i) {
+      params.push_back(model.layers[size_t(i)]->weight);
+      params.push_back(model.layers[size_t(i)]->bias);
+    }
+    CommunicatorGroup group(pp);  // the model-parallel group of this layout
+    MixedPrecisionOptions amp_options;
+    amp_options.group = &group;
+    MixedPrecisionOptimizer optimizer(std::make_unique<SGD>(params, 0.1),
+                                      std::make_unique<GradScaler>(scaler_options), amp_options);
+    PipelineOptions options;
+    options.scale_loss = [&optimizer](const Tensor& loss) { return optimizer.scale_loss(loss); };
+    PipelineSchedule schedule(pp, options);
+    StackStage stage(model, s, P, split_micro_batches(target, 4));
+    for (int step = 0; step < kSteps; ++step) {
+      const double loss = schedule.run(stage, split_micro_batches(x, 4));
+      all_reduce_tied_gradients(model.tied->weight, embedding);
+      const StepResult result = optimizer.step();
+      EXPECT_FALSE(result.skipped) << "pp " << P << " step " << step;
+      EXPECT_EQ(result.loss_scale, 1024) << "pp " << P << " step " << step;
+      EXPECT_NEAR(loss, ref_losses[size_t(step)], 1e-5 * std::abs(ref_losses[size_t(step)])) << "pp " << P;
+    }
+    if (s == 0 || s == P - 1) {  // both copies of the tied weight took the same (summed) steps
+      EXPECT_TRUE(all_close(model.tied->weight, reference.tied->weight, 1e-5, 1e-5)) << "pp " << P;
+    }
+    for (int64_t i = s * per_stage; i < (s + 1) * per_stage; ++i) {
+      EXPECT_TRUE(all_close(model.layers[size_t(i)]->weight, reference.layers[size_t(i)]->weight, 1e-5, 1e-5))
+          << "pp " << P << " layer " << i;
+      EXPECT_TRUE(all_close(model.layers[size_t(i)]->bias, reference.layers[size_t(i)]->bias, 1e-5, 1e-5))
+          << "pp " << P << " layer " << i;
+    }
   }
 }
 
