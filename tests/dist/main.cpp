@@ -3,7 +3,29 @@
 #include <gtest/gtest.h>
 #include <mpi.h>
 
+#include <cstdio>
+
 #include "dist/world.h"
+
+namespace {
+
+// On ranks other than 0: only failed assertions, each tagged with the rank and the test.
+class FailurePrinter : public ::testing::EmptyTestEventListener {
+ public:
+  explicit FailurePrinter(int rank) : rank_(rank) {}
+  void OnTestPartResult(const ::testing::TestPartResult& result) override {
+    if (!result.failed()) return;
+    const ::testing::TestInfo* test = ::testing::UnitTest::GetInstance()->current_test_info();
+    std::fprintf(stderr, "rank %d: %s.%s: %s:%d: %s\n", rank_, test ? test->test_suite_name() : "?",
+                 test ? test->name() : "?", result.file_name() ? result.file_name() : "?", result.line_number(),
+                 result.summary());
+  }
+
+ private:
+  int rank_;
+};
+
+}  // namespace
 
 int main(int argc, char** argv) {
   const mixtape::dist::World& world = mixtape::dist::init(&argc, &argv);
@@ -12,6 +34,7 @@ int main(int argc, char** argv) {
     // Other ranks report only their failures (with their rank), not the whole log.
     auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
     delete listeners.Release(listeners.default_result_printer());
+    listeners.Append(new FailurePrinter(world.rank));
   }
   int failed = RUN_ALL_TESTS() != 0 ? 1 : 0;
   int any_failed = 0;
