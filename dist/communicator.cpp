@@ -137,12 +137,17 @@ MPI_Op mpi_op(Reduction op) { return op == Reduction::Sum ? MPI_SUM : MPI_MAX; }
 
 Communicator Communicator::world() {
   check(world_known, "dist::Communicator::world: call dist::init() first");
-  auto impl = std::make_shared<Impl>();
-  impl->comm = MPI_COMM_WORLD;
-  impl->rank = the_world.rank;
-  impl->size = the_world.size;
-  impl->name = "world";
-  return Communicator(impl);
+  // One Impl for every call, so the world's NCCL communicator is made once, not per Communicator::world().
+  // Never destroyed (its NCCL communicators are released at exit, dist/nccl.cpp).
+  static std::shared_ptr<Impl>* const shared = [] {
+    auto impl = std::make_shared<Impl>();
+    impl->comm = MPI_COMM_WORLD;
+    impl->rank = the_world.rank;
+    impl->size = the_world.size;
+    impl->name = "world";
+    return new std::shared_ptr<Impl>(std::move(impl));
+  }();
+  return Communicator(*shared);
 }
 
 Communicator Communicator::split(int color, int key, std::string name) const {
