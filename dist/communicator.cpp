@@ -1,11 +1,17 @@
-// MPI behind dist::init and Communicator. Built only with MPI (MIXTAPE_WITH_MPI); without it every entry
-// point says "not supported".
+// MPI behind dist::init and Communicator, with NCCL for CUDA tensors where the group can use it
+// (dist/nccl.h). Built only with MPI (MIXTAPE_WITH_MPI); without it every entry point says "not supported".
 #include "dist/communicator.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <exception>
+#include <map>
+#include <utility>
+#include <vector>
 
+#include "dist/nccl.h"
 #include "dist/world.h"
 #include "tensor/backend.h"
 #include "tensor/error.h"
@@ -93,7 +99,18 @@ struct Communicator::Impl {
   bool owned = false;
   int rank = 0, size = 1;
   std::string name;
+  // How CUDA tensors travel (dist/nccl.h), decided by all ranks together at the group's first collective on
+  // CUDA tensors: the group's NCCL communicator, or the host path with its reason.
+  enum class Cuda { Undecided, Nccl, Host } cuda = Cuda::Undecided;
+  std::string cuda_reason;
+  std::unique_ptr<nccl::Comm> nccl;
+  // send/recv in groups of more than two ranks: a two-rank NCCL communicator per peer (as PyTorch does), made
+  // by the two ends at their first CUDA transfer; null where the pair keeps the host path.
+  std::map<int, std::unique_ptr<nccl::Comm>> pairs;
   ~Impl() {
+    // NCCL first (it does not use MPI, but is released while the device still exists).
+    pairs.clear();
+    nccl.reset();
     int finalized = 0;
     MPI_Finalized(&finalized);
     if (owned && !finalized) MPI_Comm_free(&comm);
@@ -120,12 +137,17 @@ MPI_Op mpi_op(Reduction op) { return op == Reduction::Sum ? MPI_SUM : MPI_MAX; }
 
 Communicator Communicator::world() {
   check(world_known, "dist::Communicator::world: call dist::init() first");
-  auto impl = std::make_shared<Impl>();
-  impl->comm = MPI_COMM_WORLD;
-  impl->rank = the_world.rank;
-  impl->size = the_world.size;
-  impl->name = "world";
-  return Communicator(impl);
+  // One Impl for every call, so the world's NCCL communicator is made once, not per Communicator::world().
+  // Never destroyed (its NCCL communicators are released at exit, dist/nccl.cpp).
+  static std::shared_ptr<Impl>* const shared = [] {
+    auto impl = std::make_shared<Impl>();
+    impl->comm = MPI_COMM_WORLD;
+    impl->rank = the_world.rank;
+    impl->size = the_world.size;
+    impl->name = "world";
+    return new std::shared_ptr<Impl>(std::move(impl));
+  }();
+  return Communicator(*shared);
 }
 
 Communicator Communicator::split(int color, int key, std::string name) const {
@@ -146,16 +168,19 @@ const std::string& Communicator::name() const { return impl_->name; }
 namespace {
 
 // Every rank's (dtype, numel) must agree: one all-reduce of (x, -x) with MAX gives the largest and the
-// smallest value of each field at once.
-void check_same_everywhere(const Communicator::Impl& c, const Tensor& tensor, const char* op) {
-  if (c.size == 1) return;
-  const int64_t mine[2] = {static_cast<int64_t>(tensor.dtype()), tensor.numel()};
-  int64_t extremes[4] = {mine[0], mine[1], -mine[0], -mine[1]};
-  check_mpi(MPI_Allreduce(MPI_IN_PLACE, extremes, 4, MPI_INT64_T, MPI_MAX, c.comm), "MPI_Allreduce");
-  if (extremes[0] != -extremes[2] || extremes[1] != -extremes[3])
+// smallest value of each field at once. The same all-reduce tells whether every rank's tensor is on a GPU
+// (the returned value): only then can the group use NCCL; a mix of CPU and CUDA tensors takes the host path.
+bool check_same_everywhere(const Communicator::Impl& c, const Tensor& tensor, const char* op) {
+  const int64_t on_gpu = tensor.device().is_cuda() ? 1 : 0;
+  if (c.size == 1) return on_gpu == 1;
+  const int64_t mine[3] = {static_cast<int64_t>(tensor.dtype()), tensor.numel(), on_gpu};
+  int64_t extremes[6] = {mine[0], mine[1], mine[2], -mine[0], -mine[1], -mine[2]};
+  check_mpi(MPI_Allreduce(MPI_IN_PLACE, extremes, 6, MPI_INT64_T, MPI_MAX, c.comm), "MPI_Allreduce");
+  if (extremes[0] != -extremes[3] || extremes[1] != -extremes[4])
     fail("dist::", op, " on the ", c.name, " (rank ", c.rank, " of ", c.size, "): this rank passed ",
-         tensor.description(), " but the ranks disagree (dtype codes ", -extremes[2], "..", extremes[0],
-         ", element counts ", -extremes[3], "..", extremes[1], "); every rank must pass the same shape and dtype");
+         tensor.description(), " but the ranks disagree (dtype codes ", -extremes[3], "..", extremes[0],
+         ", element counts ", -extremes[4], "..", extremes[1], "); every rank must pass the same shape and dtype");
+  return -extremes[5] == 1;  // the smallest flag: every rank on a GPU
 }
 
 void check_contiguous(const Communicator::Impl& c, const Tensor& tensor, const char* op) {
@@ -178,11 +203,194 @@ int count_of(const Tensor& t) {
   return static_cast<int>(t.numel());
 }
 
+// ---- NCCL for CUDA tensors (dist/nccl.h) ----
+
+// Tags above the user's range: the headers of CUDA transfers and the setup of per-pair NCCL communicators.
+constexpr int kHeaderTag = 32767;  // MPI guarantees tags up to 32767
+constexpr int kPairTag = 32766;
+
+// What a rank tells its peers before creating an NCCL communicator: whether it may use NCCL at all
+// (MIXTAPE_NCCL=0 turns it off) and which GPU it holds.
+struct GpuCard {
+  char nccl_off = 0;
+  char identity[191] = {};
+};
+GpuCard my_card(int device) {
+  GpuCard card;
+  const char* env = std::getenv("MIXTAPE_NCCL");
+  card.nccl_off = env && std::strcmp(env, "0") == 0 ? 1 : 0;
+  const std::string id = nccl::gpu_identity(device);
+  std::strncpy(card.identity, id.c_str(), sizeof(card.identity) - 1);
+  return card;
+}
+
+// Said once per process (on world rank 0) when a group falls back to the host path.
+void note_host_path(const Communicator::Impl& c) {
+  static bool said = false;
+  if (said || the_world.rank != 0) return;
+  said = true;
+  std::fprintf(stderr, "mixtape dist: the %s sends CUDA tensors through the host over MPI, not NCCL: %s\n",
+               c.name.c_str(), c.cuda_reason.c_str());
+}
+
+std::string label_of(const Communicator::Impl& c, int device) {
+  return c.name + " (rank " + std::to_string(c.rank) + " of " + std::to_string(c.size) + ", cuda:" +
+         std::to_string(device) + ")";
+}
+
+// A unique id made by one rank (`maker`) for the others, with a flag byte in front so that a failure to make
+// it is an Error on every rank, not a hang of those waiting for it.
+struct IdMessage {
+  char ok = 0;
+  nccl::UniqueId id{};
+};
+IdMessage make_id(std::string* error) {
+  IdMessage message;
+  try {
+    message.id = nccl::unique_id();
+    message.ok = 1;
+  } catch (const std::exception& e) {
+    *error = e.what();
+  }
+  return message;
+}
+
+// The group's NCCL communicator for a collective (or a send/recv in a group of two) on `tensor`, or null for
+// the host path. Every rank of the group calls it at the same point with its tensor on a GPU (the agreement
+// check said so), so the first call decides for all of them together.
+nccl::Comm* group_nccl(Communicator::Impl& c, const Tensor& tensor) {
+  using Cuda = Communicator::Impl::Cuda;
+  if (!nccl::built()) {
+    if (c.cuda == Cuda::Undecided) {
+      c.cuda = Cuda::Host;
+      c.cuda_reason = "this build of mixtape has no NCCL";
+    }
+    return nullptr;
+  }
+  if (c.size == 1 && !nccl::single_rank_groups()) return nullptr;  // nothing to communicate
+  const int device = tensor.device().index;
+  if (c.cuda == Cuda::Undecided) {
+    // Who holds which GPU: NCCL refuses two ranks on one GPU.
+    const GpuCard mine = my_card(device);
+    std::vector<GpuCard> cards(static_cast<size_t>(c.size));
+    check_mpi(MPI_Allgather(&mine, sizeof(GpuCard), MPI_BYTE, cards.data(), sizeof(GpuCard), MPI_BYTE, c.comm),
+              "MPI_Allgather");
+    std::string reason;
+    for (int i = 0; i < c.size && reason.empty(); ++i) {
+      if (cards[static_cast<size_t>(i)].nccl_off) reason = "MIXTAPE_NCCL=0 on rank " + std::to_string(i);
+      for (int j = i + 1; j < c.size && reason.empty(); ++j)
+        if (std::strcmp(cards[static_cast<size_t>(i)].identity, cards[static_cast<size_t>(j)].identity) == 0)
+          reason = "ranks " + std::to_string(i) + " and " + std::to_string(j) + " share the GPU " +
+                   cards[static_cast<size_t>(i)].identity + " (NCCL needs one GPU per rank)";
+    }
+    if (!reason.empty()) {
+      c.cuda = Cuda::Host;
+      c.cuda_reason = reason;
+      note_host_path(c);
+      return nullptr;
+    }
+    std::string error;
+    IdMessage message;
+    if (c.rank == 0) message = make_id(&error);
+    check_mpi(MPI_Bcast(&message, sizeof(IdMessage), MPI_BYTE, 0, c.comm), "MPI_Bcast");
+    check(message.ok == 1, "dist: creating the NCCL communicator of the ", c.name, ": rank 0 could not make the "
+          "NCCL unique id", error.empty() ? "" : ": ", error);
+    c.nccl = std::make_unique<nccl::Comm>(message.id, c.size, c.rank, device, label_of(c, device));
+    c.cuda = Cuda::Nccl;
+  }
+  if (c.cuda == Cuda::Host) return nullptr;
+  check(c.nccl->device() == device, "dist: the ", c.name, " (rank ", c.rank, " of ", c.size,
+        ") runs NCCL on cuda:", c.nccl->device(), " but this tensor is on cuda:", device,
+        "; a rank uses one GPU (dist::device())");
+  return c.nccl.get();
+}
+
+// The NCCL communicator between this rank and `peer` for a send/recv of `tensor` (both ends call it at their
+// matching transfer), with the peer's index in it; null for the host path.
+std::pair<nccl::Comm*, int> pair_nccl(Communicator::Impl& c, const Tensor& tensor, int peer) {
+  if (!nccl::built()) return {nullptr, 0};
+  if (c.size == 2) return {group_nccl(c, tensor), peer};
+  const int device = tensor.device().index;
+  auto found = c.pairs.find(peer);
+  if (found == c.pairs.end()) {
+    const GpuCard mine = my_card(device);
+    GpuCard theirs;
+    check_mpi(MPI_Sendrecv(&mine, sizeof(GpuCard), MPI_BYTE, peer, kPairTag, &theirs, sizeof(GpuCard), MPI_BYTE,
+                           peer, kPairTag, c.comm, MPI_STATUS_IGNORE),
+              "MPI_Sendrecv");
+    if (mine.nccl_off || theirs.nccl_off || std::strcmp(mine.identity, theirs.identity) == 0) {
+      found = c.pairs.emplace(peer, nullptr).first;
+    } else {
+      // The lower rank makes the id; it is rank 0 of the pair's communicator.
+      std::string error;
+      IdMessage message;
+      if (c.rank < peer) {
+        message = make_id(&error);
+        check_mpi(MPI_Send(&message, sizeof(IdMessage), MPI_BYTE, peer, kPairTag, c.comm), "MPI_Send");
+      } else {
+        check_mpi(MPI_Recv(&message, sizeof(IdMessage), MPI_BYTE, peer, kPairTag, c.comm, MPI_STATUS_IGNORE),
+                  "MPI_Recv");
+      }
+      check(message.ok == 1, "dist: creating the NCCL communicator between ranks ", c.rank, " and ", peer, " of the ",
+            c.name, ": rank ", std::min(c.rank, peer), " could not make the NCCL unique id",
+            error.empty() ? "" : ": ", error);
+      auto comm = std::make_unique<nccl::Comm>(message.id, 2, c.rank < peer ? 0 : 1, device,
+                                               label_of(c, device) + " pair with rank " + std::to_string(peer));
+      found = c.pairs.emplace(peer, std::move(comm)).first;
+    }
+  }
+  nccl::Comm* comm = found->second.get();
+  if (!comm) return {nullptr, 0};
+  check(comm->device() == device, "dist: the ", c.name, " (rank ", c.rank, ") runs NCCL with rank ", peer,
+        " on cuda:", comm->device(), " but this tensor is on cuda:", device, "; a rank uses one GPU (dist::device())");
+  return {comm, c.rank < peer ? 1 : 0};
+}
+
+// Before a CUDA send/recv, the two ends exchange what each is doing (a small MPI message), so that a mismatch
+// of dtype, size, tag or direction is an Error on both ends instead of an NCCL transfer that never completes.
+struct Header {
+  int64_t receiving, dtype, numel, tag;
+};
+void exchange_header(const Communicator::Impl& c, const Tensor& tensor, int peer, int tag, bool receiving) {
+  const Header mine{receiving ? 1 : 0, static_cast<int64_t>(tensor.dtype()), tensor.numel(), tag};
+  Header theirs{};
+  check_mpi(MPI_Sendrecv(&mine, sizeof(Header), MPI_BYTE, peer, kHeaderTag, &theirs, sizeof(Header), MPI_BYTE, peer,
+                         kHeaderTag, c.comm, MPI_STATUS_IGNORE),
+            "MPI_Sendrecv");
+  const char* op = receiving ? "recv" : "send";
+  check(theirs.receiving != mine.receiving, "dist::", op, " on the ", c.name, ": rank ", c.rank, " and rank ", peer,
+        " are both ", receiving ? "receiving from" : "sending to", " each other (a send must meet a recv)");
+  check(theirs.dtype == mine.dtype && theirs.numel == mine.numel && theirs.tag == mine.tag, "dist::", op, " on the ",
+        c.name, ": rank ", c.rank, " ", receiving ? "expects" : "sends", " ", tensor.description(), " (tag ", tag,
+        ") but rank ", peer, receiving ? " sends " : " expects ", theirs.numel, " elements of ",
+        dtype_name(static_cast<DType>(theirs.dtype)), " (tag ", theirs.tag,
+        "); both ends of a CUDA transfer must agree on dtype, size and tag, in the same order");
+}
+
+void check_tag(const Communicator::Impl& c, int tag, const char* op) {
+  check(tag >= 0 && tag < kPairTag, "dist::", op, " on the ", c.name, ": tag ", tag, " is outside 0..", kPairTag - 1,
+        " (the tags above are reserved)");
+}
+
 }  // namespace
+
+std::string Communicator::cuda_transport() const {
+  switch (impl_->cuda) {
+    case Impl::Cuda::Nccl: return "nccl";
+    case Impl::Cuda::Host: return "host: " + impl_->cuda_reason;
+    case Impl::Cuda::Undecided: break;
+  }
+  return "undecided";
+}
 
 void Communicator::all_reduce(const Tensor& tensor, Reduction op) const {
   check_contiguous(*impl_, tensor, "all_reduce");
-  check_same_everywhere(*impl_, tensor, "all_reduce");
+  const bool all_gpu = check_same_everywhere(*impl_, tensor, "all_reduce");
+  if (nccl::Comm* comm = all_gpu ? group_nccl(*impl_, tensor) : nullptr) {
+    comm->all_reduce(tensor.detach(), op);  // 16-bit reduced in its own type (dist/nccl.h)
+    tensor.bump_version();
+    return;
+  }
   if (impl_->size == 1) return;
   Tensor host = host_view(tensor);
   if (is_low_precision(tensor.dtype())) {
@@ -211,9 +419,14 @@ Tensor Communicator::all_gather(const Tensor& tensor) const {
   check_contiguous(*impl_, tensor, "all_gather");
   check(tensor.dim() >= 1, "dist::all_gather on the ", impl_->name, ": tensor ", tensor.description(),
         " needs at least one dim (chunks are stacked along dim 0)");
-  check_same_everywhere(*impl_, tensor, "all_gather");
+  const bool all_gpu = check_same_everywhere(*impl_, tensor, "all_gather");
   Shape shape = tensor.shape();
   shape[0] *= impl_->size;
+  if (nccl::Comm* comm = all_gpu ? group_nccl(*impl_, tensor) : nullptr) {
+    Tensor out = Tensor::empty(shape, tensor.dtype(), tensor.device());
+    comm->all_gather(tensor.detach(), out);
+    return out;
+  }
   const Tensor host = host_view(tensor);
   Tensor out = Tensor::empty(shape, tensor.dtype());
   check_mpi(MPI_Allgather(host.data_ptr(), count_of(host), mpi_type(host.dtype()), out.data_ptr(), count_of(host),
@@ -226,9 +439,14 @@ Tensor Communicator::reduce_scatter(const Tensor& tensor, Reduction op) const {
   check_contiguous(*impl_, tensor, "reduce_scatter");
   check(tensor.dim() >= 1 && tensor.size(0) % impl_->size == 0, "dist::reduce_scatter on the ", impl_->name,
         ": tensor ", tensor.description(), " must have dim 0 divisible by the group size ", impl_->size);
-  check_same_everywhere(*impl_, tensor, "reduce_scatter");
+  const bool all_gpu = check_same_everywhere(*impl_, tensor, "reduce_scatter");
   Shape shape = tensor.shape();
   shape[0] /= impl_->size;
+  if (nccl::Comm* comm = all_gpu ? group_nccl(*impl_, tensor) : nullptr) {
+    Tensor chunk = Tensor::empty(shape, tensor.dtype(), tensor.device());
+    comm->reduce_scatter(tensor.detach(), chunk, op);  // 16-bit reduced in its own type (dist/nccl.h)
+    return chunk;
+  }
   const bool low = is_low_precision(tensor.dtype());
   const Tensor host = host_view(tensor);
   const Tensor send = low ? host.to(DType::F32) : host;
@@ -244,7 +462,12 @@ void Communicator::broadcast(const Tensor& tensor, int root) const {
   check_contiguous(*impl_, tensor, "broadcast");
   check(root >= 0 && root < impl_->size, "dist::broadcast on the ", impl_->name, ": root ", root,
         " is not a rank of this group of ", impl_->size);
-  check_same_everywhere(*impl_, tensor, "broadcast");
+  const bool all_gpu = check_same_everywhere(*impl_, tensor, "broadcast");
+  if (nccl::Comm* comm = all_gpu ? group_nccl(*impl_, tensor) : nullptr) {
+    comm->broadcast(tensor.detach(), root);
+    tensor.bump_version();
+    return;
+  }
   if (impl_->size == 1) return;
   Tensor host = host_view(tensor);
   check_mpi(MPI_Bcast(host.data_ptr(), count_of(host), mpi_type(host.dtype()), root, impl_->comm), "MPI_Bcast");
@@ -256,6 +479,14 @@ void Communicator::send(const Tensor& tensor, int dest, int tag) const {
   check_contiguous(*impl_, tensor, "send");
   check(dest >= 0 && dest < impl_->size && dest != impl_->rank, "dist::send on the ", impl_->name, ": destination ",
         dest, " is not another rank of this group of ", impl_->size);
+  check_tag(*impl_, tag, "send");
+  if (tensor.device().is_cuda()) {
+    exchange_header(*impl_, tensor, dest, tag, /*receiving=*/false);
+    if (auto [comm, peer] = pair_nccl(*impl_, tensor, dest); comm) {
+      comm->send(tensor.detach(), peer);
+      return;
+    }
+  }
   const Tensor host = host_view(tensor);
   check_mpi(MPI_Send(host.data_ptr(), count_of(host), mpi_type(host.dtype()), dest, tag, impl_->comm), "MPI_Send");
 }
@@ -264,6 +495,15 @@ void Communicator::recv(const Tensor& tensor, int source, int tag) const {
   check_contiguous(*impl_, tensor, "recv");
   check(source >= 0 && source < impl_->size && source != impl_->rank, "dist::recv on the ", impl_->name,
         ": source ", source, " is not another rank of this group of ", impl_->size);
+  check_tag(*impl_, tag, "recv");
+  if (tensor.device().is_cuda()) {
+    exchange_header(*impl_, tensor, source, tag, /*receiving=*/true);
+    if (auto [comm, peer] = pair_nccl(*impl_, tensor, source); comm) {
+      comm->recv(tensor.detach(), peer);
+      tensor.bump_version();
+      return;
+    }
+  }
   Tensor host = tensor.device().is_cpu() ? tensor.detach() : Tensor::empty(tensor.shape(), tensor.dtype());
   MPI_Status status;
   // A longer message fails inside MPI (truncation error); a shorter one is caught by the count below.
@@ -297,6 +537,7 @@ Communicator Communicator::split(int, int, std::string) const { not_supported("d
 int Communicator::rank() const { return 0; }
 int Communicator::size() const { return 1; }
 const std::string& Communicator::name() const { not_supported("dist: no MPI"); }
+std::string Communicator::cuda_transport() const { return "host: this build of mixtape has no MPI"; }
 void Communicator::all_reduce(const Tensor&, Reduction) const { not_supported("dist: no MPI"); }
 void Communicator::all_reduce(std::span<double>, Reduction) const { not_supported("dist: no MPI"); }
 Tensor Communicator::all_gather(const Tensor&) const { not_supported("dist: no MPI"); }

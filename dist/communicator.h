@@ -1,13 +1,18 @@
 #pragma once
 // A Communicator is one process group: collectives and point-to-point transfers on Tensors among its ranks.
-// Tensors go over MPI. fp16/bf16 reductions run in fp32 on that path (each rank's values widened,
-// reduced, rounded once), so a 16-bit all-reduce loses no more than one rounding. CUDA tensors travel
-// through the host for now (copied to CPU, reduced as above, copied back); the NCCL path replaces that.
+// CPU tensors go over MPI. fp16/bf16 reductions run in fp32 on that path (each rank's values widened,
+// reduced, rounded once), so a 16-bit all-reduce loses no more than one rounding. CUDA tensors go over NCCL
+// when every rank of the group holds its own GPU (dist/nccl.h: queued on the tensor's stream; fp16/bf16
+// reduced in their own type, as PyTorch does, so a 16-bit sum can differ from the MPI path's by a few ulp);
+// otherwise (no NCCL in the build, ranks sharing a GPU, MIXTAPE_NCCL=0, or a group mixing CPU and CUDA
+// tensors) they travel through the host (copied to CPU, reduced as above, copied back).
 //
 // Every rank of the group must make the same calls in the same order with tensors of the same shape and
 // dtype. Each tensor collective first compares (dtype, numel) across the group in one small all-reduce, so a
 // mismatch is an Error on every rank naming both sides, never a silent mix of unrelated bytes; a recv checks
-// the size of what arrived. Tensors must be contiguous.
+// the size of what arrived. Tensors must be contiguous. The two ends of a send/recv hold tensors on the same
+// kind of device: for CUDA tensors they first exchange (direction, dtype, size, tag), a mismatch being an
+// Error on both; tags 32766 and 32767 are reserved.
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -43,10 +48,16 @@ class Communicator {
   Tensor reduce_scatter(const Tensor& tensor, Reduction op) const;
   // Rank root's tensor replaces everyone's, in place.
   void broadcast(const Tensor& tensor, int root) const;
-  // Blocking point-to-point: recv fills `tensor` (shape and dtype must match the sender's).
+  // Blocking point-to-point: recv fills `tensor` (shape and dtype must match the sender's). Over NCCL the
+  // transfer is queued on the tensor's stream instead (ordered with its kernels), and a send and its recv must
+  // not wait on each other's other transfers in a cycle (post them in matching order on both ends).
   void send(const Tensor& tensor, int dest, int tag = 0) const;
   void recv(const Tensor& tensor, int source, int tag = 0) const;
   void barrier() const;
+
+  // How this group moves CUDA tensors: "nccl", "host: <why>", or "undecided" before its first collective on
+  // CUDA tensors (a group of one rank never needs to decide).
+  std::string cuda_transport() const;
 
   struct Impl;  // dist/communicator.cpp
 
