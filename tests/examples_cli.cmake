@@ -173,6 +173,11 @@ run_fails("--top-k -1" ${TRAIN_GPT} --data words.txt --top-k -1 MENTIONS "--top-
 run_fails("--sample x" ${TRAIN_GPT} --data words.txt --sample x MENTIONS "--sample" "'x'")
 run_fails("--vocab-size with .txt" ${TRAIN_GPT} --data words.txt --vocab-size 50
           MENTIONS "--vocab-size" ".bin")
+run_fails("--device gpu" ${TRAIN_GPT} --data words.txt --device gpu
+          MENTIONS "'gpu' is not a device" "cpu, cuda or cuda:N")
+# A GPU index this machine cannot have: the error names the device whether or not there are GPUs (no
+# build, no driver, or fewer GPUs each say so).
+run_fails("--device cuda:999" ${TRAIN_GPT} --data words.txt --device cuda:999 MENTIONS "Device::cuda(999)")
 
 # ================================================================ generate
 # Same seed, same text; another seed, other text (the trained model's next-word choices stay uncertain, so
