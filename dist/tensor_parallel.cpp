@@ -244,6 +244,131 @@ void VocabParallelEmbedding::gather_full(Embedding& full) const {
 
 void VocabParallelEmbedding::load_full(const Embedding& full) { assign(weight, shard(full.weight, 0, 1, tp)); }
 
+// ---- ParallelBlock, ParallelGPT ----
+
+namespace {
+
+// `copy` (a fresh module of full's structure) takes full's dtype and values: a replicated module.
+template <class M>
+std::shared_ptr<M> replicate(std::shared_ptr<M> copy, const Module& full) {
+  const std::vector<Tensor> parameters = full.parameters();
+  if (!parameters.empty()) copy->to(parameters.front().dtype());
+  copy->load_state_dict(full.state_dict());
+  return copy;
+}
+
+}  // namespace
+
+ParallelBlock::ParallelBlock(const Block& full, const GPTConfig& config, Communicator tp) {
+  ln_1 = register_module("ln_1", replicate(make_norm(config), *full.ln_1));
+  attn = register_module("attn", std::make_shared<ParallelCausalSelfAttention>(*full.attn, tp));
+  ln_2 = register_module("ln_2", replicate(make_norm(config), *full.ln_2));
+  mlp = register_module("mlp", std::make_shared<ParallelMLP>(*full.mlp, tp));
+}
+
+Tensor ParallelBlock::forward(const Tensor& x) {
+  const Tensor after_attention = add(x, (*attn)((*ln_1)(x)));
+  return add(after_attention, (*mlp)((*ln_2)(after_attention)));
+}
+
+void ParallelBlock::gather_full(Block& full) const {
+  full.ln_1->load_state_dict(ln_1->state_dict());
+  attn->gather_full(*full.attn);
+  full.ln_2->load_state_dict(ln_2->state_dict());
+  mlp->gather_full(*full.mlp);
+}
+
+void ParallelBlock::load_full(const Block& full) {
+  ln_1->load_state_dict(full.ln_1->state_dict());
+  attn->load_full(*full.attn);
+  ln_2->load_state_dict(full.ln_2->state_dict());
+  mlp->load_full(*full.mlp);
+}
+
+ParallelGPT::ParallelGPT(const GPT& full, Communicator tp_) : tp(std::move(tp_)), config_(full.config()) {
+  transformer = register_module("transformer", std::make_shared<Module>());
+  wte = transformer->register_module("wte", std::make_shared<VocabParallelEmbedding>(*full.wte, tp));
+  wpe = transformer->register_module(
+      "wpe", replicate(std::make_shared<Embedding>(config_.block_size, config_.n_embd), *full.wpe));
+  drop = transformer->register_module("drop", std::make_shared<Dropout>(full.drop->p));
+  drop->generator() = full.drop->generator();
+  h = transformer->register_module("h", std::make_shared<ModuleList<ParallelBlock>>());
+  for (const auto& block : *full.h) h->push_back(std::make_shared<ParallelBlock>(*block, config_, tp));
+  ln_f = transformer->register_module("ln_f", replicate(make_norm(config_), *full.ln_f));
+  if (full.lm_head)
+    lm_head = register_module("lm_head", std::make_shared<ColumnParallelLinear>(*full.lm_head, tp, false));
+}
+
+ParallelGPTOutput ParallelGPT::forward(const Tensor& idx, const Tensor& targets) {
+  check(idx.defined() && idx.dim() == 2 && (idx.dtype() == DType::I64 || idx.dtype() == DType::I32),
+        "ParallelGPT: expected idx [B, T] of i32/i64, got ", idx.defined() ? idx.description() : std::string("undefined"));
+  const int64_t B = idx.size(0), T = idx.size(1);
+  check(T <= config_.block_size, "ParallelGPT: cannot forward a sequence of length ", T, " (idx ", idx.description(),
+        "): block_size is only ", config_.block_size);
+  const Tensor positions = Tensor::arange(0, static_cast<double>(T), 1, DType::I64, idx.device());
+  Tensor x = (*drop)(add((*wte)(idx), (*wpe)(positions)));
+  for (const auto& block : *h) x = (*block)(x);
+  x = (*ln_f)(x);
+  ParallelGPTOutput output;
+  // Tied: this rank's logits come from its wte rows; copy_to_tp_region sums x's gradient over the group.
+  output.logits = lm_head ? (*lm_head)(x) : matmul(copy_to_tp_region(x, tp), wte->weight.mT());
+  if (targets.defined()) {
+    check(targets.shape() == idx.shape(), "ParallelGPT: targets ", targets.description(), " must have idx's shape ",
+          idx.description());
+    const int64_t v = output.logits.size(-1);
+    output.loss = vocab_parallel_cross_entropy(output.logits.reshape({B * T, v}), targets.reshape({B * T}), tp, -1);
+  }
+  return output;
+}
+
+void ParallelGPT::gather_full(GPT& full) const {
+  wte->gather_full(*full.wte);
+  full.wpe->load_state_dict(wpe->state_dict());
+  check(full.h->size() == h->size(), "ParallelGPT::gather_full: full GPT has ", full.h->size(), " layers, expected ",
+        h->size());
+  for (size_t i = 0; i < h->size(); ++i) (*h)[i].gather_full((*full.h)[i]);
+  full.ln_f->load_state_dict(ln_f->state_dict());
+  if (lm_head && full.lm_head) lm_head->gather_full(*full.lm_head);
+}
+
+void ParallelGPT::load_full(const GPT& full) {
+  wte->load_full(*full.wte);
+  wpe->load_state_dict(full.wpe->state_dict());
+  check(full.h->size() == h->size(), "ParallelGPT::load_full: full GPT has ", full.h->size(), " layers, expected ",
+        h->size());
+  for (size_t i = 0; i < h->size(); ++i) (*h)[i].load_full((*full.h)[i]);
+  ln_f->load_state_dict(full.ln_f->state_dict());
+  if (lm_head && full.lm_head) lm_head->load_full(*full.lm_head);
+}
+
+namespace {
+
+void collect_tp_parameters(const Module& module, std::vector<Tensor>& out) {
+  if (const auto* column = dynamic_cast<const ColumnParallelLinear*>(&module)) {
+    out.push_back(column->weight);
+    if (column->bias.defined()) out.push_back(column->bias);
+  } else if (const auto* row = dynamic_cast<const RowParallelLinear*>(&module)) {
+    out.push_back(row->weight);
+  } else if (const auto* embedding = dynamic_cast<const VocabParallelEmbedding*>(&module)) {
+    out.push_back(embedding->weight);
+  }
+  for (const auto& [name, child] : module.named_children()) collect_tp_parameters(*child, out);
+}
+
+}  // namespace
+
+std::vector<Tensor> tensor_parallel_parameters(const Module& root) {
+  std::vector<Tensor> out;
+  collect_tp_parameters(root, out);
+  return out;
+}
+
+bool is_tensor_parallel_parameter(const Module& root, const Tensor& parameter) {
+  for (const Tensor& t : tensor_parallel_parameters(root))
+    if (t.impl_ptr() == parameter.impl_ptr()) return true;
+  return false;
+}
+
 // ---- vocab_parallel_cross_entropy ----
 
 Tensor vocab_parallel_cross_entropy(const Tensor& logits, const Tensor& targets, const Communicator& tp,

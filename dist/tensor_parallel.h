@@ -103,6 +103,56 @@ class VocabParallelEmbedding : public Module {
   Tensor weight;  // [vocab/tp, C]
 };
 
+// A GPT block with its attention and MLP tensor-parallel; ln_1 and ln_2 replicated (copies of full's).
+class ParallelBlock : public UnaryModule {
+ public:
+  ParallelBlock(const Block& full, const GPTConfig& config, Communicator tp);
+  Tensor forward(const Tensor& x) override;
+  void gather_full(Block& full) const;
+  void load_full(const Block& full);
+
+  std::shared_ptr<UnaryModule> ln_1;
+  std::shared_ptr<ParallelCausalSelfAttention> attn;
+  std::shared_ptr<UnaryModule> ln_2;
+  std::shared_ptr<ParallelMLP> mlp;
+};
+
+struct ParallelGPTOutput {
+  Tensor logits;  // this rank's shard [B, T, V/tp] (columns [rank V/tp, (rank+1) V/tp) of the full logits)
+  Tensor loss;    // 0-d, the full model's loss (vocab_parallel_cross_entropy, targets -1 ignored); or undefined
+};
+
+// nn::GPT split over a tensor-parallel group, under the same parameter names (shard shapes): wte vocab-parallel,
+// wpe, ln_* and the dropout streams replicated, blocks parallel, lm_head column-parallel without gather (or, with
+// tied embeddings, the logits from this rank's wte rows: x @ wte_shard^T after copy_to_tp_region).
+class ParallelGPT : public Module {
+ public:
+  ParallelGPT(const GPT& full, Communicator tp);
+  ParallelGPTOutput forward(const Tensor& idx, const Tensor& targets = Tensor());
+  void gather_full(GPT& full) const;  // collective over the group
+  void load_full(const GPT& full);
+  const GPTConfig& config() const { return config_; }
+
+  Communicator tp;
+  std::shared_ptr<Module> transformer;
+  std::shared_ptr<VocabParallelEmbedding> wte;
+  std::shared_ptr<Embedding> wpe;
+  std::shared_ptr<Dropout> drop;
+  std::shared_ptr<ModuleList<ParallelBlock>> h;
+  std::shared_ptr<UnaryModule> ln_f;
+  std::shared_ptr<ColumnParallelLinear> lm_head;  // null when tied
+
+ private:
+  GPTConfig config_;
+};
+
+// The parameters under `root` that are split over the tensor-parallel group (the weights and biases of
+// ColumnParallelLinear, the weights of RowParallelLinear and VocabParallelEmbedding). Every other parameter is
+// replicated on the group's ranks (with equal gradients): a gradient norm over the model-parallel group must sum
+// the squares of these over the group but count the replicated ones once.
+std::vector<Tensor> tensor_parallel_parameters(const Module& root);
+bool is_tensor_parallel_parameter(const Module& root, const Tensor& parameter);
+
 // Mean over the rows whose target != ignore_index of -log softmax(full logits)[target], from this rank's shard
 // logits [..., V/tp] (columns [rank V/tp, (rank+1) V/tp) of the full [..., V]) and the full targets [...]
 // (replicated). Equals softmax_cross_entropy of the full logits: the row max is all-reduced (MAX), the sum of

@@ -6,6 +6,8 @@
 
 #include <cmath>
 #include <functional>
+#include <map>
+#include <string>
 #include <vector>
 
 #include "autograd/autograd.h"
@@ -398,4 +400,80 @@ TEST(TensorParallel, SizesTheGroupDoesNotDivideAreErrors) {
   Linear ok(8, 8, true, 4);
   RowParallelLinear row(ok, tp4, true);
   EXPECT_ERROR_MENTIONS(row(Tensor::zeros({2, 8})), "RowParallelLinear", "[..., 2]");
+}
+
+namespace {
+
+// How a ParallelGPT parameter is cut from the full GPT's parameter of the same name: (dim, blocks), or
+// dim = -1 for a replicated one.
+std::pair<int64_t, int64_t> gpt_layout(const std::string& name) {
+  auto ends_with = [&name](const std::string& suffix) {
+    return name.size() >= suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
+  };
+  if (ends_with("attn.c_attn.weight") || ends_with("attn.c_attn.bias")) return {0, 3};
+  if (ends_with("mlp.c_fc.weight") || ends_with("mlp.c_fc.bias")) return {0, 1};
+  if (ends_with("c_proj.weight")) return {1, 1};
+  if (name == "transformer.wte.weight" || name == "lm_head.weight") return {0, 1};
+  return {-1, 1};
+}
+
+}  // namespace
+
+TEST(TensorParallel, ParallelGPTMatchesTheSingleProcessGPT) {
+  for (int tp_size : {2, 4}) {
+    const Communicator tp = tp_group(tp_size);
+    const int r = tp.rank();
+    for (bool tied : {true, false}) {
+      for (DType dtype : {DType::F64, DType::F32}) {
+        const double tol = tolerance(dtype);
+        GPTConfig config;
+        config.n_layer = 2;
+        config.n_head = 4;
+        config.n_embd = 16;
+        config.block_size = 8;
+        config.vocab_size = 32;
+        config.tie_embeddings = tied;
+        GPT full(config, 7);
+        full.to(dtype);
+        ParallelGPT model(full, tp);
+        const Tensor idx = Tensor::randint(0, 32, {2, 6}, 8);
+        Tensor targets = Tensor::randint(0, 32, {2, 6}, 9);
+        {
+          std::vector<int64_t> t = targets.to_vector<int64_t>();
+          t[3] = -1;  // ignored, as in nanoGPT
+          targets = Tensor::from_vector(t, {2, 6});
+        }
+        const GPTOutput out = full.forward(idx, targets);
+        backward(out.loss);
+        const ParallelGPTOutput pout = model.forward(idx, targets);
+        EXPECT_TRUE(all_close(pout.loss, out.loss, tol, tol)) << "tp " << tp_size << " tied " << tied;
+        EXPECT_TRUE(all_close(pout.logits, slice_of(out.logits, 2, r, tp_size), tol, tol));
+        backward(pout.loss);
+        const StateDict reference = full.state_dict();
+        std::map<std::string, Tensor> full_grads;
+        for (const auto& [name, t] : full.named_parameters()) full_grads[name] = t.grad();
+        const std::vector<Tensor> sharded = tensor_parallel_parameters(model);
+        int n_sharded = 0;
+        for (const auto& [name, t] : model.named_parameters()) {
+          if (!full_grads.count(name)) {
+            ADD_FAILURE() << "no parameter " << name << " in the full GPT";
+            continue;
+          }
+          const auto [dim, blocks] = gpt_layout(name);
+          const Tensor expected = dim < 0 ? full_grads[name] : slice_of(full_grads[name], dim, r, tp_size, blocks);
+          EXPECT_TRUE(all_close(t.grad(), expected, tol, tol)) << name << " tp " << tp_size << " tied " << tied;
+          EXPECT_EQ(is_tensor_parallel_parameter(model, t), dim >= 0) << name;
+          n_sharded += dim >= 0;
+        }
+        EXPECT_EQ(static_cast<int>(sharded.size()), n_sharded);
+        EXPECT_EQ(model.named_parameters().size(), full.named_parameters().size());
+        // The shards written back into a GPT of another seed give the original weights.
+        GPT other(config, 99);
+        other.to(dtype);
+        model.gather_full(other);
+        for (const auto& [name, t] : reference.tensors)
+          EXPECT_TRUE(all_close(other.state_dict().tensors.at(name), t, 0, 0)) << name;
+      }
+    }
+  }
 }
