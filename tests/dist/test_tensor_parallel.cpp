@@ -477,3 +477,31 @@ TEST(TensorParallel, ParallelGPTMatchesTheSingleProcessGPT) {
     }
   }
 }
+
+TEST(TensorParallel, SixteenBitShardsRunInTheirDtypeAndStayCloseToTheFullModule) {
+  // fp16/bf16: the sums run in another order (the partial products of RowParallelLinear are rounded to 16 bits
+  // before the fp32 all-reduce), so only closeness is expected; the dtypes must be kept throughout.
+  const Communicator tp = tp_group(2);
+  const int r = tp.rank();
+  for (DType dtype : {DType::BF16, DType::F16}) {
+    GPTConfig config;
+    config.n_embd = 16;
+    config.n_head = 4;
+    MLP full(config, 101);
+    full.to(dtype);
+    ParallelMLP mlp(full, tp);
+    const Tensor x0 = uniform_tensor({2, 3, 16}, 102, -1, 1, dtype);
+    Tensor x = leaf(x0), xp = leaf(x0);
+    const Tensor y = full(x);
+    const Tensor yp = mlp(xp);
+    EXPECT_EQ(yp.dtype(), dtype);
+    EXPECT_TRUE(all_close(yp, y, 2e-2, 2e-2)) << dtype_name(dtype);
+    backward(sum(y.to(DType::F32)));
+    backward(sum(yp.to(DType::F32)));
+    EXPECT_EQ(xp.grad().dtype(), dtype);
+    EXPECT_TRUE(all_close(xp.grad(), x.grad(), 2e-2, 2e-2)) << dtype_name(dtype);
+    EXPECT_EQ(mlp.c_fc->weight.grad().dtype(), dtype);
+    EXPECT_TRUE(all_close(mlp.c_fc->weight.grad(), slice_of(full.c_fc->weight.grad(), 0, r, 2), 2e-2, 2e-2));
+    EXPECT_TRUE(all_close(mlp.c_proj->weight.grad(), slice_of(full.c_proj->weight.grad(), 1, r, 2), 2e-2, 2e-2));
+  }
+}
