@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "dist/tp_ops.h"
+#include "tensor/autocast_state.h"
 #include "tensor/autograd_node.h"
 #include "tensor/error.h"
 #include "tensor/ops.h"
@@ -118,7 +119,10 @@ Tensor RowParallelLinear::forward(const Tensor& x) {
   // The bias is added once, after the partial products are summed (adding it on every rank would count it tp
   // times).
   Tensor y = reduce_from_tp_region(linear(x_local, weight), tp);
-  return bias.defined() ? add(y, bias) : y;
+  if (!bias.defined()) return y;
+  // Under autocast, linear's output is in the autocast dtype and the full Linear adds its bias in that dtype
+  // too: cast the (fp32 master) bias the same way rather than let add promote the output to fp32.
+  return add(y, autocast_enabled() && bias.dtype() != y.dtype() ? bias.to(y.dtype()) : bias);
 }
 
 void RowParallelLinear::gather_full(Linear& full) const {

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "amp/autocast.h"
 #include "autograd/autograd.h"
 #include "dist/groups.h"
 #include "dist/tensor_parallel.h"
@@ -504,4 +505,32 @@ TEST(TensorParallel, SixteenBitShardsRunInTheirDtypeAndStayCloseToTheFullModule)
     EXPECT_TRUE(all_close(mlp.c_fc->weight.grad(), slice_of(full.c_fc->weight.grad(), 0, r, 2), 2e-2, 2e-2));
     EXPECT_TRUE(all_close(mlp.c_proj->weight.grad(), slice_of(full.c_proj->weight.grad(), 1, r, 2), 2e-2, 2e-2));
   }
+}
+
+TEST(TensorParallel, UnderAutocastTheParallelMLPGivesTheFullModulesDtypes) {
+  // fp32 master weights, autocast bf16: the output of RowParallelLinear (bias included) must come out in bf16
+  // like the full Linear's, and the weight gradients in fp32.
+  const Communicator tp = tp_group(2);
+  const int r = tp.rank();
+  GPTConfig config;
+  config.n_embd = 16;
+  config.n_head = 4;
+  MLP full(config, 111);
+  ParallelMLP mlp(full, tp);
+  const Tensor x0 = uniform_tensor({2, 3, 16}, 112, -1, 1, DType::F32);
+  Tensor x = leaf(x0), xp = leaf(x0);
+  Tensor y, yp;
+  {
+    Autocast autocast(DType::BF16);
+    y = full(x);
+    yp = mlp(xp);
+  }
+  EXPECT_EQ(yp.dtype(), y.dtype());
+  EXPECT_TRUE(all_close(yp, y, 2e-2, 2e-2));
+  backward(sum(y.to(DType::F32)));
+  backward(sum(yp.to(DType::F32)));
+  EXPECT_EQ(mlp.c_proj->bias.grad().dtype(), DType::F32);
+  EXPECT_TRUE(all_close(xp.grad(), x.grad(), 2e-2, 2e-2));
+  EXPECT_TRUE(all_close(mlp.c_fc->weight.grad(), slice_of(full.c_fc->weight.grad(), 0, r, 2), 2e-2, 2e-2));
+  EXPECT_TRUE(all_close(mlp.c_proj->bias.grad(), full.c_proj->bias.grad(), 1e-6, 1e-6));
 }
