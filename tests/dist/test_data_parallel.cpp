@@ -45,6 +45,7 @@ struct RunSpec {
 struct Outcome {
   std::vector<double> losses;     // the global-batch loss of each step
   std::vector<int> skipped;       // the steps that were skipped
+  std::vector<double> grad_norms; // of the averaged, unscaled gradients (Adam is blind to their scale)
   std::vector<std::vector<double>> weights;
   double final_scale = 0;
   StateDict state;
@@ -115,10 +116,11 @@ Outcome train(const RunSpec& s, const Communicator* dp) {
     if (dp) dp->all_reduce(value, Reduction::Sum);
     out.losses.push_back(value[0]);
     if (zero) zero->backward(loss); else mpo->backward(loss);
-    if (step == s.inf_step && rank == s.inf_rank) plant_inf(params);
+    if (step == s.inf_step && (!dp || rank == s.inf_rank)) plant_inf(params);
     if (reducer) reducer->reduce();
     const StepResult r = zero ? zero->step() : mpo->step();
     if (r.skipped) out.skipped.push_back(step);
+    out.grad_norms.push_back(r.grad_norm);
     if (zero) zero->zero_grad(); else mpo->zero_grad();
   }
   for (const Tensor& p : params) out.weights.push_back(p.to_vector<double>());
@@ -142,6 +144,7 @@ void expect_same_training(const Outcome& got, const Outcome& want, Mode mode, co
   const double tol = mode == Mode::F32 ? 1e-5 : 1e-2;
   const double wtol = mode == Mode::F32 ? 1e-5 : 2e-2;
   expect_close(got.losses, want.losses, tol, 1e-3, what + " losses");
+  expect_close(got.grad_norms, want.grad_norms, tol, 1e-3, what + " grad norms");
   for (size_t k = 0; k < want.weights.size(); ++k)
     expect_close(got.weights[k], want.weights[k], wtol, 0.1, what + " weight " + std::to_string(k));
   EXPECT_EQ(got.skipped, want.skipped) << what;
