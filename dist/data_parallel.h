@@ -16,10 +16,16 @@
 // size in fp32 and rounded once back to their dtype: the average of scaled fp16 gradients cannot overflow
 // where the sum would (the sum never exists in fp16).
 //
-// Overlap with backward: mixtape's autograd has no per-leaf gradient hooks yet, so reduce() runs after
-// backward (all buckets, in bucket order). The bucket layout is fixed at construction and independent of
-// when gradients appear, so a hook that launches a bucket's all_reduce as soon as its last gradient is
-// final can be added later without changing results.
+// Overlap with backward: between begin() and finish(), the reducer listens to autograd's leaf-gradient hook
+// (autograd/autograd.h) and reduces a bucket as soon as backward has made the last of its gradients final,
+// while backward goes on with the rest of the graph. Buckets are reduced strictly in bucket order (a bucket
+// that fills early waits for the ones before it), so every rank issues the same sequence of all_reduces
+// whatever order its backward finishes leaves in. finish() reduces the buckets left (parameters backward
+// did not reach) and removes the hook. One backward per begin()/finish(): to accumulate micro-batches,
+// run the earlier backwards outside (DDP's no_sync) and begin() before the last one; a gradient that grows
+// after its bucket was reduced is an Error. The Communicator is blocking (MPI), so today the overlap is in
+// issue order only: the all_reduce runs on the backward thread; a non-blocking (NCCL) Communicator turns the
+// same structure into real overlap. reduce() = begin() + finish() after backward: the same results.
 //
 // A parameter without a gradient on this rank contributes zeros (the ranks must agree on the buckets);
 // after reduce() every parameter has its averaged gradient. With MixedPrecisionOptimizer: call reduce()
@@ -27,6 +33,8 @@
 // on any rank makes the reduced gradient non-finite on every rank, so all skip together; give the optimizer
 // the model-parallel group (not dp) for the norm: after reduce() the gradients are replicated over dp.
 #include <cstdint>
+#include <functional>
+#include <map>
 #include <vector>
 
 #include "dist/communicator.h"
@@ -41,8 +49,17 @@ class GradientReducer {
   // params: the replica's parameters, the same list (shapes, dtypes, order) on every rank of `dp`.
   GradientReducer(Communicator dp, std::vector<Tensor> params, int64_t bucket_bytes = kDefaultBucketBytes);
 
+  ~GradientReducer();
+  GradientReducer(const GradientReducer&) = delete;
+  GradientReducer& operator=(const GradientReducer&) = delete;
+
   // Averages every parameter's .grad over the dp group (SUM / dp, in fp32 or f64), bucket by bucket.
   void reduce();
+  // Overlapped form: begin() before backward, finish() after it (see above).
+  void begin();
+  void finish();
+  // Buckets reduced from inside backward (by the hook) since the last begin().
+  int64_t buckets_reduced_in_backward() const { return reduced_in_backward_; }
 
   // The buckets: indices into params, in packing order (reverse parameter order within one dtype).
   const std::vector<std::vector<size_t>>& buckets() const { return buckets_; }
@@ -50,9 +67,21 @@ class GradientReducer {
   const std::vector<Tensor>& params() const { return params_; }
 
  private:
+  void reduce_bucket(size_t b);
+  void on_leaf_ready(const TensorImpl& leaf);
+
   Communicator dp_;
   std::vector<Tensor> params_;
   std::vector<std::vector<size_t>> buckets_;
+  std::vector<size_t> bucket_of_;        // per parameter
+  // Overlap state (between begin() and finish()).
+  bool active_ = false;
+  std::vector<bool> ready_;              // per parameter: its gradient is final
+  std::vector<size_t> pending_;          // per bucket: parameters not yet final
+  size_t next_bucket_ = 0;               // buckets before it are reduced
+  int64_t reduced_in_backward_ = 0;
+  std::map<const TensorImpl*, size_t> index_of_;
+  std::function<void(const TensorImpl&)> previous_hook_;
 };
 
 // Rank root's values replace every rank's parameters (in place), so the replicas start equal.

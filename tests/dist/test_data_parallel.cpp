@@ -40,6 +40,7 @@ struct RunSpec {
   int64_t bucket_bytes = GradientReducer::kDefaultBucketBytes;
   int inf_step = -1;  // this step, a +inf is planted in one gradient element ...
   int inf_rank = 0;   // ... on this dp rank (the single-process run plants it too)
+  bool overlap = false;  // GradientReducer::begin()/finish() around backward (buckets reduced inside it)
 };
 
 struct Outcome {
@@ -49,6 +50,7 @@ struct Outcome {
   std::vector<std::vector<double>> weights;
   double final_scale = 0;
   StateDict state;
+  int64_t buckets_in_backward = 0, buckets_total = 0;  // overlap: buckets reduced by the hook / all
 };
 
 std::vector<Tensor> make_params(DType dtype) {
@@ -115,9 +117,16 @@ Outcome train(const RunSpec& s, const Communicator* dp) {
     std::vector<double> value = {loss.item() / size};
     if (dp) dp->all_reduce(value, Reduction::Sum);
     out.losses.push_back(value[0]);
+    if (s.overlap) reducer->begin();
     if (zero) zero->backward(loss); else mpo->backward(loss);
     if (step == s.inf_step && (!dp || rank == s.inf_rank)) plant_inf(params);
-    if (reducer) reducer->reduce();
+    if (s.overlap) {
+      reducer->finish();
+      out.buckets_in_backward += reducer->buckets_reduced_in_backward();
+      out.buckets_total += static_cast<int64_t>(reducer->buckets().size());
+    } else if (reducer) {
+      reducer->reduce();
+    }
     const StepResult r = zero ? zero->step() : mpo->step();
     if (r.skipped) out.skipped.push_back(step);
     out.grad_norms.push_back(r.grad_norm);
@@ -166,6 +175,23 @@ TEST(DataParallel, BroadcastParametersMakesReplicasEqual) {
   broadcast_parameters(params, world, 0);
   EXPECT_TRUE(params[1].same(before));  // in place: the same leaf
   EXPECT_EQ(params[1].to_vector<double>(), make_params(DType::BF16)[1].to_vector<double>());
+}
+
+TEST(DataParallel, LeafGradHookFiresOnceWhenTheGradientIsFinal) {
+  Tensor x = Tensor::full({3}, 2.0);
+  Tensor w = Tensor::full({3}, 3.0);
+  x.requires_grad_();
+  w.requires_grad_();
+  std::vector<std::pair<const TensorImpl*, std::vector<double>>> calls;
+  auto previous = set_leaf_grad_hook([&](const TensorImpl& leaf) {
+    const Tensor& which = &leaf == x.impl_ptr().get() ? x : w;
+    calls.emplace_back(&leaf, which.grad().to_vector<double>());
+  });
+  backward(sum(add(mul(mul(x, x), w), x)));  // d/dx = 2 x w + 1 = 13, d/dw = x^2 = 4: x is used 3 times
+  set_leaf_grad_hook(std::move(previous));
+  ASSERT_EQ(calls.size(), 2u);
+  for (const auto& [leaf, grad] : calls)
+    EXPECT_EQ(grad, leaf == x.impl_ptr().get() ? std::vector<double>(3, 13.0) : std::vector<double>(3, 4.0));
 }
 
 TEST(DataParallel, BucketsFollowReverseOrderPerDtypeWithinTheSize) {
@@ -237,6 +263,18 @@ TEST(DataParallel, TrainingEqualsTheSingleProcessRun) {
     expect_same_training(train(s, &pairs), reference, mode, std::string("dp2 ") + mode_name(mode));
     s.bucket_bytes = 0;
     expect_same_training(train(s, &world), reference, mode, std::string("dp4 bucket 0 ") + mode_name(mode));
+    // Overlapped with backward (no planted inf: an inf planted after backward would miss the reduction).
+    RunSpec plain;
+    plain.mode = mode;
+    const Outcome clean = train(plain, nullptr);
+    RunSpec o = plain;
+    o.kind = RunSpec::DataParallel;
+    o.overlap = true;
+    o.bucket_bytes = 64;
+    const Outcome overlapped = train(o, &pairs);
+    expect_same_training(overlapped, clean, mode, std::string("dp2 overlapped ") + mode_name(mode));
+    EXPECT_GT(overlapped.buckets_total, kSteps);  // several buckets per step ...
+    EXPECT_EQ(overlapped.buckets_in_backward, overlapped.buckets_total);  // ... all reduced inside backward
   }
 }
 
