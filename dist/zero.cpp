@@ -50,6 +50,9 @@ ZeroOptimizer::ZeroOptimizer(std::unique_ptr<Optimizer> optimizer, std::unique_p
     }
   }
   check(total_numel_ > 0, kWho, ": the wrapped optimizer has no parameters");
+  check(options_.count_in_norm.empty() || options_.count_in_norm.size() == model_params_.size(), kWho,
+        ": count_in_norm has ", options_.count_in_norm.size(), " entries, expected one per parameter (",
+        model_params_.size(), ") or none");
   const int64_t dp_size = dp_.size();
   shard_size_ = (total_numel_ + dp_size - 1) / dp_size;
   const int64_t lo = dp_.rank() * shard_size_, hi = lo + shard_size_;
@@ -130,7 +133,10 @@ StepResult ZeroOptimizer::step() {
     piece.master.set_grad(shard.narrow(0, piece.shard_offset, piece.length).contiguous());
     masters.push_back(piece.master);
   }
-  std::vector<double> sums = {grad_squared_norm(masters)};
+  std::vector<Tensor> counted;
+  for (size_t k = 0; k < pieces_.size(); ++k)
+    if (options_.count_in_norm.empty() || options_.count_in_norm[pieces_[k].param]) counted.push_back(masters[k]);
+  std::vector<double> sums = {grad_squared_norm(counted)};
   dp_.all_reduce(sums, Reduction::Sum);
   if (options_.model_parallel) options_.model_parallel->all_reduce_sum(sums);
   result.grad_norm = std::sqrt(sums[0]);

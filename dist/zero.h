@@ -18,7 +18,7 @@
 //                    3. found_inf all-reduced MAX over dp (an inf lands in one rank's shard only) and over
 //                       options.model_parallel when given: every rank skips together
 //                    4. grad norm: the shard's squared norm (each element owned once) summed over dp, and
-//                       over model_parallel when given (whose ranks must hold disjoint parameters); clip
+//                       over model_parallel when given (options.count_in_norm leaves replicas out); clip
 //                    5. the wrapped optimizer steps the owned fp32 pieces
 //                    6. the updated pieces are all-gathered (f32) and each model parameter takes its value,
 //                       rounded once to the model dtype; the model gradients are dropped
@@ -51,6 +51,10 @@ namespace mixtape::dist {
 struct ZeroOptions {
   double clip_grad = 0;                    // max global L2 norm of the unscaled gradients; 0 = off
   ProcessGroup* model_parallel = nullptr;  // found_inf MAX and norm SUM also over it; null = dp only
+  // Per model parameter (the wrapped optimizer's order): whether it counts in the gradient norm on this rank.
+  // Empty: all. Under tensor parallelism, a parameter replicated over tp (a LayerNorm weight) counts on
+  // tp rank 0 only, so the SUM over model_parallel does not count it tp times.
+  std::vector<bool> count_in_norm;
 };
 
 class ZeroOptimizer {

@@ -343,3 +343,44 @@ TEST(Zero, StateDictLoadsIntoAnotherDpSizeAndTrainingContinues) {
     expect_close(b[k].to_vector<double>(), a[k].to_vector<double>(), 1e-2, 0.1, "weight " + std::to_string(k));
   EXPECT_EQ(za.loss_scale(), zb.loss_scale());
 }
+
+TEST(Zero, ClipsWithTheGlobalNormAndLeavesOutWhatCountInNormExcludes) {
+  const Communicator world = Communicator::world();
+  const int64_t rows = kBatch / world.size(), lo = world.rank() * rows;
+  // Reference: one process, full batch, MixedPrecisionOptimizer with clipping (the norm is ~2: clip at 0.5).
+  std::vector<Tensor> ref = make_params(DType::F32), sharded = make_params(DType::F32),
+                      partial = make_params(DType::F32);
+  MixedPrecisionOptions mp_options;
+  mp_options.clip_grad = 0.5;
+  MixedPrecisionOptimizer mpo(make_adamw(ref), make_scaler(Mode::F32), mp_options);
+  ZeroOptions zero_options;
+  zero_options.clip_grad = 0.5;
+  ZeroOptimizer zero(make_adamw(sharded), make_scaler(Mode::F32), world, zero_options);
+  ZeroOptions only_matrices;
+  only_matrices.count_in_norm = {true, true, false, false};  // optimizer order: p0, p2 | p1, p3
+  ZeroOptimizer zero_partial(make_adamw(partial), make_scaler(Mode::F32), world, only_matrices);
+  for (int step = 0; step < 3; ++step) {
+    mpo.backward(local_loss(ref, step, 0, kBatch, DType::F32));
+    std::vector<double> matrix_norm = {0};
+    for (int k : {0, 2})
+      for (double g : ref[k].grad().to_vector<double>()) matrix_norm[0] += g * g;
+    const StepResult want = mpo.step();
+    zero.backward(local_loss(sharded, step, lo, lo + rows, DType::F32));
+    const StepResult got = zero.step();
+    zero_partial.backward(local_loss(partial, step, lo, lo + rows, DType::F32));
+    const StepResult got_partial = zero_partial.step();
+    EXPECT_NEAR(got.grad_norm, want.grad_norm, 1e-5 * want.grad_norm) << "step " << step;
+    EXPECT_GT(want.grad_norm, 0.5) << "step " << step;  // clipping is active
+    if (step == 0) {
+      EXPECT_NEAR(got_partial.grad_norm, std::sqrt(matrix_norm[0]), 1e-5 * got_partial.grad_norm);
+    }
+    mpo.zero_grad();
+    zero.zero_grad();
+    zero_partial.zero_grad();
+  }
+  for (size_t k = 0; k < ref.size(); ++k)
+    expect_close(sharded[k].to_vector<double>(), ref[k].to_vector<double>(), 1e-5, 0.1, "weight " + std::to_string(k));
+  EXPECT_ERROR_MENTIONS(ZeroOptimizer(make_adamw(make_params(DType::F32)), make_scaler(Mode::F32), world,
+                                      ZeroOptions{0, nullptr, {true}}),
+                        "count_in_norm has 1 entries");
+}
