@@ -28,7 +28,9 @@
 // same structure into real overlap. reduce() = begin() + finish() after backward: the same results.
 //
 // A parameter without a gradient on this rank contributes zeros (the ranks must agree on the buckets);
-// after reduce() every parameter has its averaged gradient. With MixedPrecisionOptimizer: call reduce()
+// after reduce() every parameter has its averaged gradient (a zero one if no rank had one: an optimizer then
+// steps it, weight decay included, where the single-process run would skip it). The hook is per thread:
+// begin(), backward() and finish() run on one thread. With MixedPrecisionOptimizer: call reduce()
 // between backward and step(); the gradients keep their loss scale (every rank uses the same scale), an inf
 // on any rank makes the reduced gradient non-finite on every rank, so all skip together; give the optimizer
 // the model-parallel group (not dp) for the norm: after reduce() the gradients are replicated over dp.
