@@ -9,6 +9,8 @@ namespace mixtape {
 
 namespace {
 
+thread_local LeafGradHook leaf_grad_hook;
+
 void check_saved_versions(const Node& node) {
   for (const SavedVersion& saved : node.saved) {
     check(saved.storage->version() == saved.version, "backward: a tensor (", dtype_name(saved.dtype),
@@ -39,6 +41,11 @@ void accumulate_leaf(TensorImpl& leaf, const Tensor& grad) {
 
 }  // namespace
 
+LeafGradHook set_leaf_grad_hook(LeafGradHook hook) {
+  std::swap(hook, leaf_grad_hook);
+  return hook;
+}
+
 void backward(const Tensor& loss) {
   check(loss.defined(), "backward: loss is undefined");
   check(loss.numel() == 1, "backward: loss ", loss.description(),
@@ -53,6 +60,9 @@ void backward(const std::vector<Tensor>& outputs, const std::vector<Tensor>& gra
   AutocastScope no_autocast(std::nullopt);  // closures run in the saved dtypes, not an open scope's
   std::unordered_map<Node*, Tensor> pending;  // gradient summed so far for each node's output
   std::unordered_map<Node*, int> dependents;  // how many not-yet-run nodes feed into each node
+  std::unordered_map<TensorImpl*, int> leaf_uses;  // not-yet-run nodes feeding each leaf (with a hook only)
+  const LeafGradHook hook = leaf_grad_hook;  // this call's, even if the hook changes it
+  const bool hooked = static_cast<bool>(hook);
   std::vector<std::shared_ptr<Node>> roots;
 
   for (size_t i = 0; i < outputs.size(); ++i) {
@@ -86,6 +96,7 @@ void backward(const std::vector<Tensor>& outputs, const std::vector<Tensor>& gra
     check(static_cast<bool>(node->backward), "backward: the graph through '", node->op,
           "' was already used by an earlier backward() and its saved tensors were freed");
     for (const Edge& edge : node->inputs) {
+      if (hooked && edge.leaf) ++leaf_uses[edge.leaf.get()];
       if (!edge.node) continue;
       ++dependents[edge.node.get()];
       if (!seen[edge.node.get()]) {
@@ -128,6 +139,7 @@ void backward(const std::vector<Tensor>& outputs, const std::vector<Tensor>& gra
     for (size_t i = 0; i < grads.size(); ++i) {
       const Edge& edge = node->inputs[i];
       if (edge.leaf && grads[i].defined()) accumulate_leaf(*edge.leaf, grads[i]);
+      if (hooked && edge.leaf && --leaf_uses[edge.leaf.get()] == 0) hook(*edge.leaf);
       if (!edge.node) continue;
       if (grads[i].defined()) {
         Tensor& slot = pending[edge.node.get()];

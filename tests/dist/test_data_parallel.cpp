@@ -1,0 +1,390 @@
+// Data parallelism and ZeRO-1 under MPI (4 ranks): a two-layer MLP (Linear, GELU, Linear; MSE loss) trained
+// with the global batch split over the dp ranks must equal the single-process run on the whole batch, which
+// every rank computes locally from the same seed. Each rank's loss is the mean over its local rows; with
+// equal local batches the dp average of the gradients is the full-batch gradient, and the mean of the local
+// losses is the full-batch loss.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "amp/optimizer.h"
+#include "amp/scaler.h"
+#include "autograd/autograd.h"
+#include "dist/data_parallel.h"
+#include "dist/groups.h"
+#include "dist/zero.h"
+#include "optim/adam.h"
+#include "tensor/autograd_node.h"
+#include "tensor/ops.h"
+#include "../test_util.h"
+
+using namespace mixtape;
+using namespace mixtape::dist;
+
+namespace {
+
+constexpr int64_t kBatch = 8, kIn = 6, kHidden = 12, kOut = 4;
+constexpr int kSteps = 20;  // the 20 steps
+
+enum class Mode { F32, BF16, F16 };
+const char* mode_name(Mode m) { return m == Mode::F32 ? "fp32" : m == Mode::BF16 ? "bf16" : "fp16"; }
+DType mode_dtype(Mode m) { return m == Mode::F32 ? DType::F32 : m == Mode::BF16 ? DType::BF16 : DType::F16; }
+
+struct RunSpec {
+  Mode mode = Mode::F32;
+  enum Kind { Single, DataParallel, Zero } kind = Single;
+  int64_t bucket_bytes = GradientReducer::kDefaultBucketBytes;
+  int inf_step = -1;  // this step, a +inf is planted in one gradient element ...
+  int inf_rank = 0;   // ... on this dp rank (the single-process run plants it too)
+  bool overlap = false;  // GradientReducer::begin()/finish() around backward (buckets reduced inside it)
+};
+
+struct Outcome {
+  std::vector<double> losses;     // the global-batch loss of each step
+  std::vector<int> skipped;       // the steps that were skipped
+  std::vector<double> grad_norms; // of the averaged, unscaled gradients (Adam is blind to their scale)
+  std::vector<std::vector<double>> weights;
+  double final_scale = 0;
+  StateDict state;
+  int64_t buckets_in_backward = 0, buckets_total = 0;  // overlap: buckets reduced by the hook / all
+};
+
+std::vector<Tensor> make_params(DType dtype) {
+  const std::vector<Shape> shapes = {{kHidden, kIn}, {kHidden}, {kOut, kHidden}, {kOut}};
+  std::vector<Tensor> params;
+  for (size_t k = 0; k < shapes.size(); ++k) {
+    Tensor p = mul(Tensor::randn(shapes[k], 100 + k), 0.4).to(dtype);
+    p.requires_grad_();
+    params.push_back(p);
+  }
+  return params;
+}
+
+std::unique_ptr<Optimizer> make_adamw(const std::vector<Tensor>& p) {
+  // Two groups: matrices with decay, biases without.
+  return std::make_unique<AdamW>(std::vector<ParamGroup>{{{p[0], p[2]}, 1e-2, 0.1}, {{p[1], p[3]}, 1e-2, 0.0}});
+}
+
+std::unique_ptr<LossScaler> make_scaler(Mode mode) {
+  if (mode != Mode::F16) return std::make_unique<StaticLossScaler>(1.0);
+  GradScalerOptions options;
+  // Growth every 5 clean steps: the scale stays <= 2^14 over 20 steps. A natural overflow would not be a fair
+  // test of "the same skipped steps": a rank's local-mean loss has 1/dp of the rows, so its backward's
+  // intermediate 16-bit gradients are ~dp times the single process's and overflow at a dp times smaller
+  // scale (as in PyTorch DDP and Megatron). Skips here are planted infs.
+  options.init_scale = 1024;
+  options.growth_interval = 5;
+  return std::make_unique<GradScaler>(options);
+}
+
+// Mean squared error over the rows [lo, hi) of step `step`'s global batch, computed in f32.
+Tensor local_loss(const std::vector<Tensor>& p, int step, int64_t lo, int64_t hi, DType dtype) {
+  const Tensor x = Tensor::randn({kBatch, kIn}, 1000 + step).slice(0, lo, hi).contiguous().to(dtype);
+  const Tensor t = Tensor::randn({kBatch, kOut}, 2000 + step).slice(0, lo, hi).contiguous();
+  const Tensor h = gelu(linear(x, p[0], p[1]));
+  const Tensor y = linear(h, p[2], p[3]).to(DType::F32);
+  return mean(pow(sub(y, t), 2.0));
+}
+
+void plant_inf(const std::vector<Tensor>& params) {
+  // The last element of the last parameter: under ZeRO it lies in the last dp rank's shard only.
+  NoGradGuard no_grad;
+  Tensor p = params.back();
+  std::vector<double> mask(static_cast<size_t>(p.numel()), 0.0);
+  mask.back() = INFINITY;
+  p.set_grad(add(p.grad(), Tensor::from_vector(mask, p.shape()).to(p.grad().dtype())));
+}
+
+// The run; dp == nullptr: the single-process reference on the whole batch.
+Outcome train(const RunSpec& s, const Communicator* dp) {
+  const DType dtype = mode_dtype(s.mode);
+  std::vector<Tensor> params = make_params(dtype);
+  const int size = dp ? dp->size() : 1, rank = dp ? dp->rank() : 0;
+  if (dp) broadcast_parameters(params, *dp, 0);
+  const int64_t rows = kBatch / size, lo = rank * rows, hi = lo + rows;
+  std::unique_ptr<MixedPrecisionOptimizer> mpo;
+  std::unique_ptr<ZeroOptimizer> zero;
+  std::unique_ptr<GradientReducer> reducer;
+  if (s.kind == RunSpec::Zero)
+    zero = std::make_unique<ZeroOptimizer>(make_adamw(params), make_scaler(s.mode), *dp);
+  else
+    mpo = std::make_unique<MixedPrecisionOptimizer>(make_adamw(params), make_scaler(s.mode));
+  if (s.kind == RunSpec::DataParallel) reducer = std::make_unique<GradientReducer>(*dp, params, s.bucket_bytes);
+
+  Outcome out;
+  for (int step = 0; step < kSteps; ++step) {
+    const Tensor loss = local_loss(params, step, lo, hi, dtype);
+    std::vector<double> value = {loss.item() / size};
+    if (dp) dp->all_reduce(value, Reduction::Sum);
+    out.losses.push_back(value[0]);
+    if (s.overlap) reducer->begin();
+    if (zero) zero->backward(loss); else mpo->backward(loss);
+    if (step == s.inf_step && (!dp || rank == s.inf_rank)) plant_inf(params);
+    if (s.overlap) {
+      reducer->finish();
+      out.buckets_in_backward += reducer->buckets_reduced_in_backward();
+      out.buckets_total += static_cast<int64_t>(reducer->buckets().size());
+    } else if (reducer) {
+      reducer->reduce();
+    }
+    const StepResult r = zero ? zero->step() : mpo->step();
+    if (r.skipped) out.skipped.push_back(step);
+    out.grad_norms.push_back(r.grad_norm);
+    if (zero) zero->zero_grad(); else mpo->zero_grad();
+  }
+  for (const Tensor& p : params) out.weights.push_back(p.to_vector<double>());
+  out.final_scale = zero ? zero->loss_scale() : mpo->loss_scale();
+  out.state = zero ? zero->state_dict() : mpo->state_dict();
+  return out;
+}
+
+// |a - b| <= tol * max(|b|, floor) elementwise.
+void expect_close(const std::vector<double>& a, const std::vector<double>& b, double tol, double floor,
+                  const std::string& what) {
+  ASSERT_EQ(a.size(), b.size()) << what;
+  int reported = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    const bool ok = std::abs(a[i] - b[i]) <= tol * std::max(std::abs(b[i]), floor);
+    if (!ok && reported++ < 3) ADD_FAILURE() << what << "[" << i << "]: " << a[i] << " vs " << b[i];
+  }
+}
+
+void expect_same_training(const Outcome& got, const Outcome& want, Mode mode, const std::string& what) {
+  const double tol = mode == Mode::F32 ? 1e-5 : 1e-2;
+  const double wtol = mode == Mode::F32 ? 1e-5 : 2e-2;
+  expect_close(got.losses, want.losses, tol, 1e-3, what + " losses");
+  expect_close(got.grad_norms, want.grad_norms, tol, 1e-3, what + " grad norms");
+  for (size_t k = 0; k < want.weights.size(); ++k)
+    expect_close(got.weights[k], want.weights[k], wtol, 0.1, what + " weight " + std::to_string(k));
+  EXPECT_EQ(got.skipped, want.skipped) << what;
+  EXPECT_EQ(got.final_scale, want.final_scale) << what;
+}
+
+Communicator dp2() { return make_groups({2, 1, 2}).dp; }  // ranks {0, 2} and {1, 3}
+
+}  // namespace
+
+TEST(DataParallel, BroadcastParametersMakesReplicasEqual) {
+  const Communicator world = Communicator::world();
+  std::vector<Tensor> params = make_params(DType::BF16);
+  {
+    NoGradGuard no_grad;
+    if (world.rank() != 0) params[1].add_(Tensor::ones({kHidden}, DType::BF16));
+  }
+  const Tensor before = params[1];
+  broadcast_parameters(params, world, 0);
+  EXPECT_TRUE(params[1].same(before));  // in place: the same leaf
+  EXPECT_EQ(params[1].to_vector<double>(), make_params(DType::BF16)[1].to_vector<double>());
+}
+
+TEST(DataParallel, LeafGradHookFiresOnceWhenTheGradientIsFinal) {
+  Tensor x = Tensor::full({3}, 2.0);
+  Tensor w = Tensor::full({3}, 3.0);
+  x.requires_grad_();
+  w.requires_grad_();
+  std::vector<std::pair<const TensorImpl*, std::vector<double>>> calls;
+  auto previous = set_leaf_grad_hook([&](const TensorImpl& leaf) {
+    const Tensor& which = &leaf == x.impl_ptr().get() ? x : w;
+    calls.emplace_back(&leaf, which.grad().to_vector<double>());
+  });
+  backward(sum(add(mul(mul(x, x), w), x)));  // d/dx = 2 x w + 1 = 13, d/dw = x^2 = 4: x is used 3 times
+  set_leaf_grad_hook(std::move(previous));
+  ASSERT_EQ(calls.size(), 2u);
+  for (const auto& [leaf, grad] : calls)
+    EXPECT_EQ(grad, leaf == x.impl_ptr().get() ? std::vector<double>(3, 13.0) : std::vector<double>(3, 4.0));
+}
+
+TEST(DataParallel, BucketsFollowReverseOrderPerDtypeWithinTheSize) {
+  const Communicator world = Communicator::world();
+  std::vector<Tensor> params = {Tensor::zeros({10}), Tensor::zeros({3}, DType::F16), Tensor::zeros({4}),
+                                Tensor::zeros({20}), Tensor::zeros({5}, DType::F16)};
+  // 64 bytes: 16 f32 or 32 f16 elements.
+  const GradientReducer reducer(world, params, 64);
+  EXPECT_EQ(reducer.buckets(), (std::vector<std::vector<size_t>>{{3}, {2, 0}, {4, 1}}));
+  const GradientReducer one_each(world, params, 0);
+  EXPECT_EQ(one_each.buckets().size(), 5u);
+  const GradientReducer all(world, params);
+  EXPECT_EQ(all.buckets(), (std::vector<std::vector<size_t>>{{3, 2, 0}, {4, 1}}));
+}
+
+TEST(DataParallel, ReduceAveragesInFp32AndBucketingDoesNotChangeIt) {
+  const Communicator world = Communicator::world();
+  const int r = world.rank(), n = world.size();
+  std::vector<std::vector<double>> results[3];
+  const int64_t sizes[3] = {0, 64, GradientReducer::kDefaultBucketBytes};
+  for (int v = 0; v < 3; ++v) {
+    std::vector<Tensor> params = {Tensor::zeros({7}), Tensor::zeros({5}, DType::F16), Tensor::zeros({9}),
+                                  Tensor::zeros({3}, DType::BF16), Tensor::zeros({2})};
+    // fp16: 30000 + 1000 r on rank r: the sum over the ranks overflows fp16, the mean does not.
+    auto grad_of = [&](size_t k, int rank) {
+      if (params[k].dtype() == DType::F16) return Tensor::full(params[k].shape(), 30000.0 + 1000.0 * rank, DType::F16);
+      return mul(Tensor::randn(params[k].shape(), 7 * k + 11), rank + 1.0).to(params[k].dtype());
+    };
+    for (size_t k = 0; k < params.size(); ++k) {
+      params[k].requires_grad_();
+      if (!(k == 4 && r == 1)) params[k].set_grad(grad_of(k, r));  // rank 1 lacks one: it counts as zeros
+    }
+    GradientReducer reducer(world, params, sizes[v]);
+    reducer.reduce();
+    for (const Tensor& p : params) results[v].push_back(p.grad().to_vector<double>());
+    for (size_t k = 0; k < params.size(); ++k) {
+      std::vector<double> sum(static_cast<size_t>(params[k].numel()), 0.0);
+      for (int q = 0; q < n; ++q) {
+        if (k == 4 && q == 1) continue;
+        const std::vector<double> g = grad_of(k, q).to_vector<double>();
+        for (size_t i = 0; i < g.size(); ++i) sum[i] += g[i];
+      }
+      for (size_t i = 0; i < sum.size(); ++i) {
+        const double want = mixtape::testing::round_to(params[k].dtype(), sum[i] / n);
+        EXPECT_NEAR(results[v][k][i], want, 1e-6 * std::abs(want)) << "param " << k << " bucket " << sizes[v];
+      }
+    }
+  }
+  EXPECT_EQ(results[0], results[1]);
+  EXPECT_EQ(results[0], results[2]);
+}
+
+TEST(DataParallel, TrainingEqualsTheSingleProcessRun) {
+  const Communicator world = Communicator::world();
+  const Communicator pairs = dp2();
+  for (Mode mode : {Mode::F32, Mode::BF16, Mode::F16}) {
+    RunSpec s;
+    s.mode = mode;
+    if (mode == Mode::F16) {  // one rank's inf: every rank skips
+      s.inf_step = 3;
+      s.inf_rank = 1;
+    }
+    const Outcome reference = train(s, nullptr);
+    if (mode == Mode::F16) {
+      EXPECT_EQ(reference.skipped, std::vector<int>{3});
+    }
+    s.kind = RunSpec::DataParallel;
+    expect_same_training(train(s, &world), reference, mode, std::string("dp4 ") + mode_name(mode));
+    expect_same_training(train(s, &pairs), reference, mode, std::string("dp2 ") + mode_name(mode));
+    s.bucket_bytes = 0;
+    expect_same_training(train(s, &world), reference, mode, std::string("dp4 bucket 0 ") + mode_name(mode));
+    // Overlapped with backward (no planted inf: an inf planted after backward would miss the reduction).
+    RunSpec plain;
+    plain.mode = mode;
+    const Outcome clean = train(plain, nullptr);
+    RunSpec o = plain;
+    o.kind = RunSpec::DataParallel;
+    o.overlap = true;
+    o.bucket_bytes = 64;
+    const Outcome overlapped = train(o, &pairs);
+    expect_same_training(overlapped, clean, mode, std::string("dp2 overlapped ") + mode_name(mode));
+    EXPECT_GT(overlapped.buckets_total, kSteps);  // several buckets per step ...
+    EXPECT_EQ(overlapped.buckets_in_backward, overlapped.buckets_total);  // ... all reduced inside backward
+  }
+}
+
+TEST(Zero, EqualsPlainDataParallelAndTheSingleProcessRun) {
+  const Communicator world = Communicator::world();
+  const Communicator pairs = dp2();
+  for (Mode mode : {Mode::F32, Mode::BF16, Mode::F16}) {
+    RunSpec s;
+    s.mode = mode;
+    // The inf sits in the last rank's shard only: the found_inf MAX over dp makes every rank skip.
+    if (mode == Mode::F16) {
+      s.inf_step = 3;
+      s.inf_rank = 0;
+    }
+    const Outcome reference = train(s, nullptr);
+    s.kind = RunSpec::DataParallel;
+    const Outcome plain = train(s, &world);
+    s.kind = RunSpec::Zero;
+    const Outcome zero4 = train(s, &world);
+    expect_same_training(zero4, reference, mode, std::string("zero dp4 ") + mode_name(mode));
+    expect_same_training(zero4, plain, mode, std::string("zero vs plain dp4 ") + mode_name(mode));
+    expect_same_training(train(s, &pairs), reference, mode, std::string("zero dp2 ") + mode_name(mode));
+    // The gathered state dict has MixedPrecisionOptimizer's layout and values.
+    std::vector<std::string> zero_keys, ref_keys;
+    for (const auto& [key, t] : zero4.state.tensors) zero_keys.push_back(key);
+    for (const auto& [key, t] : reference.state.tensors) ref_keys.push_back(key);
+    EXPECT_EQ(zero_keys, ref_keys) << mode_name(mode);
+    EXPECT_EQ(zero4.state.metadata, reference.state.metadata) << mode_name(mode);
+    for (const auto& [key, t] : reference.state.tensors)
+      if (zero4.state.tensors.count(key))
+        expect_close(zero4.state.tensors.at(key).to_vector<double>(), t.to_vector<double>(),
+                     mode == Mode::F32 ? 1e-4 : 5e-2, key.find("exp_avg_sq") != std::string::npos ? 1e-4 : 1e-2,
+                     std::string(mode_name(mode)) + " " + key);
+  }
+}
+
+TEST(Zero, StateDictLoadsIntoAnotherDpSizeAndTrainingContinues) {
+  const Communicator world = Communicator::world();
+  const Communicator pairs = dp2();
+  // Train 3 steps on dp4, save; a fresh dp2 ZeroOptimizer loads it and both take 2 more steps.
+  std::vector<Tensor> a = make_params(DType::F16), b = make_params(DType::F16);
+  ZeroOptimizer za(make_adamw(a), make_scaler(Mode::F16), world);
+  ZeroOptimizer zb(make_adamw(b), make_scaler(Mode::F16), pairs);
+  auto train_step = [](ZeroOptimizer& z, const std::vector<Tensor>& p, const Communicator& dp, int step) {
+    const int64_t rows = kBatch / dp.size();
+    z.backward(local_loss(p, step, dp.rank() * rows, (dp.rank() + 1) * rows, DType::F16));
+    z.step();
+    z.zero_grad();
+  };
+  for (int step = 0; step < 3; ++step) train_step(za, a, world, step);
+  const StateDict saved = za.state_dict();
+  {
+    NoGradGuard no_grad;
+    for (size_t k = 0; k < a.size(); ++k) b[k].copy_(a[k]);  // the model weights travel separately
+  }
+  zb.load_state_dict(saved);
+  const StateDict reloaded = zb.state_dict();
+  EXPECT_EQ(reloaded.metadata, saved.metadata);
+  for (const auto& [key, t] : saved.tensors)
+    EXPECT_EQ(reloaded.tensors.at(key).to_vector<double>(), t.to_vector<double>()) << key;
+  for (int step = 3; step < 5; ++step) {
+    train_step(za, a, world, step);
+    train_step(zb, b, pairs, step);
+  }
+  for (size_t k = 0; k < a.size(); ++k)
+    expect_close(b[k].to_vector<double>(), a[k].to_vector<double>(), 1e-2, 0.1, "weight " + std::to_string(k));
+  EXPECT_EQ(za.loss_scale(), zb.loss_scale());
+}
+
+TEST(Zero, ClipsWithTheGlobalNormAndLeavesOutWhatCountInNormExcludes) {
+  const Communicator world = Communicator::world();
+  const int64_t rows = kBatch / world.size(), lo = world.rank() * rows;
+  // Reference: one process, full batch, MixedPrecisionOptimizer with clipping (the norm is ~2: clip at 0.5).
+  std::vector<Tensor> ref = make_params(DType::F32), sharded = make_params(DType::F32),
+                      partial = make_params(DType::F32);
+  MixedPrecisionOptions mp_options;
+  mp_options.clip_grad = 0.5;
+  MixedPrecisionOptimizer mpo(make_adamw(ref), make_scaler(Mode::F32), mp_options);
+  ZeroOptions zero_options;
+  zero_options.clip_grad = 0.5;
+  ZeroOptimizer zero(make_adamw(sharded), make_scaler(Mode::F32), world, zero_options);
+  ZeroOptions only_matrices;
+  only_matrices.count_in_norm = {true, true, false, false};  // optimizer order: p0, p2 | p1, p3
+  ZeroOptimizer zero_partial(make_adamw(partial), make_scaler(Mode::F32), world, only_matrices);
+  for (int step = 0; step < 3; ++step) {
+    mpo.backward(local_loss(ref, step, 0, kBatch, DType::F32));
+    std::vector<double> matrix_norm = {0};
+    for (int k : {0, 2})
+      for (double g : ref[k].grad().to_vector<double>()) matrix_norm[0] += g * g;
+    const StepResult want = mpo.step();
+    zero.backward(local_loss(sharded, step, lo, lo + rows, DType::F32));
+    const StepResult got = zero.step();
+    zero_partial.backward(local_loss(partial, step, lo, lo + rows, DType::F32));
+    const StepResult got_partial = zero_partial.step();
+    EXPECT_NEAR(got.grad_norm, want.grad_norm, 1e-5 * want.grad_norm) << "step " << step;
+    EXPECT_GT(want.grad_norm, 0.5) << "step " << step;  // clipping is active
+    if (step == 0) {
+      EXPECT_NEAR(got_partial.grad_norm, std::sqrt(matrix_norm[0]), 1e-5 * got_partial.grad_norm);
+    }
+    mpo.zero_grad();
+    zero.zero_grad();
+    zero_partial.zero_grad();
+  }
+  for (size_t k = 0; k < ref.size(); ++k)
+    expect_close(sharded[k].to_vector<double>(), ref[k].to_vector<double>(), 1e-5, 0.1, "weight " + std::to_string(k));
+  EXPECT_ERROR_MENTIONS(ZeroOptimizer(make_adamw(make_params(DType::F32)), make_scaler(Mode::F32), world,
+                                      ZeroOptions{0, nullptr, {true}}),
+                        "count_in_norm has 1 entries");
+}
