@@ -237,7 +237,8 @@ std::vector<Result> run_pytorch(const Options& o, std::string& version, std::str
     return {};
   }
   if (status != 0) {
-    why = bench::exited_with(status, 77) ? "skipped by the script:\n" + out : "the PyTorch script failed:\n" + out;
+    why = bench::exited_with(status, 77) ? "skipped by the script:\n" + out
+                                         : "the PyTorch script failed:\n" + out;
     return {};
   }
   std::vector<Result> results;
