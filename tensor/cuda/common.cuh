@@ -158,8 +158,9 @@ inline unsigned blocks_for(int64_t n, int threads = kThreads) {
 
 // ---- one block per row ---------------------------------------------------------------------------------
 // The building blocks of kernels that give each row of a contiguous [N, C] matrix to one block and reduce
-// along it twice (norm.cu's mean / variance, cross_entropy.cu's max / sum of exponentials). In a namespace of
-// their own: other files have private helpers with some of these names (Pack, aligned16, block_sum).
+// along it twice (norm.cu's mean / variance, cross_entropy.cu's max / sum of exponentials); reduce.cu uses
+// Pack and aligned16. In a namespace of their own: other files have private helpers with some of these names
+// (index.cu's aligned16, multi_tensor.cu's block_sum).
 namespace rowwise {
 
 // 16 bytes of elements, for vector loads and stores.
@@ -169,7 +170,9 @@ struct alignas(16) Pack {
   D v[kSize];
 };
 
-inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+__host__ __device__ __forceinline__ bool aligned16(const void* p) {
+  return (reinterpret_cast<uintptr_t>(p) & 15) == 0;
+}
 
 // Whether rows of n elements of D can use 16-byte groups with these operands (null ones are ignored).
 template <class D>

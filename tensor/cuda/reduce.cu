@@ -117,14 +117,9 @@ __device__ __forceinline__ void emit(const Sink<A>& sink, int64_t index, A value
 
 __device__ __forceinline__ int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
 
-// 16 bytes of elements, for vector loads and stores.
-template <class D>
-struct alignas(16) Pack {
-  static constexpr int kSize = 16 / static_cast<int>(sizeof(D));
-  D v[kSize];
-};
-
-__device__ __forceinline__ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+// 16 bytes of elements, for vector loads and stores (tensor/cuda/common.cuh).
+using rowwise::aligned16;
+using rowwise::Pack;
 
 template <class A, class Rule>
 __device__ __forceinline__ A warp_combine(A v, const Rule& rule) {
