@@ -59,8 +59,6 @@
 //
 // --json FILE writes every figure (and each mode's step times) as one JSON object. Without a CUDA device the
 // program prints why and exits with status 77 (CTest's skip code).
-#include <sys/wait.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -68,12 +66,11 @@
 #include <fstream>
 #include <map>
 #include <memory>
-#include <optional>
-#include <random>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "bench/bench_training.h"
 #include "examples/training.h"
 #include "nn/json.h"
 #include "tensor/backend.h"
@@ -83,6 +80,10 @@
 using namespace mixtape;
 
 namespace {
+
+using bench::is_low_precision;
+using bench::median;
+using bench::random_tokens;
 
 constexpr double kScalerOverheadTarget = 0.03;  // fp16 + GradScaler at most 3 % slower than bf16
 constexpr int kMaxExtraWarmup = 200;            // loss-scaler back-off steps allowed beyond --warmup
@@ -149,16 +150,6 @@ double peak_tflops(const Options& o, const DevicePeaks* peaks, PeakClass c) {
 
 // ---- the mixtape side -------------------------------------------------------------------------------------
 
-TokenData random_tokens(int64_t vocab, int64_t n) {
-  TokenData data;
-  data.vocab_size = vocab;
-  std::mt19937 rng(1234);
-  std::uniform_int_distribution<int32_t> pick(0, static_cast<int32_t>(vocab - 1));
-  data.tokens.resize(static_cast<size_t>(n));
-  for (int32_t& t : data.tokens) t = pick(rng);
-  return data;
-}
-
 struct Result {
   std::string name;  // "mixtape bf16", "PyTorch eager_bf16"
   std::string mode;  // the mode as given
@@ -171,19 +162,7 @@ struct Result {
   std::string detail;  // PyTorch: its settings
 };
 
-double median(std::vector<double> v) {
-  if (v.empty()) return NAN;
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
-}
 double best(const std::vector<double>& v) { return v.empty() ? NAN : *std::min_element(v.begin(), v.end()); }
-
-// A mode computes its matmuls in fp16/bf16 when it autocasts or casts the model to a 16-bit type.
-bool is_low_precision(const AmpConfig& c) {
-  auto low = [](std::optional<DType> d) { return d && (*d == DType::F16 || *d == DType::BF16); };
-  return low(c.autocast_dtype()) || low(c.model_dtype());
-}
 
 Result run_mixtape(const Options& o, const std::string& mode, const TokenData& data) {
   Result r;
@@ -191,27 +170,14 @@ Result run_mixtape(const Options& o, const std::string& mode, const TokenData& d
   r.mode = mode;
   const Device device = o.cpu ? Device::cpu() : Device::cuda(o.device);
   try {
-    GPTConfig config;
-    config.n_layer = o.layers;
-    config.n_head = o.heads;
-    config.n_embd = o.width;
-    config.block_size = o.block;
-    config.vocab_size = o.vocab;
-    TrainOptions options;
-    options.batch = o.batch;
-    options.steps = 1000000;
-    options.lr = 1e-4;
-    options.min_lr = 1e-4;
-    options.schedule = "constant";
-    options.optimizer = "adamw";
-    options.weight_decay = 0.1;
-    options.grad_clip = 1.0;
-    options.amp = AmpConfig::parse(mode);
-    options.device = device;
+    const bench::BenchModel model{.layers = o.layers, .heads = o.heads, .width = o.width, .block = o.block,
+                                  .vocab = o.vocab, .batch = o.batch};
     set_allow_tf32(false);
-    auto trainer = std::make_unique<Trainer>(config, options, data);
+    auto trainer = bench::make_trainer(model, mode, 1e-4, device, data);
     // Building a tf32 trainer turns tf32 on process-wide: that is what decides the mode's peak.
-    r.peak_class = is_low_precision(options.amp) ? PeakClass::Half : allow_tf32() ? PeakClass::Tf32 : PeakClass::Fp32;
+    r.peak_class = is_low_precision(AmpConfig::parse(mode)) ? PeakClass::Half
+                   : allow_tf32()                           ? PeakClass::Tf32
+                                                            : PeakClass::Fp32;
 
     // Dynamic loss scalers start high (naive AMP at 2^32) and back off through skipped steps: once a warm-up
     // step was skipped, the warm-up goes on until kCleanSteps consecutive steps were not, so the timed steps
@@ -264,19 +230,15 @@ std::vector<Result> run_pytorch(const Options& o, std::string& version, std::str
           << o.device << " --modes " << o.pytorch_modes << " --attention " << o.pytorch_attention
           << " --adamw " << o.pytorch_adamw << " 2>&1";
   std::fprintf(stderr, "running %s\n", command.str().c_str());
-  FILE* pipe = popen(command.str().c_str(), "r");
-  if (!pipe) {
+  std::string out;
+  int status = 0;
+  if (!bench::run_command(command.str(), out, status)) {
     why = "cannot start python3";
     return {};
   }
-  std::string out;
-  char buffer[4096];
-  while (size_t n = fread(buffer, 1, sizeof(buffer), pipe)) out.append(buffer, n);
-  const int status = pclose(pipe);
   if (status != 0) {
-    why = WIFEXITED(status) && WEXITSTATUS(status) == 77
-              ? "skipped by the script:\n" + out
-              : "the PyTorch script failed:\n" + out;
+    why = bench::exited_with(status, 77) ? "skipped by the script:\n" + out
+                                         : "the PyTorch script failed:\n" + out;
     return {};
   }
   std::vector<Result> results;

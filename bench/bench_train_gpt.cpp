@@ -36,12 +36,11 @@
 #include <cstdlib>
 #include <map>
 #include <memory>
-#include <optional>
-#include <random>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "bench/bench_training.h"
 #include "examples/training.h"
 #include "nn/json.h"
 #include "tensor/precision.h"
@@ -50,6 +49,9 @@ using namespace mixtape;
 
 namespace {
 
+using bench::median;
+using bench::random_tokens;
+
 constexpr double kTargetFp32 = 3.0;       // issue 3: mixtape fp32 >= 3x PyTorch fp32 tokens/s
 constexpr double kTargetBf16 = 1.5;       // mixtape bf16 >= 1.5x PyTorch bf16 autocast tokens/s
 constexpr double kTargetLowVsFp32 = 1.0;  // every fp16/bf16 mode at least as fast as mixtape fp32
@@ -57,21 +59,7 @@ constexpr double kTargetLowVsFp32 = 1.0;  // every fp16/bf16 mode at least as fa
 const std::vector<std::string> kDefaultModes = {"fp32",         "tf32",       "fp16",      "bf16",
                                                 "fp16_apex:O2", "fp16_naive", "bf16_naive"};
 
-struct Model {
-  int64_t layers = 4, heads = 4, width = 256, block = 128, batch = 16, vocab = 65;
-  int64_t tokens_per_step() const { return batch * block; }
-};
-const Model kModel;
-
-TokenData random_tokens(int64_t vocab, int64_t n) {
-  TokenData data;
-  data.vocab_size = vocab;
-  std::mt19937 rng(1234);
-  std::uniform_int_distribution<int32_t> pick(0, static_cast<int32_t>(vocab - 1));
-  data.tokens.resize(static_cast<size_t>(n));
-  for (int32_t& t : data.tokens) t = pick(rng);
-  return data;
-}
+const bench::BenchModel kModel{.layers = 4, .heads = 4, .width = 256, .block = 128, .vocab = 65, .batch = 16};
 
 const TokenData& bench_data() {
   static const TokenData data = random_tokens(kModel.vocab, 200000);
@@ -83,23 +71,7 @@ struct Side {
   std::string mode;
   std::unique_ptr<Trainer> trainer;
   explicit Side(std::string m) : mode(std::move(m)) {
-    GPTConfig config;
-    config.n_layer = kModel.layers;
-    config.n_head = kModel.heads;
-    config.n_embd = kModel.width;
-    config.block_size = kModel.block;
-    config.vocab_size = kModel.vocab;
-    TrainOptions options;
-    options.batch = kModel.batch;
-    options.steps = 1000000;
-    options.lr = 1e-3;
-    options.min_lr = 1e-3;
-    options.schedule = "constant";
-    options.optimizer = "adamw";
-    options.weight_decay = 0.1;
-    options.grad_clip = 1.0;
-    options.amp = AmpConfig::parse(mode);
-    trainer = std::make_unique<Trainer>(config, options, bench_data());
+    trainer = bench::make_trainer(kModel, mode, 1e-3, Device::cpu(), bench_data());
     set_allow_tf32(false);  // building a tf32 trainer turned it on process-wide; step() sets it per mode
   }
   void step() {
@@ -128,12 +100,6 @@ void BM_GPTTrainStep(benchmark::State& state, Side* side) {
   set_allow_tf32(false);
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
-}
-
 // Runs the PyTorch script (autocast "none" or "bf16"); returns its step times, or an empty vector with `why`
 // set.
 std::vector<double> pytorch_steps(int steps, const std::string& autocast, std::string& version,
@@ -145,18 +111,15 @@ std::vector<double> pytorch_steps(int steps, const std::string& autocast, std::s
                               std::to_string(kModel.batch) + " --vocab " + std::to_string(kModel.vocab) +
                               " --threads " + std::to_string(omp_get_max_threads()) + " --warmup 2 --steps " +
                               std::to_string(steps) + " --autocast " + autocast + " 2>&1";
-  FILE* pipe = popen(command.c_str(), "r");
-  if (!pipe) {
+  std::string out;
+  int status = 0;
+  if (!bench::run_command(command, out, status)) {
     why = "cannot start python3";
     return {};
   }
-  std::string out;
-  char buffer[4096];
-  while (size_t n = fread(buffer, 1, sizeof(buffer), pipe)) out.append(buffer, n);
-  const int status = pclose(pipe);
   if (status != 0) {
-    why = WIFEXITED(status) && WEXITSTATUS(status) == 77 ? "PyTorch is not installed (apt-get install python3-torch)"
-                                                         : "the PyTorch script failed:\n" + out;
+    why = bench::exited_with(status, 77) ? "PyTorch is not installed (apt-get install python3-torch)"
+                                         : "the PyTorch script failed:\n" + out;
     return {};
   }
   try {
@@ -174,14 +137,6 @@ std::vector<double> pytorch_steps(int steps, const std::string& autocast, std::s
     why = std::string("cannot read the PyTorch script's output (") + e.what() + "):\n" + out;
     return {};
   }
-}
-
-// A mode computes in fp16/bf16 when it autocasts or casts the model to a 16-bit type (not fp32, tf32 or
-// fp16_apex:O0, which keep everything in fp32).
-bool is_low_precision(const std::string& mode) {
-  const AmpConfig c = AmpConfig::parse(mode);
-  auto low = [](std::optional<DType> d) { return d && (*d == DType::F16 || *d == DType::BF16); };
-  return low(c.autocast_dtype()) || low(c.model_dtype());
 }
 
 void compare(int rounds, int steps, bool with_pytorch) {
@@ -274,7 +229,7 @@ void compare(int rounds, int steps, bool with_pytorch) {
     double lowest = NAN;
     std::string which;
     for (size_t k = 0; k < mixtape.size(); ++k) {
-      if (!is_low_precision(sides()[k]->mode)) continue;
+      if (!bench::is_low_precision(AmpConfig::parse(sides()[k]->mode))) continue;
       const double x = ratio(mixtape_fp32, mixtape[k]);
       if (std::isnan(lowest) || x < lowest) {
         lowest = x;

@@ -3,7 +3,8 @@
 // only serves references and gradcheck.
 //
 // The kernel receives a [..., M, K], b [..., K, N] with out's batch dims already broadcast (stride 0) and a
-// contiguous out. Before reaching oneDNN the geometry is simplified:
+// contiguous out. Before reaching oneDNN the geometry is simplified (simplify_matmul in
+// tensor/kernel_geometry.h, shared with the CUDA backend):
 //   1. batch dims of size 1 are dropped and adjacent batch dims that every operand steps through as one are
 //      merged (a contiguous [B, T, M, K] has a single batch dim of B*T);
 //   2. when b is the same matrix for every batch entry (a linear layer: x [B, T, C] @ W [C, N]) and a's batch
@@ -31,6 +32,7 @@
 #include "tensor/cpu/cpu_backend.h"
 #include "tensor/cpu/strided.h"
 #include "tensor/half.h"
+#include "tensor/kernel_geometry.h"
 #include "tensor/precision.h"
 
 namespace mixtape::cpu {
@@ -50,90 +52,17 @@ dnnl::stream& dnnl_stream() {
   return stream;
 }
 
-// One matrix operand: its batch strides (0 where broadcast) and row / column strides, in elements.
-struct MatrixLayout {
-  Strides batch;
-  int64_t row_stride = 0;
-  int64_t col_stride = 0;
-};
-
-// The simplified problem: out[batch..., M, N] = a[batch..., M, K] @ b[batch..., K, N].
-struct Geometry {
-  Shape batch;
-  int64_t M = 0, K = 0, N = 0;
-  MatrixLayout a, b, out;
-};
-
-// Strides of a size-1 dim are meaningless; give them the values of a dense row-major matrix where possible,
-// so that a column [K, 1] or a row [1, K] with unit column stride is an ordinary row-major matrix, and a
-// row with a non-unit column stride a column-major one.
-void canonicalize(int64_t rows, int64_t cols, MatrixLayout& m) {
-  if (cols == 1) m.col_stride = 1;
-  if (rows == 1) m.row_stride = m.col_stride == 1 ? cols : 1;
-}
-
 // oneDNN takes plain matrices whose rows or columns are unit-stride and do not overlap.
 bool plain_layout(int64_t rows, int64_t cols, const MatrixLayout& m) {
   return (m.col_stride == 1 && m.row_stride >= std::max<int64_t>(cols, 1)) ||
          (m.row_stride == 1 && m.col_stride >= std::max<int64_t>(rows, 1));
 }
 
-Geometry simplify(const Tensor& a, const Tensor& b, const Tensor& out) {
-  Geometry g;
-  const int64_t nb = out.dim() - 2;
-  g.M = out.size(-2);
-  g.N = out.size(-1);
-  g.K = a.size(-1);
-  // Batch dims (size-1 dims dropped; an operand dim of size 1 under a larger out dim is a broadcast).
-  for (int64_t d = 0; d < nb; ++d) {
-    const int64_t size = out.shape()[d];
-    if (size == 1) continue;
-    const int64_t sa = a.shape()[d] == size ? a.strides()[d] : 0;
-    const int64_t sb = b.shape()[d] == size ? b.strides()[d] : 0;
-    const int64_t so = out.strides()[d];
-    const size_t m = g.batch.size();
-    // Merge into the previous batch dim when all three step through both dims as one.
-    if (m > 0 && g.a.batch[m - 1] == sa * size && g.b.batch[m - 1] == sb * size &&
-        g.out.batch[m - 1] == so * size) {
-      g.batch[m - 1] *= size;
-      g.a.batch[m - 1] = sa;
-      g.b.batch[m - 1] = sb;
-      g.out.batch[m - 1] = so;
-    } else {
-      g.batch.push_back(size);
-      g.a.batch.push_back(sa);
-      g.b.batch.push_back(sb);
-      g.out.batch.push_back(so);
-    }
-  }
-  g.a.row_stride = a.stride(-2);
-  g.a.col_stride = a.stride(-1);
-  g.b.row_stride = b.stride(-2);
-  g.b.col_stride = b.stride(-1);
-  g.out.row_stride = out.stride(-2);
-  g.out.col_stride = out.stride(-1);
-  canonicalize(g.M, g.K, g.a);
-  canonicalize(g.K, g.N, g.b);
-  canonicalize(g.M, g.N, g.out);
-  // A shared b: fold a single batch dim into M when a's and out's batch steps are whole row blocks.
-  if (g.batch.size() == 1 && g.b.batch[0] == 0 && g.a.batch[0] == g.M * g.a.row_stride &&
-      g.out.batch[0] == g.M * g.out.row_stride) {
-    g.M *= g.batch[0];
-    g.batch.clear();
-    g.a.batch.clear();
-    g.b.batch.clear();
-    g.out.batch.clear();
-    canonicalize(g.M, g.K, g.a);
-    canonicalize(g.M, g.N, g.out);
-  }
-  return g;
-}
-
 // ---- f64: a plain loop ------------------------------------------------------------------------------------
 
 // out row i = sum_k a[i, k] * b[k, :], accumulated in place in the output row; the columns are tiled so
 // that the output tile stays in L1 while the rows of b stream through.
-void matmul_f64(const Geometry& g, const double* a, const double* b, const double* bias, double* out) {
+void matmul_f64(const MatmulGeometry& g, const double* a, const double* b, const double* bias, double* out) {
   int64_t batch_count = 1;
   for (int64_t s : g.batch) batch_count *= s;
   const int64_t rows = batch_count * g.M;
@@ -196,7 +125,8 @@ memory::data_type dnnl_type(DType dtype) {
 
 // The view of an operand in the simplified geometry: [batch..., rows, cols]. Broadcast batch dims get size 1
 // unless `materialize` (then stride 0 and full size, so a copy repeats them).
-Shape operand_shape(const Geometry& g, const MatrixLayout& m, int64_t rows, int64_t cols, bool materialize) {
+Shape operand_shape(const MatmulGeometry& g, const MatrixLayout& m, int64_t rows, int64_t cols,
+                    bool materialize) {
   Shape shape;
   for (size_t d = 0; d < g.batch.size(); ++d)
     shape.push_back(m.batch[d] == 0 && !materialize ? 1 : g.batch[d]);
@@ -226,8 +156,8 @@ memory::desc make_md(const Shape& dims, const Strides& strides, memory::data_typ
 
 // Creates the primitive for one choice of packing; empty when oneDNN has nothing better than its reference
 // implementation for it.
-bool try_plan(const Geometry& g, memory::data_type type, bool bias, Packing a_packing, Packing b_packing,
-              Plan& plan) {
+bool try_plan(const MatmulGeometry& g, memory::data_type type, bool bias, Packing a_packing,
+              Packing b_packing, Plan& plan) {
   auto md_for = [&](const MatrixLayout& m, int64_t rows, int64_t cols, Packing packing) {
     const Shape shape = operand_shape(g, m, rows, cols, packing == Packing::Materialize);
     if (packing == Packing::None) {
@@ -268,7 +198,7 @@ bool try_plan(const Geometry& g, memory::data_type type, bool bias, Packing a_pa
   return true;
 }
 
-Plan make_plan(const Geometry& g, DType dtype, bool bias, bool tf32) {
+Plan make_plan(const MatmulGeometry& g, DType dtype, bool bias, bool tf32) {
   // f16 goes through f32; bf16 does too where this CPU has no fast bf16 matmul.
   std::vector<std::pair<DType, bool>> attempts;  // (compute dtype, via_f32)
   if (dtype != DType::F16) attempts.push_back({dtype, false});
@@ -304,7 +234,7 @@ struct KeyHash {
 
 // The plan for a geometry, built on first use. Plans are never evicted individually (a model has a handful
 // of shapes); the cache is cleared if it ever grows past kMaxPlans (shapes that change every step).
-std::shared_ptr<const Plan> plan_for(const Geometry& g, DType dtype, bool bias, bool tf32) {
+std::shared_ptr<const Plan> plan_for(const MatmulGeometry& g, DType dtype, bool bias, bool tf32) {
   static std::mutex mutex;
   static std::unordered_map<std::vector<int64_t>, std::shared_ptr<const Plan>, KeyHash> plans;
   constexpr size_t kMaxPlans = 4096;
@@ -327,8 +257,8 @@ std::shared_ptr<const Plan> plan_for(const Geometry& g, DType dtype, bool bias, 
 }
 
 // The operand as the plan wants it: its own memory, or a contiguous (possibly converted) copy.
-Tensor prepare_operand(const Tensor& t, const Geometry& g, const MatrixLayout& m, int64_t rows, int64_t cols,
-                       Packing packing, DType compute) {
+Tensor prepare_operand(const Tensor& t, const MatmulGeometry& g, const MatrixLayout& m, int64_t rows,
+                       int64_t cols, Packing packing, DType compute) {
   if (packing == Packing::None) return t;
   const bool materialize = packing == Packing::Materialize;
   const Shape shape = operand_shape(g, m, rows, cols, materialize);
@@ -372,7 +302,7 @@ void CpuBackend::matmul(const Tensor& a, const Tensor& b, const Tensor& out, con
     }
     return;
   }
-  const Geometry g = simplify(a, b, out);
+  const MatmulGeometry g = simplify_matmul(a, b, out);
   if (a.dtype() == DType::F64) {
     matmul_f64(g, a.data<double>(), b.data<double>(), has_bias ? bias.data<double>() : nullptr,
                out.data<double>());

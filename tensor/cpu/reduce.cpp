@@ -27,6 +27,7 @@
 #include "tensor/cpu/fast_math.h"
 #include "tensor/cpu/lane_sum.h"
 #include "tensor/cpu/strided.h"
+#include "tensor/kernel_geometry.h"
 
 namespace mixtape::cpu {
 
@@ -34,68 +35,7 @@ namespace {
 
 // ---- geometry --------------------------------------------------------------------------------------------
 
-// x's dims split into kept dims (in output order; the output is contiguous over them) and reduced dims
-// (sorted so that the last has the smallest stride: it is the inner loop). Size-1 dims are dropped and
-// neighbours that step through memory as one dim are merged. Both lists are never empty: a missing group
-// is a single dim of size 1.
-struct ReduceGeometry {
-  Shape kept_sizes;
-  Strides kept_strides;
-  Shape reduced_sizes;
-  Strides reduced_strides;
-  int64_t n_out = 1;      // number of outputs
-  int64_t n_reduced = 1;  // elements combined into each output
-};
-
-void merge_dims(Shape& sizes, Strides& strides) {
-  Shape merged_sizes;
-  Strides merged_strides;
-  for (size_t d = 0; d < sizes.size(); ++d) {
-    if (!merged_sizes.empty() && merged_strides.back() == strides[d] * sizes[d]) {
-      merged_sizes.back() *= sizes[d];
-      merged_strides.back() = strides[d];
-    } else {
-      merged_sizes.push_back(sizes[d]);
-      merged_strides.push_back(strides[d]);
-    }
-  }
-  if (merged_sizes.empty()) {
-    merged_sizes.push_back(1);
-    merged_strides.push_back(0);
-  }
-  sizes = std::move(merged_sizes);
-  strides = std::move(merged_strides);
-}
-
-ReduceGeometry make_geometry(const Tensor& x, const std::vector<int64_t>& dims) {
-  std::vector<bool> reduced(static_cast<size_t>(x.dim()), false);
-  for (int64_t d : dims) reduced[static_cast<size_t>(d)] = true;
-  ReduceGeometry g;
-  std::vector<std::pair<int64_t, int64_t>> reduced_dims;  // (stride, size)
-  for (int64_t d = 0; d < x.dim(); ++d) {
-    const int64_t size = x.shape()[d], stride = x.strides()[d];
-    if (reduced[static_cast<size_t>(d)]) {
-      g.n_reduced *= size;
-      if (size != 1) reduced_dims.push_back({stride, size});
-    } else {
-      g.n_out *= size;
-      if (size != 1) {
-        g.kept_sizes.push_back(size);
-        g.kept_strides.push_back(stride);
-      }
-    }
-  }
-  // The order of the reduced dims is free (only the rounding changes): walk the largest stride outermost.
-  std::stable_sort(reduced_dims.begin(), reduced_dims.end(),
-                   [](const auto& a, const auto& b) { return std::abs(a.first) > std::abs(b.first); });
-  for (const auto& [stride, size] : reduced_dims) {
-    g.reduced_sizes.push_back(size);
-    g.reduced_strides.push_back(stride);
-  }
-  merge_dims(g.kept_sizes, g.kept_strides);
-  merge_dims(g.reduced_sizes, g.reduced_strides);
-  return g;
-}
+// x's kept / reduced dims come from reduce_geometry (tensor/kernel_geometry.h), shared with the CUDA backend.
 
 // Offset in x of flat index `index` over (sizes, strides), row-major.
 int64_t offset_of(int64_t index, const Shape& sizes, const Strides& strides) {
@@ -297,7 +237,7 @@ void check_reduce_output(const char* op, const Tensor& x, const std::vector<int6
 
 void CpuBackend::reduce(ReduceOp op, const Tensor& x, const std::vector<int64_t>& dims, const Tensor& out) {
   check_reduce_output("reduce", x, dims, out);
-  const ReduceGeometry g = make_geometry(x, dims);
+  const ReduceGeometry g = reduce_geometry(x, dims);
   dispatch_float(x.dtype(), "reduce", [&]<typename T>() {
     using A = acc_t<T>;
     std::vector<A> result(static_cast<size_t>(g.n_out));
@@ -325,7 +265,7 @@ void CpuBackend::reduce(ReduceOp op, const Tensor& x, const std::vector<int64_t>
 void CpuBackend::var(const Tensor& x, const std::vector<int64_t>& dims, int64_t correction,
                      const Tensor& out) {
   check_reduce_output("var", x, dims, out);
-  const ReduceGeometry g = make_geometry(x, dims);
+  const ReduceGeometry g = reduce_geometry(x, dims);
   dispatch_float(x.dtype(), "var", [&]<typename T>() {
     using A = acc_t<T>;
     // Two passes: the mean first, then the sum of squared deviations from it. One pass (E[x^2] - E[x]^2)

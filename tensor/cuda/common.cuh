@@ -8,8 +8,10 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
+#include <initializer_list>
 
 #include "tensor/dtype.h"
 #include "tensor/error.h"
@@ -153,5 +155,149 @@ inline unsigned blocks_for(int64_t n, int threads = kThreads) {
   constexpr int64_t kMaxBlocks = 65535LL * 8;
   return static_cast<unsigned>(needed < 1 ? 1 : (needed > kMaxBlocks ? kMaxBlocks : needed));
 }
+
+// ---- one block per row ---------------------------------------------------------------------------------
+// The building blocks of kernels that give each row of a contiguous [N, C] matrix to one block and reduce
+// along it twice (norm.cu's mean / variance, cross_entropy.cu's max / sum of exponentials); reduce.cu uses
+// Pack and aligned16. In a namespace of their own: other files have private helpers with some of these names
+// (index.cu's aligned16, multi_tensor.cu's block_sum).
+namespace rowwise {
+
+// 16 bytes of elements, for vector loads and stores.
+template <class D>
+struct alignas(16) Pack {
+  static constexpr int kSize = 16 / static_cast<int>(sizeof(D));
+  D v[kSize];
+};
+
+__host__ __device__ __forceinline__ bool aligned16(const void* p) {
+  return (reinterpret_cast<uintptr_t>(p) & 15) == 0;
+}
+
+// Whether rows of n elements of D can use 16-byte groups with these operands (null ones are ignored).
+template <class D>
+bool can_vectorise(int64_t n, std::initializer_list<const void*> pointers) {
+  if (n % Pack<D>::kSize != 0) return false;
+  for (const void* p : pointers)
+    if (p && !aligned16(p)) return false;
+  return true;
+}
+
+// 32..512 threads per row, enough for about four groups each (always a power of two).
+inline int row_threads(int64_t groups) {
+  int threads = 32;
+  while (threads < 512 && threads * 4 < groups) threads *= 2;
+  return threads;
+}
+
+// Blocks for N rows (a grid-stride loop over rows covers the rest).
+inline unsigned row_blocks(int64_t N) {
+  return static_cast<unsigned>(std::min<int64_t>(N, int64_t{1} << 20));
+}
+
+__device__ __forceinline__ float dev_sqrt(float x) { return sqrtf(x); }
+__device__ __forceinline__ double dev_sqrt(double x) { return sqrt(x); }
+__device__ __forceinline__ float dev_exp(float x) { return expf(x); }
+__device__ __forceinline__ double dev_exp(double x) { return exp(x); }
+__device__ __forceinline__ float dev_log(float x) { return logf(x); }
+__device__ __forceinline__ double dev_log(double x) { return log(x); }
+
+struct SumOp {
+  template <class A> __device__ __forceinline__ A operator()(A a, A b) const { return a + b; }
+};
+// std::max(a, b) as the CPU's row max uses it: b when a < b, else a (a NaN b is skipped).
+struct MaxOp {
+  template <class A> __device__ __forceinline__ A operator()(A a, A b) const { return a < b ? b : a; }
+};
+
+// op over the block (blockDim.x a multiple of 32, at most 1024), thread 0's result broadcast to every thread.
+// Fixed tree: reproducible. `shared` holds 32 A. Warps past blockDim.x / 32 are never combined in (rather
+// than entering as a zero), so a sum can return -0 only when every thread's value was -0; a thread that
+// accumulates from +0 never holds -0.
+template <class A, class Op>
+__device__ __forceinline__ A block_reduce(A v, A* shared, Op op) {
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) v = op(v, __shfl_down_sync(0xffffffffu, v, o));
+  const int warps = static_cast<int>(blockDim.x) / 32;
+  if (warps == 1) return __shfl_sync(0xffffffffu, v, 0);
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  __syncthreads();  // the previous call's readers are done with shared
+  if (lane == 0) shared[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    // Lanes past the warps repeat warp 0's value and are never combined in.
+    v = shared[lane < warps ? lane : 0];
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) {
+      const A other = __shfl_down_sync(0xffffffffu, v, o);
+      if (lane + o < warps) v = op(v, other);
+    }
+    if (lane == 0) shared[0] = v;
+  }
+  __syncthreads();
+  return shared[0];
+}
+
+// The sum of v over the block, the same value in every thread.
+template <class A>
+__device__ __forceinline__ A block_sum(A v, A* shared) {
+  return block_reduce(v, shared, SumOp{});
+}
+
+// Group k of a row of n elements: elements [k * W, k * W + W) as A, W = Pack<D>::kSize. kVec: one 16-byte
+// load (the caller guarantees alignment and n % W == 0); otherwise element loads, elements past n read as 0
+// (callers skip them).
+template <class D, class A, bool kVec>
+__device__ __forceinline__ void load_group(const D* p, int64_t k, int64_t n, A (&out)[Pack<D>::kSize]) {
+  constexpr int W = Pack<D>::kSize;
+  if constexpr (kVec) {
+    const Pack<D> pk = reinterpret_cast<const Pack<D>*>(p)[k];
+#pragma unroll
+    for (int e = 0; e < W; ++e) out[e] = load_as<A>(pk.v[e]);
+  } else {
+#pragma unroll
+    for (int e = 0; e < W; ++e) {
+      const int64_t j = k * W + e;
+      out[e] = j < n ? load_as<A>(p[j]) : A(0);
+    }
+  }
+}
+
+// This thread's part of a fold over a row of n elements: acc = f(acc, element as A) over the elements of
+// groups threadIdx.x, threadIdx.x + blockDim.x, ... in order (elements past n skipped). block_reduce then
+// combines the threads' parts: a row statistic (sum, sum of squares, max, sum of exponentials) in two lines.
+template <class D, class A, bool kVec, class F>
+__device__ __forceinline__ A thread_row_fold(const D* row, int64_t n, A acc, F f) {
+  constexpr int W = Pack<D>::kSize;
+  const int64_t groups = (n + W - 1) / W;
+  for (int64_t k = threadIdx.x; k < groups; k += blockDim.x) {
+    A v[W];
+    load_group<D, A, kVec>(row, k, n, v);
+#pragma unroll
+    for (int e = 0; e < W; ++e)
+      if (kVec || k * W + e < n) acc = f(acc, v[e]);
+  }
+  return acc;
+}
+
+// Stores group k of a row of n elements, each rounded once to D; elements past n are not written.
+template <class D, class A, bool kVec>
+__device__ __forceinline__ void store_group(D* p, int64_t k, int64_t n, const A (&in)[Pack<D>::kSize]) {
+  constexpr int W = Pack<D>::kSize;
+  if constexpr (kVec) {
+    Pack<D> pk;
+#pragma unroll
+    for (int e = 0; e < W; ++e) pk.v[e] = store<D>(in[e]);
+    reinterpret_cast<Pack<D>*>(p)[k] = pk;
+  } else {
+#pragma unroll
+    for (int e = 0; e < W; ++e) {
+      const int64_t j = k * W + e;
+      if (j < n) p[j] = store<D>(in[e]);
+    }
+  }
+}
+
+}  // namespace rowwise
 
 }  // namespace mixtape::cuda

@@ -20,106 +20,33 @@ namespace mixtape::cuda {
 
 namespace {
 
-template <class D>
-struct alignas(16) Pack {
-  static constexpr int kSize = 16 / static_cast<int>(sizeof(D));
-  D v[kSize];
-};
-
-bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
-
-__device__ __forceinline__ float dev_exp(float x) { return expf(x); }
-__device__ __forceinline__ double dev_exp(double x) { return exp(x); }
-__device__ __forceinline__ float dev_log(float x) { return logf(x); }
-__device__ __forceinline__ double dev_log(double x) { return log(x); }
-
-struct SumOp {
-  template <class A> __device__ __forceinline__ A operator()(A a, A b) const { return a + b; }
-};
-// std::max(a, b) as the CPU's row max uses it: b when a < b, else a (a NaN b is skipped).
-struct MaxOp {
-  template <class A> __device__ __forceinline__ A operator()(A a, A b) const { return a < b ? b : a; }
-};
-
-// op over the block (blockDim.x a multiple of 32, at most 1024), thread 0's result broadcast to every thread.
-// Fixed tree: reproducible. `shared` holds 32 A.
-template <class A, class Op>
-__device__ __forceinline__ A block_reduce(A v, A* shared, Op op) {
-#pragma unroll
-  for (int o = 16; o > 0; o /= 2) v = op(v, __shfl_down_sync(0xffffffffu, v, o));
-  const int warps = static_cast<int>(blockDim.x) / 32;
-  if (warps == 1) return __shfl_sync(0xffffffffu, v, 0);
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  __syncthreads();  // the previous call's readers are done with shared
-  if (lane == 0) shared[warp] = v;
-  __syncthreads();
-  if (warp == 0) {
-    v = shared[lane < warps ? lane : 0];  // lanes past the warps repeat warp 0's value and are never combined in
-#pragma unroll
-    for (int o = 16; o > 0; o /= 2) {
-      const A other = __shfl_down_sync(0xffffffffu, v, o);
-      if (lane + o < warps) v = op(v, other);
-    }
-    if (lane == 0) shared[0] = v;
-  }
-  __syncthreads();
-  return shared[0];
-}
-
-// Group k of a row as A (16-byte load when kVec, else element loads; elements past V are not read).
-template <class D, class A, bool kVec>
-__device__ __forceinline__ void load_group(const D* p, int64_t k, int64_t V, A (&out)[Pack<D>::kSize]) {
-  constexpr int W = Pack<D>::kSize;
-  if constexpr (kVec) {
-    const Pack<D> pk = reinterpret_cast<const Pack<D>*>(p)[k];
-#pragma unroll
-    for (int e = 0; e < W; ++e) out[e] = load_as<A>(pk.v[e]);
-  } else {
-#pragma unroll
-    for (int e = 0; e < W; ++e) {
-      const int64_t j = k * W + e;
-      out[e] = j < V ? load_as<A>(p[j]) : A(0);
-    }
-  }
-}
-
-int row_threads(int64_t groups) {
-  int threads = 32;
-  while (threads < 512 && threads * 4 < groups) threads *= 2;
-  return threads;
-}
-
-unsigned row_blocks(int64_t N) { return static_cast<unsigned>(std::min<int64_t>(N, int64_t{1} << 20)); }
+// One block per row: the shared helpers of tensor/cuda/common.cuh.
+using rowwise::block_reduce;
+using rowwise::can_vectorise;
+using rowwise::dev_exp;
+using rowwise::dev_log;
+using rowwise::load_group;
+using rowwise::MaxOp;
+using rowwise::Pack;
+using rowwise::row_blocks;
+using rowwise::row_threads;
+using rowwise::store_group;
+using rowwise::SumOp;
+using rowwise::thread_row_fold;
 
 // lse[i] = log sum_j e^(x_ij), shifted by the row max when it is finite.
 template <class D, bool kVec>
 __global__ void row_lse_kernel(const D* __restrict__ logits, device_acc_t<D>* __restrict__ lse, int64_t N,
                                int64_t V) {
   using A = device_acc_t<D>;
-  constexpr int W = Pack<D>::kSize;
   __shared__ A shared[32];
-  const int64_t groups = (V + W - 1) / W;
   for (int64_t i = blockIdx.x; i < N; i += gridDim.x) {
     const D* xi = logits + i * V;
-    A m = -INFINITY;
-    for (int64_t k = threadIdx.x; k < groups; k += blockDim.x) {
-      A v[W];
-      load_group<D, A, kVec>(xi, k, V, v);
-#pragma unroll
-      for (int e = 0; e < W; ++e)
-        if (kVec || k * W + e < V) m = MaxOp{}(m, v[e]);
-    }
-    m = block_reduce(m, shared, MaxOp{});
+    const A m = block_reduce(thread_row_fold<D, A, kVec>(xi, V, A(-INFINITY), MaxOp{}), shared, MaxOp{});
     const A shift = isfinite(m) ? m : A(0);
-    A sum = A(0);
-    for (int64_t k = threadIdx.x; k < groups; k += blockDim.x) {
-      A v[W];
-      load_group<D, A, kVec>(xi, k, V, v);
-#pragma unroll
-      for (int e = 0; e < W; ++e)
-        if (kVec || k * W + e < V) sum += dev_exp(v[e] - shift);
-    }
-    sum = block_reduce(sum, shared, SumOp{});
+    const A sum_exp =
+        thread_row_fold<D, A, kVec>(xi, V, A(0), [=](A acc, A v) { return acc + dev_exp(v - shift); });
+    const A sum = block_reduce(sum_exp, shared, SumOp{});
     if (threadIdx.x == 0) lse[i] = shift + dev_log(sum);
   }
 }
@@ -191,16 +118,7 @@ __global__ void cross_entropy_backward_kernel(const device_acc_t<D>* __restrict_
         else
           o[e] = dev_exp(v[e] - l) * row_scale;
       }
-      if constexpr (kVec) {
-        Pack<D> pk;
-#pragma unroll
-        for (int e = 0; e < W; ++e) pk.v[e] = store<D>(o[e]);
-        reinterpret_cast<Pack<D>*>(gi)[k] = pk;
-      } else {
-#pragma unroll
-        for (int e = 0; e < W; ++e)
-          if (k * W + e < V) gi[k * W + e] = store<D>(o[e]);
-      }
+      store_group<D, A, kVec>(gi, k, V, o);
     }
   }
 }
@@ -216,14 +134,6 @@ void check_targets(const char* op, const Tensor& targets, int64_t N) {
   check(targets.defined() && targets.dim() == 1 && targets.shape()[0] == N && targets.is_contiguous() &&
             (targets.dtype() == DType::I32 || targets.dtype() == DType::I64),
         op, ": targets must be contiguous i32/i64 [", N, "], got ", targets.description());
-}
-
-template <class D>
-bool can_vectorise(int64_t V, std::initializer_list<const void*> pointers) {
-  if (V % Pack<D>::kSize != 0) return false;
-  for (const void* p : pointers)
-    if (!aligned16(p)) return false;
-  return true;
 }
 
 }  // namespace

@@ -19,11 +19,12 @@
 // D's rows (length N), as the epilogue requires. An operand whose columns are unit-stride (row-major) is a
 // column-major matrix of its transpose and goes in with CUBLAS_OP_N; one whose rows are unit-stride (a
 // transposed view, e.g. a linear layer's W^T) goes in with CUBLAS_OP_T. Both cost no copy. Batch dims are
-// simplified as on the CPU (size-1 dims dropped, dims every operand steps through as one merged, and a batch
-// over a shared b folded into M: x [B, T, C] @ W [C, N] is one [B*T, C] GEMM); one remaining batch dim becomes
-// cuBLASLt's strided batch, with batch stride 0 for a broadcast operand. Only what cuBLASLt cannot express is
-// copied to a contiguous buffer first: more than one unmergeable batch dim (both operands are then
-// materialised over the full batch), or a matrix with neither dim unit-stride (or overlapping rows/columns).
+// simplified as on the CPU, by the same simplify_matmul (tensor/kernel_geometry.h: size-1 dims dropped, dims
+// every operand steps through as one merged, and a batch over a shared b folded into M: x [B, T, C] @ W [C, N]
+// is one [B*T, C] GEMM); one remaining batch dim becomes cuBLASLt's strided batch, with batch stride 0 for a
+// broadcast operand. Only what cuBLASLt cannot express is copied to a contiguous buffer first: more than one
+// unmergeable batch dim (both operands are then materialised over the full batch), or a matrix with neither
+// dim unit-stride (or overlapping rows/columns).
 //
 // Plans (descriptors plus the algorithm from one cublasLtMatmulAlgoGetHeuristic call) are cached per geometry,
 // dtype, epilogue, tf32 mode, pointer alignment and device, so a training loop asks the heuristic once per shape.
@@ -38,86 +39,12 @@
 
 #include "tensor/cuda/common.cuh"
 #include "tensor/cuda/cuda_backend.h"
+#include "tensor/kernel_geometry.h"
 #include "tensor/precision.h"
 
 namespace mixtape::cuda {
 
 namespace {
-
-// ---- geometry (the same simplification as tensor/cpu/matmul.cpp) -----------------------------------------
-
-// One matrix operand: its batch strides (0 where broadcast) and row / column strides, in elements.
-struct MatrixLayout {
-  Strides batch;
-  int64_t row_stride = 0;
-  int64_t col_stride = 0;
-};
-
-// The simplified problem: out[batch..., M, N] = a[batch..., M, K] @ b[batch..., K, N].
-struct Geometry {
-  Shape batch;
-  int64_t M = 0, K = 0, N = 0;
-  MatrixLayout a, b, out;
-};
-
-// Strides of a size-1 dim are meaningless; give them the values of a dense row-major matrix where possible,
-// so that a column [K, 1] or a row [1, K] with unit column stride is an ordinary row-major matrix, and a row
-// with a non-unit column stride a column-major one.
-void canonicalize(int64_t rows, int64_t cols, MatrixLayout& m) {
-  if (cols == 1) m.col_stride = 1;
-  if (rows == 1) m.row_stride = m.col_stride == 1 ? cols : 1;
-}
-
-Geometry simplify(const Tensor& a, const Tensor& b, const Tensor& out) {
-  Geometry g;
-  const int64_t nb = out.dim() - 2;
-  g.M = out.size(-2);
-  g.N = out.size(-1);
-  g.K = a.size(-1);
-  for (int64_t d = 0; d < nb; ++d) {
-    const int64_t size = out.shape()[d];
-    if (size == 1) continue;
-    const int64_t sa = a.shape()[d] == size ? a.strides()[d] : 0;
-    const int64_t sb = b.shape()[d] == size ? b.strides()[d] : 0;
-    const int64_t so = out.strides()[d];
-    const size_t m = g.batch.size();
-    // Merge into the previous batch dim when all three step through both dims as one.
-    if (m > 0 && g.a.batch[m - 1] == sa * size && g.b.batch[m - 1] == sb * size &&
-        g.out.batch[m - 1] == so * size) {
-      g.batch[m - 1] *= size;
-      g.a.batch[m - 1] = sa;
-      g.b.batch[m - 1] = sb;
-      g.out.batch[m - 1] = so;
-    } else {
-      g.batch.push_back(size);
-      g.a.batch.push_back(sa);
-      g.b.batch.push_back(sb);
-      g.out.batch.push_back(so);
-    }
-  }
-  g.a.row_stride = a.stride(-2);
-  g.a.col_stride = a.stride(-1);
-  g.b.row_stride = b.stride(-2);
-  g.b.col_stride = b.stride(-1);
-  g.out.row_stride = out.stride(-2);
-  g.out.col_stride = out.stride(-1);
-  canonicalize(g.M, g.K, g.a);
-  canonicalize(g.K, g.N, g.b);
-  canonicalize(g.M, g.N, g.out);
-  // A shared b: fold a single batch dim into M when a's and out's batch steps are whole row blocks (then row
-  // r of batch entry i is row i * M + r of one taller matrix with the same row stride).
-  if (g.batch.size() == 1 && g.b.batch[0] == 0 && g.a.batch[0] == g.M * g.a.row_stride &&
-      g.out.batch[0] == g.M * g.out.row_stride) {
-    g.M *= g.batch[0];
-    g.batch.clear();
-    g.a.batch.clear();
-    g.b.batch.clear();
-    g.out.batch.clear();
-    canonicalize(g.M, g.K, g.a);
-    canonicalize(g.M, g.N, g.out);
-  }
-  return g;
-}
 
 // ---- cuBLASLt operands ------------------------------------------------------------------------------------
 
@@ -152,9 +79,11 @@ LtMatrix lt_matrix(int64_t R, int64_t C, int64_t r_stride, int64_t c_stride) {
 
 // out^T [N, M] = b^T [N, K] * a^T [K, M] in column-major terms. b^T's element (n, k) is b[k, n]; a^T's element
 // (k, m) is a[m, k]; out^T's element (n, m) is out[m, n].
-LtMatrix lt_of_b(const Geometry& g) { return lt_matrix(g.N, g.K, g.b.col_stride, g.b.row_stride); }
-LtMatrix lt_of_a(const Geometry& g) { return lt_matrix(g.K, g.M, g.a.col_stride, g.a.row_stride); }
-LtMatrix lt_of_out(const Geometry& g) { return lt_matrix(g.N, g.M, g.out.col_stride, g.out.row_stride); }
+LtMatrix lt_of_b(const MatmulGeometry& g) { return lt_matrix(g.N, g.K, g.b.col_stride, g.b.row_stride); }
+LtMatrix lt_of_a(const MatmulGeometry& g) { return lt_matrix(g.K, g.M, g.a.col_stride, g.a.row_stride); }
+LtMatrix lt_of_out(const MatmulGeometry& g) {
+  return lt_matrix(g.N, g.M, g.out.col_stride, g.out.row_stride);
+}
 
 // A contiguous copy of operand t ([..., rows, cols] under out's batch dims) with every batch dim at out's size:
 // broadcast (stride-0 or size-1) dims are repeated, so the copy has ordinary strides everywhere.
@@ -446,19 +375,19 @@ LtProblem lower(Backend& backend, const Tensor& a, const Tensor& b, const Tensor
   const bool has_bias = bias_ptr != nullptr;
   // Operands cuBLASLt cannot read are copied; the geometry is then recomputed from the copies.
   Tensor A = a, B = b;
-  Geometry g = simplify(A, B, out);
+  MatmulGeometry g = simplify_matmul(A, B, out);
   if (g.batch.size() > 1) {  // one strided batch dim only: materialise both over the full batch
     A = materialize(backend, a, out);
     B = materialize(backend, b, out);
-    g = simplify(A, B, out);
+    g = simplify_matmul(A, B, out);
   }
   if (!lt_of_a(g).ok) {
     A = materialize(backend, A, out);
-    g = simplify(A, B, out);
+    g = simplify_matmul(A, B, out);
   }
   if (!lt_of_b(g).ok) {
     B = materialize(backend, B, out);
-    g = simplify(A, B, out);
+    g = simplify_matmul(A, B, out);
   }
   const LtMatrix lt_a = lt_of_a(g), lt_b = lt_of_b(g), lt_out = lt_of_out(g);
   check(g.batch.size() <= 1 && lt_a.ok && lt_b.ok && lt_out.ok && !lt_out.transpose,

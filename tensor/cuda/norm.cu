@@ -23,84 +23,16 @@ namespace mixtape::cuda {
 
 namespace {
 
-// ---- helpers ----------------------------------------------------------------------------------------------
-
-template <class D>
-struct alignas(16) Pack {
-  static constexpr int kSize = 16 / static_cast<int>(sizeof(D));
-  D v[kSize];
-};
-
-bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
-
-__device__ __forceinline__ float dev_sqrt(float x) { return sqrtf(x); }
-__device__ __forceinline__ double dev_sqrt(double x) { return sqrt(x); }
-
-// The sum of v over the block (blockDim.x a multiple of 32, at most 1024), the same value in every thread.
-// The tree is fixed by blockDim, so the result is reproducible. `shared` holds 32 A.
-template <class A>
-__device__ __forceinline__ A block_sum(A v, A* shared) {
-#pragma unroll
-  for (int o = 16; o > 0; o /= 2) v += __shfl_down_sync(0xffffffffu, v, o);
-  const int warps = static_cast<int>(blockDim.x) / 32;
-  if (warps == 1) return __shfl_sync(0xffffffffu, v, 0);
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  __syncthreads();  // the previous call's readers are done with shared
-  if (lane == 0) shared[warp] = v;
-  __syncthreads();
-  if (warp == 0) {
-    v = lane < warps ? shared[lane] : A(0);
-#pragma unroll
-    for (int o = 16; o > 0; o /= 2) v += __shfl_down_sync(0xffffffffu, v, o);
-    if (lane == 0) shared[0] = v;
-  }
-  __syncthreads();
-  return shared[0];
-}
-
-// Group k of a row: elements [k * V, k * V + V) as A. kVec: one 16-byte load (the caller guarantees
-// alignment and C % V == 0); otherwise element loads, elements past C read as 0 (callers skip them).
-template <class D, class A, bool kVec>
-__device__ __forceinline__ void load_group(const D* p, int64_t k, int64_t C, A (&out)[Pack<D>::kSize]) {
-  constexpr int V = Pack<D>::kSize;
-  if constexpr (kVec) {
-    const Pack<D> pk = reinterpret_cast<const Pack<D>*>(p)[k];
-#pragma unroll
-    for (int e = 0; e < V; ++e) out[e] = load_as<A>(pk.v[e]);
-  } else {
-#pragma unroll
-    for (int e = 0; e < V; ++e) {
-      const int64_t j = k * V + e;
-      out[e] = j < C ? load_as<A>(p[j]) : A(0);
-    }
-  }
-}
-
-template <class D, class A, bool kVec>
-__device__ __forceinline__ void store_group(D* p, int64_t k, int64_t C, const A (&in)[Pack<D>::kSize]) {
-  constexpr int V = Pack<D>::kSize;
-  if constexpr (kVec) {
-    Pack<D> pk;
-#pragma unroll
-    for (int e = 0; e < V; ++e) pk.v[e] = store<D>(in[e]);
-    reinterpret_cast<Pack<D>*>(p)[k] = pk;
-  } else {
-#pragma unroll
-    for (int e = 0; e < V; ++e) {
-      const int64_t j = k * V + e;
-      if (j < C) p[j] = store<D>(in[e]);
-    }
-  }
-}
-
-// 32..512 threads per row, enough for about four groups each.
-int row_threads(int64_t groups) {
-  int threads = 32;
-  while (threads < 512 && threads * 4 < groups) threads *= 2;
-  return threads;
-}
-
-unsigned row_blocks(int64_t N) { return static_cast<unsigned>(std::min<int64_t>(N, int64_t{1} << 20)); }
+// One block per row: the shared helpers of tensor/cuda/common.cuh.
+using rowwise::block_sum;
+using rowwise::can_vectorise;
+using rowwise::dev_sqrt;
+using rowwise::load_group;
+using rowwise::Pack;
+using rowwise::row_blocks;
+using rowwise::row_threads;
+using rowwise::store_group;
+using rowwise::thread_row_fold;
 
 // ---- forward ----------------------------------------------------------------------------------------------
 
@@ -121,37 +53,18 @@ __global__ void norm_forward_kernel(const D* __restrict__ x, const D* __restrict
     A shift = A(0), dm = A(0), s;
     if constexpr (kMean) {
       shift = C > 0 ? load_as<A>(xi[0]) : A(0);
-      A acc = A(0);
-      for (int64_t k = threadIdx.x; k < groups; k += blockDim.x) {
-        A v[V];
-        load_group<D, A, kVec>(xi, k, C, v);
-#pragma unroll
-        for (int e = 0; e < V; ++e)
-          if (kVec || k * V + e < C) acc += v[e] - shift;
-      }
-      dm = block_sum(acc, shared) * inv_C;
-      acc = A(0);
-      for (int64_t k = threadIdx.x; k < groups; k += blockDim.x) {
-        A v[V];
-        load_group<D, A, kVec>(xi, k, C, v);
-#pragma unroll
-        for (int e = 0; e < V; ++e) {
-          const A d = (v[e] - shift) - dm;
-          if (kVec || k * V + e < C) acc += d * d;
-        }
-      }
-      const A var = block_sum(acc, shared) * inv_C;
+      const A sum_shifted =
+          thread_row_fold<D, A, kVec>(xi, C, A(0), [=](A acc, A v) { return acc + (v - shift); });
+      dm = block_sum(sum_shifted, shared) * inv_C;
+      const A sum_squares = thread_row_fold<D, A, kVec>(xi, C, A(0), [=](A acc, A v) {
+        const A d = (v - shift) - dm;
+        return acc + d * d;
+      });
+      const A var = block_sum(sum_squares, shared) * inv_C;
       s = A(1) / dev_sqrt(var + eps);
     } else {
-      A acc = A(0);
-      for (int64_t k = threadIdx.x; k < groups; k += blockDim.x) {
-        A v[V];
-        load_group<D, A, kVec>(xi, k, C, v);
-#pragma unroll
-        for (int e = 0; e < V; ++e)
-          if (kVec || k * V + e < C) acc += v[e] * v[e];
-      }
-      const A ms = block_sum(acc, shared) * inv_C;
+      const A sum_squares = thread_row_fold<D, A, kVec>(xi, C, A(0), [](A acc, A v) { return acc + v * v; });
+      const A ms = block_sum(sum_squares, shared) * inv_C;
       s = A(1) / dev_sqrt(ms + eps);
     }
     for (int64_t k = threadIdx.x; k < groups; k += blockDim.x) {
@@ -311,15 +224,6 @@ device_t<T>* ptr_or_null(const Tensor& t) {
 template <class A>
 A* acc_ptr_or_null(const Tensor& t) {
   return t.defined() ? static_cast<A*>(t.data_ptr()) : nullptr;
-}
-
-// Whether rows of C elements of D can use 16-byte groups with these operands (null ones are ignored).
-template <class D>
-bool can_vectorise(int64_t C, std::initializer_list<const void*> pointers) {
-  if (C % Pack<D>::kSize != 0) return false;
-  for (const void* p : pointers)
-    if (p && !aligned16(p)) return false;
-  return true;
 }
 
 template <class D, bool kMean>

@@ -22,12 +22,15 @@
 
 #include "tensor/cuda/common.cuh"
 #include "tensor/cuda/cuda_backend.h"
+#include "tensor/kernel_geometry.h"
 
 namespace mixtape::cuda {
 
 namespace {
 
 // ---- geometry ---------------------------------------------------------------------------------------------
+
+// x's kept / reduced dims come from reduce_geometry (tensor/kernel_geometry.h), the CPU's own geometry.
 
 // Dims walked in row-major order (sizes, strides in elements).
 struct Walk {
@@ -56,67 +59,6 @@ Walk make_walk(const Shape& sizes, const Strides& strides, const char* what) {
     w.strides[d] = strides[d];
   }
   return w;
-}
-
-// Merges neighbours that step through memory as one dim; an empty list becomes one dim of size 1.
-void merge_dims(Shape& sizes, Strides& strides) {
-  Shape merged_sizes;
-  Strides merged_strides;
-  for (size_t d = 0; d < sizes.size(); ++d) {
-    if (!merged_sizes.empty() && merged_strides.back() == strides[d] * sizes[d]) {
-      merged_sizes.back() *= sizes[d];
-      merged_strides.back() = strides[d];
-    } else {
-      merged_sizes.push_back(sizes[d]);
-      merged_strides.push_back(strides[d]);
-    }
-  }
-  if (merged_sizes.empty()) {
-    merged_sizes.push_back(1);
-    merged_strides.push_back(0);
-  }
-  sizes = std::move(merged_sizes);
-  strides = std::move(merged_strides);
-}
-
-// As the CPU's ReduceGeometry: kept dims in output order, reduced dims with the largest stride outermost.
-struct ReduceGeometry {
-  Shape kept_sizes;
-  Strides kept_strides;
-  Shape reduced_sizes;
-  Strides reduced_strides;
-  int64_t n_out = 1;
-  int64_t n_reduced = 1;
-};
-
-ReduceGeometry make_geometry(const Tensor& x, const std::vector<int64_t>& dims) {
-  std::vector<bool> reduced(static_cast<size_t>(x.dim()), false);
-  for (int64_t d : dims) reduced[static_cast<size_t>(d)] = true;
-  ReduceGeometry g;
-  std::vector<std::pair<int64_t, int64_t>> reduced_dims;  // (stride, size)
-  for (int64_t d = 0; d < x.dim(); ++d) {
-    const int64_t size = x.shape()[d], stride = x.strides()[d];
-    if (reduced[static_cast<size_t>(d)]) {
-      g.n_reduced *= size;
-      if (size != 1) reduced_dims.push_back({stride, size});
-    } else {
-      g.n_out *= size;
-      if (size != 1) {
-        g.kept_sizes.push_back(size);
-        g.kept_strides.push_back(stride);
-      }
-    }
-  }
-  std::stable_sort(reduced_dims.begin(), reduced_dims.end(), [](const auto& a, const auto& b) {
-    return (a.first < 0 ? -a.first : a.first) > (b.first < 0 ? -b.first : b.first);
-  });
-  for (const auto& [stride, size] : reduced_dims) {
-    g.reduced_sizes.push_back(size);
-    g.reduced_strides.push_back(stride);
-  }
-  merge_dims(g.kept_sizes, g.kept_strides);
-  merge_dims(g.reduced_sizes, g.reduced_strides);
-  return g;
 }
 
 // ---- combining rules (as the CPU's; max/min propagate NaN) ---------------------------------------------
@@ -175,14 +117,9 @@ __device__ __forceinline__ void emit(const Sink<A>& sink, int64_t index, A value
 
 __device__ __forceinline__ int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
 
-// 16 bytes of elements, for vector loads and stores.
-template <class D>
-struct alignas(16) Pack {
-  static constexpr int kSize = 16 / static_cast<int>(sizeof(D));
-  D v[kSize];
-};
-
-__device__ __forceinline__ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+// 16 bytes of elements, for vector loads and stores (tensor/cuda/common.cuh).
+using rowwise::aligned16;
+using rowwise::Pack;
 
 template <class A, class Rule>
 __device__ __forceinline__ A warp_combine(A v, const Rule& rule) {
@@ -637,7 +574,7 @@ unsigned blocks_for_rows(int64_t count) {
 
 void CudaBackend::reduce(ReduceOp op, const Tensor& x, const std::vector<int64_t>& dims, const Tensor& out) {
   check_reduce_output("reduce", x, dims, out);
-  const ReduceGeometry g = make_geometry(x, dims);
+  const ReduceGeometry g = reduce_geometry(x, dims);
   dispatch_float(x.dtype(), "reduce", [&]<typename T>() {
     using D = device_t<T>;
     using A = device_acc_t<D>;
@@ -664,7 +601,7 @@ void CudaBackend::reduce(ReduceOp op, const Tensor& x, const std::vector<int64_t
 
 void CudaBackend::var(const Tensor& x, const std::vector<int64_t>& dims, int64_t correction, const Tensor& out) {
   check_reduce_output("var", x, dims, out);
-  const ReduceGeometry g = make_geometry(x, dims);
+  const ReduceGeometry g = reduce_geometry(x, dims);
   if (g.n_out == 0) return;
   dispatch_float(x.dtype(), "var", [&]<typename T>() {
     using D = device_t<T>;
