@@ -1,6 +1,9 @@
 #include "dist/tensor_parallel.h"
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
+#include <tuple>
 #include <vector>
 
 #include "dist/tp_ops.h"
@@ -19,31 +22,6 @@ void check_divisible(const char* what, const char* size_name, int64_t size, cons
          " (rank ", tp.rank(), ")");
 }
 
-// This rank's rows of `full` along `dim`: the dim is `blocks` equal blocks, each split over tp; chunk rank of each
-// block, side by side. A fresh contiguous tensor without history.
-Tensor shard(const Tensor& full, int64_t dim, int64_t blocks, const Communicator& tp) {
-  NoGradGuard no_grad;
-  const Tensor d = full.detach();
-  const int64_t block = d.size(dim) / blocks, chunk = block / tp.size();
-  std::vector<Tensor> pieces;
-  for (int64_t b = 0; b < blocks; ++b) pieces.push_back(d.narrow(dim, b * block + tp.rank() * chunk, chunk));
-  return (pieces.size() == 1 ? pieces[0] : cat(pieces, dim)).contiguous().clone().detach();
-}
-
-// The inverse of shard() over the group: every rank's shard put back into the full layout (dim 0 or the last dim).
-Tensor unshard(const Tensor& local, int64_t dim, int64_t blocks, const Communicator& tp) {
-  NoGradGuard no_grad;
-  const Tensor d = local.detach().contiguous();
-  const bool last = dim != 0;
-  const Tensor gathered = last ? all_gather_last_dim(d, tp) : tp.all_gather(d);  // rank-major
-  if (blocks == 1) return gathered;
-  const int64_t chunk = d.size(dim) / blocks;
-  std::vector<Tensor> pieces;
-  for (int64_t b = 0; b < blocks; ++b)
-    for (int64_t i = 0; i < tp.size(); ++i) pieces.push_back(gathered.narrow(dim, i * blocks * chunk + b * chunk, chunk));
-  return cat(pieces, dim).contiguous();
-}
-
 void assign(Tensor& target, const Tensor& value) {
   NoGradGuard no_grad;
   target.copy_(value);
@@ -54,22 +32,97 @@ Tensor fresh(const Tensor& t) {
   return t.detach().contiguous().clone().detach();
 }
 
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// spec.dim of a tensor of `rank` dims, made non-negative; checks the spec.
+int64_t checked_dim(const char* op, const ShardSpec& spec, const Tensor& t, int size) {
+  if (!t.defined()) [[unlikely]]
+    fail(op, ": the tensor is undefined");
+  const int64_t dim = spec.dim < 0 ? spec.dim + t.dim() : spec.dim;
+  if (dim < 0 || dim >= t.dim()) [[unlikely]]
+    fail(op, ": spec dim ", spec.dim, " is out of range for ", t.description());
+  if (spec.blocks < 1 || spec.full_size < 0 || spec.full_size % spec.blocks != 0) [[unlikely]]
+    fail(op, ": spec full_size (", spec.full_size, ") must be a non-negative multiple of blocks (", spec.blocks,
+         ")");
+  if (size < 1) [[unlikely]]
+    fail(op, ": group size must be >= 1, got ", size);
+  return dim;
+}
+
 }  // namespace
+
+// ---- ShardSpec: the one slicing rule ----
+
+Tensor shard_of(const Tensor& full, const ShardSpec& spec, int rank, int size) {
+  const int64_t dim = checked_dim("shard_of", spec, full, size);
+  if (rank < 0 || rank >= size) [[unlikely]]
+    fail("shard_of: rank ", rank, " is out of range for a group of ", size);
+  if (full.size(dim) != spec.full_size) [[unlikely]]
+    fail("shard_of: ", full.description(), " has size ", full.size(dim), " along dim ", dim,
+         ", expected the spec's full_size ", spec.full_size, " (blocks ", spec.blocks, ")");
+  NoGradGuard no_grad;
+  const Tensor d = full.detach();
+  const int64_t block = spec.full_size / spec.blocks, chunk = ceil_div(block, size);
+  const int64_t begin = std::min(block, rank * chunk), end = std::min(block, (rank + 1) * chunk);
+  Shape pad_shape = d.shape();
+  pad_shape[static_cast<size_t>(dim)] = chunk - (end - begin);
+  std::vector<Tensor> pieces;
+  for (int64_t b = 0; b < spec.blocks; ++b) {
+    if (end > begin) pieces.push_back(d.narrow(dim, b * block + begin, end - begin));
+    if (chunk > end - begin) pieces.push_back(Tensor::zeros(pad_shape, d.dtype(), d.device()));
+  }
+  if (pieces.empty()) {  // chunk 0: an empty shard
+    pad_shape[static_cast<size_t>(dim)] = 0;
+    return Tensor::zeros(pad_shape, d.dtype(), d.device());
+  }
+  return (pieces.size() == 1 ? pieces[0] : cat(pieces, dim)).contiguous().clone().detach();
+}
+
+Tensor gather_shards(const Tensor& shard, const ShardSpec& spec, const Communicator& tp) {
+  const int size = tp.size();
+  const int64_t dim = checked_dim("gather_shards", spec, shard, size);
+  const int64_t block = spec.full_size / spec.blocks, chunk = ceil_div(block, size);
+  if (shard.size(dim) != spec.blocks * chunk) [[unlikely]]
+    fail("gather_shards: shard ", shard.description(), " has size ", shard.size(dim), " along dim ", dim,
+         ", expected blocks (", spec.blocks, ") x ceil(full_size (", spec.full_size, ") / blocks / ", tp.name(),
+         " size ", size, ") = ", spec.blocks * chunk, " (rank ", tp.rank(), ")");
+  NoGradGuard no_grad;
+  // Gather along dim 0 (the Communicator's layout: rank-major chunks), the split dim moved there and back.
+  const Tensor local = (dim == 0 ? shard.detach() : shard.detach().transpose(0, dim)).contiguous();
+  const Tensor gathered = size == 1 ? local : tp.all_gather(local);  // [size * blocks * chunk, ...]
+  std::vector<Tensor> pieces;
+  for (int64_t b = 0; b < spec.blocks; ++b)
+    for (int64_t i = 0; i < size; ++i) {
+      const int64_t real = std::min(block, (i + 1) * chunk) - std::min(block, i * chunk);
+      if (real > 0) pieces.push_back(gathered.narrow(0, (i * spec.blocks + b) * chunk, real));
+    }
+  Tensor full;
+  if (pieces.empty()) {
+    Shape empty = gathered.shape();
+    empty[0] = 0;
+    full = Tensor::zeros(empty, shard.dtype(), shard.device());
+  } else {
+    full = pieces.size() == 1 ? pieces[0] : cat(pieces, 0);
+  }
+  return (dim == 0 ? full : full.transpose(0, dim)).contiguous().clone().detach();
+}
 
 // ---- ColumnParallelLinear ----
 
-ColumnParallelLinear::ColumnParallelLinear(const Linear& full, Communicator tp_, bool gather_output_, int64_t blocks_)
+ColumnParallelLinear::ColumnParallelLinear(const Linear& full, Communicator tp_, bool gather_output_, int64_t blocks_,
+                                           bool pad_)
     : in_features(full.in_features()), out_features(full.out_features()), gather_output(gather_output_),
-      blocks(blocks_), tp(std::move(tp_)) {
+      blocks(blocks_), pad(pad_), tp(std::move(tp_)) {
   check(blocks >= 1 && out_features % blocks == 0, "ColumnParallelLinear: out_features (", out_features,
         ") must be a multiple of blocks (", blocks, ")");
   check(!(gather_output && blocks > 1), "ColumnParallelLinear: gather_output needs blocks = 1, got ", blocks);
-  check_divisible("ColumnParallelLinear", blocks > 1 ? "out_features / blocks" : "out_features",
-                  out_features / blocks, tp);
-  weight = shard(full.weight, 0, blocks, tp);
+  if (!pad)
+    check_divisible("ColumnParallelLinear", blocks > 1 ? "out_features / blocks" : "out_features",
+                    out_features / blocks, tp);
+  weight = shard_of(full.weight, shard_spec(), tp.rank(), tp.size());
   register_parameter("weight", weight);
   if (full.bias.defined()) {
-    bias = shard(full.bias, 0, blocks, tp);
+    bias = shard_of(full.bias, shard_spec(), tp.rank(), tp.size());
     register_parameter("bias", bias);
   }
 }
@@ -79,20 +132,23 @@ Tensor ColumnParallelLinear::forward(const Tensor& x) {
     fail("ColumnParallelLinear: expected input [..., ", in_features, "], got ",
          x.defined() ? x.description() : std::string("undefined"), " (weight shard ", weight.description(), ")");
   const Tensor y = linear(copy_to_tp_region(x, tp), weight, bias);
-  return gather_output ? gather_from_tp_region(y, tp) : y;
+  if (!gather_output) return y;
+  // blocks = 1: the padded layout is the full one followed by the padding columns.
+  const Tensor gathered = gather_from_tp_region(y, tp);
+  return gathered.size(-1) == out_features ? gathered : gathered.narrow(-1, 0, out_features);
 }
 
 void ColumnParallelLinear::gather_full(Linear& full) const {
   check(full.in_features() == in_features && full.out_features() == out_features,
         "ColumnParallelLinear::gather_full: full Linear is [", full.out_features(), ", ", full.in_features(),
         "], expected [", out_features, ", ", in_features, "]");
-  assign(full.weight, unshard(weight, 0, blocks, tp));
-  if (bias.defined() && full.bias.defined()) assign(full.bias, unshard(bias, 0, blocks, tp));
+  assign(full.weight, gather_shards(weight, shard_spec(), tp));
+  if (bias.defined() && full.bias.defined()) assign(full.bias, gather_shards(bias, shard_spec(), tp));
 }
 
 void ColumnParallelLinear::load_full(const Linear& full) {
-  assign(weight, shard(full.weight, 0, blocks, tp));
-  if (bias.defined() && full.bias.defined()) assign(bias, shard(full.bias, 0, blocks, tp));
+  assign(weight, shard_of(full.weight, shard_spec(), tp.rank(), tp.size()));
+  if (bias.defined() && full.bias.defined()) assign(bias, shard_of(full.bias, shard_spec(), tp.rank(), tp.size()));
 }
 
 // ---- RowParallelLinear ----
@@ -101,7 +157,7 @@ RowParallelLinear::RowParallelLinear(const Linear& full, Communicator tp_, bool 
     : in_features(full.in_features()), out_features(full.out_features()), input_is_parallel(input_is_parallel_),
       tp(std::move(tp_)) {
   check_divisible("RowParallelLinear", "in_features", in_features, tp);
-  weight = shard(full.weight, 1, 1, tp);
+  weight = shard_of(full.weight, shard_spec(), tp.rank(), tp.size());
   register_parameter("weight", weight);
   if (full.bias.defined()) {
     bias = fresh(full.bias);
@@ -129,12 +185,12 @@ void RowParallelLinear::gather_full(Linear& full) const {
   check(full.in_features() == in_features && full.out_features() == out_features,
         "RowParallelLinear::gather_full: full Linear is [", full.out_features(), ", ", full.in_features(),
         "], expected [", out_features, ", ", in_features, "]");
-  assign(full.weight, unshard(weight, 1, 1, tp));
+  assign(full.weight, gather_shards(weight, shard_spec(), tp));
   if (bias.defined() && full.bias.defined()) assign(full.bias, bias);
 }
 
 void RowParallelLinear::load_full(const Linear& full) {
-  assign(weight, shard(full.weight, 1, 1, tp));
+  assign(weight, shard_of(full.weight, shard_spec(), tp.rank(), tp.size()));
   if (bias.defined() && full.bias.defined()) assign(bias, full.bias);
 }
 
@@ -208,11 +264,11 @@ void ParallelCausalSelfAttention::load_full(const CausalSelfAttention& full) {
 
 VocabParallelEmbedding::VocabParallelEmbedding(const Embedding& full, Communicator tp_)
     : num_embeddings(full.weight.size(0)), embedding_dim(full.weight.size(1)), tp(std::move(tp_)) {
-  check_divisible("VocabParallelEmbedding", "num_embeddings (vocabulary)", num_embeddings, tp);
-  const int64_t per_rank = num_embeddings / tp.size();
-  vocab_start = tp.rank() * per_rank;
-  vocab_end = vocab_start + per_rank;
-  weight = shard(full.weight, 0, 1, tp);
+  // Padded when tp does not divide the vocabulary (the rule of ShardSpec, as shard_of slices).
+  per_rank = ceil_div(num_embeddings, tp.size());
+  vocab_start = std::min(num_embeddings, tp.rank() * per_rank);
+  vocab_end = std::min(num_embeddings, (tp.rank() + 1) * per_rank);
+  weight = shard_of(full.weight, shard_spec(), tp.rank(), tp.size());
   register_parameter("weight", weight);
 }
 
@@ -235,7 +291,8 @@ Tensor VocabParallelEmbedding::forward(const Tensor& indices) {
   mask_shape.push_back(1);
   const Tensor local_ids = Tensor::from_vector(local, indices.shape()).to(weight.device());
   const Tensor mask = Tensor::from_vector(keep, mask_shape, weight.dtype()).to(weight.device());
-  // Rows this rank does not hold are zeroed (their gradient too); the sum over the group fills them in.
+  // Rows this rank does not hold are zeroed (their gradient too); the sum over the group fills them in. No id
+  // maps to a padding row except the placeholder 0 of a rank with no real rows, masked like every other.
   return reduce_from_tp_region(mul(embedding(weight, local_ids), mask), tp);
 }
 
@@ -243,10 +300,12 @@ void VocabParallelEmbedding::gather_full(Embedding& full) const {
   check(full.weight.size(0) == num_embeddings && full.weight.size(1) == embedding_dim,
         "VocabParallelEmbedding::gather_full: full weight ", full.weight.description(), ", expected [",
         num_embeddings, ", ", embedding_dim, "]");
-  assign(full.weight, unshard(weight, 0, 1, tp));
+  assign(full.weight, gather_shards(weight, shard_spec(), tp));
 }
 
-void VocabParallelEmbedding::load_full(const Embedding& full) { assign(weight, shard(full.weight, 0, 1, tp)); }
+void VocabParallelEmbedding::load_full(const Embedding& full) {
+  assign(weight, shard_of(full.weight, shard_spec(), tp.rank(), tp.size()));
+}
 
 // ---- ParallelBlock, ParallelGPT ----
 
@@ -300,7 +359,7 @@ ParallelGPT::ParallelGPT(const GPT& full, Communicator tp_) : tp(std::move(tp_))
   for (const auto& block : *full.h) h->push_back(std::make_shared<ParallelBlock>(*block, config_, tp));
   ln_f = transformer->register_module("ln_f", replicate(make_norm(config_), *full.ln_f));
   if (full.lm_head)
-    lm_head = register_module("lm_head", std::make_shared<ColumnParallelLinear>(*full.lm_head, tp, false));
+    lm_head = register_module("lm_head", std::make_shared<ColumnParallelLinear>(*full.lm_head, tp, false, 1, true));
 }
 
 ParallelGPTOutput ParallelGPT::forward(const Tensor& idx, const Tensor& targets) {
@@ -314,13 +373,16 @@ ParallelGPTOutput ParallelGPT::forward(const Tensor& idx, const Tensor& targets)
   for (const auto& block : *h) x = (*block)(x);
   x = (*ln_f)(x);
   ParallelGPTOutput output;
-  // Tied: this rank's logits come from its wte rows; copy_to_tp_region sums x's gradient over the group.
+  // Tied: this rank's logits come from its wte rows; copy_to_tp_region sums x's gradient over the group. Padding
+  // rows of wte / lm_head (zero) give padding columns of 0, which the loss ignores: their gradient is 0, and so
+  // is what they pass back to the padding rows and to x.
   output.logits = lm_head ? (*lm_head)(x) : matmul(copy_to_tp_region(x, tp), wte->weight.mT());
   if (targets.defined()) {
     check(targets.shape() == idx.shape(), "ParallelGPT: targets ", targets.description(), " must have idx's shape ",
           idx.description());
     const int64_t v = output.logits.size(-1);
-    output.loss = vocab_parallel_cross_entropy(output.logits.reshape({B * T, v}), targets.reshape({B * T}), tp, -1);
+    output.loss = vocab_parallel_cross_entropy(output.logits.reshape({B * T, v}), targets.reshape({B * T}), tp, -1,
+                                               config_.vocab_size);
   }
   return output;
 }
@@ -347,23 +409,36 @@ void ParallelGPT::load_full(const GPT& full) {
 
 namespace {
 
-void collect_tp_parameters(const Module& module, std::vector<Tensor>& out) {
+using SplitParameter = std::tuple<std::string, Tensor, ShardSpec>;
+
+// Every tensor-parallel parameter below `module` with its name (as named_parameters spells it) and spec.
+void collect_tp_parameters(const Module& module, const std::string& prefix, std::vector<SplitParameter>& out) {
   if (const auto* column = dynamic_cast<const ColumnParallelLinear*>(&module)) {
-    out.push_back(column->weight);
-    if (column->bias.defined()) out.push_back(column->bias);
+    out.emplace_back(prefix + "weight", column->weight, column->shard_spec());
+    if (column->bias.defined()) out.emplace_back(prefix + "bias", column->bias, column->shard_spec());
   } else if (const auto* row = dynamic_cast<const RowParallelLinear*>(&module)) {
-    out.push_back(row->weight);
+    out.emplace_back(prefix + "weight", row->weight, row->shard_spec());
   } else if (const auto* embedding = dynamic_cast<const VocabParallelEmbedding*>(&module)) {
-    out.push_back(embedding->weight);
+    out.emplace_back(prefix + "weight", embedding->weight, embedding->shard_spec());
   }
-  for (const auto& [name, child] : module.named_children()) collect_tp_parameters(*child, out);
+  for (const auto& [name, child] : module.named_children()) collect_tp_parameters(*child, prefix + name + ".", out);
 }
 
 }  // namespace
 
+std::map<std::string, ShardSpec> shard_specs(const Module& root) {
+  std::vector<SplitParameter> split;
+  collect_tp_parameters(root, "", split);
+  std::map<std::string, ShardSpec> out;
+  for (const auto& [name, tensor, spec] : split) out[name] = spec;
+  return out;
+}
+
 std::vector<Tensor> tensor_parallel_parameters(const Module& root) {
+  std::vector<SplitParameter> split;
+  collect_tp_parameters(root, "", split);
   std::vector<Tensor> out;
-  collect_tp_parameters(root, out);
+  for (const auto& [name, tensor, spec] : split) out.push_back(tensor);
   return out;
 }
 
@@ -376,7 +451,7 @@ bool is_tensor_parallel_parameter(const Module& root, const Tensor& parameter) {
 // ---- vocab_parallel_cross_entropy ----
 
 Tensor vocab_parallel_cross_entropy(const Tensor& logits, const Tensor& targets, const Communicator& tp,
-                                    int64_t ignore_index) {
+                                    int64_t ignore_index, int64_t vocab_size) {
   if (!logits.defined() || logits.dim() < 1 || !is_floating(logits.dtype())) [[unlikely]]
     fail("vocab_parallel_cross_entropy: logits must be a floating [..., V/tp] tensor, got ",
          logits.defined() ? logits.description() : std::string("undefined"));
@@ -388,13 +463,19 @@ Tensor vocab_parallel_cross_entropy(const Tensor& logits, const Tensor& targets,
   if (targets.shape() != rows_shape) [[unlikely]]
     fail("vocab_parallel_cross_entropy: targets ", targets.description(), " must have logits ",
          logits.description(), "'s shape without the last dim");
-  const int64_t v = logits.size(-1), vocab = v * tp.size(), start = tp.rank() * v;
+  const int64_t v = logits.size(-1), start = tp.rank() * v;
+  const int64_t vocab = vocab_size < 0 ? v * tp.size() : vocab_size;
+  if (vocab > v * tp.size()) [[unlikely]]
+    fail("vocab_parallel_cross_entropy: vocab_size (", vocab, ") is more than the ", tp.name(), " size ", tp.size(),
+         " times the shard width ", v, " (logits ", logits.description(), ", rank ", tp.rank(), ")");
+  // This rank's real columns [0, real) of its shard; the rest (if any) are padding and take no part.
+  const int64_t real = std::clamp(vocab - start, int64_t{0}, v);
   const int64_t n = v == 0 ? 0 : logits.numel() / v;
   const DType compute = logits.dtype() == DType::F64 ? DType::F64 : DType::F32;
   const Device device = logits.device();
 
   const std::vector<int64_t> t = targets.to(Device::cpu()).to_vector<int64_t>();
-  std::vector<double> onehot(static_cast<size_t>(n * v), 0.0), valid(static_cast<size_t>(n), 0.0);
+  std::vector<double> onehot(static_cast<size_t>(n * real), 0.0), valid(static_cast<size_t>(n), 0.0);
   int64_t count = 0;
   for (int64_t i = 0; i < n; ++i) {
     const int64_t target = t[static_cast<size_t>(i)];
@@ -404,36 +485,42 @@ Tensor vocab_parallel_cross_entropy(const Tensor& logits, const Tensor& targets,
            vocab, " (", v, " per rank of the ", tp.name(), ")");
     valid[static_cast<size_t>(i)] = 1.0;
     ++count;
-    if (target >= start && target < start + v) onehot[static_cast<size_t>(i * v + target - start)] = 1.0;
+    if (target >= start && target < start + real) onehot[static_cast<size_t>(i * real + target - start)] = 1.0;
   }
 
   Tensor loss, probs, onehot_t, valid_t;
   {
     NoGradGuard no_grad;
-    const Tensor l = logits.detach().to(compute).reshape({n, v});
-    Tensor row_max = max(l, {1}, true).contiguous();  // [n, 1]
+    Tensor l = logits.detach().to(compute).reshape({n, v});
+    if (real < v) l = l.narrow(1, 0, real);  // padding columns: whatever they hold is never read
+    onehot_t = Tensor::from_vector(onehot, {n, real}, compute).to(device);
+    valid_t = Tensor::from_vector(valid, {n, 1}, compute).to(device);
+    // A rank with no real columns contributes the identities of the reductions: -inf to the MAX, 0 to the SUMs.
+    Tensor row_max = real > 0 ? max(l, {1}, true).contiguous()
+                              : Tensor::full({n, 1}, -std::numeric_limits<double>::infinity(), compute, device);
     tp.all_reduce(row_max, Reduction::Max);
     const Tensor shifted = sub(l, row_max);
     const Tensor e = exp(shifted);
-    Tensor sum_exp = sum(e, {1}, true).contiguous();
+    Tensor sum_exp = real > 0 ? sum(e, {1}, true).contiguous() : Tensor::zeros({n, 1}, compute, device);
     tp.all_reduce(sum_exp, Reduction::Sum);
-    onehot_t = Tensor::from_vector(onehot, {n, v}, compute).to(device);
-    valid_t = Tensor::from_vector(valid, {n, 1}, compute).to(device);
-    Tensor target_logit = sum(mul(shifted, onehot_t), {1}, true).contiguous();
+    Tensor target_logit =
+        real > 0 ? sum(mul(shifted, onehot_t), {1}, true).contiguous() : Tensor::zeros({n, 1}, compute, device);
     tp.all_reduce(target_logit, Reduction::Sum);
     const Tensor row_loss = mul(sub(log(sum_exp), target_logit), valid_t);
     loss = count > 0 ? div(sum(row_loss), static_cast<double>(count)) : Tensor::scalar(0.0, compute, device);
     loss = loss.contiguous().clone().detach();
-    probs = div(e, sum_exp).detach();
+    probs = div(e, sum_exp).detach();  // [n, real]
   }
   const Shape shape = logits.shape();
   const DType dtype = logits.dtype();
   record_backward("vocab_parallel_cross_entropy", {logits}, loss,
-                  [probs, onehot_t, valid_t, count, shape, dtype](const Tensor& g) {
-                    if (count == 0) return Grads{Tensor::zeros(shape, dtype, g.device())};
+                  [probs, onehot_t, valid_t, count, shape, dtype, n, v, real](const Tensor& g) {
+                    if (count == 0 || real == 0) return Grads{Tensor::zeros(shape, dtype, g.device())};
                     const Tensor scale = div(g.to(probs.dtype()), static_cast<double>(count));
-                    const Tensor grad = mul(mul(sub(probs, onehot_t), valid_t), scale);
-                    return Grads{grad.to(dtype).reshape(shape).contiguous()};
+                    Tensor grad = mul(mul(sub(probs, onehot_t), valid_t), scale).to(dtype);
+                    // The padding columns' gradient: exactly 0.
+                    if (real < v) grad = cat({grad, Tensor::zeros({n, v - real}, dtype, g.device())}, 1);
+                    return Grads{grad.reshape(shape).contiguous()};
                   });
   return loss;
 }

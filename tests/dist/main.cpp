@@ -13,9 +13,10 @@ namespace {
 class FailurePrinter : public ::testing::EmptyTestEventListener {
  public:
   explicit FailurePrinter(int rank) : rank_(rank) {}
+  void OnTestStart(const ::testing::TestInfo& info) override { test_ = &info; }
   void OnTestPartResult(const ::testing::TestPartResult& result) override {
     if (!result.failed()) return;
-    const ::testing::TestInfo* test = ::testing::UnitTest::GetInstance()->current_test_info();
+    const ::testing::TestInfo* test = test_;
     std::fprintf(stderr, "rank %d: %s.%s: %s:%d: %s\n", rank_, test ? test->test_suite_name() : "?",
                  test ? test->name() : "?", result.file_name() ? result.file_name() : "?", result.line_number(),
                  result.summary());
@@ -23,6 +24,7 @@ class FailurePrinter : public ::testing::EmptyTestEventListener {
 
  private:
   int rank_;
+  const ::testing::TestInfo* test_ = nullptr;
 };
 
 }  // namespace

@@ -4,6 +4,7 @@
 // of every weight shard, sliced the same way as the shard).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <functional>
 #include <map>
@@ -19,6 +20,7 @@
 #include "nn/attention.h"
 #include "nn/gpt.h"
 #include "nn/layers.h"
+#include "optim/adam.h"
 #include "tensor/autograd_node.h"
 #include "tensor/ops.h"
 #include "../test_util.h"
@@ -391,8 +393,8 @@ TEST(TensorParallel, SizesTheGroupDoesNotDivideAreErrors) {
   CausalSelfAttention six_heads(12, 6, true, 0.0, 1);  // 6 heads over tp 4
   EXPECT_ERROR_MENTIONS(ParallelCausalSelfAttention(six_heads, tp4), "ParallelCausalSelfAttention", "n_head (6)",
                         "size 4");
-  Embedding vocab(10, 4, 2);
-  EXPECT_ERROR_MENTIONS(VocabParallelEmbedding(vocab, tp4), "VocabParallelEmbedding", "(10)", "size 4");
+  Embedding vocab(10, 4, 2);  // a vocabulary is padded instead: ceil(10 / 4) = 3 rows on every rank
+  EXPECT_EQ(VocabParallelEmbedding(vocab, tp4).weight.shape(), (Shape{3, 4}));
   Linear odd(6, 6, true, 3);
   EXPECT_ERROR_MENTIONS(ColumnParallelLinear(odd, tp4, false), "ColumnParallelLinear", "out_features (6)", "size 4");
   EXPECT_ERROR_MENTIONS(RowParallelLinear(odd, tp4, false), "RowParallelLinear", "in_features (6)", "size 4");
@@ -533,4 +535,266 @@ TEST(TensorParallel, UnderAutocastTheParallelMLPGivesTheFullModulesDtypes) {
   EXPECT_TRUE(all_close(xp.grad(), x.grad(), 2e-2, 2e-2));
   EXPECT_TRUE(all_close(mlp.c_fc->weight.grad(), slice_of(full.c_fc->weight.grad(), 0, r, 2), 2e-2, 2e-2));
   EXPECT_TRUE(all_close(mlp.c_proj->bias.grad(), full.c_proj->bias.grad(), 1e-6, 1e-6));
+}
+
+// ---- Vocabularies the group does not divide (padding), ShardSpec ----
+
+namespace {
+
+// The padded layout, written out here independently of shard_of: `blocks` equal blocks along `dim`, each cut
+// into `parts` chunks of ceil(block / parts); rank's chunk of each block, zero-padded to the chunk, side by side.
+Tensor padded_slice_of(const Tensor& full, int64_t dim, int rank, int parts, int64_t blocks = 1) {
+  NoGradGuard no_grad;
+  const int64_t block = full.size(dim) / blocks, chunk = (block + parts - 1) / parts;
+  const int64_t begin = std::min(block, rank * chunk), end = std::min(block, (rank + 1) * chunk);
+  std::vector<Tensor> pieces;
+  for (int64_t b = 0; b < blocks; ++b) {
+    if (end > begin) pieces.push_back(full.detach().narrow(dim, b * block + begin, end - begin));
+    if (chunk > end - begin) {
+      Shape shape = full.shape();
+      shape[static_cast<size_t>(dim)] = chunk - (end - begin);
+      pieces.push_back(Tensor::zeros(shape, full.dtype()));
+    }
+  }
+  return (pieces.size() == 1 ? pieces[0] : cat(pieces, dim)).contiguous();
+}
+
+// The padding rows (dim 0) of a vocabulary shard of rank r: rows [real, chunk).
+Tensor padding_rows(const Tensor& shard, int64_t vocab, int r, int parts) {
+  const int64_t chunk = (vocab + parts - 1) / parts;
+  const int64_t real = std::clamp<int64_t>(vocab - r * chunk, 0, chunk);
+  return shard.narrow(0, real, chunk - real);
+}
+
+bool all_zero(const Tensor& t) { return all_close(t, Tensor::zeros(t.shape(), t.dtype()), 0, 0); }
+
+GPTConfig small_gpt(int64_t vocab, bool tied, Activation activation = Activation::Gelu) {
+  GPTConfig config;
+  config.n_layer = 2;
+  config.n_head = 4;
+  config.n_embd = 16;
+  config.block_size = 8;
+  config.vocab_size = vocab;
+  config.tie_embeddings = tied;
+  config.activation = activation;
+  return config;
+}
+
+}  // namespace
+
+TEST(TensorParallel, ParallelGPTWithAVocabularyTheGroupDoesNotDivideMatchesTheSingleProcessGPT) {
+  // V = 11: chunks of 6 (tp 2) or 3 (tp 4), the last rank holding one padding row; V = 9 over tp 4: chunks of
+  // 3, rank 3 holding no real row at all.
+  for (int tp_size : {2, 4}) {
+    const Communicator tp = tp_group(tp_size);
+    const int r = tp.rank();
+    for (int64_t vocab : {11, 9}) {
+      const int64_t chunk = (vocab + tp_size - 1) / tp_size;
+      for (bool tied : {true, false}) {
+        for (DType dtype : {DType::F64, DType::F32}) {
+          const double tol = tolerance(dtype);
+          const std::string where = "tp " + std::to_string(tp_size) + " V " + std::to_string(vocab) + " tied " +
+                                    std::to_string(tied) + " " + dtype_name(dtype);
+          const GPTConfig config = small_gpt(vocab, tied);
+          GPT full(config, 7);
+          full.to(dtype);
+          ParallelGPT model(full, tp);
+          EXPECT_EQ(model.wte->weight.shape(), (Shape{chunk, 16})) << where;
+          EXPECT_TRUE(all_zero(padding_rows(model.wte->weight, vocab, r, tp_size))) << where;
+          if (!tied) {
+            EXPECT_TRUE(all_zero(padding_rows(model.lm_head->weight, vocab, r, tp_size))) << where;
+          }
+          const Tensor idx = Tensor::randint(0, vocab, {2, 6}, 8);
+          std::vector<int64_t> t = Tensor::randint(0, vocab, {2, 6}, 9).to_vector<int64_t>();
+          t[3] = -1;
+          t[4] = vocab - 1;  // the last real row is a target
+          const Tensor targets = Tensor::from_vector(t, {2, 6});
+          const GPTOutput out = full.forward(idx, targets);
+          backward(out.loss);
+          const ParallelGPTOutput pout = model.forward(idx, targets);
+          EXPECT_TRUE(all_close(pout.loss, out.loss, tol, tol)) << where;
+          // The logits shard: this rank's columns, padding columns 0; gathered: the full logits.
+          EXPECT_EQ(pout.logits.shape(), (Shape{2, 6, chunk})) << where;
+          EXPECT_TRUE(all_close(pout.logits, padded_slice_of(out.logits, 2, r, tp_size), tol, tol)) << where;
+          EXPECT_TRUE(all_close(gather_shards(pout.logits, model.logits_spec(), tp), out.logits, tol, tol)) << where;
+          backward(pout.loss);
+          std::map<std::string, Tensor> full_grads;
+          for (const auto& [name, p] : full.named_parameters()) full_grads[name] = p.grad();
+          const std::map<std::string, ShardSpec> specs = shard_specs(model);
+          for (const auto& [name, p] : model.named_parameters()) {
+            const auto [dim, blocks] = gpt_layout(name);
+            EXPECT_EQ(specs.count(name), dim >= 0 ? 1u : 0u) << name;
+            if (dim < 0) {
+              EXPECT_TRUE(all_close(p.grad(), full_grads.at(name), tol, tol)) << name << " " << where;
+              continue;
+            }
+            const ShardSpec spec = specs.at(name);
+            EXPECT_EQ(spec.dim, dim) << name;
+            EXPECT_EQ(spec.blocks, blocks) << name;
+            EXPECT_EQ(spec.full_size, full_grads.at(name).size(dim)) << name;
+            EXPECT_TRUE(all_close(p.grad(), padded_slice_of(full_grads.at(name), dim, r, tp_size, blocks), tol, tol))
+                << name << " " << where;
+            EXPECT_TRUE(all_close(p.grad(), shard_of(full_grads.at(name), spec, r, tp_size), tol, tol)) << name;
+          }
+          // The padding rows' gradient is exactly zero (not merely small).
+          EXPECT_TRUE(all_zero(padding_rows(model.wte->weight.grad(), vocab, r, tp_size))) << where;
+          if (!tied) {
+            EXPECT_TRUE(all_zero(padding_rows(model.lm_head->weight.grad(), vocab, r, tp_size))) << where;
+          }
+          // gather_full gives the same [V, C] model back.
+          GPT other(config, 99);
+          other.to(dtype);
+          model.gather_full(other);
+          for (const auto& [name, p] : full.named_parameters())
+            EXPECT_TRUE(all_close(other.state_dict().tensors.at(name), p, 0, 0)) << name << " " << where;
+        }
+      }
+    }
+  }
+}
+
+TEST(TensorParallel, AdamWWithWeightDecayKeepsThePaddingRowsExactlyZero) {
+  // Three AdamW steps (weight decay 0.1) on the full GPT and on the ParallelGPT: the padding rows stay exactly
+  // zero, and so do their exp_avg / exp_avg_sq; gathered, the weights and the optimizer state equal the single
+  // process's, and gather_full equals gather_shards of each parameter.
+  for (int tp_size : {2, 4}) {
+    const Communicator tp = tp_group(tp_size);
+    const int r = tp.rank();
+    for (int64_t vocab : {11, 9}) {
+      for (bool tied : {true, false}) {
+        const std::string where =
+            "tp " + std::to_string(tp_size) + " V " + std::to_string(vocab) + " tied " + std::to_string(tied);
+        const GPTConfig config = small_gpt(vocab, tied);
+        GPT full(config, 17);
+        full.to(DType::F64);
+        ParallelGPT model(full, tp);
+        AdamW opt_full(full.parameters(), 1e-2, 0.1);
+        AdamW opt(model.parameters(), 1e-2, 0.1);
+        for (int step = 0; step < 3; ++step) {
+          const Tensor idx = Tensor::randint(0, vocab, {2, 6}, 30 + step);
+          const Tensor targets = Tensor::randint(0, vocab, {2, 6}, 40 + step);
+          opt_full.zero_grad();
+          backward(full.forward(idx, targets).loss);
+          opt_full.step();
+          opt.zero_grad();
+          backward(model.forward(idx, targets).loss);
+          opt.step();
+          EXPECT_TRUE(all_zero(padding_rows(model.wte->weight, vocab, r, tp_size))) << where << " step " << step;
+          if (!tied) {
+            EXPECT_TRUE(all_zero(padding_rows(model.lm_head->weight, vocab, r, tp_size))) << where << " step " << step;
+          }
+        }
+        std::vector<Tensor> vocab_params{model.wte->weight};
+        if (!tied) vocab_params.push_back(model.lm_head->weight);
+        for (const Tensor& p : vocab_params)
+          for (const char* buffer : {"exp_avg", "exp_avg_sq"})
+            EXPECT_TRUE(all_zero(padding_rows(opt.state(p)->buffers.at(buffer), vocab, r, tp_size)))
+                << where << " " << buffer;
+        GPT gathered(config, 98);
+        gathered.to(DType::F64);
+        model.gather_full(gathered);
+        const StateDict gathered_dict = gathered.state_dict();
+        for (const auto& [name, p] : full.named_parameters())
+          EXPECT_TRUE(all_close(gathered_dict.tensors.at(name), p, 1e-10, 1e-10)) << name << " " << where;
+        std::map<std::string, Tensor> parameters, full_parameters;
+        for (const auto& [name, p] : model.named_parameters()) parameters[name] = p;
+        for (const auto& [name, p] : full.named_parameters()) full_parameters[name] = p;
+        for (const auto& [name, spec] : shard_specs(model)) {
+          EXPECT_TRUE(all_close(gather_shards(parameters.at(name), spec, tp), gathered_dict.tensors.at(name), 0, 0))
+              << name;
+          // Optimizer state of the same shape gathers the same way.
+          const Tensor exp_avg = gather_shards(opt.state(parameters.at(name))->buffers.at("exp_avg"), spec, tp);
+          EXPECT_TRUE(all_close(exp_avg, opt_full.state(full_parameters.at(name))->buffers.at("exp_avg"), 1e-10,
+                                1e-10))
+              << name << " " << where;
+        }
+      }
+    }
+  }
+}
+
+TEST(TensorParallel, GatherShardsInvertsShardOfForEveryParameterOfAParallelGPT) {
+  // SwiGLU (c_fc in 2 blocks), c_attn (3 blocks), RowParallel (dim 1), and a padded vocabulary (wte, lm_head).
+  for (int tp_size : {2, 4}) {
+    const Communicator tp = tp_group(tp_size);
+    const int r = tp.rank();
+    const GPTConfig config = small_gpt(11, false, Activation::SwiGLU);
+    const GPT full(config, 5);
+    const ParallelGPT model(full, tp);
+    std::map<std::string, Tensor> parameters, full_parameters;
+    for (const auto& [name, p] : model.named_parameters()) parameters[name] = p;
+    for (const auto& [name, p] : full.named_parameters()) full_parameters[name] = p;
+    const std::map<std::string, ShardSpec> specs = shard_specs(model);
+    EXPECT_EQ(specs.size(), tensor_parallel_parameters(model).size());
+    EXPECT_EQ(specs.size(), 2u * (2 + 2 + 2) + 2);  // per layer: c_attn w/b, c_fc w/b, 2 c_proj w; wte, lm_head
+    for (const auto& [name, spec] : specs) {
+      EXPECT_TRUE(is_tensor_parallel_parameter(model, parameters.at(name))) << name;
+      const auto [dim, layout_blocks] = gpt_layout(name);
+      const int64_t blocks = name.find("mlp.c_fc") != std::string::npos ? 2 : layout_blocks;  // SwiGLU: gate | value
+      EXPECT_EQ(spec, (ShardSpec{dim, blocks, full_parameters.at(name).size(dim)})) << name;
+      for (DType dtype : {DType::F32, DType::BF16}) {
+        const Tensor x = uniform_tensor(full_parameters.at(name).shape(), 300 + specs.size(), -1, 1, dtype);
+        const Tensor s = shard_of(x, spec, r, tp_size);
+        EXPECT_EQ(s.dtype(), dtype);
+        EXPECT_TRUE(s.is_contiguous());
+        EXPECT_EQ(s.shape(), parameters.at(name).shape()) << name;
+        EXPECT_TRUE(all_close(s, padded_slice_of(x, dim, r, tp_size, blocks), 0, 0)) << name;
+        const Tensor g = gather_shards(s, spec, tp);
+        EXPECT_EQ(g.dtype(), dtype);
+        EXPECT_TRUE(all_close(g, x, 0, 0)) << name << " tp " << tp_size << " " << dtype_name(dtype);
+        if (s.dim() == 2) {  // a non-contiguous shard of the same values
+          const Tensor strided = s.mT().contiguous().mT();
+          EXPECT_FALSE(strided.is_contiguous());
+          EXPECT_TRUE(all_close(gather_shards(strided, spec, tp), x, 0, 0)) << name;
+        }
+      }
+    }
+  }
+}
+
+TEST(TensorParallel, VocabParallelCrossEntropyIgnoresPaddingColumns) {
+  // V = 9: tp 2 -> widths 5 (rank 1: 4 real + 1 padding); tp 4 -> widths 3 (rank 3: all padding). The padding
+  // columns hold 50 (larger than every logit): were they read, the loss would change.
+  for (int tp_size : {2, 4}) {
+    const Communicator tp = tp_group(tp_size);
+    const int r = tp.rank();
+    const int64_t vocab = 9, width = (vocab + tp_size - 1) / tp_size;
+    const int64_t real = std::clamp<int64_t>(vocab - r * width, 0, width);
+    for (DType dtype : {DType::F64, DType::F32}) {
+      const double tol = tolerance(dtype);
+      const Tensor logits0 = uniform_tensor({2, 3, vocab}, 61, -4, 4, dtype);
+      const Tensor targets = Tensor::from_vector(std::vector<int64_t>{0, 8, -100, 4, 7, 5}, {2, 3});
+      Tensor padded = padded_slice_of(logits0, 2, r, tp_size);
+      if (real < width) padded = cat({padded.narrow(2, 0, real), Tensor::full({2, 3, width - real}, 50.0, dtype)}, 2);
+      Tensor full = leaf(logits0), shard = leaf(padded);
+      const Tensor loss = softmax_cross_entropy(full, targets);
+      backward(loss);
+      const Tensor loss_p = vocab_parallel_cross_entropy(shard, targets, tp, -100, vocab);
+      EXPECT_TRUE(all_close(loss_p, loss, tol, tol)) << "tp " << tp_size << " " << dtype_name(dtype);
+      backward(loss_p);
+      EXPECT_TRUE(all_close(shard.grad(), padded_slice_of(full.grad(), 2, r, tp_size), tol, tol)) << "tp " << tp_size;
+      EXPECT_TRUE(all_zero(shard.grad().narrow(2, real, width - real))) << "tp " << tp_size;
+    }
+  }
+}
+
+TEST(TensorParallel, ShardSpecErrorsNameTheSizes) {
+  const Communicator tp4 = tp_group(4);
+  // vocab_size more than the shards can hold; a target past the (unpadded) vocabulary.
+  EXPECT_ERROR_MENTIONS(vocab_parallel_cross_entropy(Tensor::zeros({2, 2}), Tensor::zeros({2}, DType::I64), tp4,
+                                                     -100, 10),
+                        "vocab_parallel_cross_entropy", "vocab_size (10)", "size 4", "width 2");
+  EXPECT_ERROR_MENTIONS(vocab_parallel_cross_entropy(Tensor::zeros({2, 3}),
+                                                     Tensor::from_vector(std::vector<int64_t>{0, 9}, {2}), tp4, -100, 9),
+                        "vocab_parallel_cross_entropy", "target 9", "vocabulary of 9");
+  // shard_of: a full tensor of another size; full_size not a multiple of blocks; a rank outside the group.
+  EXPECT_ERROR_MENTIONS(shard_of(Tensor::zeros({10, 4}), ShardSpec{0, 1, 12}, 0, 4), "shard_of", "size 10",
+                        "full_size 12");
+  EXPECT_ERROR_MENTIONS(shard_of(Tensor::zeros({10}), ShardSpec{0, 3, 10}, 0, 4), "shard_of", "full_size (10)",
+                        "blocks (3)");
+  EXPECT_ERROR_MENTIONS(shard_of(Tensor::zeros({10}), ShardSpec{0, 1, 10}, 4, 4), "shard_of", "rank 4");
+  EXPECT_ERROR_MENTIONS(shard_of(Tensor::zeros({10}), ShardSpec{1, 1, 10}, 0, 4), "shard_of", "dim 1");
+  // gather_shards of a tensor that is not a shard (here the full one): an Error before any collective.
+  EXPECT_ERROR_MENTIONS(gather_shards(Tensor::zeros({11, 4}), ShardSpec{0, 1, 11}, Communicator(tp4)),
+                        "gather_shards", "size 11", "= 3", "size 4");
 }
