@@ -822,8 +822,8 @@ TEST(TensorParallel, ShardSpecErrorsNameTheSizes) {
   EXPECT_ERROR_MENTIONS(vocab_parallel_cross_entropy(Tensor::zeros({2, 2}), Tensor::zeros({2}, DType::I64), tp4,
                                                      -100, 10),
                         "vocab_parallel_cross_entropy", "vocab_size (10)", "size 4", "width 2");
-  EXPECT_ERROR_MENTIONS(vocab_parallel_cross_entropy(Tensor::zeros({2, 3}),
-                                                     Tensor::from_vector(std::vector<int64_t>{0, 9}, {2}), tp4, -100, 9),
+  const Tensor past_the_end = Tensor::from_vector(std::vector<int64_t>{0, 9}, {2});
+  EXPECT_ERROR_MENTIONS(vocab_parallel_cross_entropy(Tensor::zeros({2, 3}), past_the_end, tp4, -100, 9),
                         "vocab_parallel_cross_entropy", "target 9", "vocabulary of 9");
   // shard_of: a full tensor of another size; full_size not a multiple of blocks; a rank outside the group.
   EXPECT_ERROR_MENTIONS(shard_of(Tensor::zeros({10, 4}), ShardSpec{0, 1, 12}, 0, 4), "shard_of", "size 10",
