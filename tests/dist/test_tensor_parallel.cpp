@@ -752,6 +752,44 @@ TEST(TensorParallel, GatherShardsInvertsShardOfForEveryParameterOfAParallelGPT) 
   }
 }
 
+TEST(TensorParallel, PaddedColumnParallelLinearMatchesTheFullLinear) {
+  // out = 11 over tp 2 / 4 with pad: shards of 6 / 3 rows; the padding rows' output columns are 0 (dropped by
+  // gather_output) and their weight and bias gradients exactly 0.
+  for (int tp_size : {2, 4}) {
+    const Communicator tp = tp_group(tp_size);
+    const int r = tp.rank();
+    for (bool gather_output : {false, true}) {
+      Linear full(8, 11, true, 3);
+      full.to(DType::F64);
+      ColumnParallelLinear column(full, tp, gather_output, 1, true);
+      const int64_t chunk = (11 + tp_size - 1) / tp_size;
+      EXPECT_EQ(column.weight.shape(), (Shape{chunk, 8}));
+      const Tensor x0 = uniform_tensor({2, 3, 8}, 7, -1, 1, DType::F64);
+      const Tensor w = uniform_tensor({2, 3, 11}, 8, -1, 1, DType::F64);
+      Tensor x = leaf(x0), xp = leaf(x0);
+      const Tensor y = full(x);
+      backward(weighted_sum(y, w));
+      const Tensor yp = column(xp);
+      if (gather_output) {
+        EXPECT_TRUE(all_close(yp, y, 1e-12, 1e-12)) << "tp " << tp_size;
+        backward(weighted_sum(yp, w));
+      } else {
+        EXPECT_TRUE(all_close(yp, padded_slice_of(y, 2, r, tp_size), 1e-12, 1e-12)) << "tp " << tp_size;
+        backward(weighted_sum(yp, padded_slice_of(w, 2, r, tp_size)));
+      }
+      EXPECT_TRUE(all_close(xp.grad(), x.grad(), 1e-12, 1e-12)) << "tp " << tp_size << " gather " << gather_output;
+      EXPECT_TRUE(all_close(column.weight.grad(), padded_slice_of(full.weight.grad(), 0, r, tp_size), 1e-12, 1e-12));
+      EXPECT_TRUE(all_zero(padding_rows(column.weight.grad(), 11, r, tp_size)));
+      EXPECT_TRUE(all_zero(padding_rows(column.bias.grad(), 11, r, tp_size)));
+      Linear other(8, 11, true, 4);
+      other.to(DType::F64);
+      column.gather_full(other);
+      EXPECT_TRUE(all_close(other.weight, full.weight, 0, 0));
+      EXPECT_TRUE(all_close(other.bias, full.bias, 0, 0));
+    }
+  }
+}
+
 TEST(TensorParallel, VocabParallelCrossEntropyIgnoresPaddingColumns) {
   // V = 9: tp 2 -> widths 5 (rank 1: 4 real + 1 padding); tp 4 -> widths 3 (rank 3: all padding). The padding
   // columns hold 50 (larger than every logit): were they read, the loss would change.
@@ -784,8 +822,8 @@ TEST(TensorParallel, ShardSpecErrorsNameTheSizes) {
   EXPECT_ERROR_MENTIONS(vocab_parallel_cross_entropy(Tensor::zeros({2, 2}), Tensor::zeros({2}, DType::I64), tp4,
                                                      -100, 10),
                         "vocab_parallel_cross_entropy", "vocab_size (10)", "size 4", "width 2");
-  EXPECT_ERROR_MENTIONS(vocab_parallel_cross_entropy(Tensor::zeros({2, 3}),
-                                                     Tensor::from_vector(std::vector<int64_t>{0, 9}, {2}), tp4, -100, 9),
+  const Tensor past_the_end = Tensor::from_vector(std::vector<int64_t>{0, 9}, {2});
+  EXPECT_ERROR_MENTIONS(vocab_parallel_cross_entropy(Tensor::zeros({2, 3}), past_the_end, tp4, -100, 9),
                         "vocab_parallel_cross_entropy", "target 9", "vocabulary of 9");
   // shard_of: a full tensor of another size; full_size not a multiple of blocks; a rank outside the group.
   EXPECT_ERROR_MENTIONS(shard_of(Tensor::zeros({10, 4}), ShardSpec{0, 1, 12}, 0, 4), "shard_of", "size 10",
