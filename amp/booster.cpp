@@ -29,6 +29,12 @@ Booster::Booster(AmpConfig config) : config_(std::move(config)) { config_.valida
 
 std::unique_ptr<MixedPrecisionOptimizer> Booster::boost(Module& model, std::unique_ptr<Optimizer> optimizer,
                                                         BoostOptions options) {
+  BoostedParts parts = boost_parts(model, std::move(optimizer), options);
+  return std::make_unique<MixedPrecisionOptimizer>(std::move(parts.optimizer), std::move(parts.scalers),
+                                                   std::move(parts.options));
+}
+
+BoostedParts Booster::boost_parts(Module& model, std::unique_ptr<Optimizer> optimizer, BoostOptions options) {
   check(model_ == nullptr, "Booster.boost: this booster already boosted a model (one model per booster)");
   check(optimizer != nullptr, "Booster.boost: the optimizer is null");
   const AmpConfig& c = config_;
@@ -101,7 +107,7 @@ std::unique_ptr<MixedPrecisionOptimizer> Booster::boost(Module& model, std::uniq
   } else {
     scalers.push_back(std::make_unique<StaticLossScaler>(1.0));
   }
-  return std::make_unique<MixedPrecisionOptimizer>(std::move(optimizer), std::move(scalers), mp);
+  return {std::move(optimizer), std::move(scalers), std::move(mp)};
 }
 
 std::vector<Tensor> Booster::forward(

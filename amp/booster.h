@@ -41,6 +41,15 @@ struct BoostOptions {
   ProcessGroup* group = nullptr;  // found_inf / grad norm all-reduce, buffer sync
 };
 
+// What boost() assembles a MixedPrecisionOptimizer from: the wrapped optimizer (its parameters swapped for the
+// converted model's), one scaler per loss, and the mode's options. For callers that build another optimizer
+// wrapper on the same parts (dist::ZeroOptimizer) or adjust the options first (count_in_norm).
+struct BoostedParts {
+  std::unique_ptr<Optimizer> optimizer;
+  std::vector<std::unique_ptr<LossScaler>> scalers;
+  MixedPrecisionOptions options;
+};
+
 class Booster {
  public:
   explicit Booster(AmpConfig config = {});  // validates
@@ -50,6 +59,8 @@ class Booster {
   // swapped for the new ones (matched by identity). One model per booster; the model must outlive it.
   std::unique_ptr<MixedPrecisionOptimizer> boost(Module& model, std::unique_ptr<Optimizer> optimizer,
                                                  BoostOptions options = {});
+  // The same conversion of the model, returning the parts instead of the MixedPrecisionOptimizer.
+  BoostedParts boost_parts(Module& model, std::unique_ptr<Optimizer> optimizer, BoostOptions options = {});
 
   // Runs `forward` with the mode's casts: inside autocast for fp16 / bf16 / apex O1; with floating inputs
   // cast to the model dtype and floating outputs to fp32 (or cast_model_outputs) when the model is cast.

@@ -75,6 +75,9 @@ MixedPrecisionOptimizer::MixedPrecisionOptimizer(std::unique_ptr<Optimizer> opti
       master_params_.push_back(param);
     }
   }
+  check(options_.count_in_norm.empty() || options_.count_in_norm.size() == model_params_.size(), kWho,
+        ": count_in_norm has ", options_.count_in_norm.size(), " entries, expected one per parameter (",
+        model_params_.size(), ")");
   accumulators_.resize(model_params_.size());
   found_inf_.assign(scalers_.size(), false);
 }
@@ -167,6 +170,12 @@ void MixedPrecisionOptimizer::clear_grads() {
   found_inf_.assign(scalers_.size(), false);
 }
 
+void MixedPrecisionOptimizer::reload_masters() {
+  NoGradGuard no_grad;
+  for (size_t i = 0; i < master_params_.size(); ++i)
+    if (!master_params_[i].same(model_params_[i])) master_params_[i].copy_(model_params_[i]);
+}
+
 void MixedPrecisionOptimizer::zero_grad() {
   clear_grads();
   stepped_ = false;
@@ -208,14 +217,17 @@ StepResult MixedPrecisionOptimizer::step() {
     }
   }
 
-  std::vector<double> sums = {grad_squared_norm(master_params_)};
+  std::vector<Tensor> counted;
+  for (size_t i = 0; i < master_params_.size(); ++i)
+    if (options_.count_in_norm.empty() || options_.count_in_norm[i]) counted.push_back(master_params_[i]);
+  std::vector<double> sums = {grad_squared_norm(counted)};
   if (options_.group) options_.group->all_reduce_sum(sums);
   result.grad_norm = std::sqrt(sums[0]);
   if (options_.clip_grad > 0) clip_grads_with_norm(master_params_, options_.clip_grad, result.grad_norm);
 
   if (options_.log_num_zeros_in_grad) {
     std::vector<double> zeros = {0.0};
-    for (const Tensor& master : master_params_)
+    for (const Tensor& master : counted)
       if (master.grad().defined())
         zeros[0] += static_cast<double>(backend_of(master.grad()).count_zeros({master.grad()}));
     if (options_.group) options_.group->all_reduce_sum(zeros);

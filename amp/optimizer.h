@@ -49,6 +49,11 @@ struct MixedPrecisionOptions {
   double clip_grad = 0;                 // max global L2 norm of the unscaled gradients; 0 = off
   bool log_num_zeros_in_grad = false;   // count zero elements of the unscaled gradients (StepResult)
   ProcessGroup* group = nullptr;        // found_inf MAX and norm/zero-count SUM over it; null = local
+  // Per parameter (the wrapped optimizer's order): whether it counts in the gradient norm and the zero count
+  // on this rank. Empty: all. Under model parallelism a parameter replicated on several ranks of the group (a
+  // LayerNorm weight on every tensor-parallel rank, a tied embedding on the first and the last pipeline stage)
+  // counts on one of them only, so the SUM over the group counts it once.
+  std::vector<bool> count_in_norm;
 };
 
 struct StepResult {
@@ -91,6 +96,9 @@ class MixedPrecisionOptimizer {
   // take the saved values, each model parameter its master rounded once, and pending gradients are dropped.
   StateDict state_dict() const;
   void load_state_dict(const StateDict& dict);
+  // After the model's parameters were overwritten from outside (loading weights): each separate fp32 master
+  // takes its parameter's value (exact: 16-bit -> fp32), so the next step starts from the loaded weights.
+  void reload_masters();
 
  private:
   void fold_pending_grads();  // model grads (scaled by S[pending_loss_]) -> master grads, records found_inf

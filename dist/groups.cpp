@@ -10,9 +10,10 @@ void ParallelLayout::validate(int world_size) const {
         " ranks, but the job has ", world_size, " (mpirun -np ", tp * pp * dp, ")");
 }
 
-ParallelGroups make_groups(const ParallelLayout& layout) {
-  ParallelGroups g{layout, 0, 0, 0, Communicator::world(), Communicator::world(), Communicator::world(),
-                   Communicator::world(), Communicator::world()};
+ParallelGroups make_groups(const ParallelLayout& layout) { return make_groups(layout, Communicator::world()); }
+
+ParallelGroups make_groups(const ParallelLayout& layout, const Communicator& world) {
+  ParallelGroups g{layout, 0, 0, 0, world, world, world, world, world};
   const int rank = g.world.rank();
   layout.validate(g.world.size());
   g.tp_rank = rank % layout.tp;

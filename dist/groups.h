@@ -23,7 +23,9 @@ struct ParallelGroups {
   Communicator world, tp, pp, dp, model_parallel;
 };
 
-// Splits the world into the layout's groups; every rank must call it with the same layout.
+// Splits the world into the layout's groups; every rank must call it with the same layout. `world` is the job
+// (Communicator::world() by default; tests run several jobs side by side in sub-groups of the MPI world).
 ParallelGroups make_groups(const ParallelLayout& layout);
+ParallelGroups make_groups(const ParallelLayout& layout, const Communicator& world);
 
 }  // namespace mixtape::dist

@@ -133,6 +133,59 @@ PipelineSchedule::PipelineSchedule(Communicator pp, PipelineOptions options)
         ": loss_scale must be finite and positive, got ", options_.loss_scale);
 }
 
+void PipelineSchedule::send_activation(const Tensor& output) const {
+  const int s = pp_.rank();
+  const Tensor activation = output.detach().contiguous();
+  check(activation.dim() <= kMaxDims, "PipelineSchedule: stage ", s, " output ", activation.description(),
+        " has more than ", kMaxDims, " dims");
+  std::vector<int64_t> h(kHeaderSize, 0);
+  h[0] = static_cast<int64_t>(activation.dtype());
+  h[1] = activation.dim();
+  for (int64_t d = 0; d < activation.dim(); ++d) h[static_cast<size_t>(2 + d)] = activation.size(d);
+  pp_.send(Tensor::from_vector(h, {kHeaderSize}), s + 1, kTagHeader);
+  pp_.send(activation, s + 1, kTagActivation);
+}
+
+Tensor PipelineSchedule::recv_activation() const {
+  const int s = pp_.rank();
+  Tensor header = Tensor::empty({kHeaderSize}, DType::I64);
+  pp_.recv(header, s - 1, kTagHeader);
+  const std::vector<int64_t> h = header.to_vector<int64_t>();
+  Shape shape(h.begin() + 2, h.begin() + 2 + h[1]);
+  Tensor activation = Tensor::empty(shape, static_cast<DType>(h[0]), options_.device);
+  pp_.recv(activation, s - 1, kTagActivation);
+  return activation;
+}
+
+std::vector<double> PipelineSchedule::forward_only(PipelineStage& stage, const std::vector<Tensor>& micro_batches) {
+  const int P = pp_.size(), s = pp_.rank();
+  const int64_t M = static_cast<int64_t>(micro_batches.size());
+  std::vector<double> agree = {double(M), -double(M)};
+  pp_.all_reduce(agree, Reduction::Max);
+  check(agree[0] == -agree[1], "PipelineSchedule::forward_only on the ", pp_.name(), " (stage ", s, " of ", P,
+        "): the stages disagree on the number of micro-batches (", -agree[1], "..", agree[0], ")");
+  NoGradGuard no_grad;
+  std::vector<double> losses(static_cast<size_t>(M), 0.0);
+  for (int64_t m = 0; m < M; ++m) {
+    const size_t i = static_cast<size_t>(m);
+    if (s == 0)
+      check(micro_batches[i].defined(), "PipelineSchedule::forward_only on the ", pp_.name(),
+            ": the first stage needs the input of every micro-batch; micro-batch ", m, " of ", M, " is undefined");
+    const Tensor out = stage.forward(s == 0 ? micro_batches[i] : recv_activation(), m);
+    check(out.defined(), "PipelineSchedule::forward_only: stage ", s, " of ", P,
+          " returned an undefined tensor for micro-batch ", m);
+    if (s == P - 1) {
+      check(out.numel() == 1, "PipelineSchedule::forward_only: the last stage (", s, " of ", P,
+            ") must return the micro-batch's loss (one element), got ", out.description());
+      losses[i] = out.item();
+    } else {
+      send_activation(out);
+    }
+  }
+  pp_.all_reduce(losses, Reduction::Sum);  // the last stage's values, zeros elsewhere
+  return losses;
+}
+
 double PipelineSchedule::run(PipelineStage& stage, const std::vector<Tensor>& micro_batches) {
   const int P = pp_.size(), s = pp_.rank();
   const int64_t M = static_cast<int64_t>(micro_batches.size());
@@ -171,12 +224,7 @@ double PipelineSchedule::run(PipelineStage& stage, const std::vector<Tensor>& mi
     const size_t m = static_cast<size_t>(op.micro_batch);
     switch (op.kind) {
       case PipelineOperation::RecvForward: {
-        Tensor header = Tensor::empty({kHeaderSize}, DType::I64);
-        pp_.recv(header, s - 1, kTagHeader);
-        const std::vector<int64_t> h = header.to_vector<int64_t>();
-        Shape shape(h.begin() + 2, h.begin() + 2 + h[1]);
-        Tensor activation = Tensor::empty(shape, static_cast<DType>(h[0]), options_.device);
-        pp_.recv(activation, s - 1, kTagActivation);
+        Tensor activation = recv_activation();
         activation.requires_grad_(true);
         inputs[m] = activation;
         break;
@@ -195,15 +243,7 @@ double PipelineSchedule::run(PipelineStage& stage, const std::vector<Tensor>& mi
         break;
       }
       case PipelineOperation::SendForward: {
-        const Tensor activation = outputs[m].detach().contiguous();
-        check(activation.dim() <= kMaxDims, "PipelineSchedule::run: stage ", s, " output ",
-              activation.description(), " has more than ", kMaxDims, " dims");
-        std::vector<int64_t> h(kHeaderSize, 0);
-        h[0] = static_cast<int64_t>(activation.dtype());
-        h[1] = activation.dim();
-        for (int64_t d = 0; d < activation.dim(); ++d) h[static_cast<size_t>(2 + d)] = activation.size(d);
-        pp_.send(Tensor::from_vector(h, {kHeaderSize}), s + 1, kTagHeader);
-        pp_.send(activation, s + 1, kTagActivation);
+        send_activation(outputs[m]);
         break;
       }
       case PipelineOperation::RecvBackward: {

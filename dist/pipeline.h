@@ -87,6 +87,11 @@ class PipelineSchedule {
   // pass undefined ones). Returns the mean of the micro-batches' (unscaled) losses, on every stage.
   double run(PipelineStage& stage, const std::vector<Tensor>& micro_batches);
 
+  // Forward only (evaluation: no gradients, no schedule): every micro-batch flows through the stages in order.
+  // Returns each micro-batch's loss (as the last stage computed it), on every stage. Micro-batches may differ
+  // in size here.
+  std::vector<double> forward_only(PipelineStage& stage, const std::vector<Tensor>& micro_batches);
+
   const Communicator& group() const { return pp_; }
   const PipelineOptions& options() const { return options_; }
   int stage_index() const { return pp_.rank(); }
@@ -95,6 +100,9 @@ class PipelineSchedule {
   bool is_last_stage() const { return pp_.rank() == pp_.size() - 1; }
 
  private:
+  void send_activation(const Tensor& output) const;  // header (dtype, shape), then the values, to stage + 1
+  Tensor recv_activation() const;                    // from stage - 1, on options.device
+
   Communicator pp_;
   PipelineOptions options_;
 };

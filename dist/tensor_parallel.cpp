@@ -363,23 +363,37 @@ ParallelGPT::ParallelGPT(const GPT& full, Communicator tp_) : tp(std::move(tp_))
 }
 
 ParallelGPTOutput ParallelGPT::forward(const Tensor& idx, const Tensor& targets) {
+  Tensor x = embed(idx);
+  for (const auto& block : *h) x = (*block)(x);
+  if (targets.defined())
+    check(targets.shape() == idx.shape(), "ParallelGPT: targets ", targets.description(), " must have idx's shape ",
+          idx.description());
+  return head(x, targets);
+}
+
+Tensor ParallelGPT::embed(const Tensor& idx) {
   check(idx.defined() && idx.dim() == 2 && (idx.dtype() == DType::I64 || idx.dtype() == DType::I32),
         "ParallelGPT: expected idx [B, T] of i32/i64, got ", idx.defined() ? idx.description() : std::string("undefined"));
-  const int64_t B = idx.size(0), T = idx.size(1);
+  const int64_t T = idx.size(1);
   check(T <= config_.block_size, "ParallelGPT: cannot forward a sequence of length ", T, " (idx ", idx.description(),
         "): block_size is only ", config_.block_size);
   const Tensor positions = Tensor::arange(0, static_cast<double>(T), 1, DType::I64, idx.device());
-  Tensor x = (*drop)(add((*wte)(idx), (*wpe)(positions)));
-  for (const auto& block : *h) x = (*block)(x);
-  x = (*ln_f)(x);
+  return (*drop)(add((*wte)(idx), (*wpe)(positions)));
+}
+
+ParallelGPTOutput ParallelGPT::head(const Tensor& x_in, const Tensor& targets) {
+  check(x_in.defined() && x_in.dim() == 3, "ParallelGPT::head: expected x [B, T, C], got ",
+        x_in.defined() ? x_in.description() : std::string("undefined"));
+  const int64_t B = x_in.size(0), T = x_in.size(1);
+  const Tensor x = (*ln_f)(x_in);
   ParallelGPTOutput output;
   // Tied: this rank's logits come from its wte rows; copy_to_tp_region sums x's gradient over the group. Padding
   // rows of wte / lm_head (zero) give padding columns of 0, which the loss ignores: their gradient is 0, and so
   // is what they pass back to the padding rows and to x.
   output.logits = lm_head ? (*lm_head)(x) : matmul(copy_to_tp_region(x, tp), wte->weight.mT());
   if (targets.defined()) {
-    check(targets.shape() == idx.shape(), "ParallelGPT: targets ", targets.description(), " must have idx's shape ",
-          idx.description());
+    check(targets.dim() == 2 && targets.size(0) == B && targets.size(1) == T, "ParallelGPT: targets ",
+          targets.description(), " must be [", B, ", ", T, "]");
     const int64_t v = output.logits.size(-1);
     output.loss = vocab_parallel_cross_entropy(output.logits.reshape({B * T, v}), targets.reshape({B * T}), tp, -1,
                                                config_.vocab_size);

@@ -188,6 +188,10 @@ class ParallelGPT : public Module {
  public:
   ParallelGPT(const GPT& full, Communicator tp);
   ParallelGPTOutput forward(const Tensor& idx, const Tensor& targets = Tensor());
+  // forward's pieces, for a pipeline stage that runs only some of them: the embeddings of idx [B, T] (after drop),
+  // and from the last block's output x [B, T, C] (before ln_f) the logits shard and, with targets, the loss.
+  Tensor embed(const Tensor& idx);
+  ParallelGPTOutput head(const Tensor& x, const Tensor& targets = Tensor());
   void gather_full(GPT& full) const;  // collective over the group
   void load_full(const GPT& full);
   const GPTConfig& config() const { return config_; }

@@ -280,4 +280,10 @@ void ZeroOptimizer::load_state_dict(const StateDict& dict) {
   zero_grad();
 }
 
+void ZeroOptimizer::reload_masters() {
+  NoGradGuard no_grad;
+  for (Piece& piece : pieces_)
+    piece.master.copy_(model_params_[piece.param].detach().reshape({-1}).narrow(0, piece.param_offset, piece.length));
+}
+
 }  // namespace mixtape::dist

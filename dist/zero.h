@@ -79,6 +79,9 @@ class ZeroOptimizer {
 
   StateDict state_dict() const;
   void load_state_dict(const StateDict& dict);
+  // After the model's parameters were overwritten from outside (loading weights): the owned fp32 pieces take
+  // the parameters' values (no communication: every rank holds the full parameters).
+  void reload_masters();
 
  private:
   struct Piece {

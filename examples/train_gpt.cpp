@@ -12,6 +12,13 @@
 //
 // The progress line's tok/s and ETA come from the time spent in training steps only (evaluation and
 // checkpoint saves are left out); "elapsed" is wall-clock time since the first step of this run.
+//
+// Under mpirun it trains over processes (examples/parallel_training.h):
+//   mpirun -np 4 train_gpt --data ... --tp 2 --pp 2 [--micro-batches 4 --pp-schedule 1f1b|gpipe]
+//   mpirun -np 2 train_gpt --data ... --dp 2 [--zero 1]
+// --dp defaults to the processes left over by --tp x --pp. --batch stays the global batch, so a command line
+// means the same training at every layout, and checkpoints (one full file, written by rank 0) resume at any
+// layout. Rank 0 prints and logs; an error on any rank ends the whole job (MPI_Abort) with its message.
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -22,7 +29,10 @@
 #include <set>
 #include <sstream>
 #include <string>
+#include <vector>
 
+#include "dist/world.h"
+#include "examples/parallel_training.h"
 #include "examples/training.h"
 #include "nn/json.h"
 #include "nn/safetensors.h"
@@ -46,8 +56,21 @@ struct Options {
   int64_t sample = 0;      // characters (tokens for .bin data) to sample after training
   double temperature = 0.8;
   int64_t top_k = 0;
+  ParallelOptions parallel;     // --tp --pp --dp --zero --micro-batches --pp-schedule
   std::set<std::string> given;  // flags set on the command line
+  bool distributed() const {
+    for (const char* flag : {"--tp", "--pp", "--dp", "--zero", "--micro-batches", "--pp-schedule"})
+      if (given.count(flag)) return true;
+    return false;
+  }
 };
+
+// Started by mpirun / mpiexec (OpenMPI, or a PMI-based launcher)?
+bool under_mpi_launcher() {
+  for (const char* name : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"})
+    if (std::getenv(name)) return true;
+  return false;
+}
 
 void usage() {
   std::cout <<
@@ -60,7 +83,11 @@ void usage() {
       "  precision: --precision fp32|tf32|fp16|bf16|fp16_apex[:O0..O3]|fp16_naive|bf16_naive (default fp32)\n"
       "             --amp-config FILE.json (the mode's options, e.g. {\"initial_scale\": 65536}; it may name\n"
       "             the mode as \"mixed_precision\")\n"
-      "  device:    --device cpu|cuda|cuda:N (default cpu; checkpoints move freely between devices)\n"
+      "  device:    --device cpu|cuda|cuda:N (default cpu; checkpoints move freely between devices; under\n"
+      "             mpirun, cuda means each rank's own GPU: local rank mod GPU count)\n"
+      "  parallel (under mpirun -np N): --tp N (tensor parallel) --pp N (pipeline stages) --dp N (data\n"
+      "             parallel; default N / (tp x pp)) --zero 0|1 (ZeRO-1 over dp) --micro-batches N (per dp rank)\n"
+      "             --pp-schedule 1f1b|gpipe; --batch is the global batch (divisible by dp x micro-batches)\n"
       "  checkpoints: --init FILE --save FILE --save-every N --resume FILE --stop-at STEP\n"
       "  output:    --eval-every N (0 = only at the end) --eval-only --log-json FILE (a JSON line per step)\n"
       "             --no-final-eval (skip the validation pass of the last step unless --eval-every hits it)\n"
@@ -139,6 +166,12 @@ Options parse(int argc, char** argv) {
     else if (flag == "--device") o.train.device = Device::parse(value);
     else if (flag == "--amp-config") o.amp_config_file = value;
     else if (flag == "--sample") o.sample = integer(0);
+    else if (flag == "--tp") o.parallel.tp = static_cast<int>(integer(1));
+    else if (flag == "--pp") o.parallel.pp = static_cast<int>(integer(1));
+    else if (flag == "--dp") o.parallel.dp = static_cast<int>(integer(1));
+    else if (flag == "--zero") o.parallel.zero = static_cast<int>(integer(0));
+    else if (flag == "--micro-batches") o.parallel.micro_batches = integer(1);
+    else if (flag == "--pp-schedule") o.parallel.pp_schedule = value;
     else if (flag == "--top-k") o.top_k = integer(0);
     else if (flag == "--temperature") {
       char* end = nullptr;
@@ -246,67 +279,116 @@ int run(int argc, char** argv) {
   check(data.vocab_size <= opt.model.vocab_size, "train_gpt: the data uses ", data.vocab_size,
         " token ids but the model has vocab_size ", opt.model.vocab_size);
 
-  Trainer trainer(opt.model, opt.train, data);
-  if (!opt.init.empty()) trainer.load_weights(load_safetensors(opt.init));
-  if (!opt.resume.empty()) trainer.load_checkpoint(load_safetensors(opt.resume));
+  // One process, or one rank of a parallel job: the loop below sees either through Engine.
+  const bool distributed = opt.distributed() || (under_mpi_launcher() && dist::init().size > 1);
+  std::unique_ptr<Trainer> single;
+  std::unique_ptr<ParallelTrainer> parallel;
+  bool printer = true;  // rank 0 prints, logs and samples
+  if (distributed) {
+    const dist::World& world = dist::init();
+    if (!opt.given.count("--dp")) {
+      const int model_parallel = opt.parallel.tp * opt.parallel.pp;
+      check(world.size % model_parallel == 0, "train_gpt: --tp ", opt.parallel.tp, " x --pp ", opt.parallel.pp,
+            " = ", model_parallel, " does not divide the job's ", world.size, " processes");
+      opt.parallel.dp = world.size / model_parallel;
+    }
+    if (opt.train.device.is_cuda()) opt.train.device = dist::device();  // this rank's own GPU
+    printer = world.rank == 0;
+    parallel = std::make_unique<ParallelTrainer>(opt.model, opt.train, opt.parallel, data,
+                                                 dist::Communicator::world());
+    if (!opt.init.empty()) parallel->load_weights(load_safetensors(opt.init));
+    if (!opt.resume.empty()) parallel->load_checkpoint(load_safetensors(opt.resume));
+  } else {
+    single = std::make_unique<Trainer>(opt.model, opt.train, data);
+    if (!opt.init.empty()) single->load_weights(load_safetensors(opt.init));
+    if (!opt.resume.empty()) single->load_checkpoint(load_safetensors(opt.resume));
+  }
+  auto position = [&]() { return single ? single->step() : parallel->step(); };
+  auto evaluate = [&]() { return single ? single->evaluate() : parallel->evaluate(); };
+  auto sample = [&]() {
+    if (opt.sample <= 0) return;
+    if (single) return print_sample(opt, single->model(), data.vocab);
+    const StateDict weights = parallel->full_weights();  // collective; complete on rank 0
+    if (!printer) return;
+    GPT model(opt.model, 0);
+    model.load_state_dict(weights);
+    print_sample(opt, model, data.vocab);
+  };
 
   if (opt.eval_only) {
-    std::printf("val_loss %.6f\n", trainer.evaluate());
-    if (opt.sample > 0) print_sample(opt, trainer.model(), data.vocab);
+    const double val_loss = evaluate();
+    if (printer) std::printf("val_loss %.6f\n", val_loss);
+    sample();
     return 0;
   }
 
-  const GPTConfig& c = trainer.model().config();
-  std::printf("train_gpt: %s: %zu tokens (train %lld, val %lld), vocab %lld | model %lld layers, %lld heads, width "
-              "%lld, block %lld, dropout %g, %lld parameters | %s, lr %g -> %g (%s, warmup %lld), batch %lld, "
-              "%lld steps | precision %s%s\n",
-              opt.data.c_str(), data.tokens.size(), static_cast<long long>(data.n_train()),
-              static_cast<long long>(data.n_val()), static_cast<long long>(data.vocab_size),
-              static_cast<long long>(c.n_layer), static_cast<long long>(c.n_head), static_cast<long long>(c.n_embd),
-              static_cast<long long>(c.block_size), c.dropout,
-              static_cast<long long>(trainer.model().num_parameters()), opt.train.optimizer.c_str(), opt.train.lr,
-              opt.train.min_lr, opt.train.schedule.c_str(), static_cast<long long>(opt.train.warmup),
-              static_cast<long long>(opt.train.batch), static_cast<long long>(opt.train.steps),
-              opt.train.amp.name().c_str(),
-              opt.train.device.is_cpu() ? "" : (" | device " + opt.train.device.str()).c_str());
-  if (trainer.step() > 0) std::printf("resumed at step %lld\n", static_cast<long long>(trainer.step()));
-  std::fflush(stdout);
+  if (printer) {
+    const GPTConfig& c = opt.model;
+    const GPT shape_only(c, 0);
+    std::string where = opt.train.device.is_cpu() ? "" : " | device " + opt.train.device.str();
+    if (parallel) {
+      // The sizes above 1, e.g. "4 processes: tp 2, pp 2 (1f1b, 4 micro-batches)" or "2 processes: dp 2, ZeRO-1".
+      const ParallelOptions& p = opt.parallel;
+      std::vector<std::string> parts;
+      if (p.tp > 1) parts.push_back("tp " + std::to_string(p.tp));
+      if (p.pp > 1) parts.push_back("pp " + std::to_string(p.pp) + " (" + p.pp_schedule + ")");
+      if (p.dp > 1) parts.push_back("dp " + std::to_string(p.dp));
+      if (p.zero) parts.push_back("ZeRO-1");
+      if (p.micro_batches > 1) parts.push_back(std::to_string(p.micro_batches) + " micro-batches per dp rank");
+      where += " | " + std::to_string(p.tp * p.pp * p.dp) + (p.tp * p.pp * p.dp == 1 ? " process" : " processes");
+      for (size_t i = 0; i < parts.size(); ++i) where += (i == 0 ? ": " : ", ") + parts[i];
+    }
+    std::printf("train_gpt: %s: %zu tokens (train %lld, val %lld), vocab %lld | model %lld layers, %lld heads, "
+                "width %lld, block %lld, dropout %g, %lld parameters | %s, lr %g -> %g (%s, warmup %lld), batch "
+                "%lld, %lld steps | precision %s%s\n",
+                opt.data.c_str(), data.tokens.size(), static_cast<long long>(data.n_train()),
+                static_cast<long long>(data.n_val()), static_cast<long long>(data.vocab_size),
+                static_cast<long long>(c.n_layer), static_cast<long long>(c.n_head), static_cast<long long>(c.n_embd),
+                static_cast<long long>(c.block_size), c.dropout, static_cast<long long>(shape_only.num_parameters()),
+                opt.train.optimizer.c_str(), opt.train.lr, opt.train.min_lr, opt.train.schedule.c_str(),
+                static_cast<long long>(opt.train.warmup), static_cast<long long>(opt.train.batch),
+                static_cast<long long>(opt.train.steps), opt.train.amp.name().c_str(), where.c_str());
+    if (position() > 0) std::printf("resumed at step %lld\n", static_cast<long long>(position()));
+    std::fflush(stdout);
+  }
 
   std::ofstream log;
-  if (!opt.log_json.empty()) {
-    log.open(opt.log_json, trainer.step() > 0 ? std::ios::app : std::ios::trunc);
+  if (!opt.log_json.empty() && printer) {
+    log.open(opt.log_json, position() > 0 ? std::ios::app : std::ios::trunc);
     check(log.good(), "train_gpt: cannot open --log-json file '", opt.log_json, "'");
   }
   auto save = [&]() {
     if (opt.save.empty()) return;
-    trainer.save_checkpoint(opt.save);
-    std::printf("saved %s at step %lld\n", opt.save.c_str(), static_cast<long long>(trainer.step()));
+    if (single) single->save_checkpoint(opt.save);
+    else parallel->save_checkpoint(opt.save);
+    if (printer) std::printf("saved %s at step %lld\n", opt.save.c_str(), static_cast<long long>(position()));
   };
 
   const int64_t end = opt.stop_at >= 0 ? std::min(opt.stop_at, opt.train.steps) : opt.train.steps;
-  const int64_t first = trainer.step();
-  const int64_t tokens_per_step = opt.train.batch * c.block_size;
+  const int64_t first = position();
+  const int64_t tokens_per_step = opt.train.batch * opt.model.block_size;
   const auto start = std::chrono::steady_clock::now();
   double train_seconds = 0;  // inside train_step only: the rate excludes evaluations and saves
   int64_t skipped = 0;       // steps skipped on gradient overflow (this run)
   const bool scaled = opt.train.amp.mixed_precision != "fp32" && opt.train.amp.mixed_precision != "tf32";
-  while (trainer.step() < end) {
+  while (position() < end) {
     const auto t0 = std::chrono::steady_clock::now();
-    const StepStats s = trainer.train_step();
+    const StepStats s = single ? single->train_step() : parallel->train_step();
     skipped += s.skipped ? 1 : 0;
     const auto t1 = std::chrono::steady_clock::now();
     const double step_seconds = std::chrono::duration<double>(t1 - t0).count();
     train_seconds += step_seconds;
     const double elapsed = std::chrono::duration<double>(t1 - start).count();
-    const int64_t done = trainer.step() - first;
+    const int64_t step = position();
+    const int64_t done = step - first;
     const double tokens_per_s = double(done * tokens_per_step) / train_seconds;
     // Remaining steps at the training step rate so far (future evaluations and saves are not included).
-    const double eta = train_seconds / double(done) * double(end - trainer.step());
-    const bool last = trainer.step() == end;
-    const bool periodic = opt.eval_every > 0 && trainer.step() % opt.eval_every == 0;
+    const double eta = train_seconds / double(done) * double(end - step);
+    const bool last = step == end;
+    const bool periodic = opt.eval_every > 0 && step % opt.eval_every == 0;
     const bool eval = periodic || (last && opt.final_eval);
-    const bool print = last || eval || done == 1 || trainer.step() % 10 == 0;
-    const double val_loss = eval ? trainer.evaluate() : NAN;  // after this step's update
+    const bool print = printer && (last || eval || done == 1 || step % 10 == 0);
+    const double val_loss = eval ? evaluate() : NAN;  // after this step's update
     if (log.is_open()) {
       json::Value::Object line{{"step", s.step}, {"loss", s.loss}, {"lr", s.lr}, {"grad_norm", s.grad_norm},
                                {"tokens_per_s", double(tokens_per_step) / step_seconds},
@@ -317,24 +399,28 @@ int run(int argc, char** argv) {
     }
     if (print) {
       std::printf("step %5lld/%lld | loss %.4f | lr %.2e | grad norm %.3f | %.0f tok/s | %s elapsed | ETA %s",
-                  static_cast<long long>(trainer.step()), static_cast<long long>(opt.train.steps), s.loss, s.lr,
+                  static_cast<long long>(step), static_cast<long long>(opt.train.steps), s.loss, s.lr,
                   s.grad_norm, tokens_per_s, format_seconds(elapsed).c_str(), format_seconds(eta).c_str());
-      if (scaled)
-        std::printf(" | scale %g | skipped %lld", trainer.amp_optimizer().loss_scale(), static_cast<long long>(skipped));
+      if (scaled) {
+        const double scale = single ? single->amp_optimizer().loss_scale() : parallel->loss_scale();
+        std::printf(" | scale %g | skipped %lld", scale, static_cast<long long>(skipped));
+      }
       if (eval) std::printf(" | val loss %.4f", val_loss);
       std::printf("\n");
       std::fflush(stdout);
     }
-    if (opt.save_every > 0 && trainer.step() % opt.save_every == 0 && !last) save();
+    if (opt.save_every > 0 && step % opt.save_every == 0 && !last) save();
   }
   save();
-  if (opt.sample > 0) print_sample(opt, trainer.model(), data.vocab);
+  sample();
   return 0;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Under mpirun an error on one rank must end every rank (the others may be waiting in a collective for it).
+  if (under_mpi_launcher()) return dist::run_or_abort(run, argc, argv);
   try {
     return run(argc, argv);
   } catch (const Error& e) {

@@ -203,50 +203,70 @@ Trainer::Trainer(const GPTConfig& config, const TrainOptions& options, const Tok
   model_->to(options_.device);
   model_->train();
 
-  // nanoGPT's groups: every parameter of >= 2 dims (matrices, embeddings) decays; biases and norm weights not.
-  ParamGroup decay{{}, options_.lr, options_.weight_decay}, no_decay{{}, options_.lr, 0.0};
-  for (const auto& [name, p] : model_->named_parameters()) (p.dim() >= 2 ? decay : no_decay).params.push_back(p);
-  std::vector<ParamGroup> groups{decay, no_decay};
-  const AdamOptions adam{options_.beta1, options_.beta2, 1e-8};
-  std::unique_ptr<Optimizer> optimizer;
-  if (options_.optimizer == "sgd") optimizer = std::make_unique<SGD>(groups, SGDOptions{options_.momentum, 0, false});
-  else if (options_.optimizer == "adam") optimizer = std::make_unique<Adam>(groups, adam);
-  else optimizer = std::make_unique<AdamW>(groups, adam);
+  std::unique_ptr<Optimizer> optimizer = make_optimizer(options_, *model_);
   // The precision mode converts the model (naive / Apex O2, O3) and wraps the optimizer; grad_clip clips the
   // unscaled (master) gradients.
   BoostOptions boost;
   boost.clip_grad = options_.grad_clip;
   optimizer_ = booster_.boost(*model_, std::move(optimizer), boost);
-
-  if (options_.schedule == "cosine") {
-    schedule_ = std::make_unique<WarmupCosineLR>(options_.lr, options_.min_lr, options_.warmup,
-                                                 std::max(options_.steps, options_.warmup));
-  } else if (options_.warmup > 0) {
-    // Constant after a linear warm-up: the cosine between lr and lr.
-    schedule_ = std::make_unique<WarmupCosineLR>(options_.lr, options_.lr, options_.warmup, options_.warmup);
-  } else {
-    schedule_ = std::make_unique<ConstantLR>(options_.lr);
-  }
-  data_seed_ = options_.seed * 0x9E3779B97F4A7C15ull + 0xDA7A5EEDull;
+  schedule_ = make_schedule(options_);
+  data_seed_ = data_seed_of(options_);
 }
 
+std::vector<std::string> optimizer_order(const Module& model) {
+  // nanoGPT's groups: every parameter of >= 2 dims (matrices, embeddings) decays; biases and norm weights not.
+  std::vector<std::string> decay, no_decay;
+  for (const auto& [name, p] : model.named_parameters()) (p.dim() >= 2 ? decay : no_decay).push_back(name);
+  decay.insert(decay.end(), no_decay.begin(), no_decay.end());
+  return decay;
+}
+
+std::unique_ptr<Optimizer> make_optimizer(const TrainOptions& options, const Module& model) {
+  ParamGroup decay{{}, options.lr, options.weight_decay}, no_decay{{}, options.lr, 0.0};
+  for (const auto& [name, p] : model.named_parameters()) (p.dim() >= 2 ? decay : no_decay).params.push_back(p);
+  std::vector<ParamGroup> groups{decay, no_decay};
+  const AdamOptions adam{options.beta1, options.beta2, 1e-8};
+  if (options.optimizer == "sgd") return std::make_unique<SGD>(groups, SGDOptions{options.momentum, 0, false});
+  if (options.optimizer == "adam") return std::make_unique<Adam>(groups, adam);
+  return std::make_unique<AdamW>(groups, adam);
+}
+
+std::unique_ptr<LRSchedule> make_schedule(const TrainOptions& options) {
+  if (options.schedule == "cosine")
+    return std::make_unique<WarmupCosineLR>(options.lr, options.min_lr, options.warmup,
+                                            std::max(options.steps, options.warmup));
+  // Constant after a linear warm-up: the cosine between lr and lr.
+  if (options.warmup > 0)
+    return std::make_unique<WarmupCosineLR>(options.lr, options.lr, options.warmup, options.warmup);
+  return std::make_unique<ConstantLR>(options.lr);
+}
+
+uint64_t data_seed_of(const TrainOptions& options) { return options.seed * 0x9E3779B97F4A7C15ull + 0xDA7A5EEDull; }
+
 std::pair<Tensor, Tensor> Trainer::batch(int64_t step) const {
-  const int64_t B = options_.batch, T = config_.block_size;
-  const int64_t range = data_.n_train() - T - 1;  // > 0, checked by the constructor
+  return training_batch(data_, options_, config_.block_size, data_seed_, step);
+}
+
+std::pair<Tensor, Tensor> training_batch(const TokenData& data, const TrainOptions& options, int64_t block,
+                                         uint64_t data_seed, int64_t step) {
+  const int64_t B = options.batch, T = block;
+  const int64_t range = data.n_train() - T - 1;
+  check(range > 0, "train_gpt: the training split (", data.n_train(), " tokens) is shorter than block + 2 = ",
+        T + 2);
   std::vector<int64_t> x(static_cast<size_t>(B * T)), y(static_cast<size_t>(B * T));
   for (int64_t i = 0; i < B; ++i) {
     int64_t start;
-    if (options_.sequential) {
+    if (options.sequential) {
       // ((s*B + i) * T) mod range, computed as (((s*B + i) mod range) * T) mod range to stay in int64.
       start = (((step * B + i) % range) * T) % range;
     } else {
       // 64 random bits from (step, row) under the data seed; the modulo bias (range / 2^64) is negligible.
-      const auto bits = philox4x32(static_cast<uint64_t>(step), static_cast<uint64_t>(i), data_seed_);
+      const auto bits = philox4x32(static_cast<uint64_t>(step), static_cast<uint64_t>(i), data_seed);
       start = static_cast<int64_t>((static_cast<uint64_t>(bits[0]) << 32 | bits[1]) % static_cast<uint64_t>(range));
     }
     for (int64_t t = 0; t < T; ++t) {
-      x[i * T + t] = data_.tokens[start + t];
-      y[i * T + t] = data_.tokens[start + t + 1];
+      x[i * T + t] = data.tokens[start + t];
+      y[i * T + t] = data.tokens[start + t + 1];
     }
   }
   return {Tensor::from_vector(x, {B, T}), Tensor::from_vector(y, {B, T})};
@@ -262,6 +282,7 @@ StepStats Trainer::train_step() {
   stats.loss = loss.item();
   stats.loss_scale = optimizer_->loss_scale();
   booster_.backward(loss, *optimizer_);
+  if (gradient_hook) gradient_hook(step_, *model_);
   stats.lr = apply_schedule(optimizer_->optimizer(), *schedule_, step_);
   const StepResult result = booster_.step(*optimizer_);
   stats.grad_norm = result.grad_norm;
@@ -344,38 +365,60 @@ StateDict Trainer::model_part_in_model_dtypes(const StateDict& state) const {
   return part;
 }
 
-void Trainer::load_weights(const StateDict& state) { model_->load_state_dict(model_part_in_model_dtypes(state)); }
+void Trainer::load_weights(const StateDict& state) {
+  model_->load_state_dict(model_part_in_model_dtypes(state));
+  optimizer_->reload_masters();  // else the first step would start from the masters of the initial weights
+}
 
-void Trainer::load_checkpoint(const StateDict& state) {
+int64_t validate_checkpoint(const StateDict& state, const GPTConfig& config, const TrainOptions& options,
+                            const TokenData& data) {
   const char* what = "training checkpoint";
-  // Everything is checked before anything changes.
   std::map<std::string, std::string> config_meta;
-  config_.to_metadata(config_meta);
+  config.to_metadata(config_meta);
   for (const auto& [key, value] : config_meta)
     check(entry(state.metadata, key, what) == value, what, ": model option '", key, "' is ",
           state.metadata.at(key), " in the checkpoint but ", value, " here");
-  for (const auto& [key, value] : options_.to_metadata())
+  for (const auto& [key, value] : options.to_metadata())
     if (key != "train.steps")
       check(entry(state.metadata, key, what) == value, what, ": option '", key.substr(6), "' is ",
             state.metadata.at(key), " in the checkpoint but ", value, " here");
-  if (!data_.vocab.empty() && state.metadata.count("vocab"))
-    check(vocab_from_metadata(state.metadata.at("vocab")) == data_.vocab, what,
+  if (!data.vocab.empty() && state.metadata.count("vocab"))
+    check(vocab_from_metadata(state.metadata.at("vocab")) == data.vocab, what,
           ": the data's character vocabulary differs from the checkpoint's");
   const int64_t step = read<int64_t>(state.metadata, "step", what);
   check(step >= 0, what, ": step ", step, " is negative");
-  check(read<uint64_t>(state.metadata, "data.seed", what) == data_seed_, what, ": data.seed differs");
+  check(read<uint64_t>(state.metadata, "data.seed", what) == data_seed_of(options), what, ": data.seed differs");
+  bool has_optimizer = false;
+  for (const auto& [key, value] : state.metadata) has_optimizer = has_optimizer || key.rfind("optimizer.", 0) == 0;
+  check(has_optimizer, what, ": no optimizer state (a weights-only file? use --init for those)");
+  return step;
+}
+
+std::vector<std::pair<Generator*, Generator>> checkpoint_generators(const StateDict& state, Module& model) {
+  const char* what = "training checkpoint";
   std::vector<std::pair<Generator*, Generator>> generators;
-  for (const auto& [name, gen] : model_->named_generators()) {
+  for (const auto& [name, gen] : model.named_generators()) {
     Generator g(read<uint64_t>(state.metadata, "rng." + name + ".seed", what));
     g.offset = read<uint64_t>(state.metadata, "rng." + name + ".offset", what);
     generators.emplace_back(gen, g);
   }
+  return generators;
+}
+
+StateDict optimizer_part(const StateDict& state) {
   StateDict opt;
   for (const auto& [name, t] : state.tensors)
     if (name.rfind("optimizer.", 0) == 0) opt.tensors[name.substr(10)] = t;
   for (const auto& [key, value] : state.metadata)
     if (key.rfind("optimizer.", 0) == 0) opt.metadata[key.substr(10)] = value;
-  check(!opt.metadata.empty(), what, ": no optimizer state (a weights-only file? use --init for those)");
+  return opt;
+}
+
+void Trainer::load_checkpoint(const StateDict& state) {
+  // Everything is checked before anything changes.
+  const int64_t step = validate_checkpoint(state, config_, options_, data_);
+  const std::vector<std::pair<Generator*, Generator>> generators = checkpoint_generators(state, *model_);
+  const StateDict opt = optimizer_part(state);
 
   // Model first: strict and fully validated before copying. The optimizer validates before changing too;
   // if it throws, the model has new weights but the caller is expected to abandon the trainer.

@@ -113,6 +113,10 @@ class Trainer {
   Booster& booster() { return booster_; }
   const TrainOptions& options() const { return options_; }
 
+  // Called in train_step after backward, before the optimizer step, with the step number and the model (its
+  // .grad hold the scaled gradients): for tests and experiments that inspect or plant gradients (an inf, say).
+  std::function<void(int64_t step, Module& model)> gradient_hook;
+
   StateDict checkpoint();
   void save_checkpoint(const std::string& path);
   // Restores model, optimizer, step and random state. The checkpoint's config and options must equal this
@@ -138,6 +142,27 @@ class Trainer {
 
 // The model tensors of a state dict (drops "optimizer." entries).
 StateDict model_part(const StateDict& state);
+// The optimizer part of a training checkpoint, "optimizer." stripped from tensor names and metadata keys.
+StateDict optimizer_part(const StateDict& state);
+
+// ---- the pieces of a Trainer, shared with the parallel trainer (examples/parallel_training.h) ----
+
+// nanoGPT's two parameter groups: every parameter of >= 2 dims (matrices, embeddings) decays, biases and norm
+// weights do not. optimizer_order gives the parameter names in the optimizer's order (the decay group, then the
+// other, each in named_parameters order): a checkpoint's "optimizer.state.<i>.*" index i counts in it.
+std::vector<std::string> optimizer_order(const Module& model);
+std::unique_ptr<Optimizer> make_optimizer(const TrainOptions& options, const Module& model);
+std::unique_ptr<LRSchedule> make_schedule(const TrainOptions& options);
+uint64_t data_seed_of(const TrainOptions& options);
+// The inputs and targets [batch, block] (i64) of step `step` (the rule at the top of this file).
+std::pair<Tensor, Tensor> training_batch(const TokenData& data, const TrainOptions& options, int64_t block,
+                                         uint64_t data_seed, int64_t step);
+// Checks a training checkpoint against a trainer's config, options (all but train.steps) and data, and that
+// it holds optimizer state; returns its step. Error naming the first difference.
+int64_t validate_checkpoint(const StateDict& state, const GPTConfig& config, const TrainOptions& options,
+                            const TokenData& data);
+// The checkpoint's "rng.<name>.seed|offset" for every generator of `model` (Error if one is missing).
+std::vector<std::pair<Generator*, Generator>> checkpoint_generators(const StateDict& state, Module& model);
 
 // ---- sampling (generate, train_gpt --sample) ----
 

@@ -350,6 +350,36 @@ TEST(MixedPrecisionProcessGroupHook, TheNormAndTheZeroCountAreSummedOverTheGroup
   EXPECT_EQ(values(opt.master_params()[0].grad()), values(ref.grad()));
 }
 
+TEST(MixedPrecisionProcessGroupHook, CountInNormLeavesReplicatedParametersOutOfTheNormButStillClipsThem) {
+  // b stands for a parameter replicated on the other rank (a LayerNorm weight under tensor parallelism): this
+  // rank leaves it out of the sum, so the group counts it once; it is still clipped and stepped.
+  Tensor w = leaf({1, 2, 3}, DType::F16);
+  Tensor b = leaf({5, 5}, DType::F32);
+  FakeGroup group;
+  MixedPrecisionOptions options;
+  options.group = &group;
+  options.clip_grad = 1.0;
+  options.log_num_zeros_in_grad = true;
+  options.count_in_norm = {true, false};
+  MixedPrecisionOptimizer opt(std::make_unique<SGD>(std::vector<Tensor>{w, b}, 1.0), static_scaler(64), options);
+  opt.backward(add(linear_loss(w, {3, 0, 4}), linear_loss(b, {0, 12})));
+  const StepResult result = opt.step();
+  ASSERT_FALSE(result.skipped);
+  ASSERT_EQ(group.sum_calls.size(), 2u);
+  EXPECT_EQ(group.sum_calls[0], std::vector<double>{25});  // b's 144 left out
+  EXPECT_EQ(group.sum_calls[1], std::vector<double>{1});   // and b's zero too
+  EXPECT_EQ(result.grad_norm, std::sqrt(50.0));
+  Tensor ref = leaf({0, 0}, DType::F32);
+  ref.set_grad(constant({0, 12}, DType::F32));
+  clip_grads_with_norm({ref}, 1.0, std::sqrt(50.0));
+  EXPECT_EQ(values(opt.master_params()[1].grad()), values(ref.grad()));
+
+  options.count_in_norm = {true};
+  EXPECT_ERROR_MENTIONS(MixedPrecisionOptimizer(std::make_unique<SGD>(std::vector<Tensor>{w, b}, 1.0),
+                                                static_scaler(64), options),
+                        "count_in_norm has 1 entries, expected one per parameter (2)");
+}
+
 // ---------------------------------------------------------------------------------------- several losses
 
 TEST(MixedPrecisionSeveralLosses, GradientsOfTwoLossesAreUnscaledEachWithItsOwnScale) {

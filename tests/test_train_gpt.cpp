@@ -149,6 +149,38 @@ TEST(TrainGPT, MixedPrecisionCheckpointHoldsFp32WeightsMastersAndScalerState) {
   other.load_weights(state);
 }
 
+// --init in a mode with fp32 master weights: the masters must take the loaded weights, or the first step would
+// write the initial weights' masters (plus an update) back over the loaded model.
+TEST(TrainGPT, LoadedWeightsReachTheMasterWeightsOfACastModel) {
+  const TokenData data = char_tokens(sample_text());
+  // Loss scales that do not overflow on the first step (the step must move the weights).
+  const std::pair<const char*, const char*> modes[] = {{"fp16_naive", R"({"initial_scale":1024})"},
+                                                       {"fp16_apex:O2", R"({"max_loss_scale":1024})"},
+                                                       {"bf16_naive", R"({"initial_scale":1})"}};
+  for (const auto& [mode, json] : modes) {
+    TrainOptions options = tiny_options("adamw");
+    options.amp = AmpConfig::from_json(json, mode);
+    Trainer source(tiny_config(data.vocab_size, 0), options, data);
+    for (int i = 0; i < 3; ++i) source.train_step();
+    TrainOptions other = options;
+    other.seed = options.seed + 1;  // other initial weights, same batches below
+    Trainer a(tiny_config(data.vocab_size, 0), other, data), b(tiny_config(data.vocab_size, 0), other, data);
+    a.load_weights(source.checkpoint());
+    b.load_weights(source.checkpoint());
+    a.train_step();
+    const StateDict after = a.model().state_dict();
+    const StateDict loaded = b.model().state_dict();
+    // One small step away from the loaded weights, not from the seed's.
+    double moved = 0;
+    for (const auto& [name, t] : after.tensors) {
+      const std::vector<double> x = t.to_vector<double>(), y = loaded.tensors.at(name).to_vector<double>();
+      for (size_t i = 0; i < x.size(); ++i) moved = std::max(moved, std::abs(x[i] - y[i]));
+    }
+    EXPECT_LT(moved, 0.02) << mode;  // lr 3e-3 at warmup: an AdamW step moves a weight by about that
+    EXPECT_GT(moved, 0.0) << mode;
+  }
+}
+
 TEST(TrainGPT, SequentialBatchesFollowTheDocumentedFormula) {
   const TokenData data = char_tokens(sample_text());
   TrainOptions options = tiny_options("adamw");

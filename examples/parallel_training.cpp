@@ -1,0 +1,618 @@
+#include "examples/parallel_training.h"
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <optional>
+
+#include "autograd/autograd.h"
+#include "dist/data_parallel.h"
+#include "dist/pipeline.h"
+#include "dist/process_group.h"
+#include "dist/tensor_parallel.h"
+#include "dist/tp_ops.h"
+#include "dist/zero.h"
+#include "nn/safetensors.h"
+#include "tensor/autograd_node.h"
+#include "tensor/error.h"
+#include "tensor/ops.h"
+
+namespace mixtape {
+
+using dist::Communicator;
+using dist::Reduction;
+
+void ParallelOptions::validate(int world_size) const {
+  check(tp >= 1 && pp >= 1 && dp >= 1, "train_gpt: --tp, --pp and --dp must be >= 1, got ", tp, ", ", pp, ", ", dp);
+  check(tp * pp * dp == world_size, "train_gpt: --tp ", tp, " x --pp ", pp, " x --dp ", dp, " = ", tp * pp * dp,
+        " processes, but the job has ", world_size, " (run it with mpirun -np ", tp * pp * dp, ")");
+  check(zero == 0 || zero == 1, "train_gpt: --zero must be 0 or 1 (ZeRO stage 1), got ", zero);
+  check(micro_batches >= 1, "train_gpt: --micro-batches must be >= 1, got ", micro_batches);
+  check(pp_schedule == "1f1b" || pp_schedule == "gpipe", "train_gpt: --pp-schedule must be 1f1b or gpipe, got '",
+        pp_schedule, "'");
+}
+
+namespace {
+
+// ---- a StateDict between two ranks: a manifest (names, dtypes, shapes, metadata) as bytes, then the tensors ----
+
+void put_u64(std::string& out, uint64_t v) { out.append(reinterpret_cast<const char*>(&v), sizeof(v)); }
+void put_string(std::string& out, const std::string& s) {
+  put_u64(out, s.size());
+  out += s;
+}
+uint64_t get_u64(const std::string& in, size_t& at) {
+  check(at + sizeof(uint64_t) <= in.size(), "parallel checkpoint: a truncated state message");
+  uint64_t v;
+  std::memcpy(&v, in.data() + at, sizeof(v));
+  at += sizeof(v);
+  return v;
+}
+std::string get_string(const std::string& in, size_t& at) {
+  const uint64_t n = get_u64(in, at);
+  check(at + n <= in.size(), "parallel checkpoint: a truncated state message");
+  std::string s = in.substr(at, n);
+  at += n;
+  return s;
+}
+
+void send_bytes(const std::string& bytes, const Communicator& c, int dest) {
+  const int64_t n = static_cast<int64_t>(bytes.size());
+  std::vector<int64_t> words(static_cast<size_t>((n + 7) / 8), 0);
+  std::memcpy(words.data(), bytes.data(), bytes.size());
+  c.send(Tensor::from_vector(std::vector<int64_t>{n}, {1}), dest);
+  if (n > 0) c.send(Tensor::from_vector(words, {static_cast<int64_t>(words.size())}), dest);
+}
+
+std::string recv_bytes(const Communicator& c, int source) {
+  Tensor size = Tensor::empty({1}, DType::I64);
+  c.recv(size, source);
+  const int64_t n = size.to_vector<int64_t>()[0];
+  std::string bytes(static_cast<size_t>(n), '\0');
+  if (n > 0) {
+    Tensor words = Tensor::empty({(n + 7) / 8}, DType::I64);
+    c.recv(words, source);
+    std::memcpy(bytes.data(), words.data_ptr(), static_cast<size_t>(n));
+  }
+  return bytes;
+}
+
+void send_state(const StateDict& state, const Communicator& c, int dest) {
+  std::string manifest;
+  put_u64(manifest, state.metadata.size());
+  for (const auto& [key, value] : state.metadata) {
+    put_string(manifest, key);
+    put_string(manifest, value);
+  }
+  put_u64(manifest, state.tensors.size());
+  for (const auto& [name, t] : state.tensors) {
+    put_string(manifest, name);
+    put_u64(manifest, static_cast<uint64_t>(t.dtype()));
+    put_u64(manifest, static_cast<uint64_t>(t.dim()));
+    for (int64_t d = 0; d < t.dim(); ++d) put_u64(manifest, static_cast<uint64_t>(t.size(d)));
+  }
+  send_bytes(manifest, c, dest);
+  for (const auto& [name, t] : state.tensors) c.send(t.to(Device::cpu()).contiguous(), dest);
+}
+
+StateDict recv_state(const Communicator& c, int source) {
+  const std::string manifest = recv_bytes(c, source);
+  size_t at = 0;
+  StateDict state;
+  for (uint64_t i = 0, n = get_u64(manifest, at); i < n; ++i) {
+    std::string key = get_string(manifest, at);
+    state.metadata[key] = get_string(manifest, at);
+  }
+  std::vector<std::string> names;
+  for (uint64_t i = 0, n = get_u64(manifest, at); i < n; ++i) {
+    std::string name = get_string(manifest, at);
+    const DType dtype = static_cast<DType>(get_u64(manifest, at));
+    Shape shape(get_u64(manifest, at));
+    for (auto& d : shape) d = static_cast<int64_t>(get_u64(manifest, at));
+    state.tensors[name] = Tensor::empty(shape, dtype);
+    names.push_back(name);
+  }
+  for (const std::string& name : names) c.recv(state.tensors[name], source);
+  return state;
+}
+
+// "state.<i>.<rest>" -> (i, rest); nullopt for other keys.
+std::optional<std::pair<size_t, std::string>> split_state_key(const std::string& key) {
+  if (key.rfind("state.", 0) != 0) return std::nullopt;
+  const size_t dot = key.find('.', 6);
+  if (dot == std::string::npos || dot == 6) return std::nullopt;
+  for (size_t k = 6; k < dot; ++k)
+    if (key[k] < '0' || key[k] > '9') return std::nullopt;
+  return std::make_pair(static_cast<size_t>(std::stoull(key.substr(6, dot - 6))), key.substr(dot + 1));
+}
+
+// The parameter name inside a named optimizer key: "state.<name>.<buffer>" (buffer after the last dot) or
+// "master.<name>"; empty otherwise.
+std::string parameter_of(const std::string& key) {
+  if (key.rfind("master.", 0) == 0) return key.substr(7);
+  if (key.rfind("state.", 0) == 0) {
+    const size_t dot = key.rfind('.');
+    return dot > 6 ? key.substr(6, dot - 6) : std::string();
+  }
+  return {};
+}
+
+// A container module (register_module is public on Module; this names the intent).
+std::shared_ptr<Module> container() { return std::make_shared<Module>(); }
+
+}  // namespace
+
+// ---- the stage: this rank's part of the ParallelGPT, under nanoGPT names ----
+
+class GPTStage : public Module, public dist::PipelineStage {
+ public:
+  GPTStage(dist::ParallelGPT& gpt, int stage, int num_stages, Booster& booster)
+      : gpt_(gpt), stage_(stage), num_stages_(num_stages), booster_(booster) {
+    const int64_t L = gpt.config().n_layer;
+    // Stage s: an equal share of the blocks, the first L mod P stages one more.
+    const int64_t base = L / num_stages, extra = L % num_stages;
+    first_layer_ = stage * base + std::min<int64_t>(stage, extra);
+    end_layer_ = first_layer_ + base + (stage < extra ? 1 : 0);
+    const bool first = stage == 0, last = stage == num_stages - 1;
+    auto transformer = register_module("transformer", container());
+    if (first || (last && !gpt.lm_head)) transformer->register_module("wte", gpt.wte);
+    if (first) {
+      transformer->register_module("wpe", gpt.wpe);
+      transformer->register_module("drop", gpt.drop);
+    }
+    auto h = transformer->register_module("h", container());
+    size_t i = 0;
+    for (const auto& block : *gpt.h) {
+      if (static_cast<int64_t>(i) >= first_layer_ && static_cast<int64_t>(i) < end_layer_)
+        h->register_module(std::to_string(i), block);
+      ++i;
+    }
+    if (last) {
+      transformer->register_module("ln_f", gpt.ln_f);
+      if (gpt.lm_head) register_module("lm_head", gpt.lm_head);
+    }
+  }
+
+  // The targets of the micro-batches that forward() is about to see (read on the last stage).
+  void set_targets(std::vector<Tensor> targets) { targets_ = std::move(targets); }
+
+  Tensor forward(const Tensor& input, int64_t micro_batch) override {
+    return booster_.forward([&](const std::vector<Tensor>& in) { return std::vector<Tensor>{run(in[0], micro_batch)}; },
+                            {input})[0];
+  }
+
+  bool is_first() const { return stage_ == 0; }
+  bool is_last() const { return stage_ == num_stages_ - 1; }
+
+ private:
+  Tensor run(const Tensor& input, int64_t micro_batch) {
+    Tensor x = is_first() ? gpt_.embed(input) : input;
+    for (int64_t i = first_layer_; i < end_layer_; ++i) x = (*gpt_.h)[static_cast<size_t>(i)](x);
+    if (!is_last()) return x;
+    return gpt_.head(x, targets_.at(static_cast<size_t>(micro_batch))).loss;
+  }
+
+  dist::ParallelGPT& gpt_;
+  int stage_, num_stages_;
+  Booster& booster_;
+  int64_t first_layer_ = 0, end_layer_ = 0;
+  std::vector<Tensor> targets_;
+};
+
+// ---- the trainer ----
+
+struct ParallelTrainer::Impl {
+  GPTConfig config;
+  TrainOptions options;
+  ParallelOptions parallel;
+  const TokenData& data;
+  dist::ParallelGroups groups;
+  Communicator embedding;  // first and last stage (tied wte)
+  std::unique_ptr<GPT> full;
+  std::unique_ptr<dist::ParallelGPT> gpt;
+  Booster booster;
+  std::unique_ptr<GPTStage> stage;
+  std::map<std::string, dist::ShardSpec> specs;  // of the tensor-parallel parameters, by name
+  std::vector<std::string> local_order;          // the optimizer's parameters (names), this rank
+  std::vector<std::string> full_order;           // the single-process optimizer's parameters (names)
+  std::unique_ptr<dist::CommunicatorGroup> mp_group, dp_group;  // outlive the optimizer / NaiveAMPModel using them
+  std::unique_ptr<MixedPrecisionOptimizer> mpo;
+  std::unique_ptr<dist::ZeroOptimizer> zero;
+  std::unique_ptr<dist::GradientReducer> reducer;
+  std::unique_ptr<dist::PipelineSchedule> schedule;
+  std::unique_ptr<LRSchedule> lr_schedule;
+  uint64_t data_seed = 0;
+
+  Impl(const GPTConfig& c, const TrainOptions& o, const ParallelOptions& p, const TokenData& d,
+       const Communicator& world)
+      : config(c), options(o), parallel(p), data(d),
+        groups(dist::make_groups({p.tp, p.pp, p.dp}, world)), embedding(dist::make_embedding_group(groups.pp)),
+        booster(o.amp) {}
+
+  Optimizer& optimizer() { return zero ? zero->optimizer() : mpo->optimizer(); }
+  Tensor param(const std::string& name) const {
+    for (const auto& [n, p] : stage->named_parameters())
+      if (n == name) return p;
+    fail("ParallelTrainer: this rank holds no parameter '", name, "'");
+  }
+  // This rank's slice of a full tensor of parameter `name` (as is when it is replicated over tp).
+  Tensor slice(const std::string& name, const Tensor& full_value) const {
+    const auto it = specs.find(name);
+    return it == specs.end() ? full_value : dist::shard_of(full_value, it->second, groups.tp_rank, groups.layout.tp);
+  }
+  StateDict local_named_state();
+  void load_named(const StateDict& state, bool with_optimizer);
+};
+
+ParallelTrainer::ParallelTrainer(const GPTConfig& config, const TrainOptions& options, const ParallelOptions& parallel,
+                                 const TokenData& data, const Communicator& world) {
+  config.validate();
+  options.validate();
+  parallel.validate(world.size());
+  check(data.vocab_size <= config.vocab_size, "train_gpt: the data has ", data.vocab_size,
+        " token ids but the model's vocab_size is ", config.vocab_size);
+  check(data.n_train() > config.block_size + 1, "train_gpt: the training split (", data.n_train(),
+        " tokens) is shorter than block + 2 = ", config.block_size + 2);
+  check(parallel.pp <= config.n_layer, "train_gpt: --pp ", parallel.pp, " is more pipeline stages than the model's ",
+        config.n_layer, " layers");
+  const int64_t per_step = parallel.dp * parallel.micro_batches;
+  check(options.batch % per_step == 0, "train_gpt: --batch ", options.batch, " must be divisible by --dp ", parallel.dp,
+        " x --micro-batches ", parallel.micro_batches, " = ", per_step, " (equal micro-batches on every rank)");
+  if (parallel.zero == 1) {
+    const AmpConfig& amp = options.amp;
+    check(!(amp.mixed_precision == "fp16_apex" && !amp.apex.master_weights), "not supported: --zero 1 with ",
+          "fp16_apex without master weights (O3): ZeRO-1 shards the fp32 master weights");
+    check(!(amp.is_naive() && amp.naive.log_num_zeros_in_grad), "not supported: --zero 1 with ",
+          "log_num_zeros_in_grad");
+    check(!(amp.mixed_precision == "fp16_apex" && amp.apex.num_losses != 1), "not supported: --zero 1 with ",
+          "num_losses ", amp.apex.num_losses, " (ZeRO-1 keeps one loss scaler)");
+  }
+  impl_ = std::make_unique<Impl>(config, options, parallel, data, world);
+  Impl& m = *impl_;
+
+  // Every rank: the full model from the seed (on the CPU), then its tensor-parallel split and its stage.
+  m.full = std::make_unique<GPT>(config, options.seed);
+  m.full_order = optimizer_order(*m.full);
+  m.gpt = std::make_unique<dist::ParallelGPT>(*m.full, m.groups.tp);
+  m.specs = dist::shard_specs(*m.gpt);
+  m.stage = std::make_unique<GPTStage>(*m.gpt, m.groups.pp_rank, parallel.pp, m.booster);
+  m.stage->to(options.device);
+  m.stage->train();
+  m.local_order = optimizer_order(*m.stage);
+
+  // Each parameter counts once in the gradient norm over the model-parallel group.
+  std::vector<bool> count_in_norm;
+  for (const std::string& name : m.local_order) {
+    bool counted = m.specs.count(name) || m.groups.tp_rank == 0;
+    if (name == "transformer.wte.weight" && !m.stage->is_first()) counted = false;  // the tied copy
+    count_in_norm.push_back(counted);
+  }
+
+  m.mp_group = std::make_unique<dist::CommunicatorGroup>(m.groups.model_parallel);
+  m.dp_group = std::make_unique<dist::CommunicatorGroup>(m.groups.dp);
+  BoostOptions boost;
+  boost.clip_grad = options.grad_clip;
+  boost.group = m.dp_group.get();  // NaiveAMPModel's buffer sync over the data-parallel replicas
+  BoostedParts parts = m.booster.boost_parts(*m.stage, make_optimizer(options, *m.stage), boost);
+  parts.options.count_in_norm = count_in_norm;
+  parts.options.group = m.mp_group.get();
+  if (parallel.zero == 1) {
+    dist::ZeroOptions zo;
+    zo.clip_grad = parts.options.clip_grad;
+    zo.model_parallel = m.mp_group.get();
+    zo.count_in_norm = count_in_norm;
+    m.zero = std::make_unique<dist::ZeroOptimizer>(std::move(parts.optimizer), std::move(parts.scalers[0]),
+                                                   m.groups.dp, zo);
+  } else {
+    m.mpo = std::make_unique<MixedPrecisionOptimizer>(std::move(parts.optimizer), std::move(parts.scalers),
+                                                      std::move(parts.options));
+    if (parallel.dp > 1) m.reducer = std::make_unique<dist::GradientReducer>(m.groups.dp, m.stage->parameters());
+  }
+
+  dist::PipelineOptions po;
+  po.schedule = parallel.pp_schedule == "gpipe" ? dist::PipelineScheduleKind::GPipe : dist::PipelineScheduleKind::OneFOneB;
+  po.device = options.device;
+  po.scale_loss = [this](const Tensor& loss) {
+    return impl_->zero ? impl_->zero->scale_loss(loss) : impl_->mpo->scale_loss(loss);
+  };
+  m.schedule = std::make_unique<dist::PipelineSchedule>(m.groups.pp, po);
+  m.lr_schedule = make_schedule(options);
+  m.data_seed = data_seed_of(options);
+}
+
+ParallelTrainer::~ParallelTrainer() = default;
+
+const dist::ParallelGroups& ParallelTrainer::groups() const { return impl_->groups; }
+Module& ParallelTrainer::stage_module() { return *impl_->stage; }
+int64_t ParallelTrainer::skipped_steps() const {
+  return impl_->zero ? impl_->zero->skipped_steps() : impl_->mpo->skipped_steps();
+}
+double ParallelTrainer::loss_scale() const { return impl_->zero ? impl_->zero->loss_scale() : impl_->mpo->loss_scale(); }
+
+StepStats ParallelTrainer::train_step() {
+  Impl& m = *impl_;
+  StepStats stats;
+  stats.step = step_;
+  m.stage->train();
+  const auto [x, y] = training_batch(m.data, m.options, m.config.block_size, m.data_seed, step_);
+  const int64_t local = m.options.batch / m.parallel.dp;
+  const int64_t M = m.parallel.micro_batches;
+  const Tensor lx = x.narrow(0, m.groups.dp_rank * local, local).to(m.options.device);
+  const Tensor ly = y.narrow(0, m.groups.dp_rank * local, local).to(m.options.device);
+  if (m.zero) m.zero->zero_grad();
+  else m.mpo->zero_grad();
+  stats.loss_scale = loss_scale();
+  m.stage->set_targets(dist::split_micro_batches(ly, M));
+  // Dropout: every dropout of the GPT draws one number per element of a [rows, T, C] activation, in row order. A
+  // pipeline's micro-batches already draw in row order; data-parallel rank d starts where the single process
+  // would reach its first row, and after the step every rank is where the single process ends. So the masks are
+  // the single process's at every layout.
+  const uint64_t per_row = static_cast<uint64_t>(m.config.block_size * m.config.n_embd);
+  std::vector<std::pair<Generator*, uint64_t>> streams;
+  if (m.config.dropout > 0)
+    for (const auto& [name, gen] : m.stage->named_generators()) {
+      streams.emplace_back(gen, gen->offset);
+      gen->offset += static_cast<uint64_t>(m.groups.dp_rank * local) * per_row;
+    }
+  const double local_loss = m.schedule->run(*m.stage, dist::split_micro_batches(lx, M));
+  for (auto& [gen, base] : streams) {
+    const uint64_t drawn = gen->offset - base - static_cast<uint64_t>(m.groups.dp_rank * local) * per_row;
+    check(drawn == static_cast<uint64_t>(local) * per_row, "ParallelTrainer: a dropout stream drew ", drawn,
+          " numbers for ", local, " rows, expected ", static_cast<uint64_t>(local) * per_row);
+    gen->offset = base + static_cast<uint64_t>(m.options.batch) * per_row;
+  }
+  std::vector<double> loss = {local_loss};
+  m.groups.dp.all_reduce(loss, Reduction::Sum);
+  stats.loss = loss[0] / m.parallel.dp;  // equal local batches: the mean over the global batch
+  if (gradient_hook) gradient_hook(step_, *m.stage);
+
+  if (!m.gpt->lm_head && m.parallel.pp > 1 && (m.stage->is_first() || m.stage->is_last()))
+    dist::all_reduce_tied_gradients(m.param("transformer.wte.weight"), m.embedding);
+  if (m.reducer) m.reducer->reduce();
+  stats.lr = apply_schedule(m.optimizer(), *m.lr_schedule, step_);
+  const StepResult result = m.zero ? m.zero->step() : m.booster.step(*m.mpo);
+  stats.grad_norm = result.grad_norm;
+  stats.skipped = result.skipped;
+  if (m.zero) m.zero->zero_grad();
+  else m.mpo->zero_grad();
+  ++step_;
+  return stats;
+}
+
+double ParallelTrainer::evaluate() {
+  Impl& m = *impl_;
+  const int64_t T = m.config.block_size;
+  const int64_t base = m.data.n_train();
+  const int64_t windows = (m.data.n_val() - 1) / T;
+  check(windows > 0, "train_gpt: the validation split (", m.data.n_val(), " tokens) is shorter than block + 1 = ",
+        T + 1);
+  // Trainer::evaluate's batches of `batch` windows; batch k goes to data-parallel replica k mod dp, where it is one
+  // micro-batch of the pipeline.
+  std::vector<Tensor> inputs, targets;
+  std::vector<int64_t> rows_of;
+  int64_t k = 0;
+  for (int64_t k0 = 0; k0 < windows; k0 += m.options.batch, ++k) {
+    if (k % m.parallel.dp != m.groups.dp_rank) continue;
+    const int64_t rows = std::min(m.options.batch, windows - k0);
+    std::vector<int64_t> xs(static_cast<size_t>(rows * T)), ys(static_cast<size_t>(rows * T));
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t t = 0; t < T; ++t) {
+        xs[r * T + t] = m.data.tokens[base + (k0 + r) * T + t];
+        ys[r * T + t] = m.data.tokens[base + (k0 + r) * T + t + 1];
+      }
+    inputs.push_back(Tensor::from_vector(xs, {rows, T}).to(m.options.device));
+    targets.push_back(Tensor::from_vector(ys, {rows, T}).to(m.options.device));
+    rows_of.push_back(rows);
+  }
+  m.stage->eval();
+  m.stage->set_targets(targets);
+  const std::vector<double> losses = m.schedule->forward_only(*m.stage, inputs);
+  m.stage->train();
+  std::vector<double> total = {0.0};
+  for (size_t i = 0; i < losses.size(); ++i) total[0] += losses[i] * static_cast<double>(rows_of[i]);
+  m.groups.dp.all_reduce(total, Reduction::Sum);
+  return total[0] / static_cast<double>(windows);
+}
+
+// ---- checkpoints ----
+
+// This rank's model and optimizer state under parameter names, gathered over tp (and, by ZeRO's state_dict, over
+// dp): "<name>" model values; "optimizer.state.<name>.<buffer>", "optimizer.master.<name>"; metadata
+// "optimizer.state.<name>.step", every other optimizer entry as "optimizer.<key>", and "rng.<generator>.*".
+StateDict ParallelTrainer::Impl::local_named_state() {
+  StateDict named;
+  for (const auto& [name, p] : stage->named_parameters()) named.tensors[name] = p.detach();
+  const StateDict opt = zero ? zero->state_dict() : mpo->state_dict();
+  for (const auto& [key, t] : opt.tensors) {
+    if (auto s = split_state_key(key)) {
+      named.tensors["optimizer.state." + local_order.at(s->first) + "." + s->second] = t;
+    } else if (key.rfind("master.", 0) == 0) {
+      named.tensors["optimizer.master." + local_order.at(std::stoull(key.substr(7)))] = t;
+    } else {
+      named.tensors["optimizer." + key] = t;
+    }
+  }
+  for (const auto& [key, value] : opt.metadata) {
+    if (auto s = split_state_key(key)) named.metadata["optimizer.state." + local_order.at(s->first) + "." + s->second] = value;
+    else named.metadata["optimizer." + key] = value;
+  }
+  for (const auto& [name, gen] : stage->named_generators()) {
+    named.metadata["rng." + name + ".seed"] = std::to_string(gen->seed);
+    named.metadata["rng." + name + ".offset"] = std::to_string(gen->offset);
+  }
+  // Over tp: every rank of the group holds the same names (one stage), so the collectives pair up in map order.
+  for (auto& [key, t] : named.tensors) {
+    const std::string name = key.rfind("optimizer.", 0) == 0 ? parameter_of(key.substr(10)) : key;
+    const auto it = specs.find(name);
+    if (it != specs.end()) t = dist::gather_shards(t, it->second, groups.tp);
+  }
+  return named;
+}
+
+StateDict ParallelTrainer::checkpoint() {
+  Impl& m = *impl_;
+  StateDict named = m.local_named_state();
+  // Over pp: tp rank 0 of dp replica 0 of each stage hands its stage's part to stage 0 (world rank 0).
+  if (m.groups.tp_rank != 0 || m.groups.dp_rank != 0) return {};
+  if (m.groups.pp_rank != 0) {
+    send_state(named, m.groups.pp, 0);
+    return {};
+  }
+  for (int s = 1; s < m.parallel.pp; ++s) {
+    const StateDict part = recv_state(m.groups.pp, s);
+    for (const auto& [key, t] : part.tensors) named.tensors.emplace(key, t);  // the tied wte: stage 0's
+    for (const auto& [key, value] : part.metadata) named.metadata.emplace(key, value);
+  }
+
+  // The single-process Trainer's file.
+  std::map<std::string, size_t> index;
+  for (size_t i = 0; i < m.full_order.size(); ++i) index[m.full_order[i]] = i;
+  StateDict state;
+  for (const auto& [name, t] : m.full->named_parameters()) {
+    const auto found = named.tensors.find(name);
+    check(found != named.tensors.end(), "ParallelTrainer::checkpoint: no stage holds parameter '", name, "'");
+    state.tensors[name] = is_floating(found->second.dtype()) ? found->second.to(DType::F32) : found->second;
+  }
+  for (const auto& [key, t] : named.tensors) {
+    if (key.rfind("optimizer.", 0) != 0) continue;
+    const std::string inner = key.substr(10);
+    const std::string name = parameter_of(inner);
+    if (name.empty()) {
+      state.tensors[key] = t;
+    } else if (inner.rfind("master.", 0) == 0) {
+      state.tensors["optimizer.master." + std::to_string(index.at(name))] = t;
+    } else {
+      state.tensors["optimizer.state." + std::to_string(index.at(name)) + inner.substr(6 + name.size())] = t;
+    }
+  }
+  // The full parameter counts of nanoGPT's two groups.
+  int64_t decay = 0;
+  for (const auto& [name, p] : m.full->named_parameters()) decay += p.dim() >= 2;
+  for (const auto& [key, value] : named.metadata) {
+    if (key.rfind("optimizer.state.", 0) == 0) {
+      const std::string inner = key.substr(10);
+      const std::string name = parameter_of(inner);
+      state.metadata["optimizer.state." + std::to_string(index.at(name)) + inner.substr(6 + name.size())] = value;
+    } else {
+      state.metadata[key] = value;
+    }
+  }
+  state.metadata["optimizer.param_groups.0.params"] = std::to_string(decay);
+  state.metadata["optimizer.param_groups.1.params"] = std::to_string(static_cast<int64_t>(m.full_order.size()) - decay);
+  m.config.to_metadata(state.metadata);
+  if (!m.data.vocab.empty()) state.metadata["vocab"] = vocab_to_metadata(m.data.vocab);
+  for (const auto& [key, value] : m.options.to_metadata()) state.metadata[key] = value;
+  state.metadata["step"] = std::to_string(step_);
+  state.metadata["data.seed"] = std::to_string(m.data_seed);
+  state.metadata["data.position"] = std::to_string(step_);
+  for (const auto& [name, gen] : m.full->named_generators())
+    for (const char* part : {".seed", ".offset"})
+      check(state.metadata.count("rng." + name + part), "ParallelTrainer::checkpoint: no stage holds generator '",
+            name, "'");
+  return state;
+}
+
+void ParallelTrainer::save_checkpoint(const std::string& path) {
+  const StateDict state = checkpoint();
+  // Rank 0 writes; a failure there is an Error on every rank (the flag travels in the barrier's place).
+  std::vector<double> failed = {0.0};
+  std::string message;
+  if (impl_->groups.world.rank() == 0) {
+    try {
+      save_safetensors(path, state);
+    } catch (const Error& e) {
+      failed[0] = 1.0;
+      message = e.what();
+    }
+  }
+  impl_->groups.world.all_reduce(failed, Reduction::Max);
+  if (failed[0] != 0.0) {
+    if (!message.empty()) throw Error(message);
+    fail("ParallelTrainer::save_checkpoint: rank 0 could not write '", path, "'");
+  }
+}
+
+// Model values (and with_optimizer, the optimizer state) from a single-process file, sliced to this rank.
+void ParallelTrainer::Impl::load_named(const StateDict& state, bool with_optimizer) {
+  const char* what = "training checkpoint";
+  std::map<std::string, Tensor> full_params;
+  for (const auto& [name, p] : full->named_parameters()) full_params[name] = p;
+  std::vector<std::pair<Tensor, Tensor>> copies;  // parameter <- value, done after every check passed
+  for (const auto& [name, p] : stage->named_parameters()) {
+    const auto found = state.tensors.find(name);
+    check(found != state.tensors.end(), what, ": missing tensor '", name, "'");
+    check(found->second.shape() == full_params.at(name).shape(), what, ": tensor '", name, "' is ",
+          found->second.description(), ", expected shape ", full_params.at(name).description());
+    copies.emplace_back(p, slice(name, found->second));
+  }
+  for (const auto& [name, t] : state.tensors)
+    check(name.rfind("optimizer.", 0) == 0 || full_params.count(name), what, ": unexpected tensor '", name,
+          "' (not a parameter of this model)");
+  StateDict local;
+  if (with_optimizer) {
+    std::map<std::string, size_t> local_index;
+    for (size_t j = 0; j < local_order.size(); ++j) local_index[local_order[j]] = j;
+    const StateDict opt = optimizer_part(state);
+    for (const auto& [key, t] : opt.tensors) {
+      size_t i;
+      std::string rest;
+      if (auto s = split_state_key(key)) {
+        i = s->first;
+        rest = "state.%." + s->second;
+      } else if (key.rfind("master.", 0) == 0) {
+        i = static_cast<size_t>(std::stoull(key.substr(7)));
+        rest = "master.%";
+      } else {
+        local.tensors[key] = t;
+        continue;
+      }
+      check(i < full_order.size(), what, ": optimizer entry '", key, "' names parameter ", i, " of ",
+            full_order.size());
+      const auto j = local_index.find(full_order[i]);
+      if (j == local_index.end()) continue;  // another stage's parameter
+      rest.replace(rest.find('%'), 1, std::to_string(j->second));
+      local.tensors[rest] = slice(full_order[i], t);
+    }
+    for (const auto& [key, value] : opt.metadata) {
+      if (auto s = split_state_key(key)) {
+        check(s->first < full_order.size(), what, ": optimizer entry '", key, "' names parameter ", s->first, " of ",
+              full_order.size());
+        const auto j = local_index.find(full_order[s->first]);
+        if (j != local_index.end()) local.metadata["state." + std::to_string(j->second) + "." + s->second] = value;
+      } else {
+        local.metadata[key] = value;
+      }
+    }
+    int64_t decay = 0;
+    for (const auto& [name, p] : stage->named_parameters()) decay += p.dim() >= 2;
+    local.metadata["param_groups.0.params"] = std::to_string(decay);
+    local.metadata["param_groups.1.params"] = std::to_string(static_cast<int64_t>(local_order.size()) - decay);
+  }
+  {
+    NoGradGuard no_grad;
+    for (auto& [param, value] : copies) param.copy_(value);
+  }
+  if (with_optimizer) {
+    if (zero) zero->load_state_dict(local);
+    else mpo->load_state_dict(local);
+  } else if (zero) {
+    zero->reload_masters();
+  } else {
+    mpo->reload_masters();
+  }
+}
+
+void ParallelTrainer::load_checkpoint(const StateDict& state) {
+  Impl& m = *impl_;
+  const int64_t step = validate_checkpoint(state, m.config, m.options, m.data);
+  const auto generators = checkpoint_generators(state, *m.stage);
+  m.load_named(state, true);
+  for (auto& [gen, g] : generators) *gen = g;
+  step_ = step;
+}
+
+void ParallelTrainer::load_weights(const StateDict& state) { impl_->load_named(model_part(state), false); }
+
+StateDict ParallelTrainer::full_weights() { return model_part(checkpoint()); }
+
+}  // namespace mixtape

@@ -1,0 +1,401 @@
+// The GPT trainer over processes (examples/parallel_training.h) against the single-process Trainer: issue 6's
+// matrix of layouts x precision modes (20 steps: losses, skipped steps, loss scale, final weights), an inf on one
+// tensor-parallel rank, layout-free checkpoints (TP2 x PP2 -> DP2 -> one process), evaluation, and the errors.
+//
+// 4 ranks. A layout of n ranks runs as 4 / n jobs side by side (the world split by rank / n); every rank also
+// runs the single-process reference itself, from the same seed, and compares.
+#include <gtest/gtest.h>
+
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "dist/communicator.h"
+#include "examples/parallel_training.h"
+#include "examples/training.h"
+#include "nn/safetensors.h"
+#include "tensor/autograd_node.h"
+#include "tensor/ops.h"
+#include "../test_util.h"
+
+using namespace mixtape;
+using mixtape::dist::Communicator;
+using mixtape::dist::Reduction;
+
+namespace {
+
+constexpr int kSteps = 20;    // the issue's 20 steps
+constexpr int kInfStep = 7;   // an inf is planted in one gradient at this step (every run skips it)
+
+// A small text with an odd number of distinct characters (a vocabulary tp = 2 does not divide).
+const TokenData& corpus() {
+  static const TokenData data = [] {
+    const char* words[] = {"the", "king", "shall", "sing", "of", "war", "and", "bread;", "night", "falls,",
+                           "upon", "thy", "gentle", "heart", "my", "lord!"};
+    std::string text;
+    uint32_t state = 12345;
+    for (int i = 0; i < 900; ++i) {
+      state = state * 1664525u + 1013904223u;
+      text += words[(state >> 16) % 16];
+      text += (i % 9 == 8) ? "\n" : " ";
+    }
+    return char_tokens(text);
+  }();
+  return data;
+}
+
+GPTConfig tiny_config(double dropout = 0.0) {
+  GPTConfig c;
+  c.n_layer = 2;
+  c.n_head = 2;
+  c.n_embd = 16;
+  c.block_size = 8;
+  c.vocab_size = corpus().vocab_size;
+  c.bias = true;
+  c.dropout = dropout;
+  return c;
+}
+
+struct Mode {
+  const char* name;
+  AmpConfig amp;
+  bool exact() const { return amp.mixed_precision == "fp32"; }
+};
+
+// Loss scales that never overflow naturally here (growth every 5 clean steps, from 1024): a rank's local
+// gradients differ from the single process's (a dp rank's local mean over fewer rows, a micro-batch's backward),
+// so a natural overflow could fall on different steps; every skip here is the planted inf.
+std::vector<Mode> modes() {
+  return {{"fp32", AmpConfig::parse("fp32")},
+          {"fp16 GradScaler", AmpConfig::from_json(R"({"init_scale":1024,"growth_interval":5})", "fp16")},
+          {"bf16", AmpConfig::parse("bf16")},
+          {"fp16_naive", AmpConfig::from_json(R"({"initial_scale":1024,"growth_interval":5})", "fp16_naive")},
+          {"fp16_apex O2", AmpConfig::from_json(R"({"max_loss_scale":1024})", "fp16_apex:O2")}};
+}
+
+TrainOptions options_for(const AmpConfig& amp) {
+  TrainOptions o;
+  o.batch = 8;
+  o.steps = kSteps;
+  o.lr = 3e-3;
+  o.min_lr = 3e-4;
+  o.warmup = 2;
+  o.optimizer = "adamw";
+  o.grad_clip = 1.0;
+  o.seed = 7;
+  o.amp = amp;
+  return o;
+}
+
+struct Layout {
+  const char* name;
+  ParallelOptions p;
+  int size() const { return p.tp * p.pp * p.dp; }
+};
+
+ParallelOptions layout(int tp, int pp, int dp, int zero, int64_t micro_batches, const char* schedule = "1f1b") {
+  ParallelOptions p;
+  p.tp = tp;
+  p.pp = pp;
+  p.dp = dp;
+  p.zero = zero;
+  p.micro_batches = micro_batches;
+  p.pp_schedule = schedule;
+  return p;
+}
+
+std::vector<Layout> layouts() {
+  return {{"DP2", layout(1, 1, 2, 0, 1)},
+          {"TP2", layout(2, 1, 1, 0, 1)},
+          {"PP2 GPipe", layout(1, 2, 1, 0, 4, "gpipe")},
+          {"PP2 1F1B", layout(1, 2, 1, 0, 4, "1f1b")},
+          {"TP2xPP2", layout(2, 2, 1, 0, 2)},
+          {"DP2+ZeRO-1", layout(1, 1, 2, 1, 1)},
+          // Beyond the issue's list: all three kinds at once on the 4 ranks.
+          {"TP2xDP2", layout(2, 1, 2, 0, 2)},
+          {"PP2xDP2+ZeRO-1", layout(1, 2, 2, 1, 2, "gpipe")}};
+}
+
+// The world split into jobs of n ranks (ranks [k n, (k + 1) n)).
+Communicator job_of(int n) {
+  const Communicator world = Communicator::world();
+  return world.split(world.rank() / n, world.rank(), "job of " + std::to_string(n));
+}
+
+// +inf added to element 0 of the first parameter (in name order) that has a gradient.
+void plant_inf(Module& model) {
+  NoGradGuard no_grad;
+  for (auto [name, p] : model.named_parameters()) {
+    if (!p.grad().defined()) continue;
+    std::vector<double> mask(static_cast<size_t>(p.numel()), 0.0);
+    mask[0] = INFINITY;
+    p.set_grad(add(p.grad(), Tensor::from_vector(mask, p.shape()).to(p.grad().dtype())));
+    return;
+  }
+}
+
+struct Outcome {
+  std::vector<double> losses;
+  std::vector<int> skipped;
+  std::vector<double> scales;  // the loss scale each step used
+  std::vector<double> grad_norms;  // of the unscaled gradients (0 on the skipped step)
+  StateDict weights;           // the full model's weights (fp32); for a parallel run: on the job's rank 0 only
+};
+
+Outcome run_single(const Mode& mode, int inf_step = kInfStep) {
+  Trainer trainer(tiny_config(), options_for(mode.amp), corpus());
+  trainer.gradient_hook = [&](int64_t step, Module& model) {
+    if (step == inf_step) plant_inf(model);
+  };
+  Outcome out;
+  for (int s = 0; s < kSteps; ++s) {
+    const StepStats stats = trainer.train_step();
+    out.losses.push_back(stats.loss);
+    out.scales.push_back(stats.loss_scale);
+    out.grad_norms.push_back(stats.grad_norm);
+    if (stats.skipped) out.skipped.push_back(s);
+  }
+  out.weights = model_part(trainer.checkpoint());
+  return out;
+}
+
+// inf_rank: the job rank that plants the inf (on the first of its parameters that has a gradient).
+Outcome run_parallel(const Layout& l, const Mode& mode, int inf_rank) {
+  const Communicator job = job_of(l.size());
+  ParallelTrainer trainer(tiny_config(), options_for(mode.amp), l.p, corpus(), job);
+  trainer.gradient_hook = [&](int64_t step, Module& stage) {
+    if (step == kInfStep && job.rank() == inf_rank) plant_inf(stage);
+  };
+  Outcome out;
+  for (int s = 0; s < kSteps; ++s) {
+    const StepStats stats = trainer.train_step();
+    out.losses.push_back(stats.loss);
+    out.scales.push_back(stats.loss_scale);
+    out.grad_norms.push_back(stats.grad_norm);
+    if (stats.skipped) out.skipped.push_back(s);
+  }
+  out.weights = trainer.full_weights();
+  return out;
+}
+
+// |a - b| <= tol * max(|b|, floor) elementwise; reports the first few differences.
+void expect_close(const std::vector<double>& a, const std::vector<double>& b, double tol, double floor,
+                  const std::string& what) {
+  ASSERT_EQ(a.size(), b.size()) << what;
+  int reported = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    const bool ok = std::abs(a[i] - b[i]) <= tol * std::max(std::abs(b[i]), floor);
+    if (!ok && reported++ < 3) ADD_FAILURE() << what << "[" << i << "]: " << a[i] << " vs " << b[i];
+  }
+}
+
+// The values of a weight that training determines. The key part of c_attn.bias (elements [C, 2C)) is left out:
+// it adds q . b_k to every score of a query's row, which the softmax cancels, so its gradient is 0 in exact
+// arithmetic and only rounding noise in practice; AdamW scales that noise into full-size steps whose direction
+// depends on the order of every sum (it differs between two single-process runs that sum in another order).
+std::vector<double> determined_values(const std::string& name, const Tensor& t) {
+  std::vector<double> v = t.to_vector<double>();
+  const std::string suffix = "attn.c_attn.bias";
+  if (name.size() >= suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0) {
+    const auto C = static_cast<std::ptrdiff_t>(v.size() / 3);
+    v.erase(v.begin() + C, v.begin() + 2 * C);
+  }
+  return v;
+}
+
+// The parameter a checkpoint tensor belongs to: itself, or order[i] for "optimizer.master.<i>" and
+// "optimizer.state.<i>.<buffer>"; empty for other optimizer tensors.
+std::string parameter_of(const std::string& key, const std::vector<std::string>& order) {
+  for (const std::string prefix : {"optimizer.master.", "optimizer.state."})
+    if (key.rfind(prefix, 0) == 0) return order.at(std::stoul(key.substr(prefix.size())));
+  return key.rfind("optimizer.", 0) == 0 ? std::string() : key;
+}
+
+// fp32 (exact = true): elementwise within tol relative (floor 0.1). 16-bit modes: each tensor's difference within
+// tol of its norm (the 16-bit roundings of partial sums differ, and AdamW turns a flipped rounding of a tiny
+// gradient into a full step of that one weight, so single elements may differ by more).
+void expect_same_weights(const StateDict& got, const StateDict& want, double tol, bool exact, const std::string& what) {
+  ASSERT_EQ(got.tensors.size(), want.tensors.size()) << what;
+  for (const auto& [name, t] : want.tensors) {
+    const auto found = got.tensors.find(name);
+    if (found == got.tensors.end()) {
+      ADD_FAILURE() << what << ": no tensor " << name;
+      continue;
+    }
+    EXPECT_EQ(found->second.shape(), t.shape()) << what << ": " << name;
+    if (found->second.shape() != t.shape()) continue;
+    const std::vector<double> a = determined_values(name, found->second), b = determined_values(name, t);
+    if (exact) {
+      expect_close(a, b, tol, 0.1, what + ": " + name);
+      continue;
+    }
+    double diff = 0, norm = 0;
+    for (size_t i = 0; i < a.size(); ++i) {
+      diff += (a[i] - b[i]) * (a[i] - b[i]);
+      norm += b[i] * b[i];
+    }
+    EXPECT_LE(std::sqrt(diff), tol * std::sqrt(norm)) << what << ": " << name;
+  }
+}
+
+}  // namespace
+
+// Issue 6's matrix. fp32: losses and weights within 1e-5 (relative, 1e-6 absolute near zero); the 16-bit modes:
+// losses within 1e-2 and each weight tensor within 5e-2 of its norm (see expect_same_weights; the largest seen is
+// 2.5e-2, a bias at TP2 in bf16, whose row-parallel partial products are rounded to bf16 before the all-reduce, as
+// in Megatron-LM), and in every mode the same skipped step (the planted inf, on one rank only) and the same loss
+// scale at every step.
+TEST(ParallelTrainer, EveryLayoutTrainsLikeOneProcessInEveryPrecisionMode) {
+  const int rank = Communicator::world().rank();
+  for (const Mode& mode : modes()) {
+    const Outcome want = run_single(mode);
+    ASSERT_EQ(want.skipped, std::vector<int>{kInfStep}) << mode.name;  // the same on every rank: no hang
+    for (const Layout& l : layouts()) {
+      const std::string what = std::string(l.name) + " " + mode.name;
+      // The inf on the job's last rank: a tensor-parallel rank 1, a last stage or a dp rank 1.
+      const Outcome got = run_parallel(l, mode, l.size() - 1);
+      const double tol = mode.exact() ? 1e-5 : 1e-2;
+      expect_close(got.losses, want.losses, tol, 1e-2, what + " losses");
+      // Each parameter counted once in the norm (not tp times when replicated, not twice when tied over pp).
+      expect_close(got.grad_norms, want.grad_norms, mode.exact() ? 1e-5 : 3e-2, 1e-2, what + " grad norms");
+      EXPECT_EQ(got.skipped, want.skipped) << what;
+      EXPECT_EQ(got.scales, want.scales) << what;
+      if (rank % l.size() == 0)
+        expect_same_weights(got.weights, want.weights, mode.exact() ? 1e-5 : 5e-2, mode.exact(), what);
+    }
+  }
+}
+
+// With dropout the masks are the single process's too: each data-parallel rank draws from its first row's offset.
+TEST(ParallelTrainer, DropoutMasksAreTheSingleProcessRunsAtEveryLayout) {
+  const TrainOptions options = options_for(AmpConfig::parse("fp32"));
+  Trainer single(tiny_config(0.2), options, corpus());
+  std::vector<double> want;
+  for (int s = 0; s < 6; ++s) want.push_back(single.train_step().loss);
+  for (const Layout& l : {Layout{"DP2", layout(1, 1, 2, 0, 2)}, Layout{"TP2xDP2", layout(2, 1, 2, 0, 1)},
+                          Layout{"TP2xPP2", layout(2, 2, 1, 0, 4)}, Layout{"DP4 ZeRO-1", layout(1, 1, 4, 1, 1)}}) {
+    ParallelTrainer trainer(tiny_config(0.2), options, l.p, corpus(), job_of(l.size()));
+    std::vector<double> got;
+    for (int s = 0; s < 6; ++s) got.push_back(trainer.train_step().loss);
+    expect_close(got, want, 1e-5, 1e-2, std::string(l.name) + " with dropout 0.2");
+  }
+}
+
+// An inf in one tensor-parallel rank's gradient only (rank 1 of TP2 x PP2, first stage): every rank skips that
+// step and halves its loss scale (GradScaler's backoff), the same on all four.
+TEST(ParallelTrainer, AnInfOnOneTensorParallelRankSkipsTheStepOnEveryRank) {
+  const Communicator world = Communicator::world();
+  const Mode mode = modes()[1];
+  ParallelTrainer trainer(tiny_config(), options_for(mode.amp), layout(2, 2, 1, 0, 2), corpus(), world);
+  trainer.gradient_hook = [&](int64_t step, Module& stage) {
+    if (step == 3 && world.rank() == 1) plant_inf(stage);
+  };
+  for (int s = 0; s < 6; ++s) {
+    const double before = trainer.loss_scale();
+    const StepStats stats = trainer.train_step();
+    EXPECT_EQ(stats.skipped, s == 3) << "step " << s << " on rank " << world.rank();
+    if (s == 3) {
+      EXPECT_EQ(trainer.loss_scale(), before / 2) << "rank " << world.rank();
+    }
+    std::vector<double> scale = {trainer.loss_scale(), -trainer.loss_scale()};
+    world.all_reduce(scale, Reduction::Max);
+    EXPECT_EQ(scale[0], -scale[1]) << "the ranks' loss scales differ after step " << s;
+  }
+  EXPECT_EQ(trainer.skipped_steps(), 1);
+}
+
+// A checkpoint written at TP2 x PP2 is the single-process Trainer's file (same names, shapes, and values to
+// rounding); it resumes at DP2 and on one process, and both continue the loss curve of the uninterrupted run.
+TEST(ParallelTrainer, ACheckpointSavedAtTp2Pp2ResumesAtDp2AndOnOneProcess) {
+  const Communicator world = Communicator::world();
+  for (const Mode& mode : {modes()[0], modes()[3]}) {
+    const TrainOptions options = options_for(mode.amp);
+    const double tol = mode.exact() ? 1e-5 : 1e-2;
+    // The file name: rank 0's pid, known to all.
+    std::vector<double> pid = {world.rank() == 0 ? double(::getpid()) : 0.0};
+    world.all_reduce(pid, Reduction::Sum);
+    const std::string path = (std::filesystem::temp_directory_path() /
+                              ("mixtape_parallel_ckpt_" + std::to_string(int64_t(pid[0])) + ".safetensors")).string();
+
+    std::vector<double> curve;  // steps 10..19 of the uninterrupted TP2 x PP2 run
+    {
+      ParallelTrainer trainer(tiny_config(), options, layout(2, 2, 1, 0, 2), corpus(), world);
+      for (int s = 0; s < 10; ++s) trainer.train_step();
+      trainer.save_checkpoint(path);
+      for (int s = 10; s < kSteps; ++s) curve.push_back(trainer.train_step().loss);
+    }
+    const StateDict file = load_safetensors(path);
+
+    // The same file as the single-process Trainer's at step 10.
+    Trainer single(tiny_config(), options, corpus());
+    const std::vector<std::string> order = optimizer_order(single.model());
+    for (int s = 0; s < 10; ++s) single.train_step();
+    const StateDict reference = single.checkpoint();
+    EXPECT_EQ(file.metadata, reference.metadata) << mode.name;
+    ASSERT_EQ(file.tensors.size(), reference.tensors.size()) << mode.name;
+    for (const auto& [name, t] : reference.tensors) {
+      ASSERT_TRUE(file.tensors.count(name)) << mode.name << ": " << name;
+      const Tensor& mine = file.tensors.at(name);
+      EXPECT_EQ(mine.dtype(), t.dtype()) << name;
+      ASSERT_EQ(mine.shape(), t.shape()) << name;
+      // Adam's second moments are squares of gradients: relative closeness, with a floor for the tiny ones.
+      const std::string param = parameter_of(name, order);
+      expect_close(determined_values(param, mine), determined_values(param, t), mode.exact() ? 1e-4 : 3e-2, 1e-2,
+                   std::string(mode.name) + " " + name);
+    }
+
+    // Resumed on one process (every rank by itself).
+    {
+      Trainer resumed(tiny_config(), options, corpus());
+      resumed.load_checkpoint(file);
+      std::vector<double> losses;
+      for (int s = 10; s < kSteps; ++s) losses.push_back(resumed.train_step().loss);
+      expect_close(losses, curve, tol, 1e-2, std::string(mode.name) + " resumed on one process");
+    }
+    // Resumed at DP2 (two jobs of two ranks).
+    {
+      ParallelTrainer resumed(tiny_config(), options, layout(1, 1, 2, 0, 1), corpus(), job_of(2));
+      resumed.load_checkpoint(file);
+      EXPECT_EQ(resumed.step(), 10);
+      std::vector<double> losses;
+      for (int s = 10; s < kSteps; ++s) losses.push_back(resumed.train_step().loss);
+      expect_close(losses, curve, tol, 1e-2, std::string(mode.name) + " resumed at DP2");
+    }
+    world.barrier();
+    if (world.rank() == 0) std::filesystem::remove(path);
+  }
+}
+
+// Evaluation: Trainer::evaluate's windows, spread over dp replicas and pipelined, give its value.
+TEST(ParallelTrainer, EvaluateEqualsTheSingleProcessValidationLoss) {
+  const TrainOptions options = options_for(AmpConfig::parse("fp32"));
+  Trainer single(tiny_config(), options, corpus());
+  const double want = single.evaluate();
+  ParallelTrainer tp_pp(tiny_config(), options, layout(2, 2, 1, 0, 2), corpus(), Communicator::world());
+  EXPECT_NEAR(tp_pp.evaluate(), want, 1e-5 * want);
+  ParallelTrainer dp_tp(tiny_config(), options, layout(2, 1, 2, 0, 1), corpus(), Communicator::world());
+  EXPECT_NEAR(dp_tp.evaluate(), want, 1e-5 * want);
+}
+
+TEST(ParallelTrainer, BadLayoutsAndUnsupportedCombinationsAreErrors) {
+  const Communicator world = Communicator::world();
+  const TrainOptions options = options_for(AmpConfig::parse("fp32"));
+  EXPECT_ERROR_MENTIONS(ParallelTrainer(tiny_config(), options, layout(2, 1, 1, 0, 1), corpus(), world),
+                        "but the job has 4 (run it with mpirun -np 2)");
+  EXPECT_ERROR_MENTIONS(ParallelTrainer(tiny_config(), options, layout(1, 1, 4, 0, 3), corpus(), world),
+                        "--batch 8 must be divisible by --dp 4 x --micro-batches 3 = 12");
+  EXPECT_ERROR_MENTIONS(ParallelTrainer(tiny_config(), options, layout(1, 4, 1, 0, 1), corpus(), world),
+                        "--pp 4 is more pipeline stages than the model's 2 layers");
+  EXPECT_ERROR_MENTIONS(ParallelTrainer(tiny_config(), options_for(AmpConfig::parse("fp16_apex:O3")),
+                                        layout(1, 1, 4, 1, 1), corpus(), world),
+                        "not supported: --zero 1 with fp16_apex without master weights");
+  EXPECT_ERROR_MENTIONS(ParallelTrainer(tiny_config(), options, layout(1, 1, 4, 2, 1), corpus(), world),
+                        "--zero must be 0 or 1");
+  ParallelOptions bad = layout(1, 1, 4, 0, 1);
+  bad.pp_schedule = "zigzag";
+  EXPECT_ERROR_MENTIONS(ParallelTrainer(tiny_config(), options, bad, corpus(), world), "--pp-schedule");
+}

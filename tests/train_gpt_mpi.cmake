@@ -1,0 +1,93 @@
+# train_gpt under mpirun end to end (issue 6): a run started at TP2 x PP2 is saved, resumed at DP2 + ZeRO-1
+# and on one process, and both end where the uninterrupted one-process run ends; rank 0 alone prints; an error
+# on one rank ends the whole job with its message instead of leaving the others waiting.
+# Run as: cmake -DTRAIN_GPT=<exe> -DMPIEXEC=<mpiexec> -DWORK_DIR=<scratch dir> -P train_gpt_mpi.cmake
+cmake_minimum_required(VERSION 3.25)
+foreach(var TRAIN_GPT MPIEXEC WORK_DIR)
+  if(NOT DEFINED ${var})
+    message(FATAL_ERROR "train_gpt_mpi.cmake: -D${var}=... is required")
+  endif()
+endforeach()
+file(REMOVE_RECURSE ${WORK_DIR})
+file(MAKE_DIRECTORY ${WORK_DIR})
+include(${CMAKE_CURRENT_LIST_DIR}/cli_test_lib.cmake)
+
+write_words_text(${WORK_DIR}/words.txt text)  # 15 distinct bytes: a vocabulary tp = 2 does not divide
+set(tiny --layers 2 --heads 2 --width 16 --block 16 --batch 8 --eval-every 0 --no-final-eval)
+set(mpi4 ${MPIEXEC} -np 4 --oversubscribe --bind-to none)
+set(mpi2 ${MPIEXEC} -np 2 --oversubscribe --bind-to none)
+
+# "val_loss x.xxxxxx" of a weights file, in millionths; the extra arguments go to train_gpt.
+function(val_loss out file)
+  run(printed ${launcher} ${TRAIN_GPT} --data words.txt --init ${file} --eval-only ${ARGN})
+  if(NOT printed MATCHES "val_loss ([0-9]+)\\.([0-9]+)\n$")
+    message(FATAL_ERROR "--eval-only of ${file} printed '${printed}'")
+  endif()
+  set(whole ${CMAKE_MATCH_1})
+  string(SUBSTRING "${CMAKE_MATCH_2}000000" 0 6 fraction)
+  string(REGEX REPLACE "^0+([0-9])" "\\1" fraction "${fraction}")
+  math(EXPR value "${whole} * 1000000 + ${fraction}")
+  set(${out} ${value} PARENT_SCOPE)
+endfunction()
+
+function(expect_near what a b tolerance)
+  math(EXPR diff "${a} - ${b}")
+  if(diff LESS -${tolerance} OR diff GREATER ${tolerance})
+    check_failed("${what}: ${a} vs ${b} millionths (tolerance ${tolerance})")
+  endif()
+endfunction()
+
+# The uninterrupted run: 6 steps on one process.
+run(out ${TRAIN_GPT} --data words.txt ${tiny} --steps 6 --save one.safetensors)
+
+# Steps 0-2 at TP2 x PP2 (1F1B, 2 micro-batches), saved.
+run(out ${mpi4} ${TRAIN_GPT} --data words.txt ${tiny} --steps 6 --stop-at 3 --tp 2 --pp 2 --micro-batches 2
+    --save mid.safetensors)
+if(NOT out MATCHES "\\| 4 processes: tp 2, pp 2 \\(1f1b\\), 2 micro-batches per dp rank\n")
+  check_failed("the header does not describe the layout: ${out}")
+endif()
+string(REGEX MATCHALL "step +1/6 " firsts "${out}")
+list(LENGTH firsts n)
+if(NOT n EQUAL 1)
+  check_failed("the first step's line was printed ${n} times (rank 0 alone prints): ${out}")
+endif()
+if(NOT out MATCHES "saved mid.safetensors at step 3\n")
+  check_failed("TP2 x PP2 did not report its save: ${out}")
+endif()
+
+# Steps 3-5 at DP2 with ZeRO-1, and on one process, from the same file.
+run(out ${mpi2} ${TRAIN_GPT} --data words.txt --resume mid.safetensors --steps 6 --dp 2 --zero 1
+    --save dp.safetensors)
+if(NOT out MATCHES "resumed at step 3\n" OR NOT out MATCHES "dp 2, ZeRO-1")
+  check_failed("DP2 + ZeRO-1 did not resume at step 3: ${out}")
+endif()
+run(out ${TRAIN_GPT} --data words.txt --resume mid.safetensors --steps 6 --save resumed.safetensors)
+
+# All three end at the same weights: their validation losses agree to fp32 rounding (2e-5).
+set(launcher "")
+val_loss(one one.safetensors)
+val_loss(dp dp.safetensors)
+val_loss(resumed resumed.safetensors)
+expect_near("TP2xPP2 then DP2+ZeRO-1 vs one process" ${dp} ${one} 20)
+expect_near("TP2xPP2 then one process vs one process" ${resumed} ${one} 20)
+# And evaluating at TP2 (the vocabulary of 15 split 8 + 7) gives the one-process value.
+set(launcher ${mpi2})
+val_loss(tp2 one.safetensors --tp 2)
+expect_near("--eval-only at TP2 vs one process" ${tp2} ${one} 20)
+
+# Errors. A layout the job does not fit: every rank says so.
+execute_process(COMMAND ${mpi2} ${TRAIN_GPT} --data words.txt ${tiny} --steps 2 --tp 2 --pp 2
+                WORKING_DIRECTORY ${WORK_DIR} RESULT_VARIABLE status OUTPUT_VARIABLE stdout ERROR_VARIABLE stderr
+                TIMEOUT 120)
+if(status EQUAL 0 OR NOT stderr MATCHES "error: train_gpt: --tp 2 x --pp 2 = 4 does not divide the job's 2 processes")
+  check_failed("a layout larger than the job: status ${status}, stderr: ${stderr}")
+endif()
+# One rank fails (rank 0 cannot open its log) while the other waits for it in the first step: the job ends
+# (MPI_Abort) with rank 0's message instead of hanging (the timeout would catch a hang).
+execute_process(COMMAND ${mpi2} ${TRAIN_GPT} --data words.txt ${tiny} --steps 2 --dp 2
+                        --log-json ${WORK_DIR}/no/such/dir/log.jsonl
+                WORKING_DIRECTORY ${WORK_DIR} RESULT_VARIABLE status OUTPUT_VARIABLE stdout ERROR_VARIABLE stderr
+                TIMEOUT 120)
+if(status EQUAL 0 OR NOT stderr MATCHES "rank 0 of 2: error: train_gpt: cannot open --log-json file")
+  check_failed("one failing rank: status ${status}, stderr: ${stderr}")
+endif()
