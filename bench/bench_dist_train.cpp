@@ -1,32 +1,33 @@
 // bench_dist_train: data parallelism on the CPU. The GPT training step (bench_train_gpt's model: 4 layers,
-// 4 heads, width 256, block 128, vocab 65, global batch 16, AdamW, clipping at 1) run three ways in the same job,
-// in alternating rounds so that load from elsewhere hits every side alike:
-//   one process, 1 thread       rank 0 alone (the other ranks wait), OMP threads 1: the per-core baseline
-//   one process, N threads      rank 0 alone with the job's N cores as OpenMP threads: what one process makes of
-//                               the same cores
-//   DP N                        ParallelTrainer with dp = N (every rank 1 thread, local batch 16 / N), gradients
+// 4 heads, width 256, block 128, vocab 65, global batch 16, AdamW, clipping at 1, constant lr) run three ways in
+// the same job, in alternating rounds so that load from elsewhere hits every side alike:
+//   one process, 1 thread       the per-core baseline
+//   one process, N threads      what one process makes of the job's N cores (OpenMP + oneDNN threads)
+//   DP N                        ParallelTrainer with dp = N, one thread per rank (local batch 16 / N), gradients
 //                               averaged over MPI in fp32 buckets
-// and prints tokens/s (median step of each side), the scaling efficiency DP N / (N x one process, 1 thread) and
-// the speedup DP N / one process, N threads.
+// and prints tokens/s (the median step of each side), the scaling efficiency DP N / (N x one process, 1 thread)
+// and the speedup DP N / one process with N threads.
 //
 //   mpirun -np 2 --bind-to none ./build/bench/bench_dist_train [--rounds 3] [--steps 5] [--precision fp32]
 //                                                               [--json FILE]
-// Needs MPI (the target exists only in builds with it). Run as root: OMPI_ALLOW_RUN_AS_ROOT=1
-// OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1.
+// The one-process sides run as child processes of rank 0 (this binary with --single-child), each a fresh
+// process: oneDNN fixes a primitive's thread count when it creates it, so one process cannot fairly time both
+// thread counts. The other ranks wait without spinning meanwhile. Needs MPI (the target exists only in builds
+// with it); as root, OpenMPI wants OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1.
+#include <mpi.h>
 #include <omp.h>
+#include <unistd.h>
 
-#include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <cstdlib>
 #include <fstream>
-#include <random>
+#include <sstream>
 #include <string>
 #include <vector>
 
+#include "bench/bench_training.h"
 #include "dist/world.h"
 #include "examples/parallel_training.h"
-#include "examples/training.h"
 #include "nn/json.h"
 #include "tensor/error.h"
 
@@ -34,17 +35,25 @@ using namespace mixtape;
 
 namespace {
 
+const bench::BenchModel kModel{4, 4, 256, 128, 65, 16};
+constexpr double kLr = 1e-3;
+
 struct Args {
   int rounds = 3;
-  int steps = 5;  // timed steps per side and round (after one warm-up step per round)
+  int steps = 5;  // timed steps per side and round (after one warm-up step)
   std::string precision = "fp32";
   std::string json;
+  bool single_child = false;
 };
 
 Args parse(int argc, char** argv) {
   Args a;
   for (int i = 1; i < argc; ++i) {
     const std::string flag = argv[i];
+    if (flag == "--single-child") {
+      a.single_child = true;
+      continue;
+    }
     check(i + 1 < argc, "bench_dist_train: ", flag, " needs a value");
     const std::string value = argv[++i];
     if (flag == "--rounds") a.rounds = std::stoi(value);
@@ -57,24 +66,10 @@ Args parse(int argc, char** argv) {
   return a;
 }
 
-// A random token stream over 65 ids: a step's cost does not depend on the token values.
-TokenData random_tokens() {
-  TokenData data;
-  data.vocab_size = 65;
-  std::mt19937 rng(1234);
-  data.tokens.resize(400000);
-  for (int32_t& t : data.tokens) t = static_cast<int32_t>(rng() % 65);
-  return data;
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
+// One warm-up step, then `n` timed ones (seconds each, appended).
 template <class Step>
 void time_steps(Step&& step, int n, std::vector<double>& seconds) {
-  step();  // warm-up
+  step();
   for (int i = 0; i < n; ++i) {
     const auto t0 = std::chrono::steady_clock::now();
     step();
@@ -82,57 +77,79 @@ void time_steps(Step&& step, int n, std::vector<double>& seconds) {
   }
 }
 
+// A barrier that waits without spinning (a blocking MPI_Barrier busy-polls a core that rank 0's baselines need).
+void quiet_barrier() {
+  MPI_Request request;
+  MPI_Ibarrier(MPI_COMM_WORLD, &request);
+  for (int done = 0; !done;) {
+    MPI_Test(&request, &done, MPI_STATUS_IGNORE);
+    if (!done) ::usleep(2000);
+  }
+}
+
+// --single-child: the one-process step at OMP_NUM_THREADS (set by the parent); prints the step times, one per line.
+int single_child(const Args& args) {
+  const TokenData data = bench::random_tokens(kModel.vocab, 400000);
+  const auto trainer = bench::make_trainer(kModel, args.precision, kLr, Device::cpu(), data);
+  std::vector<double> seconds;
+  time_steps([&] { trainer->train_step(); }, args.steps, seconds);
+  for (double s : seconds) std::printf("%.9f\n", s);
+  return 0;
+}
+
+void run_child(const Args& args, int threads, std::vector<double>& seconds) {
+  char self[4096];
+  const ssize_t n = ::readlink("/proc/self/exe", self, sizeof(self) - 1);
+  check(n > 0, "bench_dist_train: cannot find its own executable");
+  self[n] = 0;
+  const std::string command = "OMP_NUM_THREADS=" + std::to_string(threads) + " '" + std::string(self) +
+                              "' --single-child --steps " + std::to_string(args.steps) + " --precision " +
+                              args.precision;
+  std::string out;
+  int status = 0;
+  check(bench::run_command(command, out, status) && bench::exited_with(status, 0),
+        "bench_dist_train: the one-process run failed: ", command, "\n", out);
+  std::istringstream lines(out);
+  for (double s; lines >> s;) seconds.push_back(s);
+}
+
 int run(int argc, char** argv) {
   const Args args = parse(argc, argv);
+  if (args.single_child) return single_child(args);
   const dist::World& world = dist::init(&argc, &argv);
-  const dist::Communicator comm = dist::Communicator::world();
   const int N = world.size;
-  GPTConfig config;
-  config.n_layer = 4;
-  config.n_head = 4;
-  config.n_embd = 256;
-  config.block_size = 128;
-  config.vocab_size = 65;
-  config.bias = true;
-  TrainOptions options;
-  options.batch = 16;
-  options.steps = 100000;
-  options.lr = 3e-4;
-  options.min_lr = 3e-5;
-  options.amp = AmpConfig::parse(args.precision);
-  const TokenData data = random_tokens();
-  check(options.batch % N == 0, "bench_dist_train: the global batch 16 must be divisible by the ", N, " ranks");
-
-  std::vector<double> single1, singleN, dp;
-  std::unique_ptr<Trainer> one;
-  if (world.rank == 0) one = std::make_unique<Trainer>(config, options, data);
+  check(kModel.batch % N == 0, "bench_dist_train: the global batch ", kModel.batch, " must be divisible by the ",
+        N, " ranks");
+  omp_set_num_threads(1);
+  const TokenData data = bench::random_tokens(kModel.vocab, 400000);
+  const auto [config, options] = bench::trainer_setup(kModel, args.precision, kLr, Device::cpu());
   ParallelOptions layout;
   layout.dp = N;
-  ParallelTrainer parallel(config, options, layout, data, comm);
+  ParallelTrainer parallel(config, options, layout, data, dist::Communicator::world());
+
+  std::vector<double> single1, singleN, dp;
   for (int r = 0; r < args.rounds; ++r) {
+    quiet_barrier();
     if (world.rank == 0) {
-      omp_set_num_threads(1);
-      time_steps([&] { one->train_step(); }, args.steps, single1);
-      omp_set_num_threads(N);
-      time_steps([&] { one->train_step(); }, args.steps, singleN);
+      run_child(args, 1, single1);
+      run_child(args, N, singleN);
     }
-    omp_set_num_threads(1);
-    comm.barrier();
+    quiet_barrier();
     time_steps([&] { parallel.train_step(); }, args.steps, dp);
-    comm.barrier();
   }
   if (world.rank != 0) return 0;
 
-  const double tokens = double(options.batch * config.block_size);
-  const double tps1 = tokens / median(single1), tpsN = tokens / median(singleN), tpsdp = tokens / median(dp);
+  const double tokens = double(kModel.tokens_per_step());
+  const double tps1 = tokens / bench::median(single1), tpsN = tokens / bench::median(singleN);
+  const double tpsdp = tokens / bench::median(dp);
   const double efficiency = tpsdp / (N * tps1), speedup = tpsdp / tpsN;
   std::printf("bench_dist_train: GPT 4x256 block 128, global batch 16, %s, %d ranks, %d rounds x %d steps\n",
               args.precision.c_str(), N, args.rounds, args.steps);
-  std::printf("  one process, 1 thread    %8.0f tokens/s\n", tps1);
-  std::printf("  one process, %d threads   %8.0f tokens/s\n", N, tpsN);
-  std::printf("  DP %d (1 thread per rank) %8.0f tokens/s\n", N, tpsdp);
-  std::printf("  scaling efficiency DP %d / (%d x one process, 1 thread) = %.2f\n", N, N, efficiency);
-  std::printf("  speedup DP %d / one process with %d threads = %.2f\n", N, N, speedup);
+  std::printf("  one process, 1 thread      %8.0f tokens/s\n", tps1);
+  std::printf("  one process, %d threads     %8.0f tokens/s\n", N, tpsN);
+  std::printf("  DP %d, 1 thread per rank    %8.0f tokens/s\n", N, tpsdp);
+  std::printf("  scaling efficiency: DP %d / (%d x one process with 1 thread) = %.2f\n", N, N, efficiency);
+  std::printf("  speedup: DP %d / one process with %d threads = %.2f\n", N, N, speedup);
   if (!args.json.empty()) {
     json::Value::Object o{{"ranks", int64_t{N}},
                           {"precision", args.precision},

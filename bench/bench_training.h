@@ -40,8 +40,9 @@ struct BenchModel {
 // under TrainOptions::amp = AmpConfig::parse(mode) (the mode's casts, loss scaling, overflow check and
 // master-weight update included). The same seed every time: every mode starts from the same weights and
 // sees the same batches. Building a tf32 trainer turns tf32 on process-wide (tensor/precision.h).
-inline std::unique_ptr<Trainer> make_trainer(const BenchModel& model, const std::string& mode, double lr,
-                                             Device device, const TokenData& data) {
+// trainer_setup gives the config and options (for the parallel trainer, bench_dist_train).
+inline std::pair<GPTConfig, TrainOptions> trainer_setup(const BenchModel& model, const std::string& mode,
+                                                         double lr, Device device) {
   GPTConfig config;
   config.n_layer = model.layers;
   config.n_head = model.heads;
@@ -59,6 +60,12 @@ inline std::unique_ptr<Trainer> make_trainer(const BenchModel& model, const std:
   options.grad_clip = 1.0;
   options.amp = AmpConfig::parse(mode);
   options.device = device;
+  return {config, options};
+}
+
+inline std::unique_ptr<Trainer> make_trainer(const BenchModel& model, const std::string& mode, double lr,
+                                             Device device, const TokenData& data) {
+  const auto [config, options] = trainer_setup(model, mode, lr, device);
   return std::make_unique<Trainer>(config, options, data);
 }
 

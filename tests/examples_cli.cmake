@@ -13,18 +13,6 @@ file(MAKE_DIRECTORY ${WORK_DIR})
 
 include(${CMAKE_CURRENT_LIST_DIR}/cli_test_lib.cmake)
 
-# "1.234567" -> 1234567 (millionths), for comparisons in CMake's integer arithmetic.
-function(to_micro out text)
-  if(NOT text MATCHES "^([0-9]+)\\.([0-9]+)$")
-    message(FATAL_ERROR "not a decimal number: '${text}'")
-  endif()
-  set(whole ${CMAKE_MATCH_1})
-  string(SUBSTRING "${CMAKE_MATCH_2}000000" 0 6 fraction)
-  string(REGEX REPLACE "^0+([0-9])" "\\1" fraction "${fraction}")
-  math(EXPR value "${whole} * 1000000 + ${fraction}")
-  set(${out} ${value} PARENT_SCOPE)
-endfunction()
-
 # The generate output for a .bin model: exactly `count` space-separated ids, each in [0, vocab).
 function(check_ids what text count vocab)
   string(STRIP "${text}" text)

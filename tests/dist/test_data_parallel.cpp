@@ -21,8 +21,10 @@
 #include "tensor/autograd_node.h"
 #include "tensor/ops.h"
 #include "../test_util.h"
+#include "dist_test_util.h"
 
 using namespace mixtape;
+using mixtape::testing::expect_close;
 using namespace mixtape::dist;
 
 namespace {
@@ -140,17 +142,6 @@ Outcome train(const RunSpec& s, const Communicator* dp) {
   out.final_scale = zero ? zero->loss_scale() : mpo->loss_scale();
   out.state = zero ? zero->state_dict() : mpo->state_dict();
   return out;
-}
-
-// |a - b| <= tol * max(|b|, floor) elementwise.
-void expect_close(const std::vector<double>& a, const std::vector<double>& b, double tol, double floor,
-                  const std::string& what) {
-  ASSERT_EQ(a.size(), b.size()) << what;
-  int reported = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    const bool ok = std::abs(a[i] - b[i]) <= tol * std::max(std::abs(b[i]), floor);
-    if (!ok && reported++ < 3) ADD_FAILURE() << what << "[" << i << "]: " << a[i] << " vs " << b[i];
-  }
 }
 
 void expect_same_training(const Outcome& got, const Outcome& want, Mode mode, const std::string& what) {

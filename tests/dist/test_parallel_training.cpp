@@ -21,8 +21,10 @@
 #include "tensor/autograd_node.h"
 #include "tensor/ops.h"
 #include "../test_util.h"
+#include "dist_test_util.h"
 
 using namespace mixtape;
+using mixtape::testing::expect_close;
 using mixtape::dist::Communicator;
 using mixtape::dist::Reduction;
 
@@ -146,11 +148,9 @@ struct Outcome {
   StateDict weights;           // the full model's weights (fp32); for a parallel run: on the job's rank 0 only
 };
 
-Outcome run_single(const Mode& mode, int inf_step = kInfStep) {
-  Trainer trainer(tiny_config(), options_for(mode.amp), corpus());
-  trainer.gradient_hook = [&](int64_t step, Module& model) {
-    if (step == inf_step) plant_inf(model);
-  };
+// kSteps steps of either trainer, recorded.
+template <class AnyTrainer>
+Outcome train(AnyTrainer& trainer) {
   Outcome out;
   for (int s = 0; s < kSteps; ++s) {
     const StepStats stats = trainer.train_step();
@@ -159,6 +159,15 @@ Outcome run_single(const Mode& mode, int inf_step = kInfStep) {
     out.grad_norms.push_back(stats.grad_norm);
     if (stats.skipped) out.skipped.push_back(s);
   }
+  return out;
+}
+
+Outcome run_single(const Mode& mode, int inf_step = kInfStep) {
+  Trainer trainer(tiny_config(), options_for(mode.amp), corpus());
+  trainer.gradient_hook = [&](int64_t step, Module& model) {
+    if (step == inf_step) plant_inf(model);
+  };
+  Outcome out = train(trainer);
   out.weights = model_part(trainer.checkpoint());
   return out;
 }
@@ -170,27 +179,9 @@ Outcome run_parallel(const Layout& l, const Mode& mode, int inf_rank) {
   trainer.gradient_hook = [&](int64_t step, Module& stage) {
     if (step == kInfStep && job.rank() == inf_rank) plant_inf(stage);
   };
-  Outcome out;
-  for (int s = 0; s < kSteps; ++s) {
-    const StepStats stats = trainer.train_step();
-    out.losses.push_back(stats.loss);
-    out.scales.push_back(stats.loss_scale);
-    out.grad_norms.push_back(stats.grad_norm);
-    if (stats.skipped) out.skipped.push_back(s);
-  }
+  Outcome out = train(trainer);
   out.weights = trainer.full_weights();
   return out;
-}
-
-// |a - b| <= tol * max(|b|, floor) elementwise; reports the first few differences.
-void expect_close(const std::vector<double>& a, const std::vector<double>& b, double tol, double floor,
-                  const std::string& what) {
-  ASSERT_EQ(a.size(), b.size()) << what;
-  int reported = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    const bool ok = std::abs(a[i] - b[i]) <= tol * std::max(std::abs(b[i]), floor);
-    if (!ok && reported++ < 3) ADD_FAILURE() << what << "[" << i << "]: " << a[i] << " vs " << b[i];
-  }
 }
 
 // The values of a weight that training determines. The key part of c_attn.bias (elements [C, 2C)) is left out:
