@@ -36,6 +36,7 @@
 #include "examples/training.h"
 #include "nn/json.h"
 #include "nn/safetensors.h"
+#include "tensor/backend.h"
 
 using namespace mixtape;
 
@@ -292,7 +293,11 @@ int run(int argc, char** argv) {
             " = ", model_parallel, " does not divide the job's ", world.size, " processes");
       opt.parallel.dp = world.size / model_parallel;
     }
-    if (opt.train.device.is_cuda()) opt.train.device = dist::device();  // this rank's own GPU
+    // --device cuda: this rank's own GPU (Device::cuda says so when there is none: no silent CPU fallback).
+    if (opt.train.device.is_cuda()) {
+      const int count = cuda_device_count();
+      opt.train.device = Device::cuda(count > 0 ? world.local_rank % count : 0);
+    }
     printer = world.rank == 0;
     parallel = std::make_unique<ParallelTrainer>(opt.model, opt.train, opt.parallel, data,
                                                  dist::Communicator::world());

@@ -276,6 +276,26 @@ TEST(ParallelTrainer, DropoutMasksAreTheSingleProcessRunsAtEveryLayout) {
   }
 }
 
+// A pipeline the stages do not divide evenly: 3 blocks over 2 stages (2 on the first, 1 on the last).
+TEST(ParallelTrainer, StagesWithUnequalLayerCountsTrainLikeOneProcess) {
+  GPTConfig config = tiny_config();
+  config.n_layer = 3;
+  const TrainOptions options = options_for(AmpConfig::parse("fp32"));
+  Trainer single(config, options, corpus());
+  std::vector<double> want;
+  for (int s = 0; s < 5; ++s) want.push_back(single.train_step().loss);
+  for (const Layout& l : {Layout{"PP2", layout(1, 2, 1, 0, 2)}, Layout{"TP2xPP2", layout(2, 2, 1, 0, 4, "gpipe")}}) {
+    const Communicator job = job_of(l.size());
+    ParallelTrainer trainer(config, options, l.p, corpus(), job);
+    std::vector<double> got;
+    for (int s = 0; s < 5; ++s) got.push_back(trainer.train_step().loss);
+    expect_close(got, want, 1e-5, 1e-2, std::string(l.name) + " with 3 layers");
+    const StateDict weights = trainer.full_weights();
+    if (job.rank() == 0)
+      expect_same_weights(weights, model_part(single.checkpoint()), 1e-5, true, std::string(l.name) + " 3 layers");
+  }
+}
+
 // An inf in one tensor-parallel rank's gradient only (rank 1 of TP2 x PP2, first stage): every rank skips that
 // step and halves its loss scale (GradScaler's backoff), the same on all four.
 TEST(ParallelTrainer, AnInfOnOneTensorParallelRankSkipsTheStepOnEveryRank) {
