@@ -63,6 +63,8 @@ class ParallelTrainer {
   ParallelTrainer(const GPTConfig& config, const TrainOptions& options, const ParallelOptions& parallel,
                   const TokenData& data, const dist::Communicator& world);
   ~ParallelTrainer();
+  ParallelTrainer(const ParallelTrainer&) = delete;  // its pipeline's loss-scale hook refers to this object
+  ParallelTrainer& operator=(const ParallelTrainer&) = delete;
 
   StepStats train_step();  // collective; the same StepStats on every rank
   double evaluate();       // collective; Trainer::evaluate's windows, spread over dp, pipelined over pp
