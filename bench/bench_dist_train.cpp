@@ -4,12 +4,14 @@
 //   one process, 1 thread       the per-core baseline
 //   one process, N threads      what one process makes of the job's N cores (OpenMP + oneDNN threads)
 //   DP N                        ParallelTrainer with dp = N, one thread per rank (local batch 16 / N), gradients
-//                               averaged over MPI in fp32 buckets
-// and prints tokens/s (the median step of each side), the scaling efficiency DP N / (N x one process, 1 thread)
-// and the speedup DP N / one process with N threads.
+//                               averaged over MPI in fp32 buckets of --bucket-mb (default 1 MiB: the model's
+//                               12.7 MB of fp32 gradients make 13 buckets, all-reduced during the backward)
+//   DP N, one bucket            the same with every gradient in one bucket, all-reduced after the backward
+// and prints tokens/s (the median step of each side), the scaling efficiency DP N / (N x one process, 1 thread),
+// the speedup DP N / one process with N threads, and DP N / DP N with one bucket (what the overlap gains).
 //
 //   mpirun -np 2 --bind-to none ./build/bench/bench_dist_train [--rounds 3] [--steps 5] [--precision fp32]
-//                                                               [--json FILE]
+//                                                               [--bucket-mb 1] [--json FILE]
 // The one-process sides run as child processes of rank 0 (this binary with --single-child), each a fresh
 // process: oneDNN fixes a primitive's thread count when it creates it, so one process cannot fairly time both
 // thread counts. The other ranks wait without spinning meanwhile. Needs MPI (the target exists only in builds
@@ -42,6 +44,7 @@ struct Args {
   int rounds = 3;
   int steps = 5;  // timed steps per side and round (after one warm-up step)
   std::string precision = "fp32";
+  double bucket_mb = 1.0;
   std::string json;
   bool single_child = false;
 };
@@ -60,7 +63,9 @@ Args parse(int argc, char** argv) {
     else if (flag == "--steps") a.steps = std::stoi(value);
     else if (flag == "--precision") a.precision = value;
     else if (flag == "--json") a.json = value;
-    else fail("bench_dist_train: unknown option ", flag, " (--rounds N --steps N --precision MODE --json FILE)");
+    else if (flag == "--bucket-mb") a.bucket_mb = std::stod(value);
+    else fail("bench_dist_train: unknown option ", flag,
+              " (--rounds N --steps N --precision MODE --bucket-mb X --json FILE)");
   }
   check(a.rounds >= 1 && a.steps >= 1, "bench_dist_train: --rounds and --steps must be >= 1");
   return a;
@@ -125,9 +130,12 @@ int run(int argc, char** argv) {
   const auto [config, options] = bench::trainer_setup(kModel, args.precision, kLr, Device::cpu());
   ParallelOptions layout;
   layout.dp = N;
+  layout.bucket_mb = args.bucket_mb;
   ParallelTrainer parallel(config, options, layout, data, dist::Communicator::world());
+  layout.bucket_mb = 1e6;  // every gradient in one bucket, reduced once the backward is over
+  ParallelTrainer one_bucket(config, options, layout, data, dist::Communicator::world());
 
-  std::vector<double> single1, singleN, dp;
+  std::vector<double> single1, singleN, dp, dp_one;
   for (int r = 0; r < args.rounds; ++r) {
     quiet_barrier();
     if (world.rank == 0) {
@@ -136,26 +144,35 @@ int run(int argc, char** argv) {
     }
     quiet_barrier();
     time_steps([&] { parallel.train_step(); }, args.steps, dp);
+    time_steps([&] { one_bucket.train_step(); }, args.steps, dp_one);
   }
+  const int64_t overlapped = parallel.buckets_overlapped();
   if (world.rank != 0) return 0;
 
   const double tokens = double(kModel.tokens_per_step());
   const double tps1 = tokens / bench::median(single1), tpsN = tokens / bench::median(singleN);
-  const double tpsdp = tokens / bench::median(dp);
-  const double efficiency = tpsdp / (N * tps1), speedup = tpsdp / tpsN;
+  const double tpsdp = tokens / bench::median(dp), tpsone = tokens / bench::median(dp_one);
+  const double efficiency = tpsdp / (N * tps1), speedup = tpsdp / tpsN, overlap_gain = tpsdp / tpsone;
   std::printf("bench_dist_train: GPT 4x256 block 128, global batch 16, %s, %d ranks, %d rounds x %d steps\n",
               args.precision.c_str(), N, args.rounds, args.steps);
   std::printf("  one process, 1 thread      %8.0f tokens/s\n", tps1);
   std::printf("  one process, %d threads     %8.0f tokens/s\n", N, tpsN);
-  std::printf("  DP %d, 1 thread per rank    %8.0f tokens/s\n", N, tpsdp);
+  std::printf("  DP %d, 1 thread per rank    %8.0f tokens/s  (%.3g MiB buckets, %lld all-reduced during the "
+              "backward)\n", N, tpsdp, args.bucket_mb, static_cast<long long>(overlapped));
+  std::printf("  DP %d, one bucket           %8.0f tokens/s  (all-reduced after the backward)\n", N, tpsone);
   std::printf("  scaling efficiency: DP %d / (%d x one process with 1 thread) = %.2f\n", N, N, efficiency);
   std::printf("  speedup: DP %d / one process with %d threads = %.2f\n", N, N, speedup);
+  std::printf("  overlap: DP %d / DP %d with one bucket = %.3f\n", N, N, overlap_gain);
   if (!args.json.empty()) {
     json::Value::Object o{{"ranks", int64_t{N}},
                           {"precision", args.precision},
                           {"tokens_per_s_one_process_1_thread", tps1},
                           {"tokens_per_s_one_process_n_threads", tpsN},
                           {"tokens_per_s_dp", tpsdp},
+                          {"bucket_mb", args.bucket_mb},
+                          {"buckets_all_reduced_during_backward", overlapped},
+                          {"tokens_per_s_dp_one_bucket", tpsone},
+                          {"overlap_gain", overlap_gain},
                           {"scaling_efficiency", efficiency},
                           {"speedup_vs_one_process_n_threads", speedup}};
     std::ofstream out(args.json);

@@ -408,6 +408,95 @@ void Communicator::all_reduce(const Tensor& tensor, Reduction op) const {
   tensor.bump_version();
 }
 
+// ---- non-blocking all_reduce ----
+
+struct PendingCollective::State {
+  Tensor tensor;  // the caller's (detached): where the result goes
+  // MPI: the buffer MPI reduces in place (the tensor itself, or its fp32 widening, or a host copy).
+  MPI_Request request = MPI_REQUEST_NULL;
+  Tensor buffer;
+  // NCCL: the end of the all-reduce on the communicator's stream.
+  void* event = nullptr;
+  int device = -1;
+  std::string group;
+};
+
+PendingCollective Communicator::all_reduce_start(const Tensor& tensor, Reduction op) const {
+  check_contiguous(*impl_, tensor, "all_reduce_start");
+  const bool all_gpu = check_same_everywhere(*impl_, tensor, "all_reduce_start");
+  auto state = std::make_unique<PendingCollective::State>();
+  state->tensor = tensor.detach();
+  state->group = impl_->name;
+  if (nccl::Comm* comm = all_gpu ? group_nccl(*impl_, tensor) : nullptr) {
+    state->device = tensor.device().index;
+    state->event = comm->all_reduce_async(state->tensor, op);  // 16-bit reduced in its own type (dist/nccl.h)
+    tensor.bump_version();
+    return PendingCollective(std::move(state));
+  }
+  if (impl_->size == 1) return PendingCollective();
+  const Tensor host = host_view(tensor);
+  // 16-bit values widened to fp32 and rounded once back when complete, as all_reduce does.
+  state->buffer = is_low_precision(tensor.dtype()) ? host.to(DType::F32) : host;
+  check_mpi(MPI_Iallreduce(MPI_IN_PLACE, state->buffer.data_ptr(), count_of(state->buffer),
+                           mpi_type(state->buffer.dtype()), mpi_op(op), impl_->comm, &state->request),
+            "MPI_Iallreduce");
+  tensor.bump_version();
+  return PendingCollective(std::move(state));
+}
+
+PendingCollective::PendingCollective() = default;
+PendingCollective::PendingCollective(std::unique_ptr<State> state) : state_(std::move(state)) {}
+PendingCollective::PendingCollective(PendingCollective&&) noexcept = default;
+PendingCollective& PendingCollective::operator=(PendingCollective&& other) noexcept {
+  if (this != &other) {
+    try {
+      if (state_) wait();
+    } catch (...) {
+    }
+    state_ = std::move(other.state_);
+  }
+  return *this;
+}
+PendingCollective::~PendingCollective() {
+  try {
+    if (state_) wait();
+  } catch (...) {
+  }
+}
+
+void PendingCollective::complete() {
+  const std::unique_ptr<State> s = std::move(state_);
+  if (s->event) {
+    nccl::Comm::wait_event(s->event, s->device);
+    return;
+  }
+  if (s->buffer.data_ptr() == s->tensor.data_ptr()) return;  // reduced in place
+  if (s->tensor.device().is_cpu()) {
+    s->tensor.copy_(s->buffer);  // rounded once from fp32
+  } else {
+    copy_between_devices(s->buffer.to(s->tensor.dtype()), s->tensor);
+  }
+}
+
+bool PendingCollective::test() {
+  if (!state_) return true;
+  if (state_->event) {
+    if (!nccl::Comm::event_done(state_->event, state_->device)) return false;
+  } else {
+    int flag = 0;
+    check_mpi(MPI_Test(&state_->request, &flag, MPI_STATUS_IGNORE), "MPI_Test");
+    if (!flag) return false;
+  }
+  complete();
+  return true;
+}
+
+void PendingCollective::wait() {
+  if (!state_) return;
+  if (!state_->event) check_mpi(MPI_Wait(&state_->request, MPI_STATUS_IGNORE), "MPI_Wait");
+  complete();
+}
+
 void Communicator::all_reduce(std::span<double> values, Reduction op) const {
   if (impl_->size == 1 || values.empty()) return;
   check_mpi(MPI_Allreduce(MPI_IN_PLACE, values.data(), static_cast<int>(values.size()), MPI_DOUBLE, mpi_op(op),
@@ -546,6 +635,16 @@ void Communicator::broadcast(const Tensor&, int) const { not_supported("dist: no
 void Communicator::send(const Tensor&, int, int) const { not_supported("dist: no MPI"); }
 void Communicator::recv(const Tensor&, int, int) const { not_supported("dist: no MPI"); }
 void Communicator::barrier() const { not_supported("dist: no MPI"); }
+PendingCollective Communicator::all_reduce_start(const Tensor&, Reduction) const { not_supported("dist: no MPI"); }
+struct PendingCollective::State {};
+PendingCollective::PendingCollective() = default;
+PendingCollective::PendingCollective(std::unique_ptr<State> state) : state_(std::move(state)) {}
+PendingCollective::PendingCollective(PendingCollective&&) noexcept = default;
+PendingCollective& PendingCollective::operator=(PendingCollective&&) noexcept = default;
+PendingCollective::~PendingCollective() = default;
+void PendingCollective::complete() { state_.reset(); }
+bool PendingCollective::test() { return true; }
+void PendingCollective::wait() {}
 
 #endif
 

@@ -25,6 +25,32 @@ namespace mixtape::dist {
 
 enum class Reduction { Sum, Max };
 
+// A collective in flight (Communicator::all_reduce_start). The tensor holds the result once wait() returns (or
+// test() returned true); until then it must be neither read nor written. test() moves the collective on without
+// blocking and says whether it is complete: MPI advances a non-blocking collective only inside MPI calls, so a
+// caller that overlaps it with work polls it between pieces of that work. Over NCCL it runs on the group's own
+// stream (dist/nccl.h), overlapping the kernels queued after it; wait() then returns at once, having made the
+// tensor's stream wait for it. Destroying one still in flight waits for it (errors there are lost: call wait()).
+class PendingCollective {
+ public:
+  PendingCollective();  // nothing in flight
+  PendingCollective(PendingCollective&&) noexcept;
+  PendingCollective& operator=(PendingCollective&&) noexcept;
+  ~PendingCollective();
+
+  bool test();
+  void wait();
+  bool in_flight() const { return state_ != nullptr; }
+
+  struct State;  // dist/communicator.cpp
+
+ private:
+  friend class Communicator;
+  explicit PendingCollective(std::unique_ptr<State> state);
+  void complete();  // the result into the tensor; state_ released
+  std::unique_ptr<State> state_;
+};
+
 class Communicator {
  public:
   // Every rank of the job (MPI_COMM_WORLD). dist::init must have run.
@@ -41,6 +67,10 @@ class Communicator {
   // In place: every rank ends with the elementwise reduction over the group.
   void all_reduce(const Tensor& tensor, Reduction op) const;
   void all_reduce(std::span<double> values, Reduction op) const;
+  // Non-blocking all_reduce: returns once the collective is under way (the agreement check above still runs
+  // first, blocking). Collectives of one group, blocking or not, must still be started in the same order on
+  // every rank; several may be in flight at once.
+  PendingCollective all_reduce_start(const Tensor& tensor, Reduction op) const;
   // Rank i's tensor becomes chunk i (along dim 0) of the result on every rank: [size * d0, ...].
   Tensor all_gather(const Tensor& tensor) const;
   // The reduction over the group of `tensor` (dim 0 divisible by size), of which this rank keeps chunk

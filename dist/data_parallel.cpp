@@ -51,18 +51,29 @@ GradientReducer::GradientReducer(Communicator dp, std::vector<Tensor> params, in
 
 GradientReducer::~GradientReducer() {
   if (active_) set_leaf_grad_hook(std::move(previous_hook_));
+  // in_flight_'s destructors wait for any collective still running.
 }
 
 void GradientReducer::reduce() {
-  for (size_t b = 0; b < buckets_.size(); ++b) reduce_bucket(b);
+  check(!active_, kWho, ".reduce: begin() is active; expected finish()");
+  flat_.assign(buckets_.size(), Tensor());
+  in_flight_.clear();
+  in_flight_.resize(buckets_.size());
+  for (size_t b = 0; b < buckets_.size(); ++b) start_bucket(b);
+  for (size_t b = 0; b < buckets_.size(); ++b) finish_bucket(b);
 }
 
-void GradientReducer::begin() {
+void GradientReducer::begin(int backwards) {
   check(!active_, kWho, ".begin: already begun; expected finish() first");
-  ready_.assign(params_.size(), false);
+  check(backwards >= 1, kWho, ".begin: backwards must be >= 1, got ", backwards);
+  backwards_ = backwards;
+  produced_.assign(params_.size(), 0);
   pending_.clear();
   for (const auto& bucket : buckets_) pending_.push_back(bucket.size());
-  next_bucket_ = 0;
+  next_bucket_ = next_wait_ = 0;
+  flat_.assign(buckets_.size(), Tensor());
+  in_flight_.clear();
+  in_flight_.resize(buckets_.size());
   reduced_in_backward_ = 0;
   previous_hook_ = set_leaf_grad_hook([this](const TensorImpl& leaf) { on_leaf_ready(leaf); });
   active_ = true;
@@ -72,16 +83,16 @@ void GradientReducer::on_leaf_ready(const TensorImpl& leaf) {
   const auto found = index_of_.find(&leaf);
   if (found == index_of_.end()) return;  // not one of ours (an input that requires grad, ...)
   const size_t k = found->second, b = bucket_of_[k];
-  check(b >= next_bucket_ || !ready_[k], kWho, ": the gradient of parameter ", k, " (",
-        params_[k].description(), ") was produced again after its bucket was reduced; expected one ",
-        "backward between begin() and finish()");
-  if (ready_[k]) return;
-  ready_[k] = true;
-  --pending_[b];
+  check(b >= next_bucket_, kWho, ": the gradient of parameter ", k, " (", params_[k].description(),
+        ") was produced again after its bucket's all-reduce started; expected ", backwards_,
+        " backward call(s) between begin() and finish()");
+  if (++produced_[k] == backwards_) --pending_[b];
   while (next_bucket_ < buckets_.size() && pending_[next_bucket_] == 0) {
-    reduce_bucket(next_bucket_++);
+    start_bucket(next_bucket_++);
     ++reduced_in_backward_;
   }
+  // Move the oldest collective in flight on (MPI progresses non-blocking collectives only inside its calls).
+  while (next_wait_ < next_bucket_ && in_flight_[next_wait_].test()) ++next_wait_;
 }
 
 void GradientReducer::finish() {
@@ -89,18 +100,24 @@ void GradientReducer::finish() {
   set_leaf_grad_hook(std::move(previous_hook_));
   previous_hook_ = nullptr;
   active_ = false;
-  for (; next_bucket_ < buckets_.size(); ++next_bucket_) reduce_bucket(next_bucket_);
+  for (; next_bucket_ < buckets_.size(); ++next_bucket_) start_bucket(next_bucket_);
+  for (size_t b = 0; b < buckets_.size(); ++b) finish_bucket(b);
 }
 
-void GradientReducer::reduce_bucket(size_t b) {
+void GradientReducer::abandon() {
+  if (!active_) return;
+  set_leaf_grad_hook(std::move(previous_hook_));
+  previous_hook_ = nullptr;
+  active_ = false;
+}
+
+void GradientReducer::start_bucket(size_t b) {
   NoGradGuard no_grad;
-  const double inv_size = 1.0 / dp_.size();
   const std::vector<size_t>& bucket = buckets_[b];
   const Tensor& first = params_[bucket.front()];
-  const DType dtype = reduction_dtype(first.dtype());
   int64_t total = 0;
   for (size_t k : bucket) total += params_[k].numel();
-  Tensor flat = Tensor::zeros({total}, dtype, first.device());
+  Tensor flat = Tensor::zeros({total}, reduction_dtype(first.dtype()), first.device());
   int64_t offset = 0;
   for (size_t k : bucket) {
     const Tensor& p = params_[k];
@@ -112,9 +129,17 @@ void GradientReducer::reduce_bucket(size_t b) {
     }
     offset += p.numel();
   }
-  dp_.all_reduce(flat, Reduction::Sum);
-  flat.mul_(inv_size);  // in fp32 (f64): the 16-bit sum never exists
-  offset = 0;
+  in_flight_[b] = dp_.all_reduce_start(flat, Reduction::Sum);
+  flat_[b] = std::move(flat);
+}
+
+void GradientReducer::finish_bucket(size_t b) {
+  NoGradGuard no_grad;
+  in_flight_[b].wait();
+  Tensor flat = std::move(flat_[b]);
+  flat.mul_(1.0 / dp_.size());  // in fp32 (f64): the 16-bit sum never exists
+  const std::vector<size_t>& bucket = buckets_[b];
+  int64_t offset = 0;
   for (size_t k : bucket) {
     const Tensor& p = params_[k];
     // A fresh gradient of the parameter's dtype (rounded once): never writes into a gradient that may

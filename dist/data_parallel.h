@@ -17,15 +17,16 @@
 // where the sum would (the sum never exists in fp16).
 //
 // Overlap with backward: between begin() and finish(), the reducer listens to autograd's leaf-gradient hook
-// (autograd/autograd.h) and reduces a bucket as soon as backward has made the last of its gradients final,
-// while backward goes on with the rest of the graph. Buckets are reduced strictly in bucket order (a bucket
-// that fills early waits for the ones before it), so every rank issues the same sequence of all_reduces
-// whatever order its backward finishes leaves in. finish() reduces the buckets left (parameters backward
-// did not reach) and removes the hook. One backward per begin()/finish(): to accumulate micro-batches,
-// run the earlier backwards outside (DDP's no_sync) and begin() before the last one; a gradient that grows
-// after its bucket was reduced is an Error. The Communicator is blocking (MPI), so today the overlap is in
-// issue order only: the all_reduce runs on the backward thread; a non-blocking (NCCL) Communicator turns the
-// same structure into real overlap. reduce() = begin() + finish() after backward: the same results.
+// (autograd/autograd.h) and starts a bucket's all-reduce (non-blocking: Communicator::all_reduce_start) as soon
+// as backward has made the last of its gradients final, while backward goes on with the rest of the graph.
+// Buckets are started strictly in bucket order (a bucket that fills early waits for the ones before it), so
+// every rank issues the same sequence of collectives whatever order its backward finishes leaves in. MPI moves a
+// non-blocking collective on only inside MPI calls, so every later leaf-gradient event polls the oldest one in
+// flight; over NCCL it runs on the group's own stream beside the backward's kernels. finish() starts the buckets
+// left (parameters backward did not reach), waits for all, and removes the hook. begin(n) spans n backward()
+// calls (the micro-batches of one step): a gradient is final after the n-th backward has produced it, so the
+// buckets fill during the last micro-batch's backward. A gradient that grows after its bucket was started is an
+// Error. reduce() (after backward) starts every bucket, then waits: the same results as the overlapped form.
 //
 // A parameter without a gradient on this rank contributes zeros (the ranks must agree on the buckets);
 // after reduce() every parameter has its averaged gradient (a zero one if no rank had one: an optimizer then
@@ -57,10 +58,14 @@ class GradientReducer {
 
   // Averages every parameter's .grad over the dp group (SUM / dp, in fp32 or f64), bucket by bucket.
   void reduce();
-  // Overlapped form: begin() before backward, finish() after it (see above).
-  void begin();
+  // Overlapped form: begin(backwards) before the first of `backwards` backward() calls, finish() after the last
+  // (see above).
+  void begin(int backwards = 1);
   void finish();
-  // Buckets reduced from inside backward (by the hook) since the last begin().
+  // After an error inside the backward: removes the hook without starting or waiting for anything (collectives
+  // already in flight complete when the peers' do; the next begin() or reduce() waits for them).
+  void abandon();
+  // Buckets whose all-reduce started inside backward (from the hook) since the last begin().
   int64_t buckets_reduced_in_backward() const { return reduced_in_backward_; }
 
   // The buckets: indices into params, in packing order (reverse parameter order within one dtype).
@@ -69,7 +74,8 @@ class GradientReducer {
   const std::vector<Tensor>& params() const { return params_; }
 
  private:
-  void reduce_bucket(size_t b);
+  void start_bucket(size_t b);   // packs the bucket's gradients and starts their all-reduce
+  void finish_bucket(size_t b);  // waits for it, averages, and sets the gradients
   void on_leaf_ready(const TensorImpl& leaf);
 
   Communicator dp_;
@@ -78,9 +84,13 @@ class GradientReducer {
   std::vector<size_t> bucket_of_;        // per parameter
   // Overlap state (between begin() and finish()).
   bool active_ = false;
-  std::vector<bool> ready_;              // per parameter: its gradient is final
+  int backwards_ = 1;                    // backward() calls between begin() and finish()
+  std::vector<int> produced_;            // per parameter: times backward has made its gradient final
   std::vector<size_t> pending_;          // per bucket: parameters not yet final
-  size_t next_bucket_ = 0;               // buckets before it are reduced
+  size_t next_bucket_ = 0;               // buckets before it are started
+  size_t next_wait_ = 0;                 // buckets before it are finished
+  std::vector<Tensor> flat_;             // per bucket in flight: the fp32 (f64) buffer
+  std::vector<PendingCollective> in_flight_;  // per bucket
   int64_t reduced_in_backward_ = 0;
   std::map<const TensorImpl*, size_t> index_of_;
   std::function<void(const TensorImpl&)> previous_hook_;

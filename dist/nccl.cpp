@@ -143,10 +143,64 @@ void Comm::release() {
   // first, so the abort cancels nothing of a well-formed program.
   try {
     (void)cudaStreamSynchronize(cuda::backend(device_).stream());  // stream() makes the device current
+    if (side_) (void)cudaStreamSynchronize(static_cast<cudaStream_t>(side_));
   } catch (...) {
   }
   (void)ncclCommAbort(static_cast<ncclComm_t>(comm_));
   comm_ = nullptr;
+  if (side_) (void)cudaStreamDestroy(static_cast<cudaStream_t>(side_));
+  side_ = nullptr;
+}
+
+void Comm::after_async() {
+  if (!side_busy_) return;
+  cudaEvent_t mark = nullptr;
+  MIXTAPE_NCCL_CUDA_CHECK(cudaEventCreateWithFlags(&mark, cudaEventDisableTiming));
+  MIXTAPE_NCCL_CUDA_CHECK(cudaEventRecord(mark, static_cast<cudaStream_t>(side_)));
+  MIXTAPE_NCCL_CUDA_CHECK(cudaStreamWaitEvent(cuda::backend(device_).stream(), mark, 0));
+  MIXTAPE_NCCL_CUDA_CHECK(cudaEventDestroy(mark));  // released once recorded work completes
+  side_busy_ = false;
+}
+
+void* Comm::all_reduce_async(const Tensor& tensor, Reduction op) {
+  check_tensor(tensor, "all_reduce_async");
+  const cudaStream_t stream = cuda::backend(device_).stream();
+  if (!side_) {
+    cudaStream_t side = nullptr;
+    MIXTAPE_NCCL_CUDA_CHECK(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
+    side_ = side;
+  }
+  const auto side = static_cast<cudaStream_t>(side_);
+  // The side stream starts after everything queued so far on the backend stream (the kernels that wrote the
+  // tensor).
+  cudaEvent_t ready = nullptr, done = nullptr;
+  MIXTAPE_NCCL_CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
+  MIXTAPE_NCCL_CUDA_CHECK(cudaEventRecord(ready, stream));
+  MIXTAPE_NCCL_CUDA_CHECK(cudaStreamWaitEvent(side, ready, 0));
+  MIXTAPE_NCCL_CUDA_CHECK(cudaEventDestroy(ready));
+  if (tensor.numel() > 0)
+    MIXTAPE_NCCL_CHECK(ncclAllReduce(tensor.data_ptr(), tensor.data_ptr(), static_cast<size_t>(tensor.numel()),
+                                     nccl_type(tensor.dtype()), nccl_op(op), static_cast<ncclComm_t>(comm_), side),
+                       label_);
+  side_busy_ = true;
+  MIXTAPE_NCCL_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
+  MIXTAPE_NCCL_CUDA_CHECK(cudaEventRecord(done, side));
+  return done;
+}
+
+bool Comm::event_done(void* event, int device) {
+  cuda::backend(device).stream();  // makes the device current
+  const cudaError_t state = cudaEventQuery(static_cast<cudaEvent_t>(event));
+  if (state == cudaErrorNotReady) return false;
+  MIXTAPE_NCCL_CUDA_CHECK(state);
+  return true;
+}
+
+void Comm::wait_event(void* event, int device) {
+  const auto e = static_cast<cudaEvent_t>(event);
+  const cudaError_t waited = cudaStreamWaitEvent(cuda::backend(device).stream(), e, 0);
+  (void)cudaEventDestroy(e);
+  MIXTAPE_NCCL_CUDA_CHECK(waited);
 }
 
 void Comm::check_tensor(const Tensor& t, const char* op) const {
@@ -159,6 +213,7 @@ void Comm::check_tensor(const Tensor& t, const char* op) const {
 void Comm::all_reduce(const Tensor& tensor, Reduction op) {
   check_tensor(tensor, "all_reduce");
   if (tensor.numel() == 0) return;
+  after_async();
   const cudaStream_t stream = cuda::backend(device_).stream();
   MIXTAPE_NCCL_CHECK(ncclAllReduce(tensor.data_ptr(), tensor.data_ptr(), static_cast<size_t>(tensor.numel()),
                                    nccl_type(tensor.dtype()), nccl_op(op), static_cast<ncclComm_t>(comm_), stream),
@@ -169,6 +224,7 @@ void Comm::all_gather(const Tensor& input, const Tensor& output) {
   check_tensor(input, "all_gather");
   check_tensor(output, "all_gather");
   if (input.numel() == 0) return;
+  after_async();
   const cudaStream_t stream = cuda::backend(device_).stream();
   MIXTAPE_NCCL_CHECK(ncclAllGather(input.data_ptr(), output.data_ptr(), static_cast<size_t>(input.numel()),
                                    nccl_type(input.dtype()), static_cast<ncclComm_t>(comm_), stream),
@@ -179,6 +235,7 @@ void Comm::reduce_scatter(const Tensor& input, const Tensor& output, Reduction o
   check_tensor(input, "reduce_scatter");
   check_tensor(output, "reduce_scatter");
   if (output.numel() == 0) return;
+  after_async();
   const cudaStream_t stream = cuda::backend(device_).stream();
   // recvcount: the elements each rank receives (input holds nranks * recvcount).
   MIXTAPE_NCCL_CHECK(ncclReduceScatter(input.data_ptr(), output.data_ptr(), static_cast<size_t>(output.numel()),
@@ -190,6 +247,7 @@ void Comm::reduce_scatter(const Tensor& input, const Tensor& output, Reduction o
 void Comm::broadcast(const Tensor& tensor, int root) {
   check_tensor(tensor, "broadcast");
   if (tensor.numel() == 0) return;
+  after_async();
   const cudaStream_t stream = cuda::backend(device_).stream();
   MIXTAPE_NCCL_CHECK(ncclBroadcast(tensor.data_ptr(), tensor.data_ptr(), static_cast<size_t>(tensor.numel()),
                                    nccl_type(tensor.dtype()), root, static_cast<ncclComm_t>(comm_), stream),
@@ -199,6 +257,7 @@ void Comm::broadcast(const Tensor& tensor, int root) {
 void Comm::send(const Tensor& tensor, int peer) {
   check_tensor(tensor, "send");
   if (tensor.numel() == 0) return;
+  after_async();
   const cudaStream_t stream = cuda::backend(device_).stream();
   MIXTAPE_NCCL_CHECK(ncclSend(tensor.data_ptr(), static_cast<size_t>(tensor.numel()), nccl_type(tensor.dtype()),
                               peer, static_cast<ncclComm_t>(comm_), stream),
@@ -208,6 +267,7 @@ void Comm::send(const Tensor& tensor, int peer) {
 void Comm::recv(const Tensor& tensor, int peer) {
   check_tensor(tensor, "recv");
   if (tensor.numel() == 0) return;
+  after_async();
   const cudaStream_t stream = cuda::backend(device_).stream();
   MIXTAPE_NCCL_CHECK(ncclRecv(tensor.data_ptr(), static_cast<size_t>(tensor.numel()), nccl_type(tensor.dtype()),
                               peer, static_cast<ncclComm_t>(comm_), stream),
@@ -232,6 +292,10 @@ void Comm::reduce_scatter(const Tensor&, const Tensor&, Reduction) { not_support
 void Comm::broadcast(const Tensor&, int) { not_supported("dist::nccl: no NCCL"); }
 void Comm::send(const Tensor&, int) { not_supported("dist::nccl: no NCCL"); }
 void Comm::recv(const Tensor&, int) { not_supported("dist::nccl: no NCCL"); }
+void* Comm::all_reduce_async(const Tensor&, Reduction) { not_supported("dist::nccl: no NCCL"); }
+bool Comm::event_done(void*, int) { not_supported("dist::nccl: no NCCL"); }
+void Comm::wait_event(void*, int) { not_supported("dist::nccl: no NCCL"); }
+void Comm::after_async() {}
 
 #endif
 

@@ -15,7 +15,11 @@
 //
 // Collectives and transfers run on the tensor's CUDA backend stream (cuda::backend(index).stream()), so they
 // are ordered with the kernels that produce and consume the tensors, and return before the data has moved
-// (reading the tensor on the host synchronizes, as for any kernel's output).
+// (reading the tensor on the host synchronizes, as for any kernel's output). The non-blocking all-reduce
+// (Communicator::all_reduce_start) runs on the communicator's own stream instead, after the work queued on the
+// backend stream so far, so kernels queued after it overlap with it; wait_event() then makes the backend stream
+// wait for it. Every other operation on the same communicator first makes the backend stream wait for the
+// communicator's stream, so the two never run one communicator's operations out of order.
 #include <array>
 #include <string>
 
@@ -63,13 +67,23 @@ class Comm {
   void broadcast(const Tensor& tensor, int root);                   // in place
   void send(const Tensor& tensor, int peer);
   void recv(const Tensor& tensor, int peer);
+  // In place, on this communicator's stream (see above). Returns the event (a cudaEvent_t) that marks its end:
+  // hand it to event_done (poll) and then to wait_event, exactly once.
+  void* all_reduce_async(const Tensor& tensor, Reduction op);
+  // Whether the event's work has finished (cudaEventQuery), without waiting.
+  static bool event_done(void* event, int device);
+  // The device's backend stream waits for the event (kernels queued after it see the result); frees the event.
+  static void wait_event(void* event, int device);
 
   void release();  // waits for the stream, aborts the communicator; idempotent
 
  private:
   void check_tensor(const Tensor& t, const char* op) const;
+  void after_async();  // the backend stream waits for the communicator's stream (if it was used since)
 
   void* comm_ = nullptr;  // ncclComm_t
+  void* side_ = nullptr;  // cudaStream_t of all_reduce_async, made at its first use
+  bool side_busy_ = false;  // work was queued on side_ since the backend stream last waited for it
   int device_ = -1;
   std::string label_;
 };

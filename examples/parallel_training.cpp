@@ -1,6 +1,7 @@
 #include "examples/parallel_training.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <map>
 #include <optional>
@@ -30,6 +31,8 @@ void ParallelOptions::validate(int world_size) const {
   check(micro_batches >= 1, "train_gpt: --micro-batches must be >= 1, got ", micro_batches);
   check(pp_schedule == "1f1b" || pp_schedule == "gpipe", "train_gpt: --pp-schedule must be 1f1b or gpipe, got '",
         pp_schedule, "'");
+  check(bucket_mb >= 0 && std::isfinite(bucket_mb), "train_gpt: --bucket-mb must be a finite number >= 0, got ",
+        bucket_mb);
 }
 
 namespace {
@@ -306,7 +309,9 @@ ParallelTrainer::ParallelTrainer(const GPTConfig& config, const TrainOptions& op
   } else {
     m.mpo = std::make_unique<MixedPrecisionOptimizer>(std::move(parts.optimizer), std::move(parts.scalers),
                                                       std::move(parts.options));
-    if (parallel.dp > 1) m.reducer = std::make_unique<dist::GradientReducer>(m.groups.dp, m.stage->parameters());
+    if (parallel.dp > 1)
+      m.reducer = std::make_unique<dist::GradientReducer>(m.groups.dp, m.stage->parameters(),
+                                                          static_cast<int64_t>(parallel.bucket_mb * 1024 * 1024));
   }
 
   dist::PipelineOptions po;
@@ -327,6 +332,10 @@ Module& ParallelTrainer::stage_module() { return *impl_->stage; }
 int64_t ParallelTrainer::skipped_steps() const {
   return impl_->zero ? impl_->zero->skipped_steps() : impl_->mpo->skipped_steps();
 }
+int64_t ParallelTrainer::buckets_overlapped() const {
+  return impl_->reducer ? impl_->reducer->buckets_reduced_in_backward() : 0;
+}
+
 double ParallelTrainer::loss_scale() const { return impl_->zero ? impl_->zero->loss_scale() : impl_->mpo->loss_scale(); }
 
 StepStats ParallelTrainer::train_step() {
@@ -354,7 +363,17 @@ StepStats ParallelTrainer::train_step() {
       streams.emplace_back(gen, gen->offset);
       gen->offset += static_cast<uint64_t>(m.groups.dp_rank * local) * per_row;
     }
-  const double local_loss = m.schedule->run(*m.stage, dist::split_micro_batches(lx, M));
+  // The dp all-reduce overlaps the backward unless the gradient hook must see the local gradients first.
+  const bool overlap = m.reducer && !gradient_hook;
+  if (overlap) m.reducer->begin(static_cast<int>(M));
+  double local_loss = 0;
+  try {
+    local_loss = m.schedule->run(*m.stage, dist::split_micro_batches(lx, M));
+  } catch (...) {
+    if (overlap) m.reducer->abandon();
+    throw;
+  }
+  if (overlap) m.reducer->finish();
   for (auto& [gen, base] : streams) {
     const uint64_t drawn = gen->offset - base - static_cast<uint64_t>(m.groups.dp_rank * local) * per_row;
     check(drawn == static_cast<uint64_t>(local) * per_row, "ParallelTrainer: a dropout stream drew ", drawn,
@@ -368,7 +387,7 @@ StepStats ParallelTrainer::train_step() {
 
   if (!m.gpt->lm_head && m.parallel.pp > 1 && (m.stage->is_first() || m.stage->is_last()))
     dist::all_reduce_tied_gradients(m.param("transformer.wte.weight"), m.embedding);
-  if (m.reducer) m.reducer->reduce();
+  if (m.reducer && !overlap) m.reducer->reduce();
   stats.lr = apply_schedule(m.optimizer(), *m.lr_schedule, step_);
   const StepResult result = m.zero ? m.zero->step() : m.booster.step(*m.mpo);
   stats.grad_norm = result.grad_norm;

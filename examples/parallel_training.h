@@ -13,8 +13,9 @@
 //   precision       the mode's Booster converts the stage (naive / Apex O2 cast it) and runs each stage's
 //                   forward (autocast or the input/output casts); the pipeline's last stage backpropagates
 //                   loss_m / M times the loss scale, every other stage announces the scale to its optimizer
-//   gradients       tied wte gradients summed between the first and the last stage; averaged over dp (fp32
-//                   buckets, dist/data_parallel.h), or reduce-scattered by ZeRO-1 (dist/zero.h)
+//   gradients       averaged over dp (fp32 buckets, dist/data_parallel.h; each bucket's all-reduce starts inside
+//                   the last micro-batch's backward once its gradients are final), or reduce-scattered by ZeRO-1
+//                   (dist/zero.h) after the backward; tied wte gradients summed between the first and the last stage
 //   the step        found_inf all-reduced (MAX) over the model-parallel group (tp x pp; with ZeRO also dp), so
 //                   every rank skips the same steps and keeps one loss scale; the gradient norm for clipping
 //                   summed over the model-parallel group, each parameter counted once: a parameter replicated
@@ -49,6 +50,11 @@ struct ParallelOptions {
   int zero = 0;                    // ZeRO stage: 0 (off) or 1 (optimizer state and masters sharded over dp)
   int64_t micro_batches = 1;       // per data-parallel rank and step
   std::string pp_schedule = "1f1b";  // 1f1b | gpipe
+  // Data-parallel gradient buckets (dist/data_parallel.h), in MiB of gradient; 0: one bucket per parameter.
+  // PyTorch DDP's bucket_cap_mb and default. A bucket's all-reduce starts inside the last micro-batch's backward
+  // as soon as its gradients are final, so smaller buckets start earlier (a model smaller than one bucket
+  // reduces all at the end).
+  double bucket_mb = 25.0;
   // Error naming the option (and the world size when tp * pp * dp differs from it).
   void validate(int world_size) const;
 };
@@ -81,7 +87,10 @@ class ParallelTrainer {
 
   // Called in train_step after the pipeline's backward, before any gradient is reduced or stepped, with the
   // step number and this rank's stage (.grad: its scaled, local gradients): for tests that plant an inf on one rank.
+  // While one is set, the data-parallel all-reduce runs after it instead of overlapping the backward.
   std::function<void(int64_t step, Module& stage)> gradient_hook;
+  // Data-parallel buckets whose all-reduce started inside the last step's backward (0 without dp or ZeRO).
+  int64_t buckets_overlapped() const;
 
   const dist::ParallelGroups& groups() const;
   Module& stage_module();  // this rank's parameters (nanoGPT names, shard shapes)

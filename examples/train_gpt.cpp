@@ -57,10 +57,10 @@ struct Options {
   int64_t sample = 0;      // characters (tokens for .bin data) to sample after training
   double temperature = 0.8;
   int64_t top_k = 0;
-  ParallelOptions parallel;     // --tp --pp --dp --zero --micro-batches --pp-schedule
+  ParallelOptions parallel;     // --tp --pp --dp --zero --micro-batches --pp-schedule --bucket-mb
   std::set<std::string> given;  // flags set on the command line
   bool distributed() const {
-    for (const char* flag : {"--tp", "--pp", "--dp", "--zero", "--micro-batches", "--pp-schedule"})
+    for (const char* flag : {"--tp", "--pp", "--dp", "--zero", "--micro-batches", "--pp-schedule", "--bucket-mb"})
       if (given.count(flag)) return true;
     return false;
   }
@@ -88,7 +88,8 @@ void usage() {
       "             mpirun, cuda means each rank's own GPU: local rank mod GPU count)\n"
       "  parallel (under mpirun -np N): --tp N (tensor parallel) --pp N (pipeline stages) --dp N (data\n"
       "             parallel; default N / (tp x pp)) --zero 0|1 (ZeRO-1 over dp) --micro-batches N (per dp rank)\n"
-      "             --pp-schedule 1f1b|gpipe; --batch is the global batch (divisible by dp x micro-batches)\n"
+      "             --pp-schedule 1f1b|gpipe --bucket-mb X (dp gradient buckets, all-reduced during the backward;\n"
+      "             default 25, PyTorch DDP's); --batch is the global batch (divisible by dp x micro-batches)\n"
       "  checkpoints: --init FILE --save FILE --save-every N --resume FILE --stop-at STEP\n"
       "  output:    --eval-every N (0 = only at the end) --eval-only --log-json FILE (a JSON line per step)\n"
       "             --no-final-eval (skip the validation pass of the last step unless --eval-every hits it)\n"
@@ -173,6 +174,7 @@ Options parse(int argc, char** argv) {
     else if (flag == "--zero") o.parallel.zero = static_cast<int>(integer(0));
     else if (flag == "--micro-batches") o.parallel.micro_batches = integer(1);
     else if (flag == "--pp-schedule") o.parallel.pp_schedule = value;
+    else if (flag == "--bucket-mb") o.parallel.bucket_mb = real();
     else if (flag == "--top-k") o.top_k = integer(0);
     else if (flag == "--temperature") {
       char* end = nullptr;
@@ -332,12 +334,19 @@ int run(int argc, char** argv) {
     const GPT shape_only(c, 0);
     std::string where = opt.train.device.is_cpu() ? "" : " | device " + opt.train.device.str();
     if (parallel) {
-      // The sizes above 1, e.g. "4 processes: tp 2, pp 2 (1f1b, 4 micro-batches)" or "2 processes: dp 2, ZeRO-1".
+      // The sizes above 1, e.g. "4 processes: tp 2, pp 2 (1f1b), 4 micro-batches per dp rank" or "2 processes:
+      // dp 2, ZeRO-1" or "2 processes: dp 2 (25 MiB gradient buckets)".
       const ParallelOptions& p = opt.parallel;
       std::vector<std::string> parts;
       if (p.tp > 1) parts.push_back("tp " + std::to_string(p.tp));
       if (p.pp > 1) parts.push_back("pp " + std::to_string(p.pp) + " (" + p.pp_schedule + ")");
-      if (p.dp > 1) parts.push_back("dp " + std::to_string(p.dp));
+      if (p.dp > 1 && !p.zero) {
+        char buckets[64];
+        std::snprintf(buckets, sizeof(buckets), " (%g MiB gradient buckets)", p.bucket_mb);
+        parts.push_back("dp " + std::to_string(p.dp) + buckets);
+      } else if (p.dp > 1) {
+        parts.push_back("dp " + std::to_string(p.dp));
+      }
       if (p.zero) parts.push_back("ZeRO-1");
       if (p.micro_batches > 1) parts.push_back(std::to_string(p.micro_batches) + " micro-batches per dp rank");
       where += " | " + std::to_string(p.tp * p.pp * p.dp) + (p.tp * p.pp * p.dp == 1 ? " process" : " processes");

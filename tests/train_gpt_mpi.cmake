@@ -59,6 +59,13 @@ if(NOT out MATCHES "resumed at step 3\n" OR NOT out MATCHES "dp 2, ZeRO-1")
   check_failed("DP2 + ZeRO-1 did not resume at step 3: ${out}")
 endif()
 run(out ${TRAIN_GPT} --data words.txt --resume mid.safetensors --steps 6 --save resumed.safetensors)
+# And at plain DP2 with buckets of 1 KiB: their all-reduces start during the backward.
+run(out ${mpi2} ${TRAIN_GPT} --data words.txt --resume mid.safetensors --steps 6 --dp 2 --bucket-mb 0.0009765625
+    --save dp_buckets.safetensors)
+if(NOT out MATCHES "\| 2 processes: dp 2 \(0.000976562 MiB gradient buckets\)
+")
+  check_failed("the header does not show the buckets: ${out}")
+endif()
 
 # All three end at the same weights: their validation losses agree to fp32 rounding (2e-5).
 set(launcher "")
@@ -67,6 +74,8 @@ val_loss(dp dp.safetensors)
 val_loss(resumed resumed.safetensors)
 expect_near("TP2xPP2 then DP2+ZeRO-1 vs one process" ${dp} ${one} 20)
 expect_near("TP2xPP2 then one process vs one process" ${resumed} ${one} 20)
+val_loss(dp_buckets dp_buckets.safetensors)
+expect_near("TP2xPP2 then DP2 with 1 KiB buckets vs one process" ${dp_buckets} ${one} 20)
 # And evaluating at TP2 (the vocabulary of 15 split 8 + 7) gives the one-process value.
 set(launcher ${mpi2})
 val_loss(tp2 one.safetensors --tp 2)

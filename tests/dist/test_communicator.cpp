@@ -101,6 +101,41 @@ TEST(Communicator, MismatchedTensorsAreAnErrorOnEveryRank) {
   EXPECT_ERROR_MENTIONS(world.all_reduce(Tensor::zeros({4, 4}).mT(), Reduction::Sum), "is not contiguous");
 }
 
+// all_reduce_start: several collectives in flight at once (blocking ones between them), completed by polling,
+// by wait() or by the destructor, with the blocking all_reduce's results (16-bit values rounded once from fp32).
+TEST(Communicator, NonBlockingAllReduceEqualsTheBlockingOne) {
+  const Communicator world = Communicator::world();
+  const int r = world.rank();
+  std::vector<Tensor> tensors, expected;
+  std::vector<PendingCollective> pending;
+  for (DType dtype : {DType::F32, DType::F16, DType::F64, DType::BF16}) {
+    for (Reduction op : {Reduction::Sum, Reduction::Max}) {
+      Tensor want = rank_tensor(r, 1000, dtype);
+      world.all_reduce(want, op);
+      expected.push_back(want);
+      tensors.push_back(rank_tensor(r, 1000, dtype));
+      pending.push_back(world.all_reduce_start(tensors.back(), op));
+      EXPECT_TRUE(pending.back().in_flight());
+    }
+  }
+  Tensor ones = Tensor::full({3}, 1.0 + std::ldexp(1.0, -7), DType::BF16);
+  {
+    PendingCollective in_scope = world.all_reduce_start(ones, Reduction::Sum);
+  }  // waited for by the destructor
+  EXPECT_EQ(ones.to_vector<double>()[0],
+            Tensor::scalar(world.size() * (1.0 + std::ldexp(1.0, -7)), DType::F64).to(DType::BF16).item());
+  while (!pending[0].test()) {
+  }
+  EXPECT_FALSE(pending[0].in_flight());
+  EXPECT_TRUE(pending[0].test());  // complete: stays complete
+  for (size_t i = 0; i < pending.size(); ++i) {
+    pending[i].wait();
+    EXPECT_EQ(tensors[i].to_vector<double>(), expected[i].to_vector<double>()) << "collective " << i;
+  }
+  Tensor t = Tensor::zeros({r == 0 ? 3 : 4});
+  EXPECT_ERROR_MENTIONS(world.all_reduce_start(t, Reduction::Sum), "all_reduce_start", "the ranks disagree");
+}
+
 TEST(ParallelGroups, RanksAreLaidOutTpFirstThenDpThenPp) {
   const Communicator world = Communicator::world();
   ASSERT_EQ(world.size(), 4) << "run under mpiexec -np 4";

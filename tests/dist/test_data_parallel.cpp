@@ -43,6 +43,7 @@ struct RunSpec {
   int inf_step = -1;  // this step, a +inf is planted in one gradient element ...
   int inf_rank = 0;   // ... on this dp rank (the single-process run plants it too)
   bool overlap = false;  // GradientReducer::begin()/finish() around backward (buckets reduced inside it)
+  int micro_batches = 1;  // backward() calls per step, each on an equal share of the local rows (loss / M)
 };
 
 struct Outcome {
@@ -119,12 +120,17 @@ Outcome train(const RunSpec& s, const Communicator* dp) {
 
   Outcome out;
   for (int step = 0; step < kSteps; ++step) {
-    const Tensor loss = local_loss(params, step, lo, hi, dtype);
-    std::vector<double> value = {loss.item() / size};
+    const int M = s.micro_batches;
+    if (s.overlap) reducer->begin(M);
+    std::vector<double> value = {0.0};
+    for (int m = 0; m < M; ++m) {
+      const int64_t part = (hi - lo) / M;
+      const Tensor loss = mul(local_loss(params, step, lo + m * part, lo + (m + 1) * part, dtype), 1.0 / M);
+      value[0] += loss.item() / size;
+      if (zero) zero->backward(loss); else mpo->backward(loss);
+    }
     if (dp) dp->all_reduce(value, Reduction::Sum);
     out.losses.push_back(value[0]);
-    if (s.overlap) reducer->begin();
-    if (zero) zero->backward(loss); else mpo->backward(loss);
     if (step == s.inf_step && (!dp || rank == s.inf_rank)) plant_inf(params);
     if (s.overlap) {
       reducer->finish();
@@ -270,7 +276,31 @@ TEST(DataParallel, TrainingEqualsTheSingleProcessRun) {
     expect_same_training(overlapped, clean, mode, std::string("dp2 overlapped ") + mode_name(mode));
     EXPECT_GT(overlapped.buckets_total, kSteps);  // several buckets per step ...
     EXPECT_EQ(overlapped.buckets_in_backward, overlapped.buckets_total);  // ... all reduced inside backward
+    // Two micro-batches per rank: begin(2) spans both backwards; the buckets start in the second.
+    o.micro_batches = 2;
+    const Outcome two = train(o, &pairs);
+    expect_same_training(two, clean, mode, std::string("dp2 overlapped, 2 micro-batches ") + mode_name(mode));
+    EXPECT_EQ(two.buckets_in_backward, two.buckets_total);
   }
+}
+
+// begin(n) waits for the n-th backward: after one of two backwards no bucket has started; a third backward
+// after the buckets started is an error, and so is finish() without begin().
+TEST(DataParallel, OverlapWaitsForTheLastOfItsBackwards) {
+  const Communicator pairs = dp2();
+  std::vector<Tensor> params = make_params(DType::F32);
+  GradientReducer reducer(pairs, params, 64);
+  const int64_t lo = pairs.rank() * 4;
+  reducer.begin(2);
+  backward(local_loss(params, 0, lo, lo + 2, DType::F32));
+  EXPECT_EQ(reducer.buckets_reduced_in_backward(), 0);
+  backward(local_loss(params, 0, lo + 2, lo + 4, DType::F32));
+  EXPECT_EQ(reducer.buckets_reduced_in_backward(), static_cast<int64_t>(reducer.buckets().size()));
+  EXPECT_ERROR_MENTIONS(backward(local_loss(params, 0, lo, lo + 2, DType::F32)), "was produced again",
+                        "expected 2 backward call(s)");
+  reducer.finish();
+  EXPECT_ERROR_MENTIONS(reducer.finish(), "expected begin() first");
+  EXPECT_ERROR_MENTIONS(reducer.begin(0), "backwards must be >= 1");
 }
 
 TEST(Zero, EqualsPlainDataParallelAndTheSingleProcessRun) {

@@ -276,6 +276,32 @@ TEST(ParallelTrainer, DropoutMasksAreTheSingleProcessRunsAtEveryLayout) {
   }
 }
 
+// Without a gradient hook the data-parallel all-reduce overlaps the backward: with small buckets, several start
+// inside the last micro-batch's backward, and the training is still the single process's (no planted inf here:
+// it would need the hook).
+TEST(ParallelTrainer, TheDataParallelAllReduceOverlapsTheBackward) {
+  const int rank = Communicator::world().rank();
+  for (const Mode& mode : {modes()[0], modes()[1], modes()[3]}) {
+    const Outcome want = run_single(mode, /*inf_step=*/-1);
+    for (Layout l : {Layout{"DP2", layout(1, 1, 2, 0, 1)}, Layout{"TP2xDP2", layout(2, 1, 2, 0, 2)},
+                     Layout{"PP2xDP2", layout(1, 2, 2, 0, 2)}}) {
+      const std::string what = std::string(l.name) + " overlapped " + mode.name;
+      l.p.bucket_mb = 2048.0 / (1024 * 1024);  // 2 KiB: a few parameters per bucket
+      ParallelTrainer trainer(tiny_config(), options_for(mode.amp), l.p, corpus(), job_of(l.size()));
+      Outcome got = train(trainer);
+      EXPECT_GT(trainer.buckets_overlapped(), 2) << what;
+      got.weights = trainer.full_weights();
+      const double tol = mode.exact() ? 1e-5 : 1e-2;
+      expect_close(got.losses, want.losses, tol, 1e-2, what + " losses");
+      expect_close(got.grad_norms, want.grad_norms, mode.exact() ? 1e-5 : 3e-2, 1e-2, what + " grad norms");
+      EXPECT_EQ(got.skipped, want.skipped) << what;
+      EXPECT_EQ(got.scales, want.scales) << what;
+      if (rank % l.size() == 0)
+        expect_same_weights(got.weights, want.weights, mode.exact() ? 1e-5 : 5e-2, mode.exact(), what);
+    }
+  }
+}
+
 // A pipeline the stages do not divide evenly: 3 blocks over 2 stages (2 on the first, 1 on the last).
 TEST(ParallelTrainer, StagesWithUnequalLayerCountsTrainLikeOneProcess) {
   GPTConfig config = tiny_config();
