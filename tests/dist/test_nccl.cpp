@@ -67,6 +67,19 @@ void expect_collectives_match_cpu(const Communicator& c) {
       c.all_reduce(on_cpu, op);
       EXPECT_TRUE(on_gpu.device() == gpu);
       EXPECT_EQ(values_of(on_gpu), values_of(on_cpu)) << "all_reduce " << dtype_name(dtype) << " on " << c.name();
+      // Non-blocking (over NCCL on the group's own stream), with a blocking collective of the same group queued
+      // while it is in flight, and polled before the wait.
+      Tensor async = rank_tensor(r, 7, dtype).to(gpu);
+      PendingCollective pending = c.all_reduce_start(async, op);
+      Tensor between = rank_tensor(r, 3, dtype).to(gpu);
+      c.all_reduce(between, op);
+      (void)pending.test();
+      pending.wait();
+      EXPECT_FALSE(pending.in_flight());
+      EXPECT_EQ(values_of(async), values_of(on_cpu)) << "all_reduce_start " << dtype_name(dtype) << " on " << c.name();
+      Tensor between_cpu = rank_tensor(r, 3, dtype);
+      c.all_reduce(between_cpu, op);
+      EXPECT_EQ(values_of(between), values_of(between_cpu)) << "all_reduce behind all_reduce_start";
     }
     // all_gather of [2, 3]: [2n, 3].
     const Tensor g_gpu = c.all_gather(rank_tensor(r, 6, dtype).reshape({2, 3}).to(gpu));
