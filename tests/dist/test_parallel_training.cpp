@@ -233,6 +233,18 @@ void expect_same_weights(const StateDict& got, const StateDict& want, double tol
   }
 }
 
+// A parallel run against the single-process one, within the matrix's bounds (below); the weights only where
+// `has_weights` (the job's rank 0).
+void expect_same_training(const Outcome& got, const Outcome& want, const Mode& mode, bool has_weights,
+                          const std::string& what) {
+  expect_close(got.losses, want.losses, mode.exact() ? 1e-5 : 1e-2, 1e-2, what + " losses");
+  // Each parameter counted once in the norm (not tp times when replicated, not twice when tied over pp).
+  expect_close(got.grad_norms, want.grad_norms, mode.exact() ? 1e-5 : 3e-2, 1e-2, what + " grad norms");
+  EXPECT_EQ(got.skipped, want.skipped) << what;
+  EXPECT_EQ(got.scales, want.scales) << what;
+  if (has_weights) expect_same_weights(got.weights, want.weights, mode.exact() ? 1e-5 : 5e-2, mode.exact(), what);
+}
+
 }  // namespace
 
 // Issue 6's matrix. fp32: losses and weights within 1e-5 (relative, 1e-6 absolute near zero); the 16-bit modes:
@@ -248,15 +260,7 @@ TEST(ParallelTrainer, EveryLayoutTrainsLikeOneProcessInEveryPrecisionMode) {
     for (const Layout& l : layouts()) {
       const std::string what = std::string(l.name) + " " + mode.name;
       // The inf on the job's last rank: a tensor-parallel rank 1, a last stage or a dp rank 1.
-      const Outcome got = run_parallel(l, mode, l.size() - 1);
-      const double tol = mode.exact() ? 1e-5 : 1e-2;
-      expect_close(got.losses, want.losses, tol, 1e-2, what + " losses");
-      // Each parameter counted once in the norm (not tp times when replicated, not twice when tied over pp).
-      expect_close(got.grad_norms, want.grad_norms, mode.exact() ? 1e-5 : 3e-2, 1e-2, what + " grad norms");
-      EXPECT_EQ(got.skipped, want.skipped) << what;
-      EXPECT_EQ(got.scales, want.scales) << what;
-      if (rank % l.size() == 0)
-        expect_same_weights(got.weights, want.weights, mode.exact() ? 1e-5 : 5e-2, mode.exact(), what);
+      expect_same_training(run_parallel(l, mode, l.size() - 1), want, mode, rank % l.size() == 0, what);
     }
   }
 }
@@ -291,13 +295,7 @@ TEST(ParallelTrainer, TheDataParallelAllReduceOverlapsTheBackward) {
       Outcome got = train(trainer);
       EXPECT_GT(trainer.buckets_overlapped(), 2) << what;
       got.weights = trainer.full_weights();
-      const double tol = mode.exact() ? 1e-5 : 1e-2;
-      expect_close(got.losses, want.losses, tol, 1e-2, what + " losses");
-      expect_close(got.grad_norms, want.grad_norms, mode.exact() ? 1e-5 : 3e-2, 1e-2, what + " grad norms");
-      EXPECT_EQ(got.skipped, want.skipped) << what;
-      EXPECT_EQ(got.scales, want.scales) << what;
-      if (rank % l.size() == 0)
-        expect_same_weights(got.weights, want.weights, mode.exact() ? 1e-5 : 5e-2, mode.exact(), what);
+      expect_same_training(got, want, mode, rank % l.size() == 0, what);
     }
   }
 }
