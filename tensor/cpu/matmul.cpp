@@ -16,8 +16,11 @@
 // f32 accumulator before the one rounding to out; the f64 loop starts each output row from it.
 // With allow_tf32() (tensor/precision.h) an f32 product packs both operands and rounds the packed copies to
 // tf32 (10 mantissa bits, nearest even) before oneDNN's f32 product: the numerics of a TF32 tensor core.
-// When oneDNN cannot take a layout (or would only offer its slow reference implementation) the operands are
-// packed into contiguous buffers instead. The decision and the primitive are cached per geometry, so a
+// f16 (and tf32) need a copy of each operand anyway: an operand oneDNN could read in place is copied as its
+// whole memory span in one streaming pass and keeps its own strides (Packing::Span), so a transposed f16
+// operand (a weight in the forward, dY^T for the weight gradient) costs a contiguous conversion, not a
+// strided gather. When oneDNN cannot take a layout (or would only offer its slow reference implementation)
+// the operands are packed into contiguous buffers instead. The decision and the primitive are cached per geometry, so a
 // training loop builds each primitive once.
 #include <omp.h>
 #include <dnnl.hpp>
@@ -102,6 +105,8 @@ void matmul_f64(const MatmulGeometry& g, const double* a, const double* b, const
 // How an operand reaches oneDNN.
 enum class Packing : uint8_t {
   None,         // its own memory, strides as they are
+  Span,         // its memory span copied as one contiguous run (converted to f32, or rounded to tf32), and
+                // described with its own strides: a transposed operand costs a streaming pass, not a gather
   Compact,      // copied into a contiguous buffer; broadcast batch dims stay size 1 (oneDNN broadcasts)
   Materialize,  // copied into a contiguous buffer with broadcast batch dims repeated
 };
@@ -142,6 +147,29 @@ Strides operand_strides(const MatrixLayout& m) {
   return strides;
 }
 
+// The number of elements from an operand's first element to its last (its memory span in the simplified
+// geometry), or -1 when a stride is negative.
+int64_t operand_span(const MatmulGeometry& g, const MatrixLayout& m, int64_t rows, int64_t cols) {
+  const Shape shape = operand_shape(g, m, rows, cols, false);
+  const Strides strides = operand_strides(m);
+  int64_t span = 1;
+  for (size_t d = 0; d < shape.size(); ++d) {
+    if (shape[d] <= 1) continue;
+    if (strides[d] < 0) return -1;
+    span += (shape[d] - 1) * strides[d];
+  }
+  return span;
+}
+
+// Copying an operand's span instead of its elements pays while the span holds few elements that are not
+// the operand's (a transposed matrix has none; a slice of a wider tensor has many).
+bool span_is_dense(const MatmulGeometry& g, const MatrixLayout& m, int64_t rows, int64_t cols) {
+  const int64_t span = operand_span(g, m, rows, cols);
+  int64_t numel = rows * cols;
+  for (size_t d = 0; d < g.batch.size(); ++d) numel *= m.batch[d] == 0 ? 1 : g.batch[d];
+  return span > 0 && span <= numel + numel / 4;
+}
+
 // A memory descriptor for dims with the given strides; strides of size-1 dims are replaced by the extent of
 // the dims inside them (oneDNN ignores them, but keeps them in its layout checks).
 memory::desc make_md(const Shape& dims, const Strides& strides, memory::data_type type) {
@@ -160,7 +188,7 @@ bool try_plan(const MatmulGeometry& g, memory::data_type type, bool bias, Packin
               Packing b_packing, Plan& plan) {
   auto md_for = [&](const MatrixLayout& m, int64_t rows, int64_t cols, Packing packing) {
     const Shape shape = operand_shape(g, m, rows, cols, packing == Packing::Materialize);
-    if (packing == Packing::None) {
+    if (packing == Packing::None || packing == Packing::Span) {
       if (!plain_layout(rows, cols, m)) return memory::desc();
       return make_md(shape, operand_strides(m), type);
     }
@@ -210,9 +238,20 @@ Plan make_plan(const MatmulGeometry& g, DType dtype, bool bias, bool tf32) {
                                                   {Packing::Compact, Packing::Compact},
                                                   {Packing::Materialize, Packing::Materialize}};
   for (const auto& [compute, via_f32] : attempts) {
-    for (const auto& [a_packing, b_packing] : packings) {
-      // Converting to f32 (or rounding to tf32) packs anyway, so only packed variants apply.
-      if ((via_f32 || tf32) && (a_packing == Packing::None || b_packing == Packing::None)) continue;
+    for (auto [a_packing, b_packing] : packings) {
+      // Converting to f32 (or rounding to tf32) copies every operand: an operand oneDNN could read in place
+      // is copied as its span with its own strides where that span is dense, else this variant is skipped
+      // for the compact copies that follow.
+      if (via_f32 || tf32) {
+        if (a_packing == Packing::None) {
+          if (!span_is_dense(g, g.a, g.M, g.K)) continue;
+          a_packing = Packing::Span;
+        }
+        if (b_packing == Packing::None) {
+          if (!span_is_dense(g, g.b, g.K, g.N)) continue;
+          b_packing = Packing::Span;
+        }
+      }
       Plan plan;
       if (try_plan(g, dnnl_type(compute), bias, a_packing, b_packing, plan)) {
         plan.via_f32 = via_f32;
@@ -260,6 +299,12 @@ std::shared_ptr<const Plan> plan_for(const MatmulGeometry& g, DType dtype, bool 
 Tensor prepare_operand(const Tensor& t, const MatmulGeometry& g, const MatrixLayout& m, int64_t rows,
                        int64_t cols, Packing packing, DType compute) {
   if (packing == Packing::None) return t;
+  if (packing == Packing::Span) {  // the span from element 0, converted in one contiguous pass
+    const int64_t span = operand_span(g, m, rows, cols);
+    Tensor packed = Tensor::empty({span}, compute, t.device());
+    cpu_backend().copy(make_view(t, {span}, {1}, t.offset()), packed);
+    return packed;
+  }
   const bool materialize = packing == Packing::Materialize;
   const Shape shape = operand_shape(g, m, rows, cols, materialize);
   const Tensor view = make_view(t, shape, operand_strides(m), t.offset());
