@@ -5,12 +5,15 @@
 #include <omp.h>
 
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <limits>
+#include <string>
 #include <vector>
 
 #include "autograd/autograd.h"
 #include "autograd/gradcheck.h"
+#include "tensor/backend.h"
 #include "tensor/ops.h"
 #include "tensor/random.h"
 #include "test_util.h"
@@ -256,6 +259,54 @@ TEST(LayerNorm, FusedBackwardMatchesChainRuleInEveryDtype) {
     // grad_w / grad_b are sums over 300 rows: scale ~ sqrt(300) ~ 17, so the absolute floor scales too.
     EXPECT_TRUE(all_close(w.grad(), f64(ref.grad_w, {C}), 20 * tolerance, tolerance)) << dtype_name(dtype);
     EXPECT_TRUE(all_close(b.grad(), f64(ref.grad_b, {C}), 20 * tolerance, tolerance)) << dtype_name(dtype);
+  }
+}
+
+TEST(LayerNorm, SixteenBitKernelsEqualTheF32KernelRoundedOnce) {
+  // f16/bf16 rows are widened to float once per row and computed as f32 rows are (tensor/cpu/norm.cpp), so
+  // every result (out, mean, rstd; grad_x, grad_weight, grad_bias) must be the f32 kernel's on the widened
+  // inputs, rounded once to the 16-bit type: bit for bit, for layer_norm and rms_norm, with a row length
+  // that is not a multiple of the conversion width.
+  Backend& backend = backend_for(Device::cpu());
+  auto bits_equal = [](const Tensor& a, const Tensor& b) {
+    const Tensor ac = a.contiguous(), bc = b.contiguous();
+    const size_t bytes = static_cast<size_t>(ac.numel()) * dtype_size(ac.dtype());
+    return ac.dtype() == bc.dtype() && ac.shape() == bc.shape() &&
+           std::memcmp(ac.data_ptr(), bc.data_ptr(), bytes) == 0;
+  };
+  for (DType dtype : {DType::F16, DType::BF16}) {
+    for (int64_t C : {64, 1003}) {
+      SCOPED_TRACE(std::string(dtype_name(dtype)) + " C=" + std::to_string(C));
+      const int64_t N = 300;
+      const Tensor x = uniform_tensor({N, C}, 21, -2, 3, dtype), w = uniform_tensor({C}, 22, 0.5, 1.5, dtype),
+                   b = uniform_tensor({C}, 23, -0.5, 0.5, dtype), g = uniform_tensor({N, C}, 24, -1, 1, dtype);
+      const Tensor x32 = x.to(DType::F32), w32 = w.to(DType::F32), b32 = b.to(DType::F32), g32 = g.to(DType::F32);
+      auto empty = [](const Shape& shape, DType d) { return Tensor::empty(shape, d); };
+      // layer_norm
+      Tensor out = empty({N, C}, dtype), mean = empty({N}, DType::F32), rstd = empty({N}, DType::F32);
+      Tensor out32 = empty({N, C}, DType::F32), mean32 = empty({N}, DType::F32), rstd32 = empty({N}, DType::F32);
+      backend.layer_norm(x, w, b, 1e-5, out, mean, rstd);
+      backend.layer_norm(x32, w32, b32, 1e-5, out32, mean32, rstd32);
+      EXPECT_TRUE(bits_equal(out, out32.to(dtype)));
+      EXPECT_TRUE(bits_equal(mean, mean32));
+      EXPECT_TRUE(bits_equal(rstd, rstd32));
+      Tensor gx = empty({N, C}, dtype), gw = empty({C}, dtype), gb = empty({C}, dtype);
+      Tensor gx32 = empty({N, C}, DType::F32), gw32 = empty({C}, DType::F32), gb32 = empty({C}, DType::F32);
+      backend.layer_norm_backward(g, x, w, mean, rstd, gx, gw, gb);
+      backend.layer_norm_backward(g32, x32, w32, mean32, rstd32, gx32, gw32, gb32);
+      EXPECT_TRUE(bits_equal(gx, gx32.to(dtype)));
+      EXPECT_TRUE(bits_equal(gw, gw32.to(dtype)));
+      EXPECT_TRUE(bits_equal(gb, gb32.to(dtype)));
+      // rms_norm
+      backend.rms_norm(x, w, 1e-5, out, rstd);
+      backend.rms_norm(x32, w32, 1e-5, out32, rstd32);
+      EXPECT_TRUE(bits_equal(out, out32.to(dtype)));
+      EXPECT_TRUE(bits_equal(rstd, rstd32));
+      backend.rms_norm_backward(g, x, w, rstd, gx, gw);
+      backend.rms_norm_backward(g32, x32, w32, rstd32, gx32, gw32);
+      EXPECT_TRUE(bits_equal(gx, gx32.to(dtype)));
+      EXPECT_TRUE(bits_equal(gw, gw32.to(dtype)));
+    }
   }
 }
 

@@ -40,6 +40,7 @@
 #include <utility>
 #include <vector>
 
+#include "tensor/cpu/convert_block.h"
 #include "tensor/cpu/cpu_backend.h"
 #include "tensor/cpu/fast_math.h"
 
@@ -134,12 +135,43 @@ struct Rows {
   int64_t ld;
 };
 
+// Runs of 16-bit values to and from float go through one vectorised conversion (tensor/cpu/convert_block.h):
+// converting element by element in these loops keeps them scalar (fp16's F16C instruction has no scalar
+// form the compiler vectorises), which made fp16 attention twice as slow as f32's. Same values either way.
+template <class T, class A>
+constexpr bool kBlockConvert = (std::is_same_v<T, Half> || std::is_same_v<T, BFloat16>) && std::is_same_v<A, float>;
+
+// dst[0, n) = src[0, n) as A.
+template <class T, class A>
+void load_run(const T* __restrict src, A* __restrict dst, int64_t n) {
+  if constexpr (kBlockConvert<T, A>)
+    widen_block(src, dst, n);
+  else
+    for (int64_t d = 0; d < n; ++d) dst[d] = convert<A>(src[d]);
+}
+
+// dst[0, n) = scale * src[0, n), each product rounded once to T.
+template <class A, class T>
+void store_scaled_run(const A* __restrict src, A scale, T* __restrict dst, int64_t n) {
+  if constexpr (kBlockConvert<T, A>) {
+    constexpr int64_t kChunk = 64;
+    alignas(64) float scaled[kChunk];
+    for (int64_t d0 = 0; d0 < n; d0 += kChunk) {
+      const int64_t m = std::min(kChunk, n - d0);
+      for (int64_t d = 0; d < m; ++d) scaled[d] = scale * src[d0 + d];
+      narrow_block(scaled, dst + d0, m);
+    }
+  } else {
+    for (int64_t d = 0; d < n; ++d) dst[d] = convert<T>(scale * src[d]);
+  }
+}
+
 // dst[r, d] = src[r * ld_src + d] for r < rows, d < D; columns D..Dp-1 are zero (padding that products read).
 template <class T, class A>
 void load_rows(const T* __restrict src, int64_t ld_src, int64_t rows, int64_t D, A* __restrict dst,
                int64_t Dp) {
   for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t d = 0; d < D; ++d) dst[r * Dp + d] = convert<A>(src[r * ld_src + d]);
+    load_run(src + r * ld_src, dst + r * Dp, D);
     for (int64_t d = D; d < Dp; ++d) dst[r * Dp + d] = A(0);
   }
 }
@@ -166,8 +198,19 @@ template <class T, class A>
 void load_transposed(const T* __restrict src, int64_t ld_src, int64_t cols, int64_t D, A* __restrict dst,
                      int64_t ld) {
   for (int64_t d = 0; d < D; ++d) std::fill(dst + d * ld + cols, dst + (d + 1) * ld, A(0));
-  for (int64_t c = 0; c < cols; ++c)
-    for (int64_t d = 0; d < D; ++d) dst[d * ld + c] = convert<A>(src[c * ld_src + d]);
+  if constexpr (kBlockConvert<T, A>) {  // each row widened in chunks, then scattered into its column
+    constexpr int64_t kChunk = 64;
+    alignas(64) A row[kChunk];
+    for (int64_t c = 0; c < cols; ++c)
+      for (int64_t d0 = 0; d0 < D; d0 += kChunk) {
+        const int64_t m = std::min(kChunk, D - d0);
+        widen_block(src + c * ld_src + d0, row, m);
+        for (int64_t d = 0; d < m; ++d) dst[(d0 + d) * ld + c] = row[d];
+      }
+  } else {
+    for (int64_t c = 0; c < cols; ++c)
+      for (int64_t d = 0; d < D; ++d) dst[d * ld + c] = convert<A>(src[c * ld_src + d]);
+  }
 }
 
 inline DType stats_dtype(DType x) { return x == DType::F64 ? DType::F64 : DType::F32; }
@@ -302,8 +345,7 @@ void CpuBackend::causal_attention(const Tensor& q, const Tensor& k, const Tensor
         for (int64_t r = 0; r < rows; ++r) {
           // Row i sees key 0 at least, so l >= 1 (the max term is e^0) and the division is safe.
           const A inv_l = A(1) / l[r];
-          T_* dst = oh.row(bh, i0 + r);
-          for (int64_t d = 0; d < D; ++d) dst[d] = convert<T_>(o[r * Dp + d] * inv_l);
+          store_scaled_run(o.data() + r * Dp, inv_l, oh.row(bh, i0 + r), D);
           lse_out[bh * T + i0 + r] = m[r] + std::log(l[r]);
         }
       }
@@ -355,16 +397,30 @@ void CpuBackend::causal_attention_backward(const Tensor& grad_out, const Tensor&
     // delta_i = do_i . o_i, one per query row.
     const Tensor delta_tensor = Tensor::empty({BH * T}, dtype_of<A>::value);
     A* delta = delta_tensor.data<A>();
-#pragma omp parallel for schedule(static) if (parallel)
-    for (int64_t bh = 0; bh < BH; ++bh)
-      for (int64_t i = 0; i < T; ++i) {
-        const T_* gor = goh.row(bh, i);
-        const T_* outr = oh.row(bh, i);
-        A sum = 0;
+#pragma omp parallel if (parallel)
+    {
+      std::vector<A> gor(kBlockConvert<T_, A> ? D : 0), outr(gor.size());
+#pragma omp for schedule(static)
+      for (int64_t bh = 0; bh < BH; ++bh)
+        for (int64_t i = 0; i < T; ++i) {
+          const A* g_row;
+          const A* o_row;
+          if constexpr (kBlockConvert<T_, A>) {
+            load_run(goh.row(bh, i), gor.data(), D);
+            load_run(oh.row(bh, i), outr.data(), D);
+            g_row = gor.data();
+            o_row = outr.data();
+          } else {
+            static_assert(std::is_same_v<T_, A>, "attention computes 16-bit inputs in float, others in place");
+            g_row = goh.row(bh, i);
+            o_row = oh.row(bh, i);
+          }
+          A sum = 0;
 #pragma omp simd reduction(+ : sum)
-        for (int64_t d = 0; d < D; ++d) sum += convert<A>(gor[d]) * convert<A>(outr[d]);
-        delta[bh * T + i] = sum;
-      }
+          for (int64_t d = 0; d < D; ++d) sum += g_row[d] * o_row[d];
+          delta[bh * T + i] = sum;
+        }
+    }
     // fp32 [T, Dp] dq accumulators: one per thread (stored at the end of each task) when groups == 1, else
     // one per task. When q, do and k are not already [T, Dp] matrices of A, each thread also converts its
     // head's q, do and k once per task (three [T, Dp] copies per thread).
@@ -422,18 +478,13 @@ void CpuBackend::causal_attention_backward(const Tensor& grad_out, const Tensor&
                                 dq + i0 * Dp, Dp);
           }
           for (int64_t c = 0; c < cols; ++c) {
-            T_* gk = gkh.row(bh, j0 + c);
-            T_* gv = gvh.row(bh, j0 + c);
-            for (int64_t d = 0; d < D; ++d) {
-              gk[d] = convert<T_>(scale_a * dk[c * Dp + d]);
-              gv[d] = convert<T_>(dv[c * Dp + d]);
-            }
+            store_scaled_run(dk.data() + c * Dp, scale_a, gkh.row(bh, j0 + c), D);
+            store_scaled_run(dv.data() + c * Dp, A(1), gvh.row(bh, j0 + c), D);
           }
         }
         if (groups == 1)
           for (int64_t i = 0; i < T; ++i) {
-            T_* gq = gqh.row(bh, i);
-            for (int64_t d = 0; d < D; ++d) gq[d] = convert<T_>(scale_a * dq[i * Dp + d]);
+            store_scaled_run(dq + i * Dp, scale_a, gqh.row(bh, i), D);
           }
       }
     }

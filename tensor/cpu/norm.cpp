@@ -10,8 +10,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
+#include "tensor/cpu/convert_block.h"
 #include "tensor/cpu/cpu_backend.h"
 #include "tensor/cpu/lane_sum.h"
 #include "tensor/cpu/strided.h"
@@ -21,17 +23,61 @@ namespace mixtape::cpu {
 
 namespace {
 
-
-// The weight in the accumulation type, 1 where there is none: converted once per call, so the row loops
-// below have no branch and no 16-bit conversion of w.
+// A weight (or bias) in the accumulation type, `missing` (1 for a weight, 0 for a bias) where there is none:
+// converted once per call, so the row loops below have no 16-bit conversion of it.
 template <class T, class A = acc_t<T>>
-std::vector<A> weight_values(const Tensor& weight, int64_t C) {
-  std::vector<A> values(static_cast<size_t>(C), A(1));
-  if (weight.defined()) {
-    const T* w = weight.data<T>();
-    for (int64_t j = 0; j < C; ++j) values[j] = convert<A>(w[j]);
+std::vector<A> values_or(const Tensor& t, int64_t C, A missing) {
+  std::vector<A> values(static_cast<size_t>(C), missing);
+  if (t.defined()) {
+    const T* p = t.data<T>();
+    for (int64_t j = 0; j < C; ++j) values[j] = convert<A>(p[j]);
   }
   return values;
+}
+
+template <class T, class A = acc_t<T>>
+std::vector<A> weight_values(const Tensor& weight, int64_t C) {
+  return values_or<T>(weight, C, A(1));
+}
+
+// One thread's access to the rows. For f16/bf16 row i is widened into a float buffer once (and its result
+// narrowed once, after): the row loops then read and write float, as for f32, and vectorise. Converting
+// element by element inside them kept them scalar (fp16's conversion), which made fp16 layer_norm 4x slower
+// than f32's; the values are the same either way. Other dtypes are read and written in place.
+template <class T>
+class RowAccess {
+ public:
+  static constexpr bool kWiden = std::is_same_v<T, Half> || std::is_same_v<T, BFloat16>;
+  explicit RowAccess(int64_t C) : C_(C), x_(kWiden ? C : 0), g_(kWiden ? C : 0), out_(kWiden ? C : 0) {}
+
+  // body(x_i, g_i, out_i) on row i of x, g (may be null) and out (may be null: then out_i is null too).
+  template <class Body>
+  void row(int64_t i, const T* x, const T* g, T* out, Body&& body) {
+    if constexpr (kWiden) {
+      widen_block(x + i * C_, x_.data(), C_);
+      if (g) widen_block(g + i * C_, g_.data(), C_);
+      body(static_cast<const float*>(x_.data()), g ? static_cast<const float*>(g_.data()) : nullptr,
+           out ? out_.data() : nullptr);
+      if (out) narrow_block(out_.data(), out + i * C_, C_);
+    } else {
+      body(x + i * C_, g ? g + i * C_ : nullptr, out ? out + i * C_ : nullptr);
+    }
+  }
+
+ private:
+  int64_t C_;
+  std::vector<float> x_, g_, out_;
+};
+
+// body(rows, u) for u in [0, units), split across threads when `parallel`, each thread with its RowAccess.
+template <class T, class Body>
+void for_each_unit(int64_t units, int64_t C, bool parallel, Body&& body) {
+#pragma omp parallel if (parallel)
+  {
+    RowAccess<T> rows(C);
+#pragma omp for schedule(static)
+    for (int64_t u = 0; u < units; ++u) body(rows, u);
+  }
 }
 
 // The last pass of the backward over one row: writes dx (when wanted) and accumulates this row's share of
@@ -99,11 +145,6 @@ void check_vector(const char* op, const char* name, const Tensor& t, int64_t n, 
         " must be contiguous ", dtype_name(dtype), "[", n, "], got ", t.description());
 }
 
-template <class T>
-const T* data_or_null(const Tensor& t) {
-  return t.defined() ? t.data<T>() : nullptr;
-}
-
 // Sums the per-block partials [blocks, C] into dest[C], pairwise over blocks (a tree of whole rows, so the
 // inner loop runs along C), rounding once. Overwrites `partial`.
 template <class T, class A>
@@ -134,43 +175,43 @@ void CpuBackend::layer_norm(const Tensor& x, const Tensor& weight, const Tensor&
   dispatch_float(x.dtype(), "layer_norm", [&]<typename T>() {
     using A = acc_t<T>;
     const T* xp = x.data<T>();
-    const T* w = data_or_null<T>(weight);
-    const T* b = data_or_null<T>(bias);
+    const std::vector<A> wv = weight_values<T>(weight, C), bv = values_or<T>(bias, C, A(0));
+    const A* w = weight.defined() ? wv.data() : nullptr;
+    const A* b = bias.defined() ? bv.data() : nullptr;
     T* op = out.data<T>();
     A* mean_out = mean.defined() ? mean.data<A>() : nullptr;
     A* rstd_out = rstd.defined() ? rstd.data<A>() : nullptr;
     const A inv_C = A(1) / static_cast<A>(C);
-#pragma omp parallel for schedule(static) if (parallel_rows(N, C))
-    for (int64_t i = 0; i < N; ++i) {
-      const T* xi = xp + i * C;
-      T* oi = op + i * C;
-      // The statistics of the row shifted by its first element: x_j - x_0 is exact for the nearby values
-      // that make a large mean, so neither the mean nor the variance loses digits when |mean| >> std.
-      //   mean = x_0 + dm,  dm = 1/C sum_j (x_j - x_0);  var = 1/C sum_j (x_j - x_0 - dm)^2  (two passes)
-      const A shift = C > 0 ? convert<A>(xi[0]) : A(0);
-      const A dm = lane_sum<A>(C, [&](int64_t j) { return convert<A>(xi[j]) - shift; }) * inv_C;
-      const A v = lane_sum<A>(C,
-                              [&](int64_t j) {
-                                const A d = (convert<A>(xi[j]) - shift) - dm;
-                                return d * d;
-                              }) *
-                  inv_C;
-      // rstd = 1 / sqrt(var + eps);  out_j = (x_j - mean) * rstd * w_j + b_j
-      const A s = A(1) / std::sqrt(v + static_cast<A>(eps));
-      auto normalized = [&](int64_t j) { return ((convert<A>(xi[j]) - shift) - dm) * s; };
-      if (w && b) {
-        for (int64_t j = 0; j < C; ++j)
-          oi[j] = convert<T>(normalized(j) * convert<A>(w[j]) + convert<A>(b[j]));
-      } else if (w) {
-        for (int64_t j = 0; j < C; ++j) oi[j] = convert<T>(normalized(j) * convert<A>(w[j]));
-      } else if (b) {
-        for (int64_t j = 0; j < C; ++j) oi[j] = convert<T>(normalized(j) + convert<A>(b[j]));
-      } else {
-        for (int64_t j = 0; j < C; ++j) oi[j] = convert<T>(normalized(j));
-      }
-      if (mean_out) mean_out[i] = shift + dm;
-      if (rstd_out) rstd_out[i] = s;
-    }
+    for_each_unit<T>(N, C, parallel_rows(N, C), [&](RowAccess<T>& rows, int64_t i) {
+      rows.row(i, xp, nullptr, op, [&](const auto* xi, const auto*, auto* oi) {
+        using O = std::remove_pointer_t<decltype(oi)>;
+        // The statistics of the row shifted by its first element: x_j - x_0 is exact for the nearby values
+        // that make a large mean, so neither the mean nor the variance loses digits when |mean| >> std.
+        //   mean = x_0 + dm,  dm = 1/C sum_j (x_j - x_0);  var = 1/C sum_j (x_j - x_0 - dm)^2  (two passes)
+        const A shift = C > 0 ? convert<A>(xi[0]) : A(0);
+        const A dm = lane_sum<A>(C, [&](int64_t j) { return convert<A>(xi[j]) - shift; }) * inv_C;
+        const A v = lane_sum<A>(C,
+                                [&](int64_t j) {
+                                  const A d = (convert<A>(xi[j]) - shift) - dm;
+                                  return d * d;
+                                }) *
+                    inv_C;
+        // rstd = 1 / sqrt(var + eps);  out_j = (x_j - mean) * rstd * w_j + b_j
+        const A s = A(1) / std::sqrt(v + static_cast<A>(eps));
+        auto normalized = [&](int64_t j) { return ((convert<A>(xi[j]) - shift) - dm) * s; };
+        if (w && b) {
+          for (int64_t j = 0; j < C; ++j) oi[j] = convert<O>(normalized(j) * w[j] + b[j]);
+        } else if (w) {
+          for (int64_t j = 0; j < C; ++j) oi[j] = convert<O>(normalized(j) * w[j]);
+        } else if (b) {
+          for (int64_t j = 0; j < C; ++j) oi[j] = convert<O>(normalized(j) + b[j]);
+        } else {
+          for (int64_t j = 0; j < C; ++j) oi[j] = convert<O>(normalized(j));
+        }
+        if (mean_out) mean_out[i] = shift + dm;
+        if (rstd_out) rstd_out[i] = s;
+      });
+    });
   });
 }
 
@@ -200,26 +241,23 @@ void CpuBackend::layer_norm_backward(const Tensor& grad_out, const Tensor& x, co
     const int64_t blocks = (N + block_rows - 1) / block_rows;
     std::vector<A> partial_w(static_cast<size_t>(blocks * C)), partial_b(static_cast<size_t>(blocks * C));
     const A inv_C = A(1) / static_cast<A>(C);
-#pragma omp parallel for schedule(static) if (parallel_rows(N, C))
-    for (int64_t block = 0; block < blocks; ++block) {
+    for_each_unit<T>(blocks, C, parallel_rows(N, C), [&](RowAccess<T>& rows, int64_t block) {
       A* dw = partial_w.data() + block * C;
       A* db = partial_b.data() + block * C;
-      for (int64_t i = block * block_rows; i < std::min(N, (block + 1) * block_rows); ++i) {
-        const T* xi = xp + i * C;
-        const T* gi = gp + i * C;
-        const A m = mp[i], s = sp[i];
-        // norm_j = (x_j - mean) * rstd;  dnorm_j = w_j * dout_j
-        // dx_j = rstd * (dnorm_j - mean_k(dnorm_k) - norm_j * mean_k(dnorm_k * norm_k))
-        const auto [dnorm_sum, dnorm_norm_sum] = lane_sum2<A>(C, [&](int64_t j) {
-          const A norm = (convert<A>(xi[j]) - m) * s, dnorm = w[j] * convert<A>(gi[j]);
-          return std::pair<A, A>{dnorm, dnorm * norm};
+      for (int64_t i = block * block_rows; i < std::min(N, (block + 1) * block_rows); ++i)
+        rows.row(i, xp, gp, dxp, [&](const auto* xi, const auto* gi, auto* dxi) {
+          const A m = mp[i], s = sp[i];
+          // norm_j = (x_j - mean) * rstd;  dnorm_j = w_j * dout_j
+          // dx_j = rstd * (dnorm_j - mean_k(dnorm_k) - norm_j * mean_k(dnorm_k * norm_k))
+          const auto [dnorm_sum, dnorm_norm_sum] = lane_sum2<A>(C, [&](int64_t j) {
+            const A norm = (convert<A>(xi[j]) - m) * s, dnorm = w[j] * convert<A>(gi[j]);
+            return std::pair<A, A>{dnorm, dnorm * norm};
+          });
+          const A dnorm_mean = dnorm_sum * inv_C, dnorm_norm_mean = dnorm_norm_sum * inv_C;
+          // One more pass writes dx and accumulates dw, db.
+          layer_norm_backward_row(xi, gi, w.data(), m, s, dnorm_mean, dnorm_norm_mean, dxi, dw, db, C);
         });
-        const A dnorm_mean = dnorm_sum * inv_C, dnorm_norm_mean = dnorm_norm_sum * inv_C;
-        // One more pass writes dx and accumulates dw, db.
-        layer_norm_backward_row(xi, gi, w.data(), m, s, dnorm_mean, dnorm_norm_mean,
-                                dxp ? dxp + i * C : nullptr, dw, db, C);
-      }
-    }
+    });
     if (want_w) combine_partials<T, A>(partial_w, blocks, C, grad_weight.data<T>());
     if (want_b) combine_partials<T, A>(partial_b, blocks, C, grad_bias.data<T>());
   });
@@ -238,29 +276,30 @@ void CpuBackend::rms_norm(const Tensor& x, const Tensor& weight, double eps, con
   dispatch_float(x.dtype(), "rms_norm", [&]<typename T>() {
     using A = acc_t<T>;
     const T* xp = x.data<T>();
-    const T* w = data_or_null<T>(weight);
+    const std::vector<A> wv = weight_values<T>(weight, C);
+    const A* w = weight.defined() ? wv.data() : nullptr;
     T* op = out.data<T>();
     A* rstd_out = rstd.defined() ? rstd.data<A>() : nullptr;
     const A inv_C = A(1) / static_cast<A>(C);
-#pragma omp parallel for schedule(static) if (parallel_rows(N, C))
-    for (int64_t i = 0; i < N; ++i) {
-      const T* xi = xp + i * C;
-      T* oi = op + i * C;
-      // rstd = 1 / sqrt(1/C sum_j x_j^2 + eps);  out_j = x_j * rstd * w_j
-      const A ms = lane_sum<A>(C,
-                               [&](int64_t j) {
-                                 const A v = convert<A>(xi[j]);
-                                 return v * v;
-                               }) *
-                   inv_C;
-      const A s = A(1) / std::sqrt(ms + static_cast<A>(eps));
-      if (w) {
-        for (int64_t j = 0; j < C; ++j) oi[j] = convert<T>(convert<A>(xi[j]) * s * convert<A>(w[j]));
-      } else {
-        for (int64_t j = 0; j < C; ++j) oi[j] = convert<T>(convert<A>(xi[j]) * s);
-      }
-      if (rstd_out) rstd_out[i] = s;
-    }
+    for_each_unit<T>(N, C, parallel_rows(N, C), [&](RowAccess<T>& rows, int64_t i) {
+      rows.row(i, xp, nullptr, op, [&](const auto* xi, const auto*, auto* oi) {
+        using O = std::remove_pointer_t<decltype(oi)>;
+        // rstd = 1 / sqrt(1/C sum_j x_j^2 + eps);  out_j = x_j * rstd * w_j
+        const A ms = lane_sum<A>(C,
+                                 [&](int64_t j) {
+                                   const A v = convert<A>(xi[j]);
+                                   return v * v;
+                                 }) *
+                     inv_C;
+        const A s = A(1) / std::sqrt(ms + static_cast<A>(eps));
+        if (w) {
+          for (int64_t j = 0; j < C; ++j) oi[j] = convert<O>(convert<A>(xi[j]) * s * w[j]);
+        } else {
+          for (int64_t j = 0; j < C; ++j) oi[j] = convert<O>(convert<A>(xi[j]) * s);
+        }
+        if (rstd_out) rstd_out[i] = s;
+      });
+    });
   });
 }
 
@@ -286,22 +325,20 @@ void CpuBackend::rms_norm_backward(const Tensor& grad_out, const Tensor& x, cons
     const int64_t blocks = (N + block_rows - 1) / block_rows;
     std::vector<A> partial_w(static_cast<size_t>(blocks * C));
     const A inv_C = A(1) / static_cast<A>(C);
-#pragma omp parallel for schedule(static) if (parallel_rows(N, C))
-    for (int64_t block = 0; block < blocks; ++block) {
+    for_each_unit<T>(blocks, C, parallel_rows(N, C), [&](RowAccess<T>& rows, int64_t block) {
       A* dw = partial_w.data() + block * C;
-      for (int64_t i = block * block_rows; i < std::min(N, (block + 1) * block_rows); ++i) {
-        const T* xi = xp + i * C;
-        const T* gi = gp + i * C;
-        const A s = sp[i];
-        // norm_j = x_j * rstd;  dnorm_j = w_j * dout_j;  d rstd / dx_j = -rstd^3 x_j / C, so
-        // dx_j = rstd * (dnorm_j - norm_j * mean_k(dnorm_k * norm_k))
-        const A dnorm_norm_mean =
-            lane_sum<A>(C, [&](int64_t j) { return w[j] * convert<A>(gi[j]) * (convert<A>(xi[j]) * s); }) *
-            inv_C;
-        // One more pass writes dx and accumulates dw.
-        rms_norm_backward_row(xi, gi, w.data(), s, dnorm_norm_mean, dxp ? dxp + i * C : nullptr, dw, C);
-      }
-    }
+      for (int64_t i = block * block_rows; i < std::min(N, (block + 1) * block_rows); ++i)
+        rows.row(i, xp, gp, dxp, [&](const auto* xi, const auto* gi, auto* dxi) {
+          const A s = sp[i];
+          // norm_j = x_j * rstd;  dnorm_j = w_j * dout_j;  d rstd / dx_j = -rstd^3 x_j / C, so
+          // dx_j = rstd * (dnorm_j - norm_j * mean_k(dnorm_k * norm_k))
+          const A dnorm_norm_mean =
+              lane_sum<A>(C, [&](int64_t j) { return w[j] * convert<A>(gi[j]) * (convert<A>(xi[j]) * s); }) *
+              inv_C;
+          // One more pass writes dx and accumulates dw.
+          rms_norm_backward_row(xi, gi, w.data(), s, dnorm_norm_mean, dxi, dw, C);
+        });
+    });
     if (want_w) combine_partials<T, A>(partial_w, blocks, C, grad_weight.data<T>());
   });
 }
