@@ -25,9 +25,11 @@
 #include <functional>
 #include <numbers>
 #include <random>
+#include <sstream>
 
 #include "autograd/autograd.h"
 #include "autograd/gradcheck.h"
+#include "tensor/backend.h"
 #include "tensor/cpu/fast_math.h"
 #include "tensor/ops.h"
 #include "test_util.h"
@@ -213,6 +215,61 @@ TEST(UnaryOps, EveryF16AndBf16BitPatternMatchesTheRoundedReference) {
       const Tensor y = c.op(x);
       ASSERT_EQ(y.dtype(), dtype);
       EXPECT_TRUE(within_ulp(y, reference(x, c.reference), c.exact ? 0 : 1));
+    }
+  }
+}
+
+TEST(UnaryOps, SixteenBitTablesGiveTheFloatKernelsResultRoundedOnce) {
+  // On f16/bf16 these ops read a table of the float formula's results (and silu and the gelus' backward a
+  // table of the float derivative), tensor/cpu/elementwise.cpp. Their bits must be the f32 kernel's result
+  // on the same (exactly widened) input, rounded once to the 16-bit type: on every bit pattern, contiguous
+  // and through a transposed view, forward and backward (g * f'(x) rounded once). A NaN only has to stay a
+  // NaN: its sign and payload depend on the order in which compiled code meets the operands.
+  Backend& backend = backend_for(Device::cpu());
+  const UnaryOp forward_ops[] = {UnaryOp::Exp,  UnaryOp::Log,     UnaryOp::Tanh,    UnaryOp::Sigmoid,
+                                 UnaryOp::Silu, UnaryOp::GeluErf, UnaryOp::GeluTanh};
+  const UnaryOp backward_ops[] = {UnaryOp::Silu, UnaryOp::GeluErf, UnaryOp::GeluTanh};
+  auto same = [](const Tensor& actual, const Tensor& expected) {
+    const Tensor a = actual.contiguous(), e = expected.contiguous();
+    const auto* pa = static_cast<const uint16_t*>(a.data_ptr());
+    const auto* pe = static_cast<const uint16_t*>(e.data_ptr());
+    const std::vector<double> va = a.to_vector<double>(), ve = e.to_vector<double>();
+    int bad = 0;
+    std::ostringstream report;
+    for (int64_t i = 0; i < a.numel(); ++i) {
+      if (pa[i] == pe[i] || (std::isnan(va[i]) && std::isnan(ve[i]))) continue;
+      if (bad++ < 5)
+        report << "element " << i << ": bits " << pa[i] << " (" << va[i] << "), want " << pe[i] << " (" << ve[i]
+               << ")\n";
+    }
+    if (bad) return ::testing::AssertionFailure() << bad << " elements differ\n" << report.str();
+    return ::testing::AssertionSuccess();
+  };
+  for (DType dtype : kLowPrecision) {
+    const Tensor x = all_bit_patterns(dtype), x32 = x.to(DType::F32);
+    const Tensor g = uniform({65536}, -3, 3, dtype, 5), g32 = g.to(DType::F32);
+    for (UnaryOp op : forward_ops) {
+      SCOPED_TRACE(std::string(dtype_name(dtype)) + " forward, UnaryOp " + std::to_string(static_cast<int>(op)));
+      Tensor y = Tensor::empty({65536}, dtype), y32 = Tensor::empty({65536}, DType::F32);
+      backend.unary(op, x, y, 0);
+      backend.unary(op, x32, y32, 0);
+      EXPECT_TRUE(same(y, y32.to(dtype)));
+      // Through a transposed view: the strided loop reads the same table.
+      const Tensor xt = x.view({256, 256}).mT();
+      Tensor yt = Tensor::empty({256, 256}, dtype);
+      backend.unary(op, xt, yt, 0);
+      EXPECT_TRUE(same(yt, y.view({256, 256}).mT()));
+    }
+    for (UnaryOp op : backward_ops) {
+      SCOPED_TRACE(std::string(dtype_name(dtype)) + " backward, UnaryOp " + std::to_string(static_cast<int>(op)));
+      Tensor gx = Tensor::empty({65536}, dtype), gx32 = Tensor::empty({65536}, DType::F32);
+      backend.unary_backward(op, x, Tensor(), g, gx, 0);
+      backend.unary_backward(op, x32, Tensor(), g32, gx32, 0);
+      EXPECT_TRUE(same(gx, gx32.to(dtype)));
+      const Tensor xt = x.view({256, 256}).mT(), gt = g.view({256, 256}).mT();
+      Tensor gxt = Tensor::empty({256, 256}, dtype);
+      backend.unary_backward(op, xt, Tensor(), gt, gxt, 0);
+      EXPECT_TRUE(same(gxt, gx.view({256, 256}).mT()));
     }
   }
 }

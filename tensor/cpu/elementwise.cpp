@@ -11,6 +11,7 @@
 #include <cmath>
 #include <numbers>
 #include <type_traits>
+#include <vector>
 
 #include "tensor/cpu/convert_block.h"
 #include "tensor/cpu/cpu_backend.h"
@@ -213,6 +214,77 @@ inline double pow_scalar_derivative(double x, double p) {
   return p * std::pow(x, p - 1);
 }
 
+// ---- 16-bit lookup tables --------------------------------------------------------------------------------
+// An f16 or bf16 input has only 65,536 values, so a transcendental op of x alone (exp, log, tanh, sigmoid,
+// silu, both gelus) on a 16-bit tensor reads its result from a table: the kernel's own formula evaluated once
+// per process on every bit pattern (the same float code as the elementwise path, so the same bits), then one
+// load per element instead of a double-precision erfc per element. The backward's derivative table holds
+// f'(x) as the float the formula gives; the gradient is then g * f'(x) rounded once, as without the table.
+
+template <class T>
+constexpr bool kTabled = std::is_same_v<T, Half> || std::is_same_v<T, BFloat16>;
+
+// One table per (dtype, formula): a function-local static of this instantiation (each lambda is a type).
+template <class T, class Out, class F>
+const Out* table_of(F f) {
+  static const std::vector<Out> table = [&] {
+    std::vector<Out> t(65536);
+#pragma omp parallel for schedule(static)
+    for (int64_t bits = 0; bits < 65536; ++bits) {
+      const float v = convert<float>(T::from_bits(static_cast<uint16_t>(bits)));
+      if constexpr (std::is_same_v<Out, uint16_t>)
+        t[static_cast<size_t>(bits)] = convert<T>(f(v)).bits;
+      else
+        t[static_cast<size_t>(bits)] = f(v);
+    }
+    return t;
+  }();
+  return table.data();
+}
+
+// out = f(x) through f's table.
+template <class T, class F>
+void map_unary_table(const Tensor& x, const Tensor& out, F f) {
+  const uint16_t* table = table_of<T, uint16_t>(f);
+  const T* in = x.data<T>();
+  T* o = out.data<T>();
+  const StridedLoop<2> loop(out.shape(), {out.strides(), x.strides()});
+  const auto [so, si] = loop.inner_strides();
+  loop.run([&](const std::array<int64_t, 2>& at, int64_t n) {
+    T* dst = o + at[0];
+    const T* src = in + at[1];
+    for (int64_t j = 0; j < n; ++j) dst[j * so].bits = table[src[j * si].bits];
+  });
+}
+
+// grad_x = grad_out * f'(x) with f' from its table, computed in float and rounded once.
+template <class T, class F>
+void map_derivative_table(const Tensor& x, const Tensor& grad_out, const Tensor& grad_x, F derivative) {
+  const float* table = table_of<T, float>(derivative);
+  const T* px = x.data<T>();
+  const T* pg = grad_out.data<T>();
+  T* po = grad_x.data<T>();
+  const StridedLoop<3> loop(grad_x.shape(), {grad_x.strides(), x.strides(), grad_out.strides()});
+  const auto [so, sx, sg] = loop.inner_strides();
+  loop.run([&](const std::array<int64_t, 3>& at, int64_t n) {
+    T* dst = po + at[0];
+    const T* xs = px + at[1];
+    const T* gs = pg + at[2];
+    if (so == 1 && sx == 1 && sg == 1) {
+      alignas(64) float g_block[kBlock], out_block[kBlock];
+      for (int64_t j0 = 0; j0 < n; j0 += kBlock) {
+        const int64_t m = std::min(kBlock, n - j0);
+        widen_block(gs + j0, g_block, m);
+        for (int64_t j = 0; j < m; ++j) out_block[j] = g_block[j] * table[xs[j0 + j].bits];
+        narrow_block(out_block, dst + j0, m);
+      }
+      return;
+    }
+    for (int64_t j = 0; j < n; ++j)
+      dst[j * so] = convert<T>(convert<float>(gs[j * sg]) * table[xs[j * sx].bits]);
+  });
+}
+
 }  // namespace
 
 // ---- unary -----------------------------------------------------------------------------------------------
@@ -222,6 +294,18 @@ void CpuBackend::unary(UnaryOp op, const Tensor& x, const Tensor& out, double sc
   dispatch_float(out.dtype(), "unary", [&]<typename T>() {
     using A = acc_t<T>;
     const int64_t heavy = kTranscendentalGrain, light = kParallelGrain;
+    if constexpr (kTabled<T>) {
+      switch (op) {
+        case UnaryOp::Exp: return map_unary_table<T>(x, out, [](float v) { return std::exp(v); });
+        case UnaryOp::Log: return map_unary_table<T>(x, out, [](float v) { return std::log(v); });
+        case UnaryOp::Tanh: return map_unary_table<T>(x, out, [](float v) { return std::tanh(v); });
+        case UnaryOp::Sigmoid: return map_unary_table<T>(x, out, [](float v) { return sigmoid_of(v); });
+        case UnaryOp::Silu: return map_unary_table<T>(x, out, [](float v) { return v * sigmoid_of(v); });
+        case UnaryOp::GeluErf: return map_unary_table<T>(x, out, [](float v) { return gelu_erf_of(v); });
+        case UnaryOp::GeluTanh: return map_unary_table<T>(x, out, [](float v) { return gelu_tanh_of(v); });
+        default: break;
+      }
+    }
     switch (op) {
       case UnaryOp::Neg: return map_unary<T, A>(x, out, light, [](A v) { return -v; });
       case UnaryOp::Abs: return map_unary<T, A>(x, out, light, [](A v) { return std::abs(v); });
@@ -260,6 +344,15 @@ void CpuBackend::unary_backward(UnaryOp op, const Tensor& x, const Tensor& y, co
     auto run = [&](int64_t grain, auto derivative_times_grad) {
       map_binary<T, A>(in, grad_out, grad_x, grain, derivative_times_grad);
     };
+    if constexpr (kTabled<T>) {
+      auto tabled = [&](auto derivative) { map_derivative_table<T>(in, grad_out, grad_x, derivative); };
+      switch (op) {
+        case UnaryOp::Silu: return tabled([](float v) { return silu_derivative(v); });
+        case UnaryOp::GeluErf: return tabled([](float v) { return gelu_erf_derivative(v); });
+        case UnaryOp::GeluTanh: return tabled([](float v) { return gelu_tanh_derivative(v); });
+        default: break;
+      }
+    }
     switch (op) {
       case UnaryOp::Neg: return run(light, [](A, A g) { return -g; });
       // d|x|/dx = sign(x), with sign(0) = 0.
