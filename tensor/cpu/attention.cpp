@@ -135,16 +135,14 @@ struct Rows {
   int64_t ld;
 };
 
-// Runs of 16-bit values to and from float go through one vectorised conversion (tensor/cpu/convert_block.h):
-// converting element by element in these loops keeps them scalar (fp16's F16C instruction has no scalar
-// form the compiler vectorises), which made fp16 attention twice as slow as f32's. Same values either way.
-template <class T, class A>
-constexpr bool kBlockConvert = (std::is_same_v<T, Half> || std::is_same_v<T, BFloat16>) && std::is_same_v<A, float>;
-
+// Runs of 16-bit values to and from float (A = float for them) go through one vectorised conversion
+// (tensor/cpu/convert_block.h): converting element by element in these loops keeps them scalar (fp16's F16C
+// instruction has no scalar form the compiler vectorises), which made fp16 attention twice as slow as f32's.
+// Same values either way.
 // dst[0, n) = src[0, n) as A.
 template <class T, class A>
 void load_run(const T* __restrict src, A* __restrict dst, int64_t n) {
-  if constexpr (kBlockConvert<T, A>)
+  if constexpr (kSixteenBit<T>)
     widen_block(src, dst, n);
   else
     for (int64_t d = 0; d < n; ++d) dst[d] = convert<A>(src[d]);
@@ -153,7 +151,7 @@ void load_run(const T* __restrict src, A* __restrict dst, int64_t n) {
 // dst[0, n) = scale * src[0, n), each product rounded once to T.
 template <class A, class T>
 void store_scaled_run(const A* __restrict src, A scale, T* __restrict dst, int64_t n) {
-  if constexpr (kBlockConvert<T, A>) {
+  if constexpr (kSixteenBit<T>) {
     constexpr int64_t kChunk = 64;
     alignas(64) float scaled[kChunk];
     for (int64_t d0 = 0; d0 < n; d0 += kChunk) {
@@ -198,7 +196,7 @@ template <class T, class A>
 void load_transposed(const T* __restrict src, int64_t ld_src, int64_t cols, int64_t D, A* __restrict dst,
                      int64_t ld) {
   for (int64_t d = 0; d < D; ++d) std::fill(dst + d * ld + cols, dst + (d + 1) * ld, A(0));
-  if constexpr (kBlockConvert<T, A>) {  // each row widened in chunks, then scattered into its column
+  if constexpr (kSixteenBit<T>) {  // each row widened in chunks, then scattered into its column
     constexpr int64_t kChunk = 64;
     alignas(64) A row[kChunk];
     for (int64_t c = 0; c < cols; ++c)
@@ -399,13 +397,13 @@ void CpuBackend::causal_attention_backward(const Tensor& grad_out, const Tensor&
     A* delta = delta_tensor.data<A>();
 #pragma omp parallel if (parallel)
     {
-      std::vector<A> gor(kBlockConvert<T_, A> ? D : 0), outr(gor.size());
+      std::vector<A> gor(kSixteenBit<T_> ? D : 0), outr(gor.size());
 #pragma omp for schedule(static)
       for (int64_t bh = 0; bh < BH; ++bh)
         for (int64_t i = 0; i < T; ++i) {
           const A* g_row;
           const A* o_row;
-          if constexpr (kBlockConvert<T_, A>) {
+          if constexpr (kSixteenBit<T_>) {
             load_run(goh.row(bh, i), gor.data(), D);
             load_run(oh.row(bh, i), outr.data(), D);
             g_row = gor.data();

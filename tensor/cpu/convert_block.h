@@ -13,6 +13,11 @@
 
 namespace mixtape::cpu {
 
+// The 16-bit storage types whose runs these functions widen to float and narrow back; kernels that compute
+// them in float use it to pick their block-converting loops.
+template <class T>
+constexpr bool kSixteenBit = std::is_same_v<T, Half> || std::is_same_v<T, BFloat16>;
+
 template <class T>
 inline void widen_block(const T* src, float* dst, int64_t n) {
 #if defined(__F16C__)

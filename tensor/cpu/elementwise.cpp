@@ -35,9 +35,6 @@ void check_same_shape(const char* op, const Tensor& a, const Tensor& b) {
 // inside f's loop keeps it scalar, which made fp16 GELU 3x slower than f32's.
 constexpr int64_t kBlock = 256;
 
-template <class T>
-constexpr bool kWidenInBlocks = std::is_same_v<T, Half> || std::is_same_v<T, BFloat16>;
-
 // out = f(x) elementwise; x and out are T, f computes in C. The run lambdas are flattened (f and everything
 // it calls inlined) so the contiguous loops vectorise even for a long f such as gelu.
 template <class T, class C, class F>
@@ -49,7 +46,7 @@ void map_unary(const Tensor& x, const Tensor& out, int64_t grain, F f) {
   loop.run([&](const std::array<int64_t, 2>& at, int64_t n) __attribute__((flatten)) {
     T* dst = o + at[0];
     const T* src = in + at[1];
-    if constexpr (kWidenInBlocks<T> && std::is_same_v<C, float>) {
+    if constexpr (kSixteenBit<T> && std::is_same_v<C, float>) {
       if (so == 1 && si == 1) {
         alignas(64) float in_block[kBlock], out_block[kBlock];
         for (int64_t j0 = 0; j0 < n; j0 += kBlock) {
@@ -81,7 +78,7 @@ void map_binary(const Tensor& a, const Tensor& b, const Tensor& out, int64_t gra
     T* dst = po + at[0];
     const T* x = pa + at[1];
     const T* y = pb + at[2];
-    if constexpr (kWidenInBlocks<T> && std::is_same_v<C, float>) {
+    if constexpr (kSixteenBit<T> && std::is_same_v<C, float>) {
       if (so == 1 && sa == 1 && sb == 1) {
         alignas(64) float x_block[kBlock], y_block[kBlock], out_block[kBlock];
         for (int64_t j0 = 0; j0 < n; j0 += kBlock) {
@@ -221,9 +218,6 @@ inline double pow_scalar_derivative(double x, double p) {
 // load per element instead of a double-precision erfc per element. The backward's derivative table holds
 // f'(x) as the float the formula gives; the gradient is then g * f'(x) rounded once, as without the table.
 
-template <class T>
-constexpr bool kTabled = std::is_same_v<T, Half> || std::is_same_v<T, BFloat16>;
-
 // One table per (dtype, formula): a function-local static of this instantiation (each lambda is a type).
 template <class T, class Out, class F>
 const Out* table_of(F f) {
@@ -294,7 +288,7 @@ void CpuBackend::unary(UnaryOp op, const Tensor& x, const Tensor& out, double sc
   dispatch_float(out.dtype(), "unary", [&]<typename T>() {
     using A = acc_t<T>;
     const int64_t heavy = kTranscendentalGrain, light = kParallelGrain;
-    if constexpr (kTabled<T>) {
+    if constexpr (kSixteenBit<T>) {
       switch (op) {
         case UnaryOp::Exp: return map_unary_table<T>(x, out, [](float v) { return std::exp(v); });
         case UnaryOp::Log: return map_unary_table<T>(x, out, [](float v) { return std::log(v); });
@@ -344,7 +338,7 @@ void CpuBackend::unary_backward(UnaryOp op, const Tensor& x, const Tensor& y, co
     auto run = [&](int64_t grain, auto derivative_times_grad) {
       map_binary<T, A>(in, grad_out, grad_x, grain, derivative_times_grad);
     };
-    if constexpr (kTabled<T>) {
+    if constexpr (kSixteenBit<T>) {
       auto tabled = [&](auto derivative) { map_derivative_table<T>(in, grad_out, grad_x, derivative); };
       switch (op) {
         case UnaryOp::Silu: return tabled([](float v) { return silu_derivative(v); });

@@ -20,8 +20,8 @@
 // whole memory span in one streaming pass and keeps its own strides (Packing::Span), so a transposed f16
 // operand (a weight in the forward, dY^T for the weight gradient) costs a contiguous conversion, not a
 // strided gather. When oneDNN cannot take a layout (or would only offer its slow reference implementation)
-// the operands are packed into contiguous buffers instead. The decision and the primitive are cached per geometry, so a
-// training loop builds each primitive once.
+// the operands are packed into contiguous buffers instead. The decision and the primitive are cached per
+// geometry, so a training loop builds each primitive once.
 #include <omp.h>
 #include <dnnl.hpp>
 
@@ -115,6 +115,7 @@ struct Plan {
   dnnl::matmul primitive;
   memory::desc a_md, b_md, out_md, bias_md;  // bias_md: zero when there is no bias
   Packing a_packing = Packing::None, b_packing = Packing::None;
+  int64_t a_span = 0, b_span = 0;  // elements copied for a Packing::Span operand
   // Inputs converted to f32 and the f32 result rounded into out (f16, or bf16 where this CPU lacks it).
   bool via_f32 = false;
 };
@@ -161,13 +162,14 @@ int64_t operand_span(const MatmulGeometry& g, const MatrixLayout& m, int64_t row
   return span;
 }
 
-// Copying an operand's span instead of its elements pays while the span holds few elements that are not
-// the operand's (a transposed matrix has none; a slice of a wider tensor has many).
-bool span_is_dense(const MatmulGeometry& g, const MatrixLayout& m, int64_t rows, int64_t cols) {
+// The operand's span when copying it instead of its elements pays, that is while the span holds few
+// elements that are not the operand's (a transposed matrix has none; a slice of a wider tensor has many);
+// else 0.
+int64_t dense_span(const MatmulGeometry& g, const MatrixLayout& m, int64_t rows, int64_t cols) {
   const int64_t span = operand_span(g, m, rows, cols);
   int64_t numel = rows * cols;
   for (size_t d = 0; d < g.batch.size(); ++d) numel *= m.batch[d] == 0 ? 1 : g.batch[d];
-  return span > 0 && span <= numel + numel / 4;
+  return span > 0 && span <= numel + numel / 4 ? span : 0;
 }
 
 // A memory descriptor for dims with the given strides; strides of size-1 dims are replaced by the extent of
@@ -237,6 +239,7 @@ Plan make_plan(const MatmulGeometry& g, DType dtype, bool bias, bool tf32) {
                                                   {Packing::None, Packing::Compact},
                                                   {Packing::Compact, Packing::Compact},
                                                   {Packing::Materialize, Packing::Materialize}};
+  const int64_t a_span = dense_span(g, g.a, g.M, g.K), b_span = dense_span(g, g.b, g.K, g.N);
   for (const auto& [compute, via_f32] : attempts) {
     for (auto [a_packing, b_packing] : packings) {
       // Converting to f32 (or rounding to tf32) copies every operand: an operand oneDNN could read in place
@@ -244,17 +247,19 @@ Plan make_plan(const MatmulGeometry& g, DType dtype, bool bias, bool tf32) {
       // for the compact copies that follow.
       if (via_f32 || tf32) {
         if (a_packing == Packing::None) {
-          if (!span_is_dense(g, g.a, g.M, g.K)) continue;
+          if (a_span == 0) continue;
           a_packing = Packing::Span;
         }
         if (b_packing == Packing::None) {
-          if (!span_is_dense(g, g.b, g.K, g.N)) continue;
+          if (b_span == 0) continue;
           b_packing = Packing::Span;
         }
       }
       Plan plan;
       if (try_plan(g, dnnl_type(compute), bias, a_packing, b_packing, plan)) {
         plan.via_f32 = via_f32;
+        plan.a_span = a_span;
+        plan.b_span = b_span;
         return plan;
       }
     }
@@ -297,10 +302,9 @@ std::shared_ptr<const Plan> plan_for(const MatmulGeometry& g, DType dtype, bool 
 
 // The operand as the plan wants it: its own memory, or a contiguous (possibly converted) copy.
 Tensor prepare_operand(const Tensor& t, const MatmulGeometry& g, const MatrixLayout& m, int64_t rows,
-                       int64_t cols, Packing packing, DType compute) {
+                       int64_t cols, Packing packing, int64_t span, DType compute) {
   if (packing == Packing::None) return t;
   if (packing == Packing::Span) {  // the span from element 0, converted in one contiguous pass
-    const int64_t span = operand_span(g, m, rows, cols);
     Tensor packed = Tensor::empty({span}, compute, t.device());
     cpu_backend().copy(make_view(t, {span}, {1}, t.offset()), packed);
     return packed;
@@ -360,8 +364,8 @@ void CpuBackend::matmul(const Tensor& a, const Tensor& b, const Tensor& out, con
   const std::shared_ptr<const Plan> shared_plan = plan_for(g, a.dtype(), has_bias, tf32);
   const Plan& plan = *shared_plan;
   const DType compute = plan.via_f32 ? DType::F32 : a.dtype();
-  const Tensor a_in = prepare_operand(a, g, g.a, g.M, g.K, plan.a_packing, compute);
-  const Tensor b_in = prepare_operand(b, g, g.b, g.K, g.N, plan.b_packing, compute);
+  const Tensor a_in = prepare_operand(a, g, g.a, g.M, g.K, plan.a_packing, plan.a_span, compute);
+  const Tensor b_in = prepare_operand(b, g, g.b, g.K, g.N, plan.b_packing, plan.b_span, compute);
   if (tf32) {  // the plan packed both (fresh buffers, never the caller's memory)
     round_packed_to_tf32(a_in);
     round_packed_to_tf32(b_in);

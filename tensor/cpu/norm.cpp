@@ -47,7 +47,7 @@ std::vector<A> weight_values(const Tensor& weight, int64_t C) {
 template <class T>
 class RowAccess {
  public:
-  static constexpr bool kWiden = std::is_same_v<T, Half> || std::is_same_v<T, BFloat16>;
+  static constexpr bool kWiden = kSixteenBit<T>;
   explicit RowAccess(int64_t C) : C_(C), x_(kWiden ? C : 0), g_(kWiden ? C : 0), out_(kWiden ? C : 0) {}
 
   // body(x_i, g_i, out_i) on row i of x, g (may be null) and out (may be null: then out_i is null too).

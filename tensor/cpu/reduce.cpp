@@ -161,10 +161,6 @@ void reduce_rows(const T* x, const ReduceGeometry& g, const Rule& rule, A* resul
     result[o] = combine_pairwise(partial.data() + o * chunks, chunks, 1, rule);
 }
 
-// 16-bit rows accumulated in float are widened a row block at a time (tensor/cpu/convert_block.h).
-template <class T, class A>
-constexpr bool kWidenRows = (std::is_same_v<T, Half> || std::is_same_v<T, BFloat16>) && std::is_same_v<A, float>;
-
 // Column mode: the innermost kept dim (C outputs, x stride cs) is accumulated as a block while the reduced
 // rows stream past. Outputs o = outer * C + c.
 template <class T, class A, class Rule>
@@ -190,8 +186,8 @@ void reduce_columns(const T* x, const ReduceGeometry& g, const Rule& rule, A* re
                  [&](int64_t offset, int64_t n, int64_t stride) {
                    for (int64_t k = 0; k < n; ++k) {
                      const T* row = base + offset + k * stride;
-                     if constexpr (kWidenRows<T, A>) {
-                       if (cs == 1) {  // widened in one vectorised pass, not converted element by element
+                     if constexpr (kSixteenBit<T>) {
+                       if (cs == 1) {  // a row block widened in one vectorised pass (convert_block.h)
                          alignas(64) float wide[kColumnBlock];
                          widen_block(row, wide, width);
                          for (int64_t c = 0; c < width; ++c)
