@@ -59,7 +59,7 @@ struct MixedPrecisionOptions {
 struct StepResult {
   bool skipped = false;        // a gradient was inf/NaN (on any rank of the group): nothing was updated
   double grad_norm = 0;        // of the unscaled gradients, before clipping (0 if skipped)
-  int64_t num_zeros = -1;      // zero gradient elements; -1 unless log_num_zeros_in_grad
+  int64_t num_zeros = -1;      // zero gradient elements; -1 unless log_num_zeros_in_grad (and on a skipped step)
   double loss_scale = 1;       // S[0] used for this step (before the update)
 };
 

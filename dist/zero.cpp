@@ -12,6 +12,7 @@
 #include "autograd/autograd.h"
 #include "optim/clip.h"
 #include "tensor/autograd_node.h"
+#include "tensor/backend.h"
 #include "tensor/error.h"
 #include "tensor/ops.h"
 
@@ -141,6 +142,14 @@ StepResult ZeroOptimizer::step() {
   if (options_.model_parallel) options_.model_parallel->all_reduce_sum(sums);
   result.grad_norm = std::sqrt(sums[0]);
   if (options_.clip_grad > 0) clip_grads_with_norm(masters, options_.clip_grad, result.grad_norm);
+  if (options_.log_num_zeros_in_grad) {  // as MixedPrecisionOptimizer counts them: after clipping
+    std::vector<double> zeros = {0.0};
+    for (const Tensor& master : counted)
+      zeros[0] += static_cast<double>(backend_of(master.grad()).count_zeros({master.grad()}));
+    dp_.all_reduce(zeros, Reduction::Sum);
+    if (options_.model_parallel) options_.model_parallel->all_reduce_sum(zeros);
+    result.num_zeros = static_cast<int64_t>(zeros[0]);
+  }
 
   // 5-6. Step the shard, gather, round once into the model parameters.
   optimizer_->step();

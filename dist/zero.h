@@ -19,6 +19,7 @@
 //                       options.model_parallel when given: every rank skips together
 //                    4. grad norm: the shard's squared norm (each element owned once) summed over dp, and
 //                       over model_parallel when given (options.count_in_norm leaves replicas out); clip
+//                       (log_num_zeros_in_grad: the zero elements are counted the same way, after clipping)
 //                    5. the wrapped optimizer steps the owned fp32 pieces
 //                    6. the updated pieces are all-gathered (f32) and each model parameter takes its value,
 //                       rounded once to the model dtype; the model gradients are dropped
@@ -55,6 +56,9 @@ struct ZeroOptions {
   // Empty: all. Under tensor parallelism, a parameter replicated over tp (a LayerNorm weight) counts on
   // tp rank 0 only, so the SUM over model_parallel does not count it tp times.
   std::vector<bool> count_in_norm;
+  // Count the zero elements of the unscaled (and clipped) gradients in StepResult::num_zeros (naive AMP's
+  // log_num_zeros_in_grad): each rank counts its shard's counted pieces, summed over dp and model_parallel.
+  bool log_num_zeros_in_grad = false;
 };
 
 class ZeroOptimizer {

@@ -225,6 +225,10 @@ struct ParallelTrainer::Impl {
   std::unique_ptr<dist::PipelineSchedule> schedule;
   std::unique_ptr<LRSchedule> lr_schedule;
   uint64_t data_seed = 0;
+  // Gradient elements of tensor-parallel padding (a split dim that tp does not divide) over the model-parallel
+  // group, counted once each: they are always 0, and one process does not have them, so StepStats::num_zeros
+  // leaves them out.
+  int64_t padding_elements = 0;
 
   Impl(const GPTConfig& c, const TrainOptions& o, const ParallelOptions& p, const TokenData& d,
        const Communicator& world)
@@ -265,8 +269,6 @@ ParallelTrainer::ParallelTrainer(const GPTConfig& config, const TrainOptions& op
     const AmpConfig& amp = options.amp;
     check(!(amp.mixed_precision == "fp16_apex" && !amp.apex.master_weights), "not supported: --zero 1 with ",
           "fp16_apex without master weights (O3): ZeRO-1 shards the fp32 master weights");
-    check(!(amp.is_naive() && amp.naive.log_num_zeros_in_grad), "not supported: --zero 1 with ",
-          "log_num_zeros_in_grad");
     check(!(amp.mixed_precision == "fp16_apex" && amp.apex.num_losses != 1), "not supported: --zero 1 with ",
           "num_losses ", amp.apex.num_losses, " (ZeRO-1 keeps one loss scaler)");
   }
@@ -292,6 +294,20 @@ ParallelTrainer::ParallelTrainer(const GPTConfig& config, const TrainOptions& op
   }
 
   m.mp_group = std::make_unique<dist::CommunicatorGroup>(m.groups.model_parallel);
+  {
+    std::vector<double> padding = {0.0};
+    for (size_t i = 0; i < m.local_order.size(); ++i) {
+      const auto spec = m.specs.find(m.local_order[i]);
+      if (spec == m.specs.end() || !count_in_norm[i]) continue;
+      const dist::ShardSpec& s = spec->second;
+      const Tensor p = m.param(m.local_order[i]);
+      const int64_t block = s.full_size / s.blocks, chunk = (block + parallel.tp - 1) / parallel.tp;
+      const int64_t r = m.groups.tp_rank, real = std::min(block, (r + 1) * chunk) - std::min(block, r * chunk);
+      padding[0] += static_cast<double>(s.blocks * (chunk - real) * (p.numel() / p.size(s.dim)));
+    }
+    m.mp_group->all_reduce_sum(padding);
+    m.padding_elements = static_cast<int64_t>(padding[0]);
+  }
   m.dp_group = std::make_unique<dist::CommunicatorGroup>(m.groups.dp);
   BoostOptions boost;
   boost.clip_grad = options.grad_clip;
@@ -304,6 +320,7 @@ ParallelTrainer::ParallelTrainer(const GPTConfig& config, const TrainOptions& op
     zo.clip_grad = parts.options.clip_grad;
     zo.model_parallel = m.mp_group.get();
     zo.count_in_norm = count_in_norm;
+    zo.log_num_zeros_in_grad = parts.options.log_num_zeros_in_grad;
     m.zero = std::make_unique<dist::ZeroOptimizer>(std::move(parts.optimizer), std::move(parts.scalers[0]),
                                                    m.groups.dp, zo);
   } else {
@@ -392,6 +409,7 @@ StepStats ParallelTrainer::train_step() {
   const StepResult result = m.zero ? m.zero->step() : m.booster.step(*m.mpo);
   stats.grad_norm = result.grad_norm;
   stats.skipped = result.skipped;
+  stats.num_zeros = result.num_zeros < 0 ? -1 : result.num_zeros - m.padding_elements;
   if (m.zero) m.zero->zero_grad();
   else m.mpo->zero_grad();
   ++step_;

@@ -7,8 +7,10 @@
 //   train_gpt --data ... --steps 500 --sample 200 --temperature 0.8       -> a line "sample:", then the text
 //
 // --log-json FILE: one JSON object per step: step (0-based), loss (the batch's loss before the update), lr,
-// grad_norm (before clipping), tokens_per_s (that step alone), and val_loss on the steps that evaluated
-// (after that step's update). examples/plot_loss.sh turns it into a PNG.
+// grad_norm (before clipping), tokens_per_s (that step alone), loss_scale, skipped, num_zeros (with naive
+// AMP's log_num_zeros_in_grad: the zero elements of the unscaled gradients, absent on a skipped step; also on
+// the progress line as "zeros"), and val_loss on the steps that evaluated (after that step's update). examples/plot_loss.sh turns
+// it into a PNG.
 //
 // The progress line's tok/s and ETA come from the time spent in training steps only (evaluation and
 // checkpoint saves are left out); "elapsed" is wall-clock time since the first step of this run.
@@ -407,6 +409,7 @@ int run(int argc, char** argv) {
       json::Value::Object line{{"step", s.step}, {"loss", s.loss}, {"lr", s.lr}, {"grad_norm", s.grad_norm},
                                {"tokens_per_s", double(tokens_per_step) / step_seconds},
                                {"loss_scale", s.loss_scale}, {"skipped", s.skipped}};
+      if (s.num_zeros >= 0) line.emplace_back("num_zeros", s.num_zeros);
       if (eval) line.emplace_back("val_loss", val_loss);
       log << json::Value(line).dump() << '\n';
       log.flush();
@@ -419,6 +422,7 @@ int run(int argc, char** argv) {
         const double scale = single ? single->amp_optimizer().loss_scale() : parallel->loss_scale();
         std::printf(" | scale %g | skipped %lld", scale, static_cast<long long>(skipped));
       }
+      if (s.num_zeros >= 0) std::printf(" | zeros %lld", static_cast<long long>(s.num_zeros));
       if (eval) std::printf(" | val loss %.4f", val_loss);
       std::printf("\n");
       std::fflush(stdout);

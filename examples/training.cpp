@@ -287,6 +287,7 @@ StepStats Trainer::train_step() {
   const StepResult result = booster_.step(*optimizer_);
   stats.grad_norm = result.grad_norm;
   stats.skipped = result.skipped;
+  stats.num_zeros = result.num_zeros;
   optimizer_->zero_grad();
   ++step_;
   return stats;

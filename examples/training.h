@@ -90,6 +90,8 @@ struct StepStats {
   double grad_norm = 0;  // of the unscaled gradients, before clipping (0 when the step was skipped)
   bool skipped = false;  // a gradient overflowed: the update was skipped and the loss scale backed off
   double loss_scale = 1;  // the scale this step's loss was multiplied by
+  // Zero elements of the unscaled gradients (naive AMP's log_num_zeros_in_grad); -1: off, or a skipped step.
+  int64_t num_zeros = -1;
 };
 
 class Trainer {

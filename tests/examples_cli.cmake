@@ -284,7 +284,24 @@ run(out ${TRAIN_GPT} --data words.txt ${tiny} --steps 4 --eval-every 0 --amp-con
 if(NOT out MATCHES "precision fp16_naive\n" OR NOT out MATCHES "\\| scale 1024 \\|")
   check_failed("--amp-config naive.json: expected fp16_naive at scale 1024: ${out}")
 endif()
+# log_num_zeros_in_grad: the count is on the progress line ("zeros N") and in the JSON log ("num_zeros"); the
+# run above, which did not ask for it, shows none.
+if(out MATCHES "\\| zeros ")
+  check_failed("a run without log_num_zeros_in_grad printed a zero count: ${out}")
+endif()
 run(out ${GENERATE} --model amp.safetensors --tokens 5)
+file(WRITE ${WORK_DIR}/zeros.json "{\"mixed_precision\": \"fp16_naive\", \"initial_scale\": 1024, \"log_num_zeros_in_grad\": true}")
+run(out ${TRAIN_GPT} --data words.txt ${tiny} --steps 2 --eval-every 0 --amp-config zeros.json
+    --log-json zeros.jsonl)
+if(NOT out MATCHES "step     2/2 [^\n]*\\| zeros [0-9]+")
+  check_failed("log_num_zeros_in_grad: no zero count on the progress line: ${out}")
+endif()
+file(STRINGS ${WORK_DIR}/zeros.jsonl lines)
+foreach(line IN LISTS lines)
+  if(NOT line MATCHES "\"num_zeros\":[0-9]+[,}]")
+    check_failed("log_num_zeros_in_grad: a log line lacks \"num_zeros\": ${line}")
+  endif()
+endforeach()
 run_fails("resume in another mode" ${TRAIN_GPT} --data words.txt --resume amp.safetensors --steps 8
           --precision bf16 MENTIONS "--precision" "checkpoint")
 run(out ${TRAIN_GPT} --data words.txt --resume amp.safetensors --steps 6 --eval-every 0)

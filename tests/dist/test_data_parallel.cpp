@@ -369,6 +369,57 @@ TEST(Zero, StateDictLoadsIntoAnotherDpSizeAndTrainingContinues) {
   EXPECT_EQ(za.loss_scale(), zb.loss_scale());
 }
 
+// log_num_zeros_in_grad: each rank counts the zeros of its shard's pieces and the counts are summed over dp,
+// so ZeRO reports the single-process optimizer's count: an element is neither missed nor counted twice, the
+// shard's padding past the last parameter does not count, and neither do the pieces count_in_norm leaves out.
+TEST(Zero, CountsZeroGradientElementsAsTheSingleProcessOptimizer) {
+  const Communicator world = Communicator::world();
+  const int64_t rows = kBatch / world.size(), lo = world.rank() * rows;
+  // Planted on every rank after backward: row 0 of p0's gradient (kIn elements, in the first rank's shard)
+  // and the whole of p3's (kOut, the last parameter: the last rank's shard). Nothing else is exactly zero.
+  auto plant_zeros = [](const std::vector<Tensor>& p) {
+    NoGradGuard no_grad;
+    p[0].grad().narrow(0, 0, 1).zero_();
+    p[3].grad().zero_();
+  };
+  for (Mode mode : {Mode::F32, Mode::F16}) {
+    SCOPED_TRACE(mode_name(mode));
+    const DType dtype = mode_dtype(mode);
+    std::vector<Tensor> ref = make_params(dtype), sharded = make_params(dtype), partial = make_params(dtype);
+    MixedPrecisionOptions mp_options;
+    mp_options.log_num_zeros_in_grad = true;
+    MixedPrecisionOptimizer mpo(make_adamw(ref), make_scaler(mode), mp_options);
+    ZeroOptions counting;
+    counting.log_num_zeros_in_grad = true;
+    ZeroOptimizer zero(make_adamw(sharded), make_scaler(mode), world, counting);
+    ZeroOptions matrices_only = counting;
+    matrices_only.count_in_norm = {true, true, false, false};  // optimizer order: p0, p2 | p1, p3
+    ZeroOptimizer zero_partial(make_adamw(partial), make_scaler(mode), world, matrices_only);
+    std::vector<Tensor> quiet = make_params(dtype);
+    ZeroOptimizer silent(make_adamw(quiet), make_scaler(mode), world);
+    for (int step = 0; step < 3; ++step) {
+      mpo.backward(local_loss(ref, step, 0, kBatch, dtype));
+      plant_zeros(ref);
+      const StepResult want = mpo.step();
+      zero.backward(local_loss(sharded, step, lo, lo + rows, dtype));
+      plant_zeros(sharded);
+      const StepResult got = zero.step();
+      zero_partial.backward(local_loss(partial, step, lo, lo + rows, dtype));
+      plant_zeros(partial);
+      const StepResult got_partial = zero_partial.step();
+      ASSERT_FALSE(want.skipped || got.skipped || got_partial.skipped) << "step " << step;
+      EXPECT_EQ(want.num_zeros, kIn + kOut) << "step " << step;
+      EXPECT_EQ(got.num_zeros, want.num_zeros) << "step " << step;
+      EXPECT_EQ(got_partial.num_zeros, kIn) << "step " << step;
+      mpo.zero_grad();
+      zero.zero_grad();
+      zero_partial.zero_grad();
+    }
+    silent.backward(local_loss(quiet, 0, lo, lo + rows, dtype));
+    EXPECT_EQ(silent.step().num_zeros, -1);  // not asked for: not counted
+  }
+}
+
 TEST(Zero, ClipsWithTheGlobalNormAndLeavesOutWhatCountInNormExcludes) {
   const Communicator world = Communicator::world();
   const int64_t rows = kBatch / world.size(), lo = world.rank() * rows;

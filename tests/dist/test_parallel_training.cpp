@@ -416,6 +416,56 @@ TEST(ParallelTrainer, EvaluateEqualsTheSingleProcessValidationLoss) {
   EXPECT_NEAR(dp_tp.evaluate(), want, 1e-5 * want);
 }
 
+// Naive AMP's log_num_zeros_in_grad: StepStats::num_zeros is the single process's count at DP4 with ZeRO-1
+// (each rank counts its shard, the counts summed over dp) and without (the replicated gradients counted once),
+// and under tensor parallelism (TP2 x PP2; TP2 x DP2 with ZeRO-1), where the vocabulary of 25 characters
+// leaves wte a padding row whose gradient is always 0: it is not counted.
+// The zeros are planted on every rank: the whole gradients of ln_f.bias and of the first block's mlp.c_proj.bias
+// (both replicated over tp), and the key part of each block's c_attn.bias (0 in exact arithmetic, rounding noise in practice: see
+// determined_values). Beyond those 4C a 16-bit gradient element is now and then exactly 0 by rounding, and
+// which one depends on how the batch was split (one wte element in the single run here), so the counts may
+// differ by such stragglers; a count over the wrong elements (a shard only: ~1/4; every rank's: 4x) may not.
+TEST(ParallelTrainer, CountsZeroGradientElementsAsOneProcessWithAndWithoutZero) {
+  const AmpConfig amp = AmpConfig::from_json(
+      R"({"initial_scale":1024,"growth_interval":5,"log_num_zeros_in_grad":true})", "fp16_naive");
+  const int64_t C = tiny_config().n_embd, planted = 4 * C;  // ln_f.bias, mlp.c_proj.bias, 2 key biases
+  const int64_t stragglers = 2;
+  auto plant_zeros = [](int64_t, Module& model) {
+    NoGradGuard no_grad;
+    for (auto [name, p] : model.named_parameters()) {
+      if (name == "transformer.ln_f.bias") p.grad().zero_();
+      if (name == "transformer.h.0.mlp.c_proj.bias") p.grad().zero_();
+      if (name.ends_with("attn.c_attn.bias")) p.grad().narrow(0, p.numel() / 3, p.numel() / 3).zero_();
+    }
+  };
+  Trainer single(tiny_config(), options_for(amp), corpus());
+  single.gradient_hook = plant_zeros;
+  ParallelTrainer zero(tiny_config(), options_for(amp), layout(1, 1, 4, 1, 1), corpus(), Communicator::world());
+  zero.gradient_hook = plant_zeros;
+  ParallelTrainer plain(tiny_config(), options_for(amp), layout(1, 1, 4, 0, 1), corpus(), Communicator::world());
+  plain.gradient_hook = plant_zeros;
+  ParallelTrainer tp_pp(tiny_config(), options_for(amp), layout(2, 2, 1, 0, 2), corpus(), Communicator::world());
+  tp_pp.gradient_hook = plant_zeros;
+  ParallelTrainer tp_zero(tiny_config(), options_for(amp), layout(2, 1, 2, 1, 1), corpus(), Communicator::world());
+  tp_zero.gradient_hook = plant_zeros;
+  ASSERT_EQ(tiny_config().vocab_size % 2, 1);  // TP2 pads wte
+  for (int s = 0; s < 3; ++s) {
+    const int64_t want = single.train_step().num_zeros, got = zero.train_step().num_zeros,
+                  replicated = plain.train_step().num_zeros, tp2_pp2 = tp_pp.train_step().num_zeros,
+                  tp2_zero = tp_zero.train_step().num_zeros;
+    EXPECT_NEAR(tp2_pp2, want, stragglers) << "step " << s;
+    EXPECT_NEAR(tp2_zero, want, stragglers) << "step " << s;
+    for (int64_t count : {want, got, replicated, tp2_pp2, tp2_zero}) {
+      EXPECT_GE(count, planted) << "step " << s;
+      EXPECT_LE(count, planted + stragglers) << "step " << s;
+    }
+    EXPECT_NEAR(got, want, stragglers) << "step " << s;
+    EXPECT_NEAR(got, replicated, stragglers) << "step " << s;
+  }
+  Trainer quiet(tiny_config(), options_for(AmpConfig::parse("fp16_naive")), corpus());
+  EXPECT_EQ(quiet.train_step().num_zeros, -1);  // not asked for
+}
+
 TEST(ParallelTrainer, BadLayoutsAndUnsupportedCombinationsAreErrors) {
   const Communicator world = Communicator::world();
   const TrainOptions options = options_for(AmpConfig::parse("fp32"));
