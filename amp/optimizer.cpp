@@ -226,10 +226,7 @@ StepResult MixedPrecisionOptimizer::step() {
   if (options_.clip_grad > 0) clip_grads_with_norm(master_params_, options_.clip_grad, result.grad_norm);
 
   if (options_.log_num_zeros_in_grad) {
-    std::vector<double> zeros = {0.0};
-    for (const Tensor& master : counted)
-      if (master.grad().defined())
-        zeros[0] += static_cast<double>(backend_of(master.grad()).count_zeros({master.grad()}));
+    std::vector<double> zeros = {static_cast<double>(grad_zero_count(counted))};
     if (options_.group) options_.group->all_reduce_sum(zeros);
     result.num_zeros = static_cast<int64_t>(zeros[0]);
   }

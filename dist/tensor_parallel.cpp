@@ -53,6 +53,11 @@ int64_t checked_dim(const char* op, const ShardSpec& spec, const Tensor& t, int 
 
 // ---- ShardSpec: the one slicing rule ----
 
+ShardRange shard_range(const ShardSpec& spec, int rank, int size) {
+  const int64_t block = spec.full_size / spec.blocks, chunk = ceil_div(block, size);
+  return {std::min(block, rank * chunk), std::min(block, (rank + 1) * chunk), chunk};
+}
+
 Tensor shard_of(const Tensor& full, const ShardSpec& spec, int rank, int size) {
   const int64_t dim = checked_dim("shard_of", spec, full, size);
   if (rank < 0 || rank >= size) [[unlikely]]
@@ -62,8 +67,8 @@ Tensor shard_of(const Tensor& full, const ShardSpec& spec, int rank, int size) {
          ", expected the spec's full_size ", spec.full_size, " (blocks ", spec.blocks, ")");
   NoGradGuard no_grad;
   const Tensor d = full.detach();
-  const int64_t block = spec.full_size / spec.blocks, chunk = ceil_div(block, size);
-  const int64_t begin = std::min(block, rank * chunk), end = std::min(block, (rank + 1) * chunk);
+  const int64_t block = spec.full_size / spec.blocks;
+  const auto [begin, end, chunk] = shard_range(spec, rank, size);
   Shape pad_shape = d.shape();
   pad_shape[static_cast<size_t>(dim)] = chunk - (end - begin);
   std::vector<Tensor> pieces;
@@ -93,8 +98,9 @@ Tensor gather_shards(const Tensor& shard, const ShardSpec& spec, const Communica
   std::vector<Tensor> pieces;
   for (int64_t b = 0; b < spec.blocks; ++b)
     for (int64_t i = 0; i < size; ++i) {
-      const int64_t real = std::min(block, (i + 1) * chunk) - std::min(block, i * chunk);
-      if (real > 0) pieces.push_back(gathered.narrow(0, (i * spec.blocks + b) * chunk, real));
+      const ShardRange range = shard_range(spec, i, size);
+      if (range.end > range.begin)
+        pieces.push_back(gathered.narrow(0, (i * spec.blocks + b) * chunk, range.end - range.begin));
     }
   Tensor full;
   if (pieces.empty()) {

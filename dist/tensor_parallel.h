@@ -61,6 +61,13 @@ struct ShardSpec {
 // VocabParallelEmbedding weight), its dotted name as root.named_parameters() spells it -> its spec. Replicated
 // parameters are absent.
 std::map<std::string, ShardSpec> shard_specs(const Module& root);
+// Where rank `rank` (of `size`)'s shard sits in each block of spec.dim: it holds [begin, end) of the block
+// (empty when begin == end) followed by chunk - (end - begin) padding slots.
+struct ShardRange {
+  int64_t begin = 0, end = 0, chunk = 0;
+  int64_t padding() const { return chunk - (end - begin); }
+};
+ShardRange shard_range(const ShardSpec& spec, int rank, int size);
 // The full tensor from every rank's shard: a collective over tp (every rank calls it with a shard of the same
 // shape and dtype); any dtype, any device, the shard contiguous or not. Padding is dropped. Returns a new
 // contiguous tensor without history, in the shard's dtype, on every rank. Error unless the shard's size along

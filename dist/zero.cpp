@@ -12,7 +12,6 @@
 #include "autograd/autograd.h"
 #include "optim/clip.h"
 #include "tensor/autograd_node.h"
-#include "tensor/backend.h"
 #include "tensor/error.h"
 #include "tensor/ops.h"
 
@@ -143,9 +142,7 @@ StepResult ZeroOptimizer::step() {
   result.grad_norm = std::sqrt(sums[0]);
   if (options_.clip_grad > 0) clip_grads_with_norm(masters, options_.clip_grad, result.grad_norm);
   if (options_.log_num_zeros_in_grad) {  // as MixedPrecisionOptimizer counts them: after clipping
-    std::vector<double> zeros = {0.0};
-    for (const Tensor& master : counted)
-      zeros[0] += static_cast<double>(backend_of(master.grad()).count_zeros({master.grad()}));
+    std::vector<double> zeros = {static_cast<double>(grad_zero_count(counted))};
     dp_.all_reduce(zeros, Reduction::Sum);
     if (options_.model_parallel) options_.model_parallel->all_reduce_sum(zeros);
     result.num_zeros = static_cast<int64_t>(zeros[0]);

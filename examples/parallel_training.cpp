@@ -294,16 +294,15 @@ ParallelTrainer::ParallelTrainer(const GPTConfig& config, const TrainOptions& op
   }
 
   m.mp_group = std::make_unique<dist::CommunicatorGroup>(m.groups.model_parallel);
-  {
+  if (options.amp.is_naive() && options.amp.naive.log_num_zeros_in_grad) {  // the only user of the count
     std::vector<double> padding = {0.0};
     for (size_t i = 0; i < m.local_order.size(); ++i) {
       const auto spec = m.specs.find(m.local_order[i]);
       if (spec == m.specs.end() || !count_in_norm[i]) continue;
       const dist::ShardSpec& s = spec->second;
       const Tensor p = m.param(m.local_order[i]);
-      const int64_t block = s.full_size / s.blocks, chunk = (block + parallel.tp - 1) / parallel.tp;
-      const int64_t r = m.groups.tp_rank, real = std::min(block, (r + 1) * chunk) - std::min(block, r * chunk);
-      padding[0] += static_cast<double>(s.blocks * (chunk - real) * (p.numel() / p.size(s.dim)));
+      const int64_t slots = s.blocks * dist::shard_range(s, m.groups.tp_rank, parallel.tp).padding();
+      padding[0] += static_cast<double>(slots * (p.numel() / p.size(s.dim)));
     }
     m.mp_group->all_reduce_sum(padding);
     m.padding_elements = static_cast<int64_t>(padding[0]);

@@ -9,8 +9,8 @@
 // --log-json FILE: one JSON object per step: step (0-based), loss (the batch's loss before the update), lr,
 // grad_norm (before clipping), tokens_per_s (that step alone), loss_scale, skipped, num_zeros (with naive
 // AMP's log_num_zeros_in_grad: the zero elements of the unscaled gradients, absent on a skipped step; also on
-// the progress line as "zeros"), and val_loss on the steps that evaluated (after that step's update). examples/plot_loss.sh turns
-// it into a PNG.
+// the progress line as "zeros"), and val_loss on the steps that evaluated (after that step's update).
+// examples/plot_loss.sh turns it into a PNG.
 //
 // The progress line's tok/s and ETA come from the time spent in training steps only (evaluation and
 // checkpoint saves are left out); "elapsed" is wall-clock time since the first step of this run.

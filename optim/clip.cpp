@@ -12,18 +12,37 @@
 
 namespace mixtape {
 
-double grad_squared_norm(const std::vector<Tensor>& params) {
-  NoGradGuard no_grad;
-  // One fused reduction per device, in a fixed order (reproducible bit for bit, as a resumed run needs).
+namespace {
+
+// The defined gradients of `params` grouped by device, devices in a fixed order: one fused reduction per
+// device, reproducible bit for bit (as a resumed run needs).
+std::map<std::pair<int, int>, std::vector<Tensor>> grads_by_device(const std::vector<Tensor>& params,
+                                                                   const char* who) {
   std::map<std::pair<int, int>, std::vector<Tensor>> by_device;
   for (const Tensor& param : params) {
-    check(param.defined(), "grad_norm: a parameter is an undefined tensor");
+    check(param.defined(), who, ": a parameter is an undefined tensor");
     const Tensor grad = param.grad();
     if (!grad.defined()) continue;
     by_device[{static_cast<int>(grad.device().type), grad.device().index}].push_back(grad);
   }
+  return by_device;
+}
+
+}  // namespace
+
+double grad_squared_norm(const std::vector<Tensor>& params) {
+  NoGradGuard no_grad;
   double total = 0;
-  for (auto& [key, grads] : by_device) total += backend_of(grads.front()).sum_of_squares(grads);
+  for (auto& [key, grads] : grads_by_device(params, "grad_norm"))
+    total += backend_of(grads.front()).sum_of_squares(grads);
+  return total;
+}
+
+int64_t grad_zero_count(const std::vector<Tensor>& params) {
+  NoGradGuard no_grad;
+  int64_t total = 0;
+  for (auto& [key, grads] : grads_by_device(params, "grad_zero_count"))
+    total += backend_of(grads.front()).count_zeros(grads);
   return total;
 }
 

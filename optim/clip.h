@@ -12,6 +12,7 @@
 // Non-finite norms (an inf or NaN gradient) are handled explicitly, where PyTorch would multiply every
 // gradient by 0 or NaN: the gradients are left untouched and the norm is returned, so the caller (or a loss
 // scaler) sees it and can skip the step; with error_if_nonfinite it throws instead.
+#include <cstdint>
 #include <vector>
 
 #include "tensor/tensor.h"
@@ -20,6 +21,8 @@ namespace mixtape {
 
 // sum of g^2 over every defined gradient of `params` (CPU gradients; f64 accumulation).
 double grad_squared_norm(const std::vector<Tensor>& params);
+// The number of elements equal to 0 in every defined gradient of `params` (naive AMP's log_num_zeros_in_grad).
+int64_t grad_zero_count(const std::vector<Tensor>& params);
 // sqrt(grad_squared_norm(params)): what the trainer logs as grad_norm.
 double grad_norm(const std::vector<Tensor>& params);
 // Scales the gradients for a given total norm (max_norm / (total_norm + 1e-6) when that is < 1). Does nothing
