@@ -6,6 +6,11 @@
 //                       memcpy copies 96 MiB (reads 96, writes 96: the same 192 MiB).
 //   layer_norm          ([16384, 1024] f32) vs memcpy of 64 MiB; layer_norm moves 2 x 64 MiB (reads x,
 //                       writes out; the [C] weight/bias and [N] mean/rstd are < 0.2 % and not counted).
+//   attention           (f32, bf16, f16) forward + backward of the GPT benchmark's causal self-attention
+//                       (qkv [16, 128, 768], 4 heads of 64) vs the dense math path on the same heads:
+//                       matmul, masked_fill, softmax, matmul and their backwards (the [T, T] scores formed,
+//                       the products by oneDNN). rate = the causal half of the full-square products:
+//                       forward 2 x 2BHT^2D, backward 2x that, halved: 6 B H T^2 D FLOP per call.
 // Memory-bound rows compare bandwidths (SetBytesProcessed with the bytes defined above); the memcpy baseline
 // is split across the OpenMP threads, as mixtape's kernels are.
 //
@@ -22,6 +27,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <limits>
@@ -32,6 +38,7 @@
 
 #include <dnnl.hpp>
 
+#include "autograd/autograd.h"
 #include "tensor/ops.h"
 
 using namespace mixtape;
@@ -40,6 +47,7 @@ namespace {
 
 constexpr double kMatmulTarget = 0.9;     // mixtape matmul >= 0.9x raw oneDNN
 constexpr double kBandwidthTarget = 0.5;  // memory-bound ops >= 0.5x memcpy bandwidth (issue 2)
+constexpr double kAttentionTarget = 1.0;  // the fused attention at least as fast as the dense math path
 // Defaults, overridable on the command line: many short repetitions of every benchmark, randomly interleaved,
 // so that a burst of load from another process hits both sides of a comparison alike and each side gets
 // some undisturbed iterations (~80 s in all on 2 cores).
@@ -194,6 +202,48 @@ void layer_norm_mixtape(benchmark::State& state) {
   set_bytes(state, 2 * kNormRows * kNormCols * 4, best);
 }
 
+// ---- attention --------------------------------------------------------------------------------------------
+
+constexpr int64_t kAttnB = 16, kAttnH = 4, kAttnT = 128, kAttnD = 64;
+
+// The dense math path: softmax(q k^T / sqrt(D), keys after the query masked) v, from the same qkv.
+Tensor dense_attention(const Tensor& qkv, const Tensor& mask) {
+  const int64_t C = kAttnH * kAttnD;
+  auto heads = [&](int64_t third) {
+    return qkv.narrow(2, third * C, C).reshape({kAttnB, kAttnT, kAttnH, kAttnD}).transpose(1, 2);
+  };
+  const Tensor scores = mul(matmul(heads(0), heads(1).mT()), 1.0 / std::sqrt(static_cast<double>(kAttnD)));
+  const Tensor probs = softmax(masked_fill(scores, mask, -std::numeric_limits<double>::infinity()), -1);
+  return matmul(probs, heads(2)).transpose(1, 2).reshape({kAttnB, kAttnT, C});
+}
+
+void attention(benchmark::State& state, DType dtype, bool fused) {
+  const int64_t C = kAttnH * kAttnD;
+  Tensor qkv = Tensor::randn({kAttnB, kAttnT, 3 * C}, 8, dtype);
+  qkv.requires_grad_();
+  const Tensor grad = Tensor::randn({kAttnB, kAttnT, C}, 9, dtype);
+  // mask[i, j] = 1 where key j comes after query i.
+  std::vector<float> after(kAttnT * kAttnT, 0.0f);
+  for (int64_t i = 0; i < kAttnT; ++i)
+    for (int64_t j = i + 1; j < kAttnT; ++j) after[i * kAttnT + j] = 1.0f;
+  const Tensor mask = Tensor::from_vector(after, {kAttnT, kAttnT});
+  auto step = [&] {
+    const Tensor out = fused ? causal_self_attention(qkv, kAttnH) : dense_attention(qkv, mask);
+    backward({out}, {grad});
+    benchmark::DoNotOptimize(qkv.grad().data_ptr());
+  };
+  try {
+    step();
+  } catch (const std::exception& error) {
+    state.SkipWithError(error.what());
+    return;
+  }
+  const double best = timed_loop(state, step);
+  const double flops = 6.0 * kAttnB * kAttnH * kAttnT * kAttnT * kAttnD;
+  state.counters["FLOP/s"] = benchmark::Counter(flops, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["best FLOP/s"] = flops / best;
+}
+
 // ---- registration -----------------------------------------------------------------------------------------
 
 void configure(benchmark::internal::Benchmark* b) { b->UseRealTime()->Unit(benchmark::kMillisecond); }
@@ -219,6 +269,13 @@ void register_benchmarks() {
                                          kNormRows * kNormCols * 4));
   comparisons().push_back({"layer_norm f32 [16384,1024] (2 x 64 MiB)", "layer_norm_f32/16384x1024/mixtape",
                            "layer_norm_f32/16384x1024/memcpy", "best B/s", "GB/s", kBandwidthTarget});
+  for (DType dtype : {DType::F32, DType::BF16, DType::F16}) {
+    const std::string base = std::string("attention_") + dtype_name(dtype) + "/16x4x128x64";
+    configure(benchmark::RegisterBenchmark((base + "/fused").c_str(), attention, dtype, true));
+    configure(benchmark::RegisterBenchmark((base + "/dense").c_str(), attention, dtype, false));
+    comparisons().push_back({std::string("attention fwd+bwd ") + dtype_name(dtype) + " [16,4,128,64]",
+                             base + "/fused", base + "/dense", "best FLOP/s", "GFLOP/s", kAttentionTarget});
+  }
 }
 
 // ---- summary ----------------------------------------------------------------------------------------------

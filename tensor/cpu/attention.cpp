@@ -30,6 +30,9 @@
 // sT as the leading dimension; other dtypes and widths are converted to padded fp32 (f64) rows once per
 // head, never once per block pair.
 #include <omp.h>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <bit>
@@ -43,6 +46,7 @@
 #include "tensor/cpu/convert_block.h"
 #include "tensor/cpu/cpu_backend.h"
 #include "tensor/cpu/fast_math.h"
+#include "tensor/cpu/lane_sum.h"
 
 namespace mixtape::cpu {
 
@@ -79,33 +83,61 @@ inline void product_tile(int64_t K, const A* __restrict a, int64_t a_rs, int64_t
     for (int64_t j = 0; j < W; ++j) c[r * ldc + j] = acc[r][j];
 }
 
+// What a block product may skip under the causal mask. Within a block pair whose query rows start `offset`
+// = i0 - j0 (>= 0) rows after its key rows, query row r sees key c when c <= r + offset; the probabilities
+// (and their gradients) of the keys it does not see are zero.
+enum class Causal {
+  None,          // every entry
+  ColsAfterRow,  // C = scores [queries x keys]: a tile whose rows see none of its columns is not computed
+                 // (left unwritten: callers read only the keys a row sees)
+  KAfterRow,     // C = [queries x D] summed over keys k: row r's sum stops after key r + offset
+  KBeforeRow,    // C = [keys x D] summed over queries k: row r's sum starts at query r - offset
+};
+
 // C[M x N] (+)= A[M x K] B[K x N] with N a multiple of kTileCols (buffers are padded): tiles of 8 rows,
 // then 4, then the last 1..3. Each element of C is a sum over k in order whatever the tiling, so the
-// forward and the backward compute bitwise the same scores.
+// forward and the backward compute bitwise the same scores. Under a causal mask a tile's k range is cut to
+// where A's entries can be nonzero (the zero terms it leaves out change no sum) and tiles of masked scores
+// are skipped: a diagonal block pair does about half the work of a full one.
 template <bool Accumulate, class A>
 void product_tiles(int64_t M, int64_t N, int64_t K, const A* a, int64_t a_rs, int64_t a_cs, const A* b,
-                   int64_t ldb, A* c, int64_t ldc) {
+                   int64_t ldb, A* c, int64_t ldc, Causal causal = Causal::None, int64_t offset = 0) {
   for (int64_t j0 = 0; j0 < N; j0 += kTileCols<A>) {
+    // The tile of R rows from row i0.
+    auto tile = [&]<int R>(int64_t i0) {
+      int64_t k_lo = 0, k_hi = K;
+      switch (causal) {
+        case Causal::None:
+          break;
+        case Causal::ColsAfterRow:
+          if (i0 + R - 1 + offset < j0) return;
+          break;
+        case Causal::KAfterRow:
+          k_hi = std::clamp<int64_t>(i0 + R + offset, 0, K);
+          break;
+        case Causal::KBeforeRow:
+          k_lo = std::clamp<int64_t>(i0 - offset, 0, K);
+          break;
+      }
+      if (Accumulate && k_lo == k_hi) return;
+      product_tile<A, R, Accumulate>(k_hi - k_lo, a + i0 * a_rs + k_lo * a_cs, a_rs, a_cs, b + k_lo * ldb + j0,
+                                     ldb, c + i0 * ldc + j0, ldc);
+    };
     int64_t i0 = 0;
-    for (; i0 + 8 <= M; i0 += 8)
-      product_tile<A, 8, Accumulate>(K, a + i0 * a_rs, a_rs, a_cs, b + j0, ldb, c + i0 * ldc + j0, ldc);
-    const A* ai = a + i0 * a_rs;
-    A* ci = c + i0 * ldc + j0;
+    for (; i0 + 8 <= M; i0 += 8) tile.template operator()<8>(i0);
     if (M - i0 >= 4) {
-      product_tile<A, 4, Accumulate>(K, ai, a_rs, a_cs, b + j0, ldb, ci, ldc);
+      tile.template operator()<4>(i0);
       i0 += 4;
-      ai += 4 * a_rs;
-      ci += 4 * ldc;
     }
     switch (M - i0) {
       case 3:
-        product_tile<A, 3, Accumulate>(K, ai, a_rs, a_cs, b + j0, ldb, ci, ldc);
+        tile.template operator()<3>(i0);
         break;
       case 2:
-        product_tile<A, 2, Accumulate>(K, ai, a_rs, a_cs, b + j0, ldb, ci, ldc);
+        tile.template operator()<2>(i0);
         break;
       case 1:
-        product_tile<A, 1, Accumulate>(K, ai, a_rs, a_cs, b + j0, ldb, ci, ldc);
+        tile.template operator()<1>(i0);
         break;
       default:
         break;
@@ -191,24 +223,61 @@ Rows<A> rows_in_acc(const T* src, int64_t ld_src, int64_t rows, int64_t D, int64
   return {buffer, Dp};
 }
 
+#if defined(__AVX2__)
+// dst[(d + j) * ld + c] = rows[c][d + j] for c, j < 8: an 8 x 8 block of floats transposed in registers.
+inline void transpose_8x8(const float* const rows[8], int64_t d, float* dst, int64_t ld) {
+  __m256 r[8], t[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(rows[i] + d);
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);  // a0 b0 a1 b1 | a4 b4 a5 b5
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    r[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));  // a0 b0 c0 d0 | a4 b4 c4 d4
+    r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int j = 0; j < 4; ++j) {  // columns j and j + 4: the low and high halves of rows 0-3 and 4-7
+    _mm256_storeu_ps(dst + j * ld, _mm256_permute2f128_ps(r[j], r[j + 4], 0x20));
+    _mm256_storeu_ps(dst + (j + 4) * ld, _mm256_permute2f128_ps(r[j], r[j + 4], 0x31));
+  }
+}
+#endif
+
 // dst[d, c] = src[c * ld_src + d] for c < cols, zero for cols <= c < ld: keys as the B operand of q k^T.
+// Float keys go 8 at a time through 8 x 8 register transposes (16-bit rows widened first, in chunks);
+// element by element, the strided stores made this copy a tenth of the attention's time.
 template <class T, class A>
 void load_transposed(const T* __restrict src, int64_t ld_src, int64_t cols, int64_t D, A* __restrict dst,
                      int64_t ld) {
   for (int64_t d = 0; d < D; ++d) std::fill(dst + d * ld + cols, dst + (d + 1) * ld, A(0));
-  if constexpr (kSixteenBit<T>) {  // each row widened in chunks, then scattered into its column
+  int64_t c0 = 0;
+#if defined(__AVX2__)
+  if constexpr (std::is_same_v<A, float>) {
     constexpr int64_t kChunk = 64;
-    alignas(64) A row[kChunk];
-    for (int64_t c = 0; c < cols; ++c)
+    alignas(64) float widened[kSixteenBit<T> ? 8 * kChunk : 1];
+    for (; c0 + 8 <= cols; c0 += 8)
       for (int64_t d0 = 0; d0 < D; d0 += kChunk) {
         const int64_t m = std::min(kChunk, D - d0);
-        widen_block(src + c * ld_src + d0, row, m);
-        for (int64_t d = 0; d < m; ++d) dst[(d0 + d) * ld + c] = row[d];
+        const float* rows[8];
+        for (int i = 0; i < 8; ++i) {
+          if constexpr (kSixteenBit<T>) {
+            widen_block(src + (c0 + i) * ld_src + d0, widened + i * kChunk, m);
+            rows[i] = widened + i * kChunk;
+          } else {
+            rows[i] = src + (c0 + i) * ld_src + d0;
+          }
+        }
+        int64_t d = 0;
+        for (; d + 8 <= m; d += 8) transpose_8x8(rows, d, dst + (d0 + d) * ld + c0, ld);
+        for (; d < m; ++d)
+          for (int i = 0; i < 8; ++i) dst[(d0 + d) * ld + c0 + i] = rows[i][d];
       }
-  } else {
-    for (int64_t c = 0; c < cols; ++c)
-      for (int64_t d = 0; d < D; ++d) dst[d * ld + c] = convert<A>(src[c * ld_src + d]);
   }
+#endif
+  for (int64_t c = c0; c < cols; ++c)
+    for (int64_t d = 0; d < D; ++d) dst[d * ld + c] = convert<A>(src[c * ld_src + d]);
 }
 
 inline DType stats_dtype(DType x) { return x == DType::F64 ? DType::F64 : DType::F32; }
@@ -309,17 +378,15 @@ void CpuBackend::causal_attention(const Tensor& q, const Tensor& k, const Tensor
           const A* kt = kt_all + bh * D * Tp + j0;  // [D, kBlockK] block of k^T, row stride Tp
           const A* vs = vr.data + j0 * vr.ld;       // [cols, Dp] block of v, row stride vr.ld
           // s = q k^T for the block (scaled below).
-          product_tiles<false>(rows, kBlockK, D, qs.data, qs.ld, 1, kt, Tp, s.data(), kBlockK);
+          product_tiles<false>(rows, kBlockK, D, qs.data, qs.ld, 1, kt, Tp, s.data(), kBlockK, Causal::ColsAfterRow,
+                               i0 - j0);
           // Online softmax: turn each row of s into e^(scale s - m') in place (0 where the mask hides a key).
           for (int64_t r = 0; r < rows; ++r) {
             A* sr = s.data() + r * kBlockK;
             const int64_t n = visible_keys(i0 + r, j0, cols);
-            A block_max = -std::numeric_limits<A>::infinity();
-#pragma omp simd reduction(max : block_max)
-            for (int64_t c = 0; c < n; ++c) {
-              sr[c] *= scale_a;
-              block_max = std::max(block_max, sr[c]);
-            }
+#pragma omp simd
+            for (int64_t c = 0; c < n; ++c) sr[c] *= scale_a;
+            const A block_max = lane_max(sr, n);
             const A m_new = std::max(m[r], block_max);
             A block_sum = 0;
 #pragma omp simd reduction(+ : block_sum)
@@ -338,7 +405,7 @@ void CpuBackend::causal_attention(const Tensor& q, const Tensor& k, const Tensor
             m[r] = m_new;
           }
           // o += p v
-          product_tiles<true>(rows, Dp, cols, s.data(), kBlockK, 1, vs, vr.ld, o.data(), Dp);
+          product_tiles<true>(rows, Dp, cols, s.data(), kBlockK, 1, vs, vr.ld, o.data(), Dp, Causal::KAfterRow, i0 - j0);
         }
         for (int64_t r = 0; r < rows; ++r) {
           // Row i sees key 0 at least, so l >= 1 (the max term is e^0) and the division is safe.
@@ -453,9 +520,11 @@ void CpuBackend::causal_attention_backward(const Tensor& grad_out, const Tensor&
             const A* qs = qm.data + i0 * qm.ld;
             const A* dos = dom.data + i0 * dom.ld;
             // p = e^(scale q k^T - lse) (0 where masked): the forward's probabilities, recomputed.
-            product_tiles<false>(rows, kBlockK, D, qs, qm.ld, 1, kt.data(), kBlockK, p.data(), kBlockK);
+            product_tiles<false>(rows, kBlockK, D, qs, qm.ld, 1, kt.data(), kBlockK, p.data(), kBlockK,
+                                 Causal::ColsAfterRow, i0 - j0);
             // dp = do v^T
-            product_tiles<false>(rows, kBlockK, D, dos, dom.ld, 1, vt.data(), kBlockK, ds.data(), kBlockK);
+            product_tiles<false>(rows, kBlockK, D, dos, dom.ld, 1, vt.data(), kBlockK, ds.data(), kBlockK,
+                                 Causal::ColsAfterRow, i0 - j0);
             for (int64_t r = 0; r < rows; ++r) {
               const int64_t i = i0 + r, n = visible_keys(i, j0, cols);
               const A row_lse = lse_in[bh * T + i], row_delta = delta[bh * T + i];
@@ -470,10 +539,12 @@ void CpuBackend::causal_attention_backward(const Tensor& grad_out, const Tensor&
               std::fill(dsr + n, dsr + kBlockK, A(0));
             }
             // dv += p^T do;  dk += ds^T q;  dq += ds k  (dk and dq are scaled on store)
-            product_tiles<true>(cols, Dp, rows, p.data(), 1, kBlockK, dos, dom.ld, dv.data(), Dp);
-            product_tiles<true>(cols, Dp, rows, ds.data(), 1, kBlockK, qs, qm.ld, dk.data(), Dp);
+            product_tiles<true>(cols, Dp, rows, p.data(), 1, kBlockK, dos, dom.ld, dv.data(), Dp, Causal::KBeforeRow,
+                                i0 - j0);
+            product_tiles<true>(cols, Dp, rows, ds.data(), 1, kBlockK, qs, qm.ld, dk.data(), Dp, Causal::KBeforeRow,
+                                i0 - j0);
             product_tiles<true>(rows, Dp, cols, ds.data(), kBlockK, 1, km.data + j0 * km.ld, km.ld,
-                                dq + i0 * Dp, Dp);
+                                dq + i0 * Dp, Dp, Causal::KAfterRow, i0 - j0);
           }
           for (int64_t c = 0; c < cols; ++c) {
             store_scaled_run(dk.data() + c * Dp, scale_a, gkh.row(bh, j0 + c), D);

@@ -2,6 +2,7 @@
 // Sums along a contiguous run with kLanes independent accumulators, combined pairwise at the end: the loop
 // vectorises, and each partial sum's rounding chain is n/kLanes long instead of n.
 #include <cstdint>
+#include <limits>
 #include <utility>
 
 namespace mixtape::cpu {
@@ -45,6 +46,21 @@ inline std::pair<A, A> lane_sum2(int64_t n, Term&& term) {
       lanes_b[l] += lanes_b[l + width];
     }
   return {lanes_a[0] + tail_a, lanes_b[0] + tail_b};
+}
+
+// max_{j < n} v[j] ignoring NaN (-inf for n = 0), with kLanes independent maxima so it vectorises (one
+// running maximum stays scalar: a compare after another). The maximum is exact: the lanes change no result.
+template <class A>
+inline A lane_max(const A* v, int64_t n) {
+  A lanes[kLanes];
+  for (A& lane : lanes) lane = -std::numeric_limits<A>::infinity();
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes)
+    for (int64_t l = 0; l < kLanes; ++l) lanes[l] = v[j + l] > lanes[l] ? v[j + l] : lanes[l];
+  for (; j < n; ++j) lanes[0] = v[j] > lanes[0] ? v[j] : lanes[0];
+  A m = lanes[0];
+  for (int64_t l = 1; l < kLanes; ++l) m = lanes[l] > m ? lanes[l] : m;
+  return m;
 }
 
 }  // namespace mixtape::cpu

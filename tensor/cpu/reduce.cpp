@@ -299,20 +299,6 @@ void CpuBackend::var(const Tensor& x, const std::vector<int64_t>& dims, int64_t 
 
 namespace {
 
-// max_j v[j] ignoring NaN (-inf for an empty row), with kLanes independent maxima so it vectorises.
-template <class A>
-A row_max(const A* v, int64_t n) {
-  A lanes[kLanes];
-  for (A& lane : lanes) lane = -std::numeric_limits<A>::infinity();
-  int64_t j = 0;
-  for (; j + kLanes <= n; j += kLanes)
-    for (int64_t l = 0; l < kLanes; ++l) lanes[l] = v[j + l] > lanes[l] ? v[j + l] : lanes[l];
-  for (; j < n; ++j) lanes[0] = v[j] > lanes[0] ? v[j] : lanes[0];
-  A m = lanes[0];
-  for (int64_t l = 1; l < kLanes; ++l) m = lanes[l] > m ? lanes[l] : m;
-  return m;
-}
-
 struct SoftmaxRows {
   int64_t length = 1;                  // elements in a row
   int64_t count = 0;                   // number of rows
@@ -368,7 +354,7 @@ void CpuBackend::softmax(const Tensor& x, int64_t dim, bool log, const Tensor& o
         // Subtracting the row max m makes every exponent <= 0: no overflow, and the largest term is exactly 1
         // so the sum is >= 1 (no underflow to 0). softmax is unchanged: exp(x - m) / sum exp(x - m).
         for (int64_t j = 0; j < n; ++j) e[j] = convert<A>(xr[j * sx]);
-        const A m = row_max(e.data(), n);
+        const A m = lane_max(e.data(), n);
         const int64_t argmax = std::find(e.begin(), e.begin() + n, m) - e.begin();  // n when m is NaN or -inf
         // sum = 1 + rest, with rest the sum of the terms other than (one) maximum. Keeping the 1 apart lets
         // log_softmax use log1p(rest): for a confident row (rest << 1), log(1 + rest) rounded in float would
