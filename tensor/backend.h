@@ -111,6 +111,9 @@ class Backend {
   // stride 0). bias (contiguous [N], a's dtype) may be undefined; when given it is added to the accumulator
   // before the single rounding into out (a linear layer's epilogue).
   virtual void matmul(const Tensor& a, const Tensor& b, const Tensor& out, const Tensor& bias) = 0;
+  // Whether matmul on this dtype widens its operands to f32 and rounds the f32 product (no GEMM of that dtype
+  // here, as for f16 on a CPU): a caller that feeds one operand to several products then widens it once.
+  virtual bool matmul_widens(DType) const { return false; }
 
   // Normalisation over the last dim of x [N, C] (contiguous). mean/rstd are f32 [N] (f64 when x is f64, so
   // the reference dtype keeps full precision); weight/bias [C] may be undefined. rms_norm has no mean.

@@ -154,8 +154,13 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
   const Tensor xd = xs.detach(), wd = ws.detach();
   auto backward = [xd, wd, x_grad, w_grad, b_grad, K, N](const Tensor& g) {
     Grads grads(3);
-    if (x_grad) grads[0] = matmul(g, wd);
-    if (w_grad) grads[1] = matmul(g.reshape({-1, N}).mT(), xd.reshape({-1, K}));
+    // Where the backend multiplies g's dtype through f32 (f16 on a CPU), each product would widen g again:
+    // it is widened once here, and each f32 product rounded to g's dtype, as the backend would (same bits).
+    const bool widen_once = x_grad && w_grad && backend_of(g).matmul_widens(g.dtype());
+    const Tensor gm = widen_once ? g.to(DType::F32) : g;
+    auto rounded = [&](const Tensor& product) { return product.to(g.dtype()); };
+    if (x_grad) grads[0] = rounded(matmul(gm, wd));
+    if (w_grad) grads[1] = rounded(matmul(gm.reshape({-1, N}).mT(), xd.reshape({-1, K})));
     if (b_grad) grads[2] = sum_to(g, {N});
     return grads;
   };

@@ -7,6 +7,7 @@
 
 #include "autograd/autograd.h"
 #include "autograd/gradcheck.h"
+#include "tensor/backend.h"
 #include "tensor/ops.h"
 #include "test_util.h"
 
@@ -344,6 +345,26 @@ TEST(LinearGrad, MatchesFiniteDifferences) {
   auto no_bias = [](const std::vector<Tensor>& in) { return linear(in[0].mT(), in[1]); };
   const GradcheckResult strided = gradcheck(no_bias, {Tensor::randn({4, 3}, 76), Tensor::randn({2, 4}, 77)});
   EXPECT_TRUE(strided.ok) << strided.message;
+}
+
+// The backward's two products in every dtype, bitwise as matmul gives them one by one: also where the CPU
+// multiplies f16 through f32 and the backward widens the incoming gradient once for both products.
+TEST(LinearGrad, EqualsTheTwoProductsBitForBitInEveryDtype) {
+  EXPECT_TRUE(backend_of(Tensor::zeros({1}, DType::F16)).matmul_widens(DType::F16));
+  EXPECT_FALSE(backend_of(Tensor::zeros({1})).matmul_widens(DType::F32));
+  for (DType dtype : {DType::F32, DType::BF16, DType::F16, DType::F64}) {
+    SCOPED_TRACE(dtype_name(dtype));
+    Tensor x = Tensor::randn({3, 17, 64}, 80, dtype), w = Tensor::randn({40, 64}, 81, dtype);
+    const Tensor g = Tensor::randn({3, 17, 40}, 82, dtype);
+    x.requires_grad_();
+    w.requires_grad_();
+    backward({linear(x, w)}, {g});
+    ASSERT_EQ(x.grad().dtype(), dtype);
+    ASSERT_EQ(w.grad().dtype(), dtype);
+    EXPECT_EQ(x.grad().to_vector<double>(), matmul(g, w.detach()).to_vector<double>());
+    EXPECT_EQ(w.grad().to_vector<double>(),
+              matmul(g.reshape({-1, 40}).mT(), x.detach().reshape({-1, 64})).to_vector<double>());
+  }
 }
 
 TEST(LinearErrors, NameTheOpTheShapesAndTheProblem) {

@@ -393,4 +393,15 @@ void CpuBackend::matmul(const Tensor& a, const Tensor& b, const Tensor& out, con
   if (plan.via_f32) copy(out_f32, out);
 }
 
+bool CpuBackend::matmul_widens(DType dtype) const {
+  if (dtype == DType::F16) return true;  // never a GEMM of its own (make_plan)
+  if (dtype != DType::BF16) return false;
+  // bf16 widens where this CPU has no bf16 GEMM: what the plan of a small product chooses.
+  static const bool bf16_widens = [] {
+    const Tensor a = Tensor::zeros({16, 16}, DType::BF16);
+    return plan_for(simplify_matmul(a, a, a), DType::BF16, false, false)->via_f32;
+  }();
+  return bf16_widens;
+}
+
 }  // namespace mixtape::cpu
