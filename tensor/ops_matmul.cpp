@@ -47,6 +47,19 @@ Tensor broadcast_to_batch(const Tensor& t, const Shape& batch) {
   return make_view(t, shape, strides, t.offset());
 }
 
+// The incoming gradient g as the operand of a backward's two products. Where the backend multiplies g's dtype
+// through f32 (Backend::matmul_widens: f16 on a CPU) each product would widen g again, so it is widened once
+// here; round() brings each f32 product back to g's dtype as the backend would (the same bits).
+struct GradOperand {
+  Tensor operand;
+  DType dtype;
+  Tensor round(const Tensor& product) const { return product.to(dtype); }
+};
+GradOperand grad_operand(const Tensor& g, bool two_products) {
+  const bool widen = two_products && backend_of(g).matmul_widens(g.dtype());
+  return {widen ? g.to(DType::F32) : g, g.dtype()};
+}
+
 // The gradient of an operand that was broadcast over the batch, summed back to its own shape.
 Tensor reduce_to(const Tensor& grad, const Shape& shape) {
   return grad.shape() == shape ? grad : sum_to(grad, shape);
@@ -91,16 +104,17 @@ Tensor matmul(const Tensor& a, const Tensor& b) {
   const Tensor xs = x.detach(), ws = w.detach();
   auto backward = [xs, ws, x_grad, w_grad](const Tensor& g) {
     Grads grads(2);
-    if (x_grad) grads[0] = reduce_to(matmul(g, ws.mT()), xs.shape());
+    const GradOperand gm = grad_operand(g, x_grad && w_grad);
+    if (x_grad) grads[0] = reduce_to(gm.round(matmul(gm.operand, ws.mT())), xs.shape());
     if (w_grad) {
       if (ws.dim() == 2 && g.dim() > 2) {
         // A matrix shared by the whole batch (a linear layer; x then has every batch dim itself): one
         // [K, B*M] x [B*M, N] product sums over the batch inside its reduction, instead of B products and
         // a separate sum.
         const int64_t K = xs.size(-1), N = g.size(-1);
-        grads[1] = matmul(xs.reshape({-1, K}).mT(), g.reshape({-1, N}));
+        grads[1] = gm.round(matmul(xs.reshape({-1, K}).mT(), gm.operand.reshape({-1, N})));
       } else {
-        grads[1] = reduce_to(matmul(xs.mT(), g), ws.shape());
+        grads[1] = reduce_to(gm.round(matmul(xs.mT(), gm.operand)), ws.shape());
       }
     }
     return grads;
@@ -154,13 +168,9 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
   const Tensor xd = xs.detach(), wd = ws.detach();
   auto backward = [xd, wd, x_grad, w_grad, b_grad, K, N](const Tensor& g) {
     Grads grads(3);
-    // Where the backend multiplies g's dtype through f32 (f16 on a CPU), each product would widen g again:
-    // it is widened once here, and each f32 product rounded to g's dtype, as the backend would (same bits).
-    const bool widen_once = x_grad && w_grad && backend_of(g).matmul_widens(g.dtype());
-    const Tensor gm = widen_once ? g.to(DType::F32) : g;
-    auto rounded = [&](const Tensor& product) { return product.to(g.dtype()); };
-    if (x_grad) grads[0] = rounded(matmul(gm, wd));
-    if (w_grad) grads[1] = rounded(matmul(gm.reshape({-1, N}).mT(), xd.reshape({-1, K})));
+    const GradOperand gm = grad_operand(g, x_grad && w_grad);
+    if (x_grad) grads[0] = gm.round(matmul(gm.operand, wd));
+    if (w_grad) grads[1] = gm.round(matmul(gm.operand.reshape({-1, N}).mT(), xd.reshape({-1, K})));
     if (b_grad) grads[2] = sum_to(g, {N});
     return grads;
   };

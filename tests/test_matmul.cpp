@@ -367,6 +367,28 @@ TEST(LinearGrad, EqualsTheTwoProductsBitForBitInEveryDtype) {
   }
 }
 
+// matmul's backward shares the incoming gradient between its two products the same way: a matrix shared by
+// the batch, and a batch of matrices (its gradient summed back from the broadcast).
+TEST(MatmulGrad, EqualsTheTwoProductsBitForBitInEveryDtype) {
+  for (DType dtype : {DType::F32, DType::BF16, DType::F16}) {
+    for (const Shape& w_shape : {Shape{64, 40}, Shape{1, 64, 40}}) {
+      SCOPED_TRACE(std::string(dtype_name(dtype)) + shape_str(w_shape));
+      Tensor x = Tensor::randn({3, 17, 64}, 83, dtype), w = Tensor::randn(w_shape, 84, dtype);
+      const Tensor g = Tensor::randn({3, 17, 40}, 85, dtype);
+      x.requires_grad_();
+      w.requires_grad_();
+      backward({matmul(x, w)}, {g});
+      ASSERT_EQ(w.grad().shape(), w_shape);
+      EXPECT_EQ(x.grad().to_vector<double>(), matmul(g, w.detach().mT()).to_vector<double>());
+      const Tensor per_batch = matmul(x.detach().mT(), g);  // [3, 64, 40]
+      const Tensor want = w_shape.size() == 2
+                              ? matmul(x.detach().reshape({-1, 64}).mT(), g.reshape({-1, 40}))
+                              : sum(per_batch, {0}, true);
+      EXPECT_EQ(w.grad().to_vector<double>(), want.to_vector<double>());
+    }
+  }
+}
+
 TEST(LinearErrors, NameTheOpTheShapesAndTheProblem) {
   EXPECT_ERROR_MENTIONS(linear(Tensor::ones({2, 3}), Tensor::ones({4, 5})), "linear", "f32[2,3]", "f32[4,5]",
                         "weight [N, K]");
