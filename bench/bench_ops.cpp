@@ -11,6 +11,13 @@
 //                       matmul, masked_fill, softmax, matmul and their backwards (the [T, T] scores formed,
 //                       the products by oneDNN). rate = the causal half of the full-square products:
 //                       forward 2 x 2BHT^2D, backward 2x that, halved: 6 B H T^2 D FLOP per call.
+//   gelu (erf form)     forward + backward of f32 GELU on the GPT benchmark's MLP activation ([2048, 1024])
+//                       vs the same two formulas through glibc's erfcf and expf, split across the OpenMP
+//                       threads: y = x erfc(-x/sqrt2)/2, dx = g (erfc(-x/sqrt2)/2 + x e^(-x^2/2)/sqrt(2 pi)).
+//                       rate = elements per second. glibc's erfcf is accurate but does not vectorise; the
+//                       row shows what the vectorised double erfc (tensor/cpu/fast_math.h) gains, and would
+//                       show a kernel that silently stopped vectorising (as it did on AVX2 machines before
+//                       the library was built with -fno-trapping-math).
 // Memory-bound rows compare bandwidths (SetBytesProcessed with the bytes defined above); the memcpy baseline
 // is split across the OpenMP threads, as mixtape's kernels are.
 //
@@ -48,6 +55,7 @@ namespace {
 constexpr double kMatmulTarget = 0.9;     // mixtape matmul >= 0.9x raw oneDNN
 constexpr double kBandwidthTarget = 0.5;  // memory-bound ops >= 0.5x memcpy bandwidth (issue 2)
 constexpr double kAttentionTarget = 1.0;  // the fused attention at least as fast as the dense math path
+constexpr double kGeluTarget = 2.0;       // f32 GELU forward + backward >= 2x the scalar glibc loop
 // Defaults, overridable on the command line: many short repetitions of every benchmark, randomly interleaved,
 // so that a burst of load from another process hits both sides of a comparison alike and each side gets
 // some undisturbed iterations (~80 s in all on 2 cores).
@@ -69,6 +77,7 @@ const MatmulShape kMatmulShapes[] = {
 struct Comparison {
   std::string label, mixtape, baseline, rate_counter, unit;
   double target;
+  double unit_scale = 1e9;  // rate_counter / unit_scale is the printed figure, in unit
 };
 std::vector<Comparison>& comparisons() {
   static std::vector<Comparison> rows;
@@ -244,6 +253,57 @@ void attention(benchmark::State& state, DType dtype, bool fused) {
   state.counters["best FLOP/s"] = flops / best;
 }
 
+// ---- gelu -------------------------------------------------------------------------------------------------
+
+constexpr int64_t kGeluRows = 2048, kGeluCols = 1024;
+
+void set_elements(benchmark::State& state, double best_seconds) {
+  const double elements = static_cast<double>(kGeluRows * kGeluCols);
+  state.counters["elem/s"] = benchmark::Counter(elements, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["best elem/s"] = elements / best_seconds;
+}
+
+void gelu_mixtape(benchmark::State& state) {
+  Tensor x = Tensor::randn({kGeluRows, kGeluCols}, 10);
+  x.requires_grad_();
+  const Tensor grad = Tensor::randn({kGeluRows, kGeluCols}, 11);
+  auto step = [&] {
+    backward({gelu(x)}, {grad});
+    benchmark::DoNotOptimize(x.grad().data_ptr());
+  };
+  try {
+    step();
+  } catch (const std::exception& error) {
+    state.SkipWithError(error.what());
+    return;
+  }
+  set_elements(state, timed_loop(state, step));
+}
+
+void gelu_glibc(benchmark::State& state) {
+  const Tensor x = Tensor::randn({kGeluRows, kGeluCols}, 10);
+  const Tensor grad = Tensor::randn({kGeluRows, kGeluCols}, 11);
+  std::vector<float> out(kGeluRows * kGeluCols), dx(kGeluRows * kGeluCols);
+  const float* xs = x.data<float>();
+  const float* gs = grad.data<float>();
+  const float kHalfSqrt2 = static_cast<float>(std::sqrt(0.5));
+  const float kInvSqrt2Pi = static_cast<float>(1 / std::sqrt(2 * 3.14159265358979323846));
+  const int64_t n = kGeluRows * kGeluCols;
+  auto step = [&] {
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; ++i) out[i] = 0.5f * xs[i] * std::erfc(-xs[i] * kHalfSqrt2);
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; ++i) {
+      const float v = xs[i];
+      dx[i] = gs[i] * (0.5f * std::erfc(-v * kHalfSqrt2) + v * std::exp(-0.5f * v * v) * kInvSqrt2Pi);
+    }
+    benchmark::DoNotOptimize(out.data());
+    benchmark::DoNotOptimize(dx.data());
+  };
+  step();
+  set_elements(state, timed_loop(state, step));
+}
+
 // ---- registration -----------------------------------------------------------------------------------------
 
 void configure(benchmark::internal::Benchmark* b) { b->UseRealTime()->Unit(benchmark::kMillisecond); }
@@ -269,6 +329,10 @@ void register_benchmarks() {
                                          kNormRows * kNormCols * 4));
   comparisons().push_back({"layer_norm f32 [16384,1024] (2 x 64 MiB)", "layer_norm_f32/16384x1024/mixtape",
                            "layer_norm_f32/16384x1024/memcpy", "best B/s", "GB/s", kBandwidthTarget});
+  configure(benchmark::RegisterBenchmark("gelu_f32/2048x1024/mixtape", gelu_mixtape));
+  configure(benchmark::RegisterBenchmark("gelu_f32/2048x1024/glibc", gelu_glibc));
+  comparisons().push_back({"gelu f32 fwd+bwd [2048,1024]", "gelu_f32/2048x1024/mixtape",
+                           "gelu_f32/2048x1024/glibc", "best elem/s", "Melem/s", kGeluTarget, 1e6});
   for (DType dtype : {DType::F32, DType::BF16, DType::F16}) {
     const std::string base = std::string("attention_") + dtype_name(dtype) + "/16x4x128x64";
     configure(benchmark::RegisterBenchmark((base + "/fused").c_str(), attention, dtype, true));
@@ -339,13 +403,14 @@ bool print_summary(const CollectingReporter& reporter) {
     const double ratio = base_rate > 0 ? mine_rate / base_rate : 0;
     const bool pass = ratio >= row.target;
     all_pass = all_pass && pass;
-    std::printf("%-44s %8.1f %-3s %8.1f %-3s %7.3fx %7.2fx  %s\n", row.label.c_str(), mine_rate / 1e9,
-                row.unit.substr(0, row.unit.find('/')).c_str(), base_rate / 1e9,
-                row.unit.substr(0, row.unit.find('/')).c_str(), ratio, row.target, pass ? "PASS" : "FAIL");
+    const std::string unit = row.unit.substr(0, row.unit.find('/'));
+    std::printf("%-44s %8.1f %-3s %8.1f %-3s %7.3fx %7.2fx  %s\n", row.label.c_str(),
+                mine_rate / row.unit_scale, unit.c_str(), base_rate / row.unit_scale,
+                unit.c_str(), ratio, row.target, pass ? "PASS" : "FAIL");
   }
   std::printf(
-      "(ratio = mixtape rate / baseline rate; matmul rates in GFLOP/s, memory rates in GB/s of the bytes"
-      " defined in bench_ops.cpp)\n");
+      "(ratio = mixtape rate / baseline rate; matmul and attention rates in GFLOP/s, memory rates in GB/s of"
+      " the bytes defined in bench_ops.cpp, gelu in 10^6 elements/s)\n");
   return all_pass;
 }
 
