@@ -24,11 +24,11 @@
 // outputs is O(B*H*T*D) at most (see each kernel) plus per-thread tiles of a few blocks — never O(T^2).
 //
 // Every block product is C (+)= A B on fp32 (f64) matrices (product_tiles below): B is row-major with a
-// padded width, so the inner loop runs along contiguous memory, and an 8-row x kTileCols tile of C stays in
-// vector registers over the whole inner dimension. The key block (k^T, v) is reused from cache by every
-// query row of a block. f32 (f64) inputs whose D fills whole tiles are read in place, with their row stride
-// sT as the leading dimension; other dtypes and widths are converted to padded fp32 (f64) rows once per
-// head, never once per block pair.
+// padded width, so the inner loop runs along contiguous memory, and a register tile of C (8 x 32 floats
+// with AVX-512, 6 x 16 with AVX2: see kMaxTileRows) stays in vector registers over the whole inner
+// dimension. The key block (k^T, v) is reused from cache by every query row of a block. f32 (f64) inputs
+// whose D fills whole tiles are read in place, with their row stride sT as the leading dimension; other
+// dtypes and widths are converted to padded fp32 (f64) rows once per head, never once per block pair.
 #include <omp.h>
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -55,32 +55,59 @@ namespace {
 constexpr int64_t kBlockQ = 64;  // query rows per block
 constexpr int64_t kBlockK = 64;  // key rows per block (a multiple of kTileCols: S tiles have no ragged edge)
 
-// The width of a register tile of C: 128 bytes, i.e. 32 floats or 16 doubles (4 AVX2 / 2 AVX-512 vectors).
+// The register tile of C: kMaxTileRows rows of two vectors. Its accumulators, the row of B and one
+// broadcast A value must fit in the vector registers, or the k loop spills: with AVX-512 (32 registers),
+// 8 rows of 2 x 64 bytes (32 floats or 16 doubles) take 16; with AVX2 (16 registers), 6 rows of 2 x 32
+// bytes (16 floats or 8 doubles) take 12. (GCC's vectoriser, left to the plain loops, tiled 8 x 32 floats
+// on AVX2 too, spilling half the tile, and made a tangle of 128-bit shuffles of 6 x 16: the tile below
+// is written in GCC's vector types instead, which it keeps in registers on both.)
+#if defined(__AVX512F__)
+constexpr int64_t kVectorBytes = 64;
+constexpr int kMaxTileRows = 8;
+#elif defined(__AVX__)
+constexpr int64_t kVectorBytes = 32;
+constexpr int kMaxTileRows = 6;
+#else
+constexpr int64_t kVectorBytes = 16;
+constexpr int kMaxTileRows = 6;
+#endif
+constexpr int kTileVectors = 2;
 template <class A>
-constexpr int64_t kTileCols = 128 / static_cast<int64_t>(sizeof(A));
-constexpr int64_t kTileRows = 4;
+constexpr int64_t kTileCols = kTileVectors * kVectorBytes / static_cast<int64_t>(sizeof(A));
+static_assert(kBlockK % kTileCols<float> == 0 && kBlockK % kTileCols<double> == 0);
 
 inline int64_t round_up(int64_t n, int64_t multiple) { return (n + multiple - 1) / multiple * multiple; }
 
 // C[R x kTileCols] (row stride ldc) = (Accumulate ? C : 0) + sum_k A(r, k) B[k, :], with
 // A(r, k) = a[r * a_rs + k * a_cs] (so A may be read transposed) and B row-major (row stride ldb). The
-// accumulator tile lives in vector registers for the whole k loop (R = 8: 16 AVX-512 registers).
+// accumulator tile lives in vector registers for the whole k loop (R <= kMaxTileRows, see above). Each
+// element is acc += A(r, k) * B(k, j) in k order (one fused multiply-add, as the scalar loop contracts to),
+// so the result does not depend on R or on the vector width.
 template <class A, int R, bool Accumulate>
 inline void product_tile(int64_t K, const A* __restrict a, int64_t a_rs, int64_t a_cs, const A* __restrict b,
                          int64_t ldb, A* __restrict c, int64_t ldc) {
-  constexpr int64_t W = kTileCols<A>;
-  A acc[R][W];
+  typedef A V __attribute__((vector_size(kVectorBytes)));
+  // The same vector as it may lie in memory: aligned only as A is (GCC's unaligned vector access). Memory
+  // is read and written through it, never through the address of an accumulator, which would make GCC
+  // keep the tile on the stack.
+  typedef A Unaligned __attribute__((vector_size(kVectorBytes), aligned(alignof(A))));
+  constexpr int64_t L = kVectorBytes / static_cast<int64_t>(sizeof(A));  // lanes per vector
+  auto at = [](const A* p) { return *reinterpret_cast<const Unaligned*>(p); };
+  V acc[R][kTileVectors];
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
-    for (int64_t j = 0; j < W; ++j) acc[r][j] = Accumulate ? c[r * ldc + j] : A(0);
+    for (int v = 0; v < kTileVectors; ++v) acc[r][v] = Accumulate ? at(c + r * ldc + v * L) : V{};
   for (int64_t k = 0; k < K; ++k) {
-    const A* bk = b + k * ldb;
+    V bk[kTileVectors];
+    for (int v = 0; v < kTileVectors; ++v) bk[v] = at(b + k * ldb + v * L);
     for (int r = 0; r < R; ++r) {
       const A ark = a[r * a_rs + k * a_cs];
-      for (int64_t j = 0; j < W; ++j) acc[r][j] += ark * bk[j];
+      for (int v = 0; v < kTileVectors; ++v) acc[r][v] += ark * bk[v];
     }
   }
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
-    for (int64_t j = 0; j < W; ++j) c[r * ldc + j] = acc[r][j];
+    for (int v = 0; v < kTileVectors; ++v) *reinterpret_cast<Unaligned*>(c + r * ldc + v * L) = acc[r][v];
 }
 
 // What a block product may skip under the causal mask. Within a block pair whose query rows start `offset`
@@ -94,11 +121,11 @@ enum class Causal {
   KBeforeRow,    // C = [keys x D] summed over queries k: row r's sum starts at query r - offset
 };
 
-// C[M x N] (+)= A[M x K] B[K x N] with N a multiple of kTileCols (buffers are padded): tiles of 8 rows,
-// then 4, then the last 1..3. Each element of C is a sum over k in order whatever the tiling, so the
-// forward and the backward compute bitwise the same scores. Under a causal mask a tile's k range is cut to
-// where A's entries can be nonzero (the zero terms it leaves out change no sum) and tiles of masked scores
-// are skipped: a diagonal block pair does about half the work of a full one.
+// C[M x N] (+)= A[M x K] B[K x N] with N a multiple of kTileCols (buffers are padded): tiles of
+// kMaxTileRows rows, then 4, then the last 1..3. Each element of C is a sum over k in order whatever the
+// tiling, so the forward and the backward compute bitwise the same scores. Under a causal mask a tile's k
+// range is cut to where A's entries can be nonzero (the zero terms it leaves out change no sum) and tiles
+// of masked scores are skipped: a diagonal block pair does about half the work of a full one.
 template <bool Accumulate, class A>
 void product_tiles(int64_t M, int64_t N, int64_t K, const A* a, int64_t a_rs, int64_t a_cs, const A* b,
                    int64_t ldb, A* c, int64_t ldc, Causal causal = Causal::None, int64_t offset = 0) {
@@ -124,7 +151,7 @@ void product_tiles(int64_t M, int64_t N, int64_t K, const A* a, int64_t a_rs, in
                                      ldb, c + i0 * ldc + j0, ldc);
     };
     int64_t i0 = 0;
-    for (; i0 + 8 <= M; i0 += 8) tile.template operator()<8>(i0);
+    for (; i0 + kMaxTileRows <= M; i0 += kMaxTileRows) tile.template operator()<kMaxTileRows>(i0);
     if (M - i0 >= 4) {
       tile.template operator()<4>(i0);
       i0 += 4;
