@@ -15,8 +15,10 @@ torch.autocast("cpu", dtype=torch.bfloat16) (matmuls/linears in bf16, the ops on
 fp32), the parameters, gradients and optimizer stay fp32, and there is no GradScaler (bf16 has fp32's
 exponent range, so gradients do not underflow the way fp16's do).
 
-Prints one line of JSON: {"torch": version, "threads": n, "autocast": "none"|"bf16",
-"step_ms": [one time per timed step]}.
+Prints one line of JSON: {"torch": version, "threads": n, "autocast": "none"|"bf16", "blas": path,
+"step_ms": [one time per timed step]}. "blas" is the file of the BLAS library the process has mapped (Debian's
+torch calls the generic libblas.so.3, which is the slow reference BLAS unless libopenblas0-pthread is
+installed), or "" if none is mapped.
 Exit status 77 when PyTorch is missing (the import below tries Debian's /usr/bin/python3 first).
 """
 import argparse
@@ -29,6 +31,20 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import pytorch_parity as ref  # noqa: E402  (exits 77 without torch)
 
 torch = ref.torch
+
+
+def loaded_blas():
+    """The real path of the BLAS library mapped into this process (after a matmul has run), or ""."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "/" in line}
+    except OSError:
+        return ""
+    for path in sorted(paths):
+        name = os.path.basename(path)
+        if name.startswith(("libblas.so", "libopenblas", "libblis", "libmkl_rt", "libmkl_core")):
+            return os.path.realpath(path)
+    return ""
 
 
 def main():
@@ -66,7 +82,7 @@ def main():
         if step >= a.warmup:
             times.append((time.perf_counter() - t0) * 1e3)
     print(json.dumps({"torch": torch.__version__, "threads": torch.get_num_threads(), "autocast": a.autocast,
-                      "step_ms": times}))
+                      "blas": loaded_blas(), "step_ms": times}))
 
 
 if __name__ == "__main__":
