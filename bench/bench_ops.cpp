@@ -136,7 +136,14 @@ void matmul_onednn(benchmark::State& state, MatmulShape s, DType dtype) {
   const memory::desc a_md({s.M, s.K}, type, memory::format_tag::ab);
   const memory::desc b_md({s.K, s.N}, type, memory::format_tag::ab);
   const memory::desc out_md({s.M, s.N}, type, memory::format_tag::ab);
-  const dnnl::matmul primitive(dnnl::matmul::primitive_desc(dnnl::matmul::desc(a_md, b_md, out_md), engine));
+  dnnl::matmul primitive;
+  try {
+    primitive = dnnl::matmul(dnnl::matmul::primitive_desc(dnnl::matmul::desc(a_md, b_md, out_md), engine));
+  } catch (const dnnl::error& error) {  // e.g. bf16 on a CPU without AVX512-BW (oneDNN 2.6 has no kernel)
+    state.SkipWithError((std::string("oneDNN has no ") + dtype_name(dtype) + " matmul on this CPU (" +
+                         error.what() + ")").c_str());
+    return;
+  }
   // The same data and 64-byte aligned buffers as the mixtape side.
   const Tensor a = Tensor::rand({s.M, s.K}, 1, dtype), b = Tensor::rand({s.K, s.N}, 2, dtype);
   const Tensor out = Tensor::empty({s.M, s.N}, dtype);
