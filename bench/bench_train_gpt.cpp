@@ -28,8 +28,8 @@
 // PyTorch missing (no python3-torch) prints a note and only mixtape's figures. The verdicts against PyTorch
 // say "n/a" (the ratios are still printed) where PyTorch is not the baseline the targets mean: when it runs
 // on Debian's reference BLAS (no libopenblas0-pthread: ~10x slower in fp32), and, for the bf16 target, on a
-// CPU without bf16 instructions, where PyTorch 1.13's bf16 autocast has no fast path at all (~16 s a step on
-// a Zen 3 core pair, 12x its own fp32) and the target, set on a CPU with AVX512-BF16, does not apply.
+// CPU without bf16 instructions, where PyTorch 1.13's bf16 autocast has no fast path at all (16.5-17 s a step
+// on a Zen 3 core pair, 12x-16x its own fp32) and the target, set on a CPU with AVX512-BF16, does not apply.
 #include <benchmark/benchmark.h>
 #include <omp.h>
 
