@@ -39,6 +39,7 @@
 #include <cstring>
 #include <limits>
 #include <map>
+#include <numbers>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -100,6 +101,19 @@ double timed_loop(benchmark::State& state, Body&& body) {
   return best;
 }
 
+// Runs f once outside the timed loop (building caches, surfacing errors); false, with the benchmark marked
+// skipped and the error as its reason, if f throws (e.g. an op not built yet).
+template <class F>
+bool runs(benchmark::State& state, F&& f) {
+  try {
+    f();
+    return true;
+  } catch (const std::exception& error) {
+    state.SkipWithError(error.what());
+    return false;
+  }
+}
+
 void set_flops(benchmark::State& state, const MatmulShape& s, double best_seconds) {
   const double flops = 2.0 * static_cast<double>(s.M * s.K * s.N);
   state.counters["FLOP/s"] = benchmark::Counter(flops, benchmark::Counter::kIsIterationInvariantRate);
@@ -115,12 +129,7 @@ void set_bytes(benchmark::State& state, int64_t bytes_per_iteration, double best
 
 void matmul_mixtape(benchmark::State& state, MatmulShape s, DType dtype) {
   const Tensor a = Tensor::rand({s.M, s.K}, 1, dtype), b = Tensor::rand({s.K, s.N}, 2, dtype);
-  try {
-    matmul(a, b);  // builds and caches the primitive outside the timed loop
-  } catch (const std::exception& error) {
-    state.SkipWithError(error.what());
-    return;
-  }
+  if (!runs(state, [&] { matmul(a, b); })) return;  // builds and caches the primitive outside the timed loop
   const double best = timed_loop(state, [&] {
     const Tensor out = matmul(a, b);
     benchmark::DoNotOptimize(out.data_ptr());
@@ -189,12 +198,7 @@ void memcpy_bytes(benchmark::State& state, int64_t bytes) {
 
 void add_mixtape(benchmark::State& state) {
   const Tensor a = Tensor::rand({kAddElements}, 3), b = Tensor::rand({kAddElements}, 4);
-  try {
-    add(a, b);
-  } catch (const std::exception& error) {
-    state.SkipWithError(error.what());
-    return;
-  }
+  if (!runs(state, [&] { add(a, b); })) return;
   const double best = timed_loop(state, [&] {
     const Tensor out = add(a, b);
     benchmark::DoNotOptimize(out.data_ptr());
@@ -205,12 +209,7 @@ void add_mixtape(benchmark::State& state) {
 void layer_norm_mixtape(benchmark::State& state) {
   const Tensor x = Tensor::randn({kNormRows, kNormCols}, 5);
   const Tensor weight = Tensor::rand({kNormCols}, 6), bias = Tensor::rand({kNormCols}, 7);
-  try {
-    layer_norm(x, weight, bias);
-  } catch (const std::exception& error) {
-    state.SkipWithError(error.what());
-    return;
-  }
+  if (!runs(state, [&] { layer_norm(x, weight, bias); })) return;
   const double best = timed_loop(state, [&] {
     const LayerNormResult result = layer_norm(x, weight, bias);
     benchmark::DoNotOptimize(result.out.data_ptr());
@@ -248,12 +247,7 @@ void attention(benchmark::State& state, DType dtype, bool fused) {
     backward({out}, {grad});
     benchmark::DoNotOptimize(qkv.grad().data_ptr());
   };
-  try {
-    step();
-  } catch (const std::exception& error) {
-    state.SkipWithError(error.what());
-    return;
-  }
+  if (!runs(state, step)) return;
   const double best = timed_loop(state, step);
   const double flops = 6.0 * kAttnB * kAttnH * kAttnT * kAttnT * kAttnD;
   state.counters["FLOP/s"] = benchmark::Counter(flops, benchmark::Counter::kIsIterationInvariantRate);
@@ -278,12 +272,7 @@ void gelu_mixtape(benchmark::State& state) {
     backward({gelu(x)}, {grad});
     benchmark::DoNotOptimize(x.grad().data_ptr());
   };
-  try {
-    step();
-  } catch (const std::exception& error) {
-    state.SkipWithError(error.what());
-    return;
-  }
+  if (!runs(state, step)) return;
   set_elements(state, timed_loop(state, step));
 }
 
@@ -294,7 +283,7 @@ void gelu_glibc(benchmark::State& state) {
   const float* xs = x.data<float>();
   const float* gs = grad.data<float>();
   const float kHalfSqrt2 = static_cast<float>(std::sqrt(0.5));
-  const float kInvSqrt2Pi = static_cast<float>(1 / std::sqrt(2 * 3.14159265358979323846));
+  const float kInvSqrt2Pi = static_cast<float>(1 / std::sqrt(2 * std::numbers::pi));
   const int64_t n = kGeluRows * kGeluCols;
   auto step = [&] {
 #pragma omp parallel for schedule(static)
