@@ -370,6 +370,45 @@ TEST(TensorInPlace, CopyBetweenRandomStridedViewsKeepsLogicalOrder) {
   }
 }
 
+TEST(TensorInPlace, TransposingCopyVisitsEveryElementOnceInEveryDtypePair) {
+  // A source read transposed into a destination whose rows are contiguous takes the tiled walk of the copy
+  // kernel (64 x 64 tiles): sizes that leave partial tiles at both edges, a batch dim, a
+  // destination with padded rows, and one shape big enough to split the tiles across threads. Values are
+  // position % 251, exact in every dtype here, and the expected element is computed from its indices.
+  struct Case {
+    Shape shape;  // destination [B, R, C]; the source is stored [B, C, R] and transposed
+    int64_t pad;  // extra columns in each destination row
+  };
+  const Case cases[] = {{{1, 1000, 77}, 0}, {{3, 75, 130}, 5}, {{2, 300, 170}, 0}, {{4, 33, 65}, 3}};
+  const std::pair<DType, DType> pairs[] = {{DType::F32, DType::F32}, {DType::F16, DType::F32},
+                                           {DType::BF16, DType::F32}, {DType::F32, DType::F16},
+                                           {DType::F32, DType::BF16}, {DType::F64, DType::F64},
+                                           {DType::BF16, DType::BF16}};
+  for (const Case& c : cases) {
+    const int64_t B = c.shape[0], R = c.shape[1], C = c.shape[2];
+    std::vector<double> stored(static_cast<size_t>(B * C * R));
+    for (size_t p = 0; p < stored.size(); ++p) stored[p] = static_cast<double>(p % 251);
+    for (const auto& [from, to] : pairs) {
+      const Tensor src = Tensor::from_vector(stored, {B, C, R}).to(from).transpose(1, 2);
+      const Tensor base = Tensor::full({B, R, C + c.pad}, -1, to);
+      Tensor dst = base.slice(2, 0, C);
+      dst.copy_(src);
+      const std::vector<double> all = base.to_vector<double>();  // base is contiguous: read as stored
+      int64_t wrong = 0;
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t r = 0; r < R; ++r)
+          for (int64_t col = 0; col < C + c.pad; ++col) {
+            const double got = all[static_cast<size_t>((b * R + r) * (C + c.pad) + col)];
+            const double want = col < C ? static_cast<double>((b * C * R + col * R + r) % 251) : -1;
+            if (got != want && ++wrong <= 3)
+              ADD_FAILURE() << dtype_name(from) << " -> " << dtype_name(to) << " " << shape_str(c.shape)
+                            << " at [" << b << ", " << r << ", " << col << "]: " << got << ", want " << want;
+          }
+      EXPECT_EQ(wrong, 0) << dtype_name(from) << " -> " << dtype_name(to) << " " << shape_str(c.shape);
+    }
+  }
+}
+
 // ---- host access ------------------------------------------------------------------------------------------
 
 TEST(TensorHost, ItemReadsTheOnlyElement) {

@@ -47,6 +47,7 @@
 #include "tensor/cpu/cpu_backend.h"
 #include "tensor/cpu/fast_math.h"
 #include "tensor/cpu/lane_sum.h"
+#include "tensor/cpu/transpose.h"
 
 namespace mixtape::cpu {
 
@@ -250,61 +251,14 @@ Rows<A> rows_in_acc(const T* src, int64_t ld_src, int64_t rows, int64_t D, int64
   return {buffer, Dp};
 }
 
-#if defined(__AVX2__)
-// dst[(d + j) * ld + c] = rows[c][d + j] for c, j < 8: an 8 x 8 block of floats transposed in registers.
-inline void transpose_8x8(const float* const rows[8], int64_t d, float* dst, int64_t ld) {
-  __m256 r[8], t[8];
-  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(rows[i] + d);
-  for (int i = 0; i < 8; i += 2) {
-    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);  // a0 b0 a1 b1 | a4 b4 a5 b5
-    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 8; i += 4) {
-    r[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));  // a0 b0 c0 d0 | a4 b4 c4 d4
-    r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
-    r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
-    r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
-  }
-  for (int j = 0; j < 4; ++j) {  // columns j and j + 4: the low and high halves of rows 0-3 and 4-7
-    _mm256_storeu_ps(dst + j * ld, _mm256_permute2f128_ps(r[j], r[j + 4], 0x20));
-    _mm256_storeu_ps(dst + (j + 4) * ld, _mm256_permute2f128_ps(r[j], r[j + 4], 0x31));
-  }
-}
-#endif
-
 // dst[d, c] = src[c * ld_src + d] for c < cols, zero for cols <= c < ld: keys as the B operand of q k^T.
-// Float keys go 8 at a time through 8 x 8 register transposes (16-bit rows widened first, in chunks);
-// element by element, the strided stores made this copy a tenth of the attention's time.
+// Element by element, the strided stores made this copy a tenth of the attention's time; transpose_into
+// (tensor/cpu/transpose.h) goes through 8 x 8 register transposes.
 template <class T, class A>
 void load_transposed(const T* __restrict src, int64_t ld_src, int64_t cols, int64_t D, A* __restrict dst,
                      int64_t ld) {
   for (int64_t d = 0; d < D; ++d) std::fill(dst + d * ld + cols, dst + (d + 1) * ld, A(0));
-  int64_t c0 = 0;
-#if defined(__AVX2__)
-  if constexpr (std::is_same_v<A, float>) {
-    constexpr int64_t kChunk = 64;
-    alignas(64) float widened[kSixteenBit<T> ? 8 * kChunk : 1];
-    for (; c0 + 8 <= cols; c0 += 8)
-      for (int64_t d0 = 0; d0 < D; d0 += kChunk) {
-        const int64_t m = std::min(kChunk, D - d0);
-        const float* rows[8];
-        for (int i = 0; i < 8; ++i) {
-          if constexpr (kSixteenBit<T>) {
-            widen_block(src + (c0 + i) * ld_src + d0, widened + i * kChunk, m);
-            rows[i] = widened + i * kChunk;
-          } else {
-            rows[i] = src + (c0 + i) * ld_src + d0;
-          }
-        }
-        int64_t d = 0;
-        for (; d + 8 <= m; d += 8) transpose_8x8(rows, d, dst + (d0 + d) * ld + c0, ld);
-        for (; d < m; ++d)
-          for (int i = 0; i < 8; ++i) dst[(d0 + d) * ld + c0 + i] = rows[i][d];
-      }
-  }
-#endif
-  for (int64_t c = c0; c < cols; ++c)
-    for (int64_t d = 0; d < D; ++d) dst[d * ld + c] = convert<A>(src[c * ld_src + d]);
+  transpose_into(src, ld_src, D, cols, dst, ld);
 }
 
 inline DType stats_dtype(DType x) { return x == DType::F64 ? DType::F64 : DType::F32; }

@@ -10,6 +10,7 @@
 #include "tensor/cpu/convert_block.h"
 
 #include "tensor/cpu/strided.h"
+#include "tensor/cpu/transpose.h"
 #include "tensor/random.h"
 
 namespace mixtape {
@@ -102,7 +103,7 @@ void CpuBackend::copy(const Tensor& src, const Tensor& dst) {
       To* out = dst.data<To>();
       const From* in = src.data<From>();
       const auto [so, si] = loop.inner_strides();
-      loop.run([&](const std::array<int64_t, 2>& at, int64_t n) {
+      const auto body = [&](const std::array<int64_t, 2>& at, int64_t n) {
         To* o = out + at[0];
         const From* i = in + at[1];
         // fp16 <-> f32 (autocast casts, matmul operands): vectorised F16C conversion, through a small
@@ -126,7 +127,19 @@ void CpuBackend::copy(const Tensor& src, const Tensor& dst) {
         } else {
           for (int64_t j = 0; j < n; ++j) o[j * so] = convert<To>(i[j * si]);
         }
-      });
+      };
+      if (loop.transposes(1)) {  // src read transposed: tiles, through register transposes into float
+        const int64_t dst_rows = loop.row_stride(0);
+        loop.run_tiled([&](const std::array<int64_t, 2>& at, int64_t rows, int64_t cols) {
+          if constexpr (std::is_same_v<To, float> && (std::is_same_v<From, float> || kSixteenBit<From>)) {
+            transpose_into(in + at[1], si, rows, cols, out + at[0], dst_rows);
+          } else {
+            for (int64_t r = 0; r < rows; ++r) body({at[0] + r * dst_rows, at[1] + r}, cols);
+          }
+        });
+      } else {
+        loop.run(body);
+      }
     });
   });
 }

@@ -228,20 +228,38 @@ bool try_plan(const MatmulGeometry& g, memory::data_type type, bool bias, Packin
   return true;
 }
 
+// Whether A (a transposed operand: unit row stride) is better packed row-major before an f32 GEMM. oneDNN
+// 2.6's AVX2 sgemm reads such an A up to 2x slower when the product is tall and narrow: a weight gradient
+// X^T dY of a layer with a wide input and a narrow output ([1024, 2048] x [2048, 256] in the GPT's MLP).
+// Measured on Zen 3 with the transposing copy included: M >= 512 with N <= 256 gains 1.04x-1.6x, wider
+// products gain nothing; bench_ops' matmul_f32 "xt" rows track it. oneDNN's AVX-512 kernels were not
+// measured this way, so there A keeps its own strides.
+bool pack_transposed_a(const MatmulGeometry& g) {
+  static const bool avx512 = [] {
+    const auto isa = static_cast<unsigned>(dnnl::get_effective_cpu_isa());
+    const auto core = static_cast<unsigned>(dnnl::cpu_isa::avx512_core);  // a bit mask of its features
+    return (isa & core) == core;
+  }();
+  return !avx512 && g.batch.empty() && g.a.row_stride == 1 && g.a.col_stride != 1 && g.M >= 512 && g.N <= 256;
+}
+
 Plan make_plan(const MatmulGeometry& g, DType dtype, bool bias, bool tf32) {
   // f16 goes through f32; bf16 does too where this CPU has no fast bf16 matmul.
   std::vector<std::pair<DType, bool>> attempts;  // (compute dtype, via_f32)
   if (dtype != DType::F16) attempts.push_back({dtype, false});
   if (dtype != DType::F32) attempts.push_back({DType::F32, true});
   // Try the cheapest packing first: own strides, then compact copies, then fully materialised copies.
-  const std::pair<Packing, Packing> packings[] = {{Packing::None, Packing::None},
-                                                  {Packing::Compact, Packing::None},
-                                                  {Packing::None, Packing::Compact},
-                                                  {Packing::Compact, Packing::Compact},
-                                                  {Packing::Materialize, Packing::Materialize}};
+  const std::vector<std::pair<Packing, Packing>> packings = {{Packing::None, Packing::None},
+                                                             {Packing::Compact, Packing::None},
+                                                             {Packing::None, Packing::Compact},
+                                                             {Packing::Compact, Packing::Compact},
+                                                             {Packing::Materialize, Packing::Materialize}};
   const int64_t a_span = dense_span(g, g.a, g.M, g.K), b_span = dense_span(g, g.b, g.K, g.N);
   for (const auto& [compute, via_f32] : attempts) {
-    for (auto [a_packing, b_packing] : packings) {
+    std::vector<std::pair<Packing, Packing>> order = packings;
+    if (compute == DType::F32 && pack_transposed_a(g))
+      order.insert(order.begin(), {Packing::Compact, Packing::None});
+    for (auto [a_packing, b_packing] : order) {
       // Converting to f32 (or rounding to tf32) copies every operand: an operand oneDNN could read in place
       // is copied as its span with its own strides where that span is dense, else this variant is skipped
       // for the compact copies that follow.

@@ -51,6 +51,46 @@ class StridedLoop {
     return true;
   }
 
+  // Whether operand 0 is unit-stride along the inner dim while operand k is unit-stride along the dim outside
+  // it and not along the inner one: operand k is read transposed (a transposed weight made contiguous, a
+  // matmul operand packed).
+  bool transposes(size_t k) const {
+    const size_t rank = shape_.size();
+    return rank >= 2 && inner_strides_[0] == 1 && inner_strides_[k] != 1 && strides_[k][rank - 2] == 1;
+  }
+
+  // Operand k's stride along the dim outside the inner one (1 for the operand that transposes(k) names).
+  int64_t row_stride(size_t k) const { return shape_.size() >= 2 ? strides_[k][shape_.size() - 2] : 0; }
+
+  // The elements of run() in tiles of up to kTileRows rows x kTileCols inner elements, for an operand that
+  // transposes(k): row by row, each element of it sits in its own cache line, which the next row needs again
+  // only after a whole row has streamed past; a tile uses its lines while they are still in L1. Calls
+  // tile(offsets, rows, cols): operand k's element (r, c) of the tile is at offsets[k] + r * row_stride(k)
+  // + c * inner_strides()[k]. The tiles are split across threads.
+  template <class Tile>
+  void run_tiled(Tile&& tile, int64_t grain = kParallelGrain) const {
+    constexpr int64_t kTileRows = 64, kTileCols = 64;
+    if (total_ == 0) return;
+    const size_t rank = shape_.size();
+    const int64_t rows = shape_[rank - 2], cols = shape_[rank - 1];
+    const int64_t row_tiles = (rows + kTileRows - 1) / kTileRows;
+    const int64_t col_tiles = (cols + kTileCols - 1) / kTileCols;
+    const int64_t tasks = total_ / (rows * cols) * row_tiles * col_tiles;
+#pragma omp parallel for schedule(static) if (total_ >= 2 * grain)
+    for (int64_t task = 0; task < tasks; ++task) {
+      const int64_t r0 = task / col_tiles % row_tiles * kTileRows, c0 = task % col_tiles * kTileCols;
+      std::array<int64_t, N> offsets{};
+      int64_t rest = task / col_tiles / row_tiles;
+      for (size_t d = rank - 2; d-- > 0;) {
+        const int64_t i = rest % shape_[d];
+        rest /= shape_[d];
+        for (size_t k = 0; k < N; ++k) offsets[k] += i * strides_[k][d];
+      }
+      for (size_t k = 0; k < N; ++k) offsets[k] += r0 * strides_[k][rank - 2] + c0 * inner_strides_[k];
+      tile(offsets, std::min(kTileRows, rows - r0), std::min(kTileCols, cols - c0));
+    }
+  }
+
   // Calls body(offsets, count) for runs of consecutive inner-dim elements: operand k's elements are at
   // offsets[k] + j * inner_strides()[k] for j < count. Runs are split across threads.
   template <class Body>
