@@ -172,6 +172,10 @@ TEST(Matmul, TransposedAndStridedOperandsGiveTheSameResult) {
     const Tensor every_other = Tensor::rand({6, 24, 40}, 20, dtype).slice(0, 0, 6, 2);
     EXPECT_TRUE(matches_reference(matmul(every_other, b), reference_matmul(every_other, b)))
         << dtype_name(dtype);
+    // A tall, transposed A with a narrow product (a weight gradient X^T dY): on CPUs where oneDNN runs its
+    // AVX2 kernels the plan packs A row-major through the tiled transposing copy (tensor/cpu/matmul.cpp).
+    const Tensor tall = Tensor::rand({70, 600}, 26, dtype).mT(), narrow = Tensor::rand({70, 30}, 27, dtype);
+    EXPECT_TRUE(matches_reference(matmul(tall, narrow), reference_matmul(tall, narrow))) << dtype_name(dtype);
   }
 }
 
