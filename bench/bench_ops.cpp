@@ -382,7 +382,7 @@ class CollectingReporter : public benchmark::ConsoleReporter {
 
 // Prints the table; returns whether every measured row passed.
 bool print_summary(const CollectingReporter& reporter) {
-  std::printf("\n%-44s %12s %12s %8s %8s  %s\n", "comparison (best iteration)", "mixtape", "baseline",
+  std::printf("\n%-46s %12s %12s %8s %8s  %s\n", "comparison (best iteration)", "mixtape", "baseline",
               "ratio", "target", "result");
   std::printf("%s\n", std::string(100, '-').c_str());
   bool all_pass = true;
@@ -396,7 +396,7 @@ bool print_summary(const CollectingReporter& reporter) {
     if (!mine || !base) continue;  // filtered out with --benchmark_filter
     if (!mine->error.empty() || !base->error.empty()) {
       const std::string& error = mine->error.empty() ? base->error : mine->error;
-      std::printf("%-44s %12s %12s %8s %7.2fx  SKIP (%s)\n", row.label.c_str(), "-", "-", "-", row.target,
+      std::printf("%-46s %12s %12s %8s %7.2fx  SKIP (%s)\n", row.label.c_str(), "-", "-", "-", row.target,
                   error.substr(0, 60).c_str());
       continue;
     }
@@ -409,7 +409,7 @@ bool print_summary(const CollectingReporter& reporter) {
     const bool pass = ratio >= row.target;
     all_pass = all_pass && pass;
     const std::string unit = row.unit.substr(0, row.unit.find('/'));
-    std::printf("%-44s %8.1f %-3s %8.1f %-3s %7.3fx %7.2fx  %s\n", row.label.c_str(),
+    std::printf("%-46s %8.1f %-3s %8.1f %-3s %7.3fx %7.2fx  %s\n", row.label.c_str(),
                 mine_rate / row.unit_scale, unit.c_str(), base_rate / row.unit_scale,
                 unit.c_str(), ratio, row.target, pass ? "PASS" : "FAIL");
   }
