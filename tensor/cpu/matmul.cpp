@@ -232,7 +232,7 @@ bool try_plan(const MatmulGeometry& g, memory::data_type type, bool bias, Packin
 // 2.6's AVX2 sgemm reads such an A up to 2x slower when the product is tall and narrow: a weight gradient
 // X^T dY of a layer with a wide input and a narrow output ([1024, 2048] x [2048, 256] in the GPT's MLP).
 // Measured on Zen 3 with the transposing copy included: M >= 512 with N <= 256 gains 1.04x-1.6x, wider
-// products gain nothing; bench_ops' matmul_f32 "xt" rows track it. oneDNN's AVX-512 kernels were not
+// products gain nothing; bench_ops' matmul_f32 At_ rows track it. oneDNN's AVX-512 kernels were not
 // measured this way, so there A keeps its own strides.
 bool pack_transposed_a(const MatmulGeometry& g) {
   static const bool avx512 = [] {
