@@ -7,6 +7,9 @@
 //                       memcpy copies 96 MiB (reads 96, writes 96: the same 192 MiB).
 //   layer_norm          ([16384, 1024] f32) vs memcpy of 64 MiB; layer_norm moves 2 x 64 MiB (reads x,
 //                       writes out; the [C] weight/bias and [N] mean/rstd are < 0.2 % and not counted).
+//   transpose           copying the transpose of a [2048, 1024] f32 into a contiguous [1024, 2048] (how a
+//                       matmul packs a transposed A) vs oneDNN's reorder between the same two layouts;
+//                       moves 2 x 8 MiB (reads the source, writes the copy).
 //   attention           (f32, bf16, f16) forward + backward of the GPT benchmark's causal self-attention
 //                       (qkv [16, 128, 768], 4 heads of 64) vs the dense math path on the same heads:
 //                       matmul, masked_fill, softmax, matmul and their backwards (the [T, T] scores formed,
@@ -58,6 +61,7 @@ constexpr double kMatmulTarget = 0.9;     // mixtape matmul >= 0.9x raw oneDNN
 constexpr double kBandwidthTarget = 0.5;  // memory-bound ops >= 0.5x memcpy bandwidth (issue 2)
 constexpr double kAttentionTarget = 1.0;  // the fused attention at least as fast as the dense math path
 constexpr double kGeluTarget = 2.0;       // f32 GELU forward + backward >= 2x the scalar glibc loop
+constexpr double kTransposeTarget = 1.0;  // a transposing copy at least as fast as oneDNN's reorder
 // Defaults, overridable on the command line: many short repetitions of every benchmark, randomly interleaved,
 // so that a burst of load from another process hits both sides of a comparison alike and each side gets
 // some undisturbed iterations (~80 s in all on 2 cores).
@@ -226,6 +230,42 @@ void layer_norm_mixtape(benchmark::State& state) {
   set_bytes(state, 2 * kNormRows * kNormCols * 4, best);
 }
 
+// ---- transpose --------------------------------------------------------------------------------------------
+
+// The stored source; the copy is its transpose.
+constexpr int64_t kTransposeRows = 2048, kTransposeCols = 1024;
+
+void transpose_mixtape(benchmark::State& state) {
+  const Tensor x = Tensor::rand({kTransposeRows, kTransposeCols}, 12);
+  Tensor out = Tensor::empty({kTransposeCols, kTransposeRows});
+  if (!runs(state, [&] { out.copy_(x.mT()); })) return;
+  const double best = timed_loop(state, [&] {
+    out.copy_(x.mT());
+    benchmark::DoNotOptimize(out.data_ptr());
+  });
+  set_bytes(state, 2 * kTransposeRows * kTransposeCols * 4, best);
+}
+
+void transpose_onednn(benchmark::State& state) {
+  using dnnl::memory;
+  static dnnl::engine engine(dnnl::engine::kind::cpu, 0);
+  dnnl::stream stream(engine);
+  const Tensor x = Tensor::rand({kTransposeRows, kTransposeCols}, 12);
+  const Tensor out = Tensor::empty({kTransposeCols, kTransposeRows});
+  // The same [2048, 1024] matrix, read row-major and written column-major (the transpose, contiguous).
+  const memory::desc from({kTransposeRows, kTransposeCols}, memory::data_type::f32, memory::format_tag::ab);
+  const memory::desc to({kTransposeRows, kTransposeCols}, memory::data_type::f32, memory::format_tag::ba);
+  memory from_mem(from, engine, x.data_ptr()), to_mem(to, engine, out.data_ptr());
+  dnnl::reorder reorder(from_mem, to_mem);
+  reorder.execute(stream, from_mem, to_mem);
+  stream.wait();
+  const double best = timed_loop(state, [&] {
+    reorder.execute(stream, from_mem, to_mem);
+    stream.wait();
+  });
+  set_bytes(state, 2 * kTransposeRows * kTransposeCols * 4, best);
+}
+
 // ---- attention --------------------------------------------------------------------------------------------
 
 constexpr int64_t kAttnB = 16, kAttnH = 4, kAttnT = 128, kAttnD = 64;
@@ -338,6 +378,10 @@ void register_benchmarks() {
   configure(benchmark::RegisterBenchmark("gelu_f32/2048x1024/glibc", gelu_glibc));
   comparisons().push_back({"gelu f32 fwd+bwd [2048,1024]", "gelu_f32/2048x1024/mixtape",
                            "gelu_f32/2048x1024/glibc", "best elem/s", "Melem/s", kGeluTarget, 1e6});
+  configure(benchmark::RegisterBenchmark("transpose_f32/2048x1024/mixtape", transpose_mixtape));
+  configure(benchmark::RegisterBenchmark("transpose_f32/2048x1024/onednn", transpose_onednn));
+  comparisons().push_back({"transpose f32 [2048,1024] (2 x 8 MiB)", "transpose_f32/2048x1024/mixtape",
+                           "transpose_f32/2048x1024/onednn", "best B/s", "GB/s", kTransposeTarget});
   for (DType dtype : {DType::F32, DType::BF16, DType::F16}) {
     const std::string base = std::string("attention_") + dtype_name(dtype) + "/16x4x128x64";
     configure(benchmark::RegisterBenchmark((base + "/fused").c_str(), attention, dtype, true));

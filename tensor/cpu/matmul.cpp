@@ -249,17 +249,16 @@ Plan make_plan(const MatmulGeometry& g, DType dtype, bool bias, bool tf32) {
   if (dtype != DType::F16) attempts.push_back({dtype, false});
   if (dtype != DType::F32) attempts.push_back({DType::F32, true});
   // Try the cheapest packing first: own strides, then compact copies, then fully materialised copies.
-  const std::vector<std::pair<Packing, Packing>> packings = {{Packing::None, Packing::None},
-                                                             {Packing::Compact, Packing::None},
-                                                             {Packing::None, Packing::Compact},
-                                                             {Packing::Compact, Packing::Compact},
-                                                             {Packing::Materialize, Packing::Materialize}};
+  const std::pair<Packing, Packing> packings[] = {{Packing::None, Packing::None},
+                                                  {Packing::Compact, Packing::None},
+                                                  {Packing::None, Packing::Compact},
+                                                  {Packing::Compact, Packing::Compact},
+                                                  {Packing::Materialize, Packing::Materialize}};
   const int64_t a_span = dense_span(g, g.a, g.M, g.K), b_span = dense_span(g, g.b, g.K, g.N);
   for (const auto& [compute, via_f32] : attempts) {
-    std::vector<std::pair<Packing, Packing>> order = packings;
-    if (compute == DType::F32 && pack_transposed_a(g))
-      order.insert(order.begin(), {Packing::Compact, Packing::None});
-    for (auto [a_packing, b_packing] : order) {
+    const bool pack_a = compute == DType::F32 && pack_transposed_a(g);
+    for (auto [a_packing, b_packing] : packings) {
+      if (pack_a && a_packing == Packing::None) continue;  // the slow case: A is copied row-major
       // Converting to f32 (or rounding to tf32) copies every operand: an operand oneDNN could read in place
       // is copied as its span with its own strides where that span is dense, else this variant is skipped
       // for the compact copies that follow.
