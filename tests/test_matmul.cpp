@@ -176,6 +176,17 @@ TEST(Matmul, TransposedAndStridedOperandsGiveTheSameResult) {
     // AVX2 kernels the plan packs A row-major through the tiled transposing copy (tensor/cpu/matmul.cpp).
     const Tensor tall = Tensor::rand({70, 600}, 26, dtype).mT(), narrow = Tensor::rand({70, 30}, 27, dtype);
     EXPECT_TRUE(matches_reference(matmul(tall, narrow), reference_matmul(tall, narrow))) << dtype_name(dtype);
+    // A short, wide product with a row-major B (the other weight gradient): on the same CPUs it is computed
+    // as out^T = B^T A^T and transposed into out. A plain and transposed, an offset (a row slice), and a
+    // size-1 batch dim that the geometry drops.
+    const Tensor wide = Tensor::rand({520, 600}, 28, dtype);
+    const Tensor short_a = Tensor::rand({210, 520}, 29, dtype).slice(0, 10, 210, 1);  // [200, 520], offset
+    const Tensor short_at = Tensor::rand({520, 200}, 30, dtype).mT();
+    for (const Tensor& s : {short_a, short_at}) {
+      EXPECT_TRUE(matches_reference(matmul(s, wide), reference_matmul(s, wide))) << dtype_name(dtype);
+    }
+    const Tensor batch1 = short_at.unsqueeze(0), wide1 = wide.unsqueeze(0);  // [1, 200, 520] x [1, 520, 600]
+    EXPECT_TRUE(matches_reference(matmul(batch1, wide1), reference_matmul(batch1, wide1))) << dtype_name(dtype);
   }
 }
 

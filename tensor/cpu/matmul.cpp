@@ -234,13 +234,32 @@ bool try_plan(const MatmulGeometry& g, memory::data_type type, bool bias, Packin
 // Measured on Zen 3 with the transposing copy included: M >= 512 with N <= 256 gains 1.04x-1.6x, wider
 // products gain nothing; bench_ops' matmul_f32 At_ rows track it. oneDNN's AVX-512 kernels were not
 // measured this way, so there A keeps its own strides.
-bool pack_transposed_a(const MatmulGeometry& g) {
+bool onednn_has_avx512() {
   static const bool avx512 = [] {
     const auto isa = static_cast<unsigned>(dnnl::get_effective_cpu_isa());
     const auto core = static_cast<unsigned>(dnnl::cpu_isa::avx512_core);  // a bit mask of its features
     return (isa & core) == core;
   }();
-  return !avx512 && g.batch.empty() && g.a.row_stride == 1 && g.a.col_stride != 1 && g.M >= 512 && g.N <= 256;
+  return avx512;
+}
+
+bool pack_transposed_a(const MatmulGeometry& g) {
+  return !onednn_has_avx512() && g.batch.empty() && g.a.row_stride == 1 && g.a.col_stride != 1 && g.M >= 512 &&
+         g.N <= 256;
+}
+
+// Whether a short, wide product with a row-major B is better computed transposed: out^T = B^T A^T, whose A
+// (B^T, read transposed) is then the tall, narrow case pack_transposed_a packs, and out^T is transposed
+// into out by a tiled copy. oneDNN 2.6's AVX2 sgemm takes its no-copy kernel for a product this narrow
+// (1/M + 1/N >= 0.0038) and reads a wide B row by row; the GPT's MLP weight gradient X^T dY
+// ([256, 2048] x [2048, 1024]) ran at ~75 GFLOP/s in the training step against ~130 for the other GEMMs.
+// Measured on Zen 3 (a scratch program timing oneDNN primitives, 2 threads, packing and the final transpose
+// included): M = 256 with N in 512..2048 gains 1.04x-1.7x with A plain or transposed; M = 128 and
+// M >= 384 were mixed (0.72x-1.47x) and are left alone. bench_ops' matmul_f32/At_256x2048x1024 row tracks
+// it. No bias (it would have to join out^T's rows) and no batch; AVX-512 CPUs were not measured.
+bool transpose_wide_product(const MatmulGeometry& g, bool bias) {
+  return !onednn_has_avx512() && !bias && g.batch.empty() && g.b.col_stride == 1 && g.b.row_stride != 1 &&
+         g.M > 128 && g.M <= 256 && g.N >= 512 && g.K >= 512;
 }
 
 Plan make_plan(const MatmulGeometry& g, DType dtype, bool bias, bool tf32) {
@@ -376,6 +395,15 @@ void CpuBackend::matmul(const Tensor& a, const Tensor& b, const Tensor& out, con
   }
   check(a.dtype() == DType::F32 || is_low_precision(a.dtype()), "cpu matmul: dtype ", dtype_name(a.dtype()),
         " is not supported (expected f32, f16, bf16 or f64)");
+  if (transpose_wide_product(g, has_bias)) {  // out^T = B^T A^T, then out^T transposed into out
+    const Tensor b_t = make_view(b, {g.N, g.K}, {g.b.col_stride, g.b.row_stride}, b.offset());
+    const Tensor a_t = make_view(a, {g.K, g.M}, {g.a.col_stride, g.a.row_stride}, a.offset());
+    const Tensor out_t = Tensor::empty({g.N, g.M}, out.dtype(), out.device());
+    matmul(b_t, a_t, out_t, Tensor());
+    copy(make_view(out_t, {g.M, g.N}, {1, g.M}, 0),
+         make_view(out, {g.M, g.N}, {g.out.row_stride, g.out.col_stride}, out.offset()));
+    return;
+  }
 
   const bool tf32 = a.dtype() == DType::F32 && allow_tf32();
   const std::shared_ptr<const Plan> shared_plan = plan_for(g, a.dtype(), has_bias, tf32);
