@@ -186,7 +186,8 @@ TEST(Matmul, TransposedAndStridedOperandsGiveTheSameResult) {
       EXPECT_TRUE(matches_reference(matmul(s, wide), reference_matmul(s, wide))) << dtype_name(dtype);
     }
     const Tensor batch1 = short_at.unsqueeze(0), wide1 = wide.unsqueeze(0);  // [1, 200, 520] x [1, 520, 600]
-    EXPECT_TRUE(matches_reference(matmul(batch1, wide1), reference_matmul(batch1, wide1))) << dtype_name(dtype);
+    EXPECT_TRUE(matches_reference(matmul(batch1, wide1), reference_matmul(batch1, wide1)))
+        << dtype_name(dtype);
   }
 }
 

@@ -244,8 +244,8 @@ bool onednn_has_avx512() {
 }
 
 bool pack_transposed_a(const MatmulGeometry& g) {
-  return !onednn_has_avx512() && g.batch.empty() && g.a.row_stride == 1 && g.a.col_stride != 1 && g.M >= 512 &&
-         g.N <= 256;
+  return !onednn_has_avx512() && g.batch.empty() && g.a.row_stride == 1 && g.a.col_stride != 1 &&
+         g.M >= 512 && g.N <= 256;
 }
 
 // Whether a short, wide product with a row-major B is better computed transposed: out^T = B^T A^T, whose A
