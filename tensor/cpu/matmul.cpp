@@ -248,18 +248,20 @@ bool pack_transposed_a(const MatmulGeometry& g) {
          g.M >= 512 && g.N <= 256;
 }
 
-// Whether a short, wide product with a row-major B is better computed transposed: out^T = B^T A^T, whose A
-// (B^T, read transposed) is then the tall, narrow case pack_transposed_a packs, and out^T is transposed
-// into out by a tiled copy. oneDNN 2.6's AVX2 sgemm takes its no-copy kernel for a product this narrow
-// (1/M + 1/N >= 0.0038) and reads a wide B row by row; the GPT's MLP weight gradient X^T dY
-// ([256, 2048] x [2048, 1024]) ran at ~75 GFLOP/s in the training step against ~130 for the other GEMMs.
-// Measured on Zen 3 (a scratch program timing oneDNN primitives, 2 threads, packing and the final transpose
-// included): M = 256 with N in 512..2048 gains 1.04x-1.7x with A plain or transposed; M = 128 and
-// M >= 384 were mixed (0.72x-1.47x) and are left alone. bench_ops' matmul_f32/At_256x2048x1024 row tracks
-// it. No bias (it would have to join out^T's rows) and no batch; AVX-512 CPUs were not measured.
+// Whether a short, wide product is better computed transposed: out^T = B^T A^T, when that transposed
+// product is the tall, narrow one pack_transposed_a packs (B row-major, so B^T is read transposed), and
+// out^T is transposed into out by the tiled copy. By oneDNN's source, its AVX2 sgemm driver picks the
+// no-copy kernel for a product this narrow (1/M + 1/N >= 0.0038), which reads the wide B in place; the GPT's
+// MLP weight gradient X^T dY ([256, 2048] x [2048, 1024]) took 14.6 ms (~74 GFLOP/s) in the training step
+// (ONEDNN_VERBOSE) against 119-154 GFLOP/s for the other large GEMMs. Measured on Zen 3 (a scratch program
+// timing oneDNN primitives, 2 threads, packing and the final transpose included): M = 256 with N in
+// 512..2048 gains 1.04x-1.7x with A plain or transposed; M = 128 and M >= 384 were mixed (0.72x-1.47x) and
+// are left alone. bench_ops' matmul_f32/At_256x2048x1024 row tracks it. No bias (it would have to join
+// out^T's rows); AVX-512 CPUs were not measured (pack_transposed_a is false there).
 bool transpose_wide_product(const MatmulGeometry& g, bool bias) {
-  return !onednn_has_avx512() && !bias && g.batch.empty() && g.b.col_stride == 1 && g.b.row_stride != 1 &&
-         g.M > 128 && g.M <= 256 && g.N >= 512 && g.K >= 512;
+  auto transposed = [](const MatrixLayout& m) { return MatrixLayout{m.batch, m.col_stride, m.row_stride}; };
+  const MatmulGeometry swapped{g.batch, g.N, g.K, g.M, transposed(g.b), transposed(g.a), transposed(g.out)};
+  return !bias && g.M > 128 && g.K >= 512 && pack_transposed_a(swapped);
 }
 
 Plan make_plan(const MatmulGeometry& g, DType dtype, bool bias, bool tf32) {
