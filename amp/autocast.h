@@ -14,8 +14,10 @@
 //   backward(loss);                      // backward ignores autocast: it runs in the dtypes saved forward
 //
 // Scopes nest; each restores the state it found. Leaf tensors that require grad (weights) are cast once per
-// outermost scope (the cast cache), so run one forward per scope. The mechanism lives in
-// tensor/autocast_state.h, below amp/, because op front ends call it.
+// outermost scope and dtype (the cast cache, one entry per leaf): several forwards in one scope share the
+// casts and may be backpropagated one by one; an in-place update of a weight (an optimizer step inside a
+// long scope) replaces its entry. The mechanism lives in tensor/autocast_state.h, below amp/, because op
+// front ends call it.
 #include <optional>
 
 #include "tensor/autocast_state.h"

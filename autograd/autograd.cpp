@@ -134,8 +134,10 @@ void backward(const std::vector<Tensor>& outputs, const std::vector<Tensor>& gra
               grads[i].description(), " for input ", i, " of shape ", shape_str(expected));
       }
     }
-    node->backward = nullptr;  // frees the saved tensors
-    node->saved.clear();
+    if (!node->keep_after_backward) {
+      node->backward = nullptr;  // frees the saved tensors
+      node->saved.clear();
+    }
     for (size_t i = 0; i < grads.size(); ++i) {
       const Edge& edge = node->inputs[i];
       if (edge.leaf && grads[i].defined()) accumulate_leaf(*edge.leaf, grads[i]);

@@ -11,24 +11,24 @@ namespace mixtape {
 
 namespace {
 
-// What makes two casts the same cast: the same bytes (storage, version) seen through the same view, to the
-// same dtype. The version is part of the key, so an in-place update (an optimizer step) misses the cache.
+// A cached cast belongs to one tensor handle's impl (the leaf itself, as PyTorch keys its cache by the source
+// TensorImpl): two leaves that share storage (b = a.detach()) get their own casts, so each gets its own
+// gradient. The entry remembers what it was cast from (storage version, view); an in-place update (an
+// optimizer step) replaces the entry instead of adding one per version.
 struct CastKey {
-  const void* storage;
-  uint64_t version;
-  int64_t offset;
-  Shape shape;
-  Strides strides;
-  DType source, target;
-  bool operator<(const CastKey& o) const {
-    return std::tie(storage, version, offset, shape, strides, source, target) <
-           std::tie(o.storage, o.version, o.offset, o.shape, o.strides, o.source, o.target);
-  }
+  const TensorImpl* source;
+  DType target;
+  bool operator<(const CastKey& o) const { return std::tie(source, target) < std::tie(o.source, o.target); }
 };
 
 struct CastEntry {
-  Tensor source;  // keeps the storage alive, so its address cannot be reused by another tensor in the key
+  Tensor source;  // keeps the impl alive, so its address cannot be reused by another tensor in the key
+  uint64_t version;
   Tensor cast;
+  bool current(const Tensor& x) const {
+    return version == x.version() && source.storage() == x.storage() && source.offset() == x.offset() &&
+           source.shape() == x.shape() && source.strides() == x.strides();
+  }
 };
 
 struct AutocastThreadState {
@@ -84,18 +84,15 @@ Tensor autocast_cast(const Tensor& x, DType target) {
     ++state.casts;
     return x.to(target);
   }
-  CastKey key{x.storage().get(), x.version(), x.offset(), x.shape(), x.strides(), x.dtype(), target};
+  const CastKey key{x.impl_ptr().get(), target};
   auto found = state.cache.find(key);
-  // A backward() since the cast was cached has run and released its node: a forward that used it again
-  // could not backpropagate ("graph already used"), so such an entry is cast afresh (one forward + backward
-  // per step inside one long scope keeps working).
-  if (found != state.cache.end()) {
-    const std::shared_ptr<Node>& node = found->second.cast.grad_fn();
-    if (node && node->backward) return found->second.cast;
-  }
+  if (found != state.cache.end() && found->second.current(x)) return found->second.cast;
   ++state.casts;
   Tensor cast = x.to(target);
-  state.cache.insert_or_assign(std::move(key), CastEntry{x, cast});
+  // The cast's backward captures no tensor (only the source dtype), so its node survives backward(): two
+  // forwards sharing a cached weight cast can be backpropagated one after the other, as in PyTorch.
+  cast.grad_fn()->keep_after_backward = true;
+  state.cache.insert_or_assign(key, CastEntry{x, x.version(), cast});
   return cast;
 }
 
@@ -108,6 +105,10 @@ std::optional<DType> autocast_target(OpPolicy policy, DType autocast, const Tens
     widest = widest ? promote(*widest, t.dtype()) : t.dtype();
   }
   if (!widest) return std::nullopt;
+  // A lower-precision op with an f64 input runs in its inputs' dtypes: rounding the other operands to the
+  // autocast dtype before an f64 product would silently lose their precision (PyTorch never casts f64 and
+  // the mixed-dtype call then fails; here the kernel promotes to f64 as outside autocast).
+  if (policy == OpPolicy::LowerPrecision && *widest == DType::F64) return std::nullopt;
   DType target = DType::F32;
   switch (policy) {
     case OpPolicy::LowerPrecision: target = autocast; break;

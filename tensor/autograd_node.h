@@ -32,6 +32,9 @@ struct Node {
   std::vector<Edge> inputs;
   std::vector<SavedVersion> saved;  // checked before backward runs: an in-place change is an error
   BackwardFn backward;  // released after it runs (frees the saved tensors it captured)
+  // Set on nodes whose closure captures no tensor (autocast's cached dtype casts): backward() leaves them
+  // in place, so one such node can serve several graphs, each backpropagated separately.
+  bool keep_after_backward = false;
   Shape output_shape;
   DType output_dtype = DType::F32;
   Device output_device;

@@ -320,6 +320,78 @@ TEST(AutocastCache, ACachedCastServesASecondForwardAndBackwardInTheSameScope) {
   for (size_t i = 0; i < once.size(); ++i) EXPECT_EQ(twice[i], 2 * once[i]);  // x2 is exact in binary
 }
 
+TEST(AutocastCache, TwoForwardsSharingACachedCastAreBackpropagatedOneAfterTheOther) {
+  Tensor w = randn({3, 2}, 46).detach();
+  w.requires_grad_();
+  const Tensor x1 = randn({4, 3}, 47), x2 = randn({5, 3}, 48);
+  Autocast guard(DType::BF16);
+  const Tensor l1 = sum(matmul(x1, w)), l2 = sum(matmul(x2, w));  // both graphs use the one cached cast
+  EXPECT_EQ(autocast_cache_size(), 1u);
+  backward(l1);
+  const std::vector<double> first = w.grad().to_vector<double>();
+  backward(l2);  // failed ("graph already used") while the first backward released the cast's node
+  const std::vector<double> both = w.grad().to_vector<double>();
+  // The gradient of sum(x @ w) is the column sums of x, repeated per column of w; rounded to bf16 (the
+  // product's dtype) before reaching w. Each backward must add exactly its own graph's contribution.
+  w.set_grad(Tensor());
+  {
+    Autocast alone(DType::BF16);  // a fresh scope: the second graph alone
+    backward(sum(matmul(x2, w)));
+  }
+  const std::vector<double> second = w.grad().to_vector<double>();
+  ASSERT_EQ(both.size(), first.size());
+  for (size_t i = 0; i < both.size(); ++i) EXPECT_EQ(both[i], static_cast<float>(first[i] + second[i]));
+}
+
+TEST(AutocastCache, LeavesSharingStorageGetTheirOwnCastsAndGradients) {
+  const Tensor base = randn({3, 2}, 49);
+  Tensor a = base.detach(), b = base.detach();  // two leaves over the same bytes
+  a.requires_grad_();
+  b.requires_grad_();
+  const Tensor x = randn({4, 3}, 50);
+  Tensor reference = base.detach();
+  reference.requires_grad_();
+  {
+    Autocast guard(DType::BF16);
+    backward(sum(matmul(x, reference)));
+  }
+  {
+    Autocast guard(DType::BF16);
+    backward(add(sum(matmul(x, a)), sum(matmul(x, b))));
+    EXPECT_EQ(autocast_cache_size(), 2u);
+  }
+  // Keyed by storage, b got a's cached cast: a received both gradients and b none.
+  ASSERT_TRUE(a.grad().defined());
+  ASSERT_TRUE(b.grad().defined());
+  EXPECT_EQ(a.grad().to_vector<double>(), reference.grad().to_vector<double>());
+  EXPECT_EQ(b.grad().to_vector<double>(), reference.grad().to_vector<double>());
+}
+
+TEST(AutocastCache, InPlaceUpdatesInOneLongScopeReplaceTheEntryInsteadOfAddingOne) {
+  Tensor w = randn({4, 4}, 51).detach();
+  w.requires_grad_();
+  Autocast guard(DType::BF16);
+  Tensor previous = autocast_cast(w, DType::BF16);
+  for (int step = 0; step < 5; ++step) {
+    w.bump_version();  // an optimizer step
+    const Tensor cast = autocast_cast(w, DType::BF16);
+    EXPECT_FALSE(cast.same(previous));
+    EXPECT_TRUE(cast.same(autocast_cast(w, DType::BF16)));
+    previous = cast;
+  }
+  EXPECT_EQ(autocast_cache_size(), 1u);  // not one stale bf16 copy of the weight per step
+}
+
+TEST(Autocast, ALowerPrecisionOpWithAnF64InputCastsNothing) {
+  const Tensor a = Tensor::from_vector(std::vector<double>{1.0, 2.0}, {1, 2});
+  const Tensor b = Tensor::from_vector(std::vector<float>{1.0001f, 3.0001f}, {2, 1});
+  const double exact = matmul(a, b).item();  // promoted to f64 outside autocast
+  Autocast guard(DType::F16);
+  const Tensor out = matmul(a, b);
+  EXPECT_EQ(out.dtype(), DType::F64);
+  EXPECT_EQ(out.item(), exact);  // b was not rounded to f16 on the way (1.0001 -> 1, 3.0001 -> 3)
+}
+
 // ---- a model ----
 
 TEST(Autocast, GPTForwardUnderBF16IsCloseToF32AndGivesF32Grads) {
