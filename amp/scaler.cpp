@@ -1,7 +1,9 @@
 #include "amp/scaler.h"
 
+#include <algorithm>
 #include <charconv>
 #include <cmath>
+#include <initializer_list>
 #include <limits>
 #include <string>
 #include <system_error>
@@ -14,21 +16,23 @@ namespace mixtape {
 
 namespace {
 
-// Shortest decimal text that reads back to the same double: a reloaded scale is bit-identical.
+using State = std::map<std::string, std::string>;
+
+// Shortest decimal text that reads back to the same double: a reloaded scale is bit-identical, and an error
+// shows the value exactly (a growth_factor of 1 - 1e-9 reads "0.999999999", not a rounded "1").
 std::string format_number(double value) {
   char buffer[64];
   const auto result = std::to_chars(buffer, buffer + sizeof buffer, value);
   return std::string(buffer, result.ptr);
 }
 
-const std::string& entry(const char* who, const std::map<std::string, std::string>& state,
-                         const std::string& key) {
+const std::string& entry(const char* who, const State& state, const std::string& key) {
   const auto it = state.find(key);
   check(it != state.end(), who, ".load_state_dict: missing entry \"", key, "\"");
   return it->second;
 }
 
-double read_number(const char* who, const std::map<std::string, std::string>& state, const std::string& key) {
+double read_number(const char* who, const State& state, const std::string& key) {
   const std::string& text = entry(who, state, key);
   double value = 0;
   const auto result = std::from_chars(text.data(), text.data() + text.size(), value);
@@ -37,7 +41,7 @@ double read_number(const char* who, const std::map<std::string, std::string>& st
   return value;
 }
 
-int64_t read_integer(const char* who, const std::map<std::string, std::string>& state, const std::string& key) {
+int64_t read_integer(const char* who, const State& state, const std::string& key) {
   const std::string& text = entry(who, state, key);
   int64_t value = 0;
   const auto result = std::from_chars(text.data(), text.data() + text.size(), value);
@@ -46,22 +50,42 @@ int64_t read_integer(const char* who, const std::map<std::string, std::string>& 
   return value;
 }
 
-void check_type(const char* who, const std::map<std::string, std::string>& state) {
+// The type first (a state of another scaler names its type, not its entries), then no entry beyond `known`.
+void check_type_and_entries(const char* who, const State& state, std::initializer_list<const char*> known) {
   const std::string& type = entry(who, state, "type");
   check(type == who, who, ".load_state_dict: the state is of a \"", type, "\", expected \"", who, "\"");
+  for (const auto& [key, value] : state) {
+    if (std::find(known.begin(), known.end(), key) != known.end()) continue;
+    std::string expected;
+    for (const char* name : known) expected += (expected.empty() ? "" : ", ") + std::string(name);
+    fail(who, ".load_state_dict: unknown entry \"", key, "\" (expected only ", expected, ")");
+  }
 }
 
-void check_scale(const char* who, const char* option, double value) {
-  check(std::isfinite(value) && value > 0, who, ": ", option, " must be finite and > 0, got ", value);
+// `who` names the scaler and call ("GradScaler", "GradScaler.load_state_dict"), `what` the option or entry.
+void check_scale(const std::string& who, const std::string& what, double value) {
+  check(std::isfinite(value) && value > 0, who, ": ", what, " must be finite and > 0, got ",
+        format_number(value));
 }
-void check_growth(const char* who, const char* option, double value) {
-  check(std::isfinite(value) && value > 1, who, ": ", option, " must be finite and > 1, got ", value);
+void check_growth(const std::string& who, const std::string& what, double value) {
+  check(std::isfinite(value) && value > 1, who, ": ", what, " must be finite and > 1, got ",
+        format_number(value));
 }
-void check_backoff(const char* who, const char* option, double value) {
-  check(value > 0 && value < 1, who, ": ", option, " must be in (0, 1), got ", value);
+void check_backoff(const std::string& who, const std::string& what, double value) {
+  check(value > 0 && value < 1, who, ": ", what, " must be in (0, 1), got ", format_number(value));
 }
-void check_at_least_one(const char* who, const char* option, int64_t value) {
-  check(value >= 1, who, ": ", option, " must be >= 1, got ", value);
+void check_at_least_one(const std::string& who, const std::string& what, int64_t value) {
+  check(value >= 1, who, ": ", what, " must be >= 1, got ", value);
+}
+
+// A saved rule option against this scaler's own.
+void check_same_option(const char* who, const char* option, double saved, double own) {
+  check(saved == own, who, ".load_state_dict: the state was saved with ", option, " ", format_number(saved),
+        ", this scaler has ", option, " ", format_number(own), " (a state resumes only under its own rule)");
+}
+void check_same_option(const char* who, const char* option, int64_t saved, int64_t own) {
+  check(saved == own, who, ".load_state_dict: the state was saved with ", option, " ", saved,
+        ", this scaler has ", option, " ", own, " (a state resumes only under its own rule)");
 }
 
 }  // namespace
@@ -91,29 +115,41 @@ Tensor GradScaler::scale(const Tensor& loss) const {
 
 void GradScaler::unscale(Optimizer& optimizer) {
   if (!options_.enabled) return;
-  OptimizerState& state = per_optimizer_[&optimizer];
-  check(state.stage != Stage::Unscaled,
-        "GradScaler.unscale: unscale() has already been called on this optimizer since the last update()");
-  check(state.stage != Stage::Stepped, "GradScaler.unscale: unscale() is being called after step()");
-
-  NoGradGuard no_grad;
-  std::vector<Tensor> grads;
-  for (const Tensor& param : optimizer.params()) {
-    Tensor grad = param.grad();
-    if (!grad.defined()) continue;
-    check(grad.dtype() != DType::F16, "GradScaler.unscale: attempting to unscale FP16 gradients (",
-          grad.description(), "); keep f32 master weights (amp/optimizer) for f16 parameters");
-    if (!grad.is_contiguous()) {
-      // A set_grad() view may alias itself (stride 0): give the parameter its own contiguous gradient.
-      grad = grad.contiguous();
-      Tensor(param).set_grad(grad);
-    }
-    grads.push_back(grad);
+  if (const auto it = per_optimizer_.find(&optimizer); it != per_optimizer_.end()) {
+    check(it->second.stage != Stage::Unscaled,
+          "GradScaler.unscale: unscale() has already been called on this optimizer since the last update()");
+    check(it->second.stage != Stage::Stepped, "GradScaler.unscale: unscale() is being called after step()");
   }
   // 1/S in double, then rounded to fp32: PyTorch's scale.double().reciprocal().float().
   const double inv_scale = static_cast<float>(1.0 / scale_);
-  state.found_inf = unscale_and_check_finite(grads, inv_scale);
+  check(std::isfinite(inv_scale), "GradScaler.unscale: the scale is ", format_number(scale_),
+        ", too small to unscale by: 1/scale overflows fp32 (repeated overflows backed it off; look for ",
+        "inf/NaN gradients)");
+
+  // Every check before anything changes: a call that throws leaves no record (no clean step to count).
+  std::vector<std::pair<Tensor, Tensor>> params_and_grads;
+  for (const Tensor& param : optimizer.params()) {
+    const Tensor grad = param.grad();
+    if (!grad.defined()) continue;
+    check(grad.dtype() != DType::F16, "GradScaler.unscale: attempting to unscale FP16 gradients (",
+          grad.description(), "); keep f32 master weights (amp/optimizer) for f16 parameters");
+    params_and_grads.emplace_back(param, grad);
+  }
+  NoGradGuard no_grad;
+  std::vector<Tensor> grads;
+  for (auto& [param, grad] : params_and_grads) {
+    if (!grad.is_contiguous()) {
+      // A set_grad() view may alias itself (stride 0): give the parameter its own contiguous gradient.
+      grad = grad.contiguous();
+      param.set_grad(grad);
+    }
+    grads.push_back(grad);
+  }
+  const bool found_inf = unscale_and_check_finite(grads, inv_scale);
+  OptimizerState& state = per_optimizer_[&optimizer];
   state.stage = Stage::Unscaled;
+  state.inf_checked = !grads.empty();
+  state.found_inf = found_inf;
 }
 
 bool GradScaler::step(Optimizer& optimizer) {
@@ -121,13 +157,17 @@ bool GradScaler::step(Optimizer& optimizer) {
     optimizer.step();
     return true;
   }
-  {
-    const auto it = per_optimizer_.find(&optimizer);
-    check(it == per_optimizer_.end() || it->second.stage != Stage::Stepped,
-          "GradScaler.step: step() has already been called since the last update()");
+  auto it = per_optimizer_.find(&optimizer);
+  check(it == per_optimizer_.end() || it->second.stage != Stage::Stepped,
+        "GradScaler.step: step() has already been called since the last update()");
+  if (it == per_optimizer_.end()) {
+    unscale(optimizer);
+    it = per_optimizer_.find(&optimizer);
   }
-  if (per_optimizer_[&optimizer].stage == Stage::Ready) unscale(optimizer);
-  OptimizerState& state = per_optimizer_[&optimizer];
+  OptimizerState& state = it->second;
+  // PyTorch asserts this before stepping and leaves the optimizer unscaled (not stepped).
+  check(state.inf_checked, "GradScaler.step: no inf checks were recorded for this optimizer: none of its ",
+        optimizer.params().size(), " parameters has a gradient (run backward on a loss that uses them)");
   const bool stepped = !state.found_inf;
   if (stepped) optimizer.step();
   state.stage = Stage::Stepped;
@@ -136,10 +176,13 @@ bool GradScaler::step(Optimizer& optimizer) {
 
 void GradScaler::update() {
   if (!options_.enabled) return;
-  check(!per_optimizer_.empty(), "GradScaler.update: no inf checks were recorded prior to update() ",
-        "(call unscale() or step() first)");
-  bool found_inf = false;
-  for (const auto& [optimizer, state] : per_optimizer_) found_inf = found_inf || state.found_inf;
+  bool inf_checked = false, found_inf = false;
+  for (const auto& [optimizer, state] : per_optimizer_) {
+    inf_checked = inf_checked || state.inf_checked;
+    found_inf = found_inf || (state.inf_checked && state.found_inf);
+  }
+  check(inf_checked, "GradScaler.update: no inf checks were recorded prior to update() (call unscale() or ",
+        "step() on an optimizer whose parameters have gradients first)");
   update(found_inf);
 }
 
@@ -167,20 +210,28 @@ std::map<std::string, std::string> GradScaler::state_dict() const {
           {"growth_tracker", std::to_string(growth_tracker_)}};
 }
 
+// PyTorch's load_state_dict: a disabled scaler returns at once; otherwise the saved scale, tracker and rule
+// (growth_factor, backoff_factor, growth_interval) replace this scaler's.
 void GradScaler::load_state_dict(const std::map<std::string, std::string>& state) {
-  check(options_.enabled, "GradScaler.load_state_dict: this scaler is disabled");
-  check(!state.empty(), "GradScaler.load_state_dict: the state is empty, possibly because it was saved ",
-        "from a disabled GradScaler");
-  check_type(name(), state);
+  if (!options_.enabled) return;
+  const char* who = name();
+  const std::string loader = std::string(who) + ".load_state_dict";
+  check(!state.empty(), loader,
+        ": the state is empty, possibly because it was saved from a disabled GradScaler");
+  check_type_and_entries(
+      who, state, {"type", "scale", "growth_factor", "backoff_factor", "growth_interval", "growth_tracker"});
   GradScalerOptions options = options_;
-  options.init_scale = read_number(name(), state, "scale");
-  options.growth_factor = read_number(name(), state, "growth_factor");
-  options.backoff_factor = read_number(name(), state, "backoff_factor");
-  options.growth_interval = read_integer(name(), state, "growth_interval");
-  const int64_t tracker = read_integer(name(), state, "growth_tracker");
-  const GradScaler checked(options);  // validates every option before anything is assigned
-  check(tracker >= 0 && tracker < options.growth_interval, "GradScaler.load_state_dict: growth_tracker ",
-        tracker, " is outside [0, growth_interval ", options.growth_interval, ")");
+  options.init_scale = read_number(who, state, "scale");
+  options.growth_factor = read_number(who, state, "growth_factor");
+  options.backoff_factor = read_number(who, state, "backoff_factor");
+  options.growth_interval = read_integer(who, state, "growth_interval");
+  const int64_t tracker = read_integer(who, state, "growth_tracker");
+  check_scale(loader, "entry \"scale\"", options.init_scale);
+  check_growth(loader, "entry \"growth_factor\"", options.growth_factor);
+  check_backoff(loader, "entry \"backoff_factor\"", options.backoff_factor);
+  check_at_least_one(loader, "entry \"growth_interval\"", options.growth_interval);
+  check(tracker >= 0 && tracker < options.growth_interval, loader, ": entry \"growth_tracker\" is ", tracker,
+        ", expected a value in [0, growth_interval ", options.growth_interval, ")");
   options_ = options;
   scale_ = options.init_scale;
   growth_tracker_ = tracker;
@@ -194,13 +245,17 @@ DynamicLossScaler::DynamicLossScaler(DynamicLossScalerOptions options)
   const char* who = "DynamicLossScaler";
   check_scale(who, "initial_scale", options.initial_scale);
   check_scale(who, "min_scale", options.min_scale);
-  check(!std::isnan(options.max_scale) && options.max_scale > 0, who, ": max_scale must be > 0, got ",
-        options.max_scale);
-  check(options.min_scale <= options.max_scale, who, ": min_scale ", options.min_scale,
-        " must be <= max_scale ", options.max_scale);
-  check(options.initial_scale >= options.min_scale && options.initial_scale <= options.max_scale, who,
-        ": initial_scale ", options.initial_scale, " must be within [min_scale ", options.min_scale,
-        ", max_scale ", options.max_scale, "]");
+  check_scale(who, "max_scale", options.max_scale);
+  check(options.min_scale <= options.max_scale, who, ": min_scale ", format_number(options.min_scale),
+        " must be <= max_scale ", format_number(options.max_scale));
+  if (options.allow_initial_below_min) {
+    check(options.initial_scale <= options.max_scale, who, ": initial_scale ",
+          format_number(options.initial_scale), " must be <= max_scale ", format_number(options.max_scale));
+  } else {
+    check(options.initial_scale >= options.min_scale && options.initial_scale <= options.max_scale, who,
+          ": initial_scale ", format_number(options.initial_scale), " must be within [min_scale ",
+          format_number(options.min_scale), ", max_scale ", format_number(options.max_scale), "]");
+  }
   check_growth(who, "growth_factor", options.growth_factor);
   check_backoff(who, "backoff_factor", options.backoff_factor);
   check_at_least_one(who, "growth_interval", options.growth_interval);
@@ -209,13 +264,14 @@ DynamicLossScaler::DynamicLossScaler(DynamicLossScalerOptions options)
 
 // Megatron-LM's DynamicGradScaler.update, rule for rule. Differences: Megatron has no max_scale (Colossal-AI
 // has, as min(S * growth, max_scale)); Megatron keeps S in fp32, we in double (equal for the powers of two
-// the defaults produce). Colossal-AI counts hysteresis up from 0 instead of down from `hysteresis`: the same
-// sequence of scales.
+// the defaults produce); Megatron lets the hysteresis tracker count on below 0, we stop it at 0 (every value
+// <= 0 backs off alike, and it cannot wrap). Colossal-AI counts hysteresis up from 0 instead of down from
+// `hysteresis`: the same sequence of scales.
 void DynamicLossScaler::update(bool found_inf) {
   if (found_inf) {
     growth_tracker_ = 0;
-    hysteresis_tracker_ -= 1;
-    if (hysteresis_tracker_ <= 0) scale_ = std::max(scale_ * options_.backoff_factor, options_.min_scale);
+    hysteresis_tracker_ = std::max<int64_t>(hysteresis_tracker_ - 1, 0);
+    if (hysteresis_tracker_ == 0) scale_ = std::max(scale_ * options_.backoff_factor, options_.min_scale);
   } else {
     growth_tracker_ += 1;
     if (growth_tracker_ == options_.growth_interval) {
@@ -230,50 +286,88 @@ std::map<std::string, std::string> DynamicLossScaler::state_dict() const {
   return {{"type", name()},
           {"scale", format_number(scale_)},
           {"growth_tracker", std::to_string(growth_tracker_)},
-          {"hysteresis_tracker", std::to_string(hysteresis_tracker_)}};
+          {"hysteresis_tracker", std::to_string(hysteresis_tracker_)},
+          {"min_scale", format_number(options_.min_scale)},
+          {"max_scale", format_number(options_.max_scale)},
+          {"growth_factor", format_number(options_.growth_factor)},
+          {"backoff_factor", format_number(options_.backoff_factor)},
+          {"growth_interval", std::to_string(options_.growth_interval)},
+          {"hysteresis", std::to_string(options_.hysteresis)}};
 }
 
-// Megatron's state_dict holds only the scale and the two trackers; the options come from the constructor.
+// Megatron's state_dict holds only the scale and the two trackers, Colossal-AI's also growth_factor,
+// backoff_factor and hysteresis; ours holds the whole rule and refuses a state saved under another one (the
+// naive and the Apex rule share the type name). The options come from the constructor.
 void DynamicLossScaler::load_state_dict(const std::map<std::string, std::string>& state) {
-  check_type(name(), state);
-  const double scale = read_number(name(), state, "scale");
-  const int64_t growth = read_integer(name(), state, "growth_tracker");
-  const int64_t hysteresis = read_integer(name(), state, "hysteresis_tracker");
-  check(std::isfinite(scale) && scale > 0, "DynamicLossScaler.load_state_dict: scale must be finite and > 0, ",
-        "got ", scale);
-  check(growth >= 0 && growth < options_.growth_interval, "DynamicLossScaler.load_state_dict: growth_tracker ",
-        growth, " is outside [0, growth_interval ", options_.growth_interval, ")");
-  check(hysteresis <= options_.hysteresis, "DynamicLossScaler.load_state_dict: hysteresis_tracker ",
-        hysteresis, " exceeds hysteresis ", options_.hysteresis);
+  const char* who = name();
+  const char* loader = "DynamicLossScaler.load_state_dict";
+  const std::initializer_list<const char*> rule = {"min_scale",      "max_scale",       "growth_factor",
+                                                   "backoff_factor", "growth_interval", "hysteresis"};
+  check_type_and_entries(who, state,
+                         {"type", "scale", "growth_tracker", "hysteresis_tracker", "min_scale", "max_scale",
+                          "growth_factor", "backoff_factor", "growth_interval", "hysteresis"});
+  const double scale = read_number(who, state, "scale");
+  const int64_t growth = read_integer(who, state, "growth_tracker");
+  int64_t hysteresis = read_integer(who, state, "hysteresis_tracker");
+  const bool has_rule =
+      std::any_of(rule.begin(), rule.end(), [&](const char* key) { return state.count(key) > 0; });
+  if (has_rule) {
+    check_same_option(who, "min_scale", read_number(who, state, "min_scale"), options_.min_scale);
+    check_same_option(who, "max_scale", read_number(who, state, "max_scale"), options_.max_scale);
+    check_same_option(who, "growth_factor", read_number(who, state, "growth_factor"), options_.growth_factor);
+    check_same_option(who, "backoff_factor", read_number(who, state, "backoff_factor"),
+                      options_.backoff_factor);
+    check_same_option(who, "growth_interval", read_integer(who, state, "growth_interval"),
+                      options_.growth_interval);
+    check_same_option(who, "hysteresis", read_integer(who, state, "hysteresis"), options_.hysteresis);
+  } else if (hysteresis < 0) {
+    hysteresis = 0;  // the format without the rule let the tracker count on below 0: all such values act as 0
+  }
+  const std::string max = format_number(options_.max_scale);
+  if (options_.allow_initial_below_min) {
+    check(std::isfinite(scale) && scale > 0 && scale <= options_.max_scale, loader, ": entry \"scale\" is ",
+          format_number(scale), ", expected a value in (0, max_scale ", max, "]");
+  } else {
+    check(scale >= options_.min_scale && scale <= options_.max_scale, loader, ": entry \"scale\" is ",
+          format_number(scale), ", expected a value in [min_scale ", format_number(options_.min_scale),
+          ", max_scale ", max, "]");
+  }
+  check(growth >= 0 && growth < options_.growth_interval, loader, ": entry \"growth_tracker\" is ", growth,
+        ", expected a value in [0, growth_interval ", options_.growth_interval, ")");
+  check(hysteresis >= 0 && hysteresis <= options_.hysteresis, loader, ": entry \"hysteresis_tracker\" is ",
+        hysteresis, ", expected a value in [0, hysteresis ", options_.hysteresis, "]");
   scale_ = scale;
   growth_tracker_ = growth;
   hysteresis_tracker_ = hysteresis;
 }
 
-// Checked against apex/amp/scaler.py LossScaler.unscale_and_update: overflow: S /= 2 (later versions:
-// max(min_loss_scale, S / 2) when min_loss_scale is set), unskipped = 0; clean: unskipped += 1; then, in the
-// same call, unskipped == scale_window: S = min(max_loss_scale, S * 2), unskipped = 0. Apex's factor is a
-// fixed 2; scale_factor generalises it as growth = scale_factor, backoff = 1 / scale_factor.
-// Checked against apex/amp/scaler.py LossScaler.unscale_and_update: overflow: S /= 2 (later versions:
-// max(min_loss_scale, S / 2) when min_loss_scale is set), unskipped = 0; clean: unskipped += 1; then, in the
-// same call, unskipped == scale_window: S = min(max_loss_scale, S * 2), unskipped = 0. Apex's factor is a
-// fixed 2; scale_factor generalises it as growth = scale_factor, backoff = 1 / scale_factor.
+// Checked against apex/amp/scaler.py: LossScaler.__init__ starts at min(max_loss_scale, init_scale);
+// update_scale: overflow: S = max(min_loss_scale, S / 2) (S / 2 when min_loss_scale is None), unskipped = 0;
+// clean: unskipped += 1; then, in the same call, unskipped == scale_window: S = min(max_loss_scale, S * 2),
+// unskipped = 0. Apex's factor is a fixed 2; scale_factor generalises it as growth = scale_factor,
+// backoff = 1 / scale_factor. Apex checks none of its options; we reject what would make no rule.
 DynamicLossScaler apex_dynamic_scaler(double init_scale, int64_t scale_window,
                                       std::optional<double> min_loss_scale, double max_loss_scale,
                                       double scale_factor) {
-  check(std::isfinite(scale_factor) && scale_factor > 1, "apex_dynamic_scaler: scale_factor must be finite ",
-        "and > 1, got ", scale_factor);
-  check_scale("apex_dynamic_scaler", "init_scale", init_scale);
-  check_at_least_one("apex_dynamic_scaler", "scale_window", scale_window);
-  if (min_loss_scale) check_scale("apex_dynamic_scaler", "min_loss_scale", *min_loss_scale);
+  const char* who = "apex_dynamic_scaler";
+  check_growth(who, "scale_factor", scale_factor);
+  check_scale(who, "init_scale", init_scale);
+  check_at_least_one(who, "scale_window", scale_window);
+  check_scale(who, "max_loss_scale", max_loss_scale);
+  if (min_loss_scale) {
+    check_scale(who, "min_loss_scale", *min_loss_scale);
+    check(*min_loss_scale <= max_loss_scale, who, ": min_loss_scale ", format_number(*min_loss_scale),
+          " must be <= max_loss_scale ", format_number(max_loss_scale));
+  }
   DynamicLossScalerOptions options;
-  options.initial_scale = init_scale;
+  options.initial_scale = std::min(max_loss_scale, init_scale);
   options.min_scale = min_loss_scale.value_or(std::numeric_limits<double>::denorm_min());
   options.max_scale = max_loss_scale;
   options.growth_factor = scale_factor;
   options.backoff_factor = 1.0 / scale_factor;
   options.growth_interval = scale_window;
   options.hysteresis = 1;  // Apex backs off on every overflow
+  options.allow_initial_below_min = true;
   return DynamicLossScaler(options);
 }
 
@@ -287,11 +381,13 @@ std::map<std::string, std::string> StaticLossScaler::state_dict() const {
   return {{"type", name()}, {"scale", format_number(scale_)}};
 }
 
+// Nothing to load: the state only confirms that it was saved under this scaler's configured scale.
 void StaticLossScaler::load_state_dict(const std::map<std::string, std::string>& state) {
-  check_type(name(), state);
+  check_type_and_entries(name(), state, {"type", "scale"});
   const double scale = read_number(name(), state, "scale");
-  check_scale("StaticLossScaler.load_state_dict", "scale", scale);
-  scale_ = scale;
+  check(scale == scale_, "StaticLossScaler.load_state_dict: the state was saved with scale ",
+        format_number(scale), ", this scaler has scale ", format_number(scale_),
+        " (a static scale comes from the configuration)");
 }
 
 }  // namespace mixtape

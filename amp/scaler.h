@@ -11,7 +11,7 @@
 //
 // state_dict(): metadata strings (numbers as the shortest text that reads back bit for bit), ready to be
 // merged into a training checkpoint's StateDict metadata under a prefix; load_state_dict() checks the type
-// and every entry before it changes anything.
+// and every entry (an unknown one is an error) before it changes anything.
 #include <cstdint>
 #include <map>
 #include <optional>
@@ -59,13 +59,16 @@ class GradScaler final : public LossScaler {
   Tensor scale(const Tensor& loss) const override;  // pass-through when disabled
   // Divides the gradients of `optimizer`'s parameters by S in place and records whether any was non-finite.
   // At most once per optimizer between update()s, and not after step() (PyTorch's errors). Rejects f16
-  // gradients, as PyTorch's public unscale_ does: those need f32 master weights (amp/optimizer).
+  // gradients, as PyTorch's public unscale_ does: those need f32 master weights (amp/optimizer). A call that
+  // throws records nothing; an optimizer without any gradient is recorded as unscaled but not inf-checked.
   void unscale(Optimizer& optimizer);
   // Unscales if not done yet, then runs optimizer.step() unless a gradient was non-finite. Returns whether
-  // it stepped. Disabled: just optimizer.step().
+  // it stepped. An Error if no parameter had a gradient (PyTorch: "No inf checks were recorded for this
+  // optimizer"). Disabled: just optimizer.step().
   bool step(Optimizer& optimizer);
-  // Combines every optimizer's found_inf since the last update (an Error if none was unscaled) and applies
-  // update(found_inf_any); resets the per-optimizer records.
+  // Combines the found_inf of every optimizer inf-checked since the last update (an Error if none was, as
+  // PyTorch's "No inf checks were recorded prior to update") and applies update(found_inf_any); resets the
+  // per-optimizer records.
   void update();
   // The rule itself: found_inf: S *= backoff, tracker = 0; else tracker += 1 and at growth_interval
   // S *= growth (kept only if finite in fp32, as PyTorch keeps S as an fp32 tensor), tracker = 0.
@@ -75,13 +78,16 @@ class GradScaler final : public LossScaler {
   int64_t growth_tracker() const { return growth_tracker_; }
   const GradScalerOptions& options() const { return options_; }
 
-  std::map<std::string, std::string> state_dict() const override;  // empty when disabled (as PyTorch)
+  // scale, growth_tracker and the rule (growth_factor, backoff_factor, growth_interval); empty when disabled.
+  std::map<std::string, std::string> state_dict() const override;
+  // As PyTorch's: the saved rule replaces this scaler's options; a disabled scaler ignores any state.
   void load_state_dict(const std::map<std::string, std::string>& state) override;
 
  private:
-  enum class Stage { Ready, Unscaled, Stepped };
-  struct OptimizerState {
-    Stage stage = Stage::Ready;
+  enum class Stage { Unscaled, Stepped };
+  struct OptimizerState {  // exists only once unscale() succeeded for the optimizer
+    Stage stage = Stage::Unscaled;
+    bool inf_checked = false;  // some parameter had a gradient (PyTorch: found_inf_per_device non-empty)
     bool found_inf = false;
   };
   GradScalerOptions options_;
@@ -98,13 +104,16 @@ struct DynamicLossScalerOptions {
   double backoff_factor = 0.5;
   int64_t growth_interval = 1000;
   int64_t hysteresis = 2;
+  // Apex: min_scale only floors the backoff, so S may start below it (it grows from there until the first
+  // overflow lifts it to min_scale). Otherwise initial_scale must lie in [min_scale, max_scale].
+  bool allow_initial_below_min = false;
 };
 
 class DynamicLossScaler : public LossScaler {
  public:
   explicit DynamicLossScaler(DynamicLossScalerOptions options = {});
   const char* name() const override { return "DynamicLossScaler"; }
-  // overflow: growth_tracker = 0, hysteresis_tracker -= 1, and when it is <= 0
+  // overflow: growth_tracker = 0, hysteresis_tracker = max(hysteresis_tracker - 1, 0), and when it is 0
   //           S = max(S * backoff, min_scale) (every further overflow backs off until a growth refills it);
   // clean:    growth_tracker += 1; at growth_interval: growth_tracker = 0, hysteresis_tracker = hysteresis,
   //           S = min(S * growth, max_scale).
@@ -114,7 +123,13 @@ class DynamicLossScaler : public LossScaler {
   int64_t hysteresis_tracker() const { return hysteresis_tracker_; }
   const DynamicLossScalerOptions& options() const { return options_; }
 
+  // scale, the two trackers and the rule: min_scale, max_scale, growth_factor, backoff_factor,
+  // growth_interval, hysteresis.
   std::map<std::string, std::string> state_dict() const override;
+  // The saved rule must be this scaler's (an Error naming the option otherwise): the Megatron/Colossal-AI
+  // rule and Apex's share this type; the scale must lie in [min_scale, max_scale] ((0, max_scale] with
+  // allow_initial_below_min), the trackers in [0, growth_interval) and [0, hysteresis]. A state without the
+  // rule entries (the format before they were added) loads unchecked against the rule.
   void load_state_dict(const std::map<std::string, std::string>& state) override;
 
  private:
@@ -130,13 +145,16 @@ class StaticLossScaler final : public LossScaler {
   const char* name() const override { return "StaticLossScaler"; }
   void update(bool) override {}
   std::map<std::string, std::string> state_dict() const override;
+  // The scale comes from the configuration: a saved scale must equal it (an Error naming both otherwise).
   void load_state_dict(const std::map<std::string, std::string>& state) override;
 };
 
 // Apex amp's dynamic LossScaler (apex/amp/scaler.py update_scale): overflow: S = max(min_loss_scale, S / 2),
 // unskipped = 0; clean: unskipped += 1; at scale_window: S = min(max_loss_scale, S * 2), unskipped = 0.
-// That is DynamicLossScaler with hysteresis 1 (each overflow backs off). Apex's min_loss_scale=None (no floor)
-// is std::nullopt here, mapped to the smallest positive double so S can never reach 0.
+// That is DynamicLossScaler with hysteresis 1 (each overflow backs off). S starts at
+// min(max_loss_scale, init_scale), possibly below min_loss_scale (the floor applies at the first backoff).
+// Apex's min_loss_scale=None (no floor) is std::nullopt here, mapped to the smallest positive double so S
+// can never reach 0.
 DynamicLossScaler apex_dynamic_scaler(double init_scale = 65536.0, int64_t scale_window = 2000,
                                       std::optional<double> min_loss_scale = std::nullopt,
                                       double max_loss_scale = 16777216.0 /* 2^24 */,

@@ -44,6 +44,14 @@ void set_grad(Tensor p, const std::vector<double>& values) {
   p.set_grad(Tensor::from_vector(values, {static_cast<int64_t>(values.size())}, DType::F32));
 }
 
+using State = std::map<std::string, std::string>;
+
+// `state` with one entry set (added when new).
+State with_entry(State state, const std::string& key, const std::string& value) {
+  state.insert_or_assign(key, value);
+  return state;
+}
+
 // ------------------------------------------------------------------------------- unscale_and_check_finite
 
 // The reference: the element read exactly into double, multiplied in the compute precision (fp32 for
@@ -266,6 +274,69 @@ TEST(GradScaler, UpdateWithoutAnyInfCheckIsAnError) {
   EXPECT_ERROR_MENTIONS(scaler.update(), "GradScaler", "no inf checks were recorded");
 }
 
+TEST(GradScaler, AThrowingUnscaleRecordsNothingSoUpdateCountsNoCleanStep) {
+  // growth_interval 1: a clean step counted by mistake would double S at once.
+  GradScaler scaler({.init_scale = 4, .growth_interval = 1});
+  Tensor p = Tensor::zeros({2}, DType::F16);
+  p.requires_grad_();
+  p.set_grad(Tensor::ones({2}, DType::F16));
+  SGD sgd({p}, 0.1);
+  EXPECT_ERROR_MENTIONS(scaler.unscale(sgd), "FP16 gradients");
+  EXPECT_ERROR_MENTIONS(scaler.update(), "GradScaler.update",
+                        "no inf checks were recorded prior to update()");
+  EXPECT_EQ(scaler.scale(), 4.0);
+  EXPECT_EQ(scaler.growth_tracker(), 0);
+  // Nothing was recorded, so the same optimizer may be unscaled once its gradients are fixed.
+  Tensor q = parameter({1});
+  set_grad(q, {8});
+  SGD fixed({q}, 1.0);
+  EXPECT_ERROR_MENTIONS(scaler.step(sgd), "FP16 gradients");
+  EXPECT_TRUE(scaler.step(fixed));
+  scaler.update();
+  EXPECT_EQ(scaler.scale(), 8.0);  // one clean step: the one of `fixed`
+}
+
+TEST(GradScaler, StepAndUpdateOfAnOptimizerWithoutGradientsAreErrorsAsInPyTorch) {
+  // PyTorch: step() "No inf checks were recorded for this optimizer.", update() "... prior to update.".
+  GradScaler scaler({.init_scale = 4, .growth_interval = 1});
+  Tensor p = parameter({1, 2});
+  SGD sgd({p}, 1.0);
+  EXPECT_ERROR_MENTIONS(scaler.step(sgd), "GradScaler.step", "no inf checks were recorded for this optimizer",
+                        "none of its 1 parameters has a gradient");
+  EXPECT_EQ(p.to_vector<double>(), (std::vector<double>{1, 2}));
+  EXPECT_ERROR_MENTIONS(scaler.update(), "GradScaler.update",
+                        "no inf checks were recorded prior to update()");
+  EXPECT_EQ(scaler.scale(), 4.0);
+  EXPECT_EQ(scaler.growth_tracker(), 0);
+}
+
+TEST(GradScaler, AnOptimizerWithoutGradientsDoesNotCountInUpdate) {
+  // S = 4, interval 2. sgd1 has a finite gradient, sgd2 none: unscale(sgd2) is allowed (PyTorch records the
+  // optimizer as unscaled with no inf check), update() combines sgd1's check alone: one clean step.
+  GradScaler scaler({.init_scale = 4, .growth_interval = 2});
+  Tensor p1 = parameter({1}), p2 = parameter({1});
+  SGD sgd1({p1}, 1.0), sgd2({p2}, 1.0);
+  set_grad(p1, {8});
+  scaler.unscale(sgd2);
+  EXPECT_TRUE(scaler.step(sgd1));
+  scaler.update();
+  EXPECT_EQ(scaler.growth_tracker(), 1);
+  EXPECT_EQ(scaler.scale(), 4.0);
+}
+
+TEST(GradScaler, UnscaleAfterTheScaleBackedOffPastFp32sRangeIsAnErrorOfTheScaler) {
+  // 130 overflows from S = 1: S = 2^-130 and 1/S = 2^130 > fp32's largest finite 2^128 (1 - 2^-24).
+  GradScaler scaler({.init_scale = 1});
+  run_pattern(scaler, std::string(130, 'O'));
+  EXPECT_EQ(scaler.scale(), std::ldexp(1.0, -130));
+  Tensor p = parameter({1});
+  set_grad(p, {1});
+  SGD sgd({p}, 1.0);
+  EXPECT_ERROR_MENTIONS(scaler.unscale(sgd), "GradScaler.unscale", "scale is 7.346839692639297e-40",
+                        "1/scale overflows fp32");
+  EXPECT_ERROR_MENTIONS(scaler.update(), "no inf checks were recorded");  // the failed unscale left nothing
+}
+
 TEST(GradScaler, RefusesToUnscaleFp16Gradients) {
   GradScaler scaler;
   Tensor p = Tensor::zeros({2}, DType::F16);
@@ -320,6 +391,28 @@ TEST(GradScaler, LoadStateDictRejectsBadStateAndChangesNothing) {
   EXPECT_EQ(scaler.scale(), 16.0);
 }
 
+TEST(GradScaler, LoadStateDictErrorsNameTheCallAndTheEntry) {
+  GradScaler scaler({.init_scale = 16});
+  const std::map<std::string, std::string> state = GradScaler().state_dict();
+  EXPECT_ERROR_MENTIONS(scaler.load_state_dict(with_entry(state, "scale", "0")), "GradScaler.load_state_dict",
+                        "entry \"scale\"", "finite and > 0", "got 0");
+  EXPECT_ERROR_MENTIONS(scaler.load_state_dict(with_entry(state, "backoff_factor", "1")),
+                        "GradScaler.load_state_dict", "entry \"backoff_factor\"", "(0, 1)", "got 1");
+  EXPECT_ERROR_MENTIONS(scaler.load_state_dict(with_entry(state, "growth_tracker", "2000")),
+                        "GradScaler.load_state_dict", "entry \"growth_tracker\"", "2000",
+                        "[0, growth_interval 2000)");
+  EXPECT_EQ(scaler.scale(), 16.0);
+}
+
+TEST(GradScaler, DisabledLoadStateDictIsANoOpAsInPyTorch) {
+  // PyTorch's load_state_dict begins with "if not self._enabled: return".
+  GradScaler scaler({.enabled = false});
+  scaler.load_state_dict({});
+  scaler.load_state_dict(GradScaler({.init_scale = 8}).state_dict());
+  EXPECT_EQ(scaler.scale(), 1.0);
+  EXPECT_TRUE(scaler.state_dict().empty());
+}
+
 TEST(GradScaler, RejectsEveryInvalidOption) {
   EXPECT_ERROR_MENTIONS(GradScaler({.init_scale = 0}), "GradScaler", "init_scale", "0");
   EXPECT_ERROR_MENTIONS(GradScaler({.init_scale = -1}), "init_scale", "-1");
@@ -331,6 +424,20 @@ TEST(GradScaler, RejectsEveryInvalidOption) {
   EXPECT_ERROR_MENTIONS(GradScaler({.backoff_factor = 0}), "backoff_factor", "0");
   EXPECT_ERROR_MENTIONS(GradScaler({.backoff_factor = 1.5}), "backoff_factor", "1.5");
   EXPECT_ERROR_MENTIONS(GradScaler({.growth_interval = 0}), "growth_interval", "0");
+}
+
+TEST(LossScaler, ErrorsPrintValuesExactly) {
+  // Six significant digits would print 1 - 1e-9 as "1" and 1 + 1e-12 as "1": the errors would read
+  // "growth_factor must be > 1, got 1" for a value that is not 1.
+  EXPECT_ERROR_MENTIONS(GradScaler({.growth_factor = 1 - 1e-9}), "growth_factor", "got 0.999999999");
+  EXPECT_ERROR_MENTIONS(DynamicLossScaler({.backoff_factor = 1 + 1e-12}), "backoff_factor",
+                        "got 1.000000000001");
+  EXPECT_ERROR_MENTIONS(
+      DynamicLossScaler({.initial_scale = 1.0000001, .min_scale = 1.0000001, .max_scale = 1}),
+      "min_scale 1.0000001", "max_scale 1");
+  auto state = DynamicLossScaler().state_dict();
+  state["scale"] = "4294967296.5";
+  EXPECT_ERROR_MENTIONS(DynamicLossScaler().load_state_dict(state), "4294967296.5");
 }
 
 // --------------------------------------------------------------------------------------- DynamicLossScaler
@@ -346,16 +453,18 @@ TEST(DynamicLossScaler, DefaultsAreMegatrons) {
 }
 
 TEST(DynamicLossScaler, HalvesOnlyAfterHysteresisOverflows) {
-  // hysteresis 3: h = 3 -> O: h=2 (keep 16) -> O: h=1 (keep) -> O: h=0 -> S = 8 -> O: h=-1 -> S = 4.
+  // hysteresis 3: h = 3 -> O: h=2 (keep 16) -> O: h=1 (keep) -> O: h=0 -> S = 8 -> O: h stays 0 -> S = 4
+  // (Megatron counts on to h=-1; every h <= 0 backs off alike).
   DynamicLossScaler scaler({.initial_scale = 16, .min_scale = 1, .max_scale = 64, .growth_interval = 5,
                             .hysteresis = 3});
   EXPECT_EQ(run_pattern(scaler, "OOOO"), (std::vector<double>{16, 16, 8, 4}));
+  EXPECT_EQ(scaler.hysteresis_tracker(), 0);
 }
 
 TEST(DynamicLossScaler, ScaleSequenceFollowsMegatronsRuleWithClampsAndHysteresisRefill) {
   // S0 = 16, min 2, max 64, growth 2, backoff 0.5, interval 2, hysteresis 2; g = growth, h = hysteresis.
-  //  O: g=0 h=1       -> 16    O: h=0 -> 8          O: h=-1 -> 4       C: g=1 -> 4
-  //  O: g=0 h=-2 -> 2          O: h=-3 -> max(1, 2) = 2 (min clamp)    C: g=1 -> 2
+  //  O: g=0 h=1       -> 16    O: h=0 -> 8          O: h=0 (stays) -> 4    C: g=1 -> 4
+  //  O: g=0 h=0 -> 2           O: h=0 -> max(1, 2) = 2 (min clamp)    C: g=1 -> 2
   //  C: g=2 -> g=0 h=2 (refilled) S=4                O: h=1 -> 4 (refill absorbs one overflow)
   //  C: g=1 4   C: g=2 -> 8 (h=2)   then 8 clean: 8 16 16 32 32 64 64 min(128, 64)=64 (max clamp).
   DynamicLossScaler scaler({.initial_scale = 16, .min_scale = 2, .max_scale = 64, .growth_factor = 2,
@@ -406,6 +515,90 @@ TEST(DynamicLossScaler, LoadStateDictRejectsBadState) {
   EXPECT_ERROR_MENTIONS(scaler.load_state_dict(state), "missing", "hysteresis_tracker");
 }
 
+TEST(DynamicLossScaler, LoadStateDictChecksTheScaleAndTheTrackersAgainstTheRule) {
+  // Defaults: min_scale 1, max_scale 2^32, growth_interval 1000, hysteresis 2. The scaler can only reach
+  // scales in [min, max], growth_tracker in [0, 1000) and hysteresis_tracker in [0, 2].
+  DynamicLossScaler scaler;
+  scaler.update(true);  // h = 1
+  const std::map<std::string, std::string> before = scaler.state_dict();
+  const auto with = [](const char* key, const char* value) {
+    return with_entry(DynamicLossScaler().state_dict(), key, value);
+  };
+  EXPECT_ERROR_MENTIONS(scaler.load_state_dict(with("scale", "8589934592")),
+                        "DynamicLossScaler.load_state_dict", "entry \"scale\" is 8589934592",
+                        "[min_scale 1, max_scale 4294967296]");
+  EXPECT_ERROR_MENTIONS(scaler.load_state_dict(with("scale", "0.5")), "entry \"scale\" is 0.5",
+                        "[min_scale 1, max_scale 4294967296]");
+  EXPECT_ERROR_MENTIONS(scaler.load_state_dict(with("scale", "inf")), "entry \"scale\" is inf");
+  EXPECT_ERROR_MENTIONS(scaler.load_state_dict(with("growth_tracker", "-1")),
+                        "DynamicLossScaler.load_state_dict", "entry \"growth_tracker\" is -1",
+                        "[0, growth_interval 1000)");
+  EXPECT_ERROR_MENTIONS(scaler.load_state_dict(with("hysteresis_tracker", "3")),
+                        "DynamicLossScaler.load_state_dict", "entry \"hysteresis_tracker\" is 3",
+                        "[0, hysteresis 2]");
+  EXPECT_ERROR_MENTIONS(scaler.load_state_dict(with("hysteresis_tracker", "-1")),
+                        "entry \"hysteresis_tracker\" is -1", "[0, hysteresis 2]");
+  // The most negative tracker would wrap to the largest on the next overflow.
+  EXPECT_ERROR_MENTIONS(scaler.load_state_dict(with("hysteresis_tracker", "-9223372036854775808")),
+                        "hysteresis_tracker", "-9223372036854775808");
+  EXPECT_EQ(scaler.state_dict(), before);
+}
+
+TEST(DynamicLossScaler, LoadStateDictRefusesAStateSavedUnderAnotherRule) {
+  const DynamicLossScalerOptions base{.initial_scale = 64, .min_scale = 2, .max_scale = 1024,
+                                      .growth_factor = 2, .backoff_factor = 0.5, .growth_interval = 10,
+                                      .hysteresis = 2};
+  const auto changed = [&](auto edit) {
+    DynamicLossScalerOptions options = base;
+    edit(options);
+    return options;
+  };
+  // One option changed at a time: the error names it with both values.
+  const std::vector<std::pair<DynamicLossScalerOptions, std::string>> saved_under = {
+      {changed([](auto& o) { o.min_scale = 1; }), "saved with min_scale 1, this scaler has min_scale 2"},
+      {changed([](auto& o) { o.max_scale = 2048; }),
+       "saved with max_scale 2048, this scaler has max_scale 1024"},
+      {changed([](auto& o) { o.growth_factor = 4; }), "growth_factor 4, this scaler has growth_factor 2"},
+      {changed([](auto& o) { o.backoff_factor = 0.25; }),
+       "backoff_factor 0.25, this scaler has backoff_factor 0.5"},
+      {changed([](auto& o) { o.growth_interval = 20; }),
+       "growth_interval 20, this scaler has growth_interval 10"},
+      {changed([](auto& o) { o.hysteresis = 3; }), "saved with hysteresis 3, this scaler has hysteresis 2"}};
+  DynamicLossScaler scaler(base);
+  scaler.update(true);
+  const std::map<std::string, std::string> before = scaler.state_dict();
+  for (const auto& [options, expected] : saved_under)
+    EXPECT_ERROR_MENTIONS(scaler.load_state_dict(DynamicLossScaler(options).state_dict()),
+                          "DynamicLossScaler.load_state_dict", expected);
+  EXPECT_EQ(scaler.state_dict(), before);
+  // The naive (Megatron / Colossal-AI) rule and Apex's share the type name, not the rule.
+  DynamicLossScaler apex = apex_dynamic_scaler();
+  EXPECT_ERROR_MENTIONS(apex.load_state_dict(DynamicLossScaler().state_dict()), "DynamicLossScaler",
+                        "saved with min_scale 1, this scaler has min_scale 5e-324");
+  EXPECT_ERROR_MENTIONS(DynamicLossScaler().load_state_dict(apex.state_dict()),
+                        "saved with min_scale 5e-324, this scaler has min_scale 1");
+  scaler.load_state_dict(DynamicLossScaler(base).state_dict());  // the same rule loads
+  EXPECT_EQ(scaler.hysteresis_tracker(), 2);
+}
+
+TEST(DynamicLossScaler, LoadsAStateWrittenBeforeTheRuleEntries) {
+  // That format holds type, scale and the two trackers, and its hysteresis tracker counted on below 0.
+  DynamicLossScaler scaler({.initial_scale = 64, .min_scale = 1, .max_scale = 512, .growth_interval = 3});
+  scaler.load_state_dict({{"type", "DynamicLossScaler"}, {"scale", "16"}, {"growth_tracker", "1"},
+                          {"hysteresis_tracker", "-3"}});
+  EXPECT_EQ(scaler.scale(), 16.0);
+  EXPECT_EQ(scaler.growth_tracker(), 1);
+  EXPECT_EQ(scaler.hysteresis_tracker(), 0);
+  // h <= 0 backs off at the next overflow: O: g=0 -> 8 | C: g=1 8 | C: g=2 8 | C: g=3 -> 16, h=2 |
+  // O: h=1 -> 16 (the refill absorbs it).
+  EXPECT_EQ(run_pattern(scaler, "OCCCO"), (std::vector<double>{8, 8, 8, 16, 16}));
+  // Part of the rule is no format: the rest is missing.
+  auto partial = DynamicLossScaler().state_dict();
+  partial.erase("hysteresis");
+  EXPECT_ERROR_MENTIONS(DynamicLossScaler().load_state_dict(partial), "DynamicLossScaler.load_state_dict",
+                        "missing entry \"hysteresis\"");
+}
+
 TEST(DynamicLossScaler, RejectsEveryInvalidOption) {
   using O = DynamicLossScalerOptions;
   EXPECT_ERROR_MENTIONS(DynamicLossScaler(O{.initial_scale = 0}), "DynamicLossScaler", "initial_scale", "0");
@@ -415,11 +608,26 @@ TEST(DynamicLossScaler, RejectsEveryInvalidOption) {
                         "8", "max_scale", "2");
   EXPECT_ERROR_MENTIONS(DynamicLossScaler(O{.initial_scale = 1024, .min_scale = 1, .max_scale = 512}),
                         "initial_scale", "1024", "512");
+  EXPECT_ERROR_MENTIONS(DynamicLossScaler(O{.initial_scale = 0.5, .min_scale = 1}), "initial_scale 0.5",
+                        "[min_scale 1, max_scale 4294967296]");
   EXPECT_ERROR_MENTIONS(DynamicLossScaler(O{.growth_factor = 1}), "growth_factor", "1");
   EXPECT_ERROR_MENTIONS(DynamicLossScaler(O{.backoff_factor = 1}), "backoff_factor", "1");
   EXPECT_ERROR_MENTIONS(DynamicLossScaler(O{.backoff_factor = -0.5}), "backoff_factor", "-0.5");
   EXPECT_ERROR_MENTIONS(DynamicLossScaler(O{.growth_interval = 0}), "growth_interval", "0");
   EXPECT_ERROR_MENTIONS(DynamicLossScaler(O{.hysteresis = 0}), "hysteresis", "0");
+}
+
+TEST(DynamicLossScaler, RejectsNonFiniteValuesOfEveryOption) {
+  using O = DynamicLossScalerOptions;
+  for (double bad : {kInf, kNaN}) {
+    const std::string text = std::isnan(bad) ? "got nan" : "got inf";
+    EXPECT_ERROR_MENTIONS(DynamicLossScaler(O{.max_scale = bad}), "DynamicLossScaler", "max_scale", "finite",
+                          text);
+    EXPECT_ERROR_MENTIONS(DynamicLossScaler(O{.min_scale = bad}), "min_scale", text);
+    EXPECT_ERROR_MENTIONS(DynamicLossScaler(O{.initial_scale = bad}), "initial_scale", text);
+    EXPECT_ERROR_MENTIONS(DynamicLossScaler(O{.growth_factor = bad}), "growth_factor", text);
+    EXPECT_ERROR_MENTIONS(DynamicLossScaler(O{.backoff_factor = bad}), "backoff_factor", text);
+  }
 }
 
 // ------------------------------------------------------------------------------------ Apex and static
@@ -441,6 +649,30 @@ TEST(ApexDynamicScaler, BacksOffOnEveryOverflowAndClampsToMinAndMax) {
   EXPECT_EQ(run_pattern(scaler, "OOOCCCCCCCCCC"), expected);
 }
 
+TEST(ApexDynamicScaler, StartsAtInitScaleClampedToMaxLossScale) {
+  // Apex LossScaler.__init__: self._loss_scale = min(max_loss_scale, init_scale).
+  DynamicLossScaler scaler = apex_dynamic_scaler(1048576, 2, std::nullopt, 65536);
+  EXPECT_EQ(scaler.scale(), 65536.0);
+  EXPECT_EQ(run_pattern(scaler, "CCO"), (std::vector<double>{65536, 65536, 32768}));  // min(2^17, 2^16)
+}
+
+TEST(ApexDynamicScaler, MayStartBelowMinLossScaleWhichFloorsOnlyTheBackoff) {
+  // init 2^16, window 2, min 2^20, max 2^24: Apex starts at 2^16, below its floor.
+  //  O: max(2^16 / 2, 2^20) = 2^20   C: u=1 2^20   C: u=2 -> 2^21.
+  DynamicLossScaler overflow_first = apex_dynamic_scaler(65536, 2, 1048576.0);
+  EXPECT_EQ(overflow_first.scale(), 65536.0);
+  EXPECT_EQ(run_pattern(overflow_first, "OCC"), (std::vector<double>{1048576, 1048576, 2097152}));
+  //  C: u=1 2^16   C: u=2 -> 2^17   O: max(2^17 / 2, 2^20) = 2^20.
+  DynamicLossScaler growth_first = apex_dynamic_scaler(65536, 2, 1048576.0);
+  EXPECT_EQ(run_pattern(growth_first, "CCO"), (std::vector<double>{65536, 131072, 1048576}));
+  // A state saved while still below the floor loads back (a checkpoint before the first overflow).
+  DynamicLossScaler saved = apex_dynamic_scaler(65536, 2, 1048576.0);
+  saved.update(false);
+  growth_first.load_state_dict(saved.state_dict());
+  EXPECT_EQ(growth_first.scale(), 65536.0);
+  EXPECT_EQ(growth_first.growth_tracker(), 1);
+}
+
 TEST(ApexDynamicScaler, WithoutMinLossScaleKeepsHalvingAboveZero) {
   DynamicLossScaler scaler = apex_dynamic_scaler(1, 2);
   EXPECT_EQ(run_pattern(scaler, "OO"), (std::vector<double>{0.5, 0.25}));
@@ -452,7 +684,10 @@ TEST(ApexDynamicScaler, RejectsInvalidOptions) {
   EXPECT_ERROR_MENTIONS(apex_dynamic_scaler(16, 2, 4.0, 64, 1.0), "scale_factor", "1");
   EXPECT_ERROR_MENTIONS(apex_dynamic_scaler(16, 0), "apex_dynamic_scaler", "scale_window", "0");
   EXPECT_ERROR_MENTIONS(apex_dynamic_scaler(0), "init_scale", "0");
-  EXPECT_ERROR_MENTIONS(apex_dynamic_scaler(16, 2, 4.0, 8.0), "min_scale", "max_scale", "8");
+  EXPECT_ERROR_MENTIONS(apex_dynamic_scaler(16, 2, 32.0, 8.0), "apex_dynamic_scaler", "min_loss_scale 32",
+                        "max_loss_scale 8");
+  EXPECT_ERROR_MENTIONS(apex_dynamic_scaler(16, 2, 4.0, kInf), "apex_dynamic_scaler", "max_loss_scale",
+                        "inf");
   EXPECT_ERROR_MENTIONS(apex_dynamic_scaler(16, 2, -1.0), "min_loss_scale", "-1");
 }
 
@@ -473,12 +708,35 @@ TEST(StaticLossScaler, ScaleOneReturnsTheLossItself) {
   EXPECT_EQ(x.grad().to_vector<double>(), (std::vector<double>{1}));
 }
 
-TEST(StaticLossScaler, StateDictRoundTripAndInvalidScale) {
+TEST(StaticLossScaler, LoadStateDictOnlyConfirmsTheConfiguredScale) {
+  // The scale is configuration, like Megatron's ConstantGradScaler's: a state saved under another one is
+  // another configuration, not something to load.
   StaticLossScaler a(0.125), b(4);
-  b.load_state_dict(a.state_dict());
-  EXPECT_EQ(b.scale(), 0.125);
+  EXPECT_ERROR_MENTIONS(b.load_state_dict(a.state_dict()), "StaticLossScaler.load_state_dict",
+                        "saved with scale 0.125", "this scaler has scale 4");
+  EXPECT_EQ(b.scale(), 4.0);
+  b.load_state_dict(StaticLossScaler(4).state_dict());
+  EXPECT_EQ(b.scale(), 4.0);
+}
+
+TEST(StaticLossScaler, RejectsAnInvalidScale) {
   EXPECT_ERROR_MENTIONS(StaticLossScaler(0), "StaticLossScaler", "scale", "0");
   EXPECT_ERROR_MENTIONS(StaticLossScaler(-kInf), "scale", "-inf");
+}
+
+TEST(LossScaler, LoadStateDictRejectsUnknownEntries) {
+  // "_growth_tracker" is PyTorch's spelling, not ours.
+  const GradScaler grad;
+  EXPECT_ERROR_MENTIONS(GradScaler().load_state_dict(with_entry(grad.state_dict(), "_growth_tracker", "0")),
+                        "GradScaler.load_state_dict", "unknown entry \"_growth_tracker\"",
+                        "expected only type, scale");
+  EXPECT_ERROR_MENTIONS(
+      DynamicLossScaler().load_state_dict(with_entry(DynamicLossScaler().state_dict(), "max_scale_", "1")),
+      "DynamicLossScaler.load_state_dict", "unknown entry \"max_scale_\"");
+  StaticLossScaler fixed(2);
+  EXPECT_ERROR_MENTIONS(fixed.load_state_dict(with_entry(fixed.state_dict(), "loss_scale", "2")),
+                        "StaticLossScaler.load_state_dict", "unknown entry \"loss_scale\"",
+                        "expected only type, scale");
 }
 
 TEST(LossScaler, StateGoesIntoACheckpointsMetadata) {
