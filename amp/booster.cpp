@@ -1,7 +1,10 @@
 #include "amp/booster.h"
 
+#include <algorithm>
+#include <charconv>
 #include <cstdio>
 #include <map>
+#include <string>
 
 #include "amp/autocast.h"
 #include "nn/layers.h"
@@ -11,6 +14,13 @@
 namespace mixtape {
 
 namespace {
+
+bool contains(const Module& root, const Module& target) {
+  if (&root == &target) return true;
+  for (const auto& [name, child] : root.named_children())
+    if (contains(*child, target)) return true;
+  return false;
+}
 
 // Every LayerNorm / RMSNorm below `module` (Apex's keep_batchnorm_fp32 applied to our norm layers).
 void collect_norms(Module& module, std::vector<UnaryModule*>& out) {
@@ -22,6 +32,28 @@ void collect_norms(Module& module, std::vector<UnaryModule*>& out) {
 }
 
 const char* low_name(DType dtype) { return dtype == DType::BF16 ? "bf16" : "fp16"; }
+
+// Every floating tensor in `dtype` (Apex's to_type: f64 included); undefined and integer tensors untouched.
+Tensor cast_floating(const Tensor& t, DType dtype) {
+  return t.defined() && is_floating(t.dtype()) ? t.to(dtype) : t;
+}
+
+// The shortest text that reads back as `value` (65536, 4294967296, 0.5): a scale printed exactly.
+std::string number_text(double value) {
+  char buffer[64];
+  const auto result = std::to_chars(buffer, buffer + sizeof buffer, value);
+  return std::string(buffer, result.ptr);
+}
+
+// What the last update() did to a DynamicLossScaler, read from its trackers: an overflow leaves
+// growth_tracker 0 and the hysteresis tracker below `hysteresis`; a growth leaves growth_tracker 0 and the
+// tracker refilled; any other clean step leaves growth_tracker >= 1.
+bool overflowed(const DynamicLossScaler& s) {
+  return s.growth_tracker() == 0 && s.hysteresis_tracker() < s.options().hysteresis;
+}
+bool grew(const DynamicLossScaler& s) {
+  return s.growth_tracker() == 0 && s.hysteresis_tracker() == s.options().hysteresis;
+}
 
 }  // namespace
 
@@ -41,32 +73,46 @@ BoostedParts Booster::boost_parts(Module& model, std::unique_ptr<Optimizer> opti
   const std::vector<std::pair<std::string, Tensor>> before = model.named_parameters();
 
   // ---- the model ----
+  for (UnaryModule* module : options.fp32_modules)
+    check(module != nullptr && contains(model, *module), "Booster.boost: BoostOptions::fp32_modules holds a "
+          "module that is not a submodule of the model");
   if (c.mixed_precision == "tf32") set_allow_tf32(true);
   if (c.is_naive()) {
     NaiveAMPOptions naive;
     naive.dtype = low_name(*c.model_dtype());
     naive.output_to_fp32 = c.naive.output_to_fp32;
     naive.group = options.group;
+    naive.fp32_modules = options.fp32_modules;
     naive_ = std::make_unique<NaiveAMPModel>(model, naive);
-  } else if (c.mixed_precision == "fp16_apex" && c.apex.cast_model_type) {
-    const DType cast = *c.apex.cast_model_type;
-    if (cast == DType::F32) {
-      model.to(DType::F32);
+  } else if (c.mixed_precision == "fp16_apex") {
+    // Apex's _initialize: with a cast_model_type (O0's fp32 too) the model is cast, every floating input is
+    // cast to it and every floating output to cast_model_outputs (fp32 if unset); without one, floating
+    // outputs are cast to cast_model_outputs when it is set. Each cast happens even when it changes nothing
+    // inside the model (O2 with cast_model_outputs "fp16" casts the fp32 loss to fp16).
+    if (const std::optional<DType> cast = c.model_dtype()) {
+      input_dtype_ = *cast;
+      output_dtype_ = c.apex.cast_model_outputs.value_or(DType::F32);
+      if (*cast == DType::F32) {
+        model.to(DType::F32);
+      } else {
+        NaiveAMPOptions naive;
+        naive.dtype = low_name(*cast);
+        naive.sync_buffer = false;
+        naive.output_to_fp32 = false;  // forward() casts the outputs, as Apex does
+        // keep_batchnorm_fp32: the norm layers keep their fp32 values and run in fp32, as do fp32_modules.
+        naive.fp32_modules = options.fp32_modules;
+        if (c.apex.keep_batchnorm_fp32.value_or(false)) {
+          std::vector<UnaryModule*> norms;
+          collect_norms(model, norms);
+          std::vector<UnaryModule*>& fp32 = naive.fp32_modules;
+          for (UnaryModule* norm : norms)
+            if (std::find(fp32.begin(), fp32.end(), norm) == fp32.end()) fp32.push_back(norm);
+        }
+        naive_ = std::make_unique<NaiveAMPModel>(model, naive);
+      }
     } else {
-      NaiveAMPOptions naive;
-      naive.dtype = low_name(cast);
-      naive.sync_buffer = false;
-      // Apex casts outputs to fp32 unless cast_model_outputs names another dtype.
-      naive.output_to_fp32 = !c.apex.cast_model_outputs || *c.apex.cast_model_outputs == DType::F32;
-      if (c.apex.cast_model_outputs && *c.apex.cast_model_outputs != cast &&
-          *c.apex.cast_model_outputs != DType::F32)
-        output_dtype_ = *c.apex.cast_model_outputs;
-      // keep_batchnorm_fp32: the norm layers keep their fp32 values and run in fp32.
-      if (c.apex.keep_batchnorm_fp32.value_or(false)) collect_norms(model, naive.fp32_modules);
-      naive_ = std::make_unique<NaiveAMPModel>(model, naive);
+      output_dtype_ = c.apex.cast_model_outputs;  // O1 (or no cast) with cast_model_outputs
     }
-  } else if (c.mixed_precision == "fp16_apex" && c.apex.cast_model_outputs) {
-    output_dtype_ = c.apex.cast_model_outputs;  // O1 with cast_model_outputs
   }
   model_ = &model;
 
@@ -80,6 +126,8 @@ BoostedParts Booster::boost_parts(Module& model, std::unique_ptr<Optimizer> opti
       const auto found = replacement.find(param.impl_ptr().get());
       if (found != replacement.end()) param = found->second;
     }
+  // From here the optimizer holds the parameters: a later set_fp32 would make leaves it does not hold.
+  if (naive_) naive_->seal();
 
   // ---- the scalers ----
   std::vector<std::unique_ptr<LossScaler>> scalers;
@@ -116,10 +164,12 @@ std::vector<Tensor> Booster::forward(
   check(model_ != nullptr, "Booster.forward: call boost(model, optimizer) first");
   std::optional<Autocast> scope;
   if (const auto dtype = config_.autocast_dtype()) scope.emplace(dtype);
-  std::vector<Tensor> outputs = naive_ ? naive_->forward(forward, inputs) : forward(inputs);
+  std::vector<Tensor> cast_inputs = inputs;
+  if (input_dtype_)
+    for (Tensor& input : cast_inputs) input = cast_floating(input, *input_dtype_);
+  std::vector<Tensor> outputs = naive_ ? naive_->forward(forward, cast_inputs) : forward(cast_inputs);
   if (output_dtype_)
-    for (Tensor& out : outputs)
-      if (out.defined() && is_floating(out.dtype())) out = out.to(*output_dtype_);
+    for (Tensor& out : outputs) out = cast_floating(out, *output_dtype_);
   return outputs;
 }
 
@@ -128,16 +178,35 @@ void Booster::backward(const Tensor& loss, MixedPrecisionOptimizer& optimizer, i
 }
 
 StepResult Booster::step(MixedPrecisionOptimizer& optimizer) {
-  std::vector<double> before;
-  for (int i = 0; i < optimizer.num_losses(); ++i) before.push_back(optimizer.loss_scale(i));
   const StepResult result = optimizer.step();
-  const bool verbose = (config_.mixed_precision == "fp16_apex" && config_.apex.verbosity > 0) ||
-                       (config_.is_naive() && config_.naive.verbose);
-  if (verbose)
-    for (int i = 0; i < optimizer.num_losses(); ++i)
-      if (result.skipped && optimizer.loss_scale(i) < before[static_cast<size_t>(i)])  // Apex's message
-        std::fprintf(stderr, "Gradient overflow. Skipping step, loss scaler %d reducing loss scale to %g\n", i,
-                     optimizer.loss_scale(i));
+  if (config_.mixed_precision == "fp16_apex" && config_.apex.verbosity > 0) {
+    for (int i = 0; i < optimizer.num_losses(); ++i) {
+      const auto* dynamic = dynamic_cast<const DynamicLossScaler*>(&optimizer.scaler(i));
+      const std::string scale = number_text(optimizer.loss_scale(i));
+      if (dynamic == nullptr) {  // a static scale: Apex would have stepped (amp/README.md)
+        if (result.skipped && i == 0)
+          std::fprintf(stderr, "Gradient overflow.  Skipping step (static loss scale %s, kept: mixtape skips "
+                       "a non-finite step where Apex steps)\n", scale.c_str());
+      } else if (result.skipped && overflowed(*dynamic)) {
+        // Apex's message (apex/amp/handle.py), on every skipped step, at the min_loss_scale floor too.
+        std::fprintf(stderr, "Gradient overflow.  Skipping step, loss scaler %d reducing loss scale to %s\n",
+                     i, scale.c_str());
+      } else if (config_.apex.verbosity >= 2 && grew(*dynamic)) {
+        std::fprintf(stderr, "No overflow for %lld consecutive steps, loss scaler %d increasing loss scale "
+                     "to %s\n", static_cast<long long>(dynamic->options().growth_interval), i, scale.c_str());
+      }
+    }
+  } else if (config_.is_naive() && config_.naive.verbose) {
+    // Colossal-AI's DynamicGradScaler log lines, at each backoff and each growth (clamped ones included).
+    const auto* dynamic = dynamic_cast<const DynamicLossScaler*>(&optimizer.scaler(0));
+    const std::string scale = number_text(optimizer.loss_scale(0));
+    if (dynamic == nullptr) return result;  // an optimizer built with another scaler: nothing of ours to log
+    if (result.skipped && overflowed(*dynamic) && dynamic->hysteresis_tracker() <= 0)
+      std::fprintf(stderr, "Overflow occurs, the loss scale is adjusted to %s\n", scale.c_str());
+    else if (grew(*dynamic))
+      std::fprintf(stderr, "No overflow for consecutive %lld steps, the loss scale is adjusted to %s\n",
+                   static_cast<long long>(dynamic->options().growth_interval), scale.c_str());
+  }
   return result;
 }
 

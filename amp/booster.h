@@ -16,12 +16,23 @@
 //   tf32        set_allow_tf32(true) (process-wide, like torch.backends.cuda.matmul.allow_tf32)
 //   fp16        forward under Autocast(F16); GradScaler with the config's options; fp32 params
 //   bf16        forward under Autocast(BF16); no scaler unless enabled; fp32 params
-//   fp16_apex   O0: model fp32, static scale 1 · O1: Autocast(F16), fp32 params, dynamic Apex scaler ·
-//               O2: model fp16 with norm layers fp32, inputs cast to fp16, outputs to fp32, fp32 master
-//               weights, dynamic Apex scaler · O3: model fp16, no masters, scale 1 — each property
-//               overridable (num_losses: one scaler per loss, loss_id in backward)
+//   fp16_apex   O0: model fp32, floating inputs and outputs cast to fp32, static scale 1 · O1: Autocast(F16),
+//               fp32 params, dynamic Apex scaler · O2: model fp16 with norm layers fp32, floating inputs cast
+//               to fp16, floating outputs to fp32, fp32 master weights, dynamic Apex scaler · O3: model
+//               fp16, no masters, scale 1 — each property overridable (num_losses: one scaler per loss,
+//               loss_id in backward). As in Apex's _initialize, whenever cast_model_outputs is set (any opt
+//               level) every floating output is cast to it, even when the model already computed it in
+//               that dtype or it differs (O2 with "fp16": the fp32 loss comes back fp16). Deviation: a
+//               static loss scale skips a step with non-finite gradients (every scale does, amp/optimizer.h);
+//               Apex steps anyway (it checks for overflow only when dynamic). verbosity 1 prints Apex's
+//               "Gradient overflow.  Skipping step, loss scaler K reducing loss scale to S" on every
+//               skipped step; 2 also each growth.
 //   fp16_naive  NaiveAMPModel(fp16) + masters + DynamicLossScaler with hysteresis (and the config's clip_grad,
-//   bf16_naive  log_num_zeros_in_grad); bf16 likewise
+//   bf16_naive  log_num_zeros_in_grad); bf16 likewise. verbose prints Colossal-AI's lines at each backoff
+//               ("Overflow occurs, the loss scale is adjusted to S") and growth ("No overflow for
+//               consecutive N steps, the loss scale is adjusted to S").
+// Modules to keep in fp32 go in BoostOptions::fp32_modules: once boost() handed the parameters to the
+// optimizer, the NaiveAMPModel is sealed and set_fp32 on it is an Error (its new leaves would never train).
 // Nothing here is backend-specific: the same code runs wherever the ops run.
 #include <functional>
 #include <memory>
@@ -39,6 +50,10 @@ namespace mixtape {
 struct BoostOptions {
   double clip_grad = 0;           // used unless the config sets its own (naive clip_grad > 0)
   ProcessGroup* group = nullptr;  // found_inf / grad norm all-reduce, buffer sync
+  // Submodules that keep fp32 parameters and run in fp32 where the mode casts the model to fp16/bf16 (naive
+  // modes, apex O2/O3: NaiveAMPOptions::fp32_modules, merged with the norms of keep_batchnorm_fp32). In the
+  // other modes the parameters are fp32 already and this changes nothing (autocast still picks op dtypes).
+  std::vector<UnaryModule*> fp32_modules = {};
 };
 
 // What boost() assembles a MixedPrecisionOptimizer from: the wrapped optimizer (its parameters swapped for the
@@ -62,21 +77,25 @@ class Booster {
   // The same conversion of the model, returning the parts instead of the MixedPrecisionOptimizer.
   BoostedParts boost_parts(Module& model, std::unique_ptr<Optimizer> optimizer, BoostOptions options = {});
 
-  // Runs `forward` with the mode's casts: inside autocast for fp16 / bf16 / apex O1; with floating inputs
-  // cast to the model dtype and floating outputs to fp32 (or cast_model_outputs) when the model is cast.
+  // Runs `forward` with the mode's casts: inside autocast for fp16 / bf16 / apex O1; naive modes: fp32 inputs
+  // to the low dtype, fp16/bf16 outputs to fp32 (output_to_fp32); apex with a cast_model_type: every floating
+  // input to it, every floating output to cast_model_outputs (fp32 if unset); apex without one: floating
+  // outputs to cast_model_outputs when set.
   std::vector<Tensor> forward(const std::function<std::vector<Tensor>(const std::vector<Tensor>&)>& forward,
                               const std::vector<Tensor>& inputs);
   void backward(const Tensor& loss, MixedPrecisionOptimizer& optimizer, int loss_id = 0);
   StepResult step(MixedPrecisionOptimizer& optimizer);
 
   const AmpConfig& config() const { return config_; }
-  NaiveAMPModel* naive_model() { return naive_.get(); }  // null unless the mode casts the model
+  // Null unless the mode casts the model to fp16/bf16. Sealed by boost(): set_fp32 on it is an Error.
+  NaiveAMPModel* naive_model() { return naive_.get(); }
 
  private:
   AmpConfig config_;
   Module* model_ = nullptr;
   std::unique_ptr<NaiveAMPModel> naive_;
-  std::optional<DType> output_dtype_;  // apex cast_model_outputs other than fp32
+  std::optional<DType> input_dtype_;   // apex: cast_model_type (floating inputs are cast to it)
+  std::optional<DType> output_dtype_;  // apex: cast_model_outputs, or fp32 when the model is cast
 };
 
 }  // namespace mixtape

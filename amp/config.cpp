@@ -1,6 +1,8 @@
 #include "amp/config.h"
 
+#include <charconv>
 #include <cmath>
+#include <cstdlib>
 #include <map>
 
 #include "nn/json.h"
@@ -47,18 +49,35 @@ const std::vector<std::string>& keys_of(const std::string& mode) {
   return found->second;
 }
 
-// Apex's Properties.__setattr__ checks (warn_or_err raises without hard_override).
-void check_apex_override(const std::string& opt_level, const std::string& key, bool is_set_to_something) {
-  const char* who = "AmpConfig fp16_apex";
-  if (opt_level == "O1" && is_set_to_something) {
-    check(key != "cast_model_type", who, ": O1 inserts casts around ops rather than casting the model "
-          "weights, so with O1 the weights must stay fp32 (cast_model_type must be unset); use O2 or O3 to "
-          "cast the model");
-    check(key != "keep_batchnorm_fp32", who, ": with O1 the norm ops already run in fp32, so "
-          "keep_batchnorm_fp32 must be unset");
-    check(key != "master_weights", who, ": master_weights makes no sense with O1: its model weights are "
-          "fp32 already");
+// Runs `build` (a scaler constructor, which validates its options); an Error it throws is rethrown with
+// `context` (the mode, and what the options were for) in front.
+template <class Build>
+void with_context(const std::string& context, const Build& build) {
+  try {
+    build();
+  } catch (const Error& error) {
+    fail(context, ": ", error.what());
   }
+}
+
+// The shortest text that reads back as `value` (16777216, 0.25), or "unset".
+std::string number_text(std::optional<double> value) {
+  if (!value) return "unset";
+  char buffer[64];
+  const auto result = std::to_chars(buffer, buffer + sizeof buffer, *value);
+  return std::string(buffer, result.ptr);
+}
+
+// Python's float() of a string (Apex's loss_scale): surrounding blanks allowed, the whole rest a number.
+std::optional<double> number_from_text(const std::string& text) {
+  const size_t first = text.find_first_not_of(" \t\n\r");
+  if (first == std::string::npos) return std::nullopt;
+  const std::string trimmed = text.substr(first, text.find_last_not_of(" \t\n\r") + 1 - first);
+  if (trimmed.find_first_of("xX") != std::string::npos) return std::nullopt;  // no hex floats in Python
+  char* end = nullptr;
+  const double value = std::strtod(trimmed.c_str(), &end);
+  if (end != trimmed.c_str() + trimmed.size()) return std::nullopt;
+  return value;
 }
 
 }  // namespace
@@ -129,22 +148,28 @@ AmpConfig AmpConfig::from_json(std::string_view text, std::optional<std::string_
     check(mode.has_value(), "AmpConfig: the JSON config has no \"mixed_precision\" (one of ", join(modes()), ")");
     name = std::string(*mode);
   }
-  // The opt level may come from "fp16_apex:O2" or from the object; the object's wins if both agree.
-  std::string opt_level;
-  if (const json::Value* level = root.find("opt_level")) {
-    check(level->is_string(), "AmpConfig fp16_apex: opt_level must be a string like \"O2\", got ",
-          json::kind_name(level->kind()));
-    opt_level = level->as_string();
-  }
   AmpConfig config = parse(name);
-  if (config.mixed_precision == "fp16_apex" && !opt_level.empty()) {
-    check(name.find(':') == std::string::npos || name.substr(name.find(':') + 1) == opt_level,
-          "AmpConfig fp16_apex: opt_level \"", opt_level, "\" differs from the mode \"", name, "\"");
-    config.apex = ApexProperties::for_opt_level(opt_level);
-  }
   const std::string& m = config.mixed_precision;
   const std::string who = "AmpConfig " + m;
   const std::vector<std::string>& allowed = keys_of(m);
+  // Every key is an option of the mode before any value is read: {"opt_level": 5} for fp16 is an unknown
+  // option, not a badly typed opt level.
+  for (const auto& [key, value] : root.as_object()) {
+    if (key == "mixed_precision") continue;
+    bool known = false;
+    for (const auto& k : allowed) known = known || k == key;
+    check(known, who, ": unknown option \"", key, "\" (", m, " takes ",
+          allowed.empty() ? std::string("no options") : join(allowed), ")");
+  }
+  // The opt level may come from "fp16_apex:O2" or from the object; the object's wins if both agree.
+  if (const json::Value* level = root.find("opt_level")) {
+    check(level->is_string(), who, ": opt_level must be a string like \"O2\", got ",
+          json::kind_name(level->kind()));
+    const std::string& opt_level = level->as_string();
+    check(name.find(':') == std::string::npos || name.substr(name.find(':') + 1) == opt_level, who,
+          ": opt_level \"", opt_level, "\" differs from the mode \"", name, "\"");
+    config.apex = ApexProperties::for_opt_level(opt_level);
+  }
 
   auto number = [&](const json::Value& v, const std::string& key) {
     check(v.is_integer() || v.is_number(), who, ": ", key, " must be a number, got ", json::kind_name(v.kind()));
@@ -160,19 +185,15 @@ AmpConfig AmpConfig::from_json(std::string_view text, std::optional<std::string_
     check(v.is_bool(), who, ": ", key, " must be true or false, got ", json::kind_name(v.kind()));
     return v.as_bool();
   };
-  auto dtype = [&](const json::Value& v, const std::string& key) -> std::optional<DType> {
-    if (v.is_null()) return std::nullopt;
+  auto dtype = [&](const json::Value& v, const std::string& key) -> DType {
     check(v.is_string(), who, ": ", key, " must be \"fp32\", \"fp16\", \"bf16\" or null, got ",
           json::kind_name(v.kind()));
-    return dtype_from_name(who, key, v.as_string());
+    return *dtype_from_name(who, key, v.as_string());
   };
 
+  bool scale_bounds_given = false;  // min_loss_scale / max_loss_scale: checked against loss_scale at the end
   for (const auto& [key, value] : root.as_object()) {
     if (key == "mixed_precision") continue;
-    bool known = false;
-    for (const auto& k : allowed) known = known || k == key;
-    check(known, who, ": unknown option \"", key, "\" (", m, " takes ",
-          allowed.empty() ? std::string("no options") : join(allowed), ")");
     if (m == "fp16" || m == "bf16") {
       GradScalerOptions& g = config.grad_scaler;
       if (key == "init_scale") g.init_scale = number(value, key);
@@ -182,34 +203,66 @@ AmpConfig AmpConfig::from_json(std::string_view text, std::optional<std::string_
       else if (key == "enabled") g.enabled = boolean(value, key);
     } else if (m == "fp16_apex") {
       ApexProperties& a = config.apex;
-      check_apex_override(a.opt_level, key, !value.is_null());
-      if (key == "opt_level") continue;
-      else if (key == "cast_model_type") a.cast_model_type = dtype(value, key);
-      else if (key == "patch_torch_functions") {
+      // amp.initialize applies only the properties that are not None: null keeps the opt level's value.
+      if (key == "opt_level" || (value.is_null() && key != "num_losses" && key != "verbosity" &&
+                                 key != "max_loss_scale"))
+        continue;
+      const bool o1 = a.opt_level == "O1";
+      if (key == "cast_model_type") {
+        if (value.is_bool()) {  // Apex's False: the model is not cast
+          check(!value.as_bool(), who, ": cast_model_type must be \"fp32\", \"fp16\", \"bf16\", false or "
+                "null, got true");
+          a.cast_model_type.reset();
+        } else {
+          a.cast_model_type = dtype(value, key);
+        }
+        // Apex's Properties.__setattr__ (warn_or_err raises without hard_override).
+        check(!o1 || a.cast_model_type.value_or(DType::F32) == DType::F32, who, ": O1 inserts casts around "
+              "ops rather than casting the model weights, so with O1 the weights must stay fp32: "
+              "cast_model_type must be unset or \"fp32\", got \"", value.is_string() ? value.as_string() : "",
+              "\"; use O2 or O3 to cast the model");
+      } else if (key == "patch_torch_functions") {
         a.patch_torch_functions = boolean(value, key);
-        check(!a.patch_torch_functions || a.opt_level == "O1", who, ": patch_torch_functions=true is only "
-              "for opt_level O1 (it is ", a.opt_level, ")");
+        check(!a.patch_torch_functions || o1, who, ": patch_torch_functions=true is only for opt_level O1 "
+              "(it is ", a.opt_level, ")");
       } else if (key == "keep_batchnorm_fp32") {
-        if (value.is_null()) a.keep_batchnorm_fp32.reset();
-        else if (value.is_string()) {  // Apex accepts the strings "True"/"False" too
+        check(!o1, who, ": with O1 the norm ops already run in fp32, so keep_batchnorm_fp32 must be unset "
+              "(null)");
+        if (value.is_string()) {  // Apex accepts the strings "True"/"False" too
           check(value.as_string() == "True" || value.as_string() == "False", who,
-                ": keep_batchnorm_fp32 must be true, false, \"True\" or \"False\", got \"", value.as_string(), "\"");
-          a.keep_batchnorm_fp32 = value.as_string() == "True";
-        } else a.keep_batchnorm_fp32 = boolean(value, key);
-      } else if (key == "master_weights") a.master_weights = value.is_null() ? false : boolean(value, key);
-      else if (key == "loss_scale") {
-        if (value.is_string()) {
-          check(value.as_string() == "dynamic", who, ": loss_scale must be a number or \"dynamic\", got \"",
+                ": keep_batchnorm_fp32 must be true, false, \"True\", \"False\" or null, got \"",
                 value.as_string(), "\"");
-          a.loss_scale.reset();
-        } else a.loss_scale = number(value, key);
-      } else if (key == "cast_model_outputs") a.cast_model_outputs = dtype(value, key);
-      else if (key == "num_losses") a.num_losses = integer(value, key);
-      else if (key == "verbosity") a.verbosity = integer(value, key);
-      else if (key == "min_loss_scale") {
-        if (value.is_null()) a.min_loss_scale.reset();
-        else a.min_loss_scale = number(value, key);
-      } else if (key == "max_loss_scale") a.max_loss_scale = number(value, key);
+          a.keep_batchnorm_fp32 = value.as_string() == "True";
+        } else {
+          a.keep_batchnorm_fp32 = boolean(value, key);
+        }
+      } else if (key == "master_weights") {
+        check(!o1, who, ": master_weights makes no sense with O1: its model weights are fp32 already (leave "
+              "it unset)");
+        a.master_weights = boolean(value, key);
+      } else if (key == "loss_scale") {
+        if (value.is_string()) {
+          // "dynamic", or a number in a string: Apex converts any other value with float().
+          const std::optional<double> parsed = number_from_text(value.as_string());
+          check(value.as_string() == "dynamic" || parsed, who, ": loss_scale must be a number, a numeric "
+                "string like \"128.0\" or \"dynamic\", got \"", value.as_string(), "\"");
+          a.loss_scale = parsed;
+        } else {
+          a.loss_scale = number(value, key);
+        }
+      } else if (key == "cast_model_outputs") {
+        a.cast_model_outputs = dtype(value, key);
+      } else if (key == "num_losses") {
+        a.num_losses = integer(value, key);
+      } else if (key == "verbosity") {
+        a.verbosity = integer(value, key);
+      } else if (key == "min_loss_scale") {
+        a.min_loss_scale = number(value, key);
+        scale_bounds_given = true;
+      } else if (key == "max_loss_scale") {
+        a.max_loss_scale = number(value, key);
+        scale_bounds_given = true;
+      }
     } else {  // naive
       NaiveAmpOptions& n = config.naive;
       if (key == "clip_grad") n.clip_grad = number(value, key);
@@ -225,6 +278,11 @@ AmpConfig AmpConfig::from_json(std::string_view text, std::optional<std::string_
       else if (key == "output_to_fp32") n.output_to_fp32 = boolean(value, key);
     }
   }
+  // Given at all (even at the default value), a bound of dynamic scaling with a static scale is a mistake.
+  check(!(scale_bounds_given && config.apex.loss_scale), who, ": min_loss_scale and max_loss_scale apply "
+        "only with loss_scale \"dynamic\"; opt_level ", config.apex.opt_level, " here has the static "
+        "loss_scale ", number_text(config.apex.loss_scale),
+        " (remove them, or set loss_scale to \"dynamic\")");
   config.validate();
   return config;
 }
@@ -233,33 +291,51 @@ void AmpConfig::validate() const {
   keys_of(mixed_precision);
   const std::string who = "AmpConfig " + mixed_precision;
   if (mixed_precision == "fp16" || mixed_precision == "bf16") {
-    if (grad_scaler.enabled) GradScaler check_options(grad_scaler);  // throws naming the option
+    // Checked on or off: an invalid option is wrong whether or not the scaler runs (bf16 may switch it on).
+    with_context(who + " (GradScaler options)", [&] { GradScaler check_options(grad_scaler); });
   } else if (mixed_precision == "fp16_apex") {
     const ApexProperties& a = apex;
     ApexProperties::for_opt_level(a.opt_level);
-    check(!(a.opt_level == "O1" && a.cast_model_type), who, ": O1 keeps the model weights fp32 "
-          "(cast_model_type must be unset)");
+    check(!(a.opt_level == "O1" && a.cast_model_type && *a.cast_model_type != DType::F32), who,
+          ": O1 keeps the model weights fp32: cast_model_type must be unset or \"fp32\", got \"",
+          dtype_text(a.cast_model_type.value_or(DType::F32)), "\"");
+    check(!(a.opt_level == "O0" && a.cast_model_type && *a.cast_model_type != DType::F32), who,
+          ": O0 is pure fp32: cast_model_type must be \"fp32\" (or unset), got \"",
+          dtype_text(a.cast_model_type.value_or(DType::F32)), "\"; use O2 or O3 to cast the model");
     check(!a.patch_torch_functions || a.opt_level == "O1", who, ": patch_torch_functions is only for O1");
-    check(!(a.master_weights && !a.cast_model_type), who, ": master_weights needs a cast model (O2 or O3)");
+    check(!(a.master_weights && !model_dtype()), who, ": master_weights needs a cast model (O2 or O3)");
     check(!a.loss_scale || (std::isfinite(*a.loss_scale) && *a.loss_scale > 0), who,
           ": loss_scale must be \"dynamic\" or a finite number > 0, got ", a.loss_scale.value_or(0));
-    check(a.num_losses >= 1, who, ": num_losses must be >= 1, got ", a.num_losses);
-    check(a.verbosity == 0 || a.verbosity == 1, who, ": verbosity must be 0 or 1, got ", a.verbosity);
+    check(a.num_losses >= 1 && a.num_losses <= ApexProperties::kMaxNumLosses, who,
+          ": num_losses must be in [1, ", ApexProperties::kMaxNumLosses, "] (one loss scaler per loss), got ",
+          a.num_losses);
+    check(a.verbosity >= 0 && a.verbosity <= 2, who, ": verbosity must be 0 (silent), 1 (each skipped step) "
+          "or 2 (also each scale growth), got ", a.verbosity);
     check(std::isfinite(a.max_loss_scale) && a.max_loss_scale > 0, who,
           ": max_loss_scale must be finite and > 0, got ", a.max_loss_scale);
     if (a.min_loss_scale)
       check(std::isfinite(*a.min_loss_scale) && *a.min_loss_scale > 0 && *a.min_loss_scale <= a.max_loss_scale,
             who, ": min_loss_scale must be in (0, max_loss_scale = ", a.max_loss_scale, "], got ",
             *a.min_loss_scale);
-    check(a.cast_model_type != DType::BF16 || a.opt_level != "O0", who, ": O0 is fp32");
-    if (!a.loss_scale) {
-      // Apex starts dynamic scaling at 2^16, clamped to max_loss_scale.
-      apex_dynamic_scaler(std::min(65536.0, a.max_loss_scale), 2000, a.min_loss_scale, a.max_loss_scale);
+    if (a.loss_scale) {
+      check(!a.min_loss_scale && a.max_loss_scale == ApexProperties::kDefaultMaxLossScale, who,
+            ": min_loss_scale and max_loss_scale apply only with loss_scale \"dynamic\"; opt_level ",
+            a.opt_level, " here has the static loss_scale ", number_text(a.loss_scale),
+            " (got min_loss_scale ", number_text(a.min_loss_scale), ", max_loss_scale ",
+            number_text(a.max_loss_scale), ")");
+    } else {
+      // Apex starts dynamic scaling at 2^16 (clamped to max_loss_scale) between the two bounds.
+      with_context(who + ": the dynamic loss scaler of min_loss_scale " + number_text(a.min_loss_scale) +
+                       " and max_loss_scale " + number_text(a.max_loss_scale),
+                   [&] {
+                     apex_dynamic_scaler(std::min(65536.0, a.max_loss_scale), 2000, a.min_loss_scale,
+                                         a.max_loss_scale);
+                   });
     }
   } else if (is_naive()) {
     check(std::isfinite(naive.clip_grad) && naive.clip_grad >= 0, who,
           ": clip_grad must be finite and >= 0 (0 = off), got ", naive.clip_grad);
-    DynamicLossScaler check_options(naive.scaler);  // throws naming the option
+    with_context(who + " (loss scaler options)", [&] { DynamicLossScaler check_options(naive.scaler); });
   }
 }
 
@@ -277,7 +353,8 @@ std::optional<DType> AmpConfig::autocast_dtype() const {
 std::optional<DType> AmpConfig::model_dtype() const {
   if (mixed_precision == "fp16_naive") return DType::F16;
   if (mixed_precision == "bf16_naive") return DType::BF16;
-  if (mixed_precision == "fp16_apex") return apex.cast_model_type;
+  if (mixed_precision == "fp16_apex")
+    return apex.opt_level == "O0" ? apex.cast_model_type.value_or(DType::F32) : apex.cast_model_type;
   return std::nullopt;
 }
 
@@ -295,19 +372,27 @@ std::string AmpConfig::to_json() const {
     const ApexProperties& a = apex;
     auto opt_dtype = [](const std::optional<DType>& d) { return d ? json::Value(dtype_text(*d)) : json::Value(); };
     o.emplace_back("opt_level", a.opt_level);
+    // null reads back as "the opt level's value", so an unset property that the opt level sets is written
+    // as Apex's False (the same behaviour: no cast, no fp32 norms).
+    const ApexProperties level = ApexProperties::for_opt_level(a.opt_level);
     if (a.opt_level != "O1") {
-      o.emplace_back("cast_model_type", opt_dtype(a.cast_model_type));
-      o.emplace_back("keep_batchnorm_fp32",
-                     a.keep_batchnorm_fp32 ? json::Value(*a.keep_batchnorm_fp32) : json::Value());
+      o.emplace_back("cast_model_type", a.cast_model_type ? json::Value(dtype_text(*a.cast_model_type))
+                                        : level.cast_model_type ? json::Value(false) : json::Value());
+      o.emplace_back("keep_batchnorm_fp32", a.keep_batchnorm_fp32 ? json::Value(*a.keep_batchnorm_fp32)
+                                            : level.keep_batchnorm_fp32 ? json::Value(false) : json::Value());
       o.emplace_back("master_weights", a.master_weights);
+    } else if (a.cast_model_type) {
+      o.emplace_back("cast_model_type", dtype_text(*a.cast_model_type));  // "fp32", the one O1 allows
     }
     o.emplace_back("patch_torch_functions", a.patch_torch_functions);
     o.emplace_back("loss_scale", a.loss_scale ? num(*a.loss_scale) : json::Value("dynamic"));
     o.emplace_back("cast_model_outputs", opt_dtype(a.cast_model_outputs));
     o.emplace_back("num_losses", a.num_losses);
     o.emplace_back("verbosity", a.verbosity);
-    o.emplace_back("min_loss_scale", a.min_loss_scale ? num(*a.min_loss_scale) : json::Value());
-    o.emplace_back("max_loss_scale", num(a.max_loss_scale));
+    if (!a.loss_scale) {  // the bounds of dynamic scaling; an error with a static scale
+      o.emplace_back("min_loss_scale", a.min_loss_scale ? num(*a.min_loss_scale) : json::Value());
+      o.emplace_back("max_loss_scale", num(a.max_loss_scale));
+    }
   } else if (is_naive()) {
     o.emplace_back("clip_grad", num(naive.clip_grad));
     o.emplace_back("log_num_zeros_in_grad", naive.log_num_zeros_in_grad);

@@ -23,15 +23,27 @@
 //   O1         —                true                   —                    —               "dynamic"
 //   O2         fp16             false                  true                 true            "dynamic"
 //   O3         fp16             false                  false                false           1.0
-// plus cast_model_outputs (—: fp32 when the model is cast), num_losses 1, verbosity 1, min_loss_scale —,
-// max_loss_scale 2^24. Apex refuses, and so do we: cast_model_type, keep_batchnorm_fp32 or master_weights
-// with O1, patch_torch_functions outside O1. keep_batchnorm_fp32 here keeps the norm layers (LayerNorm,
-// RMSNorm) in fp32. patch_torch_functions is fp16 autocast.
+// plus cast_model_outputs (—: fp32 when the model is cast), num_losses 1 (at most 1024), verbosity 1,
+// min_loss_scale —, max_loss_scale 2^24. As in amp.initialize, a JSON null for a property is no override (the
+// opt level's value stays). Apex refuses, and so do we: cast_model_type other than fp32, keep_batchnorm_fp32
+// or master_weights with O1; patch_torch_functions outside O1. We also refuse: cast_model_type other than
+// fp32 with O0 (O0 is fp32), and min_loss_scale / max_loss_scale with a static loss_scale (they bound
+// dynamic scaling only; Apex ignores them). cast_model_type false means "do not cast the model" (Apex's
+// False); "fp32" casts the model, its floating inputs and outputs to fp32 (Apex's torch.float32, O0's and
+// allowed with O1). keep_batchnorm_fp32 here keeps the norm layers (LayerNorm, RMSNorm) in fp32.
+// patch_torch_functions is fp16 autocast. verbosity: 0 silent; 1 (Apex's default) prints Apex's "Gradient
+// overflow.  Skipping step, loss scaler K reducing loss scale to S" on every skipped step; 2 also prints each
+// growth of a dynamic scale. loss_scale may be a number, "dynamic", or a numeric string ("128.0": Apex
+// applies float() to it).
+//
+// A static loss scale (O0, O3, a numeric loss_scale) skips a step whose gradients are not finite, as every
+// scale does here (amp/optimizer.h); Apex steps anyway then (it only checks for overflow when dynamic).
 //
 // Text forms: parse("fp16_apex:O2") (a mode, with the opt level after a colon), and JSON objects
 //   {"mixed_precision": "fp16_naive", "initial_scale": 65536, "hysteresis": 3}
-// whose other keys must be options of that mode (Apex's loss_scale is a number or "dynamic"; dtypes are
-// "fp16"/"bf16"/"fp32"). Every unknown mode, unknown key and invalid value is an Error naming it.
+// whose other keys must be options of that mode (dtypes are "fp16"/"bf16"/"fp32", or "float16"/"bfloat16"/
+// "float32"). Every unknown mode, unknown key and invalid value is an Error naming it; options are validated
+// whether or not they are in use (a disabled GradScaler's growth_factor too).
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -45,16 +57,19 @@ namespace mixtape {
 
 struct ApexProperties {
   std::string opt_level = "O1";
-  std::optional<DType> cast_model_type;       // nullopt: the model is not cast (O1)
+  std::optional<DType> cast_model_type;       // nullopt: the model is not cast (O1); O0 counts it as fp32
   bool patch_torch_functions = true;          // fp16 autocast around the ops
   std::optional<bool> keep_batchnorm_fp32;    // nullopt: Apex's None
   bool master_weights = false;                // O1's None counts as false: its params are fp32 already
   std::optional<double> loss_scale;           // nullopt: "dynamic"
   std::optional<DType> cast_model_outputs;    // nullopt: fp32 when the model is cast
   int64_t num_losses = 1;
-  int64_t verbosity = 1;
+  int64_t verbosity = 1;                      // 0, 1 or 2 (see above)
   std::optional<double> min_loss_scale;       // dynamic scaling floor; nullopt: none
-  double max_loss_scale = 16777216.0;         // 2^24
+  double max_loss_scale = kDefaultMaxLossScale;
+
+  static constexpr double kDefaultMaxLossScale = 16777216.0;  // 2^24
+  static constexpr int64_t kMaxNumLosses = 1024;              // one scaler (and scale) per loss
 
   static ApexProperties for_opt_level(const std::string& opt_level);  // Apex's table; Error if not O0..O3
 };
@@ -63,7 +78,7 @@ struct NaiveAmpOptions {
   double clip_grad = 0;                       // max grad norm; 0 = the trainer's own clipping
   bool log_num_zeros_in_grad = false;
   DynamicLossScalerOptions scaler;            // initial_scale, min_scale, max_scale, growth/backoff, hysteresis
-  bool verbose = false;                       // print each scale change
+  bool verbose = false;                       // print each scale growth and backoff (Colossal-AI's lines)
   bool output_to_fp32 = true;
 };
 

@@ -1,7 +1,11 @@
 #include "amp/naive_amp.h"
 
+#include <optional>
+
+#include "amp/autocast.h"
 #include "tensor/autograd_node.h"
 #include "tensor/error.h"
+#include "tensor/ops.h"
 #include "tensor/precision.h"
 
 namespace mixtape {
@@ -9,24 +13,41 @@ namespace mixtape {
 namespace {
 
 DType parse_dtype(const std::string& name) {
-  if (name == "fp16") return DType::F16;
-  if (name == "bf16") return DType::BF16;
+  if (name == "fp16" || name == "float16") return DType::F16;
+  if (name == "bf16" || name == "bfloat16") return DType::BF16;
   if (name == "tf32") return DType::F32;
-  fail("NaiveAMPModel: unknown dtype '", name, "' (expected fp16, bf16 or tf32)");
+  fail("NaiveAMPModel: unknown dtype '", name, "' (expected fp16, bf16 or tf32; or float16, bfloat16)");
 }
 
+bool is_16bit(DType dtype) { return dtype == DType::F16 || dtype == DType::BF16; }
+
 // A floating tensor in `dtype` through a recorded cast (gradients flow back in the original dtype);
-// undefined and integer tensors (token ids, targets) pass through untouched.
+// undefined and integer tensors (token ids, targets) pass through untouched. For the fp32 islands' hooks.
 Tensor cast_floating(const Tensor& t, DType dtype) {
   if (!t.defined() || !is_floating(t.dtype())) return t;
   return t.to(dtype);
 }
+
+// The wrapped forward's boundary (InternEvo's _convert_to_fp16 / _convert_to_fp32): only fp32 goes down to
+// the low dtype, only fp16/bf16 comes back up to fp32; f64 (a reference computation) is left alone.
+Tensor narrow_fp32(const Tensor& t, DType low) {
+  return t.defined() && t.dtype() == DType::F32 ? t.to(low) : t;
+}
+Tensor widen_16bit(const Tensor& t) { return t.defined() && is_16bit(t.dtype()) ? t.to(DType::F32) : t; }
 
 bool contains(const Module& root, const Module& target) {
   if (&root == &target) return true;
   for (const auto& [name, child] : root.named_children())
     if (contains(*child, target)) return true;
   return false;
+}
+
+// The dotted name of `target` below `root` ("h.0.ln_1"), for messages; nullopt if it is not there.
+std::optional<std::string> path_of(const Module& root, const Module& target) {
+  if (&root == &target) return "";
+  for (const auto& [name, child] : root.named_children())
+    if (const auto below = path_of(*child, target)) return below->empty() ? name : name + "." + *below;
+  return std::nullopt;
 }
 
 }  // namespace
@@ -59,7 +80,12 @@ NaiveAMPModel::NaiveAMPModel(Module& model, NaiveAMPOptions options)
 }
 
 void NaiveAMPModel::set_fp32(UnaryModule& module) {
-  check(contains(model_, module), "NaiveAMPModel::set_fp32: the module is not a submodule of the wrapped model");
+  const std::optional<std::string> path = path_of(model_, module);
+  check(path.has_value(), "NaiveAMPModel::set_fp32: the module is not a submodule of the wrapped model");
+  check(!sealed_, "NaiveAMPModel::set_fp32: module '", path->empty() ? "(the wrapped model)" : *path,
+        "': the model's parameters were already handed to an optimizer (Booster.boost), and set_fp32 now "
+        "would give the module new fp32 parameters that the optimizer does not hold, silently freezing it; "
+        "mark fp32 modules before boost, with BoostOptions::fp32_modules (NaiveAMPOptions::fp32_modules)");
   // Parameters come back from the low dtype: values rounded at construction stay rounded (as in InternEvo;
   // options.fp32_modules avoids that); freshly initialised norms (weight 1, bias 0) are exact either way.
   // Module::to makes new leaves, so the optimizer is built after the set_fp32 calls.
@@ -74,29 +100,33 @@ void NaiveAMPModel::sync_buffers() {
   // A group of one has nothing to agree on (InternEvo turns sync_buffer off then too).
   if (!options_.sync_buffer || options_.group == nullptr || options_.group->size() <= 1) return;
   NoGradGuard no_grad;
+  Autocast no_autocast(std::nullopt);  // the average is computed in the dtypes chosen here
+  const double size = options_.group->size();
   for (const auto& [name, buffer] : model_.named_buffers()) {
     if (!is_floating(buffer.dtype())) continue;
-    if (buffer.is_contiguous()) {
-      options_.group->broadcast(buffer, 0);  // in place: the handle shares the module's storage
-    } else {
-      Tensor staging = buffer.clone();
-      options_.group->broadcast(staging, 0);
-      Tensor target = buffer;
-      target.copy_(staging);
-    }
+    // InternEvo: buffer.div_(world_size), then an all-reduce SUM. 16-bit buffers are averaged in fp32 and
+    // rounded once on the way back: the quotients and the partial sums lose nothing to the low dtype.
+    const DType work = is_16bit(buffer.dtype()) ? DType::F32 : buffer.dtype();
+    const Tensor mean = div(buffer.to(work), size).contiguous();  // a new tensor: the buffer is not touched
+    options_.group->all_reduce_sum(mean);
+    Tensor target = buffer;  // shares the module's storage
+    target.copy_(mean);
   }
 }
 
 std::vector<Tensor> NaiveAMPModel::forward(
     const std::function<std::vector<Tensor>(const std::vector<Tensor>&)>& forward,
     const std::vector<Tensor>& inputs) {
-  if (model_.is_training()) sync_buffers();
+  // Training: every forward. Eval: the first forward after a training-mode one (InternEvo's _first_eval_run).
+  const bool training = model_.is_training();
+  if (training || last_forward_training_) sync_buffers();
+  last_forward_training_ = training;
   std::vector<Tensor> cast_inputs;
   cast_inputs.reserve(inputs.size());
-  for (const Tensor& input : inputs) cast_inputs.push_back(cast_floating(input, dtype_));
+  for (const Tensor& input : inputs) cast_inputs.push_back(narrow_fp32(input, dtype_));
   std::vector<Tensor> outputs = forward(cast_inputs);
   if (options_.output_to_fp32)
-    for (Tensor& output : outputs) output = cast_floating(output, DType::F32);
+    for (Tensor& output : outputs) output = widen_16bit(output);
   return outputs;
 }
 

@@ -44,6 +44,7 @@ TEST(AmpConfig, NaiveModesHaveTheHysteresisScalerDefaults) {
     EXPECT_EQ(c.naive.clip_grad, 0.0);
     EXPECT_FALSE(c.naive.log_num_zeros_in_grad);
     EXPECT_TRUE(c.naive.output_to_fp32);
+    EXPECT_FALSE(c.naive.verbose);  // Colossal-AI's DynamicGradScaler(verbose=False)
     EXPECT_FALSE(c.autocast_dtype().has_value());
   }
   EXPECT_EQ(AmpConfig::parse("fp16_naive").model_dtype(), DType::F16);
@@ -109,18 +110,128 @@ TEST(AmpConfig, ApexRefusesWhatApexRefuses) {
                         "max_loss_scale");
 }
 
+TEST(AmpConfig, ApexNullIsNoOverrideAndKeepsTheOptLevelsValue) {
+  // amp.initialize applies a property only when its kwarg is not None.
+  const AmpConfig o2 = AmpConfig::from_json(
+      R"({"keep_batchnorm_fp32": null, "master_weights": null, "cast_model_type": null})", "fp16_apex:O2");
+  EXPECT_EQ(o2.apex.keep_batchnorm_fp32, true);
+  EXPECT_TRUE(o2.apex.master_weights);
+  EXPECT_EQ(o2.apex.cast_model_type, DType::F16);
+  const AmpConfig o3 = AmpConfig::from_json(R"({"keep_batchnorm_fp32":null,"patch_torch_functions":null,
+      "loss_scale":null,"cast_model_outputs":null,"min_loss_scale":null})", "fp16_apex:O3");
+  EXPECT_EQ(o3.apex.keep_batchnorm_fp32, false);
+  EXPECT_FALSE(o3.apex.patch_torch_functions);
+  EXPECT_EQ(o3.apex.loss_scale, 1.0);
+  EXPECT_FALSE(o3.apex.cast_model_outputs.has_value());
+  EXPECT_FALSE(o3.apex.min_loss_scale.has_value());
+  // The same nulls are no override for O1 either, so not a refused override.
+  const AmpConfig o1 = AmpConfig::from_json(
+      R"({"keep_batchnorm_fp32": null, "master_weights": null, "cast_model_type": null})", "fp16_apex:O1");
+  EXPECT_FALSE(o1.apex.cast_model_type.has_value());
+  EXPECT_FALSE(o1.apex.keep_batchnorm_fp32.has_value());
+  EXPECT_FALSE(o1.apex.master_weights);
+  // Properties Apex passes on as they are still need a value.
+  EXPECT_ERROR_MENTIONS(AmpConfig::from_json(R"({"num_losses":null})", "fp16_apex:O2"), "num_losses", "null");
+}
+
+TEST(AmpConfig, ApexAcceptsWhatApexAccepts) {
+  // Apex refuses a cast_model_type with O1 only if it is not torch.float32; false (Apex's False) is no cast.
+  const AmpConfig o1 = AmpConfig::from_json(R"({"cast_model_type":"fp32"})", "fp16_apex:O1");
+  EXPECT_EQ(o1.apex.cast_model_type, DType::F32);
+  EXPECT_EQ(o1.model_dtype(), DType::F32);
+  EXPECT_EQ(o1.autocast_dtype(), DType::F16);
+  EXPECT_FALSE(AmpConfig::from_json(R"({"cast_model_type":false})", "fp16_apex:O1").apex.cast_model_type);
+  EXPECT_FALSE(AmpConfig::from_json(R"({"cast_model_type":false})", "fp16_apex:O3").model_dtype());
+  EXPECT_ERROR_MENTIONS(AmpConfig::from_json(R"({"cast_model_type":"bf16"})", "fp16_apex:O1"), "O1",
+                        "cast_model_type", "\"bf16\"");
+  EXPECT_ERROR_MENTIONS(AmpConfig::from_json(R"({"cast_model_type":true})", "fp16_apex:O2"),
+                        "cast_model_type", "true");
+  // loss_scale: Apex's float(value) of anything but "dynamic".
+  EXPECT_EQ(AmpConfig::from_json(R"({"loss_scale":"128.0"})", "fp16_apex:O2").apex.loss_scale, 128.0);
+  EXPECT_EQ(AmpConfig::from_json(R"({"loss_scale":" 1e3 "})", "fp16_apex:O1").apex.loss_scale, 1000.0);
+  EXPECT_ERROR_MENTIONS(AmpConfig::from_json(R"({"loss_scale":"128x"})", "fp16_apex:O2"), "loss_scale",
+                        "\"128x\"", "numeric string");
+  EXPECT_ERROR_MENTIONS(AmpConfig::from_json(R"({"loss_scale":"0x10"})", "fp16_apex:O2"), "loss_scale");
+  EXPECT_ERROR_MENTIONS(AmpConfig::from_json(R"({"loss_scale":"inf"})", "fp16_apex:O2"), "loss_scale",
+                        "finite");
+  EXPECT_ERROR_MENTIONS(AmpConfig::from_json(R"({"loss_scale":""})", "fp16_apex:O2"), "loss_scale");
+  // verbosity 2 (Apex's verbose level), nothing above or below.
+  EXPECT_EQ(AmpConfig::from_json(R"({"verbosity":2})", "fp16_apex:O2").apex.verbosity, 2);
+  EXPECT_EQ(AmpConfig::from_json(R"({"verbosity":0})", "fp16_apex:O2").apex.verbosity, 0);
+  EXPECT_ERROR_MENTIONS(AmpConfig::from_json(R"({"verbosity":-1})", "fp16_apex:O2"), "verbosity", "-1", "0",
+                        "2");
+}
+
+TEST(AmpConfig, ApexO0IsFp32) {
+  for (const char* dtype : {"fp16", "bf16"}) {
+    EXPECT_ERROR_MENTIONS(AmpConfig::from_json(std::string(R"({"cast_model_type":")") + dtype + "\"}",
+                                               "fp16_apex:O0"),
+                          "O0", "cast_model_type", std::string("\"") + dtype + "\"", "fp32");
+  }
+  EXPECT_EQ(AmpConfig::from_json(R"({"cast_model_type":"fp32"})", "fp16_apex:O0").model_dtype(), DType::F32);
+  // Unset counts as fp32.
+  const AmpConfig unset = AmpConfig::from_json(R"({"cast_model_type":false})", "fp16_apex:O0");
+  EXPECT_FALSE(unset.apex.cast_model_type.has_value());
+  EXPECT_EQ(unset.model_dtype(), DType::F32);
+}
+
+TEST(AmpConfig, ApexNumLossesHasAnUpperBound) {
+  EXPECT_EQ(AmpConfig::from_json(R"({"num_losses":1024})", "fp16_apex:O2").apex.num_losses, 1024);
+  EXPECT_ERROR_MENTIONS(AmpConfig::from_json(R"({"num_losses":1025})", "fp16_apex:O2"), "num_losses", "1025",
+                        "1024");
+  EXPECT_ERROR_MENTIONS(AmpConfig::from_json(R"({"num_losses":1e12})", "fp16_apex:O2"), "num_losses");
+}
+
+TEST(AmpConfig, DynamicScaleBoundsWithAStaticLossScaleAreAnError) {
+  // O0 and O3 are static (1.0), as is any numeric loss_scale: nothing would ever read the bounds.
+  EXPECT_ERROR_MENTIONS(AmpConfig::from_json(R"({"max_loss_scale":1024})", "fp16_apex:O3"), "max_loss_scale",
+                        "only with loss_scale \"dynamic\"", "O3");
+  EXPECT_ERROR_MENTIONS(AmpConfig::from_json(R"({"min_loss_scale":1})", "fp16_apex:O0"), "min_loss_scale",
+                        "dynamic");
+  EXPECT_ERROR_MENTIONS(AmpConfig::from_json(R"({"loss_scale":128,"min_loss_scale":1})", "fp16_apex:O2"),
+                        "min_loss_scale", "static loss_scale 128");
+  EXPECT_ERROR_MENTIONS(AmpConfig::from_json(R"({"max_loss_scale":16777216})", "fp16_apex:O3"),
+                        "max_loss_scale");
+  // With loss_scale "dynamic" they apply, whatever the order of the keys.
+  const AmpConfig dynamic = AmpConfig::from_json(
+      R"({"max_loss_scale":1024,"loss_scale":"dynamic","min_loss_scale":2})", "fp16_apex:O3");
+  EXPECT_EQ(dynamic.apex.max_loss_scale, 1024.0);
+  EXPECT_EQ(dynamic.apex.min_loss_scale, 2.0);
+  // Set in code: validate() says so too.
+  AmpConfig code = AmpConfig::parse("fp16_apex:O0");
+  code.apex.max_loss_scale = 4096;
+  EXPECT_ERROR_MENTIONS(code.validate(), "max_loss_scale", "dynamic");
+  code.apex.max_loss_scale = ApexProperties::kDefaultMaxLossScale;
+  code.apex.min_loss_scale = 4;
+  EXPECT_ERROR_MENTIONS(code.validate(), "min_loss_scale", "dynamic");
+}
+
+TEST(AmpConfig, AMinLossScaleAboveTheInitialScaleIsAcceptedOrAnErrorNamingIt) {
+  // Apex starts at min(2^16, max_loss_scale): a floor above that is either accepted (current Apex starts
+  // below it) or refused naming min_loss_scale, never with the scaler's internal option names alone.
+  try {
+    const AmpConfig c = AmpConfig::from_json(R"({"min_loss_scale":131072})", "fp16_apex:O2");
+    EXPECT_EQ(c.apex.min_loss_scale, 131072.0);
+  } catch (const Error& error) {
+    EXPECT_NE(std::string(error.what()).find("min_loss_scale"), std::string::npos) << error.what();
+    EXPECT_NE(std::string(error.what()).find("AmpConfig fp16_apex"), std::string::npos) << error.what();
+  }
+}
+
 TEST(AmpConfig, ApexPropertiesCanBeOverriddenAsInAmpInitialize) {
   const AmpConfig c = AmpConfig::from_json(
       R"({"mixed_precision":"fp16_apex","opt_level":"O2","loss_scale":128,"keep_batchnorm_fp32":"False",
-          "num_losses":2,"max_loss_scale":65536,"min_loss_scale":0.25,"cast_model_outputs":"fp16"})");
+          "num_losses":2,"cast_model_outputs":"fp16"})");
   EXPECT_EQ(c.apex.opt_level, "O2");
   EXPECT_EQ(c.apex.loss_scale, 128.0);
   EXPECT_EQ(c.apex.keep_batchnorm_fp32, false);
   EXPECT_EQ(c.apex.num_losses, 2);
-  EXPECT_EQ(c.apex.max_loss_scale, 65536.0);
-  EXPECT_EQ(c.apex.min_loss_scale, 0.25);
   EXPECT_EQ(c.apex.cast_model_outputs, DType::F16);
   EXPECT_TRUE(c.apex.master_weights);  // untouched properties keep O2's values
+  const AmpConfig bounds =
+      AmpConfig::from_json(R"({"max_loss_scale":65536,"min_loss_scale":0.25})", "fp16_apex:O2");
+  EXPECT_EQ(bounds.apex.max_loss_scale, 65536.0);
+  EXPECT_EQ(bounds.apex.min_loss_scale, 0.25);
   const AmpConfig dynamic = AmpConfig::from_json(R"({"loss_scale":"dynamic"})", "fp16_apex:O3");
   EXPECT_FALSE(dynamic.apex.loss_scale.has_value());
 }
@@ -140,6 +251,20 @@ TEST(AmpConfig, EveryInvalidScalerValueIsAnErrorAtConstruction) {
   EXPECT_ERROR_MENTIONS(AmpConfig::from_json(R"({"enabled":true,"growth_factor":0.9})", "bf16"), "growth_factor");
 }
 
+TEST(AmpConfig, GradScalerOptionsAreCheckedWhetherOrNotTheScalerIsOn) {
+  // An invalid value is wrong even while the scaler is off (bf16's default, or enabled false).
+  EXPECT_ERROR_MENTIONS(AmpConfig::from_json(R"({"growth_factor":0.9})", "bf16"), "AmpConfig bf16",
+                        "growth_factor", "0.9");
+  EXPECT_ERROR_MENTIONS(AmpConfig::from_json(R"({"enabled":false,"backoff_factor":2})", "fp16"),
+                        "AmpConfig fp16", "backoff_factor");
+  EXPECT_ERROR_MENTIONS(AmpConfig::from_json(R"({"enabled":false,"growth_interval":0})", "fp16"),
+                        "growth_interval");
+  AmpConfig config = AmpConfig::parse("bf16");
+  config.grad_scaler.init_scale = -1;
+  EXPECT_ERROR_MENTIONS(config.validate(), "init_scale", "-1");
+  EXPECT_NO_THROW(AmpConfig::from_json(R"({"enabled":false,"init_scale":1024})", "fp16"));
+}
+
 TEST(AmpConfig, UnknownModesKeysAndTypesAreErrorsNamingThem) {
   EXPECT_ERROR_MENTIONS(AmpConfig::parse("fp8"), "unknown mixed_precision", "fp8", "fp16_naive");
   EXPECT_ERROR_MENTIONS(AmpConfig::from_json(R"({"hysteresis":2})", "fp16"), "unknown option", "hysteresis",
@@ -148,6 +273,12 @@ TEST(AmpConfig, UnknownModesKeysAndTypesAreErrorsNamingThem) {
   EXPECT_ERROR_MENTIONS(AmpConfig::from_json(R"({"enabled":"yes"})", "fp16"), "enabled", "true or false");
   EXPECT_ERROR_MENTIONS(AmpConfig::from_json(R"({"growth_interval":1.5})", "fp16"), "growth_interval", "integer");
   EXPECT_ERROR_MENTIONS(AmpConfig::from_json(R"({"mixed_precision":"bf16"})", "fp16"), "bf16", "fp16");
+  // Every key is checked against the mode before any value is read.
+  EXPECT_ERROR_MENTIONS(AmpConfig::from_json(R"({"opt_level":5})", "fp16"), "AmpConfig fp16",
+                        "unknown option", "opt_level", "init_scale");
+  EXPECT_ERROR_MENTIONS(AmpConfig::from_json(R"({"opt_level":"O2"})", "bf16_naive"), "unknown option",
+                        "opt_level");
+  EXPECT_ERROR_MENTIONS(AmpConfig::from_json(R"({"opt_level":5})", "fp16_apex"), "opt_level", "string");
   EXPECT_ERROR_MENTIONS(AmpConfig::from_json(R"({"init_scale":2})"), "no \"mixed_precision\"");
   EXPECT_ERROR_MENTIONS(AmpConfig::from_json("[1]"), "object");
   EXPECT_ERROR_MENTIONS(AmpConfig::from_json("{"), "json");
@@ -157,20 +288,32 @@ TEST(AmpConfig, JsonRoundTripsEveryModeWithItsOptions) {
   std::vector<AmpConfig> configs;
   for (const std::string& mode : AmpConfig::modes()) configs.push_back(AmpConfig::parse(mode));
   for (const char* level : {"fp16_apex:O0", "fp16_apex:O2", "fp16_apex:O3"}) configs.push_back(AmpConfig::parse(level));
+  const size_t naive_index = configs.size();
   configs.push_back(AmpConfig::from_json(R"({"hysteresis":5,"initial_scale":1024,"verbose":true,"clip_grad":0.5})",
                                          "fp16_naive"));
   configs.push_back(AmpConfig::from_json(R"({"enabled":true,"init_scale":256})", "bf16"));
+  configs.push_back(AmpConfig::from_json(R"({"cast_model_type":"fp32","verbosity":2})", "fp16_apex:O1"));
+  configs.push_back(AmpConfig::from_json(
+      R"({"cast_model_type":false,"min_loss_scale":4,"loss_scale":"dynamic"})", "fp16_apex:O3"));
   for (const AmpConfig& c : configs) {
     const std::string text = c.to_json();
     const AmpConfig back = AmpConfig::from_json(text);
     EXPECT_EQ(back.to_json(), text);
     EXPECT_EQ(back.name(), c.name());
   }
-  const AmpConfig naive = AmpConfig::from_json(configs[configs.size() - 2].to_json());
+  const AmpConfig naive = AmpConfig::from_json(configs[naive_index].to_json());
   EXPECT_EQ(naive.naive.scaler.hysteresis, 5);
   EXPECT_EQ(naive.naive.scaler.initial_scale, 1024.0);
   EXPECT_TRUE(naive.naive.verbose);
   EXPECT_EQ(naive.naive.clip_grad, 0.5);
+  // Unset properties that the opt level sets come back unset in behaviour (null would mean "O2's value").
+  AmpConfig o2 = AmpConfig::parse("fp16_apex:O2");
+  o2.apex.keep_batchnorm_fp32.reset();
+  EXPECT_EQ(AmpConfig::from_json(o2.to_json()).apex.keep_batchnorm_fp32.value_or(false), false);
+  AmpConfig o3 = AmpConfig::parse("fp16_apex:O3");
+  o3.apex.cast_model_type.reset();
+  EXPECT_FALSE(AmpConfig::from_json(o3.to_json()).apex.cast_model_type.has_value());
+  EXPECT_EQ(AmpConfig::from_json(configs[naive_index + 2].to_json()).apex.cast_model_type, DType::F32);
 }
 
 TEST(AmpConfig, ModeFromTheCommandLineAndTheFileMustAgree) {

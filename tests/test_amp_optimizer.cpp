@@ -306,7 +306,7 @@ class FakeGroup : public ProcessGroup {
     sum_calls.emplace_back(values.begin(), values.end());
     for (double& v : values) v *= 2;
   }
-  void broadcast(const Tensor&, int) override {}
+  void all_reduce_sum(const Tensor&) override {}
 };
 
 TEST(MixedPrecisionProcessGroupHook, AnotherRanksOverflowSkipsTheStepAndBacksOffTheScaler) {

@@ -2,11 +2,13 @@
 // that every mode trains.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <map>
 
 #include "amp/autocast.h"
 #include "amp/booster.h"
 #include "nn/gpt.h"
+#include "nn/layers.h"
 #include "optim/adam.h"
 #include "tensor/ops.h"
 #include "tensor/precision.h"
@@ -42,6 +44,38 @@ std::pair<Tensor, Tensor> fixed_batch() {
   std::vector<int64_t> x(16), y(16);
   for (int i = 0; i < 16; ++i) x[i] = (i * 7 + 3) % 11, y[i] = (i * 5 + 1) % 11;
   return {Tensor::from_vector(x, {2, 8}), Tensor::from_vector(y, {2, 8})};
+}
+
+// One training step of a Linear(4, 2) without bias through `booster`: loss = sum(model(x)) * factor for each
+// loss id in `factors` (INFINITY overflows that loss's gradients). The gradients are factor * (1.5, 0, -0.25,
+// 2.75) / 64 per output row: scaled by up to 2^17 they stay finite in fp16.
+StepResult linear_step(Booster& booster, MixedPrecisionOptimizer& optimizer, Linear& model,
+                       const std::vector<double>& factors) {
+  const std::vector<float> values = {0.5f, -1, 0.25f, 2, 1, 1, -0.5f, 0.75f};
+  const Tensor x = div(Tensor::from_vector(values, {2, 4}), 64.0);
+  optimizer.zero_grad();
+  for (size_t id = 0; id < factors.size(); ++id) {
+    const double factor = factors[id];
+    const Tensor loss = booster.forward(
+        [&](const std::vector<Tensor>& in) {
+          // The loss in fp32, as losses are: the fp16 output receives S * factor, not S.
+          return std::vector<Tensor>{mul(sum(model(in[0]).to(DType::F32)), factor)};
+        },
+        {x})[0];
+    booster.backward(loss, optimizer, static_cast<int>(id));
+  }
+  return booster.step(optimizer);
+}
+
+// A clean factor for Apex's scales (up to 2^17): the loss's own gradient, S * factor, reaches the fp16 sum
+// and must stay below fp16's 65504.
+constexpr double kClean = 1.0 / 64;
+
+// The scaler's growth_tracker set to `count` clean steps (through its checkpoint state).
+void set_clean_steps(LossScaler& scaler, int64_t count) {
+  std::map<std::string, std::string> state = scaler.state_dict();
+  state["growth_tracker"] = std::to_string(count);
+  scaler.load_state_dict(state);
 }
 
 }  // namespace
@@ -158,6 +192,240 @@ TEST(Booster, EveryModeTrainsATinyGPT) {
     }
     EXPECT_LT(last, 0.6 * first) << mode << ": " << first << " -> " << last;
     EXPECT_EQ(optimizer->skipped_steps(), 0) << mode;
+  }
+}
+
+TEST(Booster, ApexCastsInputsToTheCastModelTypeAndOutputsToCastModelOutputsAtAnyOptLevel) {
+  // Apex's _initialize: with a cast_model_type every floating input is cast to it (O0: fp32) and every
+  // floating output to cast_model_outputs (fp32 if unset); without one, outputs to cast_model_outputs if set.
+  // Each cast applies even where it changes nothing in the model: O2 with "fp16" casts an fp32 loss to fp16.
+  const Tensor ids = Tensor::from_vector(std::vector<int64_t>{1, 2}, {2});
+  struct Case {
+    std::string mode;
+    std::string json;
+    DType input;   // what an f64 and an f16 input become inside the forward
+    DType output;  // what an f32, an f64 and a bf16 output become
+  };
+  const std::vector<Case> cases = {
+      {"fp16_apex:O0", "{}", DType::F32, DType::F32},
+      {"fp16_apex:O0", R"({"cast_model_outputs":"bf16"})", DType::F32, DType::BF16},
+      {"fp16_apex:O2", "{}", DType::F16, DType::F32},
+      {"fp16_apex:O2", R"({"cast_model_outputs":"fp16"})", DType::F16, DType::F16},
+      {"fp16_apex:O3", R"({"cast_model_outputs":"fp32"})", DType::F16, DType::F32},
+      {"fp16_apex:O1", R"({"cast_model_type":"fp32"})", DType::F32, DType::F32}};
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.mode + " " + c.json);
+    Linear model(4, 2, true, 3);
+    Booster booster(AmpConfig::from_json(c.json, c.mode));
+    auto optimizer = booster.boost(model, adamw_on(model, 1e-3));
+    std::vector<Tensor> seen;
+    const std::vector<Tensor> out = booster.forward(
+        [&](const std::vector<Tensor>& in) {
+          seen = in;
+          return std::vector<Tensor>{Tensor::ones({2}, DType::F32), Tensor::ones({2}, DType::F64),
+                                     Tensor::ones({2}, DType::BF16), in[2]};
+        },
+        {Tensor::ones({2}, DType::F64), Tensor::ones({2}, DType::F16), ids});
+    ASSERT_EQ(seen.size(), 3u);
+    EXPECT_EQ(seen[0].dtype(), c.input);
+    EXPECT_EQ(seen[1].dtype(), c.input);
+    EXPECT_TRUE(seen[2].same(ids));  // integers are never cast
+    ASSERT_EQ(out.size(), 4u);
+    for (int i = 0; i < 3; ++i) EXPECT_EQ(out[i].dtype(), c.output) << i;
+    EXPECT_TRUE(out[3].same(ids));
+  }
+  // O1 without a cast_model_type: inputs as given, outputs cast only when cast_model_outputs is set.
+  Linear model(4, 2, true, 3);
+  Booster o1(AmpConfig::from_json(R"({"cast_model_outputs":"bf16"})", "fp16_apex:O1"));
+  auto optimizer = o1.boost(model, adamw_on(model, 1e-3));
+  DType input = DType::I32;
+  const std::vector<Tensor> out = o1.forward(
+      [&](const std::vector<Tensor>& in) {
+        input = in[0].dtype();
+        return std::vector<Tensor>{Tensor::ones({2}, DType::F32)};
+      },
+      {Tensor::ones({2}, DType::F64)});
+  EXPECT_EQ(input, DType::F64);
+  EXPECT_EQ(out[0].dtype(), DType::BF16);
+}
+
+TEST(Booster, KeepBatchnormFp32FalseLeavesTheNormsInFp16) {
+  GPT model(tiny_config(), 1);
+  Booster booster(AmpConfig::from_json(R"({"keep_batchnorm_fp32":false})", "fp16_apex:O2"));
+  auto optimizer = booster.boost(model, adamw_on(model, 1e-3));
+  for (const auto& [name, dtype] : param_dtypes(model)) EXPECT_EQ(dtype, DType::F16) << name;
+  for (const Tensor& master : optimizer->master_params()) EXPECT_EQ(master.dtype(), DType::F32);
+}
+
+TEST(Booster, Fp32ModulesComeThroughBoostOptionsAndTrain) {
+  const auto [x, y] = fixed_batch();
+  struct Case {
+    std::string mode;
+    std::string json;
+    bool blocks_norms_fp32;  // ln_1 / ln_2 (ln_f is always asked for)
+  };
+  for (const Case& c : std::vector<Case>{{"fp16_naive", R"({"initial_scale":1024})", false},
+                                         {"bf16_naive", "{}", false},
+                                         {"fp16_apex:O2", R"({"keep_batchnorm_fp32":false})", false},
+                                         {"fp16_apex:O2", "{}", true}}) {  // merged with the norms, once each
+    SCOPED_TRACE(c.mode + " " + c.json);
+    GPT model(tiny_config(), 1);
+    Booster booster(AmpConfig::from_json(c.json, c.mode));
+    auto optimizer =
+        booster.boost(model, adamw_on(model, 1e-2), BoostOptions{.fp32_modules = {model.ln_f.get()}});
+    const DType low = c.mode == "bf16_naive" ? DType::BF16 : DType::F16;
+    for (const auto& [name, dtype] : param_dtypes(model)) {
+      const bool fp32 = name.find("ln_f") != std::string::npos || (c.blocks_norms_fp32 && is_norm(name));
+      EXPECT_EQ(dtype, fp32 ? DType::F32 : low) << name;
+    }
+    // The optimizer holds ln_f's fp32 parameters: a step moves them.
+    const std::vector<double> before = model.ln_f->named_parameters()[0].second.to_vector<double>();
+    optimizer->zero_grad();
+    const Tensor loss = booster.forward(
+        [&](const std::vector<Tensor>& in) { return std::vector<Tensor>{model.forward(in[0], in[1]).loss}; },
+        {x, y})[0];
+    booster.backward(loss, *optimizer);
+    EXPECT_FALSE(booster.step(*optimizer).skipped);
+    EXPECT_NE(model.ln_f->named_parameters()[0].second.to_vector<double>(), before);
+  }
+  GPT model(tiny_config(), 1), stranger(tiny_config(), 1);
+  Booster booster(AmpConfig::parse("fp16_naive"));
+  const BoostOptions options{.fp32_modules = {stranger.ln_f.get()}};
+  EXPECT_ERROR_MENTIONS(booster.boost(model, adamw_on(model, 1e-3), options), "fp32_modules",
+                        "not a submodule");
+}
+
+TEST(Booster, SetFp32AfterBoostIsAnErrorNamingTheModuleAndTheFix) {
+  for (const std::string mode : {"fp16_naive", "bf16_naive", "fp16_apex:O2", "fp16_apex:O3"}) {
+    GPT model(tiny_config(), 1);
+    Booster booster(AmpConfig::parse(mode));
+    auto optimizer = booster.boost(model, adamw_on(model, 1e-3));
+    ASSERT_NE(booster.naive_model(), nullptr) << mode;
+    EXPECT_TRUE(booster.naive_model()->sealed()) << mode;
+    EXPECT_ERROR_MENTIONS(booster.naive_model()->set_fp32(*model.ln_f), "set_fp32", "'transformer.ln_f'",
+                          "optimizer", "before boost", "BoostOptions::fp32_modules");
+  }
+}
+
+TEST(Booster, ApexDynamicScalerHasApexWindowAndTheConfigsBounds) {
+  Linear model(4, 2, false, 3);
+  Booster booster(AmpConfig::from_json(R"({"min_loss_scale":0.25,"max_loss_scale":131072})", "fp16_apex:O2"));
+  auto optimizer = booster.boost(model, adamw_on(model, 1e-3));
+  const auto* scaler = dynamic_cast<const DynamicLossScaler*>(&optimizer->scaler());
+  ASSERT_NE(scaler, nullptr);
+  EXPECT_EQ(scaler->options().growth_interval, 2000);  // Apex's scale_window
+  EXPECT_EQ(scaler->options().hysteresis, 1);
+  EXPECT_EQ(scaler->options().min_scale, 0.25);
+  EXPECT_EQ(scaler->options().max_scale, 131072.0);
+  EXPECT_EQ(optimizer->loss_scale(), 65536.0);
+  // The 2000th clean step doubles the scale, the 1999th does not; the next doubling stops at max_loss_scale.
+  set_clean_steps(optimizer->scaler(), 1998);
+  EXPECT_FALSE(linear_step(booster, *optimizer, model, {kClean}).skipped);
+  EXPECT_EQ(optimizer->loss_scale(), 65536.0);
+  EXPECT_FALSE(linear_step(booster, *optimizer, model, {kClean}).skipped);
+  EXPECT_EQ(optimizer->loss_scale(), 131072.0);
+  set_clean_steps(optimizer->scaler(), 1999);
+  linear_step(booster, *optimizer, model, {kClean});
+  EXPECT_EQ(optimizer->loss_scale(), 131072.0);
+  // Each overflow halves it, down to min_loss_scale and not below.
+  std::map<std::string, std::string> state = optimizer->scaler().state_dict();
+  state["scale"] = "1";
+  optimizer->scaler().load_state_dict(state);
+  for (double expected : {0.5, 0.25, 0.25}) {
+    EXPECT_TRUE(linear_step(booster, *optimizer, model, {INFINITY}).skipped);
+    EXPECT_EQ(optimizer->loss_scale(), expected);
+  }
+}
+
+TEST(Booster, NaiveClipGradComesFromTheConfigOverTheBoostOptions) {
+  for (const auto& [json, expected] : std::vector<std::pair<std::string, double>>{
+           {R"({"clip_grad":0.5,"initial_scale":64})", 0.5}, {R"({"initial_scale":64})", 100.0}}) {
+    Linear model(4, 2, false, 3);
+    Booster booster(AmpConfig::from_json(json, "fp16_naive"));
+    auto optimizer = booster.boost(model, adamw_on(model, 1e-3), BoostOptions{.clip_grad = 100.0});
+    EXPECT_EQ(optimizer->options().clip_grad, expected) << json;
+    const StepResult result = linear_step(booster, *optimizer, model, {100.0});
+    ASSERT_FALSE(result.skipped);
+    ASSERT_GT(result.grad_norm, 1.0);  // so that clip_grad 0.5 has work to do
+    double norm_sq = 0;
+    for (const Tensor& master : optimizer->master_params())
+      for (double g : master.grad().to_vector<double>()) norm_sq += g * g;
+    if (expected == 0.5) EXPECT_NEAR(std::sqrt(norm_sq), 0.5, 1e-4) << json;
+    else EXPECT_NEAR(std::sqrt(norm_sq), result.grad_norm, 1e-4 * result.grad_norm) << json;
+  }
+}
+
+TEST(Booster, NaiveVerbosePrintsColossalAIsLineAtEachGrowthAndBackoff) {
+  for (bool verbose : {true, false}) {
+    Linear model(4, 2, false, 3);
+    const std::string json = std::string(R"({"initial_scale":1024,"growth_interval":2,"verbose":)") +
+                             (verbose ? "true" : "false") + "}";
+    Booster booster(AmpConfig::from_json(json, "fp16_naive"));
+    auto optimizer = booster.boost(model, adamw_on(model, 1e-3));
+    ::testing::internal::CaptureStderr();
+    linear_step(booster, *optimizer, model, {1.0});
+    linear_step(booster, *optimizer, model, {1.0});       // 2 clean steps: x2
+    linear_step(booster, *optimizer, model, {INFINITY});  // hysteresis 2: skipped, the scale kept
+    linear_step(booster, *optimizer, model, {INFINITY});  // backoff
+    linear_step(booster, *optimizer, model, {INFINITY});  // and again, until a growth refills the hysteresis
+    const std::string printed = ::testing::internal::GetCapturedStderr();
+    EXPECT_EQ(optimizer->loss_scale(), 512.0);
+    EXPECT_EQ(printed, verbose ? "No overflow for consecutive 2 steps, the loss scale is adjusted to 2048\n"
+                                 "Overflow occurs, the loss scale is adjusted to 1024\n"
+                                 "Overflow occurs, the loss scale is adjusted to 512\n"
+                               : "");
+  }
+}
+
+TEST(Booster, ApexVerbosityPrintsApexsOverflowLineOnEverySkippedStep) {
+  {  // verbosity 1 (the default): each skipped step, at the min_loss_scale floor too; no growth lines
+    Linear model(4, 2, false, 3);
+    Booster booster(AmpConfig::from_json(R"({"min_loss_scale":32768})", "fp16_apex:O2"));
+    auto optimizer = booster.boost(model, adamw_on(model, 1e-3));
+    ::testing::internal::CaptureStderr();
+    linear_step(booster, *optimizer, model, {INFINITY});
+    linear_step(booster, *optimizer, model, {INFINITY});
+    set_clean_steps(optimizer->scaler(), 1999);
+    linear_step(booster, *optimizer, model, {kClean});
+    EXPECT_EQ(::testing::internal::GetCapturedStderr(),
+              "Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to 32768\n"
+              "Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to 32768\n");
+    EXPECT_EQ(optimizer->loss_scale(), 65536.0);
+  }
+  {  // two losses, the second overflows: only its scaler is named
+    Linear model(4, 2, false, 3);
+    Booster booster(AmpConfig::from_json(R"({"num_losses":2})", "fp16_apex:O2"));
+    auto optimizer = booster.boost(model, adamw_on(model, 1e-3));
+    ::testing::internal::CaptureStderr();
+    EXPECT_TRUE(linear_step(booster, *optimizer, model, {kClean, INFINITY}).skipped);
+    EXPECT_EQ(::testing::internal::GetCapturedStderr(),
+              "Gradient overflow.  Skipping step, loss scaler 1 reducing loss scale to 32768\n");
+  }
+  {  // verbosity 2 adds each growth; verbosity 0 prints nothing
+    for (int verbosity : {2, 0}) {
+      Linear model(4, 2, false, 3);
+      const std::string json = "{\"verbosity\":" + std::to_string(verbosity) + "}";
+      Booster booster(AmpConfig::from_json(json, "fp16_apex:O2"));
+      auto optimizer = booster.boost(model, adamw_on(model, 1e-3));
+      ::testing::internal::CaptureStderr();
+      set_clean_steps(optimizer->scaler(), 1999);
+      linear_step(booster, *optimizer, model, {kClean});
+      linear_step(booster, *optimizer, model, {INFINITY});
+      const std::string expected =
+          "No overflow for 2000 consecutive steps, loss scaler 0 increasing loss scale to 131072\n"
+          "Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to 65536\n";
+      EXPECT_EQ(::testing::internal::GetCapturedStderr(), verbosity == 2 ? expected : "");
+    }
+  }
+  {  // a static scale skips too (unlike Apex), and says so
+    Linear model(4, 2, false, 3);
+    Booster booster(AmpConfig::parse("fp16_apex:O3"));
+    auto optimizer = booster.boost(model, adamw_on(model, 1e-3));
+    ::testing::internal::CaptureStderr();
+    EXPECT_TRUE(linear_step(booster, *optimizer, model, {INFINITY}).skipped);
+    const std::string printed = ::testing::internal::GetCapturedStderr();
+    EXPECT_NE(printed.find("Gradient overflow.  Skipping step"), std::string::npos) << printed;
+    EXPECT_NE(printed.find("static loss scale 1"), std::string::npos) << printed;
   }
 }
 

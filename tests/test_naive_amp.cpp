@@ -1,7 +1,8 @@
 // amp/naive_amp: the model-level wrapper (InternEvo's NaiveAMPModel) and the UnaryModule forward hooks it is
 // built on. Parameters end in the low dtype except set_fp32 islands; an island computes in fp32 and hands the
-// low dtype back; inputs/outputs are cast at the boundary (integers never); gradients arrive in each
-// parameter's dtype; "tf32" keeps fp32 and turns tf32 matmuls on; buffers are broadcast in training mode.
+// low dtype back; fp32 inputs and fp16/bf16 outputs are cast at the boundary (f64 and integers never);
+// gradients arrive in each parameter's dtype; "tf32" keeps fp32 and turns tf32 matmuls on; buffers are
+// averaged over the group in training mode and at the first eval forward after training.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -101,26 +102,27 @@ class BufferedModule : public UnaryModule {
   Tensor steps;
 };
 
-// Rank 0's values are `value`: broadcast overwrites the tensor with it, as the real collective would.
+// A group of `size` ranks in which every other rank holds `others` in each buffer element: its all-reduce
+// SUM adds what the other ranks contribute after dividing by the group size, (size - 1) * others / size, as
+// the real collective would.
 class FakeGroup : public ProcessGroup {
  public:
-  explicit FakeGroup(int size, double value) : size_(size), value_(value) {}
+  explicit FakeGroup(int size, double others) : size_(size), others_(others) {}
   std::string name() const override { return "fake group"; }
   int size() const override { return size_; }
   void all_reduce_max(std::span<double>) override {}
   void all_reduce_sum(std::span<double>) override {}
-  void broadcast(const Tensor& tensor, int root) override {
-    EXPECT_EQ(root, 0);
+  void all_reduce_sum(const Tensor& tensor) override {
     EXPECT_TRUE(tensor.is_contiguous());
-    broadcast_dtypes.push_back(tensor.dtype());
+    reduced_dtypes.push_back(tensor.dtype());
     Tensor target = tensor;
-    target.fill_(value_);
+    target.copy_(add(tensor, (size_ - 1) * others_ / size_));
   }
-  std::vector<DType> broadcast_dtypes;
+  std::vector<DType> reduced_dtypes;
 
  private:
   int size_;
-  double value_;
+  double others_;
 };
 
 // ---------------------------------------------------------------------------------------------------------
@@ -248,7 +250,7 @@ TEST(NaiveAMPModel, IntegerAndUndefinedInputsAndOutputsPassUntouched) {
   Linear model(4, 3, true, 5);
   NaiveAMPModel amp(model, {.dtype = "bf16"});
   const Tensor ids = Tensor::from_vector(std::vector<int64_t>{3, 1, 4}, {3});
-  const Tensor x = uniform_tensor({2, 4}, 2, -1, 1, DType::F64);
+  const Tensor x = uniform_tensor({2, 4}, 2, -1, 1, DType::F32);
   std::vector<Tensor> seen;
   const std::vector<Tensor> outputs = amp.forward(
       [&seen](const std::vector<Tensor>& in) {
@@ -258,11 +260,35 @@ TEST(NaiveAMPModel, IntegerAndUndefinedInputsAndOutputsPassUntouched) {
       {ids, x, Tensor()});
   ASSERT_EQ(seen.size(), 3u);
   EXPECT_TRUE(seen[0].same(ids));  // the very same handle: token ids are never cast
-  EXPECT_EQ(seen[1].dtype(), DType::BF16);  // every floating input (f64 too) goes to the low dtype
+  EXPECT_EQ(seen[1].dtype(), DType::BF16);  // fp32 goes to the low dtype
   EXPECT_FALSE(seen[2].defined());
   EXPECT_TRUE(outputs[0].same(ids));  // output_to_fp32 leaves integer outputs alone
   EXPECT_EQ(outputs[1].dtype(), DType::F32);
   EXPECT_FALSE(outputs[2].defined());
+}
+
+TEST(NaiveAMPModel, OnlyFp32InputsNarrowAndOnlyFp16Bf16OutputsWiden) {
+  // InternEvo's _convert_to_fp16 casts float32 only and _convert_to_fp32 widens float16/bfloat16 only: an f64
+  // reference computation passes both ways untouched.
+  Linear model(4, 3, true, 5);
+  NaiveAMPModel amp(model, {.dtype = "fp16"});
+  const Tensor x64 = uniform_tensor({2, 4}, 2, -1, 1, DType::F64);
+  const Tensor x16 = uniform_tensor({2, 4}, 3, -1, 1, DType::BF16);
+  std::vector<Tensor> seen;
+  const std::vector<Tensor> outputs = amp.forward(
+      [&seen](const std::vector<Tensor>& in) {
+        seen = in;
+        return std::vector<Tensor>{in[0], in[1], in[1].to(DType::F16), Tensor::ones({2}, DType::F32)};
+      },
+      {x64, x16});
+  ASSERT_EQ(seen.size(), 2u);
+  EXPECT_TRUE(seen[0].same(x64));
+  EXPECT_TRUE(seen[1].same(x16));  // bf16 into an fp16 model: not fp32, so not cast
+  ASSERT_EQ(outputs.size(), 4u);
+  EXPECT_TRUE(outputs[0].same(x64));  // f64 is not narrowed to fp32 either
+  EXPECT_EQ(outputs[1].dtype(), DType::F32);
+  EXPECT_EQ(outputs[2].dtype(), DType::F32);
+  EXPECT_EQ(outputs[3].dtype(), DType::F32);
 }
 
 TEST(NaiveAMPModel, GPTTrainsForwardAndBackwardWithGradientsInEachParametersDtype) {
@@ -365,28 +391,31 @@ TEST(NaiveAMPModel, Tf32KeepsFp32ParametersAndTurnsOnTf32Matmuls) {
   EXPECT_EQ(out[0].dtype(), DType::F32);
 }
 
-TEST(NaiveAMPModel, SyncBuffersBroadcastsFloatingBuffersFromRankZeroInTrainingModeOnly) {
+TEST(NaiveAMPModel, SyncBuffersAveragesFloatingBuffersInFp32OverTheGroup) {
   const Tensor x = Tensor::ones({3});
-  {  // training mode with a group: the floating buffer takes rank 0's values; the integer one is not sent
+  {  // training mode with a group of 4 whose other ranks hold 7: (1 + 3 * 7) / 4; the integer buffer stays
     BufferedModule model;
-    FakeGroup group(2, 7.0);
+    FakeGroup group(4, 7.0);
     NaiveAMPModel amp(model, {.dtype = "fp16", .group = &group});
     EXPECT_EQ(model.running.dtype(), DType::F16);  // buffers are converted with the parameters
+    {
+      NoGradGuard no_grad;
+      model.running.fill_(1.0);
+    }
     amp(x);
-    EXPECT_EQ(group.broadcast_dtypes, std::vector<DType>{DType::F16});
-    EXPECT_EQ(model.running.to_vector<double>(), (std::vector<double>{7, 7, 7}));
+    EXPECT_EQ(group.reduced_dtypes, std::vector<DType>{DType::F32});  // a 16-bit buffer is averaged in fp32
+    EXPECT_EQ(model.running.dtype(), DType::F16);
+    EXPECT_EQ(model.running.to_vector<double>(), (std::vector<double>{5.5, 5.5, 5.5}));
     EXPECT_EQ(model.steps.to_vector<int64_t>(), std::vector<int64_t>{0});
   }
-  {  // eval mode: no broadcast at forward (but an explicit sync_buffers() still syncs)
+  {  // an explicit sync_buffers() syncs in any mode
     BufferedModule model;
     FakeGroup group(2, 7.0);
-    NaiveAMPModel amp(model, {.dtype = "fp16", .group = &group});
+    NaiveAMPModel amp(model, {.dtype = "bf16", .group = &group});
     model.eval();
-    amp(x);
-    EXPECT_TRUE(group.broadcast_dtypes.empty());
-    EXPECT_EQ(model.running.to_vector<double>(), (std::vector<double>{0, 0, 0}));
     amp.sync_buffers();
-    EXPECT_EQ(model.running.to_vector<double>(), (std::vector<double>{7, 7, 7}));
+    EXPECT_EQ(group.reduced_dtypes, std::vector<DType>{DType::F32});
+    EXPECT_EQ(model.running.to_vector<double>(), (std::vector<double>{3.5, 3.5, 3.5}));
   }
   {  // no group, sync_buffer off, or a group of one: nothing to do
     BufferedModule no_group, off, single;
@@ -397,18 +426,83 @@ TEST(NaiveAMPModel, SyncBuffersBroadcastsFloatingBuffersFromRankZeroInTrainingMo
     amp_no_group(x);
     amp_off(x);
     amp_single(x);
-    EXPECT_TRUE(group.broadcast_dtypes.empty());
-    EXPECT_TRUE(alone.broadcast_dtypes.empty());
+    EXPECT_TRUE(group.reduced_dtypes.empty());
+    EXPECT_TRUE(alone.reduced_dtypes.empty());
     for (BufferedModule* model : {&no_group, &off, &single})
       EXPECT_EQ(model->running.to_vector<double>(), (std::vector<double>{0, 0, 0}));
   }
 }
 
+TEST(NaiveAMPModel, SyncBuffersAtEveryTrainingForwardAndTheFirstEvalForwardAfterTraining) {
+  const Tensor x = Tensor::ones({3});
+  BufferedModule model;
+  FakeGroup group(2, 0.0);  // the other rank holds 0: each sync halves the buffer
+  NaiveAMPModel amp(model, {.dtype = "fp16", .group = &group});
+  auto running = [&] { return model.running.to_vector<double>()[0]; };
+  {
+    NoGradGuard no_grad;
+    model.running.fill_(64.0);
+  }
+  amp(x);
+  amp(x);
+  EXPECT_EQ(group.reduced_dtypes.size(), 2u);  // training: every forward
+  EXPECT_EQ(running(), 16.0);
+  model.eval();  // directly on the model, as the trainers do: the wrapper sees the change at forward
+  amp(x);
+  EXPECT_EQ(group.reduced_dtypes.size(), 3u);  // the first eval forward after training (InternEvo)
+  amp(x);
+  amp(x);
+  EXPECT_EQ(group.reduced_dtypes.size(), 3u);  // later eval forwards: the buffers have not changed since
+  EXPECT_EQ(running(), 8.0);
+  model.train();
+  amp(x);
+  EXPECT_EQ(group.reduced_dtypes.size(), 4u);
+  model.eval();
+  amp(x);
+  EXPECT_EQ(group.reduced_dtypes.size(), 5u);
+  EXPECT_EQ(running(), 2.0);
+
+  // A model whose first forward is in eval mode is synced then (its replicas may differ from the start).
+  BufferedModule fresh;
+  FakeGroup fresh_group(2, 0.0);
+  NaiveAMPModel fresh_amp(fresh, {.dtype = "fp16", .group = &fresh_group});
+  fresh.eval();
+  fresh_amp(x);
+  fresh_amp(x);
+  EXPECT_EQ(fresh_group.reduced_dtypes.size(), 1u);
+}
+
 TEST(NaiveAMPModel, UnknownDtypeIsAnErrorAndLeavesTheModelUnconverted) {
   Linear model(4, 3);
   EXPECT_ERROR_MENTIONS(NaiveAMPModel(model, {.dtype = "fp8"}), "NaiveAMPModel", "'fp8'", "fp16, bf16 or tf32");
-  EXPECT_ERROR_MENTIONS(NaiveAMPModel(model, {.dtype = "float16"}), "'float16'");
+  EXPECT_ERROR_MENTIONS(NaiveAMPModel(model, {.dtype = "float8"}), "'float8'", "float16, bfloat16");
+  EXPECT_ERROR_MENTIONS(NaiveAMPModel(model, {.dtype = "half"}), "'half'");
   EXPECT_EQ(model.weight.dtype(), DType::F32);
+}
+
+TEST(NaiveAMPModel, DtypeAcceptsTheFloat16AndBfloat16AliasesAsAmpConfigDoes) {
+  Linear half(4, 3), brain(4, 3);
+  EXPECT_EQ(NaiveAMPModel(half, {.dtype = "float16"}).dtype(), DType::F16);
+  EXPECT_EQ(half.weight.dtype(), DType::F16);
+  EXPECT_EQ(NaiveAMPModel(brain, {.dtype = "bfloat16"}).dtype(), DType::BF16);
+  EXPECT_EQ(brain.weight.dtype(), DType::BF16);
+}
+
+TEST(NaiveAMPModel, SetFp32OnASealedWrapperIsAnErrorNamingTheModule) {
+  GPT gpt(tiny_gpt_config(), 1);
+  NaiveAMPModel amp(gpt, {.dtype = "fp16"});
+  amp.set_fp32(*gpt.ln_f);  // before the optimizer holds the parameters: fine
+  EXPECT_FALSE(amp.sealed());
+  amp.seal();
+  EXPECT_TRUE(amp.sealed());
+  const Tensor before = (*gpt.h)[1].ln_2->named_parameters()[0].second;
+  EXPECT_ERROR_MENTIONS(amp.set_fp32(*(*gpt.h)[1].ln_2), "set_fp32", "'transformer.h.1.ln_2'", "optimizer",
+                        "BoostOptions::fp32_modules");
+  // Nothing changed: the parameter is the same fp16 leaf, no hooks were set.
+  const Tensor after = (*gpt.h)[1].ln_2->named_parameters()[0].second;
+  EXPECT_TRUE(after.same(before));
+  EXPECT_EQ(after.dtype(), DType::F16);
+  EXPECT_FALSE((*gpt.h)[1].ln_2->has_forward_hooks());
 }
 
 TEST(NaiveAMPModel, SetFp32RejectsAModuleOutsideTheModelAndCallNeedsAUnaryModel) {
