@@ -3,6 +3,7 @@
 #include <charconv>
 #include <cmath>
 #include <set>
+#include <span>
 #include <system_error>
 #include <utility>
 
@@ -80,6 +81,7 @@ MixedPrecisionOptimizer::MixedPrecisionOptimizer(std::unique_ptr<Optimizer> opti
         model_params_.size(), ")");
   accumulators_.resize(model_params_.size());
   found_inf_.assign(scalers_.size(), false);
+  used_.assign(scalers_.size(), false);
 }
 
 MixedPrecisionOptimizer::MixedPrecisionOptimizer(std::unique_ptr<Optimizer> optimizer,
@@ -113,6 +115,7 @@ void MixedPrecisionOptimizer::begin_backward(int loss_id) {
   }
   if (pending_loss_ >= 0 && pending_loss_ != loss_id) fold_pending_grads();
   pending_loss_ = loss_id;
+  used_[static_cast<size_t>(loss_id)] = true;
 }
 
 Tensor MixedPrecisionOptimizer::scale_loss(const Tensor& loss, int loss_id) {
@@ -168,6 +171,7 @@ void MixedPrecisionOptimizer::clear_grads() {
   }
   pending_loss_ = -1;
   found_inf_.assign(scalers_.size(), false);
+  used_.assign(scalers_.size(), false);
 }
 
 void MixedPrecisionOptimizer::reload_masters() {
@@ -186,10 +190,18 @@ StepResult MixedPrecisionOptimizer::step() {
   StepResult result;
   result.loss_scale = scalers_[0]->scale();
 
-  // found_inf of each loss, MAX over the group: every rank skips together and backs off the same scalers.
-  std::vector<double> inf_flags(scalers_.size());
-  for (size_t k = 0; k < scalers_.size(); ++k) inf_flags[k] = found_inf_[k] ? 1.0 : 0.0;
-  if (options_.group) options_.group->all_reduce_max(inf_flags);
+  // found_inf of each loss, then whether each loss went through scale_loss() this step, MAX over the group
+  // in one collective: every rank skips together and updates the same scalers. Only the scalers of losses
+  // used in this step are updated, as Apex updates a loss's scaler when that loss leaves scale_loss: a loss
+  // that sat out the step neither counts a clean step nor backs off.
+  const size_t n = scalers_.size();
+  std::vector<double> flags(2 * n);
+  for (size_t k = 0; k < n; ++k) {
+    flags[k] = found_inf_[k] ? 1.0 : 0.0;
+    flags[n + k] = used_[k] ? 1.0 : 0.0;
+  }
+  if (options_.group) options_.group->all_reduce_max(flags);
+  const std::span<const double> inf_flags(flags.data(), n), used_flags(flags.data() + n, n);
   bool any_inf = false;
   for (double flag : inf_flags) any_inf = any_inf || flag != 0.0;
 
@@ -198,7 +210,8 @@ StepResult MixedPrecisionOptimizer::step() {
     clear_grads();
     stepped_ = false;
     ++skipped_steps_;
-    for (size_t k = 0; k < scalers_.size(); ++k) scalers_[k]->update(inf_flags[k] != 0.0);
+    for (size_t k = 0; k < n; ++k)
+      if (used_flags[k] != 0.0) scalers_[k]->update(inf_flags[k] != 0.0);
     result.skipped = true;
     return result;
   }
@@ -239,8 +252,10 @@ StepResult MixedPrecisionOptimizer::step() {
     for (size_t i = 0; i < master_params_.size(); ++i)
       if (!master_params_[i].same(model_params_[i])) model_params_[i].copy_(master_params_[i]);
   }
-  for (auto& scaler : scalers_) scaler->update(false);
+  for (size_t k = 0; k < n; ++k)
+    if (used_flags[k] != 0.0) scalers_[k]->update(false);
   found_inf_.assign(scalers_.size(), false);
+  used_.assign(scalers_.size(), false);
   pending_loss_ = -1;
   stepped_ = true;
   return result;

@@ -14,13 +14,15 @@
 //                              into the master gradients first (Apex's stash-and-unscale for num_losses).
 //   step()                     1. fold: master_grad += model_grad / S (fp32, one fused pass that also
 //                                 checks finiteness: unscale_and_check_finite); model grads dropped
-//                              2. found_inf all-reduced (MAX) over the process group, if one is given
+//                              2. found_inf and "loss used this step" all-reduced (MAX) over the process
+//                                 group, if one is given
 //                              3. found_inf: skip — parameters, masters and optimizer state unchanged
 //                              4. optional clip_grad on the unscaled master grads (squared norm summed
 //                                 over the process group), optional log_num_zeros_in_grad
 //                              5. the wrapped optimizer steps on the masters; each master is rounded once
 //                                 (nearest even) into its model parameter
-//                              6. every scaler is updated with its own loss's found_inf
+//                              6. the scaler of every loss used in this step is updated with that loss's
+//                                 found_inf (also after a skip); a loss that sat the step out is not (Apex)
 //   zero_grad()                drops model and master gradients.
 // After a step the unscaled gradients stay on the masters (and on fp32 parameters, their own masters) for
 // inspection until zero_grad() or the next scale_loss()/backward(), which starts from zero gradients: a new
@@ -112,6 +114,7 @@ class MixedPrecisionOptimizer {
   std::vector<Tensor> model_params_;
   std::vector<Tensor> master_params_;
   std::vector<bool> found_inf_;  // per loss id, since the last step
+  std::vector<bool> used_;       // per loss id: went through scale_loss()/backward() since the last step
   int pending_loss_ = -1;        // loss id whose scale the model grads carry; -1: none pending
   // Per parameter: the sum of the unscaled gradients folded since the last step, in Optimizer::state_dtype
   // (f32; f64 for f64 parameters). Kept apart from .grad so a parameter that is its own master never holds

@@ -320,7 +320,7 @@ TEST(MixedPrecisionProcessGroupHook, AnotherRanksOverflowSkipsTheStepAndBacksOff
   const StepResult result = opt.step();
   EXPECT_TRUE(result.skipped);
   ASSERT_EQ(group.max_calls.size(), 1u);
-  EXPECT_EQ(group.max_calls[0], std::vector<double>{0});  // this rank found no inf
+  EXPECT_EQ(group.max_calls[0], (std::vector<double>{0, 1}));  // found no inf here; the loss was used
   EXPECT_EQ(values(w), (std::vector<double>{1, 2}));
   EXPECT_EQ(opt.loss_scale(), 512);
   EXPECT_EQ(opt.skipped_steps(), 1);
@@ -415,6 +415,39 @@ TEST(MixedPrecisionSeveralLosses, AnOverflowInOneLossBacksOffOnlyItsScalerAndSki
     EXPECT_EQ(opt.loss_scale(1), bad == 1 ? 4 : 8) << bad;
     EXPECT_EQ(opt.skipped_steps(), 1);
   }
+}
+
+TEST(MixedPrecisionSeveralLosses, OnlyTheScalersOfLossesUsedInAStepAreUpdated) {
+  // Growth after every clean step (interval 1, no hysteresis), so each update of a scaler shows in its scale.
+  auto growing = [] {
+    DynamicLossScalerOptions o;
+    o.initial_scale = 8;
+    o.max_scale = 1 << 20;
+    o.growth_interval = 1;
+    o.hysteresis = 1;
+    return std::make_unique<DynamicLossScaler>(o);
+  };
+  Tensor w = leaf({1, 2, 3}, DType::F16);
+  MixedPrecisionOptimizer opt(std::make_unique<SGD>(std::vector<Tensor>{w}, 0.0), scalers(growing(), growing()));
+  // Step 1: only loss 0 -> S0 8 -> 16, S1 stays 8 (Apex updates a loss's scaler as it leaves scale_loss).
+  opt.backward(linear_loss(w, {1, 1, 1}), 0);
+  ASSERT_FALSE(opt.step().skipped);
+  EXPECT_EQ(opt.loss_scale(0), 16);
+  EXPECT_EQ(opt.loss_scale(1), 8);
+  // Step 2: an overflow in loss 1 alone -> skipped; S1 8 -> 4 backs off, S0 (not used) stays 16.
+  opt.zero_grad();
+  opt.backward(linear_loss(w, {1, 1, 1}), 1);
+  w.set_grad(constant({kInf, 1, 1}, DType::F16));
+  EXPECT_TRUE(opt.step().skipped);
+  EXPECT_EQ(opt.loss_scale(0), 16);
+  EXPECT_EQ(opt.loss_scale(1), 4);
+  // Step 3: both losses, clean -> both grow: 32 and 8.
+  opt.zero_grad();
+  opt.backward(linear_loss(w, {1, 1, 1}), 0);
+  opt.backward(linear_loss(w, {1, 1, 1}), 1);
+  ASSERT_FALSE(opt.step().skipped);
+  EXPECT_EQ(opt.loss_scale(0), 32);
+  EXPECT_EQ(opt.loss_scale(1), 8);
 }
 
 // ----------------------------------------------------------------------------------------------- parity
