@@ -1,7 +1,6 @@
 #include "amp/booster.h"
 
 #include <algorithm>
-#include <charconv>
 #include <cstdio>
 #include <map>
 #include <string>
@@ -15,13 +14,6 @@ namespace mixtape {
 
 namespace {
 
-bool contains(const Module& root, const Module& target) {
-  if (&root == &target) return true;
-  for (const auto& [name, child] : root.named_children())
-    if (contains(*child, target)) return true;
-  return false;
-}
-
 // Every LayerNorm / RMSNorm below `module` (Apex's keep_batchnorm_fp32 applied to our norm layers).
 void collect_norms(Module& module, std::vector<UnaryModule*>& out) {
   for (const auto& [name, child] : module.named_children()) {
@@ -33,26 +25,9 @@ void collect_norms(Module& module, std::vector<UnaryModule*>& out) {
 
 const char* low_name(DType dtype) { return dtype == DType::BF16 ? "bf16" : "fp16"; }
 
-// Every floating tensor in `dtype` (Apex's to_type: f64 included); undefined and integer tensors untouched.
-Tensor cast_floating(const Tensor& t, DType dtype) {
-  return t.defined() && is_floating(t.dtype()) ? t.to(dtype) : t;
-}
-
-// The shortest text that reads back as `value` (65536, 4294967296, 0.5): a scale printed exactly.
-std::string number_text(double value) {
-  char buffer[64];
-  const auto result = std::to_chars(buffer, buffer + sizeof buffer, value);
-  return std::string(buffer, result.ptr);
-}
-
-// What the last update() did to a DynamicLossScaler, read from its trackers: an overflow leaves
-// growth_tracker 0 and the hysteresis tracker below `hysteresis`; a growth leaves growth_tracker 0 and the
-// tracker refilled; any other clean step leaves growth_tracker >= 1.
-bool overflowed(const DynamicLossScaler& s) {
-  return s.growth_tracker() == 0 && s.hysteresis_tracker() < s.options().hysteresis;
-}
-bool grew(const DynamicLossScaler& s) {
-  return s.growth_tracker() == 0 && s.hysteresis_tracker() == s.options().hysteresis;
+// The scaler of loss `i` when it is a DynamicLossScaler, else null.
+const DynamicLossScaler* dynamic_scaler(MixedPrecisionOptimizer& optimizer, int i) {
+  return dynamic_cast<const DynamicLossScaler*>(&optimizer.scaler(i));
 }
 
 }  // namespace
@@ -74,7 +49,7 @@ BoostedParts Booster::boost_parts(Module& model, std::unique_ptr<Optimizer> opti
 
   // ---- the model ----
   for (UnaryModule* module : options.fp32_modules)
-    check(module != nullptr && contains(model, *module), "Booster.boost: BoostOptions::fp32_modules holds a "
+    check(module != nullptr && model.path_of(*module), "Booster.boost: BoostOptions::fp32_modules holds a "
           "module that is not a submodule of the model");
   if (c.mixed_precision == "tf32") set_allow_tf32(true);
   if (c.is_naive()) {
@@ -144,8 +119,7 @@ BoostedParts Booster::boost_parts(Module& model, std::unique_ptr<Optimizer> opti
       if (a.loss_scale) {
         scalers.push_back(std::make_unique<StaticLossScaler>(*a.loss_scale));
       } else {
-        scalers.push_back(std::make_unique<DynamicLossScaler>(apex_dynamic_scaler(
-            std::min(65536.0, a.max_loss_scale), 2000, a.min_loss_scale, a.max_loss_scale)));
+        scalers.push_back(std::make_unique<DynamicLossScaler>(a.dynamic_scaler()));
       }
     }
   } else if (c.is_naive()) {
@@ -178,34 +152,48 @@ void Booster::backward(const Tensor& loss, MixedPrecisionOptimizer& optimizer, i
 }
 
 StepResult Booster::step(MixedPrecisionOptimizer& optimizer) {
+  // Only scalers updated in this step report (a loss that sat the step out keeps an earlier outcome).
+  std::vector<uint64_t> updates_before;
+  for (int i = 0; i < optimizer.num_losses(); ++i) {
+    const DynamicLossScaler* dynamic = dynamic_scaler(optimizer, i);
+    updates_before.push_back(dynamic ? dynamic->update_count() : 0);
+  }
   const StepResult result = optimizer.step();
+  using Update = DynamicLossScaler::Update;
+  // What scaler i's update in this step did; None if it was not updated (or is not dynamic).
+  auto outcome = [&](int i) {
+    const DynamicLossScaler* dynamic = dynamic_scaler(optimizer, i);
+    const bool updated = dynamic && dynamic->update_count() != updates_before[static_cast<size_t>(i)];
+    return updated ? dynamic->last_update() : Update::None;
+  };
   if (config_.mixed_precision == "fp16_apex" && config_.apex.verbosity > 0) {
     for (int i = 0; i < optimizer.num_losses(); ++i) {
-      const auto* dynamic = dynamic_cast<const DynamicLossScaler*>(&optimizer.scaler(i));
-      const std::string scale = number_text(optimizer.loss_scale(i));
+      const std::string scale = exact_number_text(optimizer.loss_scale(i));
+      const Update update = outcome(i);
+      const DynamicLossScaler* dynamic = dynamic_scaler(optimizer, i);
       if (dynamic == nullptr) {  // a static scale: Apex would have stepped (amp/README.md)
         if (result.skipped && i == 0)
           std::fprintf(stderr, "Gradient overflow.  Skipping step (static loss scale %s, kept: mixtape skips "
                        "a non-finite step where Apex steps)\n", scale.c_str());
-      } else if (result.skipped && overflowed(*dynamic)) {
+      } else if (update == Update::Overflow || update == Update::Backoff) {
         // Apex's message (apex/amp/handle.py), on every skipped step, at the min_loss_scale floor too.
         std::fprintf(stderr, "Gradient overflow.  Skipping step, loss scaler %d reducing loss scale to %s\n",
                      i, scale.c_str());
-      } else if (config_.apex.verbosity >= 2 && grew(*dynamic)) {
+      } else if (config_.apex.verbosity >= 2 && update == Update::Growth) {
         std::fprintf(stderr, "No overflow for %lld consecutive steps, loss scaler %d increasing loss scale "
                      "to %s\n", static_cast<long long>(dynamic->options().growth_interval), i, scale.c_str());
       }
     }
   } else if (config_.is_naive() && config_.naive.verbose) {
     // Colossal-AI's DynamicGradScaler log lines, at each backoff and each growth (clamped ones included).
-    const auto* dynamic = dynamic_cast<const DynamicLossScaler*>(&optimizer.scaler(0));
-    const std::string scale = number_text(optimizer.loss_scale(0));
-    if (dynamic == nullptr) return result;  // an optimizer built with another scaler: nothing of ours to log
-    if (result.skipped && overflowed(*dynamic) && dynamic->hysteresis_tracker() <= 0)
+    const std::string scale = exact_number_text(optimizer.loss_scale(0));
+    const Update update = outcome(0);  // Growth and Backoff only come from a DynamicLossScaler
+    if (update == Update::Backoff)
       std::fprintf(stderr, "Overflow occurs, the loss scale is adjusted to %s\n", scale.c_str());
-    else if (grew(*dynamic))
+    else if (update == Update::Growth)
       std::fprintf(stderr, "No overflow for consecutive %lld steps, the loss scale is adjusted to %s\n",
-                   static_cast<long long>(dynamic->options().growth_interval), scale.c_str());
+                   static_cast<long long>(dynamic_scaler(optimizer, 0)->options().growth_interval),
+                   scale.c_str());
   }
   return result;
 }

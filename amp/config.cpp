@@ -1,6 +1,5 @@
 #include "amp/config.h"
 
-#include <charconv>
 #include <cmath>
 #include <cstdlib>
 #include <map>
@@ -61,12 +60,7 @@ void with_context(const std::string& context, const Build& build) {
 }
 
 // The shortest text that reads back as `value` (16777216, 0.25), or "unset".
-std::string number_text(std::optional<double> value) {
-  if (!value) return "unset";
-  char buffer[64];
-  const auto result = std::to_chars(buffer, buffer + sizeof buffer, *value);
-  return std::string(buffer, result.ptr);
-}
+std::string number_text(std::optional<double> value) { return value ? exact_number_text(*value) : "unset"; }
 
 // Python's float() of a string (Apex's loss_scale): surrounding blanks allowed, the whole rest a number.
 std::optional<double> number_from_text(const std::string& text) {
@@ -81,6 +75,10 @@ std::optional<double> number_from_text(const std::string& text) {
 }
 
 }  // namespace
+
+DynamicLossScaler ApexProperties::dynamic_scaler() const {
+  return apex_dynamic_scaler(65536.0, 2000, min_loss_scale, max_loss_scale);
+}
 
 ApexProperties ApexProperties::for_opt_level(const std::string& opt_level) {
   ApexProperties p;
@@ -324,13 +322,9 @@ void AmpConfig::validate() const {
             " (got min_loss_scale ", number_text(a.min_loss_scale), ", max_loss_scale ",
             number_text(a.max_loss_scale), ")");
     } else {
-      // Apex starts dynamic scaling at 2^16 (clamped to max_loss_scale) between the two bounds.
       with_context(who + ": the dynamic loss scaler of min_loss_scale " + number_text(a.min_loss_scale) +
                        " and max_loss_scale " + number_text(a.max_loss_scale),
-                   [&] {
-                     apex_dynamic_scaler(std::min(65536.0, a.max_loss_scale), 2000, a.min_loss_scale,
-                                         a.max_loss_scale);
-                   });
+                   [&] { a.dynamic_scaler(); });
     }
   } else if (is_naive()) {
     check(std::isfinite(naive.clip_grad) && naive.clip_grad >= 0, who,

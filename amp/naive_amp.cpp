@@ -19,45 +19,29 @@ DType parse_dtype(const std::string& name) {
   fail("NaiveAMPModel: unknown dtype '", name, "' (expected fp16, bf16 or tf32; or float16, bfloat16)");
 }
 
-bool is_16bit(DType dtype) { return dtype == DType::F16 || dtype == DType::BF16; }
-
-// A floating tensor in `dtype` through a recorded cast (gradients flow back in the original dtype);
-// undefined and integer tensors (token ids, targets) pass through untouched. For the fp32 islands' hooks.
-Tensor cast_floating(const Tensor& t, DType dtype) {
-  if (!t.defined() || !is_floating(t.dtype())) return t;
-  return t.to(dtype);
-}
 
 // The wrapped forward's boundary (InternEvo's _convert_to_fp16 / _convert_to_fp32): only fp32 goes down to
 // the low dtype, only fp16/bf16 comes back up to fp32; f64 (a reference computation) is left alone.
 Tensor narrow_fp32(const Tensor& t, DType low) {
   return t.defined() && t.dtype() == DType::F32 ? t.to(low) : t;
 }
-Tensor widen_16bit(const Tensor& t) { return t.defined() && is_16bit(t.dtype()) ? t.to(DType::F32) : t; }
-
-bool contains(const Module& root, const Module& target) {
-  if (&root == &target) return true;
-  for (const auto& [name, child] : root.named_children())
-    if (contains(*child, target)) return true;
-  return false;
-}
-
-// The dotted name of `target` below `root` ("h.0.ln_1"), for messages; nullopt if it is not there.
-std::optional<std::string> path_of(const Module& root, const Module& target) {
-  if (&root == &target) return "";
-  for (const auto& [name, child] : root.named_children())
-    if (const auto below = path_of(*child, target)) return below->empty() ? name : name + "." + *below;
-  return std::nullopt;
+Tensor widen_16bit(const Tensor& t) {
+  return t.defined() && is_low_precision(t.dtype()) ? t.to(DType::F32) : t;
 }
 
 }  // namespace
+
+Tensor cast_floating(const Tensor& t, DType dtype) {
+  if (!t.defined() || !is_floating(t.dtype())) return t;
+  return t.to(dtype);
+}
 
 NaiveAMPModel::NaiveAMPModel(Module& model, NaiveAMPOptions options)
     : model_(model), options_(std::move(options)), dtype_(parse_dtype(options_.dtype)) {
   // "tf32": parameters stay fp32; the f32 matmuls round their inputs to tf32 (process-wide, as InternEvo sets
   // torch.backends.cuda.matmul.allow_tf32 — it is not restored when the wrapper goes away).
   for (UnaryModule* module : options_.fp32_modules)
-    check(module != nullptr && contains(model_, *module),
+    check(module != nullptr && model_.path_of(*module),
           "NaiveAMPModel: options.fp32_modules holds a module that is not a submodule of the wrapped model");
   if (options_.dtype == "tf32") set_allow_tf32(true);
   // The fp32 islands' values before the whole model is rounded to the low dtype (copies: to() replaces the
@@ -80,7 +64,7 @@ NaiveAMPModel::NaiveAMPModel(Module& model, NaiveAMPOptions options)
 }
 
 void NaiveAMPModel::set_fp32(UnaryModule& module) {
-  const std::optional<std::string> path = path_of(model_, module);
+  const std::optional<std::string> path = model_.path_of(module);
   check(path.has_value(), "NaiveAMPModel::set_fp32: the module is not a submodule of the wrapped model");
   check(!sealed_, "NaiveAMPModel::set_fp32: module '", path->empty() ? "(the wrapped model)" : *path,
         "': the model's parameters were already handed to an optimizer (Booster.boost), and set_fp32 now "
@@ -106,7 +90,7 @@ void NaiveAMPModel::sync_buffers() {
     if (!is_floating(buffer.dtype())) continue;
     // InternEvo: buffer.div_(world_size), then an all-reduce SUM. 16-bit buffers are averaged in fp32 and
     // rounded once on the way back: the quotients and the partial sums lose nothing to the low dtype.
-    const DType work = is_16bit(buffer.dtype()) ? DType::F32 : buffer.dtype();
+    const DType work = is_low_precision(buffer.dtype()) ? DType::F32 : buffer.dtype();
     const Tensor mean = div(buffer.to(work), size).contiguous();  // a new tensor: the buffer is not touched
     options_.group->all_reduce_sum(mean);
     Tensor target = buffer;  // shares the module's storage

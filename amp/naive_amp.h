@@ -30,6 +30,11 @@
 
 namespace mixtape {
 
+// A floating tensor (f64 included) in `dtype` through a recorded cast, so gradients flow back in the original
+// dtype; undefined and integer tensors (token ids, targets) pass through untouched. The fp32 islands' hooks
+// and Booster's Apex casts (Apex's to_type) use it.
+Tensor cast_floating(const Tensor& t, DType dtype);
+
 struct NaiveAMPOptions {
   std::string dtype = "fp16";  // "fp16" (or "float16") | "bf16" (or "bfloat16") | "tf32"
   bool output_to_fp32 = true;

@@ -20,8 +20,6 @@ namespace {
 
 constexpr const char* kWho = "MixedPrecisionOptimizer";
 
-bool is_16bit(DType dtype) { return dtype == DType::F16 || dtype == DType::BF16; }
-
 // Unscaled gradients are accumulated in the dtype the wrapped optimizer computes in: f64 for f64 parameters,
 // f32 for everything else (f32, f16, bf16).
 DType accumulation_dtype(const Tensor& param) { return Optimizer::state_dtype(param); }
@@ -66,7 +64,7 @@ MixedPrecisionOptimizer::MixedPrecisionOptimizer(std::unique_ptr<Optimizer> opti
   for (ParamGroup& group : optimizer_->param_groups()) {
     for (Tensor& param : group.params) {
       model_params_.push_back(param);
-      if (options_.master_weights && is_16bit(param.dtype())) {
+      if (options_.master_weights && is_low_precision(param.dtype())) {
         // A new fp32 leaf holding the exact value of the 16-bit parameter (16-bit -> fp32 is exact).
         Tensor master = Tensor::empty(param.shape(), DType::F32, param.device());
         master.copy_(param);

@@ -18,14 +18,6 @@ namespace {
 
 using State = std::map<std::string, std::string>;
 
-// Shortest decimal text that reads back to the same double: a reloaded scale is bit-identical, and an error
-// shows the value exactly (a growth_factor of 1 - 1e-9 reads "0.999999999", not a rounded "1").
-std::string format_number(double value) {
-  char buffer[64];
-  const auto result = std::to_chars(buffer, buffer + sizeof buffer, value);
-  return std::string(buffer, result.ptr);
-}
-
 const std::string& entry(const char* who, const State& state, const std::string& key) {
   const auto it = state.find(key);
   check(it != state.end(), who, ".load_state_dict: missing entry \"", key, "\"");
@@ -65,14 +57,14 @@ void check_type_and_entries(const char* who, const State& state, std::initialize
 // `who` names the scaler and call ("GradScaler", "GradScaler.load_state_dict"), `what` the option or entry.
 void check_scale(const std::string& who, const std::string& what, double value) {
   check(std::isfinite(value) && value > 0, who, ": ", what, " must be finite and > 0, got ",
-        format_number(value));
+        exact_number_text(value));
 }
 void check_growth(const std::string& who, const std::string& what, double value) {
   check(std::isfinite(value) && value > 1, who, ": ", what, " must be finite and > 1, got ",
-        format_number(value));
+        exact_number_text(value));
 }
 void check_backoff(const std::string& who, const std::string& what, double value) {
-  check(value > 0 && value < 1, who, ": ", what, " must be in (0, 1), got ", format_number(value));
+  check(value > 0 && value < 1, who, ": ", what, " must be in (0, 1), got ", exact_number_text(value));
 }
 void check_at_least_one(const std::string& who, const std::string& what, int64_t value) {
   check(value >= 1, who, ": ", what, " must be >= 1, got ", value);
@@ -80,8 +72,9 @@ void check_at_least_one(const std::string& who, const std::string& what, int64_t
 
 // A saved rule option against this scaler's own.
 void check_same_option(const char* who, const char* option, double saved, double own) {
-  check(saved == own, who, ".load_state_dict: the state was saved with ", option, " ", format_number(saved),
-        ", this scaler has ", option, " ", format_number(own), " (a state resumes only under its own rule)");
+  check(saved == own, who, ".load_state_dict: the state was saved with ", option, " ",
+        exact_number_text(saved), ", this scaler has ", option, " ", exact_number_text(own),
+        " (a state resumes only under its own rule)");
 }
 void check_same_option(const char* who, const char* option, int64_t saved, int64_t own) {
   check(saved == own, who, ".load_state_dict: the state was saved with ", option, " ", saved,
@@ -122,7 +115,7 @@ void GradScaler::unscale(Optimizer& optimizer) {
   }
   // 1/S in double, then rounded to fp32: PyTorch's scale.double().reciprocal().float().
   const double inv_scale = static_cast<float>(1.0 / scale_);
-  check(std::isfinite(inv_scale), "GradScaler.unscale: the scale is ", format_number(scale_),
+  check(std::isfinite(inv_scale), "GradScaler.unscale: the scale is ", exact_number_text(scale_),
         ", too small to unscale by: 1/scale overflows fp32 (repeated overflows backed it off; look for ",
         "inf/NaN gradients)");
 
@@ -203,9 +196,9 @@ void GradScaler::update(bool found_inf) {
 std::map<std::string, std::string> GradScaler::state_dict() const {
   if (!options_.enabled) return {};
   return {{"type", name()},
-          {"scale", format_number(scale_)},
-          {"growth_factor", format_number(options_.growth_factor)},
-          {"backoff_factor", format_number(options_.backoff_factor)},
+          {"scale", exact_number_text(scale_)},
+          {"growth_factor", exact_number_text(options_.growth_factor)},
+          {"backoff_factor", exact_number_text(options_.backoff_factor)},
           {"growth_interval", std::to_string(options_.growth_interval)},
           {"growth_tracker", std::to_string(growth_tracker_)}};
 }
@@ -246,15 +239,16 @@ DynamicLossScaler::DynamicLossScaler(DynamicLossScalerOptions options)
   check_scale(who, "initial_scale", options.initial_scale);
   check_scale(who, "min_scale", options.min_scale);
   check_scale(who, "max_scale", options.max_scale);
-  check(options.min_scale <= options.max_scale, who, ": min_scale ", format_number(options.min_scale),
-        " must be <= max_scale ", format_number(options.max_scale));
+  check(options.min_scale <= options.max_scale, who, ": min_scale ", exact_number_text(options.min_scale),
+        " must be <= max_scale ", exact_number_text(options.max_scale));
   if (options.allow_initial_below_min) {
     check(options.initial_scale <= options.max_scale, who, ": initial_scale ",
-          format_number(options.initial_scale), " must be <= max_scale ", format_number(options.max_scale));
+          exact_number_text(options.initial_scale), " must be <= max_scale ",
+          exact_number_text(options.max_scale));
   } else {
     check(options.initial_scale >= options.min_scale && options.initial_scale <= options.max_scale, who,
-          ": initial_scale ", format_number(options.initial_scale), " must be within [min_scale ",
-          format_number(options.min_scale), ", max_scale ", format_number(options.max_scale), "]");
+          ": initial_scale ", exact_number_text(options.initial_scale), " must be within [min_scale ",
+          exact_number_text(options.min_scale), ", max_scale ", exact_number_text(options.max_scale), "]");
   }
   check_growth(who, "growth_factor", options.growth_factor);
   check_backoff(who, "backoff_factor", options.backoff_factor);
@@ -268,29 +262,33 @@ DynamicLossScaler::DynamicLossScaler(DynamicLossScalerOptions options)
 // <= 0 backs off alike, and it cannot wrap). Colossal-AI counts hysteresis up from 0 instead of down from
 // `hysteresis`: the same sequence of scales.
 void DynamicLossScaler::update(bool found_inf) {
+  ++update_count_;
   if (found_inf) {
     growth_tracker_ = 0;
     hysteresis_tracker_ = std::max<int64_t>(hysteresis_tracker_ - 1, 0);
+    last_update_ = hysteresis_tracker_ == 0 ? Update::Backoff : Update::Overflow;
     if (hysteresis_tracker_ == 0) scale_ = std::max(scale_ * options_.backoff_factor, options_.min_scale);
   } else {
     growth_tracker_ += 1;
+    last_update_ = Update::Clean;
     if (growth_tracker_ == options_.growth_interval) {
       growth_tracker_ = 0;
       hysteresis_tracker_ = options_.hysteresis;
       scale_ = std::min(scale_ * options_.growth_factor, options_.max_scale);
+      last_update_ = Update::Growth;
     }
   }
 }
 
 std::map<std::string, std::string> DynamicLossScaler::state_dict() const {
   return {{"type", name()},
-          {"scale", format_number(scale_)},
+          {"scale", exact_number_text(scale_)},
           {"growth_tracker", std::to_string(growth_tracker_)},
           {"hysteresis_tracker", std::to_string(hysteresis_tracker_)},
-          {"min_scale", format_number(options_.min_scale)},
-          {"max_scale", format_number(options_.max_scale)},
-          {"growth_factor", format_number(options_.growth_factor)},
-          {"backoff_factor", format_number(options_.backoff_factor)},
+          {"min_scale", exact_number_text(options_.min_scale)},
+          {"max_scale", exact_number_text(options_.max_scale)},
+          {"growth_factor", exact_number_text(options_.growth_factor)},
+          {"backoff_factor", exact_number_text(options_.backoff_factor)},
           {"growth_interval", std::to_string(options_.growth_interval)},
           {"hysteresis", std::to_string(options_.hysteresis)}};
 }
@@ -323,14 +321,14 @@ void DynamicLossScaler::load_state_dict(const std::map<std::string, std::string>
   } else if (hysteresis < 0) {
     hysteresis = 0;  // the format without the rule let the tracker count on below 0: all such values act as 0
   }
-  const std::string max = format_number(options_.max_scale);
+  const std::string max = exact_number_text(options_.max_scale);
   if (options_.allow_initial_below_min) {
     check(std::isfinite(scale) && scale > 0 && scale <= options_.max_scale, loader, ": entry \"scale\" is ",
-          format_number(scale), ", expected a value in (0, max_scale ", max, "]");
+          exact_number_text(scale), ", expected a value in (0, max_scale ", max, "]");
   } else {
     check(scale >= options_.min_scale && scale <= options_.max_scale, loader, ": entry \"scale\" is ",
-          format_number(scale), ", expected a value in [min_scale ", format_number(options_.min_scale),
-          ", max_scale ", max, "]");
+          exact_number_text(scale), ", expected a value in [min_scale ",
+          exact_number_text(options_.min_scale), ", max_scale ", max, "]");
   }
   check(growth >= 0 && growth < options_.growth_interval, loader, ": entry \"growth_tracker\" is ", growth,
         ", expected a value in [0, growth_interval ", options_.growth_interval, ")");
@@ -356,8 +354,8 @@ DynamicLossScaler apex_dynamic_scaler(double init_scale, int64_t scale_window,
   check_scale(who, "max_loss_scale", max_loss_scale);
   if (min_loss_scale) {
     check_scale(who, "min_loss_scale", *min_loss_scale);
-    check(*min_loss_scale <= max_loss_scale, who, ": min_loss_scale ", format_number(*min_loss_scale),
-          " must be <= max_loss_scale ", format_number(max_loss_scale));
+    check(*min_loss_scale <= max_loss_scale, who, ": min_loss_scale ", exact_number_text(*min_loss_scale),
+          " must be <= max_loss_scale ", exact_number_text(max_loss_scale));
   }
   DynamicLossScalerOptions options;
   options.initial_scale = std::min(max_loss_scale, init_scale);
@@ -378,7 +376,7 @@ StaticLossScaler::StaticLossScaler(double scale) : LossScaler(scale) {
 }
 
 std::map<std::string, std::string> StaticLossScaler::state_dict() const {
-  return {{"type", name()}, {"scale", format_number(scale_)}};
+  return {{"type", name()}, {"scale", exact_number_text(scale_)}};
 }
 
 // Nothing to load: the state only confirms that it was saved under this scaler's configured scale.
@@ -386,7 +384,7 @@ void StaticLossScaler::load_state_dict(const std::map<std::string, std::string>&
   check_type_and_entries(name(), state, {"type", "scale"});
   const double scale = read_number(name(), state, "scale");
   check(scale == scale_, "StaticLossScaler.load_state_dict: the state was saved with scale ",
-        format_number(scale), ", this scaler has scale ", format_number(scale_),
+        exact_number_text(scale), ", this scaler has scale ", exact_number_text(scale_),
         " (a static scale comes from the configuration)");
 }
 

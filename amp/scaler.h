@@ -123,6 +123,14 @@ class DynamicLossScaler : public LossScaler {
   int64_t hysteresis_tracker() const { return hysteresis_tracker_; }
   const DynamicLossScalerOptions& options() const { return options_; }
 
+  // What the latest update() did: an overflow the hysteresis absorbed, a backoff (at min_scale too), a
+  // growth (at max_scale too) or a clean step that did not grow; and how many update() calls there have been.
+  // A caller that reports scale changes (Booster's verbose lines) compares the count around a step: a scaler
+  // whose loss sat the step out is not updated, and its latest outcome is an earlier step's.
+  enum class Update { None, Clean, Overflow, Backoff, Growth };
+  Update last_update() const { return last_update_; }
+  uint64_t update_count() const { return update_count_; }
+
   // scale, the two trackers and the rule: min_scale, max_scale, growth_factor, backoff_factor,
   // growth_interval, hysteresis.
   std::map<std::string, std::string> state_dict() const override;
@@ -136,6 +144,8 @@ class DynamicLossScaler : public LossScaler {
   DynamicLossScalerOptions options_;
   int64_t growth_tracker_ = 0;
   int64_t hysteresis_tracker_;
+  Update last_update_ = Update::None;
+  uint64_t update_count_ = 0;
 };
 
 // ---- fixed scale ----

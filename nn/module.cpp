@@ -93,6 +93,13 @@ std::vector<std::pair<std::string, Module*>> Module::named_children() const {
   return out;
 }
 
+std::optional<std::string> Module::path_of(const Module& submodule) const {
+  if (this == &submodule) return "";
+  for (const auto& [name, child] : children_)
+    if (const auto below = child->path_of(submodule)) return below->empty() ? name : name + "." + *below;
+  return std::nullopt;
+}
+
 int64_t Module::num_parameters() const {
   int64_t total = 0;
   for (const auto& [name, tensor] : named_parameters()) total += tensor.numel();

@@ -9,6 +9,7 @@
 // the registered addresses point into the object itself.
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -45,6 +46,9 @@ class Module {
   std::vector<std::pair<std::string, Tensor>> named_buffers() const;
   std::vector<std::pair<std::string, Generator*>> named_generators();
   std::vector<std::pair<std::string, Module*>> named_children() const;
+  // The dotted name of `submodule` below this module ("h.0.ln_1"; "" for this module itself), or nullopt when
+  // it is not in this module's tree.
+  std::optional<std::string> path_of(const Module& submodule) const;
   int64_t num_parameters() const;  // total element count of all parameters
 
   // ---- mode ----

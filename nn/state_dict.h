@@ -1,12 +1,21 @@
 #pragma once
 // Named tensors plus string metadata: what a safetensors file holds, and what modules, optimizers and
 // loss scalers save and load. Names use nanoGPT's dotted state-dict paths ("transformer.h.0.ln_1.weight").
+#include <charconv>
 #include <map>
 #include <string>
 
 #include "tensor/tensor.h"
 
 namespace mixtape {
+
+// The shortest decimal text that reads back as the same double (std::to_chars): metadata scalars reload bit
+// for bit, and a value in an error message is shown exactly (1 - 1e-9 reads "0.999999999", not "1").
+inline std::string exact_number_text(double value) {
+  char buffer[64];
+  const auto result = std::to_chars(buffer, buffer + sizeof buffer, value);
+  return std::string(buffer, result.ptr);
+}
 
 struct StateDict {
   std::map<std::string, Tensor> tensors;

@@ -139,11 +139,7 @@ void Optimizer::step() {
 
 // ---- state_dict ----------------------------------------------------------------------------------------
 
-std::string Optimizer::format_number(double value) {
-  char text[64];
-  const auto [end, ec] = std::to_chars(text, text + sizeof(text), value);  // shortest round-trip form
-  return std::string(text, end);
-}
+std::string Optimizer::format_number(double value) { return exact_number_text(value); }
 
 double Optimizer::read_number(const std::map<std::string, std::string>& metadata,
                               const std::string& key) const {

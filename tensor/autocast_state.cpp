@@ -39,8 +39,6 @@ struct AutocastThreadState {
 
 thread_local AutocastThreadState state;
 
-bool is_narrow_float(DType d) { return d == DType::F16 || d == DType::BF16; }
-
 }  // namespace
 
 std::string_view policy_name(OpPolicy policy) {
@@ -54,7 +52,7 @@ std::string_view policy_name(OpPolicy policy) {
 
 std::optional<DType> enter_autocast_scope(std::optional<DType> dtype) {
   if (dtype)
-    check(is_narrow_float(*dtype), "Autocast: the autocast dtype must be f16 or bf16, got ",
+    check(is_low_precision(*dtype), "Autocast: the autocast dtype must be f16 or bf16, got ",
           dtype_name(*dtype));
   const std::optional<DType> previous = autocast_detail::current_dtype;
   autocast_detail::current_dtype = dtype;

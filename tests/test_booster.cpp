@@ -400,6 +400,13 @@ TEST(Booster, ApexVerbosityPrintsApexsOverflowLineOnEverySkippedStep) {
     EXPECT_TRUE(linear_step(booster, *optimizer, model, {kClean, INFINITY}).skipped);
     EXPECT_EQ(::testing::internal::GetCapturedStderr(),
               "Gradient overflow.  Skipping step, loss scaler 1 reducing loss scale to 32768\n");
+    // Then only loss 0, overflowing: loss 1 sat the step out, so its scaler (not updated) says nothing,
+    // though its latest update was an overflow.
+    ::testing::internal::CaptureStderr();
+    EXPECT_TRUE(linear_step(booster, *optimizer, model, {INFINITY}).skipped);
+    EXPECT_EQ(::testing::internal::GetCapturedStderr(),
+              "Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to 32768\n");
+    EXPECT_EQ(optimizer->loss_scale(1), 32768.0);
   }
   {  // verbosity 2 adds each growth; verbosity 0 prints nothing
     for (int verbosity : {2, 0}) {
