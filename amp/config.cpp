@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <map>
+#include <set>
 
 #include "nn/json.h"
 #include "tensor/error.h"
@@ -301,7 +302,10 @@ void AmpConfig::validate() const {
           ": O0 is pure fp32: cast_model_type must be \"fp32\" (or unset), got \"",
           dtype_text(a.cast_model_type.value_or(DType::F32)), "\"; use O2 or O3 to cast the model");
     check(!a.patch_torch_functions || a.opt_level == "O1", who, ": patch_torch_functions is only for O1");
-    check(!(a.master_weights && !model_dtype()), who, ": master_weights needs a cast model (O2 or O3)");
+    // Apex: "It doesn't make sense to use master_weights with O1". Elsewhere master_weights on an uncast
+    // model (O0, or O2 with cast_model_type false) is accepted and keeps nothing: the parameters are fp32.
+    check(!(a.master_weights && a.opt_level == "O1"), who, ": O1 keeps the model weights fp32, so "
+          "master_weights makes no sense there (Apex refuses it too); use O2 or O3 for fp32 master weights");
     check(!a.loss_scale || (std::isfinite(*a.loss_scale) && *a.loss_scale > 0), who,
           ": loss_scale must be \"dynamic\" or a finite number > 0, got ", a.loss_scale.value_or(0));
     check(a.num_losses >= 1 && a.num_losses <= ApexProperties::kMaxNumLosses, who,
@@ -350,6 +354,28 @@ std::optional<DType> AmpConfig::model_dtype() const {
   if (mixed_precision == "fp16_apex")
     return apex.opt_level == "O0" ? apex.cast_model_type.value_or(DType::F32) : apex.cast_model_type;
   return std::nullopt;
+}
+
+std::string AmpConfig::training_differences(const AmpConfig& other, std::string_view other_label) const {
+  static const std::set<std::string, std::less<>> printing = {"verbose", "verbosity", "log_num_zeros_in_grad"};
+  // Another mode (or Apex opt level) is one difference, not a list of options that one side lacks.
+  if (name() != other.name()) return "mode " + name() + " (" + std::string(other_label) + " " + other.name() + ")";
+  const json::Value mine = json::parse(to_json()), theirs = json::parse(other.to_json());
+  std::vector<std::string> differences;
+  auto compare = [&](const json::Value& a, const json::Value& b, bool a_is_mine) {
+    for (const auto& [key, value] : a.as_object()) {
+      const json::Value* match = b.find(key);
+      if (printing.count(key) || (match && match->dump() == value.dump())) continue;
+      if (!a_is_mine && match) continue;  // reported from mine's side
+      const std::string absent = "(not an option of " + (a_is_mine ? other.name() : name()) + ")";
+      const std::string here = a_is_mine ? value.dump() : absent;
+      const std::string there = a_is_mine ? (match ? match->dump() : absent) : value.dump();
+      differences.push_back(key + " " + here + " (" + std::string(other_label) + " " + there + ")");
+    }
+  };
+  compare(mine, theirs, true);
+  compare(theirs, mine, false);
+  return join(differences);
 }
 
 std::string AmpConfig::to_json() const {

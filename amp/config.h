@@ -28,7 +28,8 @@
 // opt level's value stays). Apex refuses, and so do we: cast_model_type other than fp32, keep_batchnorm_fp32
 // or master_weights with O1; patch_torch_functions outside O1. We also refuse: cast_model_type other than
 // fp32 with O0 (O0 is fp32), and min_loss_scale / max_loss_scale with a static loss_scale (they bound
-// dynamic scaling only; Apex ignores them). cast_model_type false means "do not cast the model" (Apex's
+// dynamic scaling only; Apex ignores them). master_weights on a model left fp32 (O0, or O2 / O3 with
+// cast_model_type false) is accepted, as by Apex, and keeps nothing: the parameters are fp32 already. cast_model_type false means "do not cast the model" (Apex's
 // False); "fp32" casts the model, its floating inputs and outputs to fp32 (Apex's torch.float32, O0's and
 // allowed with O1). keep_batchnorm_fp32 here keeps the norm layers (LayerNorm, RMSNorm) in fp32.
 // patch_torch_functions is fp16 autocast. verbosity: 0 silent; 1 (Apex's default) prints Apex's "Gradient
@@ -101,6 +102,10 @@ struct AmpConfig {
   void validate() const;         // Error naming the mode, the option and the allowed values
   std::string to_json() const;   // every option of the mode; from_json(to_json()) gives the same config
   std::string name() const;      // "bf16", "fp16_apex:O2"
+  // The options whose values differ from `other`'s, as "key value (<other_label> value)" joined by ", ",
+  // e.g. "hysteresis 3 (the checkpoint's 2)", except those that only change what is printed (verbose,
+  // verbosity, log_num_zeros_in_grad): what a resumed run may not change. Empty when the two train alike.
+  std::string training_differences(const AmpConfig& other, std::string_view other_label = "the other's") const;
 
   // What the mode does, for Booster and the logs.
   std::optional<DType> autocast_dtype() const;  // F16/BF16 when ops are autocast (fp16, bf16, apex O1)

@@ -7,10 +7,14 @@
 //   train_gpt --data ... --steps 500 --sample 200 --temperature 0.8       -> a line "sample:", then the text
 //
 // --log-json FILE: one JSON object per step: step (0-based), loss (the batch's loss before the update), lr,
-// grad_norm (before clipping), tokens_per_s (that step alone), loss_scale, skipped, num_zeros (with naive
+// grad_norm (before clipping; null on a skipped step, whose gradients were not finite), tokens_per_s (that
+// step alone), loss_scale (the scale this step's loss was multiplied by), skipped, num_zeros (with naive
 // AMP's log_num_zeros_in_grad: the zero elements of the unscaled gradients, absent on a skipped step; also on
-// the progress line as "zeros"), and val_loss on the steps that evaluated (after that step's update).
-// examples/plot_loss.sh turns it into a PNG.
+// the progress line as "zeros"), and val_loss on the steps that evaluated (after that step's update). A loss
+// that is not finite is written as null (JSON has no NaN). examples/plot_loss.sh turns it into a PNG.
+//
+// The progress line's "scale" is the loss scale after the step's update (the one the next step uses, as
+// Megatron-LM logs it) and "skipped" counts the skipped steps since step 1, a resumed run's included.
 //
 // The progress line's tok/s and ETA come from the time spent in training steps only (evaluation and
 // checkpoint saves are left out); "elapsed" is wall-clock time since the first step of this run.
@@ -25,6 +29,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <optional>
@@ -38,6 +43,7 @@
 #include "examples/training.h"
 #include "nn/json.h"
 #include "nn/safetensors.h"
+#include "nn/state_dict.h"
 #include "tensor/backend.h"
 
 using namespace mixtape;
@@ -190,21 +196,43 @@ Options parse(int argc, char** argv) {
     }
   }
   check(!o.data.empty(), "train_gpt: --data FILE is required (a text file for characters, or .bin for uint16 tokens)");
-  if (o.amp_config_file.empty()) {
+  if (o.given.count("--amp-config") == 0) {
     o.train.amp = AmpConfig::parse(o.precision);
   } else {
+    check(!o.amp_config_file.empty(), "train_gpt: --amp-config needs a file name, got ''");
+    check(!std::filesystem::is_directory(o.amp_config_file), "train_gpt: cannot read --amp-config file '",
+          o.amp_config_file, "': it is a directory");
     std::ifstream file(o.amp_config_file, std::ios::binary);
     check(file.good(), "train_gpt: cannot read --amp-config file '", o.amp_config_file, "'");
     std::stringstream text;
     text << file.rdbuf();
-    o.train.amp = AmpConfig::from_json(text.str(), o.given.count("--precision")
-                                                       ? std::optional<std::string_view>(o.precision)
-                                                       : std::nullopt);
+    try {
+      o.train.amp = AmpConfig::from_json(text.str(), o.given.count("--precision")
+                                                         ? std::optional<std::string_view>(o.precision)
+                                                         : std::nullopt);
+    } catch (const Error& error) {
+      fail("train_gpt: --amp-config file '", o.amp_config_file, "': ", error.what());
+    }
   }
+  // Naive AMP's clip_grad replaces --grad-clip (Booster); both given and different would silently drop one.
+  check(!(o.train.amp.is_naive() && o.train.amp.naive.clip_grad > 0 && o.given.count("--grad-clip") &&
+          o.train.amp.naive.clip_grad != o.train.grad_clip),
+        "train_gpt: --grad-clip ", exact_number_text(o.train.grad_clip), " conflicts with the --amp-config's "
+        "clip_grad ", exact_number_text(o.train.amp.naive.clip_grad), " (naive AMP clips at its clip_grad; "
+        "give one of them)");
   check(o.init.empty() || o.resume.empty(), "train_gpt: --init and --resume exclude each other");
   check(o.save_every == 0 || !o.save.empty(), "train_gpt: --save-every needs --save FILE");
   if (o.given.count("--min-lr") == 0 && o.train.min_lr > o.train.lr) o.train.min_lr = o.train.lr / 10;
   return o;
+}
+
+// x with `digits` decimals; "nan", "inf" or "-inf" when not finite (printf writes "-nan" for some NaNs).
+std::string fixed(double x, int digits) {
+  if (std::isnan(x)) return "nan";
+  if (std::isinf(x)) return x > 0 ? "inf" : "-inf";
+  char buffer[64];
+  std::snprintf(buffer, sizeof(buffer), "%.*f", digits, x);
+  return buffer;
 }
 
 std::string format_seconds(double s) {
@@ -267,10 +295,20 @@ int run(int argc, char** argv) {
           {"--seed", "train.seed"}, {"--sequential", "train.sequential"}, {"--precision", "train.precision"},
           {"--amp-config", "train.amp_config"}};
       for (const auto& [flag, key] : flags)
-        check(opt.given.count(flag) == 0 || mine_meta.at(key) == file_meta.at(key), "train_gpt: ", flag, " ",
-              mine_meta.at(key), " differs from the checkpoint's ", file_meta.at(key),
+        check(opt.given.count(flag) == 0 || mine_meta.at(key) == file_meta.at(key) ||
+                  std::string_view(flag) == "--amp-config",  // compared option by option below
+              "train_gpt: ", flag, " ", mine_meta.at(key), " differs from the checkpoint's ", file_meta.at(key),
               " (a resumed run keeps the checkpoint's options)");
+      // --amp-config may change what is printed (verbose, verbosity, log_num_zeros_in_grad), nothing else.
+      if (opt.given.count("--amp-config")) {
+        const std::string differences = opt.train.amp.training_differences(file_options.amp, "the checkpoint's");
+        check(differences.empty(), "train_gpt: --amp-config differs from the checkpoint's AMP options in ",
+              differences, "; a resumed run keeps the checkpoint's options (only verbose, verbosity "
+              "and log_num_zeros_in_grad may change)");
+      }
+      const AmpConfig amp = opt.given.count("--amp-config") ? opt.train.amp : file_options.amp;
       opt.train = file_options;
+      opt.train.amp = amp;
       if (opt.given.count("--steps")) opt.train.steps = steps;
       check(opt.given.count("--dropout") == 0 || dropout == file_config.dropout,
             "train_gpt: --dropout differs from the checkpoint's ", file_config.dropout);
@@ -365,7 +403,19 @@ int run(int argc, char** argv) {
                 static_cast<long long>(opt.train.warmup), static_cast<long long>(opt.train.batch),
                 static_cast<long long>(opt.train.steps), opt.train.amp.name().c_str(), where.c_str());
     if (position() > 0) std::printf("resumed at step %lld\n", static_cast<long long>(position()));
+    if (position() > 0 && position() >= opt.train.steps)
+      std::printf("train_gpt: nothing to train: the checkpoint is at step %lld and --steps is %lld (give a "
+                  "larger --steps to go on)\n",
+                  static_cast<long long>(position()), static_cast<long long>(opt.train.steps));
     std::fflush(stdout);
+  }
+  // A checkpoint that cannot be written is reported now, not after the training it was meant to keep.
+  if (printer && !opt.save.empty()) {
+    const std::filesystem::path parent = std::filesystem::path(opt.save).parent_path();
+    check(parent.empty() || std::filesystem::is_directory(parent), "train_gpt: cannot write --save '", opt.save,
+          "': the directory '", parent.string(), "' does not exist");
+    check(!std::filesystem::is_directory(opt.save), "train_gpt: cannot write --save '", opt.save,
+          "': it is a directory");
   }
 
   std::ofstream log;
@@ -385,12 +435,11 @@ int run(int argc, char** argv) {
   const int64_t tokens_per_step = opt.train.batch * opt.model.block_size;
   const auto start = std::chrono::steady_clock::now();
   double train_seconds = 0;  // inside train_step only: the rate excludes evaluations and saves
-  int64_t skipped = 0;       // steps skipped on gradient overflow (this run)
+  bool warned_non_finite = false;  // the first non-finite loss is explained once
   const bool scaled = opt.train.amp.mixed_precision != "fp32" && opt.train.amp.mixed_precision != "tf32";
   while (position() < end) {
     const auto t0 = std::chrono::steady_clock::now();
     const StepStats s = single ? single->train_step() : parallel->train_step();
-    skipped += s.skipped ? 1 : 0;
     const auto t1 = std::chrono::steady_clock::now();
     const double step_seconds = std::chrono::duration<double>(t1 - t0).count();
     train_seconds += step_seconds;
@@ -405,25 +454,40 @@ int run(int argc, char** argv) {
     const bool eval = periodic || (last && opt.final_eval);
     const bool print = printer && (last || eval || done == 1 || step % 10 == 0);
     const double val_loss = eval ? evaluate() : NAN;  // after this step's update
+    if (printer && !warned_non_finite && !std::isfinite(s.loss)) {
+      warned_non_finite = true;
+      std::printf("train_gpt: warning: step %lld: the loss is %s: the forward pass overflowed %s or training "
+                  "diverged (try a lower --lr)\n",
+                  static_cast<long long>(s.step + 1), fixed(s.loss, 4).c_str(),
+                  opt.train.amp.mixed_precision == "fp32" || opt.train.amp.mixed_precision == "tf32"
+                      ? "fp32"
+                      : "the 16-bit range");
+    }
     if (log.is_open()) {
-      json::Value::Object line{{"step", s.step}, {"loss", s.loss}, {"lr", s.lr}, {"grad_norm", s.grad_norm},
+      // JSON has no NaN or infinity: a non-finite number is written as null.
+      auto number = [](double x) { return std::isfinite(x) ? json::Value(x) : json::Value(); };
+      json::Value::Object line{{"step", s.step}, {"loss", number(s.loss)}, {"lr", s.lr},
+                               {"grad_norm", s.skipped ? json::Value() : number(s.grad_norm)},
                                {"tokens_per_s", double(tokens_per_step) / step_seconds},
                                {"loss_scale", s.loss_scale}, {"skipped", s.skipped}};
       if (s.num_zeros >= 0) line.emplace_back("num_zeros", s.num_zeros);
-      if (eval) line.emplace_back("val_loss", val_loss);
+      if (eval) line.emplace_back("val_loss", number(val_loss));
       log << json::Value(line).dump() << '\n';
       log.flush();
     }
     if (print) {
-      std::printf("step %5lld/%lld | loss %.4f | lr %.2e | grad norm %.3f | %.0f tok/s | %s elapsed | ETA %s",
-                  static_cast<long long>(step), static_cast<long long>(opt.train.steps), s.loss, s.lr,
-                  s.grad_norm, tokens_per_s, format_seconds(elapsed).c_str(), format_seconds(eta).c_str());
+      std::printf("step %5lld/%lld | loss %s | lr %.2e | grad norm %s | %.0f tok/s | %s elapsed | ETA %s",
+                  static_cast<long long>(step), static_cast<long long>(opt.train.steps),
+                  fixed(s.loss, 4).c_str(), s.lr, s.skipped ? "n/a (skipped)" : fixed(s.grad_norm, 3).c_str(),
+                  tokens_per_s, format_seconds(elapsed).c_str(), format_seconds(eta).c_str());
       if (scaled) {
         const double scale = single ? single->amp_optimizer().loss_scale() : parallel->loss_scale();
-        std::printf(" | scale %g | skipped %lld", scale, static_cast<long long>(skipped));
+        const int64_t skipped = single ? single->amp_optimizer().skipped_steps() : parallel->skipped_steps();
+        std::printf(" | scale %s | skipped %lld", exact_number_text(scale).c_str(),
+                    static_cast<long long>(skipped));
       }
       if (s.num_zeros >= 0) std::printf(" | zeros %lld", static_cast<long long>(s.num_zeros));
-      if (eval) std::printf(" | val loss %.4f", val_loss);
+      if (eval) std::printf(" | val loss %s", fixed(val_loss, 4).c_str());
       std::printf("\n");
       std::fflush(stdout);
     }

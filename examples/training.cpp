@@ -380,9 +380,14 @@ int64_t validate_checkpoint(const StateDict& state, const GPTConfig& config, con
     check(entry(state.metadata, key, what) == value, what, ": model option '", key, "' is ",
           state.metadata.at(key), " in the checkpoint but ", value, " here");
   for (const auto& [key, value] : options.to_metadata())
-    if (key != "train.steps")
+    if (key != "train.steps" && key != "train.amp_config")
       check(entry(state.metadata, key, what) == value, what, ": option '", key.substr(6), "' is ",
             state.metadata.at(key), " in the checkpoint but ", value, " here");
+  // AMP options option by option: those that only change what is printed (verbose, ...) may differ.
+  const std::string amp_differences =
+      options.amp.training_differences(AmpConfig::from_json(entry(state.metadata, "train.amp_config", what)),
+                                       "the checkpoint's");
+  check(amp_differences.empty(), what, ": the AMP options differ in ", amp_differences);
   if (!data.vocab.empty() && state.metadata.count("vocab"))
     check(vocab_from_metadata(state.metadata.at("vocab")) == data.vocab, what,
           ": the data's character vocabulary differs from the checkpoint's");

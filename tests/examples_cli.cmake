@@ -319,3 +319,58 @@ run_fails("unknown key" ${TRAIN_GPT} --data words.txt --precision fp16 --amp-con
           MENTIONS "growth_intervall" "growth_interval")
 run_fails("missing --amp-config file" ${TRAIN_GPT} --data words.txt --amp-config nothere.json
           MENTIONS "nothere.json")
+run_fails("--amp-config directory" ${TRAIN_GPT} --data words.txt --amp-config . MENTIONS "directory")
+file(WRITE ${WORK_DIR}/broken.json "{\"hysteresis\": ")
+run_fails("malformed --amp-config" ${TRAIN_GPT} --data words.txt --precision fp16_naive --amp-config broken.json
+          MENTIONS "broken.json" "json:")
+file(WRITE ${WORK_DIR}/clip.json "{\"mixed_precision\": \"fp16_naive\", \"clip_grad\": 5}")
+run_fails("--grad-clip beside a naive clip_grad" ${TRAIN_GPT} --data words.txt --amp-config clip.json
+          --grad-clip 0.5 MENTIONS "--grad-clip 0.5" "clip_grad 5")
+run_fails("--save into a missing directory" ${TRAIN_GPT} --data words.txt ${tiny} --steps 2
+          --save no/such/dir/x.safetensors MENTIONS "no/such/dir" "does not exist")
+
+# The skipped-step count of the progress line is the run's since step 1: a resumed run continues it. At
+# 2^32, fp16_naive's first steps overflow (and are skipped: no gradient norm, null in the log).
+run(out ${TRAIN_GPT} --data words.txt ${tiny} --steps 6 --eval-every 0 --precision fp16_naive
+    --log-json naive.jsonl)
+if(NOT out MATCHES "step     6/6 [^\n]*\\| skipped ([0-9]+)")
+  check_failed("fp16_naive: no skipped count at step 6: ${out}")
+endif()
+set(skipped_whole ${CMAKE_MATCH_1})
+if(skipped_whole LESS 2 OR NOT out MATCHES "step     1/6 [^\n]*\\| grad norm n/a \\(skipped\\) \\|")
+  check_failed("fp16_naive at 2^32: expected skipped first steps shown without a gradient norm: ${out}")
+endif()
+file(STRINGS ${WORK_DIR}/naive.jsonl lines)
+list(GET lines 0 first)
+if(NOT first MATCHES "\"grad_norm\":null,.*\"skipped\":true")
+  check_failed("a skipped step's log line should have grad_norm null: ${first}")
+endif()
+run(out ${TRAIN_GPT} --data words.txt ${tiny} --steps 6 --stop-at 3 --eval-every 0 --precision fp16_naive
+    --save naive3.safetensors)
+# Resuming may change what is printed (verbose), not how it trains (hysteresis), and names what differs.
+file(WRITE ${WORK_DIR}/verbose.json "{\"mixed_precision\": \"fp16_naive\", \"verbose\": true}")
+run(out ${TRAIN_GPT} --data words.txt --resume naive3.safetensors --steps 6 --eval-every 0
+    --amp-config verbose.json)
+if(NOT out MATCHES "step     6/6 [^\n]*\\| skipped ${skipped_whole}[ \n]")
+  check_failed("the resumed run's skipped count at step 6 is not the whole run's ${skipped_whole}: ${out}")
+endif()
+file(WRITE ${WORK_DIR}/hyst.json "{\"mixed_precision\": \"fp16_naive\", \"hysteresis\": 3}")
+run_fails("resume with another hysteresis" ${TRAIN_GPT} --data words.txt --resume naive3.safetensors --steps 6
+          --amp-config hyst.json MENTIONS "hysteresis 3 (the checkpoint's 2)")
+run(out ${TRAIN_GPT} --data words.txt --resume naive3.safetensors --steps 3)
+if(NOT out MATCHES "nothing to train: the checkpoint is at step 3 and --steps is 3")
+  check_failed("resuming at the final step should say there is nothing to train: ${out}")
+endif()
+
+# A loss that overflows is said once and logged as null (JSON has no NaN); the run goes on.
+run(out ${TRAIN_GPT} --data words.txt ${tiny} --steps 4 --eval-every 0 --precision fp16 --lr 1e6 --warmup 0
+    --min-lr 1e5 --grad-clip 0 --log-json nan.jsonl)
+if(NOT out MATCHES "warning: step [0-9]+: the loss is nan" OR NOT out MATCHES "step     4/4 \\| loss nan \\|")
+  check_failed("an overflowing fp16 run: expected one warning and 'loss nan': ${out}")
+endif()
+file(STRINGS ${WORK_DIR}/nan.jsonl lines)
+list(LENGTH lines n)
+list(GET lines -1 last)
+if(NOT n EQUAL 4 OR NOT last MATCHES "\"loss\":null,")
+  check_failed("an overflowing fp16 run: expected 4 log lines, the last with loss null: ${lines}")
+endif()

@@ -96,6 +96,11 @@ TEST(AmpConfig, ApexRefusesWhatApexRefuses) {
   EXPECT_ERROR_MENTIONS(AmpConfig::from_json(R"({"keep_batchnorm_fp32":true})", "fp16_apex:O1"), "O1",
                         "keep_batchnorm_fp32");
   EXPECT_ERROR_MENTIONS(AmpConfig::from_json(R"({"master_weights":true})", "fp16_apex:O1"), "master_weights");
+  // What Apex accepts: O2 without the model cast (its master_weights then have nothing to keep), O0 with them.
+  const AmpConfig uncast = AmpConfig::from_json(R"({"cast_model_type":false})", "fp16_apex:O2");
+  EXPECT_TRUE(uncast.apex.master_weights);
+  EXPECT_FALSE(uncast.model_dtype());
+  EXPECT_TRUE(AmpConfig::from_json(R"({"master_weights":true})", "fp16_apex:O0").apex.master_weights);
   EXPECT_ERROR_MENTIONS(AmpConfig::from_json(R"({"patch_torch_functions":true})", "fp16_apex:O2"),
                         "patch_torch_functions", "O1");
   EXPECT_ERROR_MENTIONS(AmpConfig::parse("fp16_apex:O4"), "opt_level", "O4", "O0, O1, O2 or O3");
@@ -332,4 +337,30 @@ TEST(AutocastPolicy, ReadmeShowsThePrintedTable) {
   const std::string table = autocast_policy_table_markdown();
   ASSERT_FALSE(table.empty());
   EXPECT_NE(text.str().find(table), std::string::npos) << "README.md lacks the table:\n" << table;
+}
+
+TEST(AmpConfig, TrainingDifferencesNameWhatChangesTrainingAndIgnoreWhatOnlyPrints) {
+  const AmpConfig naive = AmpConfig::parse("fp16_naive");
+  EXPECT_EQ(naive.training_differences(naive), "");
+  // verbose and log_num_zeros_in_grad (naive) and verbosity (Apex) change only what is printed.
+  EXPECT_EQ(AmpConfig::from_json(R"({"verbose":true,"log_num_zeros_in_grad":true})", "fp16_naive")
+                .training_differences(naive),
+            "");
+  EXPECT_EQ(AmpConfig::from_json(R"({"verbosity":0})", "fp16_apex:O2")
+                .training_differences(AmpConfig::parse("fp16_apex:O2")),
+            "");
+  EXPECT_EQ(AmpConfig::from_json(R"({"hysteresis":3,"growth_interval":10,"verbose":true})", "fp16_naive")
+                .training_differences(naive, "the checkpoint's"),
+            "growth_interval 10 (the checkpoint's 1000), hysteresis 3 (the checkpoint's 2)");
+  // Another mode or opt level is one difference.
+  EXPECT_EQ(AmpConfig::parse("bf16_naive").training_differences(naive, "the checkpoint's"),
+            "mode bf16_naive (the checkpoint's fp16_naive)");
+  EXPECT_EQ(AmpConfig::parse("fp16_apex:O1").training_differences(AmpConfig::parse("fp16_apex:O2")),
+            "mode fp16_apex:O1 (the other's fp16_apex:O2)");
+  // An option only one side writes (Apex's loss-scale bounds exist with a dynamic scale only).
+  EXPECT_EQ(AmpConfig::from_json(R"({"loss_scale":128})", "fp16_apex:O2")
+                .training_differences(AmpConfig::parse("fp16_apex:O2"), "the checkpoint's"),
+            "loss_scale 128 (the checkpoint's \"dynamic\"), min_loss_scale (not an option of fp16_apex:O2) "
+            "(the checkpoint's null), max_loss_scale (not an option of fp16_apex:O2) (the checkpoint's "
+            "16777216)");
 }

@@ -170,15 +170,21 @@ TEST(Booster, ForwardRunsUnderTheModesCasts) {
 
 TEST(Booster, EveryModeTrainsATinyGPT) {
   const auto [x, y] = fixed_batch();
+  // The last mode is O2 with the model left fp32 (Apex accepts it; master_weights then keep nothing).
   for (const std::string mode : {"fp32", "tf32", "fp16", "bf16", "fp16_apex:O0", "fp16_apex:O1", "fp16_apex:O2",
-                                 "fp16_apex:O3", "fp16_naive", "bf16_naive"}) {
+                                 "fp16_apex:O3", "fp16_naive", "bf16_naive", "fp16_apex:O2 uncast"}) {
     AllowTf32Guard restore(false);
     GPT model(tiny_config(), 7);
     // A small initial scale for the naive scaler: 2^32 would overflow (and skip) the first steps.
     Booster booster(mode == "fp16_naive" || mode == "bf16_naive"
                         ? AmpConfig::from_json(R"({"initial_scale":1024})", mode)
+                    : mode == "fp16_apex:O2 uncast"
+                        ? AmpConfig::from_json(R"({"cast_model_type":false})", "fp16_apex:O2")
                         : AmpConfig::parse(mode));
     auto optimizer = booster.boost(model, adamw_on(model, 1e-2));
+    if (mode == "fp16_apex:O2 uncast") {
+      for (const auto& [name, dtype] : param_dtypes(model)) EXPECT_EQ(dtype, DType::F32) << name;
+    }
     double first = 0, last = 0;
     for (int step = 0; step < 40; ++step) {
       optimizer->zero_grad();
