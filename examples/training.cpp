@@ -19,12 +19,6 @@ namespace mixtape {
 namespace {
 
 // Shortest decimal text that reads back to the same double, so a checkpoint restores options bit for bit.
-std::string format_double(double value) {
-  char buffer[64];
-  const auto result = std::to_chars(buffer, buffer + sizeof(buffer), value);
-  return std::string(buffer, result.ptr);
-}
-
 const std::string& entry(const std::map<std::string, std::string>& metadata, const std::string& key,
                          const char* what) {
   const auto it = metadata.find(key);
@@ -147,16 +141,16 @@ void TrainOptions::validate() const {
 std::map<std::string, std::string> TrainOptions::to_metadata() const {
   return {{"train.batch", std::to_string(batch)},
           {"train.steps", std::to_string(steps)},
-          {"train.lr", format_double(lr)},
-          {"train.min_lr", format_double(min_lr)},
+          {"train.lr", exact_number_text(lr)},
+          {"train.min_lr", exact_number_text(min_lr)},
           {"train.warmup", std::to_string(warmup)},
           {"train.optimizer", optimizer},
-          {"train.weight_decay", format_double(weight_decay)},
-          {"train.beta1", format_double(beta1)},
-          {"train.beta2", format_double(beta2)},
-          {"train.momentum", format_double(momentum)},
+          {"train.weight_decay", exact_number_text(weight_decay)},
+          {"train.beta1", exact_number_text(beta1)},
+          {"train.beta2", exact_number_text(beta2)},
+          {"train.momentum", exact_number_text(momentum)},
           {"train.schedule", schedule},
-          {"train.grad_clip", format_double(grad_clip)},
+          {"train.grad_clip", exact_number_text(grad_clip)},
           {"train.seed", std::to_string(seed)},
           {"train.sequential", sequential ? "true" : "false"},
           {"train.precision", amp.name()},
