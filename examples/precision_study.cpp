@@ -1,43 +1,54 @@
 // precision_study: one GPT, one data set, one seed, trained once under each precision mode, and a comparison.
 //
-//   precision_study                                   # all 10 modes, ~11 minutes on 2 cores
+//   precision_study                                   # all 10 modes (8 min 19 s on 2 cores: see the README)
 //   precision_study --modes fp32,bf16,fp16_naive --steps 300 --out /tmp/study
 //   precision_study --data other.txt --layers 2 --width 64 ...
 //
 // Each mode runs the train_gpt executable that sits next to this one, as a child process with identical flags
 // plus --precision MODE --log-json OUT/<mode>.jsonl (':' in a mode becomes '_' in file names:
-// fp16_apex_O2.jsonl). A process per mode gives each mode its own peak RSS (wait4's ru_maxrss: the child's
-// high-water mark of resident memory, model + optimizer + activations + allocator caches) and keeps tf32's
-// process-wide switch from leaking into the other modes. The child's output is streamed with a "[mode]"
-// prefix.
+// fp16_apex_O2.jsonl). A process per mode gives each mode its own peak RSS and keeps tf32's process-wide
+// switch from leaking into the other modes. The child's output is streamed with a "[mode]" prefix.
+//
+// Peak RSS is the child's own: the "peak_rss_kib" its log reports (VmHWM of its /proc/self/status: the
+// high-water mark of resident memory since its exec, model + optimizer + activations + allocator caches).
+// Not wait4's ru_maxrss: posix_spawn starts the child with vfork, and at exec Linux records the old (our)
+// memory's high-water mark into the child's maxrss, so ru_maxrss is never below this process's own peak.
 //
 // Written to --out (default: <build>/precision_study), each through a temporary file and a rename, so a file
 // is complete or absent:
-//   results.md, results.csv  one row per mode:
+//   results.md, results.csv  one row per mode that ran to the end:
 //       final train loss   mean of the last 10 steps' batch losses (one batch is noisy; 10 hold 10x the
-//                          tokens)
+//                          tokens); nan when a loss was not finite
 //       final val loss     the validation loss after the last step (train_gpt's final evaluation)
-//       val diff vs fp32   final val loss - fp32's, absolute and relative to fp32's (empty without fp32)
+//       val diff vs fp32   final val loss - fp32's, absolute and relative to fp32's (empty without fp32),
+//                          from the unrounded losses
 //       tokens/s           median of the per-step rates (robust to the odd step slowed by another process)
-//       peak RSS MiB       the child's ru_maxrss
+//       peak RSS MiB       the child's peak_rss_kib (empty if its log has none)
 //       skipped steps      steps whose update was skipped on a gradient overflow
-//       final loss scale   the scale of the last step's loss
-//   <mode>.jsonl             train_gpt's per-step log
+//       final loss scale   the scale of the last step's loss, exact (shortest round-trip text)
+//   <mode>.jsonl             train_gpt's per-step log, checked (a line per step) before its rename into place
 //   precision_study.dat      per mode (a gnuplot index block, in --modes order): step, training loss
 //                            (trailing mean of 20 steps), loss scale
 //   precision_study.gp       the gnuplot script (rerun it in --out: gnuplot precision_study.gp)
-//   precision_study.png      two panels: smoothed training loss, and loss scale on a log2 axis
-// Without gnuplot the tables are still written (and a note says the plot was not). The Markdown table is also
-// printed at the end. Errors (unknown mode or option, missing data or train_gpt, a child failing) print
-// "error: ..." and exit non-zero; a failing mode does not stop the others, so the study reports what it can.
+//   precision_study.png      two panels: smoothed training loss, and loss scale on a log2 axis. Needs
+//                            gnuplot (apt-get install gnuplot-nox), looked for at the start; without it
+//                            the tables are still written, and a precision_study.png of an earlier run is
+//                            removed.
+// The Markdown table is also printed at the end. Errors (unknown mode or option, a bad value, missing data or
+// train_gpt, a child failing) print "error: ..." and exit non-zero; a failing mode does not stop the others,
+// so the study reports what it can. When no mode succeeds nothing is written (no tables, no plot files).
+// SIGINT, SIGTERM or SIGHUP kill the running child, remove the temporary file being written and exit with
+// 128 + the signal.
 #include <fcntl.h>
+#include <signal.h>
 #include <spawn.h>
-#include <sys/resource.h>
 #include <sys/types.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -47,7 +58,6 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
-#include <map>
 #include <optional>
 #include <set>
 #include <sstream>
@@ -56,6 +66,7 @@
 
 #include "amp/config.h"
 #include "nn/json.h"
+#include "nn/state_dict.h"
 #include "tensor/error.h"
 
 extern char** environ;
@@ -71,24 +82,27 @@ const std::vector<std::string> kDefaultModes = {
 constexpr size_t kFinalTrainSteps = 10;  // final train loss = mean of the last 10 batch losses
 constexpr size_t kSmooth = 20;           // the plotted training loss: trailing mean of 20 steps
 
-// train_gpt flags passed through to every child; the value is checked by train_gpt itself.
-const std::set<std::string> kValueFlags = {
-    "--layers", "--heads", "--width", "--block", "--dropout", "--batch", "--steps", "--lr", "--min-lr",
-    "--warmup", "--optimizer", "--weight-decay", "--beta1", "--beta2", "--momentum", "--schedule",
-    "--grad-clip", "--seed", "--eval-every", "--vocab-size"};
+// train_gpt flags passed through to every child, by the kind of value train_gpt's own parser accepts; the
+// value's form is checked here (before anything runs), its meaning (heads dividing width, ...) by train_gpt.
+const std::set<std::string> kPositiveIntegerFlags = {"--layers", "--heads", "--width", "--block", "--batch",
+                                                     "--steps", "--vocab-size"};
+const std::set<std::string> kCountFlags = {"--warmup", "--seed", "--eval-every"};  // integers >= 0
+const std::set<std::string> kRealFlags = {"--dropout", "--lr",    "--min-lr",   "--weight-decay",
+                                          "--beta1",   "--beta2", "--momentum", "--grad-clip"};  // reals >= 0
+const std::set<std::string> kTextFlags = {"--optimizer", "--schedule"};
 
 struct Options {
   std::string data;
   std::vector<std::string> modes = kDefaultModes;
   std::string out;
-  // The study's defaults: 4 layers of width 128 on tinyshakespeare, val loss ~2.1 after 600 steps; measured on
-  // 2 cores (AMD EPYC): 25-40 s per fp32/tf32/bf16 mode, 85-120 s per fp16 mode (the fp16 kernels are slower
-  // on this CPU), 11 minutes for all ten. Every one can be overridden; they go on the child's command line in
-  // this order.
+  // The study's defaults: 4 layers of width 128 on tinyshakespeare, val loss ~2.1 after 600 steps (the README
+  // shows a run of all ten modes). Every one can be overridden; they go on the child's command line in this
+  // order.
   std::vector<std::pair<std::string, std::string>> train = {
       {"--layers", "4"},  {"--heads", "4"},        {"--width", "128"}, {"--block", "64"},
       {"--batch", "16"},  {"--steps", "600"},      {"--eval-every", "200"},
       {"--lr", "2e-3"},   {"--min-lr", "2e-4"},    {"--warmup", "50"}, {"--seed", "1337"}};
+  int64_t steps = 600;  // --steps: each log must have this many lines
   bool sequential = false;
 };
 
@@ -99,11 +113,18 @@ void usage() {
       "                tinyshakespeare.txt beside the source tree\n"
       "  --modes LIST  comma-separated precision modes (default: all ten: fp32,tf32,fp16,bf16,\n"
       "                fp16_apex:O0,fp16_apex:O1,fp16_apex:O2,fp16_apex:O3,fp16_naive,bf16_naive)\n"
-      "  --out DIR     output directory (default: <build>/precision_study)\n"
+      "  --out DIR     output directory (default: <build>/precision_study): results.md, results.csv,\n"
+      "                <mode>.jsonl, precision_study.dat/.gp, and precision_study.png, which needs gnuplot\n"
+      "                (apt-get install gnuplot-nox; without it the tables are still written)\n"
       "  passed to every train_gpt run (defaults): --layers 4 --heads 4 --width 128 --block 64 --batch 16\n"
-      "                --steps 600 --eval-every 200 --lr 2e-3 --min-lr 2e-4 --warmup 50 --seed 1337;\n"
+      "                --steps 600 (>= 1) --eval-every 200 --lr 2e-3 --min-lr 2e-4 --warmup 50 --seed 1337;\n"
       "                also --dropout --optimizer --weight-decay --beta1 --beta2 --momentum --schedule\n"
       "                --grad-clip --vocab-size --sequential\n";
+}
+
+// "1 mode", "3 modes"
+std::string count_text(size_t n, const std::string& noun) {
+  return std::to_string(n) + " " + noun + (n == 1 ? "" : "s");
 }
 
 fs::path self_dir() {
@@ -134,6 +155,31 @@ std::string default_data() {
        candidates[0].string(), " and ", candidates[1].string(), "); pass --data FILE");
 }
 
+// The value of a pass-through flag, checked as train_gpt's parser would (so that a bad value is reported
+// once, before any child runs, not by every child); --steps must be >= 1: a study needs a step to compare.
+// Returns the integer for integer flags.
+int64_t check_train_value(const std::string& flag, const std::string& value) {
+  if (kPositiveIntegerFlags.count(flag) || kCountFlags.count(flag)) {
+    const int64_t low = kPositiveIntegerFlags.count(flag) ? 1 : 0;
+    char* end = nullptr;
+    errno = 0;
+    const long long v = std::strtoll(value.c_str(), &end, 10);
+    check(!value.empty() && end && *end == 0 && errno == 0 && v >= low, "precision_study: ", flag,
+          " expects an integer >= ", low, flag == "--steps" ? " (a study needs at least one step)" : "",
+          ", got '", value, "'");
+    return v;
+  }
+  if (kRealFlags.count(flag)) {
+    char* end = nullptr;
+    const double v = std::strtod(value.c_str(), &end);
+    check(!value.empty() && end && *end == 0 && std::isfinite(v) && v >= 0, "precision_study: ", flag,
+          " expects a non-negative number, got '", value, "'");
+    return 0;
+  }
+  check(!value.empty(), "precision_study: ", flag, " needs a non-empty value");
+  return 0;
+}
+
 Options parse(int argc, char** argv) {
   Options o;
   std::set<std::string> given;
@@ -141,7 +187,9 @@ Options parse(int argc, char** argv) {
     const std::string flag = argv[i];
     if (flag == "--help" || flag == "-h") { usage(); std::exit(0); }
     if (flag == "--sequential") { o.sequential = true; continue; }
-    check(flag == "--data" || flag == "--modes" || flag == "--out" || kValueFlags.count(flag),
+    const bool train_flag = kPositiveIntegerFlags.count(flag) || kCountFlags.count(flag) ||
+                            kRealFlags.count(flag) || kTextFlags.count(flag);
+    check(flag == "--data" || flag == "--modes" || flag == "--out" || train_flag,
           "precision_study: unknown option '", flag, "'",
           flag == "--precision" || flag == "--amp-config" || flag == "--log-json"
               ? " (set per mode by precision_study; choose the modes with --modes)"
@@ -168,6 +216,8 @@ Options parse(int argc, char** argv) {
         check(seen.insert(mode).second, "precision_study: --modes names '", mode, "' twice");
       }
     } else {
+      const int64_t number = check_train_value(flag, value);
+      if (flag == "--steps") o.steps = number;
       bool replaced = false;
       for (auto& [f, v] : o.train)
         if (f == flag) { v = value; replaced = true; }
@@ -180,6 +230,62 @@ Options parse(int argc, char** argv) {
   return o;
 }
 
+// ---- interruption: SIGINT, SIGTERM and SIGHUP ----
+
+// What the signal handler must clean up: the running child (killed and reaped) and the temporary file being
+// written (removed). The only global mutable state here, because a signal handler can reach nothing else;
+// lock-free atomics, so the handler reads them safely at any point.
+std::atomic<pid_t> g_child{0};
+std::atomic<const char*> g_temp{nullptr};
+static_assert(std::atomic<pid_t>::is_always_lock_free && std::atomic<const char*>::is_always_lock_free);
+constexpr int kStopSignals[] = {SIGINT, SIGTERM, SIGHUP};
+
+// Async-signal-safe: only kill, waitpid, unlink, write and _exit.
+extern "C" void on_stop_signal(int sig) {
+  const pid_t child = g_child.load();
+  if (child > 0) {
+    kill(child, SIGKILL);
+    while (waitpid(child, nullptr, 0) < 0 && errno == EINTR) {}
+  }
+  if (const char* temp = g_temp.load()) unlink(temp);
+  static const char note[] = "\nprecision_study: interrupted: stopped the running child and removed its "
+                             "temporary file\n";
+  [[maybe_unused]] const ssize_t written = write(STDERR_FILENO, note, sizeof note - 1);
+  _exit(128 + sig);
+}
+
+void install_stop_handlers() {
+  struct sigaction action {};
+  action.sa_handler = on_stop_signal;
+  sigemptyset(&action.sa_mask);
+  for (int sig : kStopSignals) sigaddset(&action.sa_mask, sig);  // one cleanup, not one per signal
+  for (int sig : kStopSignals) {
+    struct sigaction old {};
+    sigaction(sig, nullptr, &old);
+    if (old.sa_handler == SIG_IGN) continue;  // ignored when we started (nohup, a background job): stays so
+    check(sigaction(sig, &action, nullptr) == 0, "precision_study: sigaction failed: ", std::strerror(errno));
+  }
+}
+
+// Blocks the stop signals while alive (a signal that comes meanwhile is handled when it ends): for the
+// moments when g_child is out of step with the truth, between a spawn and its store or a reap and its reset.
+class StopSignalsBlocked {
+ public:
+  StopSignalsBlocked() {
+    sigset_t set;
+    sigemptyset(&set);
+    for (int sig : kStopSignals) sigaddset(&set, sig);
+    pthread_sigmask(SIG_BLOCK, &set, &old_);
+  }
+  ~StopSignalsBlocked() { pthread_sigmask(SIG_SETMASK, &old_, nullptr); }
+  const sigset_t& old_mask() const { return old_; }
+  StopSignalsBlocked(const StopSignalsBlocked&) = delete;
+  StopSignalsBlocked& operator=(const StopSignalsBlocked&) = delete;
+
+ private:
+  sigset_t old_;
+};
+
 // ---- files ----
 
 std::string file_stem(const std::string& mode) {
@@ -188,20 +294,50 @@ std::string file_stem(const std::string& mode) {
   return s;
 }
 
+// A temporary file (written by us or by a child) that becomes `target` by a rename only once it is complete:
+// removed if it is not renamed (an error on the way) and by the stop-signal handler. One at a time.
+class TempFile {
+ public:
+  explicit TempFile(const fs::path& target) : target_(target), path_(target.string() + ".tmp") {
+    std::error_code ec;
+    fs::remove(path_, ec);  // left by an earlier run that was killed outright
+    const char* expected = nullptr;
+    check(g_temp.compare_exchange_strong(expected, path_.c_str()),
+          "precision_study: internal error: two temporary files at once (", path_.string(), ")");
+  }
+  ~TempFile() {
+    std::error_code ec;
+    if (!renamed_) fs::remove(path_, ec);
+    g_temp.store(nullptr);  // after the removal: a signal in between unlinks a missing file, harmlessly
+  }
+  TempFile(const TempFile&) = delete;
+  TempFile& operator=(const TempFile&) = delete;
+
+  const fs::path& path() const { return path_; }
+  void rename_into_place() {
+    std::error_code ec;
+    fs::rename(path_, target_, ec);
+    check(!ec, "precision_study: cannot rename '", path_.string(), "' to '", target_.string(), "' (",
+          ec.message(), ")");
+    renamed_ = true;
+  }
+
+ private:
+  fs::path target_, path_;
+  bool renamed_ = false;
+};
+
 // Writes `path` complete or not at all: a temporary file beside it, then a rename over it.
 void write_file(const fs::path& path, const std::string& text) {
-  const fs::path tmp = path.string() + ".tmp";
+  TempFile tmp(path);
   {
-    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
-    check(f.good(), "precision_study: cannot write '", tmp.string(), "'");
+    std::ofstream f(tmp.path(), std::ios::binary | std::ios::trunc);
+    check(f.good(), "precision_study: cannot write '", tmp.path().string(), "'");
     f << text;
     f.flush();
-    check(f.good(), "precision_study: writing '", tmp.string(), "' failed");
+    check(f.good(), "precision_study: writing '", tmp.path().string(), "' failed");
   }
-  std::error_code ec;
-  fs::rename(tmp, path, ec);
-  check(!ec, "precision_study: cannot rename '", tmp.string(), "' to '", path.string(), "' (", ec.message(),
-        ")");
+  tmp.rename_into_place();
 }
 
 std::optional<std::string> find_in_path(const std::string& name) {
@@ -217,8 +353,7 @@ std::optional<std::string> find_in_path(const std::string& name) {
 // ---- child processes ----
 
 struct ChildResult {
-  int status = 0;             // as from wait4
-  double peak_rss_mib = 0;    // ru_maxrss (KiB on Linux)
+  int status = 0;                // as from waitpid
   double seconds = 0;
   std::deque<std::string> tail;  // the last lines of its output, for error messages
 };
@@ -230,8 +365,8 @@ std::string describe_status(int status) {
 }
 
 // Runs args[0] (a path) with its stdout and stderr into one pipe, so its lines keep their order; each line
-// goes to our stdout behind `prefix`, and the last 8 are kept for an error message. `cwd`: the child's working
-// directory, if given. Waits for it with wait4, whose rusage is that child's alone (ru_maxrss: its peak RSS).
+// goes to our stdout behind `prefix`, and the last 8 are kept for an error message. `cwd`: the child's
+// working directory, if given. The child is g_child while it runs, for the stop-signal handler.
 ChildResult run_child(const std::vector<std::string>& args, const std::string& prefix,
                       const std::string& cwd = "") {
   int fds[2];
@@ -246,7 +381,19 @@ ChildResult run_child(const std::vector<std::string>& args, const std::string& p
   argv.push_back(nullptr);
   pid_t pid = 0;
   const auto t0 = std::chrono::steady_clock::now();
-  const int err = posix_spawn(&pid, argv[0], &actions, nullptr, argv.data(), environ);
+  int err = 0;
+  {
+    // A stop signal between the spawn and the store would leave the child running: it waits for the store.
+    // The child starts with our usual mask (the handlers themselves become SIG_DFL at its exec).
+    StopSignalsBlocked blocked;
+    posix_spawnattr_t attr;
+    posix_spawnattr_init(&attr);
+    posix_spawnattr_setsigmask(&attr, &blocked.old_mask());
+    posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGMASK);
+    err = posix_spawn(&pid, argv[0], &actions, &attr, argv.data(), environ);
+    posix_spawnattr_destroy(&attr);
+    if (err == 0) g_child.store(pid);
+  }
   posix_spawn_file_actions_destroy(&actions);
   close(fds[1]);
   if (err != 0) {
@@ -274,12 +421,18 @@ ChildResult run_child(const std::vector<std::string>& args, const std::string& p
   if (!pending.empty()) emit(pending);
   close(fds[0]);
 
-  struct rusage usage {};
+  // Wait for its end without reaping it (the handler can still kill and reap it), then reap it and forget it
+  // with the stop signals blocked, so the handler never sees a reaped (possibly reused) pid.
+  siginfo_t info{};
+  while (waitid(P_PID, static_cast<id_t>(pid), &info, WEXITED | WNOWAIT) < 0 && errno == EINTR) {}
   pid_t waited;
-  while ((waited = wait4(pid, &result.status, 0, &usage)) < 0 && errno == EINTR) {}
-  check(waited == pid, "precision_study: wait4 for '", args[0], "' failed: ", std::strerror(errno));
+  {
+    StopSignalsBlocked blocked;
+    while ((waited = waitpid(pid, &result.status, 0)) < 0 && errno == EINTR) {}
+    g_child.store(0);
+  }
+  check(waited == pid, "precision_study: waitpid for '", args[0], "' failed: ", std::strerror(errno));
   result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  result.peak_rss_mib = double(usage.ru_maxrss) / 1024.0;
   return result;
 }
 
@@ -288,7 +441,9 @@ ChildResult run_child(const std::vector<std::string>& args, const std::string& p
 struct StepLog {
   int64_t step = 0;
   double loss = NAN, loss_scale = NAN, tokens_per_s = NAN, val_loss = NAN;
+  bool evaluated = false;  // has a val_loss (a number, or null when it was not finite)
   bool skipped = false;
+  std::optional<int64_t> peak_rss_kib;  // train_gpt's VmHWM so far, where its log has it
 };
 
 struct ModeResult {
@@ -296,17 +451,20 @@ struct ModeResult {
   bool ok = false;
   std::string error;  // why it failed
   std::vector<StepLog> steps;
-  double final_train_loss = NAN, final_val_loss = NAN, tokens_per_s = NAN, peak_rss_mib = NAN;
-  double final_loss_scale = NAN, seconds = 0;
+  double final_train_loss = NAN, tokens_per_s = NAN, final_loss_scale = NAN, seconds = 0;
+  std::optional<double> final_val_loss;  // absent when no step evaluated
+  std::optional<double> peak_rss_mib;    // absent when the log has no peak_rss_kib
   int64_t skipped = 0;
 };
 
 double number_or_nan(const json::Value* v) {
-  if (!v || v->is_null()) return NAN;  // a non-finite value, should a log ever write one as null
+  if (!v || v->is_null()) return NAN;  // train_gpt writes a non-finite value as null (JSON has no NaN)
   return v->as_number();
 }
 
-std::vector<StepLog> read_log(const fs::path& path) {
+// Reads and checks a train_gpt log before it is renamed into place: a JSON object per line, steps 0, 1, ...,
+// one per step of the run.
+std::vector<StepLog> read_log(const fs::path& path, int64_t expected_steps) {
   std::ifstream in(path);
   check(in.good(), "precision_study: cannot read the log '", path.string(), "'");
   std::vector<StepLog> steps;
@@ -319,18 +477,26 @@ std::vector<StepLog> read_log(const fs::path& path) {
       const json::Value* step = v.find("step");
       check(step != nullptr, "no \"step\"");
       s.step = step->as_integer();
+      check(s.step == static_cast<int64_t>(steps.size()), "step ", s.step, ", expected ", steps.size());
       s.loss = number_or_nan(v.find("loss"));
       s.loss_scale = number_or_nan(v.find("loss_scale"));
       s.tokens_per_s = number_or_nan(v.find("tokens_per_s"));
-      s.val_loss = number_or_nan(v.find("val_loss"));
+      const json::Value* val_loss = v.find("val_loss");
+      s.evaluated = val_loss != nullptr;
+      s.val_loss = number_or_nan(val_loss);
       const json::Value* skipped = v.find("skipped");
       s.skipped = skipped && skipped->as_bool();
+      if (const json::Value* rss = v.find("peak_rss_kib"); rss && !rss->is_null()) {
+        s.peak_rss_kib = rss->as_integer();
+        check(*s.peak_rss_kib > 0, "peak_rss_kib ", *s.peak_rss_kib, " is not a positive size");
+      }
       steps.push_back(s);
     } catch (const Error& e) {
       fail("precision_study: ", path.string(), " line ", number, ": ", e.what());
     }
   }
-  check(!steps.empty(), "precision_study: the log '", path.string(), "' has no steps");
+  check(static_cast<int64_t>(steps.size()) == expected_steps, "precision_study: the log '", path.string(),
+        "' has ", count_text(steps.size(), "step"), ", expected ", expected_steps, " (--steps)");
   return steps;
 }
 
@@ -348,30 +514,44 @@ void summarise(ModeResult& r) {
   double sum = 0;
   for (size_t i = first; i < s.size(); ++i) sum += s[i].loss;  // a NaN loss makes the mean NaN: visible
   r.final_train_loss = sum / double(s.size() - first);
-  for (const StepLog& step : s)
-    if (!std::isnan(step.val_loss)) r.final_val_loss = step.val_loss;
+  for (const StepLog& step : s)  // the last evaluation's, NaN included: not an earlier, finite one
+    if (step.evaluated) r.final_val_loss = step.val_loss;
   std::vector<double> rates;
   for (const StepLog& step : s) rates.push_back(step.tokens_per_s);
   r.tokens_per_s = median(rates);
   r.skipped = std::count_if(s.begin(), s.end(), [](const StepLog& step) { return step.skipped; });
   r.final_loss_scale = s.back().loss_scale;
+  for (const StepLog& step : s)  // a high-water mark only grows; the maximum all the same
+    if (step.peak_rss_kib) r.peak_rss_mib = std::max(r.peak_rss_mib.value_or(0), *step.peak_rss_kib / 1024.0);
 }
 
 // ---- tables ----
 
+// A measured value: "nan", "inf" or "-inf" when it is not finite (a diverged mode shows as such).
 std::string fmt(const char* format, double x) {
-  if (std::isnan(x)) return "";
+  if (std::isnan(x)) return "nan";
+  if (std::isinf(x)) return x > 0 ? "inf" : "-inf";
   char buffer[64];
   std::snprintf(buffer, sizeof(buffer), format, x);
   return buffer;
 }
 
+// A difference with `digits` decimals, never a negative zero: -0.00001 rounds to "0.0000", not "-0.0000".
+std::string difference(double x, int digits) {
+  if (!std::isfinite(x)) return fmt("", x);
+  char buffer[64];
+  std::snprintf(buffer, sizeof(buffer), "%.*f", digits, x);
+  const std::string text = buffer;
+  return text.find_first_not_of("-0.") == std::string::npos ? text.substr(text[0] == '-') : text;
+}
+
+// Cells as in results.csv; empty: not applicable (no fp32 reference, no peak RSS in the log).
 struct Row {
   std::string mode, train, val, diff, diff_pct, rate, rss, skipped, scale;
 };
 
 std::vector<Row> table_rows(const std::vector<ModeResult>& results) {
-  double reference = NAN;
+  std::optional<double> reference;
   for (const ModeResult& r : results)
     if (r.ok && r.mode == "fp32") reference = r.final_val_loss;
   std::vector<Row> rows;
@@ -380,13 +560,16 @@ std::vector<Row> table_rows(const std::vector<ModeResult>& results) {
     Row row;
     row.mode = r.mode;
     row.train = fmt("%.4f", r.final_train_loss);
-    row.val = fmt("%.4f", r.final_val_loss);
-    row.diff = fmt("%.4f", r.final_val_loss - reference);
-    row.diff_pct = fmt("%.2f", (r.final_val_loss - reference) / reference * 100.0);
+    if (r.final_val_loss) row.val = fmt("%.4f", *r.final_val_loss);
+    if (r.final_val_loss && reference) {  // from the unrounded losses
+      row.diff = difference(*r.final_val_loss - *reference, 4);
+      row.diff_pct = difference((*r.final_val_loss - *reference) / *reference * 100.0, 2);
+    }
     row.rate = fmt("%.0f", r.tokens_per_s);
-    row.rss = fmt("%.1f", r.peak_rss_mib);
+    if (r.peak_rss_mib) row.rss = fmt("%.1f", *r.peak_rss_mib);
     row.skipped = std::to_string(r.skipped);
-    row.scale = fmt("%.9g", r.final_loss_scale);
+    row.scale = std::isfinite(r.final_loss_scale) ? exact_number_text(r.final_loss_scale)
+                                                   : fmt("", r.final_loss_scale);
     rows.push_back(row);
   }
   return rows;
@@ -409,7 +592,10 @@ std::string markdown_table(const std::vector<Row>& rows) {
   std::vector<std::vector<std::string>> cells;
   for (const Row& r : rows) {
     auto dash = [](const std::string& s) { return s.empty() ? std::string("—") : s; };
-    auto sign = [&](const std::string& s) { return s.empty() || s[0] == '-' ? dash(s) : "+" + s; };
+    // A difference shows its sign, zero included ("+0.0000"): difference() never writes "-0.0000".
+    auto sign = [&](const std::string& s) {
+      return s.empty() || s[0] == '-' || s == "nan" ? dash(s) : "+" + s;
+    };
     cells.push_back({r.mode, dash(r.train), dash(r.val), sign(r.diff), sign(r.diff_pct), dash(r.rate),
                      dash(r.rss), r.skipped, dash(r.scale)});
   }
@@ -462,8 +648,8 @@ std::string plot_data(const std::vector<ModeResult>& results) {
         if (window.size() > kSmooth) { sum -= window.front(); window.pop_front(); }
       }
       const double mean = window.empty() ? NAN : sum / double(window.size());
-      std::snprintf(buffer, sizeof(buffer), "%lld %.6f %.9g\n", static_cast<long long>(s.step + 1), mean,
-                    s.loss_scale);
+      std::snprintf(buffer, sizeof(buffer), "%lld %.6f %s\n", static_cast<long long>(s.step + 1), mean,
+                    std::isfinite(s.loss_scale) ? exact_number_text(s.loss_scale).c_str() : "nan");
       out += buffer;
     }
     out += "\n\n";
@@ -531,9 +717,10 @@ int run(int argc, char** argv) {
         "this one (looked for ", train_gpt.string(), "); build it: cmake --build build --target train_gpt");
   const fs::path out = opt.out;
   std::error_code ec;
-  fs::create_directories(out, ec);
+  const bool created_out = fs::create_directories(out, ec);
   check(!ec && fs::is_directory(out), "precision_study: cannot create --out directory '", out.string(), "'",
         ec ? " (" + ec.message() + ")" : "");
+  install_stop_handlers();
 
   std::vector<std::string> common = {"--data", opt.data};
   std::string flags_text;
@@ -546,8 +733,14 @@ int run(int argc, char** argv) {
 
   size_t prefix_width = 0;
   for (const std::string& m : opt.modes) prefix_width = std::max(prefix_width, m.size() + 2);
-  std::printf("precision_study: %zu modes, train_gpt --data %s%s\n  writing to %s\n", opt.modes.size(),
-              opt.data.c_str(), flags_text.c_str(), out.string().c_str());
+  std::printf("precision_study: %s, train_gpt --data %s%s\n  writing to %s\n",
+              count_text(opt.modes.size(), "mode").c_str(), opt.data.c_str(), flags_text.c_str(),
+              out.string().c_str());
+  // Said now, not after the runs: there is still time to install it.
+  const std::optional<std::string> gnuplot = find_in_path("gnuplot");
+  if (!gnuplot)
+    std::printf("  gnuplot not found (apt-get install gnuplot-nox): the tables will be written, "
+                "but no PNG\n");
   std::fflush(stdout);
 
   std::vector<ModeResult> results;
@@ -555,31 +748,31 @@ int run(int argc, char** argv) {
     ModeResult r;
     r.mode = opt.modes[k];
     const fs::path log = out / (file_stem(r.mode) + ".jsonl");
-    const fs::path log_tmp = log.string() + ".tmp";  // renamed once the run succeeded
-    fs::remove(log_tmp, ec);
-    std::vector<std::string> args = {train_gpt.string()};
-    args.insert(args.end(), common.begin(), common.end());
-    args.insert(args.end(), {"--precision", r.mode, "--log-json", log_tmp.string()});
     std::printf("\n=== [%zu/%zu] %s\n", k + 1, opt.modes.size(), r.mode.c_str());
     std::fflush(stdout);
     std::string prefix = "[" + r.mode + "]";
     prefix += std::string(prefix_width - prefix.size() + 1, ' ');
     try {
+      TempFile log_tmp(log);  // renamed once the run succeeded and its log checks out; removed otherwise
+      std::vector<std::string> args = {train_gpt.string()};
+      args.insert(args.end(), common.begin(), common.end());
+      args.insert(args.end(), {"--precision", r.mode, "--log-json", log_tmp.path().string()});
       const ChildResult child = run_child(args, prefix);
       r.seconds = child.seconds;
-      r.peak_rss_mib = child.peak_rss_mib;
       if (child.status != 0) {
         std::string last;
         for (const std::string& l : child.tail) last += "\n    " + l;
         fail("train_gpt --precision ", r.mode, " failed (", describe_status(child.status),
              "); its last output:", last);
       }
-      fs::rename(log_tmp, log);
-      r.steps = read_log(log);
+      r.steps = read_log(log_tmp.path(), opt.steps);
+      log_tmp.rename_into_place();
       summarise(r);
       r.ok = true;
-      std::printf("%sdone in %.0f s: final val loss %.4f, median %.0f tok/s, peak RSS %.1f MiB, "
-                  "%lld skipped\n", prefix.c_str(), r.seconds, r.final_val_loss, r.tokens_per_s, r.peak_rss_mib,
+      const std::string val = r.final_val_loss ? fmt("%.4f", *r.final_val_loss) : "none";
+      const std::string rss = r.peak_rss_mib ? fmt("%.1f MiB", *r.peak_rss_mib) : "not in the log";
+      std::printf("%sdone in %.0f s: final val loss %s, median %.0f tok/s, peak RSS %s, %lld skipped\n",
+                  prefix.c_str(), r.seconds, val.c_str(), r.tokens_per_s, rss.c_str(),
                   static_cast<long long>(r.skipped));
     } catch (const std::exception& e) {
       r.error = e.what();
@@ -589,17 +782,30 @@ int run(int argc, char** argv) {
     results.push_back(std::move(r));
   }
 
-  const std::vector<Row> rows = table_rows(results);
-  const std::string table = markdown_table(rows);
-  std::string md = "# Precision study\n\n"
-                   "One GPT, one data set, one seed, trained once per precision mode (train_gpt --data " +
-                   opt.data + flags_text + " --precision MODE).\n\n" + table +
-                   "\nfinal train loss: mean of the last 10 steps' batch losses; final val loss: after the "
-                   "last step; val diff: vs fp32's final val loss; tokens/s: median of the per-step rates; "
-                   "peak RSS: the train_gpt process's ru_maxrss; final loss scale: the last step's.\n";
   std::vector<std::string> failed;
   for (const ModeResult& r : results)
     if (!r.ok) failed.push_back(r.mode + ": " + r.error);
+  std::string failed_list;
+  for (const std::string& f : failed) failed_list += "\n  " + f;
+  // Nothing to compare: the files of an earlier study stay as they were, not replaced by empty tables (and an
+  // --out directory made for this study goes again, if it is still empty).
+  if (failed.size() == results.size()) {
+    if (created_out && fs::is_empty(out, ec)) fs::remove(out, ec);
+    fail("precision_study: ", results.size() == 1 ? "the mode" : "all " + count_text(results.size(), "mode"),
+         " failed, so nothing was written to '", out.string(), "':", failed_list);
+  }
+
+  const std::vector<Row> rows = table_rows(results);
+  const std::string table = markdown_table(rows);
+  const std::string notes =
+      "\nfinal train loss: mean of the last 10 steps' batch losses; final val loss: after the last step; "
+      "val diff: vs fp32's final val loss, computed from the unrounded losses (so it may differ in the last "
+      "digit from the difference of the rounded losses shown); tokens/s: median of the per-step rates; "
+      "peak RSS: the train_gpt process's own peak resident memory (VmHWM, its log's peak_rss_kib); "
+      "final loss scale: the last step's, exact; nan: a value that was not finite (the mode diverged).\n";
+  std::string md = "# Precision study\n\n"
+                   "One GPT, one data set, one seed, trained once per precision mode (train_gpt --data " +
+                   opt.data + flags_text + " --precision MODE).\n\n" + table + notes;
   if (!failed.empty()) {
     md += "\nFailed modes (not in the table):\n\n";
     for (const std::string& f : failed) md += "- " + f + "\n";
@@ -609,33 +815,39 @@ int run(int argc, char** argv) {
   write_file(out / "precision_study.dat", plot_data(results));
   write_file(out / "precision_study.gp", plot_script(results, "precision_study:" + flags_text));
 
+  const fs::path png = out / "precision_study.png";
   std::string plot_note;
   bool plot_failed = false;
-  if (rows.empty()) {
-    plot_note = "no mode succeeded: no plot";
-  } else if (const auto gnuplot = find_in_path("gnuplot")) {
-    const ChildResult g = run_child({*gnuplot, "-e", "out='precision_study.png.tmp'", "precision_study.gp"},
-                                    "[gnuplot] ", out.string());
-    if (g.status == 0 && fs::is_regular_file(out / "precision_study.png.tmp")) {
-      fs::rename(out / "precision_study.png.tmp", out / "precision_study.png");
-      plot_note = "wrote " + (out / "precision_study.png").string();
+  if (gnuplot) {
+    TempFile png_tmp(png);
+    const std::string out_option = "out='" + png_tmp.path().filename().string() + "'";
+    const ChildResult g = run_child({*gnuplot, "-e", out_option, "precision_study.gp"}, "[gnuplot] ",
+                                    out.string());
+    if (g.status == 0 && fs::is_regular_file(png_tmp.path())) {
+      png_tmp.rename_into_place();
+      plot_note = "wrote " + png.string();
     } else {
-      fs::remove(out / "precision_study.png.tmp", ec);
-      plot_note = "gnuplot failed (" + describe_status(g.status) + "): no plot";
+      plot_note = "gnuplot failed (" + describe_status(g.status) + "): no PNG";
       plot_failed = true;
     }
   } else {
-    plot_note = "gnuplot not found (apt-get install gnuplot-nox): wrote the tables and precision_study.gp, "
-                "but no plot";
+    plot_note = "no PNG (gnuplot not found)";
+  }
+  // A PNG of an earlier study beside these tables would show other runs: without a new one, it goes.
+  if (plot_note.rfind("wrote ", 0) != 0 && fs::exists(png)) {
+    fs::remove(png, ec);
+    plot_note += ec ? "; could not remove the stale " + png.string() + " of an earlier run (" +
+                          ec.message() + ")"
+                    : "; removed the stale " + png.string() + " of an earlier run";
   }
 
-  std::printf("\n%s\nwrote %s, %s\n%s\n", table.c_str(), (out / "results.md").string().c_str(),
-              (out / "results.csv").string().c_str(), plot_note.c_str());
-  if (!failed.empty()) {
-    std::string list;
-    for (const std::string& f : failed) list += "\n  " + f;
-    fail("precision_study: ", failed.size(), " of ", results.size(), " modes failed:", list);
-  }
+  std::printf("\n%s%s\nwrote %s, %s, %s, %s\n%s\n", table.c_str(), notes.c_str(),
+              (out / "results.md").string().c_str(), (out / "results.csv").string().c_str(),
+              (out / "precision_study.dat").string().c_str(), (out / "precision_study.gp").string().c_str(),
+              plot_note.c_str());
+  if (!failed.empty())
+    fail("precision_study: ", failed.size(), " of ", count_text(results.size(), "mode"), " failed:",
+         failed_list);
   check(!plot_failed, "precision_study: ", plot_note);
   return 0;
 }

@@ -10,8 +10,10 @@
 // grad_norm (before clipping; null on a skipped step, whose gradients were not finite), tokens_per_s (that
 // step alone), loss_scale (the scale this step's loss was multiplied by), skipped, num_zeros (with naive
 // AMP's log_num_zeros_in_grad: the zero elements of the unscaled gradients, absent on a skipped step; also on
-// the progress line as "zeros"), and val_loss on the steps that evaluated (after that step's update). A loss
-// that is not finite is written as null (JSON has no NaN). examples/plot_loss.sh turns it into a PNG.
+// the progress line as "zeros"), val_loss on the steps that evaluated (after that step's update), and
+// peak_rss_kib: this process's peak resident memory so far in KiB (VmHWM of /proc/self/status, after the step
+// and its evaluation; absent where /proc has none). A loss that is not finite is written as null (JSON has no
+// NaN). examples/plot_loss.sh turns it into a PNG.
 //
 // The progress line's "scale" is the loss scale after the step's update (the one the next step uses, as
 // Megatron-LM logs it) and "skipped" counts the skipped steps since step 1, a resumed run's included.
@@ -233,6 +235,16 @@ std::string fixed(double x, int digits) {
   char buffer[64];
   std::snprintf(buffer, sizeof(buffer), "%.*f", digits, x);
   return buffer;
+}
+
+// This process's peak resident memory since its exec in KiB (VmHWM in /proc/self/status), or -1 where there
+// is none. Not getrusage's ru_maxrss: a child started by posix_spawn (vfork) gets its parent's peak in that.
+int64_t peak_rss_kib() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line))
+    if (line.rfind("VmHWM:", 0) == 0) return std::strtoll(line.c_str() + 6, nullptr, 10);
+  return -1;
 }
 
 std::string format_seconds(double s) {
@@ -472,6 +484,7 @@ int run(int argc, char** argv) {
                                {"loss_scale", s.loss_scale}, {"skipped", s.skipped}};
       if (s.num_zeros >= 0) line.emplace_back("num_zeros", s.num_zeros);
       if (eval) line.emplace_back("val_loss", number(val_loss));
+      if (const int64_t kib = peak_rss_kib(); kib > 0) line.emplace_back("peak_rss_kib", kib);
       log << json::Value(line).dump() << '\n';
       log.flush();
     }

@@ -1,6 +1,8 @@
 # End-to-end test of examples/precision_study: a tiny study (two modes, 20 steps of a 1-layer model on a small
-# generated text) that must write its tables, logs and plot files, with a row of numbers per mode; and its
-# errors. Checks report through check_failed (SEND_ERROR: the script goes on, the test fails at the end).
+# generated text) that must write its tables, logs and plot files, with a row of numbers per mode; a diverging
+# mode; its errors; and, with a stub train_gpt (a shell script next to a copy of precision_study), the
+# formatting of its numbers, the peak RSS taken from the child's log, failing modes and an interruption.
+# Checks report through check_failed (SEND_ERROR: the script goes on, the test fails at the end).
 # Run as: cmake -DPRECISION_STUDY=<exe> -DWORK_DIR=<scratch dir> -P precision_study.cmake
 cmake_minimum_required(VERSION 3.25)
 foreach(var PRECISION_STUDY WORK_DIR)
@@ -45,8 +47,8 @@ if(GNUPLOT)
   if(NOT signature STREQUAL "89504e470d0a1a0a")
     check_failed("precision_study.png is missing or not a PNG (gnuplot at ${GNUPLOT}): '${signature}'")
   endif()
-elseif(NOT out MATCHES "gnuplot not found")
-  check_failed("without gnuplot the output does not say so:\n${out}")
+elseif(NOT out MATCHES "gnuplot not found \\(apt-get install gnuplot-nox\\)[^\n]*\n\n=== \\[1/2\\] fp32\n")
+  check_failed("without gnuplot the output does not say so before the first run:\n${out}")
 endif()
 
 # results.csv: the header and one row per mode, in --modes order, every field a number; fp32's diff is 0.
@@ -92,13 +94,14 @@ else()
       endif()
     endforeach()
     if(NOT rss MATCHES "^[1-9][0-9]*\\.[0-9]$")
-      check_failed("${mode}: peak RSS '${rss}' MiB is not a plausible positive size")
+      check_failed("${mode}: peak RSS '${rss}' MiB is not a plausible positive size (empty: train_gpt's log "
+                   "has no peak_rss_kib)")
     endif()
     if(NOT scale STREQUAL "1")
       check_failed("${mode}: final loss scale '${scale}', expected 1")
     endif()
-    if(mode STREQUAL "fp32" AND NOT diff MATCHES "^[-+]?0\\.0000$")
-      check_failed("fp32's val diff vs fp32 is '${diff}', not 0")
+    if(mode STREQUAL "fp32" AND NOT diff STREQUAL "0.0000")
+      check_failed("fp32's val diff vs fp32 is '${diff}', not 0.0000")
     endif()
   endforeach()
 endif()
@@ -110,6 +113,13 @@ foreach(mode fp32 bf16)
     check_failed("no '${mode}' row in results.md or in the printed table:\n${md}\n---\n${out}")
   endif()
 endforeach()
+# fp32's own difference is a signed zero in the Markdown table, and the note says how differences are taken.
+if(NOT md MATCHES "\n\\| fp32 +\\| +[0-9.]+ \\| +[0-9.]+ \\| +\\+0\\.0000 \\| +\\+0\\.00 \\|")
+  check_failed("fp32's row in results.md does not show +0.0000 and +0.00:\n${md}")
+endif()
+if(NOT md MATCHES "computed from the unrounded losses")
+  check_failed("results.md does not say that the differences come from the unrounded losses:\n${md}")
+endif()
 # Each log has a line per step.
 file(STRINGS ${WORK_DIR}/study/bf16.jsonl log_lines)
 list(LENGTH log_lines n)
@@ -126,10 +136,164 @@ run_fails("missing data" ${PRECISION_STUDY} --data no_such_file.txt --modes fp32
           MENTIONS "no_such_file.txt")
 run_fails("unknown option" ${PRECISION_STUDY} --data words.txt --frobnicate 3 MENTIONS "--frobnicate")
 run_fails("--precision is per mode" ${PRECISION_STUDY} --data words.txt --precision fp16 MENTIONS "--modes")
+# Pass-through values are checked before anything runs (--steps 0 would leave an empty log behind).
+run_fails("--steps 0" ${PRECISION_STUDY} --data words.txt --modes fp32 --steps 0 --out bad
+          MENTIONS "--steps expects an integer >= 1" "'0'")
+run_fails("--steps -5" ${PRECISION_STUDY} --data words.txt --modes fp32 --steps -5 --out bad
+          MENTIONS "--steps" "'-5'")
+run_fails("--lr x" ${PRECISION_STUDY} --data words.txt --modes fp32 --lr x --out bad MENTIONS "--lr" "'x'")
 if(EXISTS ${WORK_DIR}/bad)
   check_failed("a study with invalid arguments created its --out directory")
 endif()
-# A child that fails (train_gpt rejects --heads 3 for width 32) is reported with train_gpt's own message.
+
+# A mode that diverges (a learning rate of 1e6; fp16_apex:O3 skips the steps whose gradients overflow) is a
+# row of nan losses with its skipped steps, not a failure: train_gpt logs the non-finite values as null.
+execute_process(COMMAND ${PRECISION_STUDY} --data words.txt --modes fp16_apex:O3 --layers 1 --heads 1
+                        --width 16 --block 8 --batch 2 --steps 12 --lr 1e6 --warmup 0 --min-lr 1e5
+                        --out diverged
+                WORKING_DIRECTORY ${WORK_DIR} RESULT_VARIABLE status OUTPUT_VARIABLE out ERROR_VARIABLE err)
+file(STRINGS ${WORK_DIR}/diverged/results.csv lines)
+if(NOT status EQUAL 0)
+  check_failed("a diverging mode failed the study (${status}):\n${out}\n${err}")
+elseif(NOT lines MATCHES ";fp16_apex:O3,nan,nan,,,[0-9]+,[^,]*,([1-9][0-9]*),1$")
+  check_failed("the diverged mode's row is not nan losses with its skipped steps: '${lines}'")
+endif()
+
+# A child that fails (train_gpt rejects --heads 3 for width 32) is reported with train_gpt's own message; as
+# no mode succeeded, nothing is written: the files of an earlier study stay as they were, and no log or
+# temporary file is left.
+file(MAKE_DIRECTORY ${WORK_DIR}/failing)
+file(WRITE ${WORK_DIR}/failing/results.md "an earlier study\n")
 run_fails("failing child" ${PRECISION_STUDY} --data words.txt --modes fp32 --layers 1 --heads 3 --width 32
           --block 32 --steps 2 --out failing
-          MENTIONS "train_gpt --precision fp32 failed" "divisible by n_head" "1 of 1 modes failed")
+          MENTIONS "train_gpt --precision fp32 failed" "divisible by n_head" "the mode failed"
+                   "nothing was written")
+file(READ ${WORK_DIR}/failing/results.md md)
+file(GLOB written RELATIVE ${WORK_DIR}/failing ${WORK_DIR}/failing/*)
+if(NOT md STREQUAL "an earlier study\n" OR NOT written STREQUAL "results.md")
+  check_failed("a study whose only mode failed wrote to its --out directory: ${written}")
+endif()
+
+# ---- a stub train_gpt: a POSIX shell script beside a copy of precision_study, using shell builtins only ----
+# It writes --steps log lines (val_loss on the last) with its own VmHWM as peak_rss_kib, and prints
+# "stub VmHWM <kib>". STUB_FAIL=<mode>: that mode writes a line, then exits 3. STUB_SHORT=1: a line short,
+# exit 0.
+# STUB_INTERRUPT=1: writes a line and its pid (stub.pid), sends SIGTERM to precision_study and spins.
+# fp32 logs val loss 2.5, scale 1; other modes 2.49999999 (a difference that rounds to zero), scale 2^32.
+set(stub_dir ${WORK_DIR}/stub)
+file(COPY ${PRECISION_STUDY} DESTINATION ${stub_dir})
+cmake_path(GET PRECISION_STUDY FILENAME study_name)
+set(STUB ${stub_dir}/${study_name})
+file(WRITE ${stub_dir}/train_gpt [=[#!/bin/sh
+log= steps= mode=
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --log-json) log=$2; shift 2 ;;
+    --steps) steps=$2; shift 2 ;;
+    --precision) mode=$2; shift 2 ;;
+    --sequential) shift ;;
+    *) shift 2 ;;
+  esac
+done
+kib=0
+while read -r key value rest; do [ "$key" = "VmHWM:" ] && kib=$value; done < /proc/$$/status
+echo "stub VmHWM $kib"
+val=2.49999999 scale=4294967296
+[ "$mode" = fp32 ] && val=2.5 scale=1
+[ "$STUB_SHORT" = 1 ] && steps=$((steps - 1))
+: > "$log"
+i=0
+while [ $i -lt "$steps" ]; do
+  extra=
+  [ $i -eq $((steps - 1)) ] && extra=",\"val_loss\":$val"
+  line="{\"step\":$i,\"loss\":2.75,\"tokens_per_s\":1000,\"loss_scale\":$scale,\"skipped\":false"
+  echo "$line$extra,\"peak_rss_kib\":$kib}" >> "$log"
+  i=$((i + 1))
+  if [ "$STUB_FAIL" = "$mode" ]; then echo "stub: $mode fails" >&2; exit 3; fi
+  if [ "$STUB_INTERRUPT" = 1 ]; then
+    echo $$ > stub.pid
+    kill -TERM $PPID
+    n=0; while [ $n -lt 3000000 ]; do n=$((n + 1)); done
+    exit 0
+  fi
+done
+]=])
+file(CHMOD ${stub_dir}/train_gpt PERMISSIONS OWNER_READ OWNER_WRITE OWNER_EXECUTE)
+file(MAKE_DIRECTORY ${WORK_DIR}/nobin)  # PATH without gnuplot
+set(saved_path "$ENV{PATH}")
+
+# Numbers: a difference that rounds to zero is 0.0000 (+0.0000 in Markdown), never -0.0000; the loss scale
+# is exact; the peak RSS is the stub's own VmHWM from its log (not wait4's ru_maxrss, which is at least
+# precision_study's own peak). Without gnuplot, a precision_study.png of an earlier study is removed.
+file(MAKE_DIRECTORY ${WORK_DIR}/stubbed)
+file(WRITE ${WORK_DIR}/stubbed/precision_study.png "an earlier study's plot")
+set(ENV{PATH} "${WORK_DIR}/nobin")
+execute_process(COMMAND ${STUB} --data words.txt --modes fp32,bf16 --steps 3 --out stubbed
+                WORKING_DIRECTORY ${WORK_DIR} RESULT_VARIABLE status OUTPUT_VARIABLE out ERROR_VARIABLE err)
+set(ENV{PATH} "${saved_path}")
+file(STRINGS ${WORK_DIR}/stubbed/results.csv lines)
+if(NOT status EQUAL 0)
+  check_failed("the stubbed study failed (${status}):\n${out}\n${err}")
+elseif(NOT out MATCHES "\\[bf16\\] +stub VmHWM ([0-9]+)\n")
+  check_failed("the stub did not report its VmHWM:\n${out}")
+else()
+  math(EXPR tenths "${CMAKE_MATCH_1} * 10 / 1024")  # MiB with one decimal, truncated: %.1f may round up
+  math(EXPR tenths_up "${tenths} + 1")
+  foreach(t ${tenths} ${tenths_up})
+    string(REGEX REPLACE "([0-9])$" ".\\1" mib "${t}")
+    string(REGEX REPLACE "^\\." "0." mib "${mib}")
+    if(lines MATCHES ";bf16,2\\.7500,2\\.5000,0\\.0000,0\\.00,1000,${mib},0,4294967296$")
+      set(rss_ok TRUE)
+    endif()
+  endforeach()
+  if(NOT rss_ok)
+    check_failed("the stubbed bf16 row is not 2.7500,2.5000,0.0000,0.00,1000,<the stub's VmHWM "
+                 "${CMAKE_MATCH_1} KiB in MiB>,0,4294967296: '${lines}'")
+  endif()
+  file(READ ${WORK_DIR}/stubbed/results.md md)
+  if(NOT md MATCHES "\n\\| bf16 +\\| +2\\.7500 \\| +2\\.5000 \\| +\\+0\\.0000 \\| +\\+0\\.00 \\|")
+    check_failed("the stubbed bf16 row in results.md does not show +0.0000 and +0.00:\n${md}")
+  endif()
+  if(EXISTS ${WORK_DIR}/stubbed/precision_study.png OR NOT out MATCHES "removed the stale")
+    check_failed("without gnuplot the stale precision_study.png was not removed, or not said so:\n${out}")
+  endif()
+endif()
+
+# A log with a line short is a failure, found before the log is renamed into place; a mode that fails
+# leaves neither its log nor a temporary file, and the others are still tabled.
+set(ENV{STUB_SHORT} 1)
+run_fails("short log" ${STUB} --data words.txt --modes fp32 --steps 3 --out short
+          MENTIONS "has 2 steps, expected 3 (--steps)")
+unset(ENV{STUB_SHORT})
+set(ENV{STUB_FAIL} bf16)
+run_fails("a failing mode" ${STUB} --data words.txt --modes fp32,bf16 --steps 3 --out partial
+          MENTIONS "train_gpt --precision bf16 failed (exit status 3)" "stub: bf16 fails"
+                   "1 of 2 modes failed")
+unset(ENV{STUB_FAIL})
+file(GLOB written RELATIVE ${WORK_DIR} ${WORK_DIR}/short/* ${WORK_DIR}/partial/*)
+list(FILTER written EXCLUDE REGEX "^partial/(fp32.jsonl|results.md|results.csv|precision_study.(dat|gp|png))$")
+if(written)
+  check_failed("failed modes left files behind: ${written}")
+endif()
+file(STRINGS ${WORK_DIR}/partial/results.csv lines)
+if(NOT lines MATCHES "^mode,[^;]*;fp32,[^;]*$")
+  check_failed("the partial study's results.csv is not fp32's row alone: '${lines}'")
+endif()
+
+# SIGTERM (the stub sends it mid-run): precision_study kills and reaps the child, removes the temporary log
+# and exits with 128 + 15.
+set(ENV{STUB_INTERRUPT} 1)
+execute_process(COMMAND ${STUB} --data words.txt --modes fp32 --steps 3 --out interrupted
+                WORKING_DIRECTORY ${WORK_DIR} RESULT_VARIABLE status OUTPUT_VARIABLE out ERROR_VARIABLE err)
+unset(ENV{STUB_INTERRUPT})
+file(GLOB written RELATIVE ${WORK_DIR} ${WORK_DIR}/interrupted/*)
+file(STRINGS ${WORK_DIR}/stub.pid pid)
+if(NOT status EQUAL 143 OR NOT err MATCHES "interrupted")
+  check_failed("SIGTERM: exit status ${status}, not 143, or no note on stderr:\n${out}\n${err}")
+endif()
+if(written)
+  check_failed("SIGTERM left files behind: ${written}")
+endif()
+if(NOT pid MATCHES "^[0-9]+$" OR EXISTS /proc/${pid})
+  check_failed("SIGTERM: the child (pid '${pid}') was not stopped and reaped")
+endif()
