@@ -468,12 +468,12 @@ int run(int argc, char** argv) {
     const double val_loss = eval ? evaluate() : NAN;  // after this step's update
     if (printer && !warned_non_finite && !std::isfinite(s.loss)) {
       warned_non_finite = true;
-      std::printf("train_gpt: warning: step %lld: the loss is %s: the forward pass overflowed %s or training "
-                  "diverged (try a lower --lr)\n",
+      const AmpConfig& amp = opt.train.amp;
+      const bool fp16 = amp.autocast_dtype() == DType::F16 || amp.model_dtype() == DType::F16;
+      std::printf("train_gpt: warning: step %lld: the loss is %s: %s (try a lower --lr)\n",
                   static_cast<long long>(s.step + 1), fixed(s.loss, 4).c_str(),
-                  opt.train.amp.mixed_precision == "fp32" || opt.train.amp.mixed_precision == "tf32"
-                      ? "fp32"
-                      : "the 16-bit range");
+                  fp16 ? "the forward pass overflowed fp16's range (65504) or training diverged"
+                       : "training diverged");
     }
     if (log.is_open()) {
       // JSON has no NaN or infinity: a non-finite number is written as null.
