@@ -794,6 +794,10 @@ int run(int argc, char** argv) {
     fail("precision_study: ", results.size() == 1 ? "the mode" : "all " + count_text(results.size(), "mode"),
          " failed, so nothing was written to '", out.string(), "':", failed_list);
   }
+  // The new tables replace an earlier study's: a failed mode's log of that study would sit beside them as if
+  // it were this one's.
+  for (const ModeResult& r : results)
+    if (!r.ok) fs::remove(out / (file_stem(r.mode) + ".jsonl"), ec);
 
   const std::vector<Row> rows = table_rows(results);
   const std::string table = markdown_table(rows);

@@ -260,12 +260,14 @@ else()
 endif()
 
 # A log with a line short is a failure, found before the log is renamed into place; a mode that fails
-# leaves neither its log nor a temporary file, and the others are still tabled.
+# leaves neither its log (nor one of an earlier study) nor a temporary file, and the others are still tabled.
 set(ENV{STUB_SHORT} 1)
 run_fails("short log" ${STUB} --data words.txt --modes fp32 --steps 3 --out short
           MENTIONS "has 2 steps, expected 3 (--steps)")
 unset(ENV{STUB_SHORT})
 set(ENV{STUB_FAIL} bf16)
+file(MAKE_DIRECTORY ${WORK_DIR}/partial)  # with bf16's log of an earlier study, which must not survive
+file(WRITE ${WORK_DIR}/partial/bf16.jsonl "an earlier study's log\n")
 run_fails("a failing mode" ${STUB} --data words.txt --modes fp32,bf16 --steps 3 --out partial
           MENTIONS "train_gpt --precision bf16 failed (exit status 3)" "stub: bf16 fails"
                    "1 of 2 modes failed")
