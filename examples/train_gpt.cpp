@@ -62,6 +62,10 @@ struct Options {
   int64_t stop_at = -1;
   std::string init, save, resume, log_json;
   std::string precision = "fp32", amp_config_file;  // --precision, --amp-config
+  std::string amp_config_text;                       // the --amp-config file's JSON
+  // --resume without --precision and an --amp-config that names no mode: the checkpoint's mode (run() parses
+  // amp_config_text once the checkpoint is read).
+  bool amp_mode_from_checkpoint = false;
   bool eval_only = false;
   bool final_eval = true;  // --no-final-eval turns off the validation pass forced at the last step
   int64_t sample = 0;      // characters (tokens for .bin data) to sample after training
@@ -106,6 +110,26 @@ void usage() {
       "  sampling:  --sample N (after training: a line \"sample:\", then N generated characters, or token\n"
       "             ids for .bin data; 0 = off) --temperature X (> 0, default 0.8) --top-k K (0 = all,\n"
       "             the default); seeded with --seed; the sampler is generate's\n";
+}
+
+// Whether a JSON config says its "mixed_precision" (or is not an object, or not JSON at all: those are
+// reported by AmpConfig::from_json).
+bool names_a_mode(const std::string& text) {
+  try {
+    const json::Value value = json::parse(text);
+    return !value.is_object() || value.find("mixed_precision") != nullptr;
+  } catch (const Error&) {
+    return true;
+  }
+}
+
+// The --amp-config file's options, for `mode` when given (--precision, or a resumed checkpoint's mode).
+AmpConfig amp_config_from_file(const Options& o, std::optional<std::string_view> mode) {
+  try {
+    return AmpConfig::from_json(o.amp_config_text, mode);
+  } catch (const Error& error) {
+    fail("train_gpt: --amp-config file '", o.amp_config_file, "': ", error.what());
+  }
 }
 
 Options parse(int argc, char** argv) {
@@ -208,13 +232,15 @@ Options parse(int argc, char** argv) {
     check(file.good(), "train_gpt: cannot read --amp-config file '", o.amp_config_file, "'");
     std::stringstream text;
     text << file.rdbuf();
-    try {
-      o.train.amp = AmpConfig::from_json(text.str(), o.given.count("--precision")
-                                                         ? std::optional<std::string_view>(o.precision)
-                                                         : std::nullopt);
-    } catch (const Error& error) {
-      fail("train_gpt: --amp-config file '", o.amp_config_file, "': ", error.what());
-    }
+    o.amp_config_text = text.str();
+    const bool mode_given = o.given.count("--precision") || names_a_mode(o.amp_config_text);
+    check(mode_given || !o.resume.empty(), "train_gpt: --amp-config file '", o.amp_config_file, "' names no "
+          "mode: give --precision MODE, or \"mixed_precision\": \"MODE\" in the file");
+    o.amp_mode_from_checkpoint = !mode_given;
+    if (!o.amp_mode_from_checkpoint)
+      o.train.amp = amp_config_from_file(o, o.given.count("--precision")
+                                                ? std::optional<std::string_view>(o.precision)
+                                                : std::nullopt);
   }
   // Naive AMP's clip_grad replaces --grad-clip (Booster); both given and different would silently drop one.
   check(!(o.train.amp.is_naive() && o.train.amp.naive.clip_grad > 0 && o.given.count("--grad-clip") &&
@@ -297,6 +323,7 @@ int run(int argc, char** argv) {
       // Training options come from the checkpoint (so the run continues exactly); --steps may extend it.
       const int64_t steps = opt.train.steps;
       const TrainOptions file_options = TrainOptions::from_metadata(header.metadata);
+      if (opt.amp_mode_from_checkpoint) opt.train.amp = amp_config_from_file(opt, file_options.amp.name());
       const auto mine_meta = opt.train.to_metadata();
       const auto file_meta = file_options.to_metadata();
       static const std::pair<const char*, const char*> flags[] = {

@@ -319,6 +319,9 @@ run_fails("unknown key" ${TRAIN_GPT} --data words.txt --precision fp16 --amp-con
           MENTIONS "growth_intervall" "growth_interval")
 run_fails("missing --amp-config file" ${TRAIN_GPT} --data words.txt --amp-config nothere.json
           MENTIONS "nothere.json")
+file(WRITE ${WORK_DIR}/naive_options.json "{\"hysteresis\": 3}")
+run_fails("--amp-config without a mode" ${TRAIN_GPT} --data words.txt --amp-config naive_options.json
+          MENTIONS "naive_options.json" "names no mode" "--precision")
 run_fails("--amp-config directory" ${TRAIN_GPT} --data words.txt --amp-config . MENTIONS "directory")
 file(WRITE ${WORK_DIR}/broken.json "{\"hysteresis\": ")
 run_fails("malformed --amp-config" ${TRAIN_GPT} --data words.txt --precision fp16_naive --amp-config broken.json
@@ -347,8 +350,9 @@ if(NOT first MATCHES "\"grad_norm\":null,.*\"skipped\":true")
 endif()
 run(out ${TRAIN_GPT} --data words.txt ${tiny} --steps 6 --stop-at 3 --eval-every 0 --precision fp16_naive
     --save naive3.safetensors)
-# Resuming may change what is printed (verbose), not how it trains (hysteresis), and names what differs.
-file(WRITE ${WORK_DIR}/verbose.json "{\"mixed_precision\": \"fp16_naive\", \"verbose\": true}")
+# Resuming may change what is printed (verbose), not how it trains (hysteresis), and names what differs; a
+# file that names no mode takes the checkpoint's.
+file(WRITE ${WORK_DIR}/verbose.json "{\"verbose\": true}")
 run(out ${TRAIN_GPT} --data words.txt --resume naive3.safetensors --steps 6 --eval-every 0
     --amp-config verbose.json)
 if(NOT out MATCHES "step     6/6 [^\n]*\\| skipped ${skipped_whole}[ \n]")
