@@ -25,9 +25,9 @@ void collect_norms(Module& module, std::vector<UnaryModule*>& out) {
 
 const char* low_name(DType dtype) { return dtype == DType::BF16 ? "bf16" : "fp16"; }
 
-// The scaler of loss `i` when it is a DynamicLossScaler, else null.
-const DynamicLossScaler* dynamic_scaler(MixedPrecisionOptimizer& optimizer, int i) {
-  return dynamic_cast<const DynamicLossScaler*>(&optimizer.scaler(i));
+// The scaler when it is a DynamicLossScaler, else null.
+const DynamicLossScaler* dynamic_scaler(const LossScaler* scaler) {
+  return dynamic_cast<const DynamicLossScaler*>(scaler);
 }
 
 }  // namespace
@@ -45,6 +45,7 @@ BoostedParts Booster::boost_parts(Module& model, std::unique_ptr<Optimizer> opti
   check(model_ == nullptr, "Booster.boost: this booster already boosted a model (one model per booster)");
   check(optimizer != nullptr, "Booster.boost: the optimizer is null");
   const AmpConfig& c = config_;
+  print_verbose_ = options.print_verbose;
   const std::vector<std::pair<std::string, Tensor>> before = model.named_parameters();
 
   // ---- the model ----
@@ -152,47 +153,54 @@ void Booster::backward(const Tensor& loss, MixedPrecisionOptimizer& optimizer, i
 }
 
 StepResult Booster::step(MixedPrecisionOptimizer& optimizer) {
+  std::vector<const LossScaler*> scalers;
+  for (int i = 0; i < optimizer.num_losses(); ++i) scalers.push_back(&optimizer.scaler(i));
+  return step([&optimizer] { return optimizer.step(); }, scalers);
+}
+
+StepResult Booster::step(const std::function<StepResult()>& step, const std::vector<const LossScaler*>& scalers) {
   // Only scalers updated in this step report (a loss that sat the step out keeps an earlier outcome).
   std::vector<uint64_t> updates_before;
-  for (int i = 0; i < optimizer.num_losses(); ++i) {
-    const DynamicLossScaler* dynamic = dynamic_scaler(optimizer, i);
+  for (const LossScaler* scaler : scalers) {
+    const DynamicLossScaler* dynamic = dynamic_scaler(scaler);
     updates_before.push_back(dynamic ? dynamic->update_count() : 0);
   }
-  const StepResult result = optimizer.step();
+  const StepResult result = step();
+  if (!print_verbose_) return result;
   using Update = DynamicLossScaler::Update;
   // What scaler i's update in this step did; None if it was not updated (or is not dynamic).
-  auto outcome = [&](int i) {
-    const DynamicLossScaler* dynamic = dynamic_scaler(optimizer, i);
-    const bool updated = dynamic && dynamic->update_count() != updates_before[static_cast<size_t>(i)];
+  auto outcome = [&](size_t i) {
+    const DynamicLossScaler* dynamic = dynamic_scaler(scalers[i]);
+    const bool updated = dynamic && dynamic->update_count() != updates_before[i];
     return updated ? dynamic->last_update() : Update::None;
   };
   if (config_.mixed_precision == "fp16_apex" && config_.apex.verbosity > 0) {
-    for (int i = 0; i < optimizer.num_losses(); ++i) {
-      const std::string scale = exact_number_text(optimizer.loss_scale(i));
+    for (size_t i = 0; i < scalers.size(); ++i) {
+      const std::string scale = exact_number_text(scalers[i]->scale());
       const Update update = outcome(i);
-      const DynamicLossScaler* dynamic = dynamic_scaler(optimizer, i);
+      const DynamicLossScaler* dynamic = dynamic_scaler(scalers[i]);
       if (dynamic == nullptr) {  // a static scale: Apex would have stepped (amp/README.md)
         if (result.skipped && i == 0)
           std::fprintf(stderr, "Gradient overflow.  Skipping step (static loss scale %s, kept: mixtape skips "
                        "a non-finite step where Apex steps)\n", scale.c_str());
       } else if (update == Update::Overflow || update == Update::Backoff) {
         // Apex's message (apex/amp/handle.py), on every skipped step, at the min_loss_scale floor too.
-        std::fprintf(stderr, "Gradient overflow.  Skipping step, loss scaler %d reducing loss scale to %s\n",
+        std::fprintf(stderr, "Gradient overflow.  Skipping step, loss scaler %zu reducing loss scale to %s\n",
                      i, scale.c_str());
       } else if (config_.apex.verbosity >= 2 && update == Update::Growth) {
-        std::fprintf(stderr, "No overflow for %lld consecutive steps, loss scaler %d increasing loss scale "
+        std::fprintf(stderr, "No overflow for %lld consecutive steps, loss scaler %zu increasing loss scale "
                      "to %s\n", static_cast<long long>(dynamic->options().growth_interval), i, scale.c_str());
       }
     }
-  } else if (config_.is_naive() && config_.naive.verbose) {
+  } else if (config_.is_naive() && config_.naive.verbose && !scalers.empty()) {
     // Colossal-AI's DynamicGradScaler log lines, at each backoff and each growth (clamped ones included).
-    const std::string scale = exact_number_text(optimizer.loss_scale(0));
+    const std::string scale = exact_number_text(scalers[0]->scale());
     const Update update = outcome(0);  // Growth and Backoff only come from a DynamicLossScaler
     if (update == Update::Backoff)
       std::fprintf(stderr, "Overflow occurs, the loss scale is adjusted to %s\n", scale.c_str());
     else if (update == Update::Growth)
       std::fprintf(stderr, "No overflow for consecutive %lld steps, the loss scale is adjusted to %s\n",
-                   static_cast<long long>(dynamic_scaler(optimizer, 0)->options().growth_interval),
+                   static_cast<long long>(dynamic_scaler(scalers[0])->options().growth_interval),
                    scale.c_str());
   }
   return result;

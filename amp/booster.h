@@ -54,6 +54,9 @@ struct BoostOptions {
   // modes, apex O2/O3: NaiveAMPOptions::fp32_modules, merged with the norms of keep_batchnorm_fp32). In the
   // other modes the parameters are fp32 already and this changes nothing (autocast still picks op dtypes).
   std::vector<UnaryModule*> fp32_modules = {};
+  // Whether this process prints the mode's verbose lines (Apex verbosity, naive verbose). In a job of several
+  // processes one of them should (they all take the same steps): a parallel trainer sets it on rank 0 only.
+  bool print_verbose = true;
 };
 
 // What boost() assembles a MixedPrecisionOptimizer from: the wrapped optimizer (its parameters swapped for the
@@ -84,7 +87,10 @@ class Booster {
   std::vector<Tensor> forward(const std::function<std::vector<Tensor>(const std::vector<Tensor>&)>& forward,
                               const std::vector<Tensor>& inputs);
   void backward(const Tensor& loss, MixedPrecisionOptimizer& optimizer, int loss_id = 0);
+  // optimizer.step(), then the mode's verbose lines for the scalers this step updated (when print_verbose).
   StepResult step(MixedPrecisionOptimizer& optimizer);
+  // The same around another wrapper's step (dist::ZeroOptimizer) with its scalers, one per loss.
+  StepResult step(const std::function<StepResult()>& step, const std::vector<const LossScaler*>& scalers);
 
   const AmpConfig& config() const { return config_; }
   // Null unless the mode casts the model to fp16/bf16. Sealed by boost(): set_fp32 on it is an Error.
@@ -92,6 +98,7 @@ class Booster {
 
  private:
   AmpConfig config_;
+  bool print_verbose_ = true;
   Module* model_ = nullptr;
   std::unique_ptr<NaiveAMPModel> naive_;
   std::optional<DType> input_dtype_;   // apex: cast_model_type (floating inputs are cast to it)

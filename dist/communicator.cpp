@@ -3,11 +3,13 @@
 #include "dist/communicator.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <map>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -648,10 +650,27 @@ void PendingCollective::wait() {}
 
 #endif
 
+namespace {
+
+// This process's rank in its MPI job, from the launcher's environment where MPI is not initialised yet (0
+// without a launcher).
+int launcher_rank() {
+  if (initialized()) return world().rank;
+  for (const char* name : {"OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"})
+    if (const char* value = std::getenv(name)) return std::atoi(value);
+  return 0;
+}
+
+}  // namespace
+
 int run_or_abort(int (*fn)(int, char**), int argc, char** argv) {
   try {
     return fn(argc, argv);
   } catch (const std::exception& e) {
+    // Most errors meet every rank alike (a bad option, a layout the job does not fit): rank 0 reports and ends
+    // the job at once, and the others wait a moment first, so that the job ends before they repeat the
+    // message. An error on another rank alone is still reported, after that moment.
+    if (launcher_rank() > 0) std::this_thread::sleep_for(std::chrono::seconds(2));
     if (initialized() && world().size > 1) abort(std::string("error: ") + e.what(), 1);
     std::fprintf(stderr, "error: %s\n", e.what());
     return 1;

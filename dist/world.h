@@ -27,7 +27,8 @@ Device device();
 [[noreturn]] void abort(const std::string& message, int code = 1);
 
 // Runs fn; an exception on any rank becomes dist::abort with its message (the "never hang" rule for
-// programs under mpirun). Returns fn's result.
+// programs under mpirun). Ranks other than 0 wait 2 s before reporting theirs, so an error that every rank
+// meets is printed once, by rank 0, whose abort ends the others first. Returns fn's result.
 int run_or_abort(int (*fn)(int, char**), int argc, char** argv);
 
 }  // namespace mixtape::dist

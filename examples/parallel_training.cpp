@@ -267,8 +267,13 @@ ParallelTrainer::ParallelTrainer(const GPTConfig& config, const TrainOptions& op
         " x --micro-batches ", parallel.micro_batches, " = ", per_step, " (equal micro-batches on every rank)");
   if (parallel.zero == 1) {
     const AmpConfig& amp = options.amp;
-    check(!(amp.mixed_precision == "fp16_apex" && !amp.apex.master_weights), "not supported: --zero 1 with ",
-          "fp16_apex without master weights (O3): ZeRO-1 shards the fp32 master weights");
+    // ZeRO-1 keeps fp32 master weights (its shard of them): a model cast to fp16 without master weights (O3,
+    // or O2 with master_weights false) is the one combination it cannot honour. O0 and O1 keep fp32
+    // parameters, as the fp16 and fp32 modes do.
+    const std::optional<DType> cast = amp.model_dtype();
+    check(!(amp.mixed_precision == "fp16_apex" && cast && is_low_precision(*cast) && !amp.apex.master_weights),
+          "not supported: --zero 1 with ", amp.name(), " without master weights: ZeRO-1 shards fp32 master "
+          "weights, and this opt level keeps the model's parameters in fp16 alone");
     check(!(amp.mixed_precision == "fp16_apex" && amp.apex.num_losses != 1), "not supported: --zero 1 with ",
           "num_losses ", amp.apex.num_losses, " (ZeRO-1 keeps one loss scaler)");
   }
@@ -311,6 +316,7 @@ ParallelTrainer::ParallelTrainer(const GPTConfig& config, const TrainOptions& op
   BoostOptions boost;
   boost.clip_grad = options.grad_clip;
   boost.group = m.dp_group.get();  // NaiveAMPModel's buffer sync over the data-parallel replicas
+  boost.print_verbose = m.groups.world.rank() == 0;  // every rank takes the same steps: one prints them
   BoostedParts parts = m.booster.boost_parts(*m.stage, make_optimizer(options, *m.stage), boost);
   parts.options.count_in_norm = count_in_norm;
   parts.options.group = m.mp_group.get();
@@ -405,7 +411,9 @@ StepStats ParallelTrainer::train_step() {
     dist::all_reduce_tied_gradients(m.param("transformer.wte.weight"), m.embedding);
   if (m.reducer && !overlap) m.reducer->reduce();
   stats.lr = apply_schedule(m.optimizer(), *m.lr_schedule, step_);
-  const StepResult result = m.zero ? m.zero->step() : m.booster.step(*m.mpo);
+  // Through the booster either way: it prints the mode's verbose lines (on world rank 0 only).
+  const StepResult result = m.zero ? m.booster.step([&m] { return m.zero->step(); }, {&m.zero->scaler()})
+                                   : m.booster.step(*m.mpo);
   stats.grad_norm = result.grad_norm;
   stats.skipped = result.skipped;
   stats.num_zeros = result.num_zeros < 0 ? -1 : result.num_zeros - m.padding_elements;

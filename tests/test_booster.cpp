@@ -383,6 +383,33 @@ TEST(Booster, NaiveVerbosePrintsColossalAIsLineAtEachGrowthAndBackoff) {
   }
 }
 
+TEST(Booster, PrintVerboseFalseSilencesTheLinesAndStepReportsForAnotherWrappersScalers) {
+  // A process that is not the one to print (BoostOptions::print_verbose false: ranks other than 0) says nothing.
+  {
+    Linear model(4, 2, false, 3);
+    Booster booster(AmpConfig::from_json(R"({"initial_scale":1024,"hysteresis":1,"verbose":true})", "fp16_naive"));
+    auto optimizer = booster.boost(model, adamw_on(model, 1e-3), {.print_verbose = false});
+    ::testing::internal::CaptureStderr();
+    linear_step(booster, *optimizer, model, {INFINITY});  // a backoff to 512
+    EXPECT_EQ(::testing::internal::GetCapturedStderr(), "");
+    EXPECT_EQ(optimizer->loss_scale(), 512.0);
+  }
+  // step(function, scalers): what dist::ZeroOptimizer's step goes through; the lines follow the given scalers.
+  Linear model(4, 2, false, 3);
+  Booster booster(AmpConfig::from_json(R"({"initial_scale":1024,"hysteresis":1,"verbose":true})", "fp16_naive"));
+  auto optimizer = booster.boost(model, adamw_on(model, 1e-3));
+  DynamicLossScaler scaler(DynamicLossScalerOptions{.initial_scale = 64, .hysteresis = 1});
+  ::testing::internal::CaptureStderr();
+  const StepResult result = booster.step(
+      [&] {
+        scaler.update(true);  // this wrapper's step found an overflow
+        return StepResult{.skipped = true};
+      },
+      {&scaler});
+  EXPECT_EQ(::testing::internal::GetCapturedStderr(), "Overflow occurs, the loss scale is adjusted to 32\n");
+  EXPECT_TRUE(result.skipped);
+}
+
 TEST(Booster, ApexVerbosityPrintsApexsOverflowLineOnEverySkippedStep) {
   {  // verbosity 1 (the default): each skipped step, at the min_loss_scale floor too; no growth lines
     Linear model(4, 2, false, 3);

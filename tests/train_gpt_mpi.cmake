@@ -81,12 +81,24 @@ set(launcher ${mpi2})
 val_loss(tp2 one.safetensors --tp 2)
 expect_near("--eval-only at TP2 vs one process" ${tp2} ${one} 20)
 
-# Errors. A layout the job does not fit: every rank says so.
+# Errors. A layout the job does not fit: every rank meets it, rank 0 says so, once (the others wait before
+# reporting and are ended by rank 0's abort); the same for an option error found before MPI starts.
 execute_process(COMMAND ${mpi2} ${TRAIN_GPT} --data words.txt ${tiny} --steps 2 --tp 2 --pp 2
                 WORKING_DIRECTORY ${WORK_DIR} RESULT_VARIABLE status OUTPUT_VARIABLE stdout ERROR_VARIABLE stderr
                 TIMEOUT 120)
-if(status EQUAL 0 OR NOT stderr MATCHES "error: train_gpt: --tp 2 x --pp 2 = 4 does not divide the job's 2 processes")
-  check_failed("a layout larger than the job: status ${status}, stderr: ${stderr}")
+string(REGEX MATCHALL "does not divide" said "${stderr}")
+list(LENGTH said n)
+if(status EQUAL 0 OR NOT n EQUAL 1
+   OR NOT stderr MATCHES "rank 0 of 2: error: train_gpt: --tp 2 x --pp 2 = 4 does not divide the job's 2 processes")
+  check_failed("a layout larger than the job: status ${status}, said ${n} times (once expected): ${stderr}")
+endif()
+execute_process(COMMAND ${mpi2} ${TRAIN_GPT} --data words.txt ${tiny} --steps 2 --dp 2 --precision fp8
+                WORKING_DIRECTORY ${WORK_DIR} RESULT_VARIABLE status OUTPUT_VARIABLE stdout ERROR_VARIABLE stderr
+                TIMEOUT 120)
+string(REGEX MATCHALL "unknown mixed_precision" said "${stderr}")
+list(LENGTH said n)
+if(status EQUAL 0 OR NOT n EQUAL 1)
+  check_failed("an unknown mode under mpirun: status ${status}, said ${n} times (once expected): ${stderr}")
 endif()
 # One rank fails (rank 0 cannot open its log) while the other waits for it in the first step: the job ends
 # (MPI_Abort) with rank 0's message instead of hanging (the timeout would catch a hang).
@@ -96,4 +108,43 @@ execute_process(COMMAND ${mpi2} ${TRAIN_GPT} --data words.txt ${tiny} --steps 2 
                 TIMEOUT 120)
 if(status EQUAL 0 OR NOT stderr MATCHES "rank 0 of 2: error: train_gpt: cannot open --log-json file")
   check_failed("one failing rank: status ${status}, stderr: ${stderr}")
+endif()
+
+# ---- AMP across processes ----
+# Naive AMP's verbose lines (each scale backoff and growth) are printed once per job, by rank 0, in every layout
+# and under ZeRO-1 too (its optimizer steps outside MixedPrecisionOptimizer): the same lines as one process.
+file(WRITE ${WORK_DIR}/verbose.json "{\"initial_scale\": 16777216, \"hysteresis\": 1, \"verbose\": true, ")
+file(APPEND ${WORK_DIR}/verbose.json "\"growth_interval\": 3}")
+set(verbose_run --data words.txt ${tiny} --steps 12 --precision fp16_naive --amp-config verbose.json)
+execute_process(COMMAND ${TRAIN_GPT} ${verbose_run} WORKING_DIRECTORY ${WORK_DIR} RESULT_VARIABLE status
+                OUTPUT_VARIABLE stdout ERROR_VARIABLE one_lines TIMEOUT 120)
+string(REGEX MATCHALL "[^\n]*the loss scale is adjusted to [0-9]+" one_lines "${one_lines}")
+list(LENGTH one_lines n_one)
+if(NOT status EQUAL 0 OR n_one LESS 2)
+  check_failed("one process, verbose fp16_naive: status ${status}, ${n_one} scale lines (expected several)")
+endif()
+foreach(layout "--dp;2;--zero;1" "--tp;2")
+  execute_process(COMMAND ${mpi2} ${TRAIN_GPT} ${verbose_run} ${layout} WORKING_DIRECTORY ${WORK_DIR}
+                  RESULT_VARIABLE status OUTPUT_VARIABLE stdout ERROR_VARIABLE err TIMEOUT 120)
+  string(REGEX MATCHALL "[^\n]*the loss scale is adjusted to [0-9]+" lines "${err}")
+  if(NOT status EQUAL 0 OR NOT lines STREQUAL one_lines)
+    check_failed("verbose fp16_naive at ${layout}: status ${status}; its scale lines are not one process's "
+                 "(once each):\n${lines}\n---\n${one_lines}")
+  endif()
+endforeach()
+# ZeRO-1 with Apex: O1 keeps fp32 parameters (as fp16 does) and trains; O3 has no master weights for ZeRO-1
+# to shard and is refused, naming the opt level.
+execute_process(COMMAND ${mpi2} ${TRAIN_GPT} --data words.txt ${tiny} --steps 3 --dp 2 --zero 1
+                        --precision fp16_apex:O1
+                WORKING_DIRECTORY ${WORK_DIR} RESULT_VARIABLE status OUTPUT_VARIABLE stdout ERROR_VARIABLE err
+                TIMEOUT 120)
+if(NOT status EQUAL 0 OR NOT stdout MATCHES "step +3/3 \\| loss [0-9.]+ ")
+  check_failed("fp16_apex:O1 with --zero 1: status ${status}:\n${stdout}\n${err}")
+endif()
+execute_process(COMMAND ${mpi2} ${TRAIN_GPT} --data words.txt ${tiny} --steps 3 --dp 2 --zero 1
+                        --precision fp16_apex:O3
+                WORKING_DIRECTORY ${WORK_DIR} RESULT_VARIABLE status OUTPUT_VARIABLE stdout ERROR_VARIABLE err
+                TIMEOUT 120)
+if(status EQUAL 0 OR NOT err MATCHES "not supported: --zero 1 with fp16_apex:O3 without master weights")
+  check_failed("fp16_apex:O3 with --zero 1: status ${status}, stderr: ${err}")
 endif()
