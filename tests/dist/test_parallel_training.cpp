@@ -477,7 +477,7 @@ TEST(ParallelTrainer, BadLayoutsAndUnsupportedCombinationsAreErrors) {
                         "--pp 4 is more pipeline stages than the model's 2 layers");
   EXPECT_ERROR_MENTIONS(ParallelTrainer(tiny_config(), options_for(AmpConfig::parse("fp16_apex:O3")),
                                         layout(1, 1, 4, 1, 1), corpus(), world),
-                        "not supported: --zero 1 with fp16_apex without master weights");
+                        "not supported: --zero 1 with fp16_apex:O3 without master weights");
   EXPECT_ERROR_MENTIONS(ParallelTrainer(tiny_config(), options, layout(1, 1, 4, 2, 1), corpus(), world),
                         "--zero must be 0 or 1");
   ParallelOptions bad = layout(1, 1, 4, 0, 1);
