@@ -158,7 +158,8 @@ StepResult Booster::step(MixedPrecisionOptimizer& optimizer) {
   return step([&optimizer] { return optimizer.step(); }, scalers);
 }
 
-StepResult Booster::step(const std::function<StepResult()>& step, const std::vector<const LossScaler*>& scalers) {
+StepResult Booster::step(const std::function<StepResult()>& step,
+                          const std::vector<const LossScaler*>& scalers) {
   // Only scalers updated in this step report (a loss that sat the step out keeps an earlier outcome).
   std::vector<uint64_t> updates_before;
   for (const LossScaler* scaler : scalers) {

@@ -357,24 +357,26 @@ std::optional<DType> AmpConfig::model_dtype() const {
 }
 
 std::string AmpConfig::training_differences(const AmpConfig& other, std::string_view other_label) const {
-  static const std::set<std::string, std::less<>> printing = {"verbose", "verbosity", "log_num_zeros_in_grad"};
+  static const std::set<std::string, std::less<>> printing = {"verbose", "verbosity",
+                                                               "log_num_zeros_in_grad"};
   // Another mode (or Apex opt level) is one difference, not a list of options that one side lacks.
-  if (name() != other.name()) return "mode " + name() + " (" + std::string(other_label) + " " + other.name() + ")";
+  const std::string label(other_label);
+  if (name() != other.name()) return "mode " + name() + " (" + label + " " + other.name() + ")";
   const json::Value mine = json::parse(to_json()), theirs = json::parse(other.to_json());
-  std::vector<std::string> differences;
-  auto compare = [&](const json::Value& a, const json::Value& b, bool a_is_mine) {
-    for (const auto& [key, value] : a.as_object()) {
-      const json::Value* match = b.find(key);
-      if (printing.count(key) || (match && match->dump() == value.dump())) continue;
-      if (!a_is_mine && match) continue;  // reported from mine's side
-      const std::string absent = "(not an option of " + (a_is_mine ? other.name() : name()) + ")";
-      const std::string here = a_is_mine ? value.dump() : absent;
-      const std::string there = a_is_mine ? (match ? match->dump() : absent) : value.dump();
-      differences.push_back(key + " " + here + " (" + std::string(other_label) + " " + there + ")");
-    }
+  std::vector<std::string> keys;  // mine, then those only the other has (an option one side writes alone)
+  for (const auto& [key, value] : mine.as_object()) keys.push_back(key);
+  for (const auto& [key, value] : theirs.as_object())
+    if (!mine.find(key)) keys.push_back(key);
+  // The modes are the same here, so "not an option" names it once for both sides.
+  auto text = [&](const json::Value* value) {
+    return value ? value->dump() : "(not an option of " + name() + ")";
   };
-  compare(mine, theirs, true);
-  compare(theirs, mine, false);
+  std::vector<std::string> differences;
+  for (const std::string& key : keys) {
+    const json::Value *a = mine.find(key), *b = theirs.find(key);
+    if (printing.count(key) || (a && b && a->dump() == b->dump())) continue;
+    differences.push_back(key + " " + text(a) + " (" + label + " " + text(b) + ")");
+  }
   return join(differences);
 }
 

@@ -27,15 +27,15 @@
 // min_loss_scale —, max_loss_scale 2^24. As in amp.initialize, a JSON null for a property is no override (the
 // opt level's value stays). Apex refuses, and so do we: cast_model_type other than fp32, keep_batchnorm_fp32
 // or master_weights with O1; patch_torch_functions outside O1. We also refuse: cast_model_type other than
-// fp32 with O0 (O0 is fp32), and min_loss_scale / max_loss_scale with a static loss_scale (they bound
-// dynamic scaling only; Apex ignores them). master_weights on a model left fp32 (O0, or O2 / O3 with
-// cast_model_type false) is accepted, as by Apex, and keeps nothing: the parameters are fp32 already. cast_model_type false means "do not cast the model" (Apex's
-// False); "fp32" casts the model, its floating inputs and outputs to fp32 (Apex's torch.float32, O0's and
-// allowed with O1). keep_batchnorm_fp32 here keeps the norm layers (LayerNorm, RMSNorm) in fp32.
-// patch_torch_functions is fp16 autocast. verbosity: 0 silent; 1 (Apex's default) prints Apex's "Gradient
-// overflow.  Skipping step, loss scaler K reducing loss scale to S" on every skipped step; 2 also prints each
-// growth of a dynamic scale. loss_scale may be a number, "dynamic", or a numeric string ("128.0": Apex
-// applies float() to it).
+// fp32 with O0 (O0 is fp32), and min_loss_scale / max_loss_scale with a static loss_scale (they bound dynamic
+// scaling only; Apex ignores them). master_weights on a model left fp32 (O0, or O2 / O3 with cast_model_type
+// false) is accepted, as by Apex, and keeps nothing: the parameters are fp32 already. cast_model_type false
+// means "do not cast the model" (Apex's False); "fp32" casts the model, its floating inputs and outputs to
+// fp32 (Apex's torch.float32, O0's and allowed with O1). keep_batchnorm_fp32 here keeps the norm layers
+// (LayerNorm, RMSNorm) in fp32. patch_torch_functions is fp16 autocast. verbosity: 0 silent; 1 (Apex's
+// default) prints Apex's "Gradient overflow.  Skipping step, loss scaler K reducing loss scale to S" on every
+// skipped step; 2 also prints each growth of a dynamic scale. loss_scale may be a number, "dynamic", or a
+// numeric string ("128.0": Apex applies float() to it).
 //
 // A static loss scale (O0, O3, a numeric loss_scale) skips a step whose gradients are not finite, as every
 // scale does here (amp/optimizer.h); Apex steps anyway then (it only checks for overflow when dynamic).
@@ -105,7 +105,8 @@ struct AmpConfig {
   // The options whose values differ from `other`'s, as "key value (<other_label> value)" joined by ", ",
   // e.g. "hysteresis 3 (the checkpoint's 2)", except those that only change what is printed (verbose,
   // verbosity, log_num_zeros_in_grad): what a resumed run may not change. Empty when the two train alike.
-  std::string training_differences(const AmpConfig& other, std::string_view other_label = "the other's") const;
+  std::string training_differences(const AmpConfig& other,
+                                   std::string_view other_label = "the other's") const;
 
   // What the mode does, for Booster and the logs.
   std::optional<DType> autocast_dtype() const;  // F16/BF16 when ops are autocast (fp16, bf16, apex O1)

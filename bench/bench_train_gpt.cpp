@@ -23,8 +23,8 @@
 // X's median ms/step / the row's median ms/step = the row's tokens/s / X's tokens/s (> 1: the row is faster).
 //
 // Targets printed at the end: mixtape fp32 >= 3x PyTorch fp32 (issue 3), mixtape bf16 >= 1.5x PyTorch bf16
-// autocast, and every fp16/bf16 mode at least as fast as mixtape fp32 (the verdict names the slowest such mode
-// and the range of its ratio over the rounds, each round's median against fp32's in the same round).
+// autocast, and every fp16/bf16 mode at least as fast as mixtape fp32 (the verdict names the slowest such
+// mode and the range of its ratio over the rounds, each round's median against fp32's in the same round).
 //
 // PyTorch missing (no python3-torch) prints a note and only mixtape's figures. The verdicts against PyTorch
 // say "n/a" (the ratios are still printed) where PyTorch is not the baseline the targets mean: when it runs

@@ -667,9 +667,9 @@ int run_or_abort(int (*fn)(int, char**), int argc, char** argv) {
   try {
     return fn(argc, argv);
   } catch (const std::exception& e) {
-    // Most errors meet every rank alike (a bad option, a layout the job does not fit): rank 0 reports and ends
-    // the job at once, and the others wait a moment first, so that the job ends before they repeat the
-    // message. An error on another rank alone is still reported, after that moment.
+    // Most errors meet every rank alike (a bad option, a layout the job does not fit): rank 0 reports and
+    // ends the job at once, and the others wait a moment first, so that the job ends before they repeat
+    // the message. An error on another rank alone is still reported, after that moment.
     if (launcher_rank() > 0) std::this_thread::sleep_for(std::chrono::seconds(2));
     if (initialized() && world().size > 1) abort(std::string("error: ") + e.what(), 1);
     std::fprintf(stderr, "error: %s\n", e.what());

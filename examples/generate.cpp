@@ -44,13 +44,7 @@ Options parse(int argc, char** argv) {
     if (flag == "--help" || flag == "-h") { usage(); std::exit(0); }
     check(i + 1 < argc, "generate: ", flag, " needs a value");
     const std::string value = argv[++i];
-    auto integer = [&](int64_t low) {
-      char* end = nullptr;
-      const long long v = std::strtoll(value.c_str(), &end, 10);
-      check(!value.empty() && end && *end == 0 && v >= low, "generate: ", flag, " expects an integer >= ", low,
-            ", got '", value, "'");
-      return static_cast<int64_t>(v);
-    };
+    auto integer = [&](int64_t low) { return integer_argument("generate", flag, value, low); };
     if (flag == "--model" || flag == "--init" || flag == "--checkpoint") o.model = value;
     else if (flag == "--prompt") o.prompt = value;
     else if (flag == "--device") o.device = Device::parse(value);

@@ -271,7 +271,8 @@ ParallelTrainer::ParallelTrainer(const GPTConfig& config, const TrainOptions& op
     // or O2 with master_weights false) is the one combination it cannot honour. O0 and O1 keep fp32
     // parameters, as the fp16 and fp32 modes do.
     const std::optional<DType> cast = amp.model_dtype();
-    check(!(amp.mixed_precision == "fp16_apex" && cast && is_low_precision(*cast) && !amp.apex.master_weights),
+    const bool fp16_alone = cast && is_low_precision(*cast) && !amp.apex.master_weights;
+    check(!(amp.mixed_precision == "fp16_apex" && fp16_alone),
           "not supported: --zero 1 with ", amp.name(), " without master weights: ZeRO-1 shards fp32 master "
           "weights, and this opt level keeps the model's parameters in fp16 alone");
     check(!(amp.mixed_precision == "fp16_apex" && amp.apex.num_losses != 1), "not supported: --zero 1 with ",

@@ -65,6 +65,7 @@
 #include <vector>
 
 #include "amp/config.h"
+#include "examples/training.h"
 #include "nn/json.h"
 #include "nn/state_dict.h"
 #include "tensor/error.h"
@@ -155,25 +156,14 @@ std::string default_data() {
        candidates[0].string(), " and ", candidates[1].string(), "); pass --data FILE");
 }
 
-// The value of a pass-through flag, checked as train_gpt's parser would (so that a bad value is reported
-// once, before any child runs, not by every child); --steps must be >= 1: a study needs a step to compare.
-// Returns the integer for integer flags.
+// The value of a pass-through flag, checked as train_gpt's parser checks it (the same functions: a bad value
+// is reported once, before any child runs, not by every child); --steps must be >= 1: a study needs a step to
+// compare. Returns the integer for integer flags.
 int64_t check_train_value(const std::string& flag, const std::string& value) {
-  if (kPositiveIntegerFlags.count(flag) || kCountFlags.count(flag)) {
-    const int64_t low = kPositiveIntegerFlags.count(flag) ? 1 : 0;
-    char* end = nullptr;
-    errno = 0;
-    const long long v = std::strtoll(value.c_str(), &end, 10);
-    check(!value.empty() && end && *end == 0 && errno == 0 && v >= low, "precision_study: ", flag,
-          " expects an integer >= ", low, flag == "--steps" ? " (a study needs at least one step)" : "",
-          ", got '", value, "'");
-    return v;
-  }
+  if (kPositiveIntegerFlags.count(flag) || kCountFlags.count(flag))
+    return integer_argument("precision_study", flag, value, kPositiveIntegerFlags.count(flag) ? 1 : 0);
   if (kRealFlags.count(flag)) {
-    char* end = nullptr;
-    const double v = std::strtod(value.c_str(), &end);
-    check(!value.empty() && end && *end == 0 && std::isfinite(v) && v >= 0, "precision_study: ", flag,
-          " expects a non-negative number, got '", value, "'");
+    number_argument("precision_study", flag, value);
     return 0;
   }
   check(!value.empty(), "precision_study: ", flag, " needs a non-empty value");
@@ -527,21 +517,10 @@ void summarise(ModeResult& r) {
 
 // ---- tables ----
 
-// A measured value: "nan", "inf" or "-inf" when it is not finite (a diverged mode shows as such).
-std::string fmt(const char* format, double x) {
-  if (std::isnan(x)) return "nan";
-  if (std::isinf(x)) return x > 0 ? "inf" : "-inf";
-  char buffer[64];
-  std::snprintf(buffer, sizeof(buffer), format, x);
-  return buffer;
-}
-
 // A difference with `digits` decimals, never a negative zero: -0.00001 rounds to "0.0000", not "-0.0000".
 std::string difference(double x, int digits) {
-  if (!std::isfinite(x)) return fmt("", x);
-  char buffer[64];
-  std::snprintf(buffer, sizeof(buffer), "%.*f", digits, x);
-  const std::string text = buffer;
+  const std::string text = fixed_text(x, digits);
+  if (!std::isfinite(x)) return text;
   return text.find_first_not_of("-0.") == std::string::npos ? text.substr(text[0] == '-') : text;
 }
 
@@ -559,17 +538,17 @@ std::vector<Row> table_rows(const std::vector<ModeResult>& results) {
     if (!r.ok) continue;
     Row row;
     row.mode = r.mode;
-    row.train = fmt("%.4f", r.final_train_loss);
-    if (r.final_val_loss) row.val = fmt("%.4f", *r.final_val_loss);
+    row.train = fixed_text(r.final_train_loss, 4);
+    if (r.final_val_loss) row.val = fixed_text(*r.final_val_loss, 4);
     if (r.final_val_loss && reference) {  // from the unrounded losses
       row.diff = difference(*r.final_val_loss - *reference, 4);
       row.diff_pct = difference((*r.final_val_loss - *reference) / *reference * 100.0, 2);
     }
-    row.rate = fmt("%.0f", r.tokens_per_s);
-    if (r.peak_rss_mib) row.rss = fmt("%.1f", *r.peak_rss_mib);
+    row.rate = fixed_text(r.tokens_per_s, 0);
+    if (r.peak_rss_mib) row.rss = fixed_text(*r.peak_rss_mib, 1);
     row.skipped = std::to_string(r.skipped);
     row.scale = std::isfinite(r.final_loss_scale) ? exact_number_text(r.final_loss_scale)
-                                                   : fmt("", r.final_loss_scale);
+                                                   : fixed_text(r.final_loss_scale, 0);
     rows.push_back(row);
   }
   return rows;
@@ -769,8 +748,8 @@ int run(int argc, char** argv) {
       log_tmp.rename_into_place();
       summarise(r);
       r.ok = true;
-      const std::string val = r.final_val_loss ? fmt("%.4f", *r.final_val_loss) : "none";
-      const std::string rss = r.peak_rss_mib ? fmt("%.1f MiB", *r.peak_rss_mib) : "not in the log";
+      const std::string val = r.final_val_loss ? fixed_text(*r.final_val_loss, 4) : "none";
+      const std::string rss = r.peak_rss_mib ? fixed_text(*r.peak_rss_mib, 1) + " MiB" : "not in the log";
       std::printf("%sdone in %.0f s: final val loss %s, median %.0f tok/s, peak RSS %s, %lld skipped\n",
                   prefix.c_str(), r.seconds, val.c_str(), r.tokens_per_s, rss.c_str(),
                   static_cast<long long>(r.skipped));

@@ -156,21 +156,8 @@ Options parse(int argc, char** argv) {
     if (flag == "--no-final-eval") { o.final_eval = false; continue; }
     check(i + 1 < argc, "train_gpt: ", flag, " needs a value");
     const std::string value = argv[++i];
-    auto integer = [&](int64_t low) {
-      char* end = nullptr;
-      errno = 0;
-      const long long v = std::strtoll(value.c_str(), &end, 10);
-      check(!value.empty() && end && *end == 0 && errno == 0 && v >= low, "train_gpt: ", flag,
-            " expects an integer >= ", low, ", got '", value, "'");
-      return static_cast<int64_t>(v);
-    };
-    auto real = [&]() {
-      char* end = nullptr;
-      const double v = std::strtod(value.c_str(), &end);
-      check(!value.empty() && end && *end == 0 && std::isfinite(v) && v >= 0, "train_gpt: ", flag,
-            " expects a non-negative number, got '", value, "'");
-      return v;
-    };
+    auto integer = [&](int64_t low) { return integer_argument("train_gpt", flag, value, low); };
+    auto real = [&]() { return number_argument("train_gpt", flag, value); };
     if (flag == "--data") o.data = value;
     else if (flag == "--vocab-size") o.vocab_size = integer(1);
     else if (flag == "--layers") o.model.n_layer = integer(1);
@@ -254,15 +241,6 @@ Options parse(int argc, char** argv) {
   return o;
 }
 
-// x with `digits` decimals; "nan", "inf" or "-inf" when not finite (printf writes "-nan" for some NaNs).
-std::string fixed(double x, int digits) {
-  if (std::isnan(x)) return "nan";
-  if (std::isinf(x)) return x > 0 ? "inf" : "-inf";
-  char buffer[64];
-  std::snprintf(buffer, sizeof(buffer), "%.*f", digits, x);
-  return buffer;
-}
-
 // This process's peak resident memory since its exec in KiB (VmHWM in /proc/self/status), or -1 where there
 // is none. Not getrusage's ru_maxrss: a child started by posix_spawn (vfork) gets its parent's peak in that.
 int64_t peak_rss_kib() {
@@ -336,11 +314,13 @@ int run(int argc, char** argv) {
       for (const auto& [flag, key] : flags)
         check(opt.given.count(flag) == 0 || mine_meta.at(key) == file_meta.at(key) ||
                   std::string_view(flag) == "--amp-config",  // compared option by option below
-              "train_gpt: ", flag, " ", mine_meta.at(key), " differs from the checkpoint's ", file_meta.at(key),
+              "train_gpt: ", flag, " ", mine_meta.at(key), " differs from the checkpoint's ",
+              file_meta.at(key),
               " (a resumed run keeps the checkpoint's options)");
       // --amp-config may change what is printed (verbose, verbosity, log_num_zeros_in_grad), nothing else.
       if (opt.given.count("--amp-config")) {
-        const std::string differences = opt.train.amp.training_differences(file_options.amp, "the checkpoint's");
+        const std::string differences =
+            opt.train.amp.training_differences(file_options.amp, "the checkpoint's");
         check(differences.empty(), "train_gpt: --amp-config differs from the checkpoint's AMP options in ",
               differences, "; a resumed run keeps the checkpoint's options (only verbose, verbosity "
               "and log_num_zeros_in_grad may change)");
@@ -451,8 +431,8 @@ int run(int argc, char** argv) {
   // A checkpoint that cannot be written is reported now, not after the training it was meant to keep.
   if (printer && !opt.save.empty()) {
     const std::filesystem::path parent = std::filesystem::path(opt.save).parent_path();
-    check(parent.empty() || std::filesystem::is_directory(parent), "train_gpt: cannot write --save '", opt.save,
-          "': the directory '", parent.string(), "' does not exist");
+    check(parent.empty() || std::filesystem::is_directory(parent), "train_gpt: cannot write --save '",
+          opt.save, "': the directory '", parent.string(), "' does not exist");
     check(!std::filesystem::is_directory(opt.save), "train_gpt: cannot write --save '", opt.save,
           "': it is a directory");
   }
@@ -498,7 +478,7 @@ int run(int argc, char** argv) {
       const AmpConfig& amp = opt.train.amp;
       const bool fp16 = amp.autocast_dtype() == DType::F16 || amp.model_dtype() == DType::F16;
       std::printf("train_gpt: warning: step %lld: the loss is %s: %s (try a lower --lr)\n",
-                  static_cast<long long>(s.step + 1), fixed(s.loss, 4).c_str(),
+                  static_cast<long long>(s.step + 1), fixed_text(s.loss, 4).c_str(),
                   fp16 ? "the forward pass overflowed fp16's range (65504) or training diverged"
                        : "training diverged");
     }
@@ -516,10 +496,11 @@ int run(int argc, char** argv) {
       log.flush();
     }
     if (print) {
+      const std::string grad_norm = s.skipped ? "n/a (skipped)" : fixed_text(s.grad_norm, 3);
       std::printf("step %5lld/%lld | loss %s | lr %.2e | grad norm %s | %.0f tok/s | %s elapsed | ETA %s",
                   static_cast<long long>(step), static_cast<long long>(opt.train.steps),
-                  fixed(s.loss, 4).c_str(), s.lr, s.skipped ? "n/a (skipped)" : fixed(s.grad_norm, 3).c_str(),
-                  tokens_per_s, format_seconds(elapsed).c_str(), format_seconds(eta).c_str());
+                  fixed_text(s.loss, 4).c_str(), s.lr, grad_norm.c_str(), tokens_per_s,
+                  format_seconds(elapsed).c_str(), format_seconds(eta).c_str());
       if (scaled) {
         const double scale = single ? single->amp_optimizer().loss_scale() : parallel->loss_scale();
         const int64_t skipped = single ? single->amp_optimizer().skipped_steps() : parallel->skipped_steps();
@@ -527,7 +508,7 @@ int run(int argc, char** argv) {
                     static_cast<long long>(skipped));
       }
       if (s.num_zeros >= 0) std::printf(" | zeros %lld", static_cast<long long>(s.num_zeros));
-      if (eval) std::printf(" | val loss %s", fixed(val_loss, 4).c_str());
+      if (eval) std::printf(" | val loss %s", fixed_text(val_loss, 4).c_str());
       std::printf("\n");
       std::fflush(stdout);
     }

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "autograd/autograd.h"
+#include "examples/training.h"
 #include "tensor/ops.h"
 
 using namespace mixtape;
@@ -46,12 +47,7 @@ Options parse(int argc, char** argv) {
     if (flag == "--help" || flag == "-h") { usage(); std::exit(0); }
     check(i + 1 < argc, "train_mlp: ", flag, " needs a value");
     const std::string value = argv[++i];
-    auto integer = [&](int64_t low) {
-      char* end = nullptr;
-      const long long v = std::strtoll(value.c_str(), &end, 10);
-      check(end && *end == 0 && v >= low, "train_mlp: ", flag, " expects an integer >= ", low, ", got '", value, "'");
-      return static_cast<int64_t>(v);
-    };
+    auto integer = [&](int64_t low) { return integer_argument("train_mlp", flag, value, low); };
     auto real = [&]() {
       char* end = nullptr;
       const double v = std::strtod(value.c_str(), &end);

@@ -2,7 +2,10 @@
 
 #include <algorithm>
 #include <charconv>
+#include <cerrno>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <sstream>
 
@@ -518,6 +521,32 @@ std::unique_ptr<GPT> load_model_file(const std::string& path, std::vector<uint8_
     if (it != state.metadata.end()) *vocab = vocab_from_metadata(it->second);
   }
   return model;
+}
+
+int64_t integer_argument(const std::string& program, const std::string& flag, const std::string& value,
+                         int64_t low) {
+  char* end = nullptr;
+  errno = 0;
+  const long long v = std::strtoll(value.c_str(), &end, 10);
+  check(!value.empty() && end && *end == 0 && errno == 0 && v >= low, program, ": ", flag,
+        " expects an integer >= ", low, ", got '", value, "'");
+  return static_cast<int64_t>(v);
+}
+
+double number_argument(const std::string& program, const std::string& flag, const std::string& value) {
+  char* end = nullptr;
+  const double v = std::strtod(value.c_str(), &end);
+  check(!value.empty() && end && *end == 0 && std::isfinite(v) && v >= 0, program, ": ", flag,
+        " expects a non-negative number, got '", value, "'");
+  return v;
+}
+
+std::string fixed_text(double x, int digits) {
+  if (std::isnan(x)) return "nan";
+  if (std::isinf(x)) return x > 0 ? "inf" : "-inf";
+  char buffer[64];
+  std::snprintf(buffer, sizeof(buffer), "%.*f", digits, x);
+  return buffer;
 }
 
 }  // namespace mixtape

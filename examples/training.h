@@ -191,4 +191,17 @@ int64_t default_start_token(const std::vector<uint8_t>& vocab);
 // mode. vocab receives the "vocab" metadata (empty when absent).
 std::unique_ptr<GPT> load_model_file(const std::string& path, std::vector<uint8_t>* vocab = nullptr);
 
+// ---- the example programs' command lines and printed numbers ----
+
+// A flag's value as an integer >= low, else Error "<program>: <flag> expects an integer >= <low>, got
+// '<value>'" (empty, trailing characters or out of range included).
+int64_t integer_argument(const std::string& program, const std::string& flag, const std::string& value,
+                         int64_t low);
+// A flag's value as a finite number >= 0, else Error "<program>: <flag> expects a non-negative number, got
+// '<value>'".
+double number_argument(const std::string& program, const std::string& flag, const std::string& value);
+
+// x with `digits` decimals, or "nan", "inf", "-inf" when it is not finite (printf may write "-nan").
+std::string fixed_text(double x, int digits);
+
 }  // namespace mixtape

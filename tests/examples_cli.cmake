@@ -324,8 +324,8 @@ run_fails("--amp-config without a mode" ${TRAIN_GPT} --data words.txt --amp-conf
           MENTIONS "naive_options.json" "names no mode" "--precision")
 run_fails("--amp-config directory" ${TRAIN_GPT} --data words.txt --amp-config . MENTIONS "directory")
 file(WRITE ${WORK_DIR}/broken.json "{\"hysteresis\": ")
-run_fails("malformed --amp-config" ${TRAIN_GPT} --data words.txt --precision fp16_naive --amp-config broken.json
-          MENTIONS "broken.json" "json:")
+run_fails("malformed --amp-config" ${TRAIN_GPT} --data words.txt --precision fp16_naive
+          --amp-config broken.json MENTIONS "broken.json" "json:")
 file(WRITE ${WORK_DIR}/clip.json "{\"mixed_precision\": \"fp16_naive\", \"clip_grad\": 5}")
 run_fails("--grad-clip beside a naive clip_grad" ${TRAIN_GPT} --data words.txt --amp-config clip.json
           --grad-clip 0.5 MENTIONS "--grad-clip 0.5" "clip_grad 5")

@@ -273,7 +273,8 @@ run_fails("a failing mode" ${STUB} --data words.txt --modes fp32,bf16 --steps 3 
                    "1 of 2 modes failed")
 unset(ENV{STUB_FAIL})
 file(GLOB written RELATIVE ${WORK_DIR} ${WORK_DIR}/short/* ${WORK_DIR}/partial/*)
-list(FILTER written EXCLUDE REGEX "^partial/(fp32.jsonl|results.md|results.csv|precision_study.(dat|gp|png))$")
+list(FILTER written EXCLUDE REGEX
+     "^partial/(fp32.jsonl|results.md|results.csv|precision_study.(dat|gp|png))$")
 if(written)
   check_failed("failed modes left files behind: ${written}")
 endif()

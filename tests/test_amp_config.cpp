@@ -96,7 +96,8 @@ TEST(AmpConfig, ApexRefusesWhatApexRefuses) {
   EXPECT_ERROR_MENTIONS(AmpConfig::from_json(R"({"keep_batchnorm_fp32":true})", "fp16_apex:O1"), "O1",
                         "keep_batchnorm_fp32");
   EXPECT_ERROR_MENTIONS(AmpConfig::from_json(R"({"master_weights":true})", "fp16_apex:O1"), "master_weights");
-  // What Apex accepts: O2 without the model cast (its master_weights then have nothing to keep), O0 with them.
+  // What Apex accepts: O2 without the model cast (its master_weights then have nothing to keep), and O0
+  // with master_weights.
   const AmpConfig uncast = AmpConfig::from_json(R"({"cast_model_type":false})", "fp16_apex:O2");
   EXPECT_TRUE(uncast.apex.master_weights);
   EXPECT_FALSE(uncast.model_dtype());

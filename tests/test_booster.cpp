@@ -384,19 +384,24 @@ TEST(Booster, NaiveVerbosePrintsColossalAIsLineAtEachGrowthAndBackoff) {
 }
 
 TEST(Booster, PrintVerboseFalseSilencesTheLinesAndStepReportsForAnotherWrappersScalers) {
-  // A process that is not the one to print (BoostOptions::print_verbose false: ranks other than 0) says nothing.
+  // A process that is not the one to print (BoostOptions::print_verbose false: ranks other than 0) says
+  // nothing.
   {
     Linear model(4, 2, false, 3);
-    Booster booster(AmpConfig::from_json(R"({"initial_scale":1024,"hysteresis":1,"verbose":true})", "fp16_naive"));
+    const AmpConfig config =
+        AmpConfig::from_json(R"({"initial_scale":1024,"hysteresis":1,"verbose":true})", "fp16_naive");
+    Booster booster(config);
     auto optimizer = booster.boost(model, adamw_on(model, 1e-3), {.print_verbose = false});
     ::testing::internal::CaptureStderr();
     linear_step(booster, *optimizer, model, {INFINITY});  // a backoff to 512
     EXPECT_EQ(::testing::internal::GetCapturedStderr(), "");
     EXPECT_EQ(optimizer->loss_scale(), 512.0);
   }
-  // step(function, scalers): what dist::ZeroOptimizer's step goes through; the lines follow the given scalers.
+  // step(function, scalers): what dist::ZeroOptimizer's step goes through; the lines follow the given
+  // scalers.
   Linear model(4, 2, false, 3);
-  Booster booster(AmpConfig::from_json(R"({"initial_scale":1024,"hysteresis":1,"verbose":true})", "fp16_naive"));
+  Booster booster(AmpConfig::from_json(R"({"initial_scale":1024,"hysteresis":1,"verbose":true})",
+                                       "fp16_naive"));
   auto optimizer = booster.boost(model, adamw_on(model, 1e-3));
   DynamicLossScaler scaler(DynamicLossScalerOptions{.initial_scale = 64, .hysteresis = 1});
   ::testing::internal::CaptureStderr();

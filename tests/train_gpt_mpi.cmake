@@ -88,13 +88,13 @@ execute_process(COMMAND ${mpi2} ${TRAIN_GPT} --data words.txt ${tiny} --steps 2 
                 TIMEOUT 120)
 string(REGEX MATCHALL "does not divide" said "${stderr}")
 list(LENGTH said n)
-if(status EQUAL 0 OR NOT n EQUAL 1
-   OR NOT stderr MATCHES "rank 0 of 2: error: train_gpt: --tp 2 x --pp 2 = 4 does not divide the job's 2 processes")
+set(expected "rank 0 of 2: error: train_gpt: --tp 2 x --pp 2 = 4 does not divide the job's 2 processes")
+if(status EQUAL 0 OR NOT n EQUAL 1 OR NOT stderr MATCHES "${expected}")
   check_failed("a layout larger than the job: status ${status}, said ${n} times (once expected): ${stderr}")
 endif()
 execute_process(COMMAND ${mpi2} ${TRAIN_GPT} --data words.txt ${tiny} --steps 2 --dp 2 --precision fp8
-                WORKING_DIRECTORY ${WORK_DIR} RESULT_VARIABLE status OUTPUT_VARIABLE stdout ERROR_VARIABLE stderr
-                TIMEOUT 120)
+                WORKING_DIRECTORY ${WORK_DIR} RESULT_VARIABLE status OUTPUT_VARIABLE stdout
+                ERROR_VARIABLE stderr TIMEOUT 120)
 string(REGEX MATCHALL "unknown mixed_precision" said "${stderr}")
 list(LENGTH said n)
 if(status EQUAL 0 OR NOT n EQUAL 1)
@@ -111,8 +111,8 @@ if(status EQUAL 0 OR NOT stderr MATCHES "rank 0 of 2: error: train_gpt: cannot o
 endif()
 
 # ---- AMP across processes ----
-# Naive AMP's verbose lines (each scale backoff and growth) are printed once per job, by rank 0, in every layout
-# and under ZeRO-1 too (its optimizer steps outside MixedPrecisionOptimizer): the same lines as one process.
+# Naive AMP's verbose lines (each scale backoff and growth) are printed once per job, by rank 0, in every
+# layout and under ZeRO-1 too (its optimizer steps outside MixedPrecisionOptimizer): one process's lines.
 file(WRITE ${WORK_DIR}/verbose.json "{\"initial_scale\": 16777216, \"hysteresis\": 1, \"verbose\": true, ")
 file(APPEND ${WORK_DIR}/verbose.json "\"growth_interval\": 3}")
 set(verbose_run --data words.txt ${tiny} --steps 12 --precision fp16_naive --amp-config verbose.json)

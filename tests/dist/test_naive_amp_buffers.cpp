@@ -1,7 +1,8 @@
-// NaiveAMPModel's sync_buffer over a real data-parallel group (4 MPI ranks): InternEvo's _reduce_module_buffer
-// averages every floating buffer over dp before a training forward and at the first eval forward after
-// training. tests/test_naive_amp.cpp checks the rule against a fake group; here the sums travel through MPI,
-// through the CommunicatorGroup that train_gpt hands Booster (BoostOptions::group) and NaiveAMPModel.
+// NaiveAMPModel's sync_buffer over a real data-parallel group (4 MPI ranks): InternEvo's
+// _reduce_module_buffer averages every floating buffer over dp before a training forward and at the first
+// eval forward after training. tests/test_naive_amp.cpp checks the rule against a fake group; here the sums
+// travel through MPI, through the CommunicatorGroup that train_gpt hands Booster (BoostOptions::group) and
+// NaiveAMPModel.
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -65,7 +66,8 @@ TEST(NaiveAmpBuffers, AveragedOverTheWorldAtATrainingForwardAndAtTheFirstEvalFor
     fill_by_rank(model, world.rank());
     amp(x);  // training: the buffers are averaged before the forward
     EXPECT_EQ(model.running.to_vector<double>(), expected_mean(world.size()));
-    EXPECT_EQ(model.steps.to_vector<int64_t>(), std::vector<int64_t>{10 * world.rank()});  // integer: untouched
+    // An integer buffer is left alone.
+    EXPECT_EQ(model.steps.to_vector<int64_t>(), std::vector<int64_t>{10 * world.rank()});
 
     fill_by_rank(model, world.rank());
     model.eval();
