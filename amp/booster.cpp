@@ -1,6 +1,7 @@
 #include "amp/booster.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <map>
 #include <string>
@@ -45,19 +46,29 @@ BoostedParts Booster::boost_parts(Module& model, std::unique_ptr<Optimizer> opti
   check(model_ == nullptr, "Booster.boost: this booster already boosted a model (one model per booster)");
   check(optimizer != nullptr, "Booster.boost: the optimizer is null");
   const AmpConfig& c = config_;
+  // Everything is checked before the model changes, so a failed boost() leaves the model and the booster as
+  // they were and a corrected call can follow.
+  for (UnaryModule* module : options.fp32_modules)
+    check(module != nullptr && model.path_of(*module), "Booster.boost: BoostOptions::fp32_modules holds a "
+          "module that is not a submodule of the model");
+  check(std::isfinite(options.clip_grad) && options.clip_grad >= 0,
+        "Booster.boost: BoostOptions::clip_grad must be finite and >= 0 (0 = off), got ", options.clip_grad);
+  // The optimizer's state (momenta, step counts) belongs to the parameters it was computed for; the wrapper
+  // moves the parameters to fp32 masters, so the state would be left behind on tensors no longer trained.
+  for (const Tensor& param : optimizer->params())
+    check(optimizer->state(param) == nullptr, "Booster.boost: the ", optimizer->name(),
+          " already has state for parameter ", param.description(),
+          "; expected an optimizer that has not taken a step (boost the model before training it)");
   print_verbose_ = options.print_verbose;
   const std::vector<std::pair<std::string, Tensor>> before = model.named_parameters();
 
   // ---- the model ----
-  for (UnaryModule* module : options.fp32_modules)
-    check(module != nullptr && model.path_of(*module), "Booster.boost: BoostOptions::fp32_modules holds a "
-          "module that is not a submodule of the model");
   if (c.mixed_precision == "tf32") set_allow_tf32(true);
   if (c.is_naive()) {
     NaiveAMPOptions naive;
     naive.dtype = low_name(*c.model_dtype());
     naive.output_to_fp32 = c.naive.output_to_fp32;
-    naive.group = options.group;
+    naive.group = options.data_parallel_group;
     naive.fp32_modules = options.fp32_modules;
     naive_ = std::make_unique<NaiveAMPModel>(model, naive);
   } else if (c.mixed_precision == "fp16_apex") {
@@ -108,7 +119,7 @@ BoostedParts Booster::boost_parts(Module& model, std::unique_ptr<Optimizer> opti
   // ---- the scalers ----
   std::vector<std::unique_ptr<LossScaler>> scalers;
   MixedPrecisionOptions mp;
-  mp.group = options.group;
+  mp.group = options.model_parallel_group;
   mp.clip_grad = options.clip_grad;
   if (c.mixed_precision == "fp16" || c.mixed_precision == "bf16") {
     if (c.grad_scaler.enabled) scalers.push_back(std::make_unique<GradScaler>(c.grad_scaler));

@@ -49,7 +49,14 @@ namespace mixtape {
 
 struct BoostOptions {
   double clip_grad = 0;           // used unless the config sets its own (naive clip_grad > 0)
-  ProcessGroup* group = nullptr;  // found_inf / grad norm all-reduce, buffer sync
+  // The two groups of a parallel job (amp/process_group.h), null for one process:
+  // found_inf (MAX) and the grad norm (SUM of squares) over the ranks that hold different parts of the model
+  // (tensor x pipeline parallel; MixedPrecisionOptions::group) ...
+  ProcessGroup* model_parallel_group = nullptr;
+  // ... and the naive modes' buffer averaging over the replicas of the same part (data parallel;
+  // NaiveAMPOptions::group). One group for both would sum the replicas' identical norms (sqrt(dp) too large)
+  // or average buffers across different layers.
+  ProcessGroup* data_parallel_group = nullptr;
   // Submodules that keep fp32 parameters and run in fp32 where the mode casts the model to fp16/bf16 (naive
   // modes, apex O2/O3: NaiveAMPOptions::fp32_modules, merged with the norms of keep_batchnorm_fp32). In the
   // other modes the parameters are fp32 already and this changes nothing (autocast still picks op dtypes).

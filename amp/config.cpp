@@ -295,6 +295,16 @@ void AmpConfig::validate() const {
   } else if (mixed_precision == "fp16_apex") {
     const ApexProperties& a = apex;
     ApexProperties::for_opt_level(a.opt_level);
+    // The dtypes the JSON form accepts: another one would be cast as if it were fp16 (or cast a loss to an
+    // integer), never what was asked for.
+    auto check_dtype = [&](const char* key, const std::optional<DType>& dtype) {
+      check(!dtype || *dtype == DType::F32 || *dtype == DType::F16 || *dtype == DType::BF16, who, ": ", key,
+            " must be fp32, fp16 or bf16 (or unset), got ", dtype_name(dtype.value_or(DType::F32)));
+    };
+    check_dtype("cast_model_type", a.cast_model_type);
+    check_dtype("cast_model_outputs", a.cast_model_outputs);
+    check(!(a.opt_level == "O1" && a.keep_batchnorm_fp32), who, ": with O1 the norm ops already run in fp32, "
+          "so keep_batchnorm_fp32 must be unset (Apex refuses it too)");
     check(!(a.opt_level == "O1" && a.cast_model_type && *a.cast_model_type != DType::F32), who,
           ": O1 keeps the model weights fp32: cast_model_type must be unset or \"fp32\", got \"",
           dtype_text(a.cast_model_type.value_or(DType::F32)), "\"");

@@ -12,6 +12,8 @@
 //   backward(loss[, loss_id])  backward of loss * S[loss_id]. Gradients of different losses carry different
 //                              scales, so when the loss id changes the model gradients so far are folded
 //                              into the master gradients first (Apex's stash-and-unscale for num_losses).
+//                              Backward calls under one loss id (micro-batches) add their scaled
+//                              gradients in the parameters' dtype until the fold (amp/README.md: why).
 //   step()                     1. fold: master_grad += model_grad / S (fp32, one fused pass that also
 //                                 checks finiteness: unscale_and_check_finite); model grads dropped
 //                              2. found_inf and "loss used this step" all-reduced (MAX) over the process

@@ -93,8 +93,23 @@ Tensor LossScaler::scale(const Tensor& loss) const {
 
 // ---------------------------------------------------------------------------------------------- GradScaler
 
+namespace {
+
+// PyTorch keeps S in an fp32 tensor: the initial scale is rounded to fp32, and every update computes
+// S * factor in double and rounds it to fp32 (_amp_update_scale_), so a factor that is not a power of two
+// gives PyTorch's sequence bit for bit.
+double fp32_scale(const char* who, const char* what, double scale) {
+  const double rounded = static_cast<float>(scale);
+  check(std::isfinite(rounded) && rounded > 0, who, ": ", what, " ", exact_number_text(scale),
+        " is not a finite positive number in fp32, where PyTorch's GradScaler keeps its scale");
+  return rounded;
+}
+
+}  // namespace
+
 GradScaler::GradScaler(GradScalerOptions options) : LossScaler(options.init_scale), options_(options) {
   check_scale("GradScaler", "init_scale", options.init_scale);
+  scale_ = fp32_scale("GradScaler", "init_scale", options.init_scale);
   check_growth("GradScaler", "growth_factor", options.growth_factor);
   check_backoff("GradScaler", "backoff_factor", options.backoff_factor);
   check_at_least_one("GradScaler", "growth_interval", options.growth_interval);
@@ -182,12 +197,12 @@ void GradScaler::update() {
 void GradScaler::update(bool found_inf) {
   if (!options_.enabled) return;
   if (found_inf) {
-    scale_ *= options_.backoff_factor;
+    scale_ = static_cast<float>(scale_ * options_.backoff_factor);  // fp32, as in PyTorch (fp32_scale)
     growth_tracker_ = 0;
   } else if (++growth_tracker_ == options_.growth_interval) {
-    // PyTorch keeps S in an fp32 tensor and keeps a grown S only if it is finite there.
-    const double grown = scale_ * options_.growth_factor;
-    if (std::isfinite(static_cast<float>(grown))) scale_ = grown;
+    // PyTorch keeps a grown S only if it is finite in fp32.
+    const double grown = static_cast<float>(scale_ * options_.growth_factor);
+    if (std::isfinite(grown)) scale_ = grown;
     growth_tracker_ = 0;
   }
   per_optimizer_.clear();
@@ -203,8 +218,10 @@ std::map<std::string, std::string> GradScaler::state_dict() const {
           {"growth_tracker", std::to_string(growth_tracker_)}};
 }
 
-// PyTorch's load_state_dict: a disabled scaler returns at once; otherwise the saved scale, tracker and rule
-// (growth_factor, backoff_factor, growth_interval) replace this scaler's.
+// PyTorch's load_state_dict: a disabled scaler returns at once; otherwise the saved scale (in fp32), tracker
+// and rule (growth_factor, backoff_factor, growth_interval) replace this scaler's. What unscale() and step()
+// recorded for each optimizer since the last update() stays, as in PyTorch: loading a state between
+// unscale() and step() must not let the same gradients be unscaled twice.
 void GradScaler::load_state_dict(const std::map<std::string, std::string>& state) {
   if (!options_.enabled) return;
   const char* who = name();
@@ -225,10 +242,10 @@ void GradScaler::load_state_dict(const std::map<std::string, std::string>& state
   check_at_least_one(loader, "entry \"growth_interval\"", options.growth_interval);
   check(tracker >= 0 && tracker < options.growth_interval, loader, ": entry \"growth_tracker\" is ", tracker,
         ", expected a value in [0, growth_interval ", options.growth_interval, ")");
+  const double scale = fp32_scale(loader.c_str(), "entry \"scale\"", options.init_scale);
   options_ = options;
-  scale_ = options.init_scale;
+  scale_ = scale;
   growth_tracker_ = tracker;
-  per_optimizer_.clear();
 }
 
 // ---------------------------------------------------------------------------------------- DynamicLossScaler

@@ -316,11 +316,11 @@ ParallelTrainer::ParallelTrainer(const GPTConfig& config, const TrainOptions& op
   m.dp_group = std::make_unique<dist::CommunicatorGroup>(m.groups.dp);
   BoostOptions boost;
   boost.clip_grad = options.grad_clip;
-  boost.group = m.dp_group.get();  // NaiveAMPModel's buffer sync over the data-parallel replicas
+  boost.data_parallel_group = m.dp_group.get();    // NaiveAMPModel's buffer sync over the replicas
+  boost.model_parallel_group = m.mp_group.get();   // found_inf and the grad norm over the model's parts
   boost.print_verbose = m.groups.world.rank() == 0;  // every rank takes the same steps: one prints them
   BoostedParts parts = m.booster.boost_parts(*m.stage, make_optimizer(options, *m.stage), boost);
   parts.options.count_in_norm = count_in_norm;
-  parts.options.group = m.mp_group.get();
   if (parallel.zero == 1) {
     dist::ZeroOptions zo;
     zo.clip_grad = parts.options.clip_grad;

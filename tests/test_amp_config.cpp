@@ -365,3 +365,22 @@ TEST(AmpConfig, TrainingDifferencesNameWhatChangesTrainingAndIgnoreWhatOnlyPrint
             "(the checkpoint's null), max_loss_scale (not an option of fp16_apex:O2) (the checkpoint's "
             "16777216)");
 }
+
+// validate() (Booster(AmpConfig) from C++) refuses what the JSON form refuses: a cast_model_type other than
+// fp32/fp16/bf16 would cast the model to fp16 while inputs went to that dtype, a cast_model_outputs of an
+// integer dtype would turn the loss into integers, and O1 refuses keep_batchnorm_fp32 as Apex does.
+TEST(AmpConfig, ValidateRefusesDtypesAndOverridesTheJsonFormRefuses) {
+  AmpConfig c = AmpConfig::parse("fp16_apex:O2");
+  c.apex.cast_model_type = DType::F64;
+  EXPECT_ERROR_MENTIONS(c.validate(), "cast_model_type must be fp32, fp16 or bf16", "f64");
+  c = AmpConfig::parse("fp16_apex:O2");
+  c.apex.cast_model_outputs = DType::I64;
+  EXPECT_ERROR_MENTIONS(c.validate(), "cast_model_outputs must be fp32, fp16 or bf16", "i64");
+  c = AmpConfig::parse("fp16_apex:O1");
+  c.apex.keep_batchnorm_fp32 = false;
+  EXPECT_ERROR_MENTIONS(c.validate(), "O1", "keep_batchnorm_fp32 must be unset");
+  c = AmpConfig::parse("fp16_apex:O2");
+  c.apex.cast_model_type = DType::BF16;
+  c.apex.cast_model_outputs = DType::F16;
+  c.validate();  // accepted
+}

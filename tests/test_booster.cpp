@@ -4,12 +4,16 @@
 
 #include <cmath>
 #include <map>
+#include <span>
+#include <string>
 
 #include "amp/autocast.h"
+#include "autograd/autograd.h"
 #include "amp/booster.h"
 #include "nn/gpt.h"
 #include "nn/layers.h"
 #include "optim/adam.h"
+#include "optim/sgd.h"
 #include "tensor/ops.h"
 #include "tensor/precision.h"
 #include "test_util.h"
@@ -484,4 +488,100 @@ TEST(Booster, MisuseIsAnError) {
   AmpConfig unknown;
   unknown.mixed_precision = "fp64";
   EXPECT_ERROR_MENTIONS(Booster{unknown}, "unknown mixed_precision", "fp64");
+}
+
+// An optimizer that already stepped is refused in every mode, before the model changes: in the modes that
+// convert the model (O2, O3, naive) its state would stay keyed to the fp32 tensors the conversion replaced,
+// and training would go on with fresh moments and step counts. Apex moves that state to the masters; we
+// refuse it, as the wrapper does in the modes that keep the parameters (fp16, O0).
+TEST(Booster, AnOptimizerThatAlreadySteppedIsRefusedBeforeTheModelChanges) {
+  for (const char* mode : {"fp16", "fp16_apex:O0", "fp16_apex:O2", "fp16_apex:O3", "fp16_naive", "bf16_naive"}) {
+    SCOPED_TRACE(mode);
+    GPT model(tiny_config(), 1);
+    auto adamw = adamw_on(model, 1e-3);
+    const auto [x, y] = fixed_batch();
+    backward(model.forward(x, y).loss);
+    adamw->step();
+    Booster booster(AmpConfig::parse(mode));
+    EXPECT_ERROR_MENTIONS(booster.boost(model, std::move(adamw)), "AdamW already has state for parameter",
+                          "boost the model before training it");
+    for (const auto& [name, dtype] : param_dtypes(model)) EXPECT_EQ(dtype, DType::F32) << name;
+    // Nothing was boosted: a fresh optimizer can be.
+    const auto optimizer = booster.boost(model, adamw_on(model, 1e-3));
+    EXPECT_NE(optimizer, nullptr);
+  }
+}
+
+// Invalid BoostOptions are an error before the model is converted: the booster and model stay usable.
+TEST(Booster, InvalidOptionsLeaveTheModelAndTheBoosterUntouched) {
+  GPT model(tiny_config(), 1);
+  Booster booster(AmpConfig::parse("fp16_naive"));
+  EXPECT_ERROR_MENTIONS(booster.boost(model, adamw_on(model, 1e-3), BoostOptions{.clip_grad = -1}),
+                        "clip_grad must be finite and >= 0", "-1");
+  for (const auto& [name, dtype] : param_dtypes(model)) EXPECT_EQ(dtype, DType::F32) << name;
+  const auto optimizer = booster.boost(model, adamw_on(model, 1e-3), BoostOptions{.clip_grad = 1});
+  for (const auto& [name, dtype] : param_dtypes(model)) EXPECT_EQ(dtype, DType::F16) << name;
+}
+
+namespace {
+
+// Records which all-reduces reach it: a group of 2 whose other rank holds the same values.
+class RecordingGroup : public ProcessGroup {
+ public:
+  int max_calls = 0, sum_calls = 0, buffer_calls = 0;
+  std::string name() const override { return "recording group of 2"; }
+  int size() const override { return 2; }
+  void all_reduce_max(std::span<double>) override { ++max_calls; }
+  void all_reduce_sum(std::span<double> values) override {
+    ++sum_calls;
+    for (double& v : values) v *= 2;
+  }
+  void all_reduce_sum(const Tensor& t) override {
+    ++buffer_calls;
+    NoGradGuard no_grad;
+    Tensor shared = t;  // the same storage
+    shared.mul_(2.0);
+  }
+};
+
+// A module with a floating buffer, for the naive modes' buffer averaging.
+class BufferedLinear : public UnaryModule {
+ public:
+  BufferedLinear() {
+    linear = register_module("linear", std::make_shared<Linear>(2, 1, false, 7));
+    running = Tensor::full({1}, 3.0);
+    register_buffer("running", running);
+  }
+  Tensor forward(const Tensor& x) override { return (*linear)(x); }
+  std::shared_ptr<Linear> linear;
+  Tensor running;
+};
+
+}  // namespace
+
+// The model-parallel group gets found_inf and the grad norm, the data-parallel group the naive modes'
+// buffer averaging, and neither the other's: one group for both would sum the replicas' identical squared
+// norms (a norm sqrt(dp) too large) or average buffers across different parts of the model.
+TEST(Booster, TheModelParallelGroupReducesTheNormAndTheDataParallelGroupTheBuffers) {
+  BufferedLinear model;
+  RecordingGroup mp, dp;
+  AmpConfig config = AmpConfig::parse("fp16_naive");
+  config.naive.scaler.initial_scale = 1024;  // 2^32 would overflow fp16 and skip the step
+  Booster booster(config);
+  auto optimizer = booster.boost(model, std::make_unique<SGD>(model.parameters(), 0.1),
+                                 {.clip_grad = 1e9, .model_parallel_group = &mp, .data_parallel_group = &dp});
+  const Tensor x = Tensor::from_vector(std::vector<float>{1, 2}, {1, 2});
+  const Tensor loss = booster.forward(
+      [&](const std::vector<Tensor>& in) { return std::vector<Tensor>{sum(model(in[0]))}; }, {x})[0];
+  booster.backward(loss, *optimizer);
+  const StepResult result = booster.step(*optimizer);
+  EXPECT_GE(mp.max_calls, 1);
+  EXPECT_GE(mp.sum_calls, 1);
+  EXPECT_EQ(mp.buffer_calls, 0);
+  EXPECT_EQ(dp.buffer_calls, 1);
+  EXPECT_EQ(dp.max_calls + dp.sum_calls, 0);
+  // The gradient is x = (1, 2) on this rank and (1, 2) on the other: norm sqrt(2 * 5).
+  EXPECT_NEAR(result.grad_norm, std::sqrt(10.0), 1e-3);
+  // The buffer: summed over the 2 replicas (doubled by the fake) and divided by 2.
+  EXPECT_EQ(model.running.to(DType::F32).item(), 3.0);
 }

@@ -151,8 +151,39 @@ TEST(GradScaler, ScaleSequenceFollowsPyTorchsRuleAndOverflowResetsTheGrowthCount
 TEST(GradScaler, KeepsTheScaleWhenGrowingWouldOverflowFp32) {
   // PyTorch keeps S as an fp32 tensor and drops a grown S that is inf there; the tracker still resets.
   GradScaler scaler({.init_scale = 2e38, .growth_factor = 2, .backoff_factor = 0.5, .growth_interval = 1});
-  EXPECT_EQ(run_pattern(scaler, "CC"), (std::vector<double>{2e38, 2e38}));
+  const double start = static_cast<float>(2e38);  // the fp32 nearest 2e38
+  EXPECT_EQ(run_pattern(scaler, "CC"), (std::vector<double>{start, start}));
   EXPECT_EQ(scaler.growth_tracker(), 0);
+}
+
+TEST(GradScaler, TheScaleIsAnFp32ValueUpdatedAsPyTorchsKernelDoes) {
+  // _amp_update_scale_ keeps S in an fp32 tensor: S * factor in double, rounded to fp32. With factors that
+  // are not powers of two the sequence differs from double arithmetic:
+  //   S0 = 24 (exact in fp32); O: 24 * 0.3 = 7.199999999999999 (double) -> fp32 7.199999809265137;
+  //   O: 7.199999809265137 * 0.3 = 2.159999942779541 -> fp32 2.1599998474121094;
+  //   C (interval 1): 2.1599998474121094 * 1.5 = 3.239999771118164 -> fp32 3.2399997711181641.
+  // (Python: struct.unpack('f', struct.pack('f', x))[0] rounds a double to fp32.)
+  GradScaler scaler({.init_scale = 24, .growth_factor = 1.5, .backoff_factor = 0.3, .growth_interval = 1});
+  EXPECT_EQ(run_pattern(scaler, "OOC"), (std::vector<double>{7.199999809265137, 2.1599998474121094,
+                                                              3.2399997711181641}));
+  // The initial scale is rounded to fp32 too (torch.full((), init_scale, dtype=torch.float32)).
+  EXPECT_EQ(GradScaler({.init_scale = 0.1}).scale(), 0.10000000149011612);
+  EXPECT_ERROR_MENTIONS(GradScaler({.init_scale = 1e39}), "init_scale", "1e+39", "fp32");
+}
+
+// PyTorch's load_state_dict leaves what unscale_() recorded: the gradients already unscaled are not
+// unscaled again after a state is loaded between unscale() and step().
+TEST(GradScaler, LoadStateDictKeepsWhatUnscaleRecorded) {
+  GradScaler scaler({.init_scale = 4});
+  Tensor p = parameter({1});
+  SGD sgd({p}, 1.0);
+  set_grad(p, {12});
+  scaler.unscale(sgd);
+  EXPECT_EQ(p.grad().item(), 3.0);
+  scaler.load_state_dict(scaler.state_dict());
+  EXPECT_ERROR_MENTIONS(scaler.unscale(sgd), "unscale() has already been called on this optimizer");
+  EXPECT_TRUE(scaler.step(sgd));
+  EXPECT_EQ(p.grad().item(), 3.0);
 }
 
 TEST(GradScaler, ScalesTheLossAndItsGradient) {

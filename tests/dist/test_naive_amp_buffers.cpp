@@ -1,8 +1,8 @@
 // NaiveAMPModel's sync_buffer over a real data-parallel group (4 MPI ranks): InternEvo's
 // _reduce_module_buffer averages every floating buffer over dp before a training forward and at the first
 // eval forward after training. tests/test_naive_amp.cpp checks the rule against a fake group; here the sums
-// travel through MPI, through the CommunicatorGroup that train_gpt hands Booster (BoostOptions::group) and
-// NaiveAMPModel.
+// travel through MPI, through the CommunicatorGroup that train_gpt hands Booster
+// (BoostOptions::data_parallel_group) and NaiveAMPModel.
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -88,7 +88,7 @@ TEST(NaiveAmpBuffers, BoosterNaiveModesAverageThroughTheBoostGroup) {
     RunningModule model;
     Booster booster(AmpConfig::parse(mode));
     const auto optimizer = booster.boost(model, std::make_unique<Adam>(model.parameters(), 1e-3),
-                                   {.group = &group});
+                                   {.data_parallel_group = &group});
     fill_by_rank(model, world.rank());
     const std::vector<Tensor> out =
         booster.forward([&model](const std::vector<Tensor>& in) { return std::vector<Tensor>{model(in[0])}; },
