@@ -27,16 +27,11 @@
 //       skipped steps      steps whose update was skipped on a gradient overflow
 //       final loss scale   the scale of the last step's loss, exact (shortest round-trip text)
 //   <mode>.jsonl             train_gpt's per-step log, checked (a line per step) before its rename into place
-//   precision_study.dat      per mode (a gnuplot index block, in --modes order): step, training loss
-//                            (trailing mean of 20 steps), loss scale
-//   precision_study.gp       the gnuplot script (rerun it in --out: gnuplot precision_study.gp)
-//   precision_study.png      two panels: smoothed training loss, and loss scale on a log2 axis. Needs
-//                            gnuplot (apt-get install gnuplot-nox), looked for at the start; without it
-//                            the tables are still written, and a precision_study.png of an earlier run is
-//                            removed.
+//   precision_study.png      two panels, a curve per mode: the training loss (trailing mean of 20 steps)
+//                            and the loss scale on a log2 axis, drawn by examples/plot.h (no outside tool)
 // The Markdown table is also printed at the end. Errors (unknown mode or option, a bad value, missing data or
 // train_gpt, a child failing) print "error: ..." and exit non-zero; a failing mode does not stop the others,
-// so the study reports what it can. When no mode succeeds nothing is written (no tables, no plot files).
+// so the study reports what it can. When no mode succeeds nothing is written (no tables, no plot).
 // SIGINT, SIGTERM or SIGHUP kill the running child, remove the temporary file being written and exit with
 // 128 + the signal.
 #include <fcntl.h>
@@ -65,6 +60,7 @@
 #include <vector>
 
 #include "amp/config.h"
+#include "examples/plot.h"
 #include "examples/training.h"
 #include "nn/json.h"
 #include "nn/state_dict.h"
@@ -115,8 +111,7 @@ void usage() {
       "  --modes LIST  comma-separated precision modes (default: all ten: fp32,tf32,fp16,bf16,\n"
       "                fp16_apex:O0,fp16_apex:O1,fp16_apex:O2,fp16_apex:O3,fp16_naive,bf16_naive)\n"
       "  --out DIR     output directory (default: <build>/precision_study): results.md, results.csv,\n"
-      "                <mode>.jsonl, precision_study.dat/.gp, and precision_study.png, which needs gnuplot\n"
-      "                (apt-get install gnuplot-nox; without it the tables are still written)\n"
+      "                <mode>.jsonl and precision_study.png (loss curves and loss scale per mode)\n"
       "  passed to every train_gpt run (defaults): --layers 4 --heads 4 --width 128 --block 64 --batch 16\n"
       "                --steps 600 (>= 1) --eval-every 200 --lr 2e-3 --min-lr 2e-4 --warmup 50 --seed 1337;\n"
       "                also --dropout --optimizer --weight-decay --beta1 --beta2 --momentum --schedule\n"
@@ -330,16 +325,6 @@ void write_file(const fs::path& path, const std::string& text) {
   tmp.rename_into_place();
 }
 
-std::optional<std::string> find_in_path(const std::string& name) {
-  const char* path = std::getenv("PATH");
-  if (!path) return std::nullopt;
-  for (const std::string& dir : split(path, ':')) {
-    const fs::path p = fs::path(dir.empty() ? "." : dir) / name;
-    if (access(p.c_str(), X_OK) == 0 && fs::is_regular_file(p)) return p.string();
-  }
-  return std::nullopt;
-}
-
 // ---- child processes ----
 
 struct ChildResult {
@@ -355,17 +340,15 @@ std::string describe_status(int status) {
 }
 
 // Runs args[0] (a path) with its stdout and stderr into one pipe, so its lines keep their order; each line
-// goes to our stdout behind `prefix`, and the last 8 are kept for an error message. `cwd`: the child's
-// working directory, if given. The child is g_child while it runs, for the stop-signal handler.
-ChildResult run_child(const std::vector<std::string>& args, const std::string& prefix,
-                      const std::string& cwd = "") {
+// goes to our stdout behind `prefix`, and the last 8 are kept for an error message. The child is g_child
+// while it runs, for the stop-signal handler.
+ChildResult run_child(const std::vector<std::string>& args, const std::string& prefix) {
   int fds[2];
   check(pipe2(fds, O_CLOEXEC) == 0, "precision_study: pipe failed: ", std::strerror(errno));
   posix_spawn_file_actions_t actions;
   posix_spawn_file_actions_init(&actions);
   posix_spawn_file_actions_adddup2(&actions, fds[1], STDOUT_FILENO);  // dup2 clears O_CLOEXEC on the copy
   posix_spawn_file_actions_adddup2(&actions, fds[1], STDERR_FILENO);
-  if (!cwd.empty()) posix_spawn_file_actions_addchdir_np(&actions, cwd.c_str());
   std::vector<char*> argv;
   for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
   argv.push_back(nullptr);
@@ -610,81 +593,47 @@ std::string markdown_table(const std::vector<Row>& rows) {
 
 // ---- the plot ----
 
-// One index block per successful mode: step (1-based: optimizer steps done), trailing mean of the last
-// kSmooth finite losses, loss scale.
-std::string plot_data(const std::vector<ModeResult>& results) {
-  std::string out = "# precision_study: step, training loss (trailing mean of 20 steps), loss scale\n";
-  char buffer[128];
+// Two panels, a curve per successful mode in --modes order: the training loss (trailing mean of the last
+// kSmooth finite losses) and the loss scale, against optimizer steps done (the log's 0-based step + 1).
+plot::Chart plot_chart(const std::vector<ModeResult>& results, const std::string& title) {
+  plot::Panel loss{.title = "training loss (trailing mean of " + std::to_string(kSmooth) + " steps)",
+                   .x_label = "step", .y_label = "loss (nats per token)"};
+  plot::Panel scale{.title = "loss scale (log2 axis)", .x_label = "step", .y_label = "loss scale",
+                    .log2_y = true};
+  size_t index = 0;
   for (const ModeResult& r : results) {
     if (!r.ok) continue;
-    out += "# " + r.mode + "\n";
+    const plot::Rgb colour = plot::palette()[index % plot::palette().size()];
+    plot::Series l{.label = r.mode, .colour = colour};
+    // Dashed scale curves: modes with the same scale overlap, and the dashes keep each one visible.
+    plot::Series s{.label = r.mode, .colour = colour, .dash = static_cast<int>(index % 5)};
     std::deque<double> window;
     double sum = 0;
-    for (const StepLog& s : r.steps) {
-      if (std::isfinite(s.loss)) {
-        window.push_back(s.loss);
-        sum += s.loss;
+    for (const StepLog& step : r.steps) {
+      if (std::isfinite(step.loss)) {
+        window.push_back(step.loss);
+        sum += step.loss;
         if (window.size() > kSmooth) { sum -= window.front(); window.pop_front(); }
       }
-      const double mean = window.empty() ? NAN : sum / double(window.size());
-      std::snprintf(buffer, sizeof(buffer), "%lld %.6f %s\n", static_cast<long long>(s.step + 1), mean,
-                    std::isfinite(s.loss_scale) ? exact_number_text(s.loss_scale).c_str() : "nan");
-      out += buffer;
+      const double x = static_cast<double>(step.step + 1);
+      l.x.push_back(x);
+      l.y.push_back(window.empty() ? NAN : sum / double(window.size()));
+      s.x.push_back(x);
+      s.y.push_back(step.loss_scale);
     }
-    out += "\n\n";
+    loss.series.push_back(std::move(l));
+    scale.series.push_back(std::move(s));
+    ++index;
   }
-  return out;
-}
-
-std::string plot_script(const std::vector<ModeResult>& results, const std::string& title) {
-  static const char* colours[] = {"#000000", "#7f7f7f", "#1f77b4", "#d62728", "#9467bd",
-                                  "#8c564b", "#e377c2", "#ff7f0e", "#2ca02c", "#17becf"};
-  std::vector<std::string> modes;
-  double top_scale = 1;  // the loss-scale axis spans [2^-1, 2^(k+1)] around [1, max scale]: never empty
-  for (const ModeResult& r : results) {
-    if (!r.ok) continue;
-    modes.push_back(r.mode);
-    for (const StepLog& step : r.steps)
-      if (std::isfinite(step.loss_scale)) top_scale = std::max(top_scale, step.loss_scale);
-  }
-  const int top_exponent = static_cast<int>(std::ceil(std::log2(top_scale))) + 1;
-  auto plot = [&](int column, bool dashed) {  // dashed: overlapping curves (equal scales) stay visible
-    std::string cmd = "plot ";
-    for (size_t i = 0; i < modes.size(); ++i) {
-      if (i) cmd += ", \\\n     ";
-      cmd += "\"precision_study.dat\" index " + std::to_string(i) + " using 1:" + std::to_string(column) +
-             " with lines lw 2 dt " + std::to_string(dashed ? i % 5 + 1 : 1) + " lc rgb \"" +
-             colours[i % 10] + "\" title \"" + modes[i] + "\"";
-    }
-    return cmd + "\n";
-  };
-  std::string s =
-      "# precision_study: smoothed training loss and loss scale per precision mode.\n"
-      "# Run in this directory: gnuplot precision_study.gp\n"
-      "# (writes precision_study.png; gnuplot -e \"out='x.png'\" precision_study.gp writes x.png)\n"
-      "if (!exists(\"out\")) out = \"precision_study.png\"\n"
-      "if (strstrt(GPVAL_TERMINALS, \"pngcairo\") > 0) {\n"
-      "  set terminal pngcairo size 1000,1000 font \"sans,10\"\n"
-      "} else {\n"
-      "  set terminal png size 1000,1000\n"
-      "}\n"
-      "set output out\n"
-      "set termoption noenhanced\n"
-      "set multiplot layout 2,1 title \"" + title + "\"\n"
-      "set grid\n"
-      "set key outside right top\n"
-      "set xlabel \"step\"\n"
-      "set title \"training loss (trailing mean of " + std::to_string(kSmooth) + " steps)\"\n"
-      "set ylabel \"loss (nats per token)\"\n" +
-      plot(2, false) +
-      "set title \"loss scale (log2 axis)\"\n"
-      "set ylabel \"loss scale\"\n"
-      "set logscale y 2\n"
-      "set yrange [0.5:" + std::to_string(std::ldexp(1.0, top_exponent)) + "]\n"
-      "set format y \"2^%L\"\n"
-      "set key outside right top\n" +
-      plot(3, true) + "unset multiplot\n";
-  return s;
+  // The scale axis: one power of two of headroom below 1 (the modes without a scaler log 1) and above the
+  // largest scale, so that no trace runs along the frame.
+  double top = 1;
+  for (const plot::Series& s : scale.series)
+    for (double y : s.y)
+      if (std::isfinite(y)) top = std::max(top, y);
+  scale.y_min = 0.5;
+  scale.y_max = std::exp2(std::ceil(std::log2(top)) + 1);
+  return plot::Chart{.width = 1000, .height = 1000, .title = title, .panels = {loss, scale}};
 }
 
 // ---- main ----
@@ -715,11 +664,6 @@ int run(int argc, char** argv) {
   std::printf("precision_study: %s, train_gpt --data %s%s\n  writing to %s\n",
               count_text(opt.modes.size(), "mode").c_str(), opt.data.c_str(), flags_text.c_str(),
               out.string().c_str());
-  // Said now, not after the runs: there is still time to install it.
-  const std::optional<std::string> gnuplot = find_in_path("gnuplot");
-  if (!gnuplot)
-    std::printf("  gnuplot not found (apt-get install gnuplot-nox): the tables will be written, "
-                "but no PNG\n");
   std::fflush(stdout);
 
   std::vector<ModeResult> results;
@@ -795,54 +739,17 @@ int run(int argc, char** argv) {
   }
   write_file(out / "results.md", md);
   write_file(out / "results.csv", csv_table(rows));
-  write_file(out / "precision_study.dat", plot_data(results));
-  write_file(out / "precision_study.gp", plot_script(results, "precision_study:" + flags_text));
-
   const fs::path png = out / "precision_study.png";
-  std::string plot_note;
-  bool plot_failed = false;
-  if (gnuplot) {
-    TempFile png_tmp(png);
-    const std::string out_option = "out='" + png_tmp.path().filename().string() + "'";
-    const ChildResult g = run_child({*gnuplot, "-e", out_option, "precision_study.gp"}, "[gnuplot] ",
-                                    out.string());
-    if (g.status == 0 && fs::is_regular_file(png_tmp.path())) {
-      png_tmp.rename_into_place();
-      plot_note = "wrote " + png.string();
-    } else {
-      plot_note = "gnuplot failed (" + describe_status(g.status) + "): no PNG";
-      plot_failed = true;
-    }
-  } else {
-    plot_note = "no PNG (gnuplot not found)";
-  }
-  // A PNG of an earlier study beside these tables would show other runs: without a new one, it goes.
-  if (plot_note.rfind("wrote ", 0) != 0 && fs::exists(png)) {
-    fs::remove(png, ec);
-    plot_note += ec ? "; could not remove the stale " + png.string() + " of an earlier run (" +
-                          ec.message() + ")"
-                    : "; removed the stale " + png.string() + " of an earlier run";
-  }
+  write_file(png, plot::encode_png(plot::render(plot_chart(results, "precision_study:" + flags_text))));
 
-  std::printf("\n%s%s\nwrote %s, %s, %s, %s\n%s\n", table.c_str(), notes.c_str(),
-              (out / "results.md").string().c_str(), (out / "results.csv").string().c_str(),
-              (out / "precision_study.dat").string().c_str(), (out / "precision_study.gp").string().c_str(),
-              plot_note.c_str());
+  std::printf("\n%s%s\nwrote %s, %s, %s\n", table.c_str(), notes.c_str(), (out / "results.md").string().c_str(),
+              (out / "results.csv").string().c_str(), png.string().c_str());
   if (!failed.empty())
     fail("precision_study: ", failed.size(), " of ", count_text(results.size(), "mode"), " failed:",
          failed_list);
-  check(!plot_failed, "precision_study: ", plot_note);
   return 0;
 }
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  try {
-    return run(argc, argv);
-  } catch (const std::exception& e) {
-    std::fflush(stdout);
-    std::fprintf(stderr, "error: %s\n", e.what());
-    return 1;
-  }
-}
+int main(int argc, char** argv) { return run_program(run, argc, argv); }

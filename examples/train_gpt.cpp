@@ -13,7 +13,7 @@
 // the progress line as "zeros"), val_loss on the steps that evaluated (after that step's update), and
 // peak_rss_kib: this process's peak resident memory so far in KiB (VmHWM of /proc/self/status, after the step
 // and its evaluation; absent where /proc has none). A loss that is not finite is written as null (JSON has no
-// NaN). examples/plot_loss.sh turns it into a PNG.
+// NaN). The plot_loss program (examples/plot_loss.cpp) turns it into a PNG.
 //
 // The progress line's "scale" is the loss scale after the step's update (the one the next step uses, as
 // Megatron-LM logs it) and "skipped" counts the skipped steps since step 1, a resumed run's included.
@@ -524,13 +524,5 @@ int run(int argc, char** argv) {
 int main(int argc, char** argv) {
   // Under mpirun an error on one rank must end every rank (the others may be waiting in a collective for it).
   if (under_mpi_launcher()) return dist::run_or_abort(run, argc, argv);
-  try {
-    return run(argc, argv);
-  } catch (const Error& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
-    return 1;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
-    return 1;
-  }
+  return run_program(run, argc, argv);
 }

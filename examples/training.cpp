@@ -549,4 +549,14 @@ std::string fixed_text(double x, int digits) {
   return buffer;
 }
 
+int run_program(int (*run)(int, char**), int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const std::exception& e) {
+    std::fflush(stdout);
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  }
+}
+
 }  // namespace mixtape

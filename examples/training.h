@@ -204,4 +204,8 @@ double number_argument(const std::string& program, const std::string& flag, cons
 // x with `digits` decimals, or "nan", "inf", "-inf" when it is not finite (printf may write "-nan").
 std::string fixed_text(double x, int digits);
 
+// An example program's main: run(argc, argv), or on an exception what it says as "error: ..." on stderr
+// (after what was printed to stdout) and exit status 1.
+int run_program(int (*run)(int, char**), int argc, char** argv);
+
 }  // namespace mixtape

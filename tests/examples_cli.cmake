@@ -1,9 +1,10 @@
 # End-to-end tests of the train_gpt and generate command lines: real runs on small generated data, checking
 # what the programs print and write. Every check reports through check_failed (SEND_ERROR: the script goes on
 # and the test fails at the end); a command that exits with an unexpected status stops the script.
-# Run as: cmake -DTRAIN_GPT=<exe> -DGENERATE=<exe> -DWORK_DIR=<scratch dir> -P examples_cli.cmake
+# Run as: cmake -DTRAIN_GPT=<exe> -DGENERATE=<exe> -DPLOT_LOSS=<exe> -DWORK_DIR=<scratch dir>
+#        -P examples_cli.cmake
 cmake_minimum_required(VERSION 3.25)
-foreach(var TRAIN_GPT GENERATE WORK_DIR)
+foreach(var TRAIN_GPT GENERATE PLOT_LOSS WORK_DIR)
   if(NOT DEFINED ${var})
     message(FATAL_ERROR "examples_cli.cmake: -D${var}=... is required")
   endif()
@@ -377,4 +378,33 @@ list(LENGTH lines n)
 list(GET lines -1 last)
 if(NOT n EQUAL 4 OR NOT last MATCHES "\"loss\":null,")
   check_failed("an overflowing fp16 run: expected 4 log lines, the last with loss null: ${lines}")
+endif()
+
+# plot_loss draws a log as a 900 x 540 PNG (its pixels and encoding: the Plot* unit tests), a log with null
+# losses too, and replaces the steps a resumed run repeated (a log of steps 0-29, then 10-29 again).
+run(out ${PLOT_LOSS} log.jsonl loss.png "a title")
+check_png_header(${WORK_DIR}/loss.png 900 540)
+if(NOT out MATCHES "plot_loss: wrote loss.png")
+  check_failed("plot_loss does not say what it wrote: ${out}")
+endif()
+run(out ${PLOT_LOSS} nan.jsonl nan.png)
+check_png_header(${WORK_DIR}/nan.png 900 540)
+file(READ ${WORK_DIR}/log.jsonl log_text)
+string(REGEX MATCH "{\"step\":10,.*$" tail "${log_text}")
+file(WRITE ${WORK_DIR}/resumed.jsonl "${log_text}${tail}")
+run(out ${PLOT_LOSS} resumed.jsonl resumed.png "a title")
+file(READ ${WORK_DIR}/loss.png first HEX)
+file(READ ${WORK_DIR}/resumed.png second HEX)
+if(NOT first STREQUAL second)
+  check_failed("plot_loss: a log with steps 10-29 repeated does not draw the plot of the log without them")
+endif()
+file(WRITE ${WORK_DIR}/empty.jsonl "")
+run_fails("plot_loss: missing log" ${PLOT_LOSS} missing.jsonl x.png MENTIONS "cannot read the log 'missing.jsonl'")
+run_fails("plot_loss: empty log" ${PLOT_LOSS} empty.jsonl x.png MENTIONS "no training steps in 'empty.jsonl'")
+run_fails("plot_loss: not a log" ${PLOT_LOSS} words.txt x.png MENTIONS "words.txt line 1:" "--log-json file")
+run_fails("plot_loss: arguments" ${PLOT_LOSS} log.jsonl MENTIONS "expected LOG.jsonl OUT.png [TITLE]")
+run_fails("plot_loss: missing directory" ${PLOT_LOSS} log.jsonl no/such/dir/x.png MENTIONS "no/such/dir/x.png")
+file(GLOB leftovers ${WORK_DIR}/*.tmp ${WORK_DIR}/x.png)
+if(leftovers)
+  check_failed("plot_loss left files behind: ${leftovers}")
 endif()

@@ -25,7 +25,7 @@ execute_process(COMMAND ${PRECISION_STUDY} --data words.txt --modes fp32,bf16 ${
 if(NOT status EQUAL 0)
   message(FATAL_ERROR "precision_study failed (${status}):\nstdout:\n${out}\nstderr:\n${err}")
 endif()
-foreach(file results.md results.csv fp32.jsonl bf16.jsonl precision_study.dat precision_study.gp)
+foreach(file results.md results.csv fp32.jsonl bf16.jsonl precision_study.png)
   if(NOT EXISTS ${WORK_DIR}/study/${file})
     check_failed("precision_study did not write ${file}")
   endif()
@@ -40,15 +40,11 @@ foreach(mode fp32 bf16)
     check_failed("no streamed '[${mode}] step 20/20' progress line:\n${out}")
   endif()
 endforeach()
-# With gnuplot the PNG exists (a PNG signature); without it the program says so.
-find_program(GNUPLOT gnuplot)
-if(GNUPLOT)
-  file(READ ${WORK_DIR}/study/precision_study.png signature LIMIT 8 HEX)
-  if(NOT signature STREQUAL "89504e470d0a1a0a")
-    check_failed("precision_study.png is missing or not a PNG (gnuplot at ${GNUPLOT}): '${signature}'")
-  endif()
-elseif(NOT out MATCHES "gnuplot not found \\(apt-get install gnuplot-nox\\)[^\n]*\n\n=== \\[1/2\\] fp32\n")
-  check_failed("without gnuplot the output does not say so before the first run:\n${out}")
+# The plot is a 1000 x 1000 PNG (its signature, then IHDR's width and height), drawn by precision_study itself
+# (examples/plot.h; its pixels and encoding are checked by the Plot* unit tests), and the output names it.
+check_png_header(${WORK_DIR}/study/precision_study.png 1000 1000)
+if(NOT out MATCHES "\nwrote [^\n]*results.md, [^\n]*results.csv, [^\n]*precision_study.png\n")
+  check_failed("the output does not name the files written:\n${out}")
 endif()
 
 # results.csv: the header and one row per mode, in --modes order, every field a number; fp32's diff is 0.
@@ -219,18 +215,14 @@ while [ $i -lt "$steps" ]; do
 done
 ]=])
 file(CHMOD ${stub_dir}/train_gpt PERMISSIONS OWNER_READ OWNER_WRITE OWNER_EXECUTE)
-file(MAKE_DIRECTORY ${WORK_DIR}/nobin)  # PATH without gnuplot
-set(saved_path "$ENV{PATH}")
 
 # Numbers: a difference that rounds to zero is 0.0000 (+0.0000 in Markdown), never -0.0000; the loss scale
 # is exact; the peak RSS is the stub's own VmHWM from its log (not wait4's ru_maxrss, which is at least
-# precision_study's own peak). Without gnuplot, a precision_study.png of an earlier study is removed.
+# precision_study's own peak). A precision_study.png of an earlier study is replaced.
 file(MAKE_DIRECTORY ${WORK_DIR}/stubbed)
 file(WRITE ${WORK_DIR}/stubbed/precision_study.png "an earlier study's plot")
-set(ENV{PATH} "${WORK_DIR}/nobin")
 execute_process(COMMAND ${STUB} --data words.txt --modes fp32,bf16 --steps 3 --out stubbed
                 WORKING_DIRECTORY ${WORK_DIR} RESULT_VARIABLE status OUTPUT_VARIABLE out ERROR_VARIABLE err)
-set(ENV{PATH} "${saved_path}")
 file(STRINGS ${WORK_DIR}/stubbed/results.csv lines)
 if(NOT status EQUAL 0)
   check_failed("the stubbed study failed (${status}):\n${out}\n${err}")
@@ -254,9 +246,7 @@ else()
   if(NOT md MATCHES "\n\\| bf16 +\\| +2\\.7500 \\| +2\\.5000 \\| +\\+0\\.0000 \\| +\\+0\\.00 \\|")
     check_failed("the stubbed bf16 row in results.md does not show +0.0000 and +0.00:\n${md}")
   endif()
-  if(EXISTS ${WORK_DIR}/stubbed/precision_study.png OR NOT out MATCHES "removed the stale")
-    check_failed("without gnuplot the stale precision_study.png was not removed, or not said so:\n${out}")
-  endif()
+  check_png_header(${WORK_DIR}/stubbed/precision_study.png 1000 1000)
 endif()
 
 # A log with a line short is a failure, found before the log is renamed into place; a mode that fails
@@ -274,7 +264,7 @@ run_fails("a failing mode" ${STUB} --data words.txt --modes fp32,bf16 --steps 3 
 unset(ENV{STUB_FAIL})
 file(GLOB written RELATIVE ${WORK_DIR} ${WORK_DIR}/short/* ${WORK_DIR}/partial/*)
 list(FILTER written EXCLUDE REGEX
-     "^partial/(fp32.jsonl|results.md|results.csv|precision_study.(dat|gp|png))$")
+     "^partial/(fp32.jsonl|results.md|results.csv|precision_study.png)$")
 if(written)
   check_failed("failed modes left files behind: ${written}")
 endif()
