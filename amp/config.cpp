@@ -361,8 +361,7 @@ std::optional<DType> AmpConfig::autocast_dtype() const {
 std::optional<DType> AmpConfig::model_dtype() const {
   if (mixed_precision == "fp16_naive") return DType::F16;
   if (mixed_precision == "bf16_naive") return DType::BF16;
-  if (mixed_precision == "fp16_apex")
-    return apex.opt_level == "O0" ? apex.cast_model_type.value_or(DType::F32) : apex.cast_model_type;
+  if (mixed_precision == "fp16_apex") return apex.cast_model_type;  // O0 with false too: Apex casts nothing
   return std::nullopt;
 }
 

@@ -58,7 +58,7 @@ namespace mixtape {
 
 struct ApexProperties {
   std::string opt_level = "O1";
-  std::optional<DType> cast_model_type;       // nullopt: the model is not cast (O1); O0 counts it as fp32
+  std::optional<DType> cast_model_type;       // nullopt: the model is not cast (O1, or false at any level)
   bool patch_torch_functions = true;          // fp16 autocast around the ops
   std::optional<bool> keep_batchnorm_fp32;    // nullopt: Apex's None
   bool master_weights = false;                // O1's None counts as false: its params are fp32 already

@@ -175,10 +175,11 @@ TEST(AmpConfig, ApexO0IsFp32) {
                           "O0", "cast_model_type", std::string("\"") + dtype + "\"", "fp32");
   }
   EXPECT_EQ(AmpConfig::from_json(R"({"cast_model_type":"fp32"})", "fp16_apex:O0").model_dtype(), DType::F32);
-  // Unset counts as fp32.
+  // false: no cast at all, as Apex installs no input/output casters without a cast_model_type (an f64 input
+  // stays f64).
   const AmpConfig unset = AmpConfig::from_json(R"({"cast_model_type":false})", "fp16_apex:O0");
   EXPECT_FALSE(unset.apex.cast_model_type.has_value());
-  EXPECT_EQ(unset.model_dtype(), DType::F32);
+  EXPECT_FALSE(unset.model_dtype().has_value());
 }
 
 TEST(AmpConfig, ApexNumLossesHasAnUpperBound) {
