@@ -34,11 +34,6 @@ struct Point {
   std::optional<double> val_loss = {};  // present when the step evaluated (NaN when it was not finite)
 };
 
-double number_or_nan(const json::Value* v) {
-  if (!v || v->is_null()) return NAN;  // train_gpt writes a non-finite value as null (JSON has no NaN)
-  return v->as_number();
-}
-
 // Step -> its losses. A line whose step is not after the previous line's starts a resumed run: the steps
 // from there on are replaced by the lines that follow.
 std::map<int64_t, Point> read_log(const std::string& path) {
@@ -55,8 +50,8 @@ std::map<int64_t, Point> read_log(const std::string& path) {
       check(v.find("loss") != nullptr, "no \"loss\"");
       const int64_t s = step->as_integer();
       points.erase(points.lower_bound(s), points.end());
-      Point p{.loss = number_or_nan(v.find("loss"))};
-      if (const json::Value* val = v.find("val_loss")) p.val_loss = number_or_nan(val);
+      Point p{.loss = log_number(v.find("loss"))};
+      if (const json::Value* val = v.find("val_loss")) p.val_loss = log_number(val);
       points[s] = p;
     } catch (const Error& e) {
       fail("plot_loss: ", path, " line ", number, ": ", e.what(), " (is it a train_gpt --log-json file?)");

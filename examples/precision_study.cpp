@@ -430,11 +430,6 @@ struct ModeResult {
   int64_t skipped = 0;
 };
 
-double number_or_nan(const json::Value* v) {
-  if (!v || v->is_null()) return NAN;  // train_gpt writes a non-finite value as null (JSON has no NaN)
-  return v->as_number();
-}
-
 // Reads and checks a train_gpt log before it is renamed into place: a JSON object per line, steps 0, 1, ...,
 // one per step of the run.
 std::vector<StepLog> read_log(const fs::path& path, int64_t expected_steps) {
@@ -451,12 +446,12 @@ std::vector<StepLog> read_log(const fs::path& path, int64_t expected_steps) {
       check(step != nullptr, "no \"step\"");
       s.step = step->as_integer();
       check(s.step == static_cast<int64_t>(steps.size()), "step ", s.step, ", expected ", steps.size());
-      s.loss = number_or_nan(v.find("loss"));
-      s.loss_scale = number_or_nan(v.find("loss_scale"));
-      s.tokens_per_s = number_or_nan(v.find("tokens_per_s"));
+      s.loss = log_number(v.find("loss"));
+      s.loss_scale = log_number(v.find("loss_scale"));
+      s.tokens_per_s = log_number(v.find("tokens_per_s"));
       const json::Value* val_loss = v.find("val_loss");
       s.evaluated = val_loss != nullptr;
-      s.val_loss = number_or_nan(val_loss);
+      s.val_loss = log_number(val_loss);
       const json::Value* skipped = v.find("skipped");
       s.skipped = skipped && skipped->as_bool();
       if (const json::Value* rss = v.find("peak_rss_kib"); rss && !rss->is_null()) {

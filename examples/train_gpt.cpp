@@ -483,14 +483,12 @@ int run(int argc, char** argv) {
                        : "training diverged");
     }
     if (log.is_open()) {
-      // JSON has no NaN or infinity: a non-finite number is written as null.
-      auto number = [](double x) { return std::isfinite(x) ? json::Value(x) : json::Value(); };
-      json::Value::Object line{{"step", s.step}, {"loss", number(s.loss)}, {"lr", s.lr},
-                               {"grad_norm", s.skipped ? json::Value() : number(s.grad_norm)},
+      json::Value::Object line{{"step", s.step}, {"loss", log_value(s.loss)}, {"lr", s.lr},
+                               {"grad_norm", s.skipped ? json::Value() : log_value(s.grad_norm)},
                                {"tokens_per_s", double(tokens_per_step) / step_seconds},
                                {"loss_scale", s.loss_scale}, {"skipped", s.skipped}};
       if (s.num_zeros >= 0) line.emplace_back("num_zeros", s.num_zeros);
-      if (eval) line.emplace_back("val_loss", number(val_loss));
+      if (eval) line.emplace_back("val_loss", log_value(val_loss));
       if (const int64_t kib = peak_rss_kib(); kib > 0) line.emplace_back("peak_rss_kib", kib);
       log << json::Value(line).dump() << '\n';
       log.flush();

@@ -549,6 +549,13 @@ std::string fixed_text(double x, int digits) {
   return buffer;
 }
 
+json::Value log_value(double x) { return std::isfinite(x) ? json::Value(x) : json::Value(); }
+
+double log_number(const json::Value* value) {
+  if (!value || value->is_null()) return NAN;
+  return value->as_number();
+}
+
 int run_program(int (*run)(int, char**), int argc, char** argv) {
   try {
     return run(argc, argv);

@@ -33,6 +33,7 @@
 #include "amp/booster.h"
 #include "amp/config.h"
 #include "nn/gpt.h"
+#include "nn/json.h"
 #include "nn/state_dict.h"
 #include "optim/optimizer.h"
 #include "optim/schedule.h"
@@ -207,5 +208,10 @@ std::string fixed_text(double x, int digits);
 // An example program's main: run(argc, argv), or on an exception what it says as "error: ..." on stderr
 // (after what was printed to stdout) and exit status 1.
 int run_program(int (*run)(int, char**), int argc, char** argv);
+
+// Numbers in train_gpt's --log-json lines. JSON has no NaN or infinity, so a non-finite number is written as
+// null (log_value) and read back as NaN, as is an absent key (log_number).
+json::Value log_value(double x);
+double log_number(const json::Value* value);
 
 }  // namespace mixtape
