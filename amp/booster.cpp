@@ -59,6 +59,14 @@ BoostedParts Booster::boost_parts(Module& model, std::unique_ptr<Optimizer> opti
     check(optimizer->state(param) == nullptr, "Booster.boost: the ", optimizer->name(),
           " already has state for parameter ", param.description(),
           "; expected an optimizer that has not taken a step (boost the model before training it)");
+  // fp32 gradients are set on leaves without a gradient: a 16-bit parameter (which conversion keeps as it
+  // is) must not have one yet; an fp32 one becomes a new 16-bit leaf or stays fp32.
+  if (c.fp32_grads())
+    for (const auto& [name, param] : model.named_parameters())
+      check(!is_low_precision(param.dtype()) || !param.grad().defined(), "Booster.boost: parameter ", name,
+            " ", param.description(), " already has a gradient; ", c.name(),
+            " gives the 16-bit parameters fp32 gradients, which needs none yet (boost the model before ",
+            "training it, or zero_grad first)");
   print_verbose_ = options.print_verbose;
   const std::vector<std::pair<std::string, Tensor>> before = model.named_parameters();
 
@@ -115,6 +123,9 @@ BoostedParts Booster::boost_parts(Module& model, std::unique_ptr<Optimizer> opti
     }
   // From here the optimizer holds the parameters: a later set_fp32 would make leaves it does not hold.
   if (naive_) naive_->seal();
+  if (c.fp32_grads())
+    for (const auto& [name, param] : after)
+      if (is_low_precision(param.dtype())) Tensor(param).set_grad_dtype(DType::F32);
 
   // ---- the scalers ----
   std::vector<std::unique_ptr<LossScaler>> scalers;

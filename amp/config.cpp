@@ -41,7 +41,8 @@ const std::vector<std::string>& keys_of(const std::string& mode) {
         "loss_scale", "cast_model_outputs", "num_losses", "verbosity", "min_loss_scale", "max_loss_scale"}},
       {"fp16_naive",
        {"clip_grad", "log_num_zeros_in_grad", "initial_scale", "min_scale", "growth_factor", "backoff_factor",
-        "growth_interval", "hysteresis", "max_scale", "verbose", "output_to_fp32"}},
+        "growth_interval", "hysteresis", "max_scale", "verbose", "output_to_fp32",
+        "accumulate_allreduce_grads_in_fp32"}},
   };
   const auto found = keys.find(mode == "bf16_naive" ? "fp16_naive" : mode);
   check(found != keys.end(), "AmpConfig: unknown mixed_precision \"", mode, "\" (expected one of ",
@@ -275,6 +276,8 @@ AmpConfig AmpConfig::from_json(std::string_view text, std::optional<std::string_
       else if (key == "hysteresis") n.scaler.hysteresis = integer(value, key);
       else if (key == "verbose") n.verbose = boolean(value, key);
       else if (key == "output_to_fp32") n.output_to_fp32 = boolean(value, key);
+      else if (key == "accumulate_allreduce_grads_in_fp32")
+        n.accumulate_allreduce_grads_in_fp32 = boolean(value, key);
     }
   }
   // Given at all (even at the default value), a bound of dynamic scaling with a static scale is a mistake.
@@ -365,6 +368,12 @@ std::optional<DType> AmpConfig::model_dtype() const {
   return std::nullopt;
 }
 
+bool AmpConfig::fp32_grads() const {
+  if (is_naive()) return naive.accumulate_allreduce_grads_in_fp32;
+  const std::optional<DType> cast = model_dtype();
+  return mixed_precision == "fp16_apex" && apex.master_weights && cast && *cast != DType::F32;
+}
+
 std::string AmpConfig::training_differences(const AmpConfig& other, std::string_view other_label) const {
   static const std::set<std::string, std::less<>> printing = {"verbose", "verbosity",
                                                                "log_num_zeros_in_grad"};
@@ -436,6 +445,7 @@ std::string AmpConfig::to_json() const {
     o.emplace_back("max_scale", num(naive.scaler.max_scale));
     o.emplace_back("verbose", naive.verbose);
     o.emplace_back("output_to_fp32", naive.output_to_fp32);
+    o.emplace_back("accumulate_allreduce_grads_in_fp32", naive.accumulate_allreduce_grads_in_fp32);
   }
   return json::Value(std::move(o)).dump();
 }

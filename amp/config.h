@@ -15,7 +15,10 @@
 //                                                                          backoff_factor 0.5,
 //                                                                          growth_interval 1000,
 //                                                                          hysteresis 2, max_scale 2^32,
-//                                                                          verbose false, output_to_fp32 true
+//                                                                          verbose false,
+//                                                                          output_to_fp32 true,
+//                                                                          accumulate_allreduce_grads_in_fp32
+//                                                                          false
 //
 // Apex's property table (apex/amp/frontend.py), each property overridable as in amp.initialize():
 //   opt_level  cast_model_type  patch_torch_functions  keep_batchnorm_fp32  master_weights  loss_scale
@@ -36,6 +39,13 @@
 // default) prints Apex's "Gradient overflow.  Skipping step, loss scaler K reducing loss scale to S" on every
 // skipped step; 2 also prints each growth of a dynamic scale. loss_scale may be a number, "dynamic", or a
 // numeric string ("128.0": Apex applies float() to it).
+//
+// Gradient accumulation over several backward calls (micro-batches) of one step: the model's 16-bit
+// parameters get fp32 gradients (Tensor::set_grad_dtype) with Apex's master weights, which is what Apex's
+// default (each backward's gradients unscaled into the fp32 master gradients) amounts to, and in the naive
+// modes with accumulate_allreduce_grads_in_fp32 (Megatron-LM's option; its default, false, keeps
+// Colossal-AI's and InternEvo's gradients in the parameters' dtype). The data-parallel reducer then averages
+// fp32 gradients. See amp/README.md.
 //
 // A static loss scale (O0, O3, a numeric loss_scale) skips a step whose gradients are not finite, as every
 // scale does here (amp/optimizer.h); Apex steps anyway then (it only checks for overflow when dynamic).
@@ -84,6 +94,7 @@ struct NaiveAmpOptions {
   DynamicLossScalerOptions scaler;            // initial_scale, min_scale, max_scale, growth/backoff, hysteresis
   bool verbose = false;                       // print each scale growth and backoff (Colossal-AI's lines)
   bool output_to_fp32 = true;
+  bool accumulate_allreduce_grads_in_fp32 = false;  // Megatron-LM's: fp32 gradients for the 16-bit parameters
 };
 
 struct AmpConfig {
@@ -111,6 +122,8 @@ struct AmpConfig {
   // What the mode does, for Booster and the logs.
   std::optional<DType> autocast_dtype() const;  // F16/BF16 when ops are autocast (fp16, bf16, apex O1)
   std::optional<DType> model_dtype() const;     // the dtype parameters are cast to (naive, apex O2/O3, O0)
+  // Whether boost() gives the 16-bit parameters fp32 gradients (see above).
+  bool fp32_grads() const;
   bool is_naive() const { return mixed_precision == "fp16_naive" || mixed_precision == "bf16_naive"; }
 };
 

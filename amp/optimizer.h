@@ -13,7 +13,9 @@
 //                              scales, so when the loss id changes the model gradients so far are folded
 //                              into the master gradients first (Apex's stash-and-unscale for num_losses).
 //                              Backward calls under one loss id (micro-batches) add their scaled
-//                              gradients in the parameters' dtype until the fold (amp/README.md: why).
+//                              gradients in the parameters' gradient dtype until the fold: the parameter's
+//                              own, or fp32 after Tensor::set_grad_dtype (Booster does it for Apex's
+//                              master weights and accumulate_allreduce_grads_in_fp32; amp/README.md).
 //   step()                     1. fold: master_grad += model_grad / S (fp32, one fused pass that also
 //                                 checks finiteness: unscale_and_check_finite); model grads dropped
 //                              2. found_inf and "loss used this step" all-reduced (MAX) over the process

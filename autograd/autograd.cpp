@@ -28,7 +28,7 @@ Tensor conform(const Tensor& grad, const Shape& shape, DType dtype, const char* 
 }
 
 void accumulate_leaf(TensorImpl& leaf, const Tensor& grad) {
-  Tensor g = conform(grad, leaf.shape, leaf.dtype, "leaf");
+  Tensor g = conform(grad, leaf.shape, leaf.grad_dtype.value_or(leaf.dtype), "leaf");
   if (!leaf.grad) {
     // Own a fresh contiguous buffer: g may be a broadcast view or alias another tensor.
     Tensor owned = Tensor::empty(g.shape(), g.dtype(), g.device());

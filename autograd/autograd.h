@@ -12,7 +12,8 @@ namespace mixtape {
 // Backpropagates from a one-element loss (gradient 1).
 void backward(const Tensor& loss);
 // Backpropagates from several outputs with given output gradients (pipeline stages need this form).
-// Leaf gradients accumulate across calls; the graph's saved tensors are freed afterwards, so running
+// Leaf gradients accumulate across calls, in each leaf's grad_dtype() (its own dtype unless
+// Tensor::set_grad_dtype chose another); the graph's saved tensors are freed afterwards, so running
 // backward through the same graph twice is an error.
 void backward(const std::vector<Tensor>& outputs, const std::vector<Tensor>& grad_outputs);
 

@@ -29,9 +29,9 @@ GradientReducer::GradientReducer(Communicator dp, std::vector<Tensor> params, in
     check(p.defined(), kWho, ": parameter ", k, " is undefined");
     check(is_floating(p.dtype()), kWho, ": parameter ", k, " is ", p.description(),
           ", expected a floating-point parameter");
-    auto& [bucket, bytes] = open[p.dtype()];
+    auto& [bucket, bytes] = open[p.grad_dtype()];
     bucket.push_back(k);
-    bytes += p.numel() * static_cast<int64_t>(dtype_size(p.dtype()));
+    bytes += p.numel() * static_cast<int64_t>(dtype_size(p.grad_dtype()));
     if (bytes >= bucket_bytes) {
       buckets_.push_back(std::move(bucket));
       bucket.clear();
@@ -117,7 +117,7 @@ void GradientReducer::start_bucket(size_t b) {
   const Tensor& first = params_[bucket.front()];
   int64_t total = 0;
   for (size_t k : bucket) total += params_[k].numel();
-  Tensor flat = Tensor::zeros({total}, reduction_dtype(first.dtype()), first.device());
+  Tensor flat = Tensor::zeros({total}, reduction_dtype(first.grad_dtype()), first.device());
   int64_t offset = 0;
   for (size_t k : bucket) {
     const Tensor& p = params_[k];
@@ -142,9 +142,9 @@ void GradientReducer::finish_bucket(size_t b) {
   int64_t offset = 0;
   for (size_t k : bucket) {
     const Tensor& p = params_[k];
-    // A fresh gradient of the parameter's dtype (rounded once): never writes into a gradient that may
-    // alias another tensor.
-    Tensor grad = Tensor::empty(p.shape(), p.dtype(), p.device());
+    // A fresh gradient of the parameter's gradient dtype (rounded once): never writes into a gradient that
+    // may alias another tensor.
+    Tensor grad = Tensor::empty(p.shape(), p.grad_dtype(), p.device());
     grad.copy_(flat.narrow(0, offset, p.numel()).reshape(p.shape()));
     params_[k].set_grad(grad);
     offset += p.numel();

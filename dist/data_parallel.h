@@ -9,12 +9,13 @@
 // by local/global size by the caller.
 //
 // Buckets: parameters are visited in reverse order (the order backward produces their gradients, as DDP
-// does), grouped by gradient dtype, and packed into flat contiguous buffers of about bucket_bytes (counted
-// in the gradient's dtype; a parameter larger than that is a bucket by itself; bucket_bytes = 0 puts every
+// does), grouped by gradient dtype (Tensor::grad_dtype() at construction: fp32 for a 16-bit parameter whose
+// gradients accumulate in fp32), and packed into flat contiguous buffers of about bucket_bytes (counted in
+// the gradient's dtype; a parameter larger than that is a bucket by itself; bucket_bytes = 0 puts every
 // parameter in its own bucket). One all_reduce per bucket. The flat buffer is kept in the reduction dtype:
 // f32 for f16/bf16/f32 gradients, f64 for f64, so 16-bit gradients are summed in fp32, divided by the dp
-// size in fp32 and rounded once back to their dtype: the average of scaled fp16 gradients cannot overflow
-// where the sum would (the sum never exists in fp16).
+// size in fp32 and rounded once back to their gradient dtype: the average of scaled fp16 gradients cannot
+// overflow where the sum would (the sum never exists in fp16), and fp32 gradients are never rounded.
 //
 // Overlap with backward: between begin() and finish(), the reducer listens to autograd's leaf-gradient hook
 // (autograd/autograd.h) and starts a bucket's all-reduce (non-blocking: Communicator::all_reduce_start) as soon

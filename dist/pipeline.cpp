@@ -317,7 +317,7 @@ void all_reduce_tied_gradients(const Tensor& tied_weight, const Communicator& em
   if (embedding_group.size() == 1) return;
   Tensor grad = tied_weight.grad();
   if (!grad.defined()) {
-    grad = Tensor::zeros(tied_weight.shape(), tied_weight.dtype(), tied_weight.device());
+    grad = Tensor::zeros(tied_weight.shape(), tied_weight.grad_dtype(), tied_weight.device());
     Tensor weight = tied_weight;
     weight.set_grad(grad);
   }

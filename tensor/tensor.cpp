@@ -581,4 +581,14 @@ void Tensor::set_grad(const Tensor& grad) {
   impl().grad = grad.impl_ptr();
 }
 
+Tensor& Tensor::set_grad_dtype(DType dtype) {
+  check(is_floating(dtype), "set_grad_dtype: ", description(), ": the gradient dtype must be floating, got ",
+        dtype_name(dtype));
+  check(is_leaf(), "set_grad_dtype: ", description(), " is not a leaf; only leaves accumulate gradients");
+  check(!impl().grad, "set_grad_dtype: ", description(), " already has a gradient (",
+        Tensor(impl().grad).description(), "); set the dtype before backward or after zero_grad");
+  impl().grad_dtype = dtype == impl().dtype ? std::nullopt : std::optional<DType>(dtype);
+  return *this;
+}
+
 }  // namespace mixtape

@@ -5,6 +5,7 @@
 #include <initializer_list>
 #include <iosfwd>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -27,6 +28,9 @@ struct TensorImpl {
   bool requires_grad = false;
   std::shared_ptr<Node> grad_fn;  // the op that made this tensor (null for leaves)
   std::shared_ptr<TensorImpl> grad;  // accumulated gradient of a leaf
+  // The dtype backward() accumulates a leaf's gradient in, when it is not the leaf's own (fp32 gradients of
+  // 16-bit parameters: Megatron-LM's main_grad; see Tensor::set_grad_dtype).
+  std::optional<DType> grad_dtype;
 };
 
 class Tensor {
@@ -115,6 +119,12 @@ class Tensor {
   bool is_leaf() const { return impl().grad_fn == nullptr; }
   Tensor grad() const { return Tensor(impl().grad); }
   void set_grad(const Tensor& grad);
+  // The dtype backward() gives this leaf's gradient: its own dtype unless set_grad_dtype() chose another.
+  // backward() widens (or rounds) each incoming gradient to it and adds in it, so fp32 here makes the
+  // gradients of several backward calls (micro-batches) of a 16-bit parameter add up in fp32. Floating dtypes
+  // only, on a leaf that has no gradient yet (Error otherwise).
+  DType grad_dtype() const { return impl().grad_dtype.value_or(impl().dtype); }
+  Tensor& set_grad_dtype(DType dtype);
   const std::shared_ptr<Node>& grad_fn() const { return impl().grad_fn; }
   uint64_t version() const { return impl().storage->version(); }
   void bump_version() const { impl().storage->bump_version(); }

@@ -45,6 +45,8 @@ TEST(AmpConfig, NaiveModesHaveTheHysteresisScalerDefaults) {
     EXPECT_FALSE(c.naive.log_num_zeros_in_grad);
     EXPECT_TRUE(c.naive.output_to_fp32);
     EXPECT_FALSE(c.naive.verbose);  // Colossal-AI's DynamicGradScaler(verbose=False)
+    EXPECT_FALSE(c.naive.accumulate_allreduce_grads_in_fp32);  // the model's dtype, as in Colossal-AI
+    EXPECT_FALSE(c.fp32_grads());
     EXPECT_FALSE(c.autocast_dtype().has_value());
   }
   EXPECT_EQ(AmpConfig::parse("fp16_naive").model_dtype(), DType::F16);
@@ -296,7 +298,8 @@ TEST(AmpConfig, JsonRoundTripsEveryModeWithItsOptions) {
   for (const std::string& mode : AmpConfig::modes()) configs.push_back(AmpConfig::parse(mode));
   for (const char* level : {"fp16_apex:O0", "fp16_apex:O2", "fp16_apex:O3"}) configs.push_back(AmpConfig::parse(level));
   const size_t naive_index = configs.size();
-  configs.push_back(AmpConfig::from_json(R"({"hysteresis":5,"initial_scale":1024,"verbose":true,"clip_grad":0.5})",
+  configs.push_back(AmpConfig::from_json(R"({"hysteresis":5,"initial_scale":1024,"verbose":true,)"
+                                         R"("clip_grad":0.5,"accumulate_allreduce_grads_in_fp32":true})",
                                          "fp16_naive"));
   configs.push_back(AmpConfig::from_json(R"({"enabled":true,"init_scale":256})", "bf16"));
   configs.push_back(AmpConfig::from_json(R"({"cast_model_type":"fp32","verbosity":2})", "fp16_apex:O1"));
@@ -313,6 +316,13 @@ TEST(AmpConfig, JsonRoundTripsEveryModeWithItsOptions) {
   EXPECT_EQ(naive.naive.scaler.initial_scale, 1024.0);
   EXPECT_TRUE(naive.naive.verbose);
   EXPECT_EQ(naive.naive.clip_grad, 0.5);
+  EXPECT_TRUE(naive.naive.accumulate_allreduce_grads_in_fp32);
+  EXPECT_TRUE(naive.fp32_grads());
+  // Apex: fp32 gradients wherever a 16-bit model keeps master weights (amp/config.h).
+  EXPECT_TRUE(AmpConfig::parse("fp16_apex:O2").fp32_grads());
+  EXPECT_FALSE(AmpConfig::parse("fp16_apex:O3").fp32_grads());
+  EXPECT_FALSE(AmpConfig::from_json(R"({"master_weights":true})", "fp16_apex:O0").fp32_grads());  // fp32
+  EXPECT_FALSE(AmpConfig::from_json(R"({"cast_model_type":false})", "fp16_apex:O2").fp32_grads());
   // Unset properties that the opt level sets come back unset in behaviour (null would mean "O2's value").
   AmpConfig o2 = AmpConfig::parse("fp16_apex:O2");
   o2.apex.keep_batchnorm_fp32.reset();
@@ -354,6 +364,10 @@ TEST(AmpConfig, TrainingDifferencesNameWhatChangesTrainingAndIgnoreWhatOnlyPrint
   EXPECT_EQ(AmpConfig::from_json(R"({"hysteresis":3,"growth_interval":10,"verbose":true})", "fp16_naive")
                 .training_differences(naive, "the checkpoint's"),
             "growth_interval 10 (the checkpoint's 1000), hysteresis 3 (the checkpoint's 2)");
+  // Where the micro-batches' gradients add up changes the training.
+  EXPECT_EQ(AmpConfig::from_json(R"({"accumulate_allreduce_grads_in_fp32":true})", "bf16_naive")
+                .training_differences(AmpConfig::parse("bf16_naive"), "the checkpoint's"),
+            "accumulate_allreduce_grads_in_fp32 true (the checkpoint's false)");
   // Another mode or opt level is one difference.
   EXPECT_EQ(AmpConfig::parse("bf16_naive").training_differences(naive, "the checkpoint's"),
             "mode bf16_naive (the checkpoint's fp16_naive)");

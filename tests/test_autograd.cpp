@@ -200,6 +200,34 @@ TEST(Autograd, LeafGradientsAccumulateAcrossBackwardCalls) {
   EXPECT_EQ(x.grad().to_vector<double>(), sum);
 }
 
+// set_grad_dtype(F32) on a bf16 leaf: each incoming bf16 gradient is widened and added in fp32. 1 then
+// four times 2^-9 (a quarter of bf16's ulp at 1) sums to 1 + 2^-7 in fp32; in bf16 each addition rounds back
+// to 1 (nearest even). Both paths into a leaf: through a node (transpose) and as an output itself.
+TEST(Autograd, LeafGradientsAccumulateInTheirGradDtype) {
+  for (bool fp32 : {false, true}) {
+    SCOPED_TRACE(fp32 ? "fp32 gradient" : "bf16 gradient");
+    Tensor x = leaf(Tensor::zeros({2}, DType::BF16));
+    if (fp32) x.set_grad_dtype(DType::F32);
+    EXPECT_EQ(x.grad_dtype(), fp32 ? DType::F32 : DType::BF16);
+    backward({x.transpose(0, 0)}, {Tensor::ones({2}, DType::BF16)});
+    const Tensor quarter_ulp = Tensor::full({2}, std::ldexp(1.0, -9), DType::BF16);
+    for (int i = 0; i < 2; ++i) backward({x.transpose(0, 0)}, {quarter_ulp});
+    for (int i = 0; i < 2; ++i) backward({x}, {quarter_ulp});
+    EXPECT_EQ(x.grad().dtype(), fp32 ? DType::F32 : DType::BF16);
+    const double want = fp32 ? 1 + std::ldexp(1.0, -7) : 1.0;
+    EXPECT_EQ(x.grad().to_vector<double>(), (std::vector<double>{want, want}));
+  }
+  Tensor x = leaf(Tensor::zeros({2}, DType::BF16));
+  EXPECT_ERROR_MENTIONS(x.set_grad_dtype(DType::I64), "set_grad_dtype", "must be floating", "i64");
+  EXPECT_ERROR_MENTIONS(x.transpose(0, 0).set_grad_dtype(DType::F32), "set_grad_dtype", "not a leaf");
+  x.set_grad(Tensor::ones({2}, DType::BF16));
+  EXPECT_ERROR_MENTIONS(x.set_grad_dtype(DType::F32), "set_grad_dtype", "already has a gradient",
+                        "zero_grad");
+  x.set_grad(Tensor());
+  x.set_grad_dtype(DType::F32).set_grad_dtype(DType::BF16);  // back to its own dtype
+  EXPECT_EQ(x.grad_dtype(), DType::BF16);
+}
+
 TEST(Autograd, DiamondGraphSumsGradients) {
   // x -> h = clone(x) -> a = h[0:3], b = h[1:4] -> y = a + b: every path's gradient reaches h and is summed
   // there before clone's backward runs once.

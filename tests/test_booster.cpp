@@ -523,6 +523,68 @@ TEST(Booster, InvalidOptionsLeaveTheModelAndTheBoosterUntouched) {
   for (const auto& [name, dtype] : param_dtypes(model)) EXPECT_EQ(dtype, DType::F16) << name;
 }
 
+// Five micro-batches (backward calls) before one step, on a Linear(1, 1) without bias: micro-batch m's loss
+// is the weight times a_m, so the weight's gradient is S * a_m, with a = (big, small, small, small, small).
+// The small parts are a quarter of the 16-bit ulp of S * big (bf16 keeps 8 significant bits, fp16 11), so
+// a 16-bit sum rounds each of them away (to nearest even) and stays S * big, while an fp32 sum keeps them:
+// S * (big + 4 small), exact in fp32. The master gradient after the step is the sum unscaled (S is a power of
+// two): big + 4 small where the gradients accumulate in fp32, big where they stay 16-bit.
+//   bf16, S = 2^32 (naive's initial_scale): big 1, small 2^-9: S big = 2^32, ulp 2^25, S small = 2^23.
+//   fp16, S = 2^15 (the output's gradient S must stay below fp16's 65504; O3's static S = 1 works alike):
+//   big 2^-4, small 2^-16: S big = 2048, ulp 2, S small = 0.5.
+TEST(Booster, MicroBatchGradientsAddUpInFp32WithApexMasterWeightsOrAccumulateAllreduceGradsInFp32) {
+  struct Case {
+    const char* mode;
+    const char* json;
+    bool fp32_grads;
+  };
+  const Case cases[] = {
+      {"bf16_naive", "{}", false},  // Colossal-AI's and InternEvo's default
+      {"bf16_naive", R"({"accumulate_allreduce_grads_in_fp32": true})", true},
+      {"fp16_naive", R"({"initial_scale": 32768})", false},
+      {"fp16_naive", R"({"initial_scale": 32768, "accumulate_allreduce_grads_in_fp32": true})", true},
+      {"fp16_apex:O2", R"({"max_loss_scale": 32768})", true},  // master weights: Apex's per-backward unscale
+      {"fp16_apex:O3", "{}", false},                        // no master weights: Apex steps the fp16 grads
+      {"fp16_apex:O3", R"({"master_weights": true})", true},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(std::string(c.mode) + " " + c.json);
+    const AmpConfig config = AmpConfig::from_json(c.json, c.mode);
+    EXPECT_EQ(config.fp32_grads(), c.fp32_grads);
+    const bool bf16 = *config.model_dtype() == DType::BF16;
+    const double big = bf16 ? 1.0 : 1.0 / 16, small = bf16 ? std::ldexp(1.0, -9) : std::ldexp(1.0, -16);
+    Linear model(1, 1, false, 3);
+    Booster booster(config);
+    auto optimizer = booster.boost(model, std::make_unique<SGD>(model.parameters(), 0.0));
+    EXPECT_EQ(model.weight.grad_dtype(), c.fp32_grads ? DType::F32 : *config.model_dtype());
+    for (double a : {big, small, small, small, small}) {
+      const Tensor loss = booster.forward(
+          [&](const std::vector<Tensor>& in) {
+            return std::vector<Tensor>{sum(model(in[0]).to(DType::F32))};
+          },
+          {Tensor::full({1, 1}, a)})[0];
+      booster.backward(loss, *optimizer);
+    }
+    const double scale = optimizer->loss_scale();
+    EXPECT_EQ(scale, bf16 ? std::ldexp(1.0, 32) : config.apex.loss_scale.value_or(32768.0));
+    const Tensor model_grad = model.weight.grad();
+    EXPECT_EQ(model_grad.dtype(), c.fp32_grads ? DType::F32 : *config.model_dtype());
+    const double expected = c.fp32_grads ? big + 4 * small : big;
+    EXPECT_EQ(model_grad.item(), expected * scale);
+    ASSERT_FALSE(booster.step(*optimizer).skipped);
+    EXPECT_EQ(optimizer->master_params()[0].grad().item(), expected);
+  }
+  // The fp32 gradient goes on leaves without one: a 16-bit parameter that already has a gradient is refused,
+  // before the model changes.
+  Linear model(1, 1, false, 3);
+  model.to(DType::BF16);
+  model.weight.set_grad(Tensor::ones({1, 1}, DType::BF16));
+  Booster booster(AmpConfig::from_json(R"({"accumulate_allreduce_grads_in_fp32": true})", "bf16_naive"));
+  EXPECT_ERROR_MENTIONS(booster.boost(model, std::make_unique<SGD>(model.parameters(), 0.1)),
+                        "parameter weight", "already has a gradient", "zero_grad");
+  EXPECT_EQ(model.weight.grad_dtype(), DType::BF16);
+}
+
 namespace {
 
 // Records which all-reduces reach it: a group of 2 whose other rank holds the same values.

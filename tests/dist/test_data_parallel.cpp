@@ -245,6 +245,34 @@ TEST(DataParallel, ReduceAveragesInFp32AndBucketingDoesNotChangeIt) {
   EXPECT_EQ(results[0], results[2]);
 }
 
+// A bf16 parameter with fp32 gradients (Tensor::set_grad_dtype, as boost() sets them for
+// accumulate_allreduce_grads_in_fp32) is bucketed with the fp32 parameters, and its average stays fp32: rank
+// r's gradient 1 + r 2^-10 (below bf16's ulp of 2^-7 at 1) averages to 1 + (n - 1) / 2 * 2^-10, exact in
+// fp32, where the bf16 parameter beside it gets its average rounded to bf16.
+TEST(DataParallel, Fp32GradientsOf16BitParametersAreReducedWithoutRounding) {
+  const Communicator world = Communicator::world();
+  const int r = world.rank(), n = world.size();
+  std::vector<Tensor> params = {Tensor::zeros({4}, DType::BF16), Tensor::zeros({3}, DType::BF16),
+                                Tensor::zeros({2})};
+  for (Tensor& p : params) p.requires_grad_();
+  params[0].set_grad_dtype(DType::F32);
+  GradientReducer reducer(world, params);
+  std::vector<std::vector<size_t>> buckets = reducer.buckets();
+  std::sort(buckets.begin(), buckets.end());
+  EXPECT_EQ(buckets, (std::vector<std::vector<size_t>>{{1}, {2, 0}}));
+  const double value = 1 + r * std::ldexp(1.0, -10);
+  params[0].set_grad(Tensor::full({4}, value));
+  params[1].set_grad(Tensor::full({3}, value, DType::BF16));
+  params[2].set_grad(Tensor::full({2}, value));
+  reducer.reduce();
+  const double mean = 1 + (n - 1) / 2.0 * std::ldexp(1.0, -10);
+  EXPECT_EQ(params[0].grad().dtype(), DType::F32);
+  EXPECT_EQ(params[0].grad().to_vector<double>(), std::vector<double>(4, mean));
+  EXPECT_EQ(params[1].grad().dtype(), DType::BF16);
+  EXPECT_EQ(params[1].grad().to_vector<double>(), std::vector<double>(3, 1.0));  // each rank's 1, rounded
+  EXPECT_EQ(params[2].grad().to_vector<double>(), std::vector<double>(2, mean));
+}
+
 TEST(DataParallel, TrainingEqualsTheSingleProcessRun) {
   const Communicator world = Communicator::world();
   const Communicator pairs = dp2();

@@ -282,10 +282,14 @@ TEST(ParallelTrainer, DropoutMasksAreTheSingleProcessRunsAtEveryLayout) {
 
 // Without a gradient hook the data-parallel all-reduce overlaps the backward: with small buckets, several start
 // inside the last micro-batch's backward, and the training is still the single process's (no planted inf here:
-// it would need the hook).
+// it would need the hook). Also with fp32 gradients of bf16 parameters (accumulate_allreduce_grads_in_fp32):
+// the micro-batches add up in fp32 and the buckets are fp32 (fp16_apex O2 does the same in the matrix above).
 TEST(ParallelTrainer, TheDataParallelAllReduceOverlapsTheBackward) {
   const int rank = Communicator::world().rank();
-  for (const Mode& mode : {modes()[0], modes()[1], modes()[3]}) {
+  const Mode fp32_grads = {
+      "bf16_naive with fp32 gradients",
+      AmpConfig::from_json(R"({"accumulate_allreduce_grads_in_fp32":true})", "bf16_naive")};
+  for (const Mode& mode : {modes()[0], modes()[1], modes()[3], fp32_grads}) {
     const Outcome want = run_single(mode, /*inf_step=*/-1);
     for (Layout l : {Layout{"DP2", layout(1, 1, 2, 0, 1)}, Layout{"TP2xDP2", layout(2, 1, 2, 0, 2)},
                      Layout{"PP2xDP2", layout(1, 2, 2, 0, 2)}}) {
