@@ -29,7 +29,7 @@ enum class OpPolicy : uint8_t {
 
 enum class AutocastOp : uint8_t {
   Matmul, Linear, ScaledDotProductAttention, CausalSelfAttention,
-  Softmax, LogSoftmax, SoftmaxCrossEntropy, LayerNorm, RMSNorm, Exp, Log, Pow, Sum, Mean, Var,
+  Softmax, LogSoftmax, SoftmaxCrossEntropy, LayerNorm, RMSNorm, Exp, Log, Pow, Sum, Mean, Norm, Var,
   Add, Sub, Mul, Div, Cat, Stack, Where,
   Count
 };
@@ -42,8 +42,7 @@ struct AutocastTableEntry {
 };
 
 // THE policy table, in AutocastOp order (checked at compile time below). Ops not listed run in their
-// inputs' dtype under autocast (gelu, relu, embedding, dropout, max, ...). There is no `norm` op yet;
-// when one is added it belongs in the Fp32 rows.
+// inputs' dtype under autocast (gelu, relu, embedding, dropout, max, ...).
 inline constexpr std::array<AutocastTableEntry, static_cast<size_t>(AutocastOp::Count)> kAutocastTable{{
     {AutocastOp::Matmul, "matmul", OpPolicy::LowerPrecision, "also bmm: matmul with batch dims"},
     {AutocastOp::Linear, "linear", OpPolicy::LowerPrecision, ""},
@@ -59,6 +58,7 @@ inline constexpr std::array<AutocastTableEntry, static_cast<size_t>(AutocastOp::
     {AutocastOp::Pow, "pow", OpPolicy::Fp32, "tensor and scalar exponents"},
     {AutocastOp::Sum, "sum", OpPolicy::Fp32, ""},
     {AutocastOp::Mean, "mean", OpPolicy::Fp32, ""},
+    {AutocastOp::Norm, "norm", OpPolicy::Fp32, "p-norm, p > 0 or inf"},
     {AutocastOp::Var, "var", OpPolicy::Fp32, ""},
     {AutocastOp::Add, "add", OpPolicy::Promote, "tensor-tensor form"},
     {AutocastOp::Sub, "sub", OpPolicy::Promote, "tensor-tensor form"},

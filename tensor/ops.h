@@ -62,6 +62,12 @@ Tensor mean(const Tensor& x, const std::vector<int64_t>& dims = {}, bool keepdim
 Tensor max(const Tensor& x, const std::vector<int64_t>& dims = {}, bool keepdim = false);  // grad split among ties
 Tensor min(const Tensor& x, const std::vector<int64_t>& dims = {}, bool keepdim = false);
 Tensor var(const Tensor& x, const std::vector<int64_t>& dims = {}, int64_t correction = 1, bool keepdim = false);
+// The vector p-norm over dims (torch.linalg.vector_norm; torch.norm(x, p, dim)): (sum |x|^p)^(1/p) for a
+// finite p > 0, max |x| for p = inf. f16/bf16 compute in fp32 (f64 in f64) and round once. Gradient as
+// PyTorch's: sign(x) |x|^(p-1) / norm^(p-1), 0 where the norm is 0; for p = inf, sign(x) split among the tied
+// maxima.
+// p = 0, p < 0 and -inf are "not supported" errors.
+Tensor norm(const Tensor& x, double p = 2, const std::vector<int64_t>& dims = {}, bool keepdim = false);
 // Sums a broadcast result back to `shape` (the backward of broadcasting).
 Tensor sum_to(const Tensor& x, const Shape& shape);
 

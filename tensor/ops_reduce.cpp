@@ -1,5 +1,6 @@
-// Reductions (sum, mean, max, min, var, sum_to) and softmax / log_softmax: front ends and their backward.
+// Reductions (sum, mean, max, min, var, norm, sum_to) and softmax / log_softmax: front ends and backward.
 #include <algorithm>
+#include <cmath>
 #include <sstream>
 
 #include "tensor/autocast_state.h"
@@ -166,6 +167,46 @@ Tensor var(const Tensor& x, const std::vector<int64_t>& dims, int64_t correction
                     return Grads{mul(centered, mul(g.reshape(r.keep_shape), scale))};
                   },
                   {x});
+  return out;
+}
+
+Tensor norm(const Tensor& x, double p, const std::vector<int64_t>& dims, bool keepdim) {
+  if (const auto cast = autocast_inputs(AutocastOp::Norm, x)) [[unlikely]]
+    return norm((*cast)[0], p, dims, keepdim);
+  const ReduceDims r = resolve_dims("norm", x, dims, keepdim);
+  check(p > 0, "not supported: norm with p = ", p, " for ", x.description(),
+        " (expected p > 0, finite or inf; PyTorch's p = 0, p < 0 and -inf are not implemented)");
+  check(!(std::isinf(p) && r.count == 0), "norm: the inf norm of ", x.description(), " over dims ",
+        shape_str(r.dims), " reduces empty sets (a max of nothing); expected a non-empty reduction");
+  const DType acc = x.dtype() == DType::F64 ? DType::F64 : DType::F32;
+  AutocastScope no_autocast(std::nullopt);  // the ops below are the norm's own arithmetic
+  if (p == 1 || std::isinf(p)) {
+    // Recorded compositions: abs's gradient is sign(x) (0 at 0), max's is split among ties (PyTorch's).
+    const Tensor a = abs(x.to(acc));
+    return (p == 1 ? sum(a, dims, keepdim) : max(a, dims, keepdim)).to(x.dtype());
+  }
+  Tensor value;  // keep_shape, in acc
+  {
+    NoGradGuard no_grad;
+    const Tensor a = abs(x.to(acc));
+    value = p == 2 ? sqrt(sum(mul(a, a), r.dims, true)) : pow(sum(pow(a, p), r.dims, true), 1.0 / p);
+  }
+  Tensor out = value.to(x.dtype());
+  if (r.out_shape != r.keep_shape) out = out.view(r.out_shape);
+  const Tensor saved = value.detach();  // may be out's own storage: captured detached (no cycle)
+  record_backward("norm", {x}, out,
+                  [x, r, p, saved](const Tensor& g) {
+                    // d norm / dx_i = sign(x_i) |x_i|^(p-1) / norm^(p-1) (x_i / norm for p = 2), and 0 where
+                    // the norm is 0 (PyTorch's subgradient) or, for p < 2, where x_i is 0.
+                    const DType dtype = saved.dtype();
+                    const Tensor xa = x.to(dtype), zero = Tensor::zeros({}, dtype, x.device());
+                    const Tensor gk = g.reshape(r.keep_shape).to(dtype);
+                    if (p == 2) return Grads{mul(xa, where(saved, div(gk, saved), zero)).to(x.dtype())};
+                    const Tensor scaled = where(xa, mul(xa, pow(abs(xa), p - 2)), zero);
+                    const Tensor per_norm = where(saved, div(gk, pow(saved, p - 1)), zero);
+                    return Grads{mul(scaled, per_norm).to(x.dtype())};
+                  },
+                  {x, saved});
   return out;
 }
 

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <optional>
 #include <set>
 #include <sstream>
@@ -62,6 +63,9 @@ TEST(AutocastPolicy, Fp32OpsReturnF32FromHalfInputs) {
     EXPECT_EQ(sum(x).dtype(), DType::F32);
     EXPECT_EQ(mean(x, {1}).dtype(), DType::F32);
     EXPECT_EQ(var(x, {1}).dtype(), DType::F32);
+    EXPECT_EQ(norm(x).dtype(), DType::F32);
+    EXPECT_EQ(norm(x, 3, {1}).dtype(), DType::F32);
+    EXPECT_EQ(norm(x, std::numeric_limits<double>::infinity(), {0}).dtype(), DType::F32);
   }
 }
 
@@ -72,6 +76,7 @@ TEST(AutocastPolicy, Fp32OpsComputeWhatTheExplicitlyWidenedInputsGive) {
   // The same kernel on the same f32 values: bit for bit.
   EXPECT_TRUE(testing::all_close(softmax(x, -1), softmax(widened, -1), 0, 0));
   EXPECT_TRUE(testing::all_close(sum(x, {1}), sum(widened, {1}), 0, 0));
+  EXPECT_TRUE(testing::all_close(norm(x, 2, {1}), norm(widened, 2, {1}), 0, 0));
 }
 
 TEST(AutocastPolicy, PromoteOpsCastEveryInputToTheWidest) {
@@ -441,7 +446,7 @@ TEST(AutocastPolicyTable, ListsEveryOpOnceWithItsPolicy) {
   for (const char* name : {"matmul", "linear", "scaled_dot_product_attention", "causal_self_attention"})
     EXPECT_EQ(autocast_policy(name), OpPolicy::LowerPrecision) << name;
   for (const char* name : {"softmax", "log_softmax", "softmax_cross_entropy", "layer_norm", "rms_norm", "exp",
-                           "log", "pow", "sum", "mean", "var"})
+                           "log", "pow", "sum", "mean", "norm", "var"})
     EXPECT_EQ(autocast_policy(name), OpPolicy::Fp32) << name;
   for (const char* name : {"add", "sub", "mul", "div", "cat", "stack", "where"})
     EXPECT_EQ(autocast_policy(name), OpPolicy::Promote) << name;

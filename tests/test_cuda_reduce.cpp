@@ -31,6 +31,8 @@ using mixtape::testing::uniform_tensor;
 
 namespace {
 
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
 const std::vector<DType> kDtypes = {DType::F32, DType::F16, DType::BF16, DType::F64};
 
 // Every element of `actual` (any device) within max_ulp ulps of `expected` (CPU, same dtype) or within
@@ -204,6 +206,26 @@ TEST(CudaVar, MatchesCpuWithEveryCorrection) {
           EXPECT_TRUE(matches_cpu(var(x.gpu, dims, correction), var(x.cpu, dims, correction), kSumUlp,
                                   dtype == DType::F64 ? 1e-13 : 1e-6,
                                   var_rtol(dtype, reduced_count(x.cpu.shape(), dims))));
+        }
+}
+
+// norm composes abs, pow, sum, sqrt, max and where: the CUDA kernels of those, with their sums' bounds
+// (|x|^p of values up to 2 sum positively: a relative bound), forward and backward.
+TEST(CudaNorm, ForwardAndBackwardMatchCpuForEveryP) {
+  MIXTAPE_REQUIRE_CUDA();
+  for (DType dtype : kDtypes)
+    for (const auto& [name, x] : layouts(dtype, 62))
+      for (const auto& dims : kDimSets)
+        for (double p : {2.0, 1.0, kInf, 3.0, 0.5}) {
+          SCOPED_TRACE(dtype_name(dtype) + std::string(" ") + name + " dims " + shape_str(dims) + " p " +
+                       std::to_string(p));
+          const double rtol = 4 * var_rtol(dtype, reduced_count(x.cpu.shape(), dims));
+          const Tensor gpu = x.gpu.detach().requires_grad_(), cpu = x.cpu.detach().requires_grad_();
+          const Tensor out_gpu = norm(gpu, p, dims), out_cpu = norm(cpu, p, dims);
+          EXPECT_TRUE(matches_cpu(out_gpu, out_cpu, kSumUlp, 0, rtol));
+          backward(sum(out_gpu));
+          backward(sum(out_cpu));
+          EXPECT_TRUE(matches_cpu(gpu.grad(), cpu.grad(), kSumUlp, dtype == DType::F64 ? 1e-13 : 1e-6, rtol));
         }
 }
 

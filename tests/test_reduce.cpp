@@ -21,6 +21,8 @@ using mixtape::testing::uniform_tensor;
 
 namespace {
 
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
 // Plain C++ reference for a reduction over `dims` (normalised) of row-major values, accumulated in long
 // double so that it is accurate beyond f64. `combine` folds one element into the running value.
 std::vector<long double> reference_reduce(
@@ -393,6 +395,91 @@ TEST(Var, GradientIsTwiceTheDeviationOverNMinusCorrection) {
 TEST(Var, RejectsNegativeCorrectionAndBadDims) {
   EXPECT_ERROR_MENTIONS(var(Tensor::zeros({2, 3}), {1}, -1), "var", "correction", "f32[2,3]");
   EXPECT_ERROR_MENTIONS(var(Tensor::zeros({2, 3}), {2}), "var", "dim 2", "f32[2,3]");
+}
+
+// ---- norm ------------------------------------------------------------------------------------------------
+
+// (sum |x|^p)^(1/p) (max |x| for inf) in long double.
+std::vector<long double> reference_norm(const Tensor& x, double p, const std::vector<int64_t>& dims) {
+  if (std::isinf(p))
+    return reference_reduce(x.to_vector<double>(), x.shape(), dims, 0.0L,
+                            [](long double a, long double v) { return std::max(a, std::fabs(v)); });
+  std::vector<long double> out = reference_reduce(
+      x.to_vector<double>(), x.shape(), dims, 0.0L,
+      [p](long double a, long double v) { return a + std::pow(std::fabs(v), static_cast<long double>(p)); });
+  for (long double& v : out) v = std::pow(v, 1.0L / p);
+  return out;
+}
+
+// Values of both signs in [-3, 3), 40-element reductions. Bounds: p = 1 and inf are a sum of |x| (the sums'
+// <= 10 ulp) and an exact max; p = 2 sums squares (<= 10 ulp, plus the squares' own 1/2 ulp) and the
+// square root halves that relative error and adds 1/2 ulp; for other p, each |x|^p and the sum give ~11 ulp
+// relative, the 1/p power multiplies that by 1/p (at most 2 here, p >= 0.5) and adds its own 1-2 ulp: bound
+// 12 ulp in f32/f64. 16-bit: computed in fp32, off by at most 1 ulp after one rounding.
+TEST(Norm, MatchesLongDoubleReferenceForEveryPInEveryDtype) {
+  const Shape shape = {5, 8, 40};
+  const std::vector<std::vector<int64_t>> kNormDims = {{0, 1, 2}, {0}, {2}, {0, 2}};
+  for (DType dtype : kFloatDtypes) {
+    const Tensor x = uniform_tensor(shape, 81, -3, 3, dtype);
+    for (double p : {2.0, 1.0, kInf, 3.0, 1.5, 0.5})
+      for (const std::vector<int64_t>& dims : kNormDims) {
+        const Tensor out = norm(x, p, dims, true);
+        EXPECT_EQ(out.dtype(), dtype);
+        EXPECT_TRUE(within_ulp(out, as_f64_tensor(reference_norm(x, p, dims), keep_shape(shape, dims)),
+                               is_low_precision(dtype) ? 1 : 12))
+            << dtype_name(dtype) << " p " << p << " dims " << shape_str(dims);
+      }
+  }
+  // The default is the 2-norm over every element, without kept dims.
+  const Tensor v = Tensor::from_vector(std::vector<float>{3, -4}, {2});
+  EXPECT_EQ(norm(v).item(), 5.0);
+  EXPECT_EQ(norm(v).dim(), 0);
+  EXPECT_EQ(norm(Tensor::zeros({2, 3}), 2, {1}).shape(), (Shape{2}));
+}
+
+TEST(Norm, SixteenBitInputsDoNotOverflowInTheirOwnDtype) {
+  // 300^2 = 90000 is above fp16's 65504: squared in fp16 the norm would be inf; it is computed in fp32.
+  const Tensor x = Tensor::full({4}, 300.0, DType::F16);
+  EXPECT_EQ(norm(x).item(), 600.0);
+}
+
+TEST(Norm, GradientsMatchFiniteDifferences) {
+  const Tensor x = uniform_tensor({3, 4, 5}, 82, -1, 1, DType::F64);
+  for (double p : {2.0, 1.0, kInf, 3.0, 1.5, 0.5})
+    for (const std::vector<int64_t>& dims : std::vector<std::vector<int64_t>>{{}, {1}, {0, 2}})
+      for (bool keepdim : {true, false})
+        expect_gradcheck([&](const std::vector<Tensor>& in) { return norm(in[0], p, dims, keepdim); }, {x});
+}
+
+// Where the norm is not differentiable PyTorch's subgradient is used: 0 where the norm is 0 (no NaN), 0 at
+// x_i = 0 for p < 2 and p = 1, and for inf the gradient split among the tied maxima with their signs.
+TEST(Norm, GradientIsZeroWhereTheNormIsZeroAndSplitAmongTiesForInf) {
+  for (double p : {2.0, 1.0, kInf, 3.0, 0.5}) {
+    const Tensor zeros = Tensor::zeros({2, 3}, DType::F64).requires_grad_();
+    backward(sum(norm(zeros, p, {1})));
+    EXPECT_EQ(zeros.grad().to_vector<double>(), std::vector<double>(6, 0.0)) << "p " << p;
+    const Tensor some = Tensor::from_vector(std::vector<double>{0, 2, -1}, {3}, DType::F64).requires_grad_();
+    backward(norm(some, p));
+    EXPECT_EQ(some.grad().to_vector<double>()[0], 0.0) << "p " << p;
+  }
+  const Tensor x = Tensor::from_vector(std::vector<double>{3, -3, 1, 0}, {4}, DType::F64).requires_grad_();
+  backward(norm(x, kInf));
+  EXPECT_EQ(x.grad().to_vector<double>(), (std::vector<double>{0.5, -0.5, 0, 0}));
+  // p = 2: x / norm, in the input's dtype.
+  const Tensor h = Tensor::from_vector(std::vector<float>{3, -4}, {2}, DType::BF16).requires_grad_();
+  backward(norm(h));
+  EXPECT_EQ(h.grad().dtype(), DType::BF16);
+  EXPECT_EQ(h.grad().to_vector<double>(), (std::vector<double>{0.6015625, -0.80078125}));  // 0.6, -0.8
+}
+
+TEST(Norm, UnsupportedPAndBadArgumentsAreErrors) {
+  const Tensor x = Tensor::zeros({2, 3});
+  for (double p : {0.0, -1.0, -kInf, std::nan("")})
+    EXPECT_ERROR_MENTIONS(norm(x, p), "not supported: norm with p", "f32[2,3]", "p > 0");
+  EXPECT_ERROR_MENTIONS(norm(x, 2, {2}), "norm", "dim 2", "f32[2,3]");
+  EXPECT_ERROR_MENTIONS(norm(Tensor::zeros({2}, DType::I64)), "norm", "floating");
+  EXPECT_ERROR_MENTIONS(norm(Tensor::zeros({2, 0}), kInf, {1}), "norm", "inf norm", "empty");
+  EXPECT_EQ(norm(Tensor::zeros({2, 0}), 2, {1}).to_vector<double>(), (std::vector<double>{0, 0}));
 }
 
 // ---- softmax / log_softmax -------------------------------------------------------------------------------
