@@ -91,6 +91,19 @@ Tensor LossScaler::scale(const Tensor& loss) const {
   return mul(loss, scale_);
 }
 
+std::vector<Tensor> LossScaler::scale(const std::vector<Tensor>& outputs) const {
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    check(outputs[i].defined(), name(), ".scale: output ", i, " of ", outputs.size(),
+          " is an undefined tensor");
+    check(is_floating(outputs[i].dtype()), name(), ".scale: output ", i, " of ", outputs.size(), " is ",
+          outputs[i].description(), ", expected a floating tensor");
+  }
+  std::vector<Tensor> scaled;
+  scaled.reserve(outputs.size());
+  for (const Tensor& output : outputs) scaled.push_back(scale(output));
+  return scaled;
+}
+
 // ---------------------------------------------------------------------------------------------- GradScaler
 
 namespace {

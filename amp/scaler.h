@@ -16,6 +16,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "optim/optimizer.h"
 #include "tensor/tensor.h"
@@ -30,6 +31,9 @@ class LossScaler {
   double scale() const { return scale_; }  // the current scale S
   // loss * S (a recorded op, so backward sees it); the loss is returned unchanged when S is exactly 1.
   virtual Tensor scale(const Tensor& loss) const;
+  // Several outputs at once, as PyTorch's scale(outputs) with an iterable: each scaled as above, in order
+  // (e.g. for one backward(outputs, grad_outputs) over several losses). Every output is checked first.
+  std::vector<Tensor> scale(const std::vector<Tensor>& outputs) const;
   // Adapts S after a step: found_inf says whether any gradient of the step was inf or NaN.
   virtual void update(bool found_inf) = 0;
 

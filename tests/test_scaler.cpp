@@ -195,6 +195,26 @@ TEST(GradScaler, ScalesTheLossAndItsGradient) {
   EXPECT_EQ(x.grad().to_vector<double>(), (std::vector<double>{1024, 1024}));
 }
 
+// PyTorch's scale(outputs) with a list: each output scaled (a disabled scaler passes them through), and one
+// backward over both gives the sum of their scaled gradients; a bad output is an error naming its index.
+TEST(GradScaler, ScalesAListOfOutputs) {
+  GradScaler scaler({.init_scale = 1024});
+  Tensor x = parameter({1.5, -2});
+  const std::vector<Tensor> scaled = scaler.scale(std::vector<Tensor>{sum(x), mul(sum(x), 3.0)});
+  ASSERT_EQ(scaled.size(), 2u);
+  EXPECT_EQ(scaled[0].item(), -0.5 * 1024);
+  EXPECT_EQ(scaled[1].item(), -1.5 * 1024);
+  backward(scaled, {Tensor::ones({}), Tensor::ones({})});
+  EXPECT_EQ(x.grad().to_vector<double>(), (std::vector<double>{4096, 4096}));
+  const Tensor loss = sum(x);
+  const std::vector<Tensor> kept = GradScaler({.enabled = false}).scale(std::vector<Tensor>{loss});
+  EXPECT_TRUE(kept[0].same(loss));
+  EXPECT_ERROR_MENTIONS(scaler.scale(std::vector<Tensor>{sum(x), Tensor()}), "GradScaler.scale",
+                        "output 1 of 2", "undefined");
+  EXPECT_ERROR_MENTIONS(scaler.scale(std::vector<Tensor>{Tensor::zeros({}, DType::I64)}), "output 0 of 1",
+                        "expected a floating tensor");
+}
+
 TEST(GradScaler, StepUnscalesAndStepsOnFiniteGradients) {
   // S = 4: a scaled gradient [4, 8] unscales to [1, 2]; SGD lr 0.5 moves [1, 1] to [0.5, 0].
   GradScaler scaler({.init_scale = 4});
