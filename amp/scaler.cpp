@@ -71,10 +71,16 @@ void check_at_least_one(const std::string& who, const std::string& what, int64_t
 }
 
 // A saved rule option against this scaler's own.
+// A scale bound as printed: Apex's rule without min_loss_scale floors at the smallest positive double
+// (apex_dynamic_scaler), which is "none" to the user.
+std::string bound_text(double value) {
+  return value == std::numeric_limits<double>::denorm_min() ? "none (Apex's min_loss_scale None)"
+                                                            : exact_number_text(value);
+}
+
 void check_same_option(const char* who, const char* option, double saved, double own) {
-  check(saved == own, who, ".load_state_dict: the state was saved with ", option, " ",
-        exact_number_text(saved), ", this scaler has ", option, " ", exact_number_text(own),
-        " (a state resumes only under its own rule)");
+  check(saved == own, who, ".load_state_dict: the state was saved with ", option, " ", bound_text(saved),
+        ", this scaler has ", option, " ", bound_text(own), " (a state resumes only under its own rule)");
 }
 void check_same_option(const char* who, const char* option, int64_t saved, int64_t own) {
   check(saved == own, who, ".load_state_dict: the state was saved with ", option, " ", saved,

@@ -625,9 +625,11 @@ TEST(DynamicLossScaler, LoadStateDictRefusesAStateSavedUnderAnotherRule) {
   // The naive (Megatron / Colossal-AI) rule and Apex's share the type name, not the rule.
   DynamicLossScaler apex = apex_dynamic_scaler();
   EXPECT_ERROR_MENTIONS(apex.load_state_dict(DynamicLossScaler().state_dict()), "DynamicLossScaler",
-                        "saved with min_scale 1, this scaler has min_scale 5e-324");
+                        "saved with min_scale 1, this scaler has min_scale none (Apex's min_loss_scale "
+                        "None)");
   EXPECT_ERROR_MENTIONS(DynamicLossScaler().load_state_dict(apex.state_dict()),
-                        "saved with min_scale 5e-324, this scaler has min_scale 1");
+                        "saved with min_scale none (Apex's min_loss_scale None), this scaler has "
+                        "min_scale 1");
   scaler.load_state_dict(DynamicLossScaler(base).state_dict());  // the same rule loads
   EXPECT_EQ(scaler.hysteresis_tracker(), 2);
 }
