@@ -29,7 +29,8 @@ enum class OpPolicy : uint8_t {
 
 enum class AutocastOp : uint8_t {
   Matmul, Linear, ScaledDotProductAttention, CausalSelfAttention,
-  Softmax, LogSoftmax, SoftmaxCrossEntropy, LayerNorm, RMSNorm, Exp, Log, Pow, Sum, Mean, Norm, Var,
+  Softmax, LogSoftmax, SoftmaxCrossEntropy, LayerNorm, RMSNorm, Exp, Log, Rsqrt, Pow, Sum, Mean, Norm,
+  Var,
   Add, Sub, Mul, Div, Cat, Stack, Where,
   Count
 };
@@ -55,6 +56,7 @@ inline constexpr std::array<AutocastTableEntry, static_cast<size_t>(AutocastOp::
     {AutocastOp::RMSNorm, "rms_norm", OpPolicy::Fp32, ""},
     {AutocastOp::Exp, "exp", OpPolicy::Fp32, ""},
     {AutocastOp::Log, "log", OpPolicy::Fp32, ""},
+    {AutocastOp::Rsqrt, "rsqrt", OpPolicy::Fp32, "as in PyTorch's CUDA autocast"},
     {AutocastOp::Pow, "pow", OpPolicy::Fp32, "tensor and scalar exponents"},
     {AutocastOp::Sum, "sum", OpPolicy::Fp32, ""},
     {AutocastOp::Mean, "mean", OpPolicy::Fp32, ""},

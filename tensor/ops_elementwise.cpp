@@ -282,7 +282,10 @@ Tensor log(const Tensor& x) {
   return unary_op(UnaryOp::Log, "log", x);
 }
 Tensor sqrt(const Tensor& x) { return unary_op(UnaryOp::Sqrt, "sqrt", x); }
-Tensor rsqrt(const Tensor& x) { return unary_op(UnaryOp::Rsqrt, "rsqrt", x); }
+Tensor rsqrt(const Tensor& x) {
+  if (const auto cast = autocast_inputs(AutocastOp::Rsqrt, x)) [[unlikely]] return rsqrt((*cast)[0]);
+  return unary_op(UnaryOp::Rsqrt, "rsqrt", x);
+}
 Tensor tanh(const Tensor& x) { return unary_op(UnaryOp::Tanh, "tanh", x); }
 Tensor sigmoid(const Tensor& x) { return unary_op(UnaryOp::Sigmoid, "sigmoid", x); }
 Tensor relu(const Tensor& x) { return unary_op(UnaryOp::Relu, "relu", x); }  // relu'(0) = 0

@@ -58,6 +58,7 @@ TEST(AutocastPolicy, Fp32OpsReturnF32FromHalfInputs) {
     EXPECT_EQ(rms_norm(x, Tensor::ones({8}, low)).out.dtype(), DType::F32);
     EXPECT_EQ(exp(x).dtype(), DType::F32);
     EXPECT_EQ(log(p).dtype(), DType::F32);
+    EXPECT_EQ(rsqrt(p).dtype(), DType::F32);
     EXPECT_EQ(pow(p, x).dtype(), DType::F32);
     EXPECT_EQ(pow(p, 2.5).dtype(), DType::F32);
     EXPECT_EQ(sum(x).dtype(), DType::F32);
@@ -446,7 +447,7 @@ TEST(AutocastPolicyTable, ListsEveryOpOnceWithItsPolicy) {
   for (const char* name : {"matmul", "linear", "scaled_dot_product_attention", "causal_self_attention"})
     EXPECT_EQ(autocast_policy(name), OpPolicy::LowerPrecision) << name;
   for (const char* name : {"softmax", "log_softmax", "softmax_cross_entropy", "layer_norm", "rms_norm", "exp",
-                           "log", "pow", "sum", "mean", "norm", "var"})
+                           "log", "rsqrt", "pow", "sum", "mean", "norm", "var"})
     EXPECT_EQ(autocast_policy(name), OpPolicy::Fp32) << name;
   for (const char* name : {"add", "sub", "mul", "div", "cat", "stack", "where"})
     EXPECT_EQ(autocast_policy(name), OpPolicy::Promote) << name;
