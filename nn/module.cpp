@@ -134,6 +134,7 @@ void Module::to(DType dtype) {
     if (!is_floating(t.dtype()) || t.dtype() == dtype) return t;
     Tensor converted = t.detach().to(dtype);
     if (t.requires_grad()) converted.requires_grad_(true);
+    if (t.impl().grad_dtype) converted.set_grad_dtype(*t.impl().grad_dtype);  // the new leaf keeps it
     return converted;
   };
   std::vector<std::pair<std::string, Tensor*>> slots;
@@ -148,6 +149,7 @@ void Module::to(Device device) {
     if (t.device() == device) return t;
     Tensor moved = t.detach().to(device);
     if (t.requires_grad()) moved.requires_grad_(true);
+    if (t.impl().grad_dtype) moved.set_grad_dtype(*t.impl().grad_dtype);
     return moved;
   };
   std::vector<std::pair<std::string, Tensor*>> slots;

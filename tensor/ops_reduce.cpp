@@ -197,12 +197,15 @@ Tensor norm(const Tensor& x, double p, const std::vector<int64_t>& dims, bool ke
   record_backward("norm", {x}, out,
                   [x, r, p, saved](const Tensor& g) {
                     // d norm / dx_i = sign(x_i) |x_i|^(p-1) / norm^(p-1) (x_i / norm for p = 2), and 0 where
-                    // the norm is 0 (PyTorch's subgradient) or, for p < 2, where x_i is 0.
+                    // the norm is 0 (PyTorch's subgradient) or, for p < 2, where x_i is 0. For p < 2 the
+                    // power is taken as |x|^(p-1) (as PyTorch): x |x|^(p-2) would overflow first for tiny x.
                     const DType dtype = saved.dtype();
                     const Tensor xa = x.to(dtype), zero = Tensor::zeros({}, dtype, x.device());
                     const Tensor gk = g.reshape(r.keep_shape).to(dtype);
                     if (p == 2) return Grads{mul(xa, where(saved, div(gk, saved), zero)).to(x.dtype())};
-                    const Tensor scaled = where(xa, mul(xa, pow(abs(xa), p - 2)), zero);
+                    const Tensor a = abs(xa);
+                    const Tensor scaled = p > 2 ? mul(xa, pow(a, p - 2))
+                                                : where(xa, mul(div(xa, a), pow(a, p - 1)), zero);
                     const Tensor per_norm = where(saved, div(gk, pow(saved, p - 1)), zero);
                     return Grads{mul(scaled, per_norm).to(x.dtype())};
                   },

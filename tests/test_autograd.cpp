@@ -226,6 +226,12 @@ TEST(Autograd, LeafGradientsAccumulateInTheirGradDtype) {
   x.set_grad(Tensor());
   x.set_grad_dtype(DType::F32).set_grad_dtype(DType::BF16);  // back to its own dtype
   EXPECT_EQ(x.grad_dtype(), DType::BF16);
+  // A gradient installed in another dtype (set_grad) is widened before backward adds to it.
+  x.set_grad_dtype(DType::F32);
+  x.set_grad(Tensor::ones({2}, DType::BF16));
+  backward({x}, {Tensor::full({2}, std::ldexp(1.0, -9), DType::BF16)});
+  EXPECT_EQ(x.grad().dtype(), DType::F32);
+  EXPECT_EQ(x.grad().to_vector<double>(), std::vector<double>(2, 1 + std::ldexp(1.0, -9)));
 }
 
 TEST(Autograd, DiamondGraphSumsGradients) {

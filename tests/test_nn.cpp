@@ -143,6 +143,23 @@ TEST(Module, ToDtypeConvertsFloatingParametersAndBuffersKeepingLeavesThatRequire
   EXPECT_FALSE(model.fc1->weight.grad().defined());
 }
 
+// A gradient dtype chosen with set_grad_dtype survives the conversion to new leaves (it is dropped only where
+// it becomes the parameter's own dtype).
+TEST(Module, ToKeepsAChosenGradientDtype) {
+  Linear layer(3, 2, true, 5);
+  layer.to(DType::BF16);
+  layer.weight.set_grad_dtype(DType::F32);
+  layer.to(DType::F16);
+  EXPECT_EQ(layer.weight.dtype(), DType::F16);
+  EXPECT_EQ(layer.weight.grad_dtype(), DType::F32);
+  EXPECT_EQ(layer.bias.grad_dtype(), DType::F16);  // never chosen: its own
+  layer.to(Device::cpu());
+  EXPECT_EQ(layer.weight.grad_dtype(), DType::F32);
+  layer.to(DType::F32);
+  layer.to(DType::BF16);
+  EXPECT_EQ(layer.weight.grad_dtype(), DType::BF16);  // F32 became its own dtype, so nothing was kept
+}
+
 TEST(Module, TrainAndEvalSwitchDropoutRecursively) {
   TwoLayer parent;
   auto drop = parent.register_module("drop", std::make_shared<Dropout>(0.5, 42));

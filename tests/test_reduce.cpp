@@ -472,6 +472,35 @@ TEST(Norm, GradientIsZeroWhereTheNormIsZeroAndSplitAmongTiesForInf) {
   EXPECT_EQ(h.grad().to_vector<double>(), (std::vector<double>{0.6015625, -0.80078125}));  // 0.6, -0.8
 }
 
+// For p < 1 the gradient sign(x) |x|^(p-1) norm^(1-p) is large but finite at tiny x: x |x|^(p-2) would
+// overflow there (|x|^(p-2) = 1e45 for x = 1e-30, p = 0.5, beyond f32). Here the norm is (1e-15 + 1)^2, 1 in
+// f32, so the gradient is (1e-30)^-0.5 = 1e15 and 1.
+TEST(Norm, GradientOfSmallPStaysFiniteAtTinyInputs) {
+  const Tensor x = Tensor::from_vector(std::vector<float>{1e-30f, 1}, {2}).requires_grad_();
+  backward(norm(x, 0.5));
+  const std::vector<double> g = x.grad().to_vector<double>();
+  EXPECT_NEAR(g[0], 1e15, 1e15 * 1e-6);
+  EXPECT_NEAR(g[1], 1.0, 1e-6);
+}
+
+// 16-bit inputs: the backward computes in fp32 and rounds once, so each gradient element is within 1 ulp of
+// the exact (f64) gradient of the same 16-bit values; a transposed input gives the transposed gradient.
+TEST(Norm, SixteenBitAndStridedGradientsMatchTheF64Gradient) {
+  for (DType dtype : {DType::BF16, DType::F16})
+    for (double p : {2.0, 3.0, 1.5, 0.5, 1.0, kInf}) {
+      SCOPED_TRACE(std::string(dtype_name(dtype)) + " p " + std::to_string(p));
+      const Tensor values = uniform_tensor({4, 6}, 83, -2, 2, dtype);
+      const Tensor x = values.detach().requires_grad_(), exact = values.to(DType::F64).requires_grad_();
+      backward(sum(norm(x, p, {1})));
+      backward(sum(norm(exact, p, {1})));
+      EXPECT_EQ(x.grad().dtype(), dtype);
+      EXPECT_TRUE(within_ulp(x.grad(), exact.grad(), 1));
+      const Tensor t = values.detach().transpose(0, 1).requires_grad_();  // [6, 4], strided
+      backward(sum(norm(t, p, {0})));
+      EXPECT_TRUE(all_close(t.grad(), x.grad().transpose(0, 1), 0, 0));
+    }
+}
+
 TEST(Norm, UnsupportedPAndBadArgumentsAreErrors) {
   const Tensor x = Tensor::zeros({2, 3});
   for (double p : {0.0, -1.0, -kInf, std::nan("")})
