@@ -138,15 +138,25 @@ void MixedPrecisionOptimizer::fold_pending_grads() {
     return;
   }
   const double inv_scale = 1.0 / scalers_[static_cast<size_t>(pending_loss_)]->scale();
-  // Private contiguous copies in the accumulation dtype (a 16-bit gradient is widened exactly; an f32/f64
-  // one is cloned, since the model's gradient may alias another tensor or be a broadcast view), then one
-  // fused pass unscales all of them and checks finiteness.
+  // Private contiguous buffers in the accumulation dtype (a 16-bit gradient is widened exactly; an f32/f64
+  // one is cloned, since the model's gradient may alias another tensor or be a broadcast view, unless it is
+  // the buffer backward made and nothing else holds it), then one fused pass unscales all of them and
+  // checks finiteness.
   std::vector<Tensor> unscaled(model_params_.size());
   for (size_t i = 0; i < model_params_.size(); ++i) {
-    const Tensor grad = model_params_[i].grad();
+    Tensor grad = model_params_[i].grad();
     if (!grad.defined()) continue;
     const DType dtype = accumulation_dtype(model_params_[i]);
-    unscaled[i] = grad.dtype() == dtype ? grad.clone() : grad.to(dtype).contiguous();
+    if (grad.dtype() != dtype) {
+      unscaled[i] = grad.to(dtype).contiguous();
+    } else {
+      // Held by the parameter and `grad` alone, over a storage no other tensor (view) shares, all of it.
+      const bool private_buffer = grad.impl_ptr().use_count() == 2 && grad.storage().use_count() == 1 &&
+                                  grad.is_contiguous() && grad.data_ptr() == grad.storage()->data() &&
+                                  grad.storage()->nbytes() == static_cast<size_t>(grad.numel()) *
+                                                                  dtype_size(dtype);
+      unscaled[i] = private_buffer ? grad : grad.clone();
+    }
   }
   const bool found_inf = unscale_and_check_finite(unscaled, inv_scale);
   if (found_inf) found_inf_[static_cast<size_t>(pending_loss_)] = true;
