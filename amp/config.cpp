@@ -371,7 +371,7 @@ std::optional<DType> AmpConfig::model_dtype() const {
 bool AmpConfig::fp32_grads() const {
   if (is_naive()) return naive.accumulate_allreduce_grads_in_fp32;
   const std::optional<DType> cast = model_dtype();
-  return mixed_precision == "fp16_apex" && apex.master_weights && cast && *cast != DType::F32;
+  return mixed_precision == "fp16_apex" && apex.master_weights && cast && is_low_precision(*cast);
 }
 
 std::string AmpConfig::training_differences(const AmpConfig& other, std::string_view other_label) const {

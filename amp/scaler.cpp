@@ -70,7 +70,6 @@ void check_at_least_one(const std::string& who, const std::string& what, int64_t
   check(value >= 1, who, ": ", what, " must be >= 1, got ", value);
 }
 
-// A saved rule option against this scaler's own.
 // A scale bound as printed: Apex's rule without min_loss_scale floors at the smallest positive double
 // (apex_dynamic_scaler), which is "none" to the user.
 std::string bound_text(double value) {
@@ -78,6 +77,7 @@ std::string bound_text(double value) {
                                                             : exact_number_text(value);
 }
 
+// A saved rule option against this scaler's own.
 void check_same_option(const char* who, const char* option, double saved, double own) {
   check(saved == own, who, ".load_state_dict: the state was saved with ", option, " ", bound_text(saved),
         ", this scaler has ", option, " ", bound_text(own), " (a state resumes only under its own rule)");

@@ -29,21 +29,18 @@ Tensor conform(const Tensor& grad, const Shape& shape, DType dtype, const char* 
 
 void accumulate_leaf(TensorImpl& leaf, const Tensor& grad) {
   Tensor g = conform(grad, leaf.shape, leaf.grad_dtype.value_or(leaf.dtype), "leaf");
-  if (!leaf.grad && !g.same(grad)) {
-    leaf.grad = g.impl_ptr();  // conform converted it: a fresh contiguous tensor nothing else holds
-  } else if (!leaf.grad || leaf.grad->dtype != g.dtype()) {
-    // Own a fresh contiguous buffer: g may be a broadcast view or alias another tensor. A gradient installed
-    // in another dtype (set_grad) is widened into it first, so the sum is still formed in the grad dtype.
-    Tensor owned = Tensor::empty(g.shape(), g.dtype(), g.device());
-    if (leaf.grad) {
-      owned.copy_(Tensor(leaf.grad));
-      owned.add_(g);
-    } else {
-      owned.copy_(g);
-    }
-    leaf.grad = owned.impl_ptr();
-  } else {
+  // A gradient installed in another dtype (set_grad) is widened first (to() makes a fresh buffer), so the
+  // sum is formed in the grad dtype.
+  if (leaf.grad && leaf.grad->dtype != g.dtype()) leaf.grad = Tensor(leaf.grad).to(g.dtype()).impl_ptr();
+  if (leaf.grad) {
     Tensor(leaf.grad).add_(g);
+  } else if (!g.same(grad)) {
+    leaf.grad = g.impl_ptr();  // conform converted it: a fresh contiguous tensor nothing else holds
+  } else {
+    // Own a fresh contiguous buffer: g may be a broadcast view or alias another tensor.
+    Tensor owned = Tensor::empty(g.shape(), g.dtype(), g.device());
+    owned.copy_(g);
+    leaf.grad = owned.impl_ptr();
   }
 }
 

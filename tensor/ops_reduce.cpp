@@ -188,8 +188,8 @@ Tensor norm(const Tensor& x, double p, const std::vector<int64_t>& dims, bool ke
   Tensor value;  // keep_shape, in acc
   {
     NoGradGuard no_grad;
-    const Tensor a = abs(x.to(acc));
-    value = p == 2 ? sqrt(sum(mul(a, a), r.dims, true)) : pow(sum(pow(a, p), r.dims, true), 1.0 / p);
+    const Tensor xa = x.to(acc);
+    value = p == 2 ? sqrt(sum(mul(xa, xa), r.dims, true)) : pow(sum(pow(abs(xa), p), r.dims, true), 1.0 / p);
   }
   Tensor out = value.to(x.dtype());
   if (r.out_shape != r.keep_shape) out = out.view(r.out_shape);
