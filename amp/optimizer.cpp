@@ -24,24 +24,79 @@ constexpr const char* kWho = "MixedPrecisionOptimizer";
 // f32 for everything else (f32, f16, bf16).
 DType accumulation_dtype(const Tensor& param) { return Optimizer::state_dtype(param); }
 
+}  // namespace
+
 std::vector<std::unique_ptr<LossScaler>> one_scaler(std::unique_ptr<LossScaler> scaler) {
   std::vector<std::unique_ptr<LossScaler>> scalers;
   scalers.push_back(std::move(scaler));
   return scalers;
 }
 
-int64_t read_count(const std::map<std::string, std::string>& metadata, const std::string& key) {
+void write_scaler_states(const std::vector<std::unique_ptr<LossScaler>>& scalers,
+                         std::map<std::string, std::string>& metadata) {
+  for (size_t k = 0; k < scalers.size(); ++k)
+    for (const auto& [key, value] : scalers[k]->state_dict())
+      metadata["scaler." + std::to_string(k) + "." + key] = value;
+}
+
+std::vector<std::map<std::string, std::string>> read_scaler_states(
+    const std::map<std::string, std::string>& metadata, const std::vector<std::unique_ptr<LossScaler>>& scalers,
+    const std::string& who) {
+  std::vector<std::map<std::string, std::string>> states(scalers.size());
+  for (const auto& [key, value] : metadata) {
+    if (key.rfind("scaler.", 0) != 0) continue;
+    const size_t dot = key.find('.', 7);
+    const std::string index = key.substr(7, dot == std::string::npos ? std::string::npos : dot - 7);
+    size_t k = 0;
+    const auto [end, ec] = std::from_chars(index.data(), index.data() + index.size(), k);
+    check(dot != std::string::npos && dot + 1 < key.size() && !index.empty() && ec == std::errc() &&
+              end == index.data() + index.size() && k < scalers.size(),
+          who, ": unexpected metadata entry '", key, "' (expected scaler.<k>.<entry> with k < ", scalers.size(),
+          ")");
+    states[k][key.substr(dot + 1)] = value;
+  }
+  for (size_t k = 0; k < scalers.size(); ++k) {
+    const bool saves_state = !scalers[k]->state_dict().empty();  // a disabled GradScaler saves nothing
+    if (!saves_state) {
+      check(states[k].empty(), who, ": scaler ", k, " (", scalers[k]->name(),
+            ") keeps no state, but the state dict has entries for it");
+      continue;
+    }
+    const auto type = states[k].find("type");
+    check(type != states[k].end(), who, ": missing metadata entry 'scaler.", k, ".type' (expected a ",
+          scalers[k]->name(), ")");
+    check(type->second == scalers[k]->name(), who, ": entry 'scaler.", k, ".type' is '", type->second,
+          "', expected '", scalers[k]->name(), "'");
+  }
+  return states;
+}
+
+void load_scaler_states(const std::vector<std::unique_ptr<LossScaler>>& scalers,
+                        const std::vector<std::map<std::string, std::string>>& states) {
+  std::vector<std::map<std::string, std::string>> old;
+  for (const auto& scaler : scalers) old.push_back(scaler->state_dict());
+  size_t loaded = 0;
+  try {
+    for (; loaded < scalers.size(); ++loaded)
+      if (!old[loaded].empty()) scalers[loaded]->load_state_dict(states[loaded]);
+  } catch (...) {
+    for (size_t k = 0; k < loaded; ++k)
+      if (!old[k].empty()) scalers[k]->load_state_dict(old[k]);
+    throw;
+  }
+}
+
+int64_t read_state_count(const std::map<std::string, std::string>& metadata, const std::string& key,
+                         const std::string& who) {
   const auto found = metadata.find(key);
-  check(found != metadata.end(), kWho, ".load_state_dict: missing metadata entry '", key, "'");
+  check(found != metadata.end(), who, ": missing metadata entry '", key, "'");
   const std::string& text = found->second;
   int64_t value = 0;
   const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
-  check(!text.empty() && ec == std::errc() && end == text.data() + text.size() && value >= 0, kWho,
-        ".load_state_dict: metadata entry '", key, "' is '", text, "', expected a non-negative integer");
+  check(!text.empty() && ec == std::errc() && end == text.data() + text.size() && value >= 0, who,
+        ": metadata entry '", key, "' is '", text, "', expected a non-negative integer");
   return value;
 }
-
-}  // namespace
 
 MixedPrecisionOptimizer::MixedPrecisionOptimizer(std::unique_ptr<Optimizer> optimizer,
                                                  std::vector<std::unique_ptr<LossScaler>> scalers,
@@ -278,16 +333,14 @@ StateDict MixedPrecisionOptimizer::state_dict() const {
   dict.metadata["amp.num_losses"] = std::to_string(scalers_.size());
   dict.metadata["amp.master_weights"] = options_.master_weights ? "true" : "false";
   dict.metadata["amp.skipped_steps"] = std::to_string(skipped_steps_);
-  for (size_t k = 0; k < scalers_.size(); ++k)
-    for (const auto& [key, value] : scalers_[k]->state_dict())
-      dict.metadata["scaler." + std::to_string(k) + "." + key] = value;
+  write_scaler_states(scalers_, dict.metadata);
   return dict;
 }
 
 void MixedPrecisionOptimizer::load_state_dict(const StateDict& dict) {
   const std::string who = std::string(kWho) + ".load_state_dict";
   // ---- check everything we own, change nothing ----
-  const int64_t num = read_count(dict.metadata, "amp.num_losses");
+  const int64_t num = read_state_count(dict.metadata, "amp.num_losses", who);
   check(num == num_losses(), who, ": the state dict has ", num, " loss scalers ('amp.num_losses'), expected ",
         num_losses());
   const auto master_weights = dict.metadata.find("amp.master_weights");
@@ -295,40 +348,18 @@ void MixedPrecisionOptimizer::load_state_dict(const StateDict& dict) {
   const std::string expected_mw = options_.master_weights ? "true" : "false";
   check(master_weights->second == expected_mw, who, ": entry 'amp.master_weights' is '",
         master_weights->second, "', expected '", expected_mw, "' (this optimizer's option)");
-  const int64_t skipped = read_count(dict.metadata, "amp.skipped_steps");
+  const int64_t skipped = read_state_count(dict.metadata, "amp.skipped_steps", who);
+  const std::vector<std::map<std::string, std::string>> scaler_states =
+      read_scaler_states(dict.metadata, scalers_, who);
 
   StateDict inner;  // what the wrapped optimizer's state dict holds
-  std::vector<std::map<std::string, std::string>> scaler_states(scalers_.size());
   for (const auto& [key, value] : dict.metadata) {
     if (key.rfind("amp.", 0) == 0) {
       check(key == "amp.num_losses" || key == "amp.master_weights" || key == "amp.skipped_steps", who,
             ": unexpected metadata entry '", key, "'");
-    } else if (key.rfind("scaler.", 0) == 0) {
-      const size_t dot = key.find('.', 7);
-      const std::string index = key.substr(7, dot == std::string::npos ? std::string::npos : dot - 7);
-      size_t k = 0;
-      const auto [end, ec] = std::from_chars(index.data(), index.data() + index.size(), k);
-      check(dot != std::string::npos && dot + 1 < key.size() && !index.empty() && ec == std::errc() &&
-                end == index.data() + index.size() && k < scalers_.size(),
-            who, ": unexpected metadata entry '", key, "' (expected scaler.<k>.<entry> with k < ",
-            num_losses(), ")");
-      scaler_states[k][key.substr(dot + 1)] = value;
-    } else {
+    } else if (key.rfind("scaler.", 0) != 0) {
       inner.metadata[key] = value;
     }
-  }
-  for (size_t k = 0; k < scalers_.size(); ++k) {
-    const bool saves_state = !scalers_[k]->state_dict().empty();  // a disabled GradScaler saves nothing
-    if (!saves_state) {
-      check(scaler_states[k].empty(), who, ": scaler ", k, " (", scalers_[k]->name(),
-            ") keeps no state, but the state dict has entries for it");
-      continue;
-    }
-    const auto type = scaler_states[k].find("type");
-    check(type != scaler_states[k].end(), who, ": missing metadata entry 'scaler.", k, ".type' (expected a ",
-          scalers_[k]->name(), ")");
-    check(type->second == scalers_[k]->name(), who, ": entry 'scaler.", k, ".type' is '", type->second,
-          "', expected '", scalers_[k]->name(), "'");
   }
 
   std::map<size_t, Tensor> masters;
@@ -356,16 +387,10 @@ void MixedPrecisionOptimizer::load_state_dict(const StateDict& dict) {
 
   // ---- apply, rolling back on a failure inside the wrapped optimizer or a scaler ----
   const StateDict old_optimizer = optimizer_->state_dict();
-  std::vector<std::map<std::string, std::string>> old_scalers;
-  for (const auto& scaler : scalers_) old_scalers.push_back(scaler->state_dict());
   optimizer_->load_state_dict(inner);  // validates its whole dict first: throws having changed nothing
-  size_t loaded = 0;
   try {
-    for (; loaded < scalers_.size(); ++loaded)
-      if (!old_scalers[loaded].empty()) scalers_[loaded]->load_state_dict(scaler_states[loaded]);
+    load_scaler_states(scalers_, scaler_states);
   } catch (...) {
-    for (size_t k = 0; k < loaded; ++k)
-      if (!old_scalers[k].empty()) scalers_[k]->load_state_dict(old_scalers[k]);
     optimizer_->load_state_dict(old_optimizer);
     throw;
   }

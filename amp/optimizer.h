@@ -69,6 +69,29 @@ struct StepResult {
   double loss_scale = 1;       // S[0] used for this step (before the update)
 };
 
+// A list of one scaler (for the one-loss constructors).
+std::vector<std::unique_ptr<LossScaler>> one_scaler(std::unique_ptr<LossScaler> scaler);
+
+// The AMP part of a mixed-precision optimizer's state dict, shared by MixedPrecisionOptimizer and
+// dist::ZeroOptimizer (one layout, so a checkpoint loads into either):
+//   "scaler.<k>.<entry>" for each scaler k;
+//   "amp.num_losses" and "amp.skipped_steps", non-negative counts.
+void write_scaler_states(const std::vector<std::unique_ptr<LossScaler>>& scalers,
+                         std::map<std::string, std::string>& metadata);
+// The "scaler.<k>.<entry>" entries of `metadata`, one map per scaler. Checks k < scalers.size() and each
+// scaler's "type" (a scaler that keeps no state, a disabled GradScaler, must have no entries); `who` names
+// the caller in the errors.
+std::vector<std::map<std::string, std::string>> read_scaler_states(
+    const std::map<std::string, std::string>& metadata, const std::vector<std::unique_ptr<LossScaler>>& scalers,
+    const std::string& who);
+// Loads each scaler's state. If one throws, the scalers loaded before it get their old state back and the
+// error propagates: the scalers are unchanged.
+void load_scaler_states(const std::vector<std::unique_ptr<LossScaler>>& scalers,
+                        const std::vector<std::map<std::string, std::string>>& states);
+// The metadata entry `key` as a non-negative integer (an error naming `who` if it is missing or not one).
+int64_t read_state_count(const std::map<std::string, std::string>& metadata, const std::string& key,
+                         const std::string& who);
+
 class MixedPrecisionOptimizer {
  public:
   // scalers: one per loss (Apex num_losses); at least one. Use StaticLossScaler(1) for "no scaling" (bf16).

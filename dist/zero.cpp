@@ -25,11 +25,15 @@ bool starts_with(const std::string& text, const std::string& prefix) { return te
 
 }  // namespace
 
-ZeroOptimizer::ZeroOptimizer(std::unique_ptr<Optimizer> optimizer, std::unique_ptr<LossScaler> scaler,
-                             Communicator dp, ZeroOptions options)
-    : optimizer_(std::move(optimizer)), scaler_(std::move(scaler)), dp_(std::move(dp)), options_(options) {
+ZeroOptimizer::ZeroOptimizer(std::unique_ptr<Optimizer> optimizer,
+                             std::vector<std::unique_ptr<LossScaler>> scalers, Communicator dp,
+                             ZeroOptions options)
+    : optimizer_(std::move(optimizer)), scalers_(std::move(scalers)), dp_(std::move(dp)), options_(options) {
   check(optimizer_ != nullptr, kWho, ": expected an optimizer to wrap, got null");
-  check(scaler_ != nullptr, kWho, ": expected a loss scaler (StaticLossScaler(1) for no scaling), got null");
+  check(!scalers_.empty(), kWho, ": expected at least one loss scaler (one per loss; StaticLossScaler(1) for ",
+        "no scaling), got none");
+  for (size_t k = 0; k < scalers_.size(); ++k)
+    check(scalers_[k] != nullptr, kWho, ": loss scaler ", k, " is null, expected a LossScaler");
   check(std::isfinite(options_.clip_grad) && options_.clip_grad >= 0, kWho,
         ": clip_grad must be finite and >= 0 (0 = off), got ", options_.clip_grad);
   for (const Tensor& param : optimizer_->params()) {
@@ -37,7 +41,7 @@ ZeroOptimizer::ZeroOptimizer(std::unique_ptr<Optimizer> optimizer, std::unique_p
           " already has state for parameter ", param.description(), "; expected an optimizer that has not ",
           "taken a step (its state is kept for the fp32 shard)");
     check(Optimizer::state_dtype(param) == DType::F32, kWho, ": parameter ", param.description(),
-          " computes in f64; expected f16, bf16 or f32 parameters (the shard is f32)");
+          " computes in f64; expected f16, bf16 or f32 parameters (the optimizer state is f32)");
   }
   for (const ParamGroup& group : optimizer_->param_groups()) {
     group_counts_.push_back(static_cast<int64_t>(group.params.size()));
@@ -69,7 +73,8 @@ ZeroOptimizer::ZeroOptimizer(std::unique_ptr<Optimizer> optimizer, std::unique_p
       const int64_t end = std::min(offsets_[index] + model_params_[index].numel(), hi);
       if (begin >= end) continue;
       Piece piece{index, begin - offsets_[index], begin - lo, end - begin, Tensor()};
-      piece.master = Tensor::empty({piece.length}, DType::F32, model_params_[index].device());
+      const DType dtype = options_.master_weights ? DType::F32 : model_params_[index].dtype();
+      piece.master = Tensor::empty({piece.length}, dtype, model_params_[index].device());
       piece.master.copy_(model_params_[index].detach().reshape({-1}).narrow(0, piece.param_offset, piece.length));
       piece.master.requires_grad_();
       owned.push_back(piece.master);
@@ -77,15 +82,85 @@ ZeroOptimizer::ZeroOptimizer(std::unique_ptr<Optimizer> optimizer, std::unique_p
     }
     group.params = std::move(owned);
   }
+  found_inf_.assign(scalers_.size(), false);
+  used_.assign(scalers_.size(), false);
 }
 
-Tensor ZeroOptimizer::scale_loss(const Tensor& loss) { return scaler_->scale(loss); }
+ZeroOptimizer::ZeroOptimizer(std::unique_ptr<Optimizer> optimizer, std::unique_ptr<LossScaler> scaler,
+                             Communicator dp, ZeroOptions options)
+    : ZeroOptimizer(std::move(optimizer), one_scaler(std::move(scaler)), std::move(dp), std::move(options)) {}
 
-void ZeroOptimizer::backward(const Tensor& loss) { mixtape::backward(scale_loss(loss)); }
+void ZeroOptimizer::check_loss_id(int loss_id, const char* what) const {
+  check(loss_id >= 0 && loss_id < num_losses(), kWho, ".", what, ": loss_id ", loss_id,
+        " out of range, expected 0 <= loss_id < num_losses = ", num_losses());
+}
 
-void ZeroOptimizer::zero_grad() {
+LossScaler& ZeroOptimizer::scaler(int loss_id) {
+  check_loss_id(loss_id, "scaler");
+  return *scalers_[static_cast<size_t>(loss_id)];
+}
+
+double ZeroOptimizer::loss_scale(int loss_id) const {
+  check_loss_id(loss_id, "loss_scale");
+  return scalers_[static_cast<size_t>(loss_id)]->scale();
+}
+
+bool ZeroOptimizer::separate_master(size_t param) const {
+  return options_.master_weights && is_low_precision(model_params_[param].dtype());
+}
+
+Tensor ZeroOptimizer::scale_loss(const Tensor& loss, int loss_id) {
+  check_loss_id(loss_id, "scale_loss");
+  if (pending_loss_ >= 0 && pending_loss_ != loss_id) fold_pending_grads();
+  pending_loss_ = loss_id;
+  used_[static_cast<size_t>(loss_id)] = true;
+  return scalers_[static_cast<size_t>(loss_id)]->scale(loss);
+}
+
+void ZeroOptimizer::backward(const Tensor& loss, int loss_id) { mixtape::backward(scale_loss(loss, loss_id)); }
+
+void ZeroOptimizer::clear_grads() {
   for (Tensor& param : model_params_) param.set_grad(Tensor());
   for (Piece& piece : pieces_) piece.master.set_grad(Tensor());
+  folded_ = Tensor();
+  pending_loss_ = -1;
+  found_inf_.assign(scalers_.size(), false);
+  used_.assign(scalers_.size(), false);
+}
+
+void ZeroOptimizer::zero_grad() { clear_grads(); }
+
+Tensor ZeroOptimizer::take_grads() {
+  NoGradGuard no_grad;
+  Tensor flat = Tensor::zeros({shard_size_ * dp_.size()}, DType::F32, model_params_.front().device());
+  for (size_t i = 0; i < model_params_.size(); ++i) {
+    const Tensor grad = model_params_[i].grad();
+    if (!grad.defined()) continue;
+    check(pending_loss_ >= 0, kWho, ": parameter ", model_params_[i].description(), " has a gradient, but no ",
+          "loss went through scale_loss()/backward() of this optimizer since the last step or zero_grad(); ",
+          "expected its gradients to carry a known loss scale");
+    check(grad.shape() == model_params_[i].shape(), kWho, ": the gradient of parameter ", i, " is ",
+          grad.description(), ", expected ", model_params_[i].description());
+    flat.narrow(0, offsets_[i], model_params_[i].numel()).copy_(grad.reshape({-1}));
+    model_params_[i].set_grad(Tensor());  // consumed
+  }
+  return flat;
+}
+
+void ZeroOptimizer::fold_pending_grads() {
+  NoGradGuard no_grad;
+  Tensor flat = take_grads();
+  const auto k = static_cast<size_t>(pending_loss_);
+  pending_loss_ = -1;
+  if (unscale_and_check_finite({flat}, 1.0 / scalers_[k]->scale())) {
+    // The step will be skipped; leaving the inf out of the sum keeps it apart from an overflow of the sum.
+    found_inf_[k] = true;
+    return;
+  }
+  if (folded_.defined())
+    folded_.add_(flat);
+  else
+    folded_ = flat;
 }
 
 Tensor ZeroOptimizer::gather_shard(const std::vector<Tensor>& piece_values) const {
@@ -97,40 +172,65 @@ Tensor ZeroOptimizer::gather_shard(const std::vector<Tensor>& piece_values) cons
 
 StepResult ZeroOptimizer::step() {
   StepResult result;
-  result.loss_scale = scaler_->scale();
+  result.loss_scale = scalers_[0]->scale();
   NoGradGuard no_grad;
-  const Device device = model_params_.front().device();
+  const size_t n = scalers_.size();
 
-  // 1-2. Reduce-scatter the flat f32 gradients; average and unscale the shard in one pass.
-  Tensor flat = Tensor::zeros({shard_size_ * dp_.size()}, DType::F32, device);
-  for (size_t i = 0; i < model_params_.size(); ++i) {
-    const Tensor grad = model_params_[i].grad();
-    if (!grad.defined()) continue;
-    check(grad.shape() == model_params_[i].shape(), kWho, ": the gradient of parameter ", i, " is ",
-          grad.description(), ", expected ", model_params_[i].description());
-    flat.narrow(0, offsets_[i], model_params_[i].numel()).copy_(grad.reshape({-1}));
-    model_params_[i].set_grad(Tensor());  // consumed
+  // 0. The losses used this step, over dp: every rank reduces the same kind of buffer below.
+  std::vector<double> used(n);
+  for (size_t k = 0; k < n; ++k) used[k] = used_[k] ? 1.0 : 0.0;
+  dp_.all_reduce(used, Reduction::Max);
+  size_t used_count = 0, only = 0;
+  for (size_t k = 0; k < n; ++k)
+    if (used[k] != 0.0) ++used_count, only = k;
+
+  // 1. Reduce-scatter the flat f32 gradients; average and unscale the shard in one pass (one loss), or average
+  // the shard of the sum the folds unscaled (several).
+  Tensor shard;
+  if (used_count <= 1) {
+    shard = dp_.reduce_scatter(take_grads(), Reduction::Sum);
+    if (unscale_and_check_finite({shard}, 1.0 / (scalers_[only]->scale() * dp_.size()))) found_inf_[only] = true;
+  } else {
+    if (pending_loss_ >= 0) fold_pending_grads();
+    if (!folded_.defined()) folded_ = take_grads();  // this rank took no backward: zeros
+    shard = dp_.reduce_scatter(folded_, Reduction::Sum);
+    folded_ = Tensor();
+    if (unscale_and_check_finite({shard}, 1.0 / dp_.size()))
+      for (size_t k = 0; k < n; ++k) found_inf_[k] = found_inf_[k] || used[k] != 0.0;
   }
-  Tensor shard = dp_.reduce_scatter(flat, Reduction::Sum);
-  flat = Tensor();
-  const bool local_inf = unscale_and_check_finite({shard}, 1.0 / (scaler_->scale() * dp_.size()));
+  pending_loss_ = -1;
 
-  // 3. Every rank skips together: the inf may sit in one rank's shard only.
-  std::vector<double> flag = {local_inf ? 1.0 : 0.0};
-  dp_.all_reduce(flag, Reduction::Max);
-  if (options_.model_parallel) options_.model_parallel->all_reduce_max(flag);
-  if (flag[0] != 0.0) {
+  // 2. Every rank skips together: the inf may sit in one rank's shard only. The "used" flags go over the
+  // model-parallel group too, so that every stage of a pipeline updates the same scalers.
+  std::vector<double> flags(2 * n);
+  for (size_t k = 0; k < n; ++k) {
+    flags[k] = found_inf_[k] ? 1.0 : 0.0;
+    flags[n + k] = used[k];
+  }
+  dp_.all_reduce(flags, Reduction::Max);
+  if (options_.model_parallel) options_.model_parallel->all_reduce_max(flags);
+  bool any_inf = false;
+  for (size_t k = 0; k < n; ++k) any_inf = any_inf || flags[k] != 0.0;
+  const auto update_scalers = [&] {
+    for (size_t k = 0; k < n; ++k)
+      if (flags[n + k] != 0.0) scalers_[k]->update(flags[k] != 0.0);
+    found_inf_.assign(n, false);
+    used_.assign(n, false);
+  };
+  if (any_inf) {
     for (Piece& piece : pieces_) piece.master.set_grad(Tensor());
     ++skipped_steps_;
-    scaler_->update(true);
+    update_scalers();
     result.skipped = true;
     return result;
   }
 
-  // 4. Norm: each element is owned by one dp rank (padding is zero).
+  // 3. Norm: each element is owned by one dp rank (padding is zero).
   std::vector<Tensor> masters;
   for (Piece& piece : pieces_) {
-    piece.master.set_grad(shard.narrow(0, piece.shard_offset, piece.length).contiguous());
+    Tensor grad = shard.narrow(0, piece.shard_offset, piece.length).contiguous();
+    if (grad.dtype() != piece.master.dtype()) grad = grad.to(piece.master.dtype());  // rounded once
+    piece.master.set_grad(grad);
     masters.push_back(piece.master);
   }
   std::vector<Tensor> counted;
@@ -148,12 +248,12 @@ StepResult ZeroOptimizer::step() {
     result.num_zeros = static_cast<int64_t>(zeros[0]);
   }
 
-  // 5-6. Step the shard, gather, round once into the model parameters.
+  // 4-5. Step the shard, gather, round once into the model parameters.
   optimizer_->step();
   const Tensor full = gather_shard(masters);
   for (size_t i = 0; i < model_params_.size(); ++i)
     model_params_[i].copy_(full.narrow(0, offsets_[i], model_params_[i].numel()).reshape(model_params_[i].shape()));
-  scaler_->update(false);
+  update_scalers();  // 6.
   return result;
 }
 
@@ -201,14 +301,14 @@ StateDict ZeroOptimizer::state_dict() const {
   for (const Piece& piece : pieces_) master_values.push_back(piece.master.detach());
   const Tensor masters = gather_shard(master_values);
   for (size_t i = 0; i < model_params_.size(); ++i)
-    if (model_params_[i].dtype() == DType::F16 || model_params_[i].dtype() == DType::BF16)
+    if (separate_master(i))
       dict.tensors["master." + std::to_string(i)] =
           masters.narrow(0, offsets_[i], model_params_[i].numel()).reshape(model_params_[i].shape()).clone();
 
-  dict.metadata["amp.num_losses"] = "1";
-  dict.metadata["amp.master_weights"] = "true";
+  dict.metadata["amp.num_losses"] = std::to_string(scalers_.size());
+  dict.metadata["amp.master_weights"] = options_.master_weights ? "true" : "false";
   dict.metadata["amp.skipped_steps"] = std::to_string(skipped_steps_);
-  for (const auto& [key, value] : scaler_->state_dict()) dict.metadata["scaler.0." + key] = value;
+  write_scaler_states(scalers_, dict.metadata);
   return dict;
 }
 
@@ -216,23 +316,35 @@ void ZeroOptimizer::load_state_dict(const StateDict& dict) {
   const std::string who = std::string(kWho) + ".load_state_dict";
   NoGradGuard no_grad;
   // Translate the layout-free dict into the wrapped optimizer's (pieces numbered in group order).
+  const int64_t num = read_state_count(dict.metadata, "amp.num_losses", who);
+  check(num == num_losses(), who, ": the state dict has ", num, " loss scalers ('amp.num_losses'), expected ",
+        num_losses());
+  const auto master_weights = dict.metadata.find("amp.master_weights");
+  const std::string expected_mw = options_.master_weights ? "true" : "false";
+  check(master_weights != dict.metadata.end() && master_weights->second == expected_mw, who,
+        ": entry 'amp.master_weights' is ",
+        master_weights == dict.metadata.end() ? std::string("missing") : "'" + master_weights->second + "'",
+        ", expected '", expected_mw, "' (this optimizer's option)");
+  const int64_t skipped = read_state_count(dict.metadata, "amp.skipped_steps", who);
+  const std::vector<std::map<std::string, std::string>> scaler_states =
+      read_scaler_states(dict.metadata, scalers_, who);
   StateDict inner;
-  std::map<std::string, std::string> scaler_state;
-  int64_t skipped = 0;
   for (const auto& [key, value] : dict.metadata) {
-    if (starts_with(key, "scaler.0.")) {
-      scaler_state[key.substr(9)] = value;
-    } else if (key == "amp.skipped_steps") {
-      const auto [end, ec] = std::from_chars(value.data(), value.data() + value.size(), skipped);
-      check(!value.empty() && ec == std::errc() && end == value.data() + value.size() && skipped >= 0, who,
-            ": metadata entry 'amp.skipped_steps' is '", value, "', expected a non-negative integer");
-    } else if (key == "amp.num_losses") {
-      check(value == "1", who, ": the state dict has ", value, " loss scalers, expected 1");
-    } else if (key == "amp.master_weights") {
-      check(value == "true", who, ": entry 'amp.master_weights' is '", value, "', expected 'true'");
-    } else if (!starts_with(key, "state.")) {
+    if (starts_with(key, "amp.")) {
+      check(key == "amp.num_losses" || key == "amp.master_weights" || key == "amp.skipped_steps", who,
+            ": unexpected metadata entry '", key, "'");
+    } else if (!starts_with(key, "state.") && !starts_with(key, "scaler.")) {
       inner.metadata[key] = value;
     }
+  }
+  for (const auto& [key, tensor] : dict.tensors) {
+    if (!starts_with(key, "master.")) continue;
+    const std::string index = key.substr(7);
+    size_t i = 0;
+    const auto [end, ec] = std::from_chars(index.data(), index.data() + index.size(), i);
+    check(!index.empty() && ec == std::errc() && end == index.data() + index.size() && i < model_params_.size() &&
+              separate_master(i),
+          who, ": unexpected tensor entry '", key, "' (parameter ", index, " has no separate fp32 master)");
   }
   int64_t first = 0;  // index of group g's first parameter
   for (size_t g = 0; g < group_counts_.size(); ++g) {
@@ -265,7 +377,7 @@ void ZeroOptimizer::load_state_dict(const StateDict& dict) {
           tensor.contiguous().reshape({-1}).narrow(0, piece.param_offset, piece.length).to(DType::F32).clone();
     }
     Tensor source = param.detach();
-    if (param.dtype() == DType::F16 || param.dtype() == DType::BF16) {
+    if (separate_master(i)) {
       const auto found = dict.tensors.find("master." + std::to_string(i));
       check(found != dict.tensors.end() && found->second.numel() == param.numel(), who,
             ": missing or misshapen tensor entry 'master.", i, "' (the fp32 master of ", param.description(), ")");
@@ -273,8 +385,14 @@ void ZeroOptimizer::load_state_dict(const StateDict& dict) {
     }
     new_masters[k] = source.contiguous().reshape({-1}).narrow(0, piece.param_offset, piece.length);
   }
-  optimizer_->load_state_dict(inner);  // validates its dict first
-  scaler_->load_state_dict(scaler_state);
+  const StateDict old_optimizer = optimizer_->state_dict();
+  optimizer_->load_state_dict(inner);  // validates its dict first: throws having changed nothing
+  try {
+    load_scaler_states(scalers_, scaler_states);
+  } catch (...) {
+    optimizer_->load_state_dict(old_optimizer);
+    throw;
+  }
   for (size_t k = 0; k < pieces_.size(); ++k) pieces_[k].master.copy_(new_masters[k]);
   // Every model parameter takes its master rounded once (the same on every rank: from the gathered shard).
   std::vector<Tensor> values;

@@ -1,29 +1,42 @@
 #pragma once
-// ZeRO stage 1 (DeepSpeed; Megatron-LM's DistributedOptimizer): the mixed-precision optimizer with its fp32
+// ZeRO stage 1 (DeepSpeed; Megatron-LM's DistributedOptimizer): the mixed-precision optimizer with its
 // master weights and optimizer state sharded over the data-parallel group. Same interface as
-// MixedPrecisionOptimizer (amp/optimizer.h) for one loss: scale_loss/backward/step/zero_grad/state_dict.
+// MixedPrecisionOptimizer (amp/optimizer.h): scale_loss/backward (with loss ids, one scaler per loss, Apex's
+// num_losses)/step/zero_grad/state_dict.
 //
 // Layout: the wrapped optimizer's parameters, in group order, are flattened into one space of N elements,
 // padded to dp * S (S = ceil(N / dp)); dp rank r owns elements [r S, (r + 1) S). For every parameter that
-// overlaps the owned range, this rank keeps a 1-D fp32 master of the overlap (f32 whatever the model dtype;
-// all parameters must compute in f32: f16, bf16 or f32), and the wrapped optimizer's param groups are
-// rewired to those pieces (same lr / weight_decay per group), so its state exists only for the owned shard.
-// SGD, Adam and AdamW are elementwise, so stepping the pieces equals stepping the whole parameters.
+// overlaps the owned range, this rank keeps a 1-D piece of the overlap: an fp32 master (whatever the model
+// dtype: f16, bf16 or f32 parameters), or with master_weights = false (Apex O3) a piece in the parameter's own
+// dtype. The wrapped optimizer's param groups are rewired to those pieces (same lr / weight_decay per group),
+// so its state exists only for the owned shard. SGD, Adam and AdamW are elementwise, so stepping the pieces
+// equals stepping the whole parameters.
 //
 // One step:
-//   backward(loss)   backward of loss * S (the model gradients, in the model dtype, carry the scale)
-//   step()           1. the model gradients are packed into one flat f32 buffer (missing ones as zeros) and
-//                       reduce-scattered (SUM, in f32) over dp: this rank gets its shard of the sum
-//                    2. unscale_and_check_finite(shard, 1 / (S * dp)): averaged and unscaled in one pass
-//                    3. found_inf all-reduced MAX over dp (an inf lands in one rank's shard only) and over
-//                       options.model_parallel when given: every rank skips together
-//                    4. grad norm: the shard's squared norm (each element owned once) summed over dp, and
+//   backward(loss, k)  backward of loss * S_k (the model gradients, in their dtype, carry the scale). When
+//                      the loss id changes, the gradients so far are folded (as MixedPrecisionOptimizer folds
+//                      them): packed into a local flat f32 buffer, unscaled by 1 / S_k with a finite check
+//                      (found_inf of loss k), added to the losses folded before (unless not finite: the step
+//                      is skipped anyway), and dropped from the model.
+//   step()           0. which losses this step used, MAX over dp (the ranks take the same path below)
+//                    1. one loss used (the common case): the model gradients are packed into one flat f32
+//                       buffer (missing ones as zeros) and reduce-scattered (SUM, in f32) over dp, then the
+//                       shard is averaged and unscaled in one pass, unscale_and_check_finite(1 / (S_k dp));
+//                       several losses: the last one is folded too, the folded sum reduce-scattered and the
+//                       shard averaged (1 / dp; an f32 overflow of that sum counts for every loss used)
+//                    2. found_inf and "used" per loss all-reduced MAX over dp (an inf lands in one rank's
+//                       shard only) and over options.model_parallel when given: every rank skips together
+//                    3. grad norm: the shard's squared norm (each element owned once) summed over dp, and
 //                       over model_parallel when given (options.count_in_norm leaves replicas out); clip
 //                       (log_num_zeros_in_grad: the zero elements are counted the same way, after clipping)
-//                    5. the wrapped optimizer steps the owned fp32 pieces
-//                    6. the updated pieces are all-gathered (f32) and each model parameter takes its value,
-//                       rounded once to the model dtype; the model gradients are dropped
-//   zero_grad()      drops model and master gradients.
+//                    4. the wrapped optimizer steps the owned pieces (a 16-bit piece gets its gradient rounded
+//                       once to its dtype, as MixedPrecisionOptimizer does without masters)
+//                    5. the updated pieces are all-gathered (f32) and each model parameter takes its value,
+//                       rounded once to the model dtype (exact for pieces in the model dtype); the model
+//                       gradients are dropped
+//                    6. the scaler of every loss used this step is updated with its found_inf (also after a
+//                       skip); a loss that sat the step out is not (Apex)
+//   zero_grad()      drops model and piece gradients and anything folded.
 // Every call except scale_loss/backward is collective over dp (every rank must call it).
 //
 // Difference from MixedPrecisionOptimizer + GradientReducer: the average is never rounded to the model
@@ -32,10 +45,11 @@
 //
 // state_dict() (collective): gathered, layout-free, in MixedPrecisionOptimizer's own layout — the wrapped
 // optimizer's metadata with the original parameter counts, "state.<i>.step" and full-shape
-// "state.<i>.<buffer>" per model parameter i, "master.<i>" (fp32) for every 16-bit parameter, "amp.*" and
-// "scaler.0.*" entries — so a checkpoint does not depend on dp and loads into either optimizer.
-// load_state_dict() takes the same layout (any dp): masters and state are sliced to this rank's shard; for
-// fp32 parameters the master comes from the model parameter itself (load the model weights first).
+// "state.<i>.<buffer>" per model parameter i, "master.<i>" (fp32) for every 16-bit parameter when there are
+// masters, "amp.*" and "scaler.<k>.*" entries — so a checkpoint does not depend on dp and loads into either
+// optimizer. load_state_dict() takes the same layout (any dp): masters and state are sliced to this rank's
+// shard; for fp32 parameters, and for every parameter without masters, the piece comes from the model
+// parameter itself (load the model weights first).
 #include <cstdint>
 #include <memory>
 #include <vector>
@@ -59,22 +73,29 @@ struct ZeroOptions {
   // Count the zero elements of the unscaled (and clipped) gradients in StepResult::num_zeros (naive AMP's
   // log_num_zeros_in_grad): each rank counts its shard's counted pieces, summed over dp and model_parallel.
   bool log_num_zeros_in_grad = false;
+  // fp32 masters for the 16-bit parameters. false (Apex O3, or O2 with master_weights false): the shard holds
+  // pieces of the parameters in their own dtype, stepped directly; the optimizer state is still sharded.
+  bool master_weights = true;
 };
 
 class ZeroOptimizer {
  public:
   // optimizer: built over the model parameters (not stepped yet); its groups are rewired to the shard.
+  // scalers: one per loss (Apex num_losses); at least one. StaticLossScaler(1) for "no scaling".
+  ZeroOptimizer(std::unique_ptr<Optimizer> optimizer, std::vector<std::unique_ptr<LossScaler>> scalers,
+                Communicator dp, ZeroOptions options = {});
   ZeroOptimizer(std::unique_ptr<Optimizer> optimizer, std::unique_ptr<LossScaler> scaler, Communicator dp,
                 ZeroOptions options = {});
 
-  Tensor scale_loss(const Tensor& loss);  // loss * S
-  void backward(const Tensor& loss);      // backward(scale_loss(loss))
+  Tensor scale_loss(const Tensor& loss, int loss_id = 0);  // loss * S[loss_id], folding another loss id's
+  void backward(const Tensor& loss, int loss_id = 0);      // backward(scale_loss(loss, loss_id))
   StepResult step();
   void zero_grad();
 
   Optimizer& optimizer() { return *optimizer_; }  // holds this rank's pieces: set lr on its param_groups()
-  LossScaler& scaler() { return *scaler_; }
-  double loss_scale() const { return scaler_->scale(); }
+  int num_losses() const { return static_cast<int>(scalers_.size()); }
+  LossScaler& scaler(int loss_id = 0);
+  double loss_scale(int loss_id = 0) const;
   int64_t skipped_steps() const { return skipped_steps_; }
   std::vector<Tensor> model_params() const { return model_params_; }
   int64_t shard_size() const { return shard_size_; }        // S
@@ -83,7 +104,7 @@ class ZeroOptimizer {
 
   StateDict state_dict() const;
   void load_state_dict(const StateDict& dict);
-  // After the model's parameters were overwritten from outside (loading weights): the owned fp32 pieces take
+  // After the model's parameters were overwritten from outside (loading weights): the owned pieces take
   // the parameters' values (no communication: every rank holds the full parameters).
   void reload_masters();
 
@@ -93,12 +114,18 @@ class ZeroOptimizer {
     int64_t param_offset;   // first element of the parameter (flattened) this piece holds
     int64_t shard_offset;   // where it sits in this rank's shard
     int64_t length;
-    Tensor master;          // f32 [length], a leaf the wrapped optimizer updates
+    Tensor master;          // [length], f32 (or the parameter's dtype without masters), a leaf the wrapped
+                            // optimizer updates
   };
   Tensor gather_shard(const std::vector<Tensor>& piece_values) const;  // [dp * S] f32
+  bool separate_master(size_t param) const;  // "master.<i>" in the state dict: an f32 master of a 16-bit one
+  void check_loss_id(int loss_id, const char* what) const;
+  Tensor take_grads();         // the model gradients packed into a flat f32 [dp * S]; dropped from the model
+  void fold_pending_grads();   // take_grads() of the pending loss, unscaled and checked, added to folded_
+  void clear_grads();
 
   std::unique_ptr<Optimizer> optimizer_;
-  std::unique_ptr<LossScaler> scaler_;
+  std::vector<std::unique_ptr<LossScaler>> scalers_;
   Communicator dp_;
   ZeroOptions options_;
   std::vector<Tensor> model_params_;
@@ -107,6 +134,10 @@ class ZeroOptimizer {
   std::vector<Piece> pieces_;           // in the wrapped optimizer's parameter order
   int64_t total_numel_ = 0, shard_size_ = 0;
   int64_t skipped_steps_ = 0;
+  std::vector<bool> found_inf_;  // per loss id, found while folding since the last step (this rank)
+  std::vector<bool> used_;       // per loss id: went through scale_loss()/backward() since the last step
+  int pending_loss_ = -1;        // loss id whose scale the model gradients carry; -1: none
+  Tensor folded_;                // f32 [dp * S]: the unscaled gradients of the losses folded so far; or none
 };
 
 }  // namespace mixtape::dist

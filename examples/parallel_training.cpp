@@ -265,19 +265,6 @@ ParallelTrainer::ParallelTrainer(const GPTConfig& config, const TrainOptions& op
   const int64_t per_step = parallel.dp * parallel.micro_batches;
   check(options.batch % per_step == 0, "train_gpt: --batch ", options.batch, " must be divisible by --dp ", parallel.dp,
         " x --micro-batches ", parallel.micro_batches, " = ", per_step, " (equal micro-batches on every rank)");
-  if (parallel.zero == 1) {
-    const AmpConfig& amp = options.amp;
-    // ZeRO-1 keeps fp32 master weights (its shard of them): a model cast to fp16 without master weights (O3,
-    // or O2 with master_weights false) is the one combination it cannot honour. O0 and O1 keep fp32
-    // parameters, as the fp16 and fp32 modes do.
-    const std::optional<DType> cast = amp.model_dtype();
-    const bool fp16_alone = cast && is_low_precision(*cast) && !amp.apex.master_weights;
-    check(!(amp.mixed_precision == "fp16_apex" && fp16_alone),
-          "not supported: --zero 1 with ", amp.name(), " without master weights: ZeRO-1 shards fp32 master "
-          "weights, and this opt level keeps the model's parameters in fp16 alone");
-    check(!(amp.mixed_precision == "fp16_apex" && amp.apex.num_losses != 1), "not supported: --zero 1 with ",
-          "num_losses ", amp.apex.num_losses, " (ZeRO-1 keeps one loss scaler)");
-  }
   impl_ = std::make_unique<Impl>(config, options, parallel, data, world);
   Impl& m = *impl_;
 
@@ -327,7 +314,8 @@ ParallelTrainer::ParallelTrainer(const GPTConfig& config, const TrainOptions& op
     zo.model_parallel = m.mp_group.get();
     zo.count_in_norm = count_in_norm;
     zo.log_num_zeros_in_grad = parts.options.log_num_zeros_in_grad;
-    m.zero = std::make_unique<dist::ZeroOptimizer>(std::move(parts.optimizer), std::move(parts.scalers[0]),
+    zo.master_weights = parts.options.master_weights;  // false: Apex O3 (its fp16 parameters are sharded)
+    m.zero = std::make_unique<dist::ZeroOptimizer>(std::move(parts.optimizer), std::move(parts.scalers),
                                                    m.groups.dp, zo);
   } else {
     m.mpo = std::make_unique<MixedPrecisionOptimizer>(std::move(parts.optimizer), std::move(parts.scalers),
@@ -413,8 +401,14 @@ StepStats ParallelTrainer::train_step() {
   if (m.reducer && !overlap) m.reducer->reduce();
   stats.lr = apply_schedule(m.optimizer(), *m.lr_schedule, step_);
   // Through the booster either way: it prints the mode's verbose lines (on world rank 0 only).
-  const StepResult result = m.zero ? m.booster.step([&m] { return m.zero->step(); }, {&m.zero->scaler()})
-                                   : m.booster.step(*m.mpo);
+  StepResult result;
+  if (m.zero) {
+    std::vector<const LossScaler*> scalers;
+    for (int k = 0; k < m.zero->num_losses(); ++k) scalers.push_back(&m.zero->scaler(k));
+    result = m.booster.step([&m] { return m.zero->step(); }, scalers);
+  } else {
+    result = m.booster.step(*m.mpo);
+  }
   stats.grad_norm = result.grad_norm;
   stats.skipped = result.skipped;
   stats.num_zeros = result.num_zeros < 0 ? -1 : result.num_zeros - m.padding_elements;

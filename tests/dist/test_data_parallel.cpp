@@ -9,6 +9,7 @@
 #include <cmath>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "amp/optimizer.h"
@@ -44,6 +45,10 @@ struct RunSpec {
   int inf_rank = 0;   // ... on this dp rank (the single-process run plants it too)
   bool overlap = false;  // GradientReducer::begin()/finish() around backward (buckets reduced inside it)
   int micro_batches = 1;  // backward() calls per step, each on an equal share of the local rows (loss / M)
+  bool master_weights = true;  // false: the 16-bit parameters are stepped themselves (Apex O3)
+  int losses = 1;     // loss ids per micro-batch (Apex num_losses): loss l on the batch of seed step + 100 l
+  int inf_loss = -1;  // with losses > 1: the inf is planted right after this loss's last backward
+  double init_scale = 1024;  // of loss 0's GradScaler (fp16); loss l's starts at init_scale 4^l
 };
 
 struct Outcome {
@@ -52,6 +57,7 @@ struct Outcome {
   std::vector<double> grad_norms; // of the averaged, unscaled gradients (Adam is blind to their scale)
   std::vector<std::vector<double>> weights;
   double final_scale = 0;
+  std::vector<double> final_scales;  // of every loss's scaler
   StateDict state;
   int64_t buckets_in_backward = 0, buckets_total = 0;  // overlap: buckets reduced by the hook / all
 };
@@ -67,19 +73,19 @@ std::vector<Tensor> make_params(DType dtype) {
   return params;
 }
 
-std::unique_ptr<Optimizer> make_adamw(const std::vector<Tensor>& p) {
+std::unique_ptr<Optimizer> make_adamw(const std::vector<Tensor>& p, double lr = 1e-2) {
   // Two groups: matrices with decay, biases without.
-  return std::make_unique<AdamW>(std::vector<ParamGroup>{{{p[0], p[2]}, 1e-2, 0.1}, {{p[1], p[3]}, 1e-2, 0.0}});
+  return std::make_unique<AdamW>(std::vector<ParamGroup>{{{p[0], p[2]}, lr, 0.1}, {{p[1], p[3]}, lr, 0.0}});
 }
 
-std::unique_ptr<LossScaler> make_scaler(Mode mode) {
+std::unique_ptr<LossScaler> make_scaler(Mode mode, double init_scale = 1024) {
   if (mode != Mode::F16) return std::make_unique<StaticLossScaler>(1.0);
   GradScalerOptions options;
   // Growth every 5 clean steps: the scale stays <= 2^14 over 20 steps. A natural overflow would not be a fair
   // test of "the same skipped steps": a rank's local-mean loss has 1/dp of the rows, so its backward's
   // intermediate 16-bit gradients are ~dp times the single process's and overflow at a dp times smaller
   // scale (as in PyTorch DDP and Megatron). Skips here are planted infs.
-  options.init_scale = 1024;
+  options.init_scale = init_scale;
   options.growth_interval = 5;
   return std::make_unique<GradScaler>(options);
 }
@@ -112,10 +118,17 @@ Outcome train(const RunSpec& s, const Communicator* dp) {
   std::unique_ptr<MixedPrecisionOptimizer> mpo;
   std::unique_ptr<ZeroOptimizer> zero;
   std::unique_ptr<GradientReducer> reducer;
-  if (s.kind == RunSpec::Zero)
-    zero = std::make_unique<ZeroOptimizer>(make_adamw(params), make_scaler(s.mode), *dp);
-  else
-    mpo = std::make_unique<MixedPrecisionOptimizer>(make_adamw(params), make_scaler(s.mode));
+  std::vector<std::unique_ptr<LossScaler>> scalers;
+  for (int l = 0; l < s.losses; ++l) scalers.push_back(make_scaler(s.mode, s.init_scale * (1 << (2 * l))));
+  if (s.kind == RunSpec::Zero) {
+    ZeroOptions options;
+    options.master_weights = s.master_weights;
+    zero = std::make_unique<ZeroOptimizer>(make_adamw(params), std::move(scalers), *dp, options);
+  } else {
+    MixedPrecisionOptions options;
+    options.master_weights = s.master_weights;
+    mpo = std::make_unique<MixedPrecisionOptimizer>(make_adamw(params), std::move(scalers), options);
+  }
   if (s.kind == RunSpec::DataParallel) reducer = std::make_unique<GradientReducer>(*dp, params, s.bucket_bytes);
 
   Outcome out;
@@ -123,15 +136,20 @@ Outcome train(const RunSpec& s, const Communicator* dp) {
     const int M = s.micro_batches;
     if (s.overlap) reducer->begin(M);
     std::vector<double> value = {0.0};
+    const bool plants = step == s.inf_step && (!dp || rank == s.inf_rank);
     for (int m = 0; m < M; ++m) {
       const int64_t part = (hi - lo) / M;
-      const Tensor loss = mul(local_loss(params, step, lo + m * part, lo + (m + 1) * part, dtype), 1.0 / M);
-      value[0] += loss.item() / size;
-      if (zero) zero->backward(loss); else mpo->backward(loss);
+      for (int l = 0; l < s.losses; ++l) {
+        const Tensor loss =
+            mul(local_loss(params, step + 100 * l, lo + m * part, lo + (m + 1) * part, dtype), 1.0 / M);
+        value[0] += loss.item() / size;
+        if (zero) zero->backward(loss, l); else mpo->backward(loss, l);
+        if (plants && l == s.inf_loss && m == M - 1) plant_inf(params);
+      }
     }
     if (dp) dp->all_reduce(value, Reduction::Sum);
     out.losses.push_back(value[0]);
-    if (step == s.inf_step && (!dp || rank == s.inf_rank)) plant_inf(params);
+    if (plants && s.inf_loss < 0) plant_inf(params);
     if (s.overlap) {
       reducer->finish();
       out.buckets_in_backward += reducer->buckets_reduced_in_backward();
@@ -146,6 +164,7 @@ Outcome train(const RunSpec& s, const Communicator* dp) {
   }
   for (const Tensor& p : params) out.weights.push_back(p.to_vector<double>());
   out.final_scale = zero ? zero->loss_scale() : mpo->loss_scale();
+  for (int l = 0; l < s.losses; ++l) out.final_scales.push_back(zero ? zero->loss_scale(l) : mpo->loss_scale(l));
   out.state = zero ? zero->state_dict() : mpo->state_dict();
   return out;
 }
@@ -159,6 +178,7 @@ void expect_same_training(const Outcome& got, const Outcome& want, Mode mode, co
     expect_close(got.weights[k], want.weights[k], wtol, 0.1, what + " weight " + std::to_string(k));
   EXPECT_EQ(got.skipped, want.skipped) << what;
   EXPECT_EQ(got.final_scale, want.final_scale) << what;
+  EXPECT_EQ(got.final_scales, want.final_scales) << what;
 }
 
 Communicator dp2() { return make_groups({2, 1, 2}).dp; }  // ranks {0, 2} and {1, 3}
@@ -331,12 +351,18 @@ TEST(DataParallel, OverlapWaitsForTheLastOfItsBackwards) {
   EXPECT_ERROR_MENTIONS(reducer.begin(0), "backwards must be >= 1");
 }
 
+// Also without master weights (Apex O3: the shard holds pieces of the 16-bit parameters themselves), against
+// the unsharded optimizer without masters: the same training, and a state dict of that optimizer's layout (no
+// "master.<i>", "amp.master_weights" false) that loads into it; a dict written with masters is refused.
 TEST(Zero, EqualsPlainDataParallelAndTheSingleProcessRun) {
   const Communicator world = Communicator::world();
   const Communicator pairs = dp2();
-  for (Mode mode : {Mode::F32, Mode::BF16, Mode::F16}) {
+  for (const auto& [mode, master_weights] : std::vector<std::pair<Mode, bool>>{
+           {Mode::F32, true}, {Mode::BF16, true}, {Mode::F16, true}, {Mode::BF16, false}, {Mode::F16, false}}) {
+    const std::string what = std::string(mode_name(mode)) + (master_weights ? "" : " without master weights");
     RunSpec s;
     s.mode = mode;
+    s.master_weights = master_weights;
     // The inf sits in the last rank's shard only: the found_inf MAX over dp makes every rank skip.
     if (mode == Mode::F16) {
       s.inf_step = 3;
@@ -347,20 +373,103 @@ TEST(Zero, EqualsPlainDataParallelAndTheSingleProcessRun) {
     const Outcome plain = train(s, &world);
     s.kind = RunSpec::Zero;
     const Outcome zero4 = train(s, &world);
-    expect_same_training(zero4, reference, mode, std::string("zero dp4 ") + mode_name(mode));
-    expect_same_training(zero4, plain, mode, std::string("zero vs plain dp4 ") + mode_name(mode));
-    expect_same_training(train(s, &pairs), reference, mode, std::string("zero dp2 ") + mode_name(mode));
+    expect_same_training(zero4, reference, mode, "zero dp4 " + what);
+    expect_same_training(zero4, plain, mode, "zero vs plain dp4 " + what);
+    expect_same_training(train(s, &pairs), reference, mode, "zero dp2 " + what);
     // The gathered state dict has MixedPrecisionOptimizer's layout and values.
     std::vector<std::string> zero_keys, ref_keys;
     for (const auto& [key, t] : zero4.state.tensors) zero_keys.push_back(key);
     for (const auto& [key, t] : reference.state.tensors) ref_keys.push_back(key);
-    EXPECT_EQ(zero_keys, ref_keys) << mode_name(mode);
-    EXPECT_EQ(zero4.state.metadata, reference.state.metadata) << mode_name(mode);
+    EXPECT_EQ(zero_keys, ref_keys) << what;
+    EXPECT_EQ(zero4.state.metadata, reference.state.metadata) << what;
     for (const auto& [key, t] : reference.state.tensors)
       if (zero4.state.tensors.count(key))
         expect_close(zero4.state.tensors.at(key).to_vector<double>(), t.to_vector<double>(),
                      mode == Mode::F32 ? 1e-4 : 5e-2, key.find("exp_avg_sq") != std::string::npos ? 1e-4 : 1e-2,
-                     std::string(mode_name(mode)) + " " + key);
+                     what + " " + key);
+    if (master_weights) continue;
+    EXPECT_EQ(zero4.state.metadata.at("amp.master_weights"), "false");
+    for (const std::string& key : zero_keys) EXPECT_NE(key.rfind("master.", 0), 0u) << key;
+    std::vector<Tensor> p = make_params(mode_dtype(mode));
+    MixedPrecisionOptions no_masters;
+    no_masters.master_weights = false;
+    MixedPrecisionOptimizer mpo(make_adamw(p), make_scaler(mode), no_masters);
+    EXPECT_NO_THROW(mpo.load_state_dict(zero4.state)) << what;
+    ZeroOptions zero_no_masters;
+    zero_no_masters.master_weights = false;
+    ZeroOptimizer zero(make_adamw(p), make_scaler(mode), world, zero_no_masters);
+    StateDict with_masters = zero4.state;
+    with_masters.metadata["amp.master_weights"] = "true";
+    EXPECT_ERROR_MENTIONS(zero.load_state_dict(with_masters), "'amp.master_weights' is 'true', expected 'false'");
+  }
+}
+
+// Master weights matter under ZeRO-1 too. AdamW's steps are ~lr = 1e-5, below half an fp16 ulp of every
+// weight of magnitude >= 2^-4 (there half an ulp is >= 2^-15 = 3.1e-5). Without masters those weights never
+// move; the fp32 masters add the steps up and move many of them within 20 steps.
+TEST(Zero, WithoutMasterWeightsSmallUpdatesAreLostAndWithMastersTheyAreKept) {
+  const Communicator world = Communicator::world();
+  const int64_t rows = kBatch / world.size(), lo = world.rank() * rows;
+  const std::vector<Tensor> initial = make_params(DType::F16);
+  int64_t large = 0;  // weights with |w| >= 2^-4
+  for (const Tensor& p : initial)
+    for (double w : p.to_vector<double>()) large += std::abs(w) >= 0.0625;
+  ASSERT_GT(large, 50);
+  auto moved = [&](bool master_weights) {
+    std::vector<Tensor> p = make_params(DType::F16);
+    ZeroOptions options;
+    options.master_weights = master_weights;
+    ZeroOptimizer zero(make_adamw(p, 1e-5), make_scaler(Mode::F16), world, options);
+    for (int step = 0; step < kSteps; ++step) {
+      zero.backward(local_loss(p, step, lo, lo + rows, DType::F16));
+      EXPECT_FALSE(zero.step().skipped) << "step " << step;
+      zero.zero_grad();
+    }
+    int64_t count = 0;
+    for (size_t k = 0; k < p.size(); ++k) {
+      const std::vector<double> before = initial[k].to_vector<double>(), after = p[k].to_vector<double>();
+      for (size_t i = 0; i < before.size(); ++i) count += std::abs(before[i]) >= 0.0625 && after[i] != before[i];
+    }
+    return count;
+  };
+  EXPECT_EQ(moved(false), 0);
+  EXPECT_GT(moved(true), large / 4);
+}
+
+// Apex's num_losses under ZeRO-1: two losses per micro-batch, two micro-batches, so every step folds at each
+// change of loss id. An inf is planted on one rank in loss 1's gradients at step 3, or in loss 0's at step 8
+// (folded when loss 1 begins): every rank skips that step, only that loss's scaler backs off, and the run
+// equals the unsharded optimizer's. The final scales, by hand (GradScaler: x2 after 5 clean steps in a row,
+// x0.5 on an overflow; loss 0 from 256, loss 1 from 1024, 20 steps):
+//   a scaler that never overflows grows after steps 4, 9, 14, 19: x16;
+//   one that overflows at step 3: clean again from step 4, grows after 8, 13, 18: x0.5 x8 = x4;
+//   one that overflows at step 8: grows after 4, backs off at 8, grows after 13, 18: x2 x0.5 x4 = x4.
+TEST(Zero, SeveralLossesAreUnscaledEachWithItsOwnScaleAsInTheUnshardedOptimizer) {
+  const Communicator world = Communicator::world();
+  const Communicator pairs = dp2();
+  struct Case {
+    int inf_step, inf_loss;
+    std::vector<double> scales;
+  };
+  for (const Case& c : {Case{3, 1, {256.0 * 16, 1024.0 * 4}}, Case{8, 0, {256.0 * 4, 1024.0 * 16}}}) {
+    const std::string what =
+        "inf in loss " + std::to_string(c.inf_loss) + " at step " + std::to_string(c.inf_step);
+    RunSpec s;
+    s.mode = Mode::F16;
+    s.losses = 2;
+    s.micro_batches = 2;
+    s.init_scale = 256;
+    s.inf_step = c.inf_step;
+    s.inf_loss = c.inf_loss;
+    s.inf_rank = 1;
+    const Outcome reference = train(s, nullptr);
+    EXPECT_EQ(reference.skipped, std::vector<int>{c.inf_step}) << what;
+    EXPECT_EQ(reference.final_scales, c.scales) << what;
+    s.kind = RunSpec::Zero;
+    const Outcome zero4 = train(s, &world);
+    expect_same_training(zero4, reference, s.mode, "two losses, zero dp4, " + what);
+    expect_same_training(train(s, &pairs), reference, s.mode, "two losses, zero dp2, " + what);
+    EXPECT_EQ(zero4.state.metadata, reference.state.metadata) << what;  // both scalers, num_losses 2
   }
 }
 
@@ -487,4 +596,25 @@ TEST(Zero, ClipsWithTheGlobalNormAndLeavesOutWhatCountInNormExcludes) {
   EXPECT_ERROR_MENTIONS(ZeroOptimizer(make_adamw(make_params(DType::F32)), make_scaler(Mode::F32), world,
                                       ZeroOptions{0, nullptr, {true}}),
                         "count_in_norm has 1 entries");
+}
+
+TEST(Zero, BadLossIdsAndGradientsOfUnknownScaleAreErrors) {
+  const Communicator world = Communicator::world();
+  const int64_t rows = kBatch / world.size(), lo = world.rank() * rows;
+  std::vector<Tensor> p = make_params(DType::F16);
+  std::vector<std::unique_ptr<LossScaler>> two;
+  two.push_back(make_scaler(Mode::F16));
+  two.push_back(make_scaler(Mode::F16));
+  ZeroOptimizer zero(make_adamw(p), std::move(two), world);
+  EXPECT_EQ(zero.num_losses(), 2);
+  EXPECT_ERROR_MENTIONS(zero.backward(local_loss(p, 0, lo, lo + rows, DType::F16), 2),
+                        "loss_id 2 out of range, expected 0 <= loss_id < num_losses = 2");
+  EXPECT_ERROR_MENTIONS(zero.loss_scale(-1), "loss_id -1 out of range");
+  // A backward that bypassed the optimizer: its gradients carry no known scale (on every rank alike).
+  backward(local_loss(p, 0, lo, lo + rows, DType::F16));
+  EXPECT_ERROR_MENTIONS(zero.step(), "has a gradient, but no loss went through scale_loss()/backward()");
+  zero.zero_grad();
+  std::vector<std::unique_ptr<LossScaler>> none;
+  EXPECT_ERROR_MENTIONS(ZeroOptimizer(make_adamw(make_params(DType::F32)), std::move(none), world),
+                        "expected at least one loss scaler");
 }
