@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <charconv>
 #include <cmath>
+#include <exception>
 #include <map>
 #include <set>
 #include <string>
@@ -176,13 +177,27 @@ StepResult ZeroOptimizer::step() {
   NoGradGuard no_grad;
   const size_t n = scalers_.size();
 
-  // 0. The losses used this step, over dp: every rank reduces the same kind of buffer below.
+  // 0. The losses used this step, over every rank: every rank reduces the same kind of buffer below.
   std::vector<double> used(n);
   for (size_t k = 0; k < n; ++k) used[k] = used_[k] ? 1.0 : 0.0;
   dp_.all_reduce(used, Reduction::Max);
+  // Also over model_parallel (the tp x pp grid with dp: the two MAXes are the global one), so that every rank
+  // agrees on a step without any loss below.
+  if (options_.model_parallel) options_.model_parallel->all_reduce_max(used);
   size_t used_count = 0, only = 0;
   for (size_t k = 0; k < n; ++k)
     if (used[k] != 0.0) ++used_count, only = k;
+  if (used_count == 0) {
+    // No backward since the last step on any rank: nothing to step (MixedPrecisionOptimizer's masters have no
+    // gradient then, and its optimizer leaves them alone), no scaler to update. A gradient that bypassed
+    // scale_loss()/backward() is still an error.
+    for (const Tensor& param : model_params_)
+      check(!param.grad().defined(), kWho, ": parameter ", param.description(), " has a gradient, but no loss ",
+            "went through scale_loss()/backward() of this optimizer since the last step or zero_grad(); expected ",
+            "its gradients to carry a known loss scale");
+    for (Piece& piece : pieces_) piece.master.set_grad(Tensor());
+    return result;
+  }
 
   // 1. Reduce-scatter the flat f32 gradients; average and unscale the shard in one pass (one loss), or average
   // the shard of the sum the folds unscaled (several).
@@ -312,87 +327,133 @@ StateDict ZeroOptimizer::state_dict() const {
   return dict;
 }
 
+// Parses "<prefix><i>" or "<prefix><i>.<rest>" into i (and rest); false if it is neither.
+static bool parse_indexed(const std::string& key, const std::string& prefix, size_t& index, std::string* rest) {
+  if (!starts_with(key, prefix)) return false;
+  const char* first = key.data() + prefix.size();
+  const char* last = key.data() + key.size();
+  const auto [end, ec] = std::from_chars(first, last, index);
+  if (ec != std::errc() || end == first) return false;
+  if (rest == nullptr) return end == last;
+  if (end == last || *end != '.' || end + 1 == last) return false;
+  *rest = std::string(end + 1, last);
+  return true;
+}
+
 void ZeroOptimizer::load_state_dict(const StateDict& dict) {
   const std::string who = std::string(kWho) + ".load_state_dict";
   NoGradGuard no_grad;
-  // Translate the layout-free dict into the wrapped optimizer's (pieces numbered in group order).
-  const int64_t num = read_state_count(dict.metadata, "amp.num_losses", who);
-  check(num == num_losses(), who, ": the state dict has ", num, " loss scalers ('amp.num_losses'), expected ",
-        num_losses());
-  const auto master_weights = dict.metadata.find("amp.master_weights");
-  const std::string expected_mw = options_.master_weights ? "true" : "false";
-  check(master_weights != dict.metadata.end() && master_weights->second == expected_mw, who,
-        ": entry 'amp.master_weights' is ",
-        master_weights == dict.metadata.end() ? std::string("missing") : "'" + master_weights->second + "'",
-        ", expected '", expected_mw, "' (this optimizer's option)");
-  const int64_t skipped = read_state_count(dict.metadata, "amp.skipped_steps", who);
-  const std::vector<std::map<std::string, std::string>> scaler_states =
-      read_scaler_states(dict.metadata, scalers_, who);
-  StateDict inner;
-  for (const auto& [key, value] : dict.metadata) {
-    if (starts_with(key, "amp.")) {
-      check(key == "amp.num_losses" || key == "amp.master_weights" || key == "amp.skipped_steps", who,
-            ": unexpected metadata entry '", key, "'");
-    } else if (!starts_with(key, "state.") && !starts_with(key, "scaler.")) {
-      inner.metadata[key] = value;
-    }
-  }
-  for (const auto& [key, tensor] : dict.tensors) {
-    if (!starts_with(key, "master.")) continue;
-    const std::string index = key.substr(7);
-    size_t i = 0;
-    const auto [end, ec] = std::from_chars(index.data(), index.data() + index.size(), i);
-    check(!index.empty() && ec == std::errc() && end == index.data() + index.size() && i < model_params_.size() &&
-              separate_master(i),
-          who, ": unexpected tensor entry '", key, "' (parameter ", index, " has no separate fp32 master)");
-  }
-  int64_t first = 0;  // index of group g's first parameter
-  for (size_t g = 0; g < group_counts_.size(); ++g) {
-    const std::string key = "param_groups." + std::to_string(g) + ".params";
-    const auto found = dict.metadata.find(key);
-    check(found != dict.metadata.end() && found->second == std::to_string(group_counts_[g]), who, ": entry '",
-          key, "' is ", found == dict.metadata.end() ? std::string("missing") : "'" + found->second + "'",
-          ", expected '", group_counts_[g], "'");
-    int64_t owned = 0;  // this rank's pieces of group g
-    for (const Piece& piece : pieces_) {
-      const auto param = static_cast<int64_t>(piece.param);
-      if (param >= first && param < first + group_counts_[g]) ++owned;
-    }
-    inner.metadata[key] = std::to_string(owned);
-    first += group_counts_[g];
-  }
+  // Collective: every rank validates and loads its part; if any rank fails, every rank that loaded rolls back
+  // and throws, so that no rank goes on to the next collective alone and no rank keeps half a state.
+  StateDict old_optimizer;
+  std::vector<std::map<std::string, std::string>> old_scalers;
   std::vector<Tensor> new_masters(pieces_.size());
-  for (size_t k = 0; k < pieces_.size(); ++k) {
-    const Piece& piece = pieces_[k];
-    const size_t i = piece.param;
-    const Tensor& param = model_params_[i];
-    const std::string prefix = "state." + std::to_string(i) + ".";
-    for (const auto& [key, value] : dict.metadata)
-      if (key == prefix + "step") inner.metadata["state." + std::to_string(k) + ".step"] = value;
-    for (const auto& [key, tensor] : dict.tensors) {
-      if (!starts_with(key, prefix)) continue;
-      check(tensor.numel() == param.numel(), who, ": tensor entry '", key, "' is ", tensor.description(),
-            ", expected ", param.numel(), " elements (", param.description(), ")");
-      inner.tensors["state." + std::to_string(k) + "." + key.substr(prefix.size())] =
-          tensor.contiguous().reshape({-1}).narrow(0, piece.param_offset, piece.length).to(DType::F32).clone();
-    }
-    Tensor source = param.detach();
-    if (separate_master(i)) {
-      const auto found = dict.tensors.find("master." + std::to_string(i));
-      check(found != dict.tensors.end() && found->second.numel() == param.numel(), who,
-            ": missing or misshapen tensor entry 'master.", i, "' (the fp32 master of ", param.description(), ")");
-      source = found->second;
-    }
-    new_masters[k] = source.contiguous().reshape({-1}).narrow(0, piece.param_offset, piece.length);
-  }
-  const StateDict old_optimizer = optimizer_->state_dict();
-  optimizer_->load_state_dict(inner);  // validates its dict first: throws having changed nothing
+  int64_t skipped = 0;
+  bool applied = false;
+  std::exception_ptr failure;
   try {
-    load_scaler_states(scalers_, scaler_states);
+    // ---- checks that do not depend on the rank: every rank finds the same fault in the dict ----
+    const int64_t num = read_state_count(dict.metadata, "amp.num_losses", who);
+    check(num == num_losses(), who, ": the state dict has ", num, " loss scalers ('amp.num_losses'), expected ",
+          num_losses());
+    const auto master_weights = dict.metadata.find("amp.master_weights");
+    const std::string expected_mw = options_.master_weights ? "true" : "false";
+    check(master_weights != dict.metadata.end() && master_weights->second == expected_mw, who,
+          ": entry 'amp.master_weights' is ",
+          master_weights == dict.metadata.end() ? std::string("missing") : "'" + master_weights->second + "'",
+          ", expected '", expected_mw, "' (this optimizer's option)");
+    skipped = read_state_count(dict.metadata, "amp.skipped_steps", who);
+    const std::vector<std::map<std::string, std::string>> scaler_states =
+        read_scaler_states(dict.metadata, scalers_, who);
+    for (const auto& [key, value] : dict.metadata) {
+      size_t i = 0;
+      std::string rest;
+      if (starts_with(key, "amp."))
+        check(key == "amp.num_losses" || key == "amp.master_weights" || key == "amp.skipped_steps", who,
+              ": unexpected metadata entry '", key, "'");
+      else if (starts_with(key, "state."))
+        check(parse_indexed(key, "state.", i, &rest) && rest == "step" && i < model_params_.size(), who,
+              ": unexpected metadata entry '", key, "' (expected state.<i>.step with i < ", model_params_.size(),
+              ")");
+    }
+    for (const auto& [key, tensor] : dict.tensors) {
+      size_t i = 0;
+      std::string rest;
+      const bool master = parse_indexed(key, "master.", i, nullptr);
+      check((master && i < model_params_.size() && separate_master(i)) ||
+                (!master && parse_indexed(key, "state.", i, &rest) && i < model_params_.size()),
+            who, ": unexpected tensor entry '", key, "' (expected master.<i> for a 16-bit parameter with an fp32 ",
+            "master, or state.<i>.<buffer>, with i < ", model_params_.size(), ")");
+      const Tensor& param = model_params_[i];
+      const DType dtype = master ? DType::F32 : Optimizer::state_dtype(param);
+      check(tensor.defined() && tensor.shape() == param.shape() && tensor.dtype() == dtype, who,
+            ": tensor entry '", key, "' is ", tensor.defined() ? tensor.description() : "undefined", ", expected ", dtype_name(dtype),
+            shape_str(param.shape()), " for parameter ", i, " (", param.description(), ")");
+    }
+    for (size_t i = 0; i < model_params_.size(); ++i)
+      check(!separate_master(i) || dict.tensors.count("master." + std::to_string(i)), who,
+            ": missing tensor entry 'master.", i, "' (the fp32 master of ", model_params_[i].description(), ")");
+
+    // ---- this rank's part: the wrapped optimizer's dict for its pieces (numbered in group order) ----
+    StateDict inner;
+    for (const auto& [key, value] : dict.metadata)
+      if (!starts_with(key, "amp.") && !starts_with(key, "state.") && !starts_with(key, "scaler."))
+        inner.metadata[key] = value;
+    int64_t first = 0;  // index of group g's first parameter
+    for (size_t g = 0; g < group_counts_.size(); ++g) {
+      const std::string key = "param_groups." + std::to_string(g) + ".params";
+      const auto found = dict.metadata.find(key);
+      check(found != dict.metadata.end() && found->second == std::to_string(group_counts_[g]), who, ": entry '",
+            key, "' is ", found == dict.metadata.end() ? std::string("missing") : "'" + found->second + "'",
+            ", expected '", group_counts_[g], "'");
+      int64_t owned = 0;  // this rank's pieces of group g
+      for (const Piece& piece : pieces_) {
+        const auto param = static_cast<int64_t>(piece.param);
+        if (param >= first && param < first + group_counts_[g]) ++owned;
+      }
+      inner.metadata[key] = std::to_string(owned);
+      first += group_counts_[g];
+    }
+    for (size_t k = 0; k < pieces_.size(); ++k) {
+      const Piece& piece = pieces_[k];
+      const size_t i = piece.param;
+      const std::string prefix = "state." + std::to_string(i) + ".";
+      const auto step = dict.metadata.find(prefix + "step");
+      if (step != dict.metadata.end()) inner.metadata["state." + std::to_string(k) + ".step"] = step->second;
+      for (const auto& [key, tensor] : dict.tensors)
+        if (starts_with(key, prefix))
+          inner.tensors["state." + std::to_string(k) + "." + key.substr(prefix.size())] =
+              tensor.contiguous().reshape({-1}).narrow(0, piece.param_offset, piece.length).clone();
+      const Tensor source = separate_master(i) ? dict.tensors.at("master." + std::to_string(i))
+                                               : model_params_[i].detach();
+      new_masters[k] = source.contiguous().reshape({-1}).narrow(0, piece.param_offset, piece.length);
+    }
+    old_optimizer = optimizer_->state_dict();
+    for (const auto& scaler : scalers_) old_scalers.push_back(scaler->state_dict());
+    optimizer_->load_state_dict(inner);  // validates its dict first: throws having changed nothing
+    try {
+      load_scaler_states(scalers_, scaler_states);
+    } catch (...) {
+      optimizer_->load_state_dict(old_optimizer);
+      throw;
+    }
+    applied = true;
   } catch (...) {
-    optimizer_->load_state_dict(old_optimizer);
-    throw;
+    failure = std::current_exception();
   }
+  std::vector<double> failed = {failure ? 1.0 + dp_.rank() : 0.0};  // MAX: the highest failing rank, plus one
+  dp_.all_reduce(failed, Reduction::Max);
+  if (failed[0] != 0.0) {
+    if (applied) {
+      optimizer_->load_state_dict(old_optimizer);
+      load_scaler_states(scalers_, old_scalers);
+    }
+    if (failure) std::rethrow_exception(failure);
+    check(false, who, ": rank ", static_cast<int64_t>(failed[0]) - 1, " of ", dp_.name(),
+          " rejected the state dict (its error says why); nothing was loaded");
+  }
+
+  // ---- apply (every rank validated and loaded): the pieces, then every model parameter ----
   for (size_t k = 0; k < pieces_.size(); ++k) pieces_[k].master.copy_(new_masters[k]);
   // Every model parameter takes its master rounded once (the same on every rank: from the gathered shard).
   std::vector<Tensor> values;

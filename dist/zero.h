@@ -18,7 +18,8 @@
 //                      them): packed into a local flat f32 buffer, unscaled by 1 / S_k with a finite check
 //                      (found_inf of loss k), added to the losses folded before (unless not finite: the step
 //                      is skipped anyway), and dropped from the model.
-//   step()           0. which losses this step used, MAX over dp (the ranks take the same path below)
+//   step()           0. which losses this step used, MAX over dp and model_parallel (the ranks take the same
+//                       path below); none: nothing happens (no backward since the last step)
 //                    1. one loss used (the common case): the model gradients are packed into one flat f32
 //                       buffer (missing ones as zeros) and reduce-scattered (SUM, in f32) over dp, then the
 //                       shard is averaged and unscaled in one pass, unscale_and_check_finite(1 / (S_k dp));
@@ -47,9 +48,10 @@
 // optimizer's metadata with the original parameter counts, "state.<i>.step" and full-shape
 // "state.<i>.<buffer>" per model parameter i, "master.<i>" (fp32) for every 16-bit parameter when there are
 // masters, "amp.*" and "scaler.<k>.*" entries — so a checkpoint does not depend on dp and loads into either
-// optimizer. load_state_dict() takes the same layout (any dp): masters and state are sliced to this rank's
-// shard; for fp32 parameters, and for every parameter without masters, the piece comes from the model
-// parameter itself (load the model weights first).
+// optimizer. load_state_dict() (collective) takes the same layout (any dp), checked as MixedPrecisionOptimizer
+// checks it (entries, indices, shapes, dtypes) on every rank; if any rank rejects it, every rank throws and
+// nothing changes. Masters and state are sliced to this rank's shard; for fp32 parameters, and for every
+// parameter without masters, the piece comes from the model parameter itself (load the model weights first).
 #include <cstdint>
 #include <memory>
 #include <vector>

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -617,4 +618,73 @@ TEST(Zero, BadLossIdsAndGradientsOfUnknownScaleAreErrors) {
   std::vector<std::unique_ptr<LossScaler>> none;
   EXPECT_ERROR_MENTIONS(ZeroOptimizer(make_adamw(make_params(DType::F32)), std::move(none), world),
                         "expected at least one loss scaler");
+}
+
+// A state dict any rank rejects is rejected by every rank, and nothing changes anywhere: the faults that show
+// in the whole dict (as MixedPrecisionOptimizer checks it) and one only the rank owning that parameter's piece
+// can see (a buffer name AdamW does not keep, for the last parameter: the last rank's shard).
+TEST(Zero, ABadStateDictIsRejectedOnEveryRankAndChangesNothing) {
+  const Communicator world = Communicator::world();
+  const int64_t rows = kBatch / world.size(), lo = world.rank() * rows;
+  std::vector<Tensor> p = make_params(DType::F16);
+  ZeroOptimizer zero(make_adamw(p), make_scaler(Mode::F16), world);
+  for (int step = 0; step < 2; ++step) {
+    zero.backward(local_loss(p, step, lo, lo + rows, DType::F16));
+    zero.step();
+    zero.zero_grad();
+  }
+  const StateDict good = zero.state_dict();
+  // Optimizer order: p0, p2 | p1, p3.
+  auto edited = [&](const std::function<void(StateDict&)>& edit) {
+    StateDict d = good;
+    edit(d);
+    return d;
+  };
+  const std::vector<std::pair<StateDict, std::string>> bad = {
+      {edited([](StateDict& d) { d.tensors.erase("master.3"); }), "missing tensor entry 'master.3'"},
+      {edited([](StateDict& d) { d.tensors["master.3"] = d.tensors["master.3"].to(DType::F16); }),
+       "tensor entry 'master.3' is f16"},
+      {edited([](StateDict& d) { d.tensors["master.1"] = d.tensors["master.1"].reshape({-1}); }),
+       "tensor entry 'master.1' is f32[48]"},
+      {edited([](StateDict& d) { d.tensors["bogus"] = Tensor::zeros({2}); }), "unexpected tensor entry 'bogus'"},
+      {edited([](StateDict& d) { d.tensors["state.7.exp_avg"] = Tensor::zeros({2}); }),
+       "unexpected tensor entry 'state.7.exp_avg'"},
+      {edited([](StateDict& d) { d.metadata["state.9.step"] = "2"; }), "unexpected metadata entry 'state.9.step'"},
+      {edited([](StateDict& d) { d.tensors["state.3.exp_avg"] = d.tensors["state.3.exp_avg"].to(DType::F16); }),
+       "tensor entry 'state.3.exp_avg' is f16"},
+      {edited([](StateDict& d) { d.tensors["state.3.bogus"] = d.tensors["state.3.exp_avg"]; }),
+       world.rank() == world.size() - 1 ? "unexpected tensor entry 'state.3.bogus'"
+                                        : "rank 3 of world rejected the state dict"},
+  };
+  for (const auto& [dict, message] : bad) {
+    EXPECT_ERROR_MENTIONS(zero.load_state_dict(dict), message);
+    const StateDict now = zero.state_dict();
+    EXPECT_EQ(now.metadata, good.metadata) << message;
+    for (const auto& [key, t] : good.tensors)
+      EXPECT_EQ(now.tensors.at(key).to_vector<double>(), t.to_vector<double>()) << message << ": " << key;
+  }
+  EXPECT_NO_THROW(zero.load_state_dict(good));
+}
+
+// step() with no backward since the last step (on any rank) changes nothing, as MixedPrecisionOptimizer's
+// step does then: AdamW's momentum and weight decay would otherwise move every weight.
+TEST(Zero, AStepWithoutABackwardChangesNothing) {
+  const Communicator world = Communicator::world();
+  const int64_t rows = kBatch / world.size(), lo = world.rank() * rows;
+  for (bool master_weights : {true, false}) {
+    std::vector<Tensor> p = make_params(DType::F16);
+    ZeroOptions options;
+    options.master_weights = master_weights;
+    ZeroOptimizer zero(make_adamw(p), make_scaler(Mode::F16), world, options);
+    zero.backward(local_loss(p, 0, lo, lo + rows, DType::F16));
+    zero.step();
+    std::vector<std::vector<double>> before;
+    for (const Tensor& t : p) before.push_back(t.to_vector<double>());
+    const StateDict state = zero.state_dict();
+    zero.step();  // right after a step
+    zero.zero_grad();
+    zero.step();  // after zero_grad
+    for (size_t k = 0; k < p.size(); ++k) EXPECT_EQ(p[k].to_vector<double>(), before[k]) << "weight " << k;
+    EXPECT_EQ(zero.state_dict().metadata, state.metadata);
+  }
 }
