@@ -1,10 +1,12 @@
 #include "examples/parallel_training.h"
 
 #include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <cstring>
 #include <map>
 #include <optional>
+#include <system_error>
 
 #include "autograd/autograd.h"
 #include "dist/data_parallel.h"
@@ -599,7 +601,10 @@ void ParallelTrainer::Impl::load_named(const StateDict& state, bool with_optimiz
         i = s->first;
         rest = "state.%." + s->second;
       } else if (key.rfind("master.", 0) == 0) {
-        i = static_cast<size_t>(std::stoull(key.substr(7)));
+        const std::string index = key.substr(7);
+        const auto [end, ec] = std::from_chars(index.data(), index.data() + index.size(), i);
+        check(!index.empty() && ec == std::errc() && end == index.data() + index.size(), what,
+              ": optimizer entry '", key, "', expected master.<parameter index>");
         rest = "master.%";
       } else {
         local.tensors[key] = t;
@@ -607,6 +612,9 @@ void ParallelTrainer::Impl::load_named(const StateDict& state, bool with_optimiz
       }
       check(i < full_order.size(), what, ": optimizer entry '", key, "' names parameter ", i, " of ",
             full_order.size());
+      const Tensor& param = full_params.at(full_order[i]);
+      check(t.shape() == param.shape(), what, ": optimizer entry '", key, "' is ", t.description(),
+            ", expected the shape of parameter '", full_order[i], "', ", param.description());
       const auto j = local_index.find(full_order[i]);
       if (j == local_index.end()) continue;  // another stage's parameter
       rest.replace(rest.find('%'), 1, std::to_string(j->second));
@@ -627,13 +635,23 @@ void ParallelTrainer::Impl::load_named(const StateDict& state, bool with_optimiz
     local.metadata["param_groups.0.params"] = std::to_string(decay);
     local.metadata["param_groups.1.params"] = std::to_string(static_cast<int64_t>(local_order.size()) - decay);
   }
+  std::vector<Tensor> old_values;  // for a rejected optimizer state: the weights go back
   {
     NoGradGuard no_grad;
-    for (auto& [param, value] : copies) param.copy_(value);
+    for (auto& [param, value] : copies) {
+      if (with_optimizer) old_values.push_back(param.detach().clone());
+      param.copy_(value);
+    }
   }
   if (with_optimizer) {
-    if (zero) zero->load_state_dict(local);
-    else mpo->load_state_dict(local);
+    try {
+      if (zero) zero->load_state_dict(local);  // collective: it throws on every dp rank or on none
+      else mpo->load_state_dict(local);
+    } catch (...) {
+      NoGradGuard no_grad;
+      for (size_t k = 0; k < copies.size(); ++k) copies[k].first.copy_(old_values[k]);
+      throw;
+    }
   } else if (zero) {
     zero->reload_masters();
   } else {

@@ -424,9 +424,16 @@ void Trainer::load_checkpoint(const StateDict& state) {
   const StateDict opt = optimizer_part(state);
 
   // Model first: strict and fully validated before copying. The optimizer validates before changing too;
-  // if it throws, the model has new weights but the caller is expected to abandon the trainer.
+  // if it throws, the model gets its old weights back, so a rejected checkpoint changes nothing.
+  StateDict old_model = model_->state_dict();  // detached views of the parameters: copy the values
+  for (auto& [name, t] : old_model.tensors) t = t.clone();
   model_->load_state_dict(model_part_in_model_dtypes(state));
-  optimizer_->load_state_dict(opt);
+  try {
+    optimizer_->load_state_dict(opt);
+  } catch (...) {
+    model_->load_state_dict(old_model);
+    throw;
+  }
   for (auto& [gen, g] : generators) *gen = g;
   step_ = step;
 }

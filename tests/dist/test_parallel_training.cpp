@@ -456,6 +456,37 @@ TEST(ParallelTrainer, ZeroOneTrainsApexO3AndSeveralLossScalersLikeOneProcess) {
   }
 }
 
+// A checkpoint whose optimizer state is rejected (after the weights were taken) changes nothing: every rank
+// throws (ZeRO-1's load is collective) and keeps its own weights.
+TEST(ParallelTrainer, ARejectedOptimizerStateLeavesTheWeightsAsTheyWere) {
+  const TrainOptions options = options_for(modes()[4].amp);  // fp16_apex O2: masters too
+  Trainer single(tiny_config(), options, corpus());
+  single.train_step();
+  StateDict corrupt = single.checkpoint();
+  corrupt.metadata.at("optimizer.amp.skipped_steps") = "-1";  // only the optimizer's own load reads it
+  for (const Layout& l : {Layout{"DP2", layout(1, 1, 2, 0, 1)}, Layout{"DP4+ZeRO-1", layout(1, 1, 4, 1, 1)}}) {
+    ParallelTrainer trainer(tiny_config(), options, l.p, corpus(), job_of(l.size()));
+    std::vector<std::vector<double>> before;
+    for (const auto& [name, p] : trainer.stage_module().named_parameters())
+      before.push_back(p.to_vector<double>());
+    EXPECT_ERROR_MENTIONS(trainer.load_checkpoint(corrupt), "'amp.skipped_steps' is '-1'");
+    size_t k = 0;
+    for (const auto& [name, p] : trainer.stage_module().named_parameters())
+      EXPECT_EQ(p.to_vector<double>(), before[k++]) << l.name << ": " << name;
+    EXPECT_EQ(trainer.step(), 0) << l.name;
+  }
+  // An optimizer tensor of the wrong shape is an error naming the entry, before anything is sliced.
+  StateDict misshapen = single.checkpoint();
+  for (auto& [key, t] : misshapen.tensors)
+    if (key.rfind("optimizer.state.", 0) == 0 && key.find("exp_avg_sq") != std::string::npos) {
+      t = t.reshape({-1}).narrow(0, 0, 1).contiguous();
+      break;
+    }
+  ParallelTrainer dp2(tiny_config(), options, layout(1, 1, 2, 0, 1), corpus(), job_of(2));
+  EXPECT_ERROR_MENTIONS(dp2.load_checkpoint(misshapen), "optimizer entry 'state.",
+                        ".exp_avg_sq' is f32[1], expected");
+}
+
 // Evaluation: Trainer::evaluate's windows, spread over dp replicas and pipelined, give its value.
 TEST(ParallelTrainer, EvaluateEqualsTheSingleProcessValidationLoss) {
   const TrainOptions options = options_for(AmpConfig::parse("fp32"));
