@@ -24,6 +24,19 @@ constexpr const char* kWho = "MixedPrecisionOptimizer";
 // f32 for everything else (f32, f16, bf16).
 DType accumulation_dtype(const Tensor& param) { return Optimizer::state_dtype(param); }
 
+// The metadata entry `key` as a non-negative integer (an error naming `who` if it is missing or not one).
+int64_t read_count(const std::map<std::string, std::string>& metadata, const std::string& key,
+                   const std::string& who) {
+  const auto found = metadata.find(key);
+  check(found != metadata.end(), who, ": missing metadata entry '", key, "'");
+  const std::string& text = found->second;
+  int64_t value = 0;
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+  check(!text.empty() && ec == std::errc() && end == text.data() + text.size() && value >= 0, who,
+        ": metadata entry '", key, "' is '", text, "', expected a non-negative integer");
+  return value;
+}
+
 }  // namespace
 
 std::vector<std::unique_ptr<LossScaler>> one_scaler(std::unique_ptr<LossScaler> scaler) {
@@ -86,16 +99,21 @@ void load_scaler_states(const std::vector<std::unique_ptr<LossScaler>>& scalers,
   }
 }
 
-int64_t read_state_count(const std::map<std::string, std::string>& metadata, const std::string& key,
+int64_t read_amp_entries(const std::map<std::string, std::string>& metadata, int num_losses, bool master_weights,
                          const std::string& who) {
-  const auto found = metadata.find(key);
-  check(found != metadata.end(), who, ": missing metadata entry '", key, "'");
-  const std::string& text = found->second;
-  int64_t value = 0;
-  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
-  check(!text.empty() && ec == std::errc() && end == text.data() + text.size() && value >= 0, who,
-        ": metadata entry '", key, "' is '", text, "', expected a non-negative integer");
-  return value;
+  const int64_t num = read_count(metadata, "amp.num_losses", who);
+  check(num == num_losses, who, ": the state dict has ", num, " loss scalers ('amp.num_losses'), expected ",
+        num_losses);
+  const auto found = metadata.find("amp.master_weights");
+  check(found != metadata.end(), who, ": missing metadata entry 'amp.master_weights'");
+  const std::string expected = master_weights ? "true" : "false";
+  check(found->second == expected, who, ": entry 'amp.master_weights' is '", found->second, "', expected '",
+        expected, "' (this optimizer's option)");
+  for (const auto& [key, value] : metadata)
+    check(key.rfind("amp.", 0) != 0 || key == "amp.num_losses" || key == "amp.master_weights" ||
+              key == "amp.skipped_steps",
+          who, ": unexpected metadata entry '", key, "'");
+  return read_count(metadata, "amp.skipped_steps", who);
 }
 
 MixedPrecisionOptimizer::MixedPrecisionOptimizer(std::unique_ptr<Optimizer> optimizer,
@@ -340,27 +358,13 @@ StateDict MixedPrecisionOptimizer::state_dict() const {
 void MixedPrecisionOptimizer::load_state_dict(const StateDict& dict) {
   const std::string who = std::string(kWho) + ".load_state_dict";
   // ---- check everything we own, change nothing ----
-  const int64_t num = read_state_count(dict.metadata, "amp.num_losses", who);
-  check(num == num_losses(), who, ": the state dict has ", num, " loss scalers ('amp.num_losses'), expected ",
-        num_losses());
-  const auto master_weights = dict.metadata.find("amp.master_weights");
-  check(master_weights != dict.metadata.end(), who, ": missing metadata entry 'amp.master_weights'");
-  const std::string expected_mw = options_.master_weights ? "true" : "false";
-  check(master_weights->second == expected_mw, who, ": entry 'amp.master_weights' is '",
-        master_weights->second, "', expected '", expected_mw, "' (this optimizer's option)");
-  const int64_t skipped = read_state_count(dict.metadata, "amp.skipped_steps", who);
+  const int64_t skipped = read_amp_entries(dict.metadata, num_losses(), options_.master_weights, who);
   const std::vector<std::map<std::string, std::string>> scaler_states =
       read_scaler_states(dict.metadata, scalers_, who);
 
   StateDict inner;  // what the wrapped optimizer's state dict holds
-  for (const auto& [key, value] : dict.metadata) {
-    if (key.rfind("amp.", 0) == 0) {
-      check(key == "amp.num_losses" || key == "amp.master_weights" || key == "amp.skipped_steps", who,
-            ": unexpected metadata entry '", key, "'");
-    } else if (key.rfind("scaler.", 0) != 0) {
-      inner.metadata[key] = value;
-    }
-  }
+  for (const auto& [key, value] : dict.metadata)
+    if (key.rfind("amp.", 0) != 0 && key.rfind("scaler.", 0) != 0) inner.metadata[key] = value;
 
   std::map<size_t, Tensor> masters;
   for (const auto& [key, tensor] : dict.tensors) {

@@ -88,8 +88,9 @@ std::vector<std::map<std::string, std::string>> read_scaler_states(
 // error propagates: the scalers are unchanged.
 void load_scaler_states(const std::vector<std::unique_ptr<LossScaler>>& scalers,
                         const std::vector<std::map<std::string, std::string>>& states);
-// The metadata entry `key` as a non-negative integer (an error naming `who` if it is missing or not one).
-int64_t read_state_count(const std::map<std::string, std::string>& metadata, const std::string& key,
+// Checks the "amp.*" entries: amp.num_losses equals num_losses, amp.master_weights equals master_weights
+// ("true"/"false"), no other amp.* entry; returns amp.skipped_steps. Errors name `who`.
+int64_t read_amp_entries(const std::map<std::string, std::string>& metadata, int num_losses, bool master_weights,
                          const std::string& who);
 
 class MixedPrecisionOptimizer {

@@ -120,7 +120,7 @@ Tensor ZeroOptimizer::scale_loss(const Tensor& loss, int loss_id) {
 
 void ZeroOptimizer::backward(const Tensor& loss, int loss_id) { mixtape::backward(scale_loss(loss, loss_id)); }
 
-void ZeroOptimizer::clear_grads() {
+void ZeroOptimizer::zero_grad() {
   for (Tensor& param : model_params_) param.set_grad(Tensor());
   for (Piece& piece : pieces_) piece.master.set_grad(Tensor());
   folded_ = Tensor();
@@ -129,7 +129,11 @@ void ZeroOptimizer::clear_grads() {
   used_.assign(scalers_.size(), false);
 }
 
-void ZeroOptimizer::zero_grad() { clear_grads(); }
+void ZeroOptimizer::check_known_scale(const Tensor& param) const {
+  check(pending_loss_ >= 0 || !param.grad().defined(), kWho, ": parameter ", param.description(),
+        " has a gradient, but no loss went through scale_loss()/backward() of this optimizer since the last step ",
+        "or zero_grad(); expected its gradients to carry a known loss scale");
+}
 
 Tensor ZeroOptimizer::take_grads() {
   NoGradGuard no_grad;
@@ -137,9 +141,7 @@ Tensor ZeroOptimizer::take_grads() {
   for (size_t i = 0; i < model_params_.size(); ++i) {
     const Tensor grad = model_params_[i].grad();
     if (!grad.defined()) continue;
-    check(pending_loss_ >= 0, kWho, ": parameter ", model_params_[i].description(), " has a gradient, but no ",
-          "loss went through scale_loss()/backward() of this optimizer since the last step or zero_grad(); ",
-          "expected its gradients to carry a known loss scale");
+    check_known_scale(model_params_[i]);
     check(grad.shape() == model_params_[i].shape(), kWho, ": the gradient of parameter ", i, " is ",
           grad.description(), ", expected ", model_params_[i].description());
     flat.narrow(0, offsets_[i], model_params_[i].numel()).copy_(grad.reshape({-1}));
@@ -191,10 +193,7 @@ StepResult ZeroOptimizer::step() {
     // No backward since the last step on any rank: nothing to step (MixedPrecisionOptimizer's masters have no
     // gradient then, and its optimizer leaves them alone), no scaler to update. A gradient that bypassed
     // scale_loss()/backward() is still an error.
-    for (const Tensor& param : model_params_)
-      check(!param.grad().defined(), kWho, ": parameter ", param.description(), " has a gradient, but no loss ",
-            "went through scale_loss()/backward() of this optimizer since the last step or zero_grad(); expected ",
-            "its gradients to carry a known loss scale");
+    for (const Tensor& param : model_params_) check_known_scale(param);
     for (Piece& piece : pieces_) piece.master.set_grad(Tensor());
     return result;
   }
@@ -215,20 +214,17 @@ StepResult ZeroOptimizer::step() {
   }
   pending_loss_ = -1;
 
-  // 2. Every rank skips together: the inf may sit in one rank's shard only. The "used" flags go over the
-  // model-parallel group too, so that every stage of a pipeline updates the same scalers.
-  std::vector<double> flags(2 * n);
-  for (size_t k = 0; k < n; ++k) {
-    flags[k] = found_inf_[k] ? 1.0 : 0.0;
-    flags[n + k] = used[k];
-  }
-  dp_.all_reduce(flags, Reduction::Max);
-  if (options_.model_parallel) options_.model_parallel->all_reduce_max(flags);
+  // 2. Every rank skips together: the inf may sit in one rank's shard only. (`used` is global already, so
+  // every rank, every pipeline stage included, updates the same scalers.)
+  std::vector<double> found_inf(n);
+  for (size_t k = 0; k < n; ++k) found_inf[k] = found_inf_[k] ? 1.0 : 0.0;
+  dp_.all_reduce(found_inf, Reduction::Max);
+  if (options_.model_parallel) options_.model_parallel->all_reduce_max(found_inf);
   bool any_inf = false;
-  for (size_t k = 0; k < n; ++k) any_inf = any_inf || flags[k] != 0.0;
+  for (size_t k = 0; k < n; ++k) any_inf = any_inf || found_inf[k] != 0.0;
   const auto update_scalers = [&] {
     for (size_t k = 0; k < n; ++k)
-      if (flags[n + k] != 0.0) scalers_[k]->update(flags[k] != 0.0);
+      if (used[k] != 0.0) scalers_[k]->update(found_inf[k] != 0.0);
     found_inf_.assign(n, false);
     used_.assign(n, false);
   };
@@ -353,25 +349,13 @@ void ZeroOptimizer::load_state_dict(const StateDict& dict) {
   std::exception_ptr failure;
   try {
     // ---- checks that do not depend on the rank: every rank finds the same fault in the dict ----
-    const int64_t num = read_state_count(dict.metadata, "amp.num_losses", who);
-    check(num == num_losses(), who, ": the state dict has ", num, " loss scalers ('amp.num_losses'), expected ",
-          num_losses());
-    const auto master_weights = dict.metadata.find("amp.master_weights");
-    const std::string expected_mw = options_.master_weights ? "true" : "false";
-    check(master_weights != dict.metadata.end() && master_weights->second == expected_mw, who,
-          ": entry 'amp.master_weights' is ",
-          master_weights == dict.metadata.end() ? std::string("missing") : "'" + master_weights->second + "'",
-          ", expected '", expected_mw, "' (this optimizer's option)");
-    skipped = read_state_count(dict.metadata, "amp.skipped_steps", who);
+    skipped = read_amp_entries(dict.metadata, num_losses(), options_.master_weights, who);
     const std::vector<std::map<std::string, std::string>> scaler_states =
         read_scaler_states(dict.metadata, scalers_, who);
     for (const auto& [key, value] : dict.metadata) {
       size_t i = 0;
       std::string rest;
-      if (starts_with(key, "amp."))
-        check(key == "amp.num_losses" || key == "amp.master_weights" || key == "amp.skipped_steps", who,
-              ": unexpected metadata entry '", key, "'");
-      else if (starts_with(key, "state."))
+      if (starts_with(key, "state."))
         check(parse_indexed(key, "state.", i, &rest) && rest == "step" && i < model_params_.size(), who,
               ": unexpected metadata entry '", key, "' (expected state.<i>.step with i < ", model_params_.size(),
               ")");
@@ -387,8 +371,8 @@ void ZeroOptimizer::load_state_dict(const StateDict& dict) {
       const Tensor& param = model_params_[i];
       const DType dtype = master ? DType::F32 : Optimizer::state_dtype(param);
       check(tensor.defined() && tensor.shape() == param.shape() && tensor.dtype() == dtype, who,
-            ": tensor entry '", key, "' is ", tensor.defined() ? tensor.description() : "undefined", ", expected ", dtype_name(dtype),
-            shape_str(param.shape()), " for parameter ", i, " (", param.description(), ")");
+            ": tensor entry '", key, "' is ", tensor.defined() ? tensor.description() : "undefined", ", expected ",
+            dtype_name(dtype), shape_str(param.shape()), " for parameter ", i, " (", param.description(), ")");
     }
     for (size_t i = 0; i < model_params_.size(); ++i)
       check(!separate_master(i) || dict.tensors.count("master." + std::to_string(i)), who,

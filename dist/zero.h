@@ -25,8 +25,8 @@
 //                       shard is averaged and unscaled in one pass, unscale_and_check_finite(1 / (S_k dp));
 //                       several losses: the last one is folded too, the folded sum reduce-scattered and the
 //                       shard averaged (1 / dp; an f32 overflow of that sum counts for every loss used)
-//                    2. found_inf and "used" per loss all-reduced MAX over dp (an inf lands in one rank's
-//                       shard only) and over options.model_parallel when given: every rank skips together
+//                    2. found_inf per loss all-reduced MAX over dp (an inf lands in one rank's shard only)
+//                       and over options.model_parallel when given: every rank skips together
 //                    3. grad norm: the shard's squared norm (each element owned once) summed over dp, and
 //                       over model_parallel when given (options.count_in_norm leaves replicas out); clip
 //                       (log_num_zeros_in_grad: the zero elements are counted the same way, after clipping)
@@ -124,7 +124,7 @@ class ZeroOptimizer {
   void check_loss_id(int loss_id, const char* what) const;
   Tensor take_grads();         // the model gradients packed into a flat f32 [dp * S]; dropped from the model
   void fold_pending_grads();   // take_grads() of the pending loss, unscaled and checked, added to folded_
-  void clear_grads();
+  void check_known_scale(const Tensor& param) const;  // no gradient unless a loss is pending
 
   std::unique_ptr<Optimizer> optimizer_;
   std::vector<std::unique_ptr<LossScaler>> scalers_;
