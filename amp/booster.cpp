@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdio>
 #include <map>
+#include <set>
 #include <string>
 
 #include "amp/autocast.h"
@@ -67,8 +68,20 @@ BoostedParts Booster::boost_parts(Module& model, std::unique_ptr<Optimizer> opti
             " ", param.description(), " already has a gradient; ", c.name(),
             " gives the 16-bit parameters fp32 gradients, which needs none yet (boost the model before ",
             "training it, or zero_grad first)");
-  print_verbose_ = options.print_verbose;
   const std::vector<std::pair<std::string, Tensor>> before = model.named_parameters();
+  // The optimizer must train this model: a tensor it holds that is not one of the model's parameters would
+  // stay behind when conversion replaces them (the model would not train at all with an optimizer built on
+  // another model's parameters), and in the other modes it would be trained without the mode's casts.
+  std::set<const void*> model_params;
+  for (const auto& [name, param] : before) model_params.insert(param.impl_ptr().get());
+  const std::vector<ParamGroup>& groups = optimizer->param_groups();
+  for (size_t g = 0; g < groups.size(); ++g)
+    for (size_t i = 0; i < groups[g].params.size(); ++i)
+      check(model_params.count(groups[g].params[i].impl_ptr().get()) != 0, "Booster.boost: the ",
+            optimizer->name(), "'s parameter ", i, " of group ", g, " (", groups[g].params[i].description(),
+            ") is not a parameter of the model; expected an optimizer built on the model's parameters ",
+            "(model.parameters() or a subset)");
+  print_verbose_ = options.print_verbose;
 
   // ---- the model ----
   if (c.mixed_precision == "tf32") set_allow_tf32(true);

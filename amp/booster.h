@@ -81,7 +81,8 @@ class Booster {
 
   // Converts `model` in place for the mode and wraps `optimizer` (built on the model's parameters, before
   // its first step) with the mode's scalers. The optimizer's parameters that the conversion replaced are
-  // swapped for the new ones (matched by identity). One model per booster; the model must outlive it.
+  // swapped for the new ones (matched by identity). An optimizer holding a tensor that is not one of the
+  // model's parameters is an Error (a subset is fine). One model per booster; the model must outlive it.
   std::unique_ptr<MixedPrecisionOptimizer> boost(Module& model, std::unique_ptr<Optimizer> optimizer,
                                                  BoostOptions options = {});
   // The same conversion of the model, returning the parts instead of the MixedPrecisionOptimizer.

@@ -512,6 +512,44 @@ TEST(Booster, AnOptimizerThatAlreadySteppedIsRefusedBeforeTheModelChanges) {
   }
 }
 
+// An optimizer built on another model's parameters (or holding any tensor that is not one of the model's) is
+// refused in every mode before the model changes. In the modes that convert the model it would go on stepping
+// the old tensors while the converted model never moved; elsewhere it would train outside the mode's casts.
+// A subset of the model's parameters (some frozen) is fine.
+TEST(Booster, AnOptimizerOnAnotherModelsParametersIsRefusedBeforeTheModelChanges) {
+  for (const char* mode : {"fp32", "bf16", "fp16_apex:O2", "fp16_naive"}) {
+    SCOPED_TRACE(mode);
+    GPT model(tiny_config(), 1), other(tiny_config(), 1);
+    // A small initial scale for the naive scaler: 2^32 would overflow the first step.
+    Booster booster(std::string(mode) == "fp16_naive" ? AmpConfig::from_json(R"({"initial_scale":1024})", mode)
+                                                      : AmpConfig::parse(mode));
+    std::vector<Tensor> mixed = model.parameters();
+    mixed.erase(mixed.begin());
+    mixed.push_back(other.parameters()[2]);
+    auto adamw = std::make_unique<AdamW>(std::vector<ParamGroup>{{{model.parameters()[0]}, 1e-3, 0.0},
+                                                                 {mixed, 1e-3, 0.0}}, AdamOptions{});
+    EXPECT_ERROR_MENTIONS(booster.boost(model, std::move(adamw)), "AdamW's parameter " +
+                          std::to_string(mixed.size() - 1) + " of group 1", "is not a parameter of the model");
+    EXPECT_ERROR_MENTIONS(booster.boost(model, adamw_on(other, 1e-3)), "parameter 0 of group 0",
+                          "not a parameter of the model");
+    for (const auto& [name, dtype] : param_dtypes(model)) EXPECT_EQ(dtype, DType::F32) << name;
+    // A subset trains; the left-out parameters are frozen.
+    std::vector<Tensor> some = model.parameters();
+    const std::vector<float> frozen_before = some.back().to_vector<float>();
+    some.pop_back();
+    auto optimizer = booster.boost(
+        model, std::make_unique<AdamW>(std::vector<ParamGroup>{{some, 1e-2, 0.0}}, AdamOptions{}));
+    const std::vector<float> first_before = model.parameters()[0].to_vector<float>();
+    const auto [x, y] = fixed_batch();
+    optimizer->zero_grad();
+    booster.backward(booster.forward([&](const std::vector<Tensor>& in) {
+      return std::vector<Tensor>{model.forward(in[0], in[1]).loss}; }, {x, y})[0], *optimizer);
+    EXPECT_FALSE(booster.step(*optimizer).skipped);
+    EXPECT_NE(model.parameters()[0].to_vector<float>(), first_before);
+    EXPECT_EQ(model.parameters().back().to_vector<float>(), frozen_before);
+  }
+}
+
 // Invalid BoostOptions are an error before the model is converted: the booster and model stay usable.
 TEST(Booster, InvalidOptionsLeaveTheModelAndTheBoosterUntouched) {
   GPT model(tiny_config(), 1);
