@@ -19,7 +19,9 @@ enum class UnaryOp {
   Neg, Exp, Log, Sqrt, Rsqrt, Tanh, Sigmoid, Relu, GeluErf, GeluTanh, Silu, Abs,
   PowScalar,  // x ^ scalar
 };
-enum class BinaryOp { Add, Sub, Mul, Div, Pow };
+// Eq: 1 where a == b, else 0 (IEEE equality: inf equals inf, NaN equals nothing); no op records it, it only
+// builds masks inside backward functions (max/min's ties). Not offered by binary_scalar.
+enum class BinaryOp { Add, Sub, Mul, Div, Pow, Eq };
 enum class ReduceOp { Sum, Mean, Max, Min };
 
 enum class WeightDecayMode { None, L2, Decoupled };  // Adam: none, L2 folded into the gradient, AdamW

@@ -15,6 +15,9 @@ namespace mixtape {
 
 namespace {
 
+// The dims before the last: their product is the row count of a tensor seen as a matrix of rows.
+Shape leading_dims(const Tensor& t) { return Shape(t.shape().begin(), t.shape().end() - 1); }
+
 // The batch shape of two matrices' leading dims under NumPy broadcasting, with an error naming both operands.
 Shape broadcast_batch(const Tensor& a, const Tensor& b, const Tensor& a2, const Tensor& b2) {
   const Shape a_batch(a2.shape().begin(), a2.shape().end() - 2);
@@ -111,8 +114,9 @@ Tensor matmul(const Tensor& a, const Tensor& b) {
         // A matrix shared by the whole batch (a linear layer; x then has every batch dim itself): one
         // [K, B*M] x [B*M, N] product sums over the batch inside its reduction, instead of B products and
         // a separate sum.
-        const int64_t K = xs.size(-1), N = g.size(-1);
-        grads[1] = gm.round(matmul(xs.reshape({-1, K}).mT(), gm.operand.reshape({-1, N})));
+        // The row count is spelled out: reshape cannot infer a -1 beside a 0 (K or N may be 0).
+        const int64_t K = xs.size(-1), N = g.size(-1), rows = shape_numel(leading_dims(xs));
+        grads[1] = gm.round(matmul(xs.reshape({rows, K}).mT(), gm.operand.reshape({rows, N})));
       } else {
         grads[1] = reduce_to(gm.round(matmul(xs.mT(), gm.operand)), ws.shape());
       }
@@ -170,7 +174,10 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
     Grads grads(3);
     const GradOperand gm = grad_operand(g, x_grad && w_grad);
     if (x_grad) grads[0] = gm.round(matmul(gm.operand, wd));
-    if (w_grad) grads[1] = gm.round(matmul(gm.operand.reshape({-1, N}).mT(), xd.reshape({-1, K})));
+    if (w_grad) {  // the row count spelled out: reshape cannot infer a -1 beside a 0 (K or N may be 0)
+      const int64_t rows = shape_numel(leading_dims(xd));
+      grads[1] = gm.round(matmul(gm.operand.reshape({rows, N}).mT(), xd.reshape({rows, K})));
+    }
     if (b_grad) grads[2] = sum_to(g, {N});
     return grads;
   };

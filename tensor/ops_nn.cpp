@@ -70,7 +70,7 @@ LayerNormResult layer_norm(const Tensor& x, const Tensor& weight, const Tensor& 
                                                          grad_b);
                     return Grads{grad_x.view(x_shape), grad_w, grad_b};
                   },
-                  {x, w});
+                  {x, w, mean, rstd});
   const Shape stats_shape = leading_shape(x);
   return {out, mean.view(stats_shape), rstd.view(stats_shape)};
 }
@@ -98,7 +98,7 @@ RMSNormResult rms_norm(const Tensor& x, const Tensor& weight, double eps) {
                     backend_of(rows).rms_norm_backward(g_rows, rows, wd, rstd, grad_x, grad_w);
                     return Grads{grad_x.view(x_shape), grad_w};
                   },
-                  {x, w});
+                  {x, w, rstd});
   return {out, rstd.view(leading_shape(x))};
 }
 

@@ -78,15 +78,16 @@ Tensor extremum(const char* op, ReduceOp kind, const Tensor& x, const std::vecto
   const Tensor extreme = out.detach();
   record_backward(op, {x}, out,
                   [x, extreme, r](const Tensor& g) {
-                    const Tensor extreme_keep = extreme.reshape(r.keep_shape);
-                    // where(x - m, 0, 1): 1 exactly where x equals the extremum (x - m is 0 only there).
-                    const Tensor zero = Tensor::scalar(0, x.dtype(), x.device()),
-                                 one = Tensor::scalar(1, x.dtype(), x.device());
-                    const Tensor is_extreme = where(sub(x, extreme_keep), zero, one);
+                    // 1 exactly where x equals the extremum, by comparison: x - m would be NaN, not 0, where
+                    // both are the same infinity.
+                    const Tensor xd = x.detach();
+                    const Tensor is_extreme = Tensor::empty(x.shape(), x.dtype(), x.device());
+                    backend_of(x).binary(BinaryOp::Eq, xd, extreme.reshape(r.keep_shape).expand(x.shape()),
+                                         is_extreme);
                     const Tensor ties = sum(is_extreme, r.dims, true);
                     return Grads{mul(is_extreme, div(g.reshape(r.keep_shape), ties))};
                   },
-                  {x});
+                  {x, extreme});
   return out;
 }
 
@@ -111,7 +112,7 @@ Tensor softmax_impl(const char* op, const Tensor& input, int64_t dim, bool log) 
     Tensor grad = Tensor::empty(y1.shape(), y1.dtype(), y1.device());
     backend_of(y1).softmax_backward(y1, g.reshape(y1.shape()), dim, log, grad);
     return Grads{grad.reshape(saved.shape())};
-  });
+  }, {saved});
   return y;
 }
 

@@ -16,7 +16,13 @@ std::string shape_str(const Shape& shape) {
 
 int64_t shape_numel(const Shape& shape) {
   int64_t n = 1;
-  for (int64_t s : shape) n *= s;
+  bool overflow = false;
+  for (int64_t s : shape) overflow |= __builtin_mul_overflow(n, s, &n);
+  if (overflow) [[unlikely]] {
+    for (int64_t s : shape)
+      if (s == 0) return 0;  // an empty shape whose other sizes overflowed on the way
+    fail("shape ", shape_str(shape), " has more elements than fit in a signed 64-bit count");
+  }
   return n;
 }
 

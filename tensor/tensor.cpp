@@ -37,7 +37,9 @@ int64_t dim_of(const Tensor& t, int64_t dim, const char* op, int64_t ndim = -1) 
 Tensor Tensor::empty(const Shape& shape, DType dtype, Device device) {
   check_shape(shape, "empty");
   auto impl = std::make_shared<TensorImpl>();
-  const size_t nbytes = static_cast<size_t>(shape_numel(shape)) * dtype_size(dtype);
+  int64_t nbytes = 0;
+  if (__builtin_mul_overflow(shape_numel(shape), static_cast<int64_t>(dtype_size(dtype)), &nbytes)) [[unlikely]]
+    fail("empty: ", shape_str(shape), " of ", dtype_name(dtype), " needs more bytes than fit in 64 bits");
   impl->storage = std::make_shared<Storage>(nbytes, device, backend_for(device).allocator());
   impl->shape = shape;
   impl->strides = contiguous_strides(shape);
@@ -58,6 +60,9 @@ Tensor Tensor::arange(double start, double end, double step, DType dtype, Device
   check(step != 0 && std::isfinite(step) && std::isfinite(start) && std::isfinite(end),
         "arange: start/end/step must be finite and step nonzero (got ", start, ", ", end, ", ", step, ")");
   const double count = std::ceil((end - start) / step);
+  // 2^62: below int64's limit, and far more than memory holds.
+  check(!(count > 0x1p62), "arange: [", start, ", ", end, ") in steps of ", step, " has ", count,
+        " elements; expected at most 2^62");
   Tensor t = empty({count > 0 ? static_cast<int64_t>(count) : 0}, dtype, device);
   backend_for(device).arange(t, start, step);
   return t;
@@ -455,6 +460,37 @@ void check_inplace(const Tensor& t, const char* op) {
        "or NoGradGuard if no gradient should flow through the change");
 }
 
+// With grad mode on, the source of an in-place op must not need a gradient: none would reach it.
+void check_source_untracked(const Tensor& src, const char* op) {
+  if (!grad_enabled() || !src.requires_grad()) return;
+  fail(op, ": the source ", src.description(), " requires grad, but in-place ops are not recorded on the ",
+       "tape, so no gradient would reach it; pass src.detach() (or use NoGradGuard) if none should, or use an ",
+       "out-of-place op if one should");
+}
+
+// The source of an in-place op, safe to read while `dst` is written: an elementwise kernel reading a source
+// that shares memory with the destination would read elements it has already written (x[1:] += x[:-1]), so
+// such a source is copied first. A source that is the destination itself, element for element, reads each
+// element just before writing it and needs no copy.
+Tensor readable_source(const Tensor& dst, const Tensor& src) {
+  const Tensor s = src.detach().expand(dst.shape());
+  if (s.storage() != dst.storage() || s.numel() == 0) return s;
+  if (s.offset() == dst.offset() && s.strides() == dst.strides()) return s;
+  // The element range [first, last] each view can touch, in elements of their (shared) storage.
+  auto range = [](const Tensor& t) {
+    int64_t first = t.offset(), last = t.offset();
+    for (int64_t d = 0; d < t.dim(); ++d) {
+      const int64_t reach = t.strides()[d] * (t.shape()[d] - 1);
+      (reach < 0 ? first : last) += reach;
+    }
+    return std::pair<int64_t, int64_t>(first, last);
+  };
+  const auto [s_first, s_last] = range(s);
+  const auto [d_first, d_last] = range(dst);
+  if (s_last < d_first || d_last < s_first) return s;
+  return s.clone();
+}
+
 }  // namespace
 
 Tensor& Tensor::fill_(double value) {
@@ -468,12 +504,13 @@ Tensor& Tensor::copy_(const Tensor& src) {
   check_inplace(*this, "copy_");
   check_no_overlap(*this, "copy_");
   check(src.defined(), "copy_: source is undefined (destination ", description(), ")");
+  check_source_untracked(src, "copy_");
   const Shape shape = broadcast_shapes(src.shape(), this->shape(), "copy_");
   check(shape == this->shape(), "copy_: source ", src.description(), " does not broadcast to destination ",
         description());
   // From another device: the bytes move first (as they are), then convert and spread on this device.
-  const Tensor here = src.device() == device() ? src.detach() : src.detach().to(device());
-  backend_of(*this).copy(here.expand(shape), *this);
+  const Tensor here = src.device() == device() ? src : src.detach().to(device());
+  backend_of(*this).copy(readable_source(*this, here), *this);
   bump_version();
   return *this;
 }
@@ -482,9 +519,10 @@ Tensor& Tensor::add_(const Tensor& other, double alpha) {
   check_inplace(*this, "add_");
   check_no_overlap(*this, "add_");
   check(other.device() == device(), "add_: other on ", other.device(), ", this on ", device());
+  check_source_untracked(other, "add_");
   const Shape shape = broadcast_shapes(other.shape(), this->shape(), "add_");
   check(shape == this->shape(), "add_: ", other.description(), " does not broadcast to ", description());
-  backend_of(*this).add_inplace(*this, other.detach().expand(shape), alpha);
+  backend_of(*this).add_inplace(*this, readable_source(*this, other), alpha);
   bump_version();
   return *this;
 }

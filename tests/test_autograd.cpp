@@ -406,6 +406,49 @@ TEST(Autograd, SavedTensorModifiedInPlaceIsReportedNotDifferentiatedWrongly) {
   }
 }
 
+// The ops whose backward reads their own output or statistics register them too: softmax and log_softmax
+// (their output), max / min (the extremum), layer_norm / rms_norm (the mean and rstd they also return). A
+// change through a detached alias is reported, not differentiated at the changed values.
+TEST(Autograd, OutputsAndStatisticsSavedForBackwardAreCheckedToo) {
+  auto expect_reported = [](const char* op, const std::function<Tensor(const Tensor&)>& run_and_modify) {
+    SCOPED_TRACE(op);
+    const Tensor x = leaf(Tensor::randn({2, 4}, 5, DType::F64));
+    const Tensor y = run_and_modify(x);
+    EXPECT_ERROR_MENTIONS(backward({y}, {gradient_like(y)}), "backward", op, "modified in place");
+    EXPECT_FALSE(x.grad().defined());
+  };
+  expect_reported("softmax", [](const Tensor& x) {
+    const Tensor y = softmax(x, 1);
+    y.detach().fill_(0.5);
+    return y;
+  });
+  expect_reported("log_softmax", [](const Tensor& x) {
+    const Tensor y = log_softmax(x, 1);
+    y.detach().fill_(0);
+    return y;
+  });
+  expect_reported("max", [](const Tensor& x) {
+    const Tensor y = max(x, {1});
+    y.detach().fill_(1);
+    return y;
+  });
+  expect_reported("layer_norm", [](const Tensor& x) {
+    const LayerNormResult r = layer_norm(x, Tensor(), Tensor());
+    Tensor(r.rstd).fill_(100);
+    return r.out;
+  });
+  expect_reported("rms_norm", [](const Tensor& x) {
+    const RMSNormResult r = rms_norm(x, Tensor());
+    Tensor(r.rstd).fill_(100);
+    return r.out;
+  });
+  expect_reported("layer_norm", [](const Tensor& x) {  // the mean too
+    const LayerNormResult r = layer_norm(x, Tensor(), Tensor());
+    Tensor(r.mean).fill_(0);
+    return r.out;
+  });
+}
+
 TEST(Autograd, InPlaceOnATensorThatRequiresGradIsAnErrorOutsideNoGradGuard) {
   Tensor x = leaf(iota({2, 3}));
   EXPECT_ERROR_MENTIONS(x.fill_(1), "fill_", "leaf", "f64[2,3]", "NoGradGuard");

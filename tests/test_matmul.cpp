@@ -228,6 +228,32 @@ TEST(Matmul, EmptyInnerDimGivesZerosAndEmptyOuterDimGivesEmpty) {
   EXPECT_EQ(matmul(Tensor::ones({2, 0, 3, 4}), Tensor::ones({4, 2})).shape(), (Shape{2, 0, 3, 2}));
 }
 
+// Gradients through an empty inner (K = 0) or outer dim: empty or zero, of the operands' shapes. The weight
+// gradient of a shared matrix flattens the batch rows, whose count is spelled out (reshape cannot infer -1
+// beside a 0).
+TEST(MatmulGrad, EmptyDimsGiveEmptyOrZeroGradients) {
+  struct Case { Shape x, w; };
+  for (const Case& c : std::vector<Case>{{{2, 5, 0}, {0, 3}}, {{3, 0}, {0, 2}}, {{2, 0, 4}, {4, 3}},
+                                         {{2, 3, 4}, {4, 0}}}) {
+    Tensor x = Tensor::ones(c.x).requires_grad_(), w = Tensor::ones(c.w).requires_grad_();
+    backward(sum(matmul(x, w)));
+    EXPECT_EQ(x.grad().shape(), c.x);
+    EXPECT_EQ(w.grad().shape(), c.w);
+    EXPECT_EQ(x.grad().to_vector<double>(), std::vector<double>(x.numel(), 0.0));
+    EXPECT_EQ(w.grad().to_vector<double>(), std::vector<double>(w.numel(), 0.0));
+    // linear(x, w^T) has the same shapes transposed.
+    Tensor lx = Tensor::ones(c.x).requires_grad_(), lw = Tensor::ones(c.w).mT().contiguous().requires_grad_();
+    Tensor lb = Tensor::ones({c.w[1]}).requires_grad_();
+    backward(sum(linear(lx, lw, lb)));
+    EXPECT_EQ(lx.grad().to_vector<double>(), std::vector<double>(lx.numel(), 0.0));
+    EXPECT_EQ(lw.grad().shape(), lw.shape());
+    EXPECT_EQ(lw.grad().to_vector<double>(), std::vector<double>(lw.numel(), 0.0));
+    // The bias gradient counts the rows (0 when there are none).
+    const double rows = double(shape_numel(Shape(c.x.begin(), c.x.end() - 1)));
+    EXPECT_EQ(lb.grad().to_vector<double>(), std::vector<double>(lb.numel(), rows)) << shape_str(c.x);
+  }
+}
+
 TEST(Matmul, RepeatedCallsThroughTheCachedPlanAgreeBitwise) {
   const Tensor a = Tensor::rand({64, 32}, 31), b = Tensor::rand({32, 16}, 32);
   const std::vector<float> first = matmul(a, b).to_vector<float>();

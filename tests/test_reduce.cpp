@@ -327,6 +327,25 @@ TEST(MaxMin, GradientIsSplitEvenlyAmongTies) {
                         1e-15, 0));
 }
 
+// An infinite extremum takes the gradient like any other: the ties are found by comparison (inf - inf would be
+// NaN, and every element got NaN). norm(x, inf) is max(|x|) and follows; f16 overflowing to inf is the case
+// mixed precision meets.
+TEST(MaxMin, GradientGoesToAnInfiniteExtremum) {
+  const double inf = std::numeric_limits<double>::infinity();
+  for (DType dtype : {DType::F32, DType::F16, DType::BF16, DType::F64}) {
+    SCOPED_TRACE(dtype_name(dtype));
+    Tensor x = Tensor::from_vector(std::vector<double>{1, inf, 2, -inf, 3, inf}, {2, 3}, dtype).requires_grad_();
+    backward(max(x));
+    EXPECT_EQ(x.grad().to_vector<double>(), (std::vector<double>{0, 0.5, 0, 0, 0, 0.5}));
+    x.set_grad(Tensor());
+    backward(sum(min(x, {1})));
+    EXPECT_EQ(x.grad().to_vector<double>(), (std::vector<double>{1, 0, 0, 1, 0, 0}));
+    Tensor z = Tensor::from_vector(std::vector<double>{1, -inf, 2}, {3}, dtype).requires_grad_();
+    backward(norm(z, inf));
+    EXPECT_EQ(z.grad().to_vector<double>(), (std::vector<double>{0, -1, 0}));
+  }
+}
+
 TEST(MaxMin, RejectEmptyReductionsAndBadDims) {
   EXPECT_ERROR_MENTIONS(max(Tensor::zeros({2, 0}), {1}), "max", "empty", "f32[2,0]");
   EXPECT_ERROR_MENTIONS(min(Tensor::zeros({2, 3}), {0, 3}), "min", "dim 3", "f32[2,3]");

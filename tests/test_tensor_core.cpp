@@ -45,6 +45,18 @@ TEST(Tensor, EmptyTensorsAreContiguousWhateverTheirShape) {
   EXPECT_EQ(Tensor::zeros({2, 0, 3}).contiguous().numel(), 0);
 }
 
+// A shape whose element or byte count does not fit in 64 bits is an error, not a wrapped (small) buffer; an
+// empty shape with huge other sizes is empty.
+TEST(Tensor, ShapesTooLargeToCountAreErrors) {
+  const int64_t big = int64_t(1) << 62;
+  EXPECT_ERROR_MENTIONS(Tensor::zeros({big, 4}), "shape [4611686018427387904,4]", "more elements than fit");
+  EXPECT_ERROR_MENTIONS(Tensor::zeros({big, 1}, DType::F32), "empty", "f32", "more bytes than fit");
+  EXPECT_ERROR_MENTIONS(Tensor::ones({1}).expand({big, 4}).numel(), "more elements than fit");
+  EXPECT_EQ(shape_numel({big, 4, 0}), 0);
+  EXPECT_EQ(Tensor::zeros({big, 4, 0}).numel(), 0);
+  EXPECT_ERROR_MENTIONS(Tensor::arange(0, 1e30, 1e-30), "arange", "expected at most 2^62");
+}
+
 TEST(Tensor, InPlaceArithmeticOnABroadcastViewIsAnError) {
   Tensor base = Tensor::ones({1, 3});
   Tensor wide = base.expand({4, 3});

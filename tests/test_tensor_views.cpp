@@ -10,6 +10,7 @@
 #include <random>
 #include <vector>
 
+#include "autograd/autograd.h"
 #include "tensor/ops.h"
 #include "test_util.h"
 
@@ -329,6 +330,58 @@ TEST(TensorInPlace, CopyBroadcastsAndConverts) {
   const uint64_t version = ints.version();
   ints.copy_(Tensor::zeros({2}, DType::I64));
   EXPECT_GT(ints.version(), version);
+}
+
+// A source that shares memory with the destination is read as it was before the op (numpy's and PyTorch's
+// a[1:] = a[:-1] result), not element by element as the destination is written; the identical view is its
+// own source. Large views take the parallel kernels.
+TEST(TensorInPlace, OverlappingSourceAndDestinationReadTheSourceAsItWas) {
+  for (int64_t n : {5, 100'001}) {
+    SCOPED_TRACE(n);
+    std::vector<double> expected_add(n, 1.0), expected_copy(n);
+    for (int64_t i = 0; i < n; ++i) expected_copy[i] = i < 1 ? 0 : double(i - 1);
+    for (int64_t i = 1; i < n; ++i) expected_add[i] = 2;
+    Tensor a = Tensor::ones({n}, DType::F64);
+    a.slice(0, 1, n).add_(a.slice(0, 0, n - 1));
+    EXPECT_EQ(a.to_vector<double>(), expected_add);
+    Tensor b = iota({n});
+    b.slice(0, 1, n).copy_(b.slice(0, 0, n - 1));
+    EXPECT_EQ(b.to_vector<double>(), expected_copy);
+    Tensor c = iota({n});  // the other direction: a[:-1] = a[1:]
+    c.slice(0, 0, n - 1).copy_(c.slice(0, 1, n));
+    EXPECT_EQ(c.to_vector<double>()[n - 2], double(n - 1));
+    EXPECT_EQ(c.to_vector<double>()[0], 1.0);
+  }
+  Tensor c = iota({2, 2});
+  c.add_(c.mT());
+  EXPECT_EQ(c.to_vector<double>(), (std::vector<double>{0, 3, 3, 6}));
+  Tensor d = iota({2, 2});
+  d.copy_(d.mT());
+  EXPECT_EQ(d.to_vector<double>(), (std::vector<double>{0, 2, 1, 3}));
+  Tensor e = iota({3});
+  e.add_(e, 2.0);  // the same view: each element reads itself
+  EXPECT_EQ(e.to_vector<double>(), (std::vector<double>{0, 3, 6}));
+  Tensor f = iota({2, 3}, DType::F32);  // a broadcast row of the destination itself
+  f.add_(f.select(0, 0));
+  EXPECT_EQ(f.to_vector<double>(), (std::vector<double>{0, 2, 4, 3, 5, 7}));
+}
+
+// With grad mode on, the source of copy_ / add_ must not require grad: the op records nothing, so it would
+// silently get no gradient. detach() or NoGradGuard says none is wanted.
+TEST(TensorInPlace, ASourceThatRequiresGradIsAnErrorOutsideNoGradGuard) {
+  Tensor w = iota({2});
+  w.requires_grad_();
+  Tensor buffer = Tensor::zeros({2}, DType::F64);
+  EXPECT_ERROR_MENTIONS(buffer.copy_(w), "copy_", "source f32[2]", "requires grad", "detach()");
+  EXPECT_ERROR_MENTIONS(buffer.add_(mul(w, 2.0)), "add_", "requires grad");
+  EXPECT_EQ(buffer.to_vector<double>(), (std::vector<double>{0, 0}));
+  buffer.copy_(w.detach());
+  buffer.add_(w.detach());
+  {
+    NoGradGuard no_grad;
+    buffer.add_(w);
+  }
+  EXPECT_EQ(buffer.to_vector<double>(), (std::vector<double>{0, 3}));
 }
 
 TEST(TensorInPlace, CopyBetweenRandomStridedViewsKeepsLogicalOrder) {

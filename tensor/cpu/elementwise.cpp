@@ -391,6 +391,7 @@ void CpuBackend::binary(BinaryOp op, const Tensor& a, const Tensor& b, const Ten
       case BinaryOp::Div: return map_binary<T, A>(a, b, out, light, [](A x, A y) { return x / y; });
       case BinaryOp::Pow:
         return map_binary<T, A>(a, b, out, kTranscendentalGrain, [](A x, A y) { return std::pow(x, y); });
+      case BinaryOp::Eq: return map_binary<T, A>(a, b, out, light, [](A x, A y) { return A(x == y ? 1 : 0); });
     }
     fail("binary: unknown op ", static_cast<int>(op));
   });
@@ -417,6 +418,7 @@ void CpuBackend::binary_scalar(BinaryOp op, const Tensor& a, double scalar, bool
       case BinaryOp::Pow:
         if (scalar_first) return run(heavy, [s](double x) { return std::pow(s, x); });
         return run(heavy, [s](double x) { return pow_scalar(x, s); });
+      case BinaryOp::Eq: break;
     }
     fail("binary_scalar: unknown op ", static_cast<int>(op));
   });

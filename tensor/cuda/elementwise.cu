@@ -256,6 +256,7 @@ struct SubOp { template <class A> __device__ A operator()(A x, A y) const { retu
 struct MulOp { template <class A> __device__ A operator()(A x, A y) const { return x * y; } };
 struct DivOp { template <class A> __device__ A operator()(A x, A y) const { return x / y; } };
 struct PowOp { template <class A> __device__ A operator()(A x, A y) const { return math_pow(x, y); } };
+struct EqOp { template <class A> __device__ A operator()(A x, A y) const { return x == y ? A(1) : A(0); } };
 
 // Tensor-scalar ops, in double so the scalar is not rounded first.
 struct AddScalar { double s; __device__ double operator()(double x) const { return x + s; } };
@@ -719,6 +720,7 @@ void CudaBackend::binary(BinaryOp op, const Tensor& a, const Tensor& b, const Te
       case BinaryOp::Mul: return run(MulOp{});
       case BinaryOp::Div: return run(DivOp{});
       case BinaryOp::Pow: return run(PowOp{});
+      case BinaryOp::Eq: return run(EqOp{});
     }
     fail("binary: unknown op ", static_cast<int>(op));
   });
@@ -736,6 +738,7 @@ void CudaBackend::binary_scalar(BinaryOp op, const Tensor& a, double scalar, boo
       case BinaryOp::Sub: return scalar_first ? run(ScalarSub{scalar}) : run(SubScalar{scalar});
       case BinaryOp::Div: return scalar_first ? run(ScalarDiv{scalar}) : run(DivScalar{scalar});
       case BinaryOp::Pow: return scalar_first ? run(ScalarPow{scalar}) : run(PowScalarExponent{scalar});
+      case BinaryOp::Eq: break;
     }
     fail("binary_scalar: unknown op ", static_cast<int>(op));
   });
