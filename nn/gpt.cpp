@@ -1,6 +1,9 @@
 #include "nn/gpt.h"
 
+#include <charconv>
 #include <cmath>
+#include <cstdint>
+#include <set>
 #include <sstream>
 #include <string>
 
@@ -40,11 +43,13 @@ void GPTConfig::validate() const {
   check(n_layer > 0, "GPTConfig: n_layer must be positive, got ", n_layer);
   check(n_head > 0, "GPTConfig: n_head must be positive, got ", n_head);
   check(n_embd > 0, "GPTConfig: n_embd must be positive, got ", n_embd);
+  // A SwiGLU c_fc has 8 * n_embd rows: keep every layer size an int64.
+  check(n_embd < (int64_t{1} << 60), "GPTConfig: n_embd must be below 2^60, got ", n_embd);
   check(block_size > 0, "GPTConfig: block_size must be positive, got ", block_size);
   check(vocab_size > 0, "GPTConfig: vocab_size must be positive, got ", vocab_size);
   check(n_embd % n_head == 0, "GPTConfig: n_embd (", n_embd, ") must be divisible by n_head (", n_head, ")");
   check(dropout >= 0 && dropout < 1, "GPTConfig: dropout must be in [0, 1), got ", dropout);
-  check(norm_eps > 0, "GPTConfig: norm_eps must be positive, got ", norm_eps);
+  check(std::isfinite(norm_eps) && norm_eps > 0, "GPTConfig: norm_eps must be positive and finite, got ", norm_eps);
 }
 
 void GPTConfig::to_metadata(std::map<std::string, std::string>& metadata) const {
@@ -127,6 +132,69 @@ GPTConfig GPTConfig::from_metadata(const std::map<std::string, std::string>& met
   }
   config.validate();
   return config;
+}
+
+std::vector<std::pair<std::string, Shape>> gpt_parameter_shapes(const GPTConfig& config) {
+  config.validate();
+  const int64_t C = config.n_embd, V = config.vocab_size, hidden = 4 * C;
+  std::vector<std::pair<std::string, Shape>> shapes;
+  auto linear = [&](const std::string& name, int64_t in, int64_t out, bool bias) {
+    shapes.emplace_back(name + ".weight", Shape{out, in});
+    if (bias) shapes.emplace_back(name + ".bias", Shape{out});
+  };
+  auto norm = [&](const std::string& name) {
+    shapes.emplace_back(name + ".weight", Shape{C});
+    if (config.norm == NormKind::LayerNorm && config.bias) shapes.emplace_back(name + ".bias", Shape{C});
+  };
+  shapes.emplace_back("transformer.wte.weight", Shape{V, C});
+  shapes.emplace_back("transformer.wpe.weight", Shape{config.block_size, C});
+  for (int64_t layer = 0; layer < config.n_layer; ++layer) {
+    const std::string block = "transformer.h." + std::to_string(layer) + ".";
+    norm(block + "ln_1");
+    linear(block + "attn.c_attn", C, 3 * C, config.bias);
+    linear(block + "attn.c_proj", C, C, config.bias);
+    norm(block + "ln_2");
+    linear(block + "mlp.c_fc", C, config.activation == Activation::SwiGLU ? 2 * hidden : hidden, config.bias);
+    linear(block + "mlp.c_proj", hidden, C, config.bias);
+  }
+  norm("transformer.ln_f");
+  if (!config.tie_embeddings) linear("lm_head", C, V, false);
+  return shapes;
+}
+
+void check_gpt_shapes(const GPTConfig& config, const std::map<std::string, Tensor>& tensors,
+                      const std::string& what) {
+  config.validate();
+  std::ostringstream described;
+  described << "n_layer " << config.n_layer << ", n_embd " << config.n_embd << ", block_size " << config.block_size
+            << ", vocab_size " << config.vocab_size;
+  const std::string config_text = described.str();
+  // The layer count first: listing the expected parameters takes memory in proportion to n_layer, and the
+  // file's own blocks are bounded by its size.
+  std::set<int64_t> blocks;
+  const std::string prefix = "transformer.h.";
+  for (const auto& [name, t] : tensors) {
+    if (name.rfind(prefix, 0) != 0) continue;
+    int64_t index = 0;
+    const char* first = name.data() + prefix.size();
+    const auto [end, ec] = std::from_chars(first, name.data() + name.size(), index);
+    if (ec == std::errc() && end != first && *end == '.') blocks.insert(index);
+  }
+  check(static_cast<int64_t>(blocks.size()) == config.n_layer, what, ": the config says n_layer = ", config.n_layer,
+        " but the file holds ", blocks.size(), " blocks (transformer.h.<i>.*)");
+  const std::vector<std::pair<std::string, Shape>> expected = gpt_parameter_shapes(config);
+  std::set<std::string> names;
+  for (const auto& [name, shape] : expected) {
+    names.insert(name);
+    const auto found = tensors.find(name);
+    check(found != tensors.end() && found->second.defined(), what, ": missing tensor '", name, "' (expected ",
+          shape_str(shape), " for the config ", config_text, ")");
+    check(found->second.shape() == shape, what, ": tensor '", name, "' is ", shape_str(found->second.shape()),
+          " but the config (", config_text, ") expects ", shape_str(shape));
+  }
+  for (const auto& [name, t] : tensors)
+    check(names.count(name) == 1, what, ": unexpected tensor '", name, "' (not a parameter of a GPT with ",
+          config_text, ")");
 }
 
 std::shared_ptr<UnaryModule> make_norm(const GPTConfig& config) {

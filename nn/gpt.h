@@ -14,6 +14,8 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "nn/attention.h"
 #include "nn/layers.h"
@@ -36,7 +38,8 @@ struct GPTConfig {
   Activation activation = Activation::Gelu;
   double norm_eps = 1e-5;
 
-  // Throws Error naming the offending field: sizes positive, n_embd % n_head == 0, dropout in [0, 1).
+  // Throws Error naming the offending field: sizes positive, n_embd < 2^60 (layer sizes stay int64),
+  // n_embd % n_head == 0, dropout in [0, 1), norm_eps positive and finite.
   void validate() const;
   // The fields as strings for a safetensors __metadata__ (keys "n_layer", ..., "norm" = layernorm|rmsnorm,
   // "activation" = gelu|gelu_tanh|swiglu, booleans "true"/"false"), and back. from_metadata keeps the defaults
@@ -47,6 +50,16 @@ struct GPTConfig {
 
 const char* to_string(NormKind norm);
 const char* to_string(Activation activation);
+
+// The name and shape of every parameter of GPT(config), in named_parameters order, without building it. The list
+// grows with n_layer: to check a file's config against its tensors, use check_gpt_shapes.
+std::vector<std::pair<std::string, Shape>> gpt_parameter_shapes(const GPTConfig& config);
+// Checks that `tensors` (a weights file's model part) are exactly the parameters of GPT(config), by name and
+// shape, before anything of the config's size is allocated: a file whose metadata disagrees with its tensors
+// (n_layer = 1e9 beside one block, say) is an Error naming `what` and the first entry that differs. The layer
+// count is compared first, so the check itself costs memory in proportion to the file only.
+void check_gpt_shapes(const GPTConfig& config, const std::map<std::string, Tensor>& tensors,
+                      const std::string& what);
 
 // A norm layer of the configured kind over n_embd.
 std::shared_ptr<UnaryModule> make_norm(const GPTConfig& config);

@@ -17,6 +17,11 @@ inline std::string exact_number_text(double value) {
   return std::string(buffer, result.ptr);
 }
 
+// The first element of `t` that is not finite, or with non_negative not >= 0 either, as "element 5 is nan";
+// empty when every element is fine (always for integer tensors). For checking what a file brings: it reads
+// the tensor (any device) in chunks, so a large one costs little extra memory.
+std::string first_bad_value(const Tensor& t, bool non_negative = false);
+
 struct StateDict {
   std::map<std::string, Tensor> tensors;
   std::map<std::string, std::string> metadata;  // scalars are stored as their decimal text

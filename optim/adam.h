@@ -38,6 +38,7 @@ class Adam : public Optimizer {
  protected:
   Adam(const char* name, std::vector<ParamGroup> groups, AdamOptions options, bool decoupled_weight_decay);
   std::vector<std::string> buffer_names() const override { return {"exp_avg", "exp_avg_sq"}; }
+  bool buffer_is_non_negative(const std::string& buffer) const override { return buffer == "exp_avg_sq"; }
   void update(const std::vector<PendingUpdate>& updates) override;
   std::map<std::string, std::string> options_metadata() const override;
   void load_options(const std::map<std::string, std::string>& metadata) override;

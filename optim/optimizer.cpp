@@ -12,6 +12,8 @@ namespace mixtape {
 
 namespace {
 
+constexpr int64_t kMaxStep = int64_t{1} << 53;  // a loaded per-parameter step count's upper bound
+
 std::string state_key(size_t index, const std::string& what) {
   return "state." + std::to_string(index) + "." + what;
 }
@@ -237,7 +239,9 @@ void Optimizer::load_state_dict(const StateDict& dict) {
     check(parse_state_key(key, index, what) && what == "step" && index < all.size(), who,
           ": unexpected metadata entry '", key, "'");
     const int64_t step = read_integer(metadata, key);
-    check(step >= 1, who, ": entry '", key, "' is ", step, ", expected a step count >= 1");
+    // At most 2^53: the bias corrections compute in double, and the count must have room to go on.
+    check(step >= 1 && step <= kMaxStep, who, ": entry '", key, "' is ", step,
+          ", expected a step count in [1, 2^53]");
     loaded[index].step = step;
   }
   for (const auto& [key, tensor] : dict.tensors) {
@@ -253,6 +257,11 @@ void Optimizer::load_state_dict(const StateDict& dict) {
     check(tensor.shape() == param.shape() && tensor.dtype() == state_dtype(param), who, ": tensor entry '",
           key, "' is ", tensor.description(), ", expected ", dtype_name(state_dtype(param)),
           shape_str(param.shape()), " for parameter ", index, " (", param.description(), ")");
+    // A non-finite moment (or a negative second moment) would turn every later update into NaN or a skip.
+    const bool non_negative = buffer_is_non_negative(what);
+    const std::string bad = first_bad_value(tensor, non_negative);
+    check(bad.empty(), who, ": tensor entry '", key, "' is not ", non_negative ? "finite and >= 0" : "finite",
+          ": ", bad);
   }
   NoGradGuard no_grad;
   for (auto& [index, param_state] : loaded) {

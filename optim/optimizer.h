@@ -87,6 +87,9 @@ class Optimizer {
   // (SGD without momentum keeps none, so its parameters get no state at all).
   virtual std::vector<std::string> buffer_names() const = 0;
   virtual bool keeps_state() const { return true; }
+  // Whether a buffer holds a running mean of squares (Adam's exp_avg_sq): load_state_dict rejects a negative
+  // value there, as it rejects a non-finite value in any buffer.
+  virtual bool buffer_is_non_negative(const std::string& /*buffer*/) const { return false; }
   // One parameter's part of a step: `grad` is contiguous and of param's dtype, shape and device; `state`
   // has every buffer of buffer_names() (zero-filled on the first update) and its step already counts this
   // update (1 on the first).

@@ -257,5 +257,54 @@ TEST(GPT, RejectsBadConfigurationsAndInputs) {
                         "targets", "i64[1,3]");
 }
 
+TEST(GPT, ConfigRejectsANonFiniteNormEpsAndAWidthWhoseLayersOverflow) {
+  // norm_eps = inf was accepted and only failed at the first forward.
+  EXPECT_ERROR_MENTIONS(GPTConfig::from_metadata({{"norm_eps", "inf"}}), "norm_eps", "finite", "inf");
+  EXPECT_ERROR_MENTIONS(GPTConfig::from_metadata({{"norm_eps", "nan"}}), "norm_eps");
+  // 8 * n_embd (a SwiGLU c_fc) must stay an int64.
+  EXPECT_ERROR_MENTIONS(GPTConfig::from_metadata({{"n_embd", "4611686018427387904"}, {"n_head", "1"}}), "n_embd",
+                        "2^60", "4611686018427387904");
+}
+
+// The reference is the model itself: its named_parameters, in order, for every option that changes the list.
+TEST(GPT, ParameterShapesAreThoseOfTheBuiltModelForEveryOption) {
+  std::vector<GPTConfig> configs(5, tiny_config());
+  configs[1].bias = false;
+  configs[2].norm = NormKind::RMSNorm;
+  configs[3].activation = Activation::SwiGLU;
+  configs[4].tie_embeddings = false;
+  configs[4].n_layer = 3;
+  for (const GPTConfig& config : configs) {
+    std::vector<std::pair<std::string, Shape>> built;
+    for (const auto& [name, p] : GPT(config).named_parameters()) built.emplace_back(name, p.shape());
+    EXPECT_EQ(gpt_parameter_shapes(config), built);
+  }
+}
+
+TEST(GPT, CheckShapesRejectsAConfigThatDisagreesWithTheTensorsWithoutBuildingIt) {
+  const GPTConfig config = tiny_config();
+  const StateDict state = GPT(config).state_dict();
+  EXPECT_NO_THROW(check_gpt_shapes(config, state.tensors, "file.safetensors"));
+  // A billion layers beside two blocks: the layer count is compared first (no list of 12e9 names is made).
+  GPTConfig other = config;
+  other.n_layer = 1000000000;
+  EXPECT_ERROR_MENTIONS(check_gpt_shapes(other, state.tensors, "file.safetensors"), "file.safetensors",
+                        "n_layer = 1000000000", "holds 2 blocks");
+  other = config;
+  other.block_size = 8388608;
+  EXPECT_ERROR_MENTIONS(check_gpt_shapes(other, state.tensors, "f"),
+                        "f: tensor 'transformer.wpe.weight' is [16,32]", "expects [8388608,32]");
+  other = config;
+  other.n_embd = 64;
+  EXPECT_ERROR_MENTIONS(check_gpt_shapes(other, state.tensors, "f"), "'transformer.wte.weight' is [11,32]",
+                        "expects [11,64]");
+  other = config;
+  other.tie_embeddings = false;
+  EXPECT_ERROR_MENTIONS(check_gpt_shapes(other, state.tensors, "f"), "missing tensor 'lm_head.weight'");
+  other = config;
+  other.bias = false;
+  EXPECT_ERROR_MENTIONS(check_gpt_shapes(other, state.tensors, "f"), "unexpected tensor", ".bias'");
+}
+
 }  // namespace
 }  // namespace mixtape

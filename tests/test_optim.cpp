@@ -658,6 +658,47 @@ TEST(OptimizerStateDict, LoadRejectsMismatchesByNameAndChangesNothing) {
   EXPECT_EQ(values(adam.state(a)->buffers.at("exp_avg")), (std::vector<double>{9, 9, 9}));
 }
 
+// A NaN moment, a negative second moment or a step count at INT64_MAX (whose ++ would overflow) would make every
+// later update NaN or skipped: the load rejects them, naming the entry, and changes nothing.
+TEST(OptimizerStateDict, LoadRejectsNonFiniteMomentsNegativeSquaresAndHugeStepCounts) {
+  Tensor a = make_param({1.0, 2.0, 3.0}, DType::F32);
+  Adam adam({a}, 0.1);
+  give_grad(a, {0.5, 0.5, 0.5});
+  adam.step();
+  const StateDict good = adam.state_dict();
+  const std::vector<double> exp_avg_sq = values(adam.state(a)->buffers.at("exp_avg_sq"));
+  auto with = [&](const std::string& key, std::vector<double> v) {
+    StateDict dict = good;
+    dict.tensors[key] = Tensor::from_vector(v, {3}, DType::F32);
+    return dict;
+  };
+  EXPECT_ERROR_MENTIONS(adam.load_state_dict(with("state.0.exp_avg", {0, NAN, 0})), "Adam.load_state_dict",
+                        "'state.0.exp_avg' is not finite", "element 1 is nan");
+  EXPECT_ERROR_MENTIONS(adam.load_state_dict(with("state.0.exp_avg_sq", {0, 0, INFINITY})),
+                        "'state.0.exp_avg_sq' is not finite and >= 0", "element 2 is inf");
+  EXPECT_ERROR_MENTIONS(adam.load_state_dict(with("state.0.exp_avg_sq", {1, -1, 1})),
+                        "'state.0.exp_avg_sq' is not finite and >= 0", "element 1 is -1");
+  EXPECT_NO_THROW(adam.load_state_dict(with("state.0.exp_avg", {-1, -2, -3})));  // a first moment may be < 0
+  adam.load_state_dict(good);
+  for (const char* step : {"9223372036854775807", "9007199254740993"}) {
+    StateDict dict = good;
+    dict.metadata["state.0.step"] = step;
+    EXPECT_ERROR_MENTIONS(adam.load_state_dict(dict), "'state.0.step'", step, "[1, 2^53]");
+  }
+  EXPECT_EQ(values(adam.state(a)->buffers.at("exp_avg_sq")), exp_avg_sq);
+  EXPECT_EQ(adam.state(a)->step, 1);
+
+  Tensor p = make_param({1.0, 2.0}, DType::F32);
+  SGD sgd({p}, 0.1, 0, SGDOptions{0.9, 0, false});
+  give_grad(p, {1.0, 1.0});
+  sgd.step();
+  StateDict dict = sgd.state_dict();
+  dict.tensors["state.0.momentum_buffer"] =
+      Tensor::from_vector(std::vector<double>{-INFINITY, 0}, {2}, DType::F32);
+  EXPECT_ERROR_MENTIONS(sgd.load_state_dict(dict), "SGD.load_state_dict", "'state.0.momentum_buffer' is not finite",
+                        "element 0 is -inf");
+}
+
 // ---- learning-rate schedules ------------------------------------------------------------------------------
 
 TEST(WarmupCosineLR, FollowsNanoGPTsGetLrAtTheBoundaries) {
