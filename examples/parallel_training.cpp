@@ -264,6 +264,7 @@ ParallelTrainer::ParallelTrainer(const GPTConfig& config, const TrainOptions& op
         " tokens) is shorter than block + 2 = ", config.block_size + 2);
   check(parallel.pp <= config.n_layer, "train_gpt: --pp ", parallel.pp, " is more pipeline stages than the model's ",
         config.n_layer, " layers");
+  check_tokens_per_step(options, config.block_size);
   const int64_t per_step = parallel.dp * parallel.micro_batches;
   check(options.batch % per_step == 0, "train_gpt: --batch ", options.batch, " must be divisible by --dp ", parallel.dp,
         " x --micro-batches ", parallel.micro_batches, " = ", per_step, " (equal micro-batches on every rank)");
@@ -579,13 +580,37 @@ void ParallelTrainer::Impl::load_named(const StateDict& state, bool with_optimiz
   std::map<std::string, Tensor> full_params;
   for (const auto& [name, p] : full->named_parameters()) full_params[name] = p;
   std::vector<std::pair<Tensor, Tensor>> copies;  // parameter <- value, done after every check passed
-  for (const auto& [name, p] : stage->named_parameters()) {
+  // Every parameter of the full model, so that every rank finds the same fault whatever its stage.
+  for (const auto& [name, param] : full_params) {
     const auto found = state.tensors.find(name);
     check(found != state.tensors.end(), what, ": missing tensor '", name, "'");
-    check(found->second.shape() == full_params.at(name).shape(), what, ": tensor '", name, "' is ",
-          found->second.description(), ", expected shape ", full_params.at(name).description());
-    copies.emplace_back(p, slice(name, found->second));
+    const Tensor& file = found->second;
+    check(file.defined(), what, ": tensor '", name, "' is undefined");
+    check(file.shape() == param.shape(), what, ": tensor '", name, "' is ", file.description(), ", expected shape ",
+          param.description());
+    // As the single-process Trainer: a floating value takes the parameter's floating dtype (files hold fp32), any
+    // other dtype must be the parameter's own.
+    check(file.dtype() == param.dtype() || (is_floating(file.dtype()) && is_floating(param.dtype())), what,
+          ": tensor '", name, "' has ", file.description(), ", expected ", param.description());
+    const std::string bad = first_bad_value(file);
+    check(bad.empty(), what, ": tensor '", name, "' (", file.description(), ") is not finite: ", bad);
   }
+  // This rank's parameters in their own dtypes (a 16-bit stage under naive AMP): finite there too. Only the
+  // ranks holding such a parameter see an overflow in the conversion, so the ranks agree before going on.
+  std::string conversion_error;
+  for (const auto& [name, p] : stage->named_parameters()) {
+    const Tensor& file = state.tensors.at(name);
+    const Tensor value = file.dtype() == p.dtype() ? file : file.to(p.dtype());
+    const std::string bad = value.dtype() == file.dtype() ? std::string() : first_bad_value(value);
+    if (!bad.empty() && conversion_error.empty())
+      conversion_error = std::string(what) + ": tensor '" + name + "' (" + file.description() +
+                         ") is not finite in the model's " + dtype_name(value.dtype()) + ": " + bad;
+    copies.emplace_back(p, slice(name, value));
+  }
+  std::vector<double> failed = {conversion_error.empty() ? 0.0 : 1.0};
+  groups.world.all_reduce(failed, Reduction::Max);
+  if (!conversion_error.empty()) throw Error(conversion_error);
+  check(failed[0] == 0.0, what, ": another rank found a tensor that is not finite in its model's dtype");
   for (const auto& [name, t] : state.tensors)
     check(name.rfind("optimizer.", 0) == 0 || full_params.count(name), what, ": unexpected tensor '", name,
           "' (not a parameter of this model)");

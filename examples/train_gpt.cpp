@@ -284,8 +284,11 @@ int run(int argc, char** argv) {
 
   // The model shape comes from --init / --resume files when given; their model flags must then agree.
   if (!opt.init.empty() || !opt.resume.empty()) {
-    const StateDict header = load_safetensors(opt.init.empty() ? opt.resume : opt.init);
+    const std::string file = opt.init.empty() ? opt.resume : opt.init;
+    const StateDict header = load_safetensors(file);
     const GPTConfig file_config = GPTConfig::from_metadata(header.metadata);
+    // Before a model of the metadata's size is built: its tensors must be that model's parameters.
+    check_gpt_shapes(file_config, model_part(header).tensors, "train_gpt: '" + file + "'");
     const std::pair<const char*, int64_t> shape[] = {{"--layers", file_config.n_layer},
                                                      {"--heads", file_config.n_head},
                                                      {"--width", file_config.n_embd},
@@ -332,8 +335,9 @@ int run(int argc, char** argv) {
       check(opt.given.count("--dropout") == 0 || dropout == file_config.dropout,
             "train_gpt: --dropout differs from the checkpoint's ", file_config.dropout);
     }
+    const std::vector<uint8_t> file_vocab = metadata_vocab(header.metadata, "train_gpt: '" + file + "'");
     if (!data.vocab.empty() && header.metadata.count("vocab"))
-      check(vocab_from_metadata(header.metadata.at("vocab")) == data.vocab,
+      check(file_vocab == data.vocab,
             "train_gpt: the character vocabulary of '", opt.data, "' differs from the loaded file's");
   } else {
     opt.model.vocab_size = data.vocab_size;

@@ -6,8 +6,10 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <system_error>
 
 #include "autograd/autograd.h"
 #include "nn/json.h"
@@ -43,7 +45,34 @@ T read(const std::map<std::string, std::string>& metadata, const std::string& ke
   return parse_number<T>(entry(metadata, key, what), key, what);
 }
 
+// parse(text) of metadata entry `key`; its Error (a JSON syntax error, say) comes back naming the entry:
+// "training checkpoint: metadata entry 'vocab': json: ...".
+template <class Parse>
+auto parse_entry(const std::string& text, const std::string& key, const std::string& what, Parse parse) {
+  try {
+    return parse(text);
+  } catch (const Error& e) {
+    fail(what, ": metadata entry '", key, "': ", e.what());
+  }
+}
+
+AmpConfig amp_config_entry(const std::map<std::string, std::string>& metadata, const char* what) {
+  return parse_entry(entry(metadata, "train.amp_config", what), "train.amp_config", what,
+                     [](const std::string& text) { return AmpConfig::from_json(text); });
+}
+
+// Tokens in one step's batch (batch x block), well inside int64 and memory: the inputs and targets are two
+// int64 arrays of that many entries.
+constexpr int64_t kMaxTokensPerStep = int64_t{1} << 32;
+
+// A step count of a checkpoint: the schedule computes in double, and training must be able to go on counting.
+constexpr int64_t kMaxStep = int64_t{1} << 53;
+
 std::string read_file_bytes(const std::string& path) {
+  // A directory opens as a stream that reads nothing: it would be an empty data set.
+  std::error_code error;
+  check(!std::filesystem::is_directory(path, error), "train_gpt: data file '", path,
+        "' is a directory, expected a token file");
   std::ifstream in(path, std::ios::binary);
   check(in.good(), "train_gpt: cannot open data file '", path, "'");
   std::ostringstream text;
@@ -107,6 +136,12 @@ std::string vocab_to_metadata(const std::vector<uint8_t>& vocab) {
   return json::Value(std::move(values)).dump();
 }
 
+std::vector<uint8_t> metadata_vocab(const std::map<std::string, std::string>& metadata, const std::string& what) {
+  const auto found = metadata.find("vocab");
+  if (found == metadata.end()) return {};
+  return parse_entry(found->second, "vocab", what, vocab_from_metadata);
+}
+
 std::vector<uint8_t> vocab_from_metadata(const std::string& text) {
   const json::Value value = json::parse(text);
   std::vector<uint8_t> vocab;
@@ -121,7 +156,8 @@ std::vector<uint8_t> vocab_from_metadata(const std::string& text) {
 // ---- options ----
 
 void TrainOptions::validate() const {
-  check(batch > 0, "train_gpt: --batch must be > 0, got ", batch);
+  check(batch > 0 && batch <= kMaxTokensPerStep, "train_gpt: --batch (train.batch) must be in [1, 2^32], got ",
+        batch);
   check(steps >= 0, "train_gpt: --steps must be >= 0, got ", steps);
   check(std::isfinite(lr) && lr > 0, "train_gpt: --lr must be > 0, got ", lr);
   check(std::isfinite(min_lr) && min_lr >= 0 && min_lr <= lr, "train_gpt: --min-lr must be in [0, --lr], got ",
@@ -181,7 +217,7 @@ TrainOptions TrainOptions::from_metadata(const std::map<std::string, std::string
         sequential, "'");
   o.sequential = sequential == "true";
   // Checkpoints from before the precision modes are fp32.
-  if (m.count("train.amp_config")) o.amp = AmpConfig::from_json(m.at("train.amp_config"));
+  if (m.count("train.amp_config")) o.amp = amp_config_entry(m, what);
   o.validate();
   return o;
 }
@@ -196,6 +232,7 @@ Trainer::Trainer(const GPTConfig& config, const TrainOptions& options, const Tok
         " token ids but the model's vocab_size is ", config_.vocab_size);
   check(data.n_train() > config_.block_size + 1, "train_gpt: the training split (", data.n_train(),
         " tokens) is shorter than block + 2 = ", config_.block_size + 2);
+  check_tokens_per_step(options_, config_.block_size);
   model_ = std::make_unique<GPT>(config_, options_.seed);
   model_->to(options_.device);
   model_->train();
@@ -240,6 +277,12 @@ std::unique_ptr<LRSchedule> make_schedule(const TrainOptions& options) {
 
 uint64_t data_seed_of(const TrainOptions& options) { return options.seed * 0x9E3779B97F4A7C15ull + 0xDA7A5EEDull; }
 
+void check_tokens_per_step(const TrainOptions& options, int64_t block) {
+  check(block > 0 && options.batch > 0 && options.batch <= kMaxTokensPerStep / block,
+        "train_gpt: --batch (train.batch) ", options.batch, " x block ", block,
+        " is more than 2^32 tokens per step");
+}
+
 std::pair<Tensor, Tensor> Trainer::batch(int64_t step) const {
   return training_batch(data_, options_, config_.block_size, data_seed_, step);
 }
@@ -250,12 +293,18 @@ std::pair<Tensor, Tensor> training_batch(const TokenData& data, const TrainOptio
   const int64_t range = data.n_train() - T - 1;
   check(range > 0, "train_gpt: the training split (", data.n_train(), " tokens) is shorter than block + 2 = ",
         T + 2);
+  check(step >= 0, "training_batch: step ", step, " is negative");
+  check_tokens_per_step(options, T);
   std::vector<int64_t> x(static_cast<size_t>(B * T)), y(static_cast<size_t>(B * T));
   for (int64_t i = 0; i < B; ++i) {
     int64_t start;
     if (options.sequential) {
-      // ((s*B + i) * T) mod range, computed as (((s*B + i) mod range) * T) mod range to stay in int64.
-      start = (((step * B + i) % range) * T) % range;
+      // ((s*B + i) * T) mod range, reduced mod range after each product, in 128 bits: every factor is below
+      // 2^63, so no step (a checkpoint's, however large) can overflow.
+      using u128 = unsigned __int128;
+      const u128 r = static_cast<u128>(range);
+      const u128 row = (static_cast<u128>(step) % r * static_cast<u128>(B) + static_cast<u128>(i)) % r;
+      start = static_cast<int64_t>(row * static_cast<u128>(T) % r);
     } else {
       // 64 random bits from (step, row) under the data seed; the modulo bias (range / 2^64) is negligible.
       const auto bits = philox4x32(static_cast<uint64_t>(step), static_cast<uint64_t>(i), data_seed);
@@ -351,20 +400,26 @@ StateDict model_part(const StateDict& state) {
 }
 
 // The model part of `state` with each floating tensor in the dtype of the model's own tensor (files hold fp32).
-StateDict Trainer::model_part_in_model_dtypes(const StateDict& state) const {
+// Every value must be finite in that dtype (an f64 1e300 is inf in f32): one NaN weight makes every later step
+// a skipped one.
+StateDict Trainer::model_part_in_model_dtypes(const StateDict& state, const char* what) const {
   StateDict part = model_part(state);
   const StateDict mine = model_->state_dict();
   for (auto& [name, t] : part.tensors) {
     const auto found = mine.tensors.find(name);
-    if (found != mine.tensors.end() && is_floating(t.dtype()) && is_floating(found->second.dtype()) &&
-        t.dtype() != found->second.dtype())
+    if (found == mine.tensors.end() || !t.defined()) continue;  // load_state_dict names it
+    const Tensor original = t;
+    if (is_floating(t.dtype()) && is_floating(found->second.dtype()) && t.dtype() != found->second.dtype())
       t = t.to(found->second.dtype());
+    const std::string bad = first_bad_value(t);
+    check(bad.empty(), what, ": tensor '", name, "' (", original.description(), ") is not finite",
+          t.dtype() == original.dtype() ? "" : std::string(" in the model's ") + dtype_name(t.dtype()), ": ", bad);
   }
   return part;
 }
 
 void Trainer::load_weights(const StateDict& state) {
-  model_->load_state_dict(model_part_in_model_dtypes(state));
+  model_->load_state_dict(model_part_in_model_dtypes(state, "load_weights"));
   optimizer_->reload_masters();  // else the first step would start from the masters of the initial weights
 }
 
@@ -373,27 +428,50 @@ int64_t validate_checkpoint(const StateDict& state, const GPTConfig& config, con
   const char* what = "training checkpoint";
   std::map<std::string, std::string> config_meta;
   config.to_metadata(config_meta);
-  for (const auto& [key, value] : config_meta)
-    check(entry(state.metadata, key, what) == value, what, ": model option '", key, "' is ",
-          state.metadata.at(key), " in the checkpoint but ", value, " here");
+  for (const auto& [key, value] : config_meta) {
+    const std::string& found = entry(state.metadata, key, what);  // before the comparison: names a missing one
+    check(found == value, what, ": model option '", key, "' is ", found, " in the checkpoint but ", value, " here");
+  }
   for (const auto& [key, value] : options.to_metadata())
-    if (key != "train.steps" && key != "train.amp_config")
-      check(entry(state.metadata, key, what) == value, what, ": option '", key.substr(6), "' is ",
-            state.metadata.at(key), " in the checkpoint but ", value, " here");
+    if (key != "train.steps" && key != "train.amp_config") {
+      const std::string& found = entry(state.metadata, key, what);
+      check(found == value, what, ": option '", key.substr(6), "' is ", found, " in the checkpoint but ", value,
+            " here");
+    }
   // AMP options option by option: those that only change what is printed (verbose, ...) may differ.
   const std::string amp_differences =
-      options.amp.training_differences(AmpConfig::from_json(entry(state.metadata, "train.amp_config", what)),
-                                       "the checkpoint's");
+      options.amp.training_differences(amp_config_entry(state.metadata, what), "the checkpoint's");
   check(amp_differences.empty(), what, ": the AMP options differ in ", amp_differences);
+  const std::vector<uint8_t> vocab = metadata_vocab(state.metadata, what);
   if (!data.vocab.empty() && state.metadata.count("vocab"))
-    check(vocab_from_metadata(state.metadata.at("vocab")) == data.vocab, what,
-          ": the data's character vocabulary differs from the checkpoint's");
+    check(vocab == data.vocab, what, ": the data's character vocabulary differs from the checkpoint's");
   const int64_t step = read<int64_t>(state.metadata, "step", what);
-  check(step >= 0, what, ": step ", step, " is negative");
+  check(step >= 0 && step <= kMaxStep, what, ": step ", step, " is outside [0, 2^53]");
   check(read<uint64_t>(state.metadata, "data.seed", what) == data_seed_of(options), what, ": data.seed differs");
+  // The data sampler's state is (seed, step): the position written beside them is the step, and a file where it
+  // is not does not say which batch comes next.
+  const int64_t position = read<int64_t>(state.metadata, "data.position", what);
+  check(position == step, what, ": data.position ", position, " differs from step ", step,
+        " (the next batch is the one of the step)");
   bool has_optimizer = false;
   for (const auto& [key, value] : state.metadata) has_optimizer = has_optimizer || key.rfind("optimizer.", 0) == 0;
   check(has_optimizer, what, ": no optimizer state (a weights-only file? use --init for those)");
+  // The optimizer's values, checked here (and again by the optimizer) so that every rank of a parallel trainer
+  // finds the same fault, whichever parameters it holds. Tensors (moments, fp32 masters) must be finite, a second
+  // moment >= 0: one NaN there makes every later step a skipped one. A parameter's step count is in [1, 2^53].
+  for (const auto& [name, t] : state.tensors) {
+    if (name.rfind("optimizer.", 0) != 0) continue;
+    const bool non_negative = ends_with(name, ".exp_avg_sq");
+    const std::string bad = first_bad_value(t, non_negative);
+    check(bad.empty(), what, ": tensor '", name, "' (", t.description(), ") is not ",
+          non_negative ? "finite and >= 0" : "finite", ": ", bad);
+  }
+  for (const auto& [key, value] : state.metadata)
+    if (key.rfind("optimizer.state.", 0) == 0 && ends_with(key, ".step")) {
+      const int64_t count = parse_number<int64_t>(value, key, what);
+      check(count >= 1 && count <= kMaxStep, what, ": metadata entry '", key, "' is ", count,
+            ", expected a step count in [1, 2^53]");
+    }
   return step;
 }
 
@@ -427,7 +505,7 @@ void Trainer::load_checkpoint(const StateDict& state) {
   // if it throws, the model gets its old weights back, so a rejected checkpoint changes nothing.
   StateDict old_model = model_->state_dict();  // detached views of the parameters: copy the values
   for (auto& [name, t] : old_model.tensors) t = t.clone();
-  model_->load_state_dict(model_part_in_model_dtypes(state));
+  model_->load_state_dict(model_part_in_model_dtypes(state, "training checkpoint"));
   try {
     optimizer_->load_state_dict(opt);
   } catch (...) {
@@ -519,14 +597,14 @@ int64_t default_start_token(const std::vector<uint8_t>& vocab) {
 std::unique_ptr<GPT> load_model_file(const std::string& path, std::vector<uint8_t>* vocab) {
   const StateDict state = load_safetensors(path);
   const GPTConfig config = GPTConfig::from_metadata(state.metadata);
+  const StateDict weights = model_part(state);
+  const std::string what = "load_model_file: '" + path + "'";
+  check_gpt_shapes(config, weights.tensors, what);  // before the model of the metadata's size is built
+  const std::vector<uint8_t> file_vocab = metadata_vocab(state.metadata, what);
   auto model = std::make_unique<GPT>(config, 0);
-  model->load_state_dict(model_part(state));
+  model->load_state_dict(weights);
   model->eval();
-  if (vocab) {
-    vocab->clear();
-    const auto it = state.metadata.find("vocab");
-    if (it != state.metadata.end()) *vocab = vocab_from_metadata(it->second);
-  }
+  if (vocab) *vocab = file_vocab;
   return model;
 }
 

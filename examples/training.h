@@ -18,8 +18,8 @@
 //             byte values, in token-id order), "optimizer.*" (the optimizer's metadata), "train.*" (every
 //             option that shapes the trajectory, the precision mode "train.precision" and its options
 //             "train.amp_config" included), "step" (optimizer steps done = the schedule position),
-//             "data.seed", "data.position" (the next batch's step), "rng.<name>.seed|offset" for every
-//             dropout generator of the model.
+//             "data.seed", "data.position" (the next batch's step, always equal to "step": a file where they
+//             differ is refused), "rng.<name>.seed|offset" for every dropout generator of the model.
 // Loading it into a Trainer built with the same options restores everything, so the run continues bit for
 // bit as if it had never stopped. A weights-only file (config + vocab + model tensors) is read by
 // load_model_file (--init, generate); a training checkpoint also works there (its optimizer part is ignored).
@@ -57,9 +57,12 @@ TokenData load_token_file(const std::string& path, int64_t vocab_size = 0);
 // "vocab" metadata <-> byte list.
 std::string vocab_to_metadata(const std::vector<uint8_t>& vocab);
 std::vector<uint8_t> vocab_from_metadata(const std::string& text);
+// The "vocab" entry of a file's metadata (empty when absent); a malformed one is an Error naming `what` and the
+// entry: "<what>: metadata entry 'vocab': json: ...".
+std::vector<uint8_t> metadata_vocab(const std::map<std::string, std::string>& metadata, const std::string& what);
 
 struct TrainOptions {
-  int64_t batch = 16;
+  int64_t batch = 16;  // at most 2^32 rows, and batch x block at most 2^32 tokens
   int64_t steps = 1000;  // total optimizer steps; the cosine schedule decays over them
   double lr = 1e-3;
   double min_lr = 1e-4;
@@ -130,7 +133,8 @@ class Trainer {
 
  private:
   Tensor forward_loss(const Tensor& x, const Tensor& y);  // the mean loss, in fp32
-  StateDict model_part_in_model_dtypes(const StateDict& state) const;
+  // The model part in the model's dtypes, each value checked finite there (Error naming `what` and the entry).
+  StateDict model_part_in_model_dtypes(const StateDict& state, const char* what) const;
 
   GPTConfig config_;
   TrainOptions options_;
@@ -157,11 +161,14 @@ std::vector<std::string> optimizer_order(const Module& model);
 std::unique_ptr<Optimizer> make_optimizer(const TrainOptions& options, const Module& model);
 std::unique_ptr<LRSchedule> make_schedule(const TrainOptions& options);
 uint64_t data_seed_of(const TrainOptions& options);
+// Error naming --batch (train.batch) unless batch x block is at most 2^32 tokens (checked without overflow).
+void check_tokens_per_step(const TrainOptions& options, int64_t block);
 // The inputs and targets [batch, block] (i64) of step `step` (the rule at the top of this file).
 std::pair<Tensor, Tensor> training_batch(const TokenData& data, const TrainOptions& options, int64_t block,
                                          uint64_t data_seed, int64_t step);
-// Checks a training checkpoint against a trainer's config, options (all but train.steps) and data, and that
-// it holds optimizer state; returns its step. Error naming the first difference.
+// Checks a training checkpoint against a trainer's config, options (all but train.steps) and data, that it
+// holds optimizer state, that its optimizer tensors are finite and that "step" (in [0, 2^53]) and
+// "data.position" agree; returns its step. Error naming the first difference.
 int64_t validate_checkpoint(const StateDict& state, const GPTConfig& config, const TrainOptions& options,
                             const TokenData& data);
 // The checkpoint's "rng.<name>.seed|offset" for every generator of `model` (Error if one is missing).
@@ -189,7 +196,8 @@ std::vector<int64_t> sample_tokens(GPT& model, std::vector<int64_t> prompt_ids, 
 int64_t default_start_token(const std::vector<uint8_t>& vocab);
 
 // The model saved in a weights file or checkpoint: config from its metadata, weights loaded strictly, eval
-// mode. vocab receives the "vocab" metadata (empty when absent).
+// mode. vocab receives the "vocab" metadata (empty when absent). The tensors are checked against the config's
+// parameter shapes (check_gpt_shapes) before the model is built.
 std::unique_ptr<GPT> load_model_file(const std::string& path, std::vector<uint8_t>* vocab = nullptr);
 
 // ---- the example programs' command lines and printed numbers ----

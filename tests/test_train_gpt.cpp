@@ -6,6 +6,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <set>
 #include <map>
 #include <string>
@@ -524,4 +525,169 @@ TEST(TrainGPT, BinTokenFileErrorsNameTheProblem) {
   std::filesystem::remove(plain);
   EXPECT_EQ(plain_chars.vocab, (std::vector<uint8_t>{'a', 'b'}));
   EXPECT_EQ(plain_chars.tokens, (std::vector<int32_t>{1, 0}));
+}
+
+// ---- files with bad contents: each an Error naming the file or entry, before anything is built or changed ----
+
+TEST(TrainGPT, LoadModelFileChecksTheTensorsAgainstTheConfigBeforeBuildingTheModel) {
+  const TokenData data = char_tokens(sample_text());
+  const GPTConfig config = tiny_config(data.vocab_size, 0);
+  StateDict weights = GPT(config, 1).state_dict();
+  config.to_metadata(weights.metadata);
+  const std::string path = temp_path("model_file");
+  auto saved_with = [&](const std::string& key, const std::string& value) {
+    StateDict state = weights;
+    state.metadata[key] = value;
+    save_safetensors(path, state);
+    return path;
+  };
+  EXPECT_NO_THROW(load_model_file(saved_with("n_layer", "2")));
+  // The metadata says 1000 layers, the file holds 2 blocks: no 1000-layer model is built to find that out.
+  EXPECT_ERROR_MENTIONS(load_model_file(saved_with("n_layer", "1000")), path, "n_layer = 1000", "holds 2 blocks");
+  EXPECT_ERROR_MENTIONS(load_model_file(saved_with("block_size", "8388608")), path,
+                        "'transformer.wpe.weight' is [8,16]", "expects [8388608,16]");
+  EXPECT_ERROR_MENTIONS(load_model_file(saved_with("norm_eps", "inf")), "norm_eps", "finite");
+  EXPECT_ERROR_MENTIONS(load_model_file(saved_with("vocab", "[1, 2")), path, "metadata entry 'vocab'", "json");
+  std::filesystem::remove(path);
+}
+
+TEST(TrainGPT, ABatchOfMoreThan2To32TokensIsAnErrorNamingTrainBatch) {
+  const TokenData data = char_tokens(sample_text());
+  const GPTConfig config = tiny_config(data.vocab_size, 0);
+  auto metadata = tiny_options("adamw").to_metadata();
+  metadata["train.batch"] = "4611686018427387904";  // 2^62 rows x 8 tokens overflowed int64
+  EXPECT_ERROR_MENTIONS(TrainOptions::from_metadata(metadata), "train.batch", "4611686018427387904");
+  TrainOptions options = tiny_options("adamw");
+  options.batch = int64_t{1} << 30;  // x block 8 = 2^33 tokens
+  EXPECT_ERROR_MENTIONS(Trainer(config, options, data), "train.batch", "1073741824 x block 8", "2^32");
+  EXPECT_ERROR_MENTIONS(training_batch(data, options, 8, 1, 0), "train.batch");
+}
+
+TEST(TrainGPT, SequentialBatchesOfHugeStepsFollowTheDocumentedFormulaWithoutOverflow) {
+  const TokenData data = char_tokens(sample_text());
+  TrainOptions options = tiny_options("adamw");
+  options.sequential = true;
+  const int64_t B = options.batch, T = 8, range = data.n_train() - T - 1;
+  for (int64_t s : {INT64_MAX, INT64_MAX / 3, (int64_t{1} << 53) + 1}) {
+    const std::vector<int64_t> xs = training_batch(data, options, T, 1, s).first.to_vector<int64_t>();
+    for (int64_t i = 0; i < B; ++i) {
+      // ((s * B + i) * T) mod range, exactly: s * B * T < 2^68 fits in 128 bits.
+      using u128 = unsigned __int128;
+      const auto start = static_cast<int64_t>(((u128(s) * u128(B) + u128(i)) * u128(T)) % u128(range));
+      for (int64_t t = 0; t < T; ++t) EXPECT_EQ(xs[i * T + t], data.tokens[start + t]) << "step " << s;
+    }
+  }
+  EXPECT_ERROR_MENTIONS(training_batch(data, options, T, 1, -1), "step -1");
+}
+
+namespace {
+
+// Loads each corrupt checkpoint into one trainer and checks that every load is an Error mentioning its parts
+// and that the trainer is left as it was (weights, optimizer state and step).
+void expect_rejected_changing_nothing(Trainer& trainer,
+                                      const std::vector<std::pair<StateDict, std::vector<std::string>>>& cases) {
+  const StateDict before = trainer.checkpoint();
+  for (const auto& [state, parts] : cases) {
+    try {
+      trainer.load_checkpoint(state);
+      ADD_FAILURE() << "loaded a checkpoint that should fail with " << parts.front();
+    } catch (const Error& e) {
+      const std::string message = e.what();
+      for (const std::string& part : parts)
+        EXPECT_NE(message.find(part), std::string::npos) << message << "\nlacks: " << part;
+    }
+  }
+  const StateDict after = trainer.checkpoint();
+  for (const auto& [name, t] : before.tensors) EXPECT_TRUE(bit_equal(t, after.tensors.at(name))) << name;
+  EXPECT_EQ(before.metadata, after.metadata);
+}
+
+}  // namespace
+
+TEST(TrainGPT, ACheckpointWithNonFiniteOrImpossibleValuesIsRejectedAndChangesNothing) {
+  const TokenData data = char_tokens(sample_text());
+  const GPTConfig config = tiny_config(data.vocab_size, 0);
+  const TrainOptions options = tiny_options("adamw");
+  Trainer a(config, options, data);
+  a.train_step();
+  const StateDict good = a.checkpoint();
+  auto changed = [&](const std::function<void(StateDict&)>& change) {
+    StateDict state = good;
+    for (auto& [name, t] : state.tensors) t = t.clone();  // a copy of a StateDict shares its tensors
+    change(state);
+    return state;
+  };
+  const std::string sq = "optimizer.state.0.exp_avg_sq";
+  ASSERT_TRUE(good.tensors.count(sq));
+  Trainer b(config, options, data);
+  expect_rejected_changing_nothing(
+      b, {{changed([](StateDict& s) { s.tensors.at("transformer.wte.weight").fill_(NAN); }),
+           {"tensor 'transformer.wte.weight'", "not finite", "element 0 is nan"}},
+          // An f64 value beyond f32's range is inf once converted to the model's dtype.
+          {changed([](StateDict& s) {
+             Tensor& w = s.tensors.at("transformer.wpe.weight");
+             w = Tensor::full(w.shape(), 1e300, DType::F64);
+           }),
+           {"tensor 'transformer.wpe.weight' (f64[8,16]) is not finite in the model's f32", "element 0 is inf"}},
+          {changed([&](StateDict& s) { s.tensors.at(sq).fill_(-1.0); }),
+           {"tensor '" + sq + "'", "not finite and >= 0", "element 0 is -1"}},
+          {changed([](StateDict& s) { s.tensors.at("optimizer.state.1.exp_avg").fill_(INFINITY); }),
+           {"tensor 'optimizer.state.1.exp_avg'", "not finite", "inf"}},
+          {changed([](StateDict& s) { s.metadata.at("optimizer.state.0.step") = "9223372036854775807"; }),
+           {"'optimizer.state.0.step' is 9223372036854775807", "[1, 2^53]"}},
+          {changed([](StateDict& s) { s.metadata.at("step") = "9223372036854775807"; }),
+           {"step 9223372036854775807", "[0, 2^53]"}},
+          {changed([](StateDict& s) { s.metadata.at("data.position") = "7"; }),
+           {"data.position 7 differs from step 1"}},
+          {changed([](StateDict& s) { s.metadata.erase("data.position"); }),
+           {"metadata entry 'data.position' is missing"}}});
+  EXPECT_EQ(b.step(), 0);
+  b.load_checkpoint(good);  // and the good one loads
+  EXPECT_EQ(b.step(), 1);
+
+  // fp16 model with fp32 masters: a master must be finite, and a weight finite in fp16 (70000 is not).
+  TrainOptions fp16 = options;
+  fp16.amp = AmpConfig::parse("fp16_naive");
+  Trainer c(config, fp16, data);
+  c.train_step();
+  const StateDict good16 = c.checkpoint();
+  ASSERT_TRUE(good16.tensors.count("optimizer.master.0"));
+  StateDict nan_master = good16, big = good16;
+  nan_master.tensors.at("optimizer.master.0") = Tensor::full(good16.tensors.at("optimizer.master.0").shape(), NAN);
+  big.tensors.at("transformer.wte.weight") = Tensor::full(good16.tensors.at("transformer.wte.weight").shape(), 7e4);
+  Trainer d(config, fp16, data);
+  expect_rejected_changing_nothing(
+      d, {{nan_master, {"tensor 'optimizer.master.0'", "not finite", "nan"}},
+          {big, {"tensor 'transformer.wte.weight' (f32[", "not finite in the model's f16", "element 0 is inf"}}});
+  EXPECT_ERROR_MENTIONS(d.load_weights(big), "load_weights: tensor 'transformer.wte.weight'", "f16");
+}
+
+TEST(TrainGPT, MissingOrMalformedMetadataIsAnErrorNamingTheEntry) {
+  const TokenData data = char_tokens(sample_text());
+  const GPTConfig config = tiny_config(data.vocab_size, 0);
+  const TrainOptions options = tiny_options("adamw");
+  Trainer a(config, options, data);
+  a.train_step();
+  const StateDict good = a.checkpoint();
+  Trainer b(config, options, data);
+  // The entry used to be read with map::at while the message was built: std::out_of_range.
+  for (const char* key : {"n_layer", "norm_eps", "train.lr", "train.sequential", "train.amp_config"}) {
+    StateDict state = good;
+    state.metadata.erase(key);
+    EXPECT_ERROR_MENTIONS(b.load_checkpoint(state), std::string("metadata entry '") + key + "' is missing");
+  }
+  StateDict state = good;
+  state.metadata.at("vocab") = "{}";
+  EXPECT_ERROR_MENTIONS(b.load_checkpoint(state), "training checkpoint: metadata entry 'vocab': json");
+  state = good;
+  state.metadata.at("train.amp_config") = R"({"mixed_precision":"fp32",})";
+  EXPECT_ERROR_MENTIONS(b.load_checkpoint(state), "training checkpoint: metadata entry 'train.amp_config': json");
+  EXPECT_ERROR_MENTIONS(TrainOptions::from_metadata(state.metadata),
+                        "training checkpoint: metadata entry 'train.amp_config': json");
+  EXPECT_EQ(b.step(), 0);
+}
+
+TEST(TrainGPT, ADirectoryIsNotATokenFile) {
+  const std::string directory = std::filesystem::temp_directory_path().string();
+  EXPECT_ERROR_MENTIONS(load_token_file(directory), "'" + directory + "'", "is a directory");
 }

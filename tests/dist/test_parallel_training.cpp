@@ -487,6 +487,51 @@ TEST(ParallelTrainer, ARejectedOptimizerStateLeavesTheWeightsAsTheyWere) {
                         ".exp_avg_sq' is f32[1], expected");
 }
 
+// As the single-process Trainer: a model tensor of another dtype kind (i32 for an f32 weight) is refused, and so
+// is a value that is not finite in the parameter's dtype, or an impossible optimizer value -- on every rank, also
+// when only one stage holds the bad parameter, with nothing changed.
+TEST(ParallelTrainer, ACheckpointWithAWrongDtypeOrNonFiniteValuesIsRejectedOnEveryRank) {
+  const TrainOptions options = options_for(modes()[3].amp);  // fp16_naive: the stages hold fp16 weights
+  Trainer single(tiny_config(), options, corpus());
+  single.train_step();
+  const StateDict good = single.checkpoint();
+  auto changed = [&](const std::string& name, const Tensor& value) {
+    StateDict state = good;
+    state.tensors.at(name) = value;
+    return state;
+  };
+  const Shape wpe = good.tensors.at("transformer.wpe.weight").shape();
+  const std::string fc = "transformer.h.1.mlp.c_fc.weight";  // stage 1's under PP2
+  const std::string sq = "optimizer.state.0.exp_avg_sq";
+  for (const Layout& l : {Layout{"one process", layout(1, 1, 1, 0, 1)}, Layout{"PP2", layout(1, 2, 1, 0, 2)}}) {
+    ParallelTrainer trainer(tiny_config(), options, l.p, corpus(), job_of(l.size()));
+    std::vector<std::vector<double>> before;
+    bool holds_fc = false;
+    for (const auto& [name, p] : trainer.stage_module().named_parameters()) {
+      before.push_back(p.to_vector<double>());
+      holds_fc = holds_fc || name == fc;
+    }
+    const Tensor integers = Tensor::full(wpe, 7, DType::I32);
+    EXPECT_ERROR_MENTIONS(trainer.load_checkpoint(changed("transformer.wpe.weight", integers)),
+                          "tensor 'transformer.wpe.weight' has i32[8,16], expected f32[8,16]");
+    EXPECT_ERROR_MENTIONS(trainer.load_weights(changed("transformer.wpe.weight", Tensor::full(wpe, NAN))),
+                          "tensor 'transformer.wpe.weight' (f32[8,16]) is not finite: element 0 is nan");
+    const StateDict big = changed(fc, Tensor::full(good.tensors.at(fc).shape(), 7e4));  // inf in fp16
+    if (holds_fc)
+      EXPECT_ERROR_MENTIONS(trainer.load_checkpoint(big), "'" + fc + "' (f32[", "not finite in the model's f16");
+    else
+      EXPECT_ERROR_MENTIONS(trainer.load_checkpoint(big), "another rank found a tensor that is not finite");
+    EXPECT_ERROR_MENTIONS(trainer.load_checkpoint(changed(sq, Tensor::full(good.tensors.at(sq).shape(), -1.0))),
+                          "'" + sq + "'", "not finite and >= 0");
+    size_t k = 0;
+    for (const auto& [name, p] : trainer.stage_module().named_parameters())
+      EXPECT_EQ(p.to_vector<double>(), before[k++]) << l.name << ": " << name;
+    EXPECT_EQ(trainer.step(), 0) << l.name;
+    trainer.load_checkpoint(good);
+    EXPECT_EQ(trainer.step(), 1) << l.name;
+  }
+}
+
 // Evaluation: Trainer::evaluate's windows, spread over dp replicas and pipelined, give its value.
 TEST(ParallelTrainer, EvaluateEqualsTheSingleProcessValidationLoss) {
   const TrainOptions options = options_for(AmpConfig::parse("fp32"));
