@@ -613,7 +613,7 @@ TEST(OptimizerStateDict, LoadRejectsMismatchesByNameAndChangesNothing) {
   EXPECT_ERROR_MENTIONS(adam.load_state_dict(changed([](StateDict& d) { d.metadata["param_groups"] = "2"; })),
                         "2 parameter groups", "'param_groups'");
   EXPECT_ERROR_MENTIONS(
-      adam.load_state_dict(changed([](StateDict& d) { d.metadata["param_groups.0.params"] = "3"; })),
+      adam.load_state_dict(changed([](StateDict& d) { d.metadata["param_groups.0.params"] = std::string("3"); })),
       "'param_groups.0.params'", "3 parameters");
   EXPECT_ERROR_MENTIONS(
       adam.load_state_dict(changed([](StateDict& d) { d.tensors["state.0.exp_avg"] = Tensor::zeros({2}); })),
