@@ -687,6 +687,9 @@ void ParallelTrainer::Impl::load_named(const StateDict& state, bool with_optimiz
 void ParallelTrainer::load_checkpoint(const StateDict& state) {
   Impl& m = *impl_;
   const int64_t step = validate_checkpoint(state, m.config, m.options, m.data);
+  // The whole model's generator entries first: a bad one then fails on every rank, not only on the stage
+  // that holds it (the others would wait in load_named's collectives).
+  checkpoint_generators(state, *m.full);
   const auto generators = checkpoint_generators(state, *m.stage);
   m.load_named(state, true);
   for (auto& [gen, g] : generators) *gen = g;

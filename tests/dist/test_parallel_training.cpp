@@ -532,6 +532,20 @@ TEST(ParallelTrainer, ACheckpointWithAWrongDtypeOrNonFiniteValuesIsRejectedOnEve
   }
 }
 
+// A checkpoint missing the generator of a dropout layer that only the last stage holds fails on every rank
+// (before, the first stage went on into the collectives of the load and waited for ever).
+TEST(ParallelTrainer, AMissingGeneratorOfOneStageIsAnErrorOnEveryRank) {
+  const TrainOptions options = options_for(AmpConfig::parse("fp32"));
+  Trainer single(tiny_config(0.1), options, corpus());
+  single.train_step();
+  StateDict state = single.checkpoint();
+  const std::string key = "rng.transformer.h.1.attn.resid_dropout.rng.offset";
+  ASSERT_EQ(state.metadata.erase(key), 1u);
+  ParallelTrainer trainer(tiny_config(0.1), options, layout(1, 2, 1, 0, 2), corpus(), job_of(2));
+  EXPECT_ERROR_MENTIONS(trainer.load_checkpoint(state), "'" + key + "' is missing");
+  EXPECT_EQ(trainer.step(), 0);
+}
+
 // Evaluation: Trainer::evaluate's windows, spread over dp replicas and pipelined, give its value.
 TEST(ParallelTrainer, EvaluateEqualsTheSingleProcessValidationLoss) {
   const TrainOptions options = options_for(AmpConfig::parse("fp32"));
