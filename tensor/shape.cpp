@@ -1,5 +1,6 @@
 #include "tensor/shape.h"
 
+#include <cstdint>
 #include <sstream>
 
 #include "tensor/error.h"
@@ -31,7 +32,8 @@ Strides contiguous_strides(const Shape& shape) {
   int64_t stride = 1;
   for (size_t i = shape.size(); i-- > 0;) {
     strides[i] = stride;
-    stride *= shape[i] > 1 ? shape[i] : 1;
+    // Only an empty shape (a 0 elsewhere) can overflow here, and its strides address nothing: saturate.
+    if (__builtin_mul_overflow(stride, shape[i] > 1 ? shape[i] : 1, &stride)) stride = INT64_MAX;
   }
   return strides;
 }

@@ -21,6 +21,11 @@ class StridedLoop {
  public:
   StridedLoop(const Shape& shape, const std::array<Strides, N>& strides) {
     total_ = shape_numel(shape);
+    if (total_ == 0) {  // nothing to walk; the other sizes of an empty shape may be huge (their products wrap)
+      shape_.push_back(0);
+      for (size_t k = 0; k < N; ++k) strides_[k].push_back(1), inner_strides_[k] = 1;
+      return;
+    }
     // Drop size-1 dims, then merge dim i into i+1 when every operand steps through them as one dim.
     for (size_t d = 0; d < shape.size(); ++d) {
       if (shape[d] == 1) continue;
