@@ -603,6 +603,12 @@ std::unique_ptr<GPT> load_model_file(const std::string& path, std::vector<uint8_
   const std::vector<uint8_t> file_vocab = metadata_vocab(state.metadata, what);
   auto model = std::make_unique<GPT>(config, 0);
   model->load_state_dict(weights);
+  // A NaN (or a value beyond the model's dtype) would not fail: every sample would silently be garbage.
+  for (const auto& [name, p] : model->named_parameters()) {
+    const std::string bad = first_bad_value(p);
+    check(bad.empty(), what, ": tensor '", name, "' is not finite in the model's ", dtype_name(p.dtype()), ": ",
+          bad);
+  }
   model->eval();
   if (vocab) *vocab = file_vocab;
   return model;

@@ -548,6 +548,14 @@ TEST(TrainGPT, LoadModelFileChecksTheTensorsAgainstTheConfigBeforeBuildingTheMod
                         "'transformer.wpe.weight' is [8,16]", "expects [8388608,16]");
   EXPECT_ERROR_MENTIONS(load_model_file(saved_with("norm_eps", "inf")), "norm_eps", "finite");
   EXPECT_ERROR_MENTIONS(load_model_file(saved_with("vocab", "[1, 2")), path, "metadata entry 'vocab'", "json");
+  // Weights that are not finite (generate would print garbage).
+  for (const Tensor& bad : {Tensor::full({8, 16}, NAN), Tensor::full({8, 16}, INFINITY)}) {
+    StateDict state = weights;
+    state.tensors.at("transformer.wpe.weight") = bad;
+    save_safetensors(path, state);
+    EXPECT_ERROR_MENTIONS(load_model_file(path), path, "'transformer.wpe.weight' is not finite in the model's f32",
+                          std::isnan(bad.to_vector<double>()[0]) ? "element 0 is nan" : "element 0 is inf");
+  }
   std::filesystem::remove(path);
 }
 
