@@ -2,7 +2,9 @@
 //
 //   matmul (f32, bf16)  vs a raw oneDNN matmul of the same shape and layout (primitive created once,
 //                       executed in a loop); rate = 2*M*N*K FLOP per call. Rows named At_MxKxN take A as
-//                       the transpose of a stored [K, M] (a weight gradient's X^T), as the backward does.
+//                       the transpose of a stored [K, M] (a weight gradient's X^T), as the backward does;
+//                       rows named Bt_ take B as the transpose of a stored [N, K] (a linear layer's
+//                       weight in the forward: x W^T).
 //   add (16M f32)       vs memcpy of the same bytes; add moves 3 x 64 MiB (reads a and b, writes out), the
 //                       memcpy copies 96 MiB (reads 96, writes 96: the same 192 MiB).
 //   layer_norm          ([16384, 1024] f32) vs memcpy of 64 MiB; layer_norm moves 2 x 64 MiB (reads x,
@@ -72,6 +74,7 @@ struct MatmulShape {
   int64_t M, K, N;
   const char* what;
   bool a_transposed = false;  // A = the transpose of a contiguous [K, M]
+  bool b_transposed = false;  // B = the transpose of a contiguous [N, K]
 };
 
 const MatmulShape kMatmulShapes[] = {
@@ -79,6 +82,8 @@ const MatmulShape kMatmulShapes[] = {
     {2048, 256, 768, "GPT qkv"},       {2048, 256, 1024, "GPT mlp up"}, {2048, 1024, 256, "GPT mlp down"},
     {2048, 256, 65, "GPT vocab head"},
     {1024, 2048, 256, "GPT mlp down dW", true}, {256, 2048, 1024, "GPT mlp up dW", true},
+    {2048, 256, 768, "GPT qkv fwd", false, true},  {2048, 256, 1024, "GPT mlp up fwd", false, true},
+    {2048, 1024, 256, "GPT mlp down fwd", false, true},
 };
 
 // One row of the summary: a mixtape benchmark, its baseline, and the ratio it must reach.
@@ -93,7 +98,8 @@ std::vector<Comparison>& comparisons() {
 }
 
 std::string shape_name(const MatmulShape& s) {
-  return (s.a_transposed ? "At_" : "") + std::to_string(s.M) + "x" + std::to_string(s.K) + "x" +
+  return std::string(s.a_transposed ? "At_" : "") + (s.b_transposed ? "Bt_" : "") + std::to_string(s.M) + "x" +
+         std::to_string(s.K) + "x" +
          std::to_string(s.N);
 }
 
@@ -135,13 +141,16 @@ void set_bytes(benchmark::State& state, int64_t bytes_per_iteration, double best
 
 // ---- matmul -----------------------------------------------------------------------------------------------
 
-// A as the matmul reads it: [M, K], contiguous or the transpose of a contiguous [K, M].
+// A as the matmul reads it: [M, K], contiguous or the transpose of a contiguous [K, M]; B likewise.
 Tensor matmul_a(const MatmulShape& s, DType dtype) {
   return s.a_transposed ? Tensor::rand({s.K, s.M}, 1, dtype).mT() : Tensor::rand({s.M, s.K}, 1, dtype);
 }
+Tensor matmul_b(const MatmulShape& s, DType dtype) {
+  return s.b_transposed ? Tensor::rand({s.N, s.K}, 2, dtype).mT() : Tensor::rand({s.K, s.N}, 2, dtype);
+}
 
 void matmul_mixtape(benchmark::State& state, MatmulShape s, DType dtype) {
-  const Tensor a = matmul_a(s, dtype), b = Tensor::rand({s.K, s.N}, 2, dtype);
+  const Tensor a = matmul_a(s, dtype), b = matmul_b(s, dtype);
   if (!runs(state, [&] { matmul(a, b); })) return;  // builds and caches the primitive outside the timed loop
   const double best = timed_loop(state, [&] {
     const Tensor out = matmul(a, b);
@@ -156,7 +165,8 @@ void matmul_onednn(benchmark::State& state, MatmulShape s, DType dtype) {
   static dnnl::engine engine(dnnl::engine::kind::cpu, 0);
   dnnl::stream stream(engine);
   const memory::desc a_md({s.M, s.K}, type, s.a_transposed ? memory::format_tag::ba : memory::format_tag::ab);
-  const memory::desc b_md({s.K, s.N}, type, memory::format_tag::ab);
+  const memory::desc b_md({s.K, s.N}, type,
+                          s.b_transposed ? memory::format_tag::ba : memory::format_tag::ab);
   const memory::desc out_md({s.M, s.N}, type, memory::format_tag::ab);
   dnnl::matmul primitive;
   try {
@@ -167,7 +177,7 @@ void matmul_onednn(benchmark::State& state, MatmulShape s, DType dtype) {
     return;
   }
   // The same data and 64-byte aligned buffers as the mixtape side.
-  const Tensor a = matmul_a(s, dtype), b = Tensor::rand({s.K, s.N}, 2, dtype);
+  const Tensor a = matmul_a(s, dtype), b = matmul_b(s, dtype);
   const Tensor out = Tensor::empty({s.M, s.N}, dtype);
   memory a_mem(a_md, engine, a.data_ptr()), b_mem(b_md, engine, b.data_ptr()),
       out_mem(out_md, engine, out.data_ptr());

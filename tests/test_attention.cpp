@@ -16,6 +16,7 @@
 
 #include "autograd/autograd.h"
 #include "autograd/gradcheck.h"
+#include "tensor/cpu/attention_amx.h"
 #include "tensor/cpu/cpu_backend.h"
 #include "tensor/ops.h"
 #include "test_util.h"
@@ -273,6 +274,116 @@ TEST(Attention, ResultDoesNotDependOnThreadCount) {
     std::vector<std::vector<double>> values = {out.to_vector<double>(), qq.grad().to_vector<double>(),
                                                kk.grad().to_vector<double>(), vv.grad().to_vector<double>()};
     return values;
+  };
+  EXPECT_EQ(run(1), run(2));
+}
+
+// ---- the AMX kernels (bf16, D a multiple of 32, on a CPU with AMX-BF16) -------------------------------------
+
+namespace {
+
+// Turns the AMX kernels off for a scope (the portable kernel then serves bf16), restoring the setting after.
+struct PortableAttention {
+  bool saved = cpu::set_amx_attention_enabled(false);
+  ~PortableAttention() { cpu::set_amx_attention_enabled(saved); }
+};
+
+#define SKIP_WITHOUT_AMX()                                                                                   \
+  if (!cpu::amx_attention_available()) GTEST_SKIP() << "this CPU (or build, or OS) has no AMX-BF16 tiles"
+
+// Ragged T (padding rows and keys), one block and several, D of 1, 2 and 3 tile widths.
+const std::vector<Shape> kAmxShapes = {{2, 3, 200, 64}, {1, 2, 33, 32}, {2, 1, 130, 96}};
+
+}  // namespace
+
+TEST(AmxAttention, AppliesToBf16WithWholeTileHeadDimsOnly) {
+  SKIP_WITHOUT_AMX();
+  EXPECT_TRUE(cpu::amx_attention_applies(DType::BF16, 64));
+  EXPECT_TRUE(cpu::amx_attention_applies(DType::BF16, 32));
+  EXPECT_FALSE(cpu::amx_attention_applies(DType::BF16, 16));
+  EXPECT_FALSE(cpu::amx_attention_applies(DType::BF16, 70));
+  EXPECT_FALSE(cpu::amx_attention_applies(DType::F16, 64));
+  EXPECT_FALSE(cpu::amx_attention_applies(DType::F32, 64));
+  const PortableAttention portable;
+  EXPECT_FALSE(cpu::amx_attention_applies(DType::BF16, 64));
+}
+
+// out = sum_j p~_j v_j / sum_j p~_j with p~ the bf16-rounded probabilities: a convex combination of the v
+// rows whose weights are off by at most 2^-9 relative each, so with v in [1, 2] (outputs in [1, 2], where a
+// bf16 ulp is 2^-7) the value before its rounding is within 2^-9 * (max v - min v) <= 2^-9 = 1/4 ulp of the
+// exact one, plus fp32 noise; rounding adds at most 1/2 ulp: within 1 ulp in all. Mixed-sign v: within half
+// an ulp of 1 (the rounding at the output's scale) plus that 2^-9 * 2 of the weights.
+TEST(AmxAttention, OutputsAreWithinOneUlpOfF64) {
+  SKIP_WITHOUT_AMX();
+  for (const Shape& shape : kAmxShapes) {
+    const Tensor q = uniform_tensor(shape, 50, -2, 2, DType::BF16);
+    const Tensor k = uniform_tensor(shape, 51, -2, 2, DType::BF16);
+    const Tensor v = uniform_tensor(shape, 52, 1, 2, DType::BF16);
+    const Tensor out = scaled_dot_product_attention(q, k, v);
+    EXPECT_TRUE(within_ulp(out, Tensor::from_vector(reference_attention(q, k, v), shape, DType::F64), 1))
+        << shape_str(shape);
+    const Tensor v_signed = uniform_tensor(shape, 53, -1, 1, DType::BF16);
+    EXPECT_TRUE(all_close(scaled_dot_product_attention(q, k, v_signed),
+                          Tensor::from_vector(reference_attention(q, k, v_signed), shape, DType::F64),
+                          0x1p-8 + 0x1p-8 + 1e-5, 0))
+        << shape_str(shape);
+  }
+}
+
+// The tolerance of GradientsInEveryDtypeMatchF64Composition for bf16 (4 bf16 ulps of the largest gradient):
+// on top of the portable kernel's roundings, p and ds are rounded to bf16 (2^-9 relative) before their
+// products, an error of the same order as the gradients' own rounding.
+TEST(AmxAttention, GradientsMatchF64Composition) {
+  SKIP_WITHOUT_AMX();
+  for (const Shape& shape : kAmxShapes) {
+    const Tensor q = uniform_tensor(shape, 54, -2, 2, DType::BF16);
+    const Tensor k = uniform_tensor(shape, 55, -2, 2, DType::BF16);
+    const Tensor v = uniform_tensor(shape, 56, -1, 1, DType::BF16);
+    const Tensor g = uniform_tensor(shape, 57, -1, 1, DType::BF16);
+    const Grads3 amx = attention_grads(scaled_dot_product_attention, q, k, v, g);
+    auto to64 = [](const Tensor& t) { return t.to(DType::F64); };
+    const Grads3 exact = attention_grads(naive_attention, to64(q), to64(k), to64(v), to64(g));
+    for (const auto& [got, want] : {std::pair{amx.q, exact.q}, {amx.k, exact.k}, {amx.v, exact.v}}) {
+      EXPECT_EQ(got.dtype(), DType::BF16);
+      EXPECT_TRUE(all_close(got, want, 4 * 0x1p-8 * max_abs(want), 0)) << shape_str(shape);
+    }
+  }
+}
+
+// The dispatch reaches the AMX kernels: they round p to bf16 where the portable kernel keeps fp32, so the two
+// give different bits on the same inputs (and agree within the bf16 tolerances above).
+TEST(AmxAttention, DiffersFromThePortableKernelInTheLastBits) {
+  SKIP_WITHOUT_AMX();
+  const Shape shape = {16, 4, 128, 64};
+  const Tensor q = uniform_tensor(shape, 58, -2, 2, DType::BF16);
+  const Tensor k = uniform_tensor(shape, 59, -2, 2, DType::BF16);
+  const Tensor v = uniform_tensor(shape, 60, -1, 1, DType::BF16);
+  const Tensor amx = scaled_dot_product_attention(q, k, v);
+  Tensor portable;
+  {
+    const PortableAttention scope;
+    portable = scaled_dot_product_attention(q, k, v);
+  }
+  EXPECT_NE(amx.to_vector<double>(), portable.to_vector<double>());
+  EXPECT_TRUE(all_close(amx, portable, 2 * 0x1p-8, 0));
+}
+
+// A task is one head on either path, so one and two threads give bitwise the same results.
+TEST(AmxAttention, ResultDoesNotDependOnThreadCount) {
+  SKIP_WITHOUT_AMX();
+  const Shape shape = {2, 3, 200, 64};
+  const Tensor q = uniform_tensor(shape, 61, -2, 2, DType::BF16);
+  const Tensor k = uniform_tensor(shape, 62, -2, 2, DType::BF16);
+  const Tensor v = uniform_tensor(shape, 63, -1, 1, DType::BF16);
+  const Tensor g = uniform_tensor(shape, 64, -1, 1, DType::BF16);
+  auto run = [&](int threads) {
+    const int saved = omp_get_max_threads();
+    omp_set_num_threads(threads);
+    const Tensor out = scaled_dot_product_attention(q, k, v);
+    const Grads3 grads = attention_grads(scaled_dot_product_attention, q, k, v, g);
+    omp_set_num_threads(saved);
+    return std::vector<std::vector<double>>{out.to_vector<double>(), grads.q.to_vector<double>(),
+                                            grads.k.to_vector<double>(), grads.v.to_vector<double>()};
   };
   EXPECT_EQ(run(1), run(2));
 }

@@ -66,7 +66,8 @@ double reference_unscale(DType dtype, double x, double inv_scale) {
 TEST(UnscaleAndCheckFinite, MultipliesExactlyInEveryDtypeAndFindsNothingOnFiniteGradients) {
   // 100,003 elements: above the parallel threshold, with a tail that is not a multiple of any vector width.
   for (DType dtype : kFloatDtypes) {
-    for (double inv_scale : {1.0 / 1024, 1.0 / 3, 3.0}) {
+    // 1.0 takes the read-only path (the check alone): the values must come back untouched.
+    for (double inv_scale : {1.0 / 1024, 1.0 / 3, 3.0, 1.0}) {
       const Tensor g = testing::uniform_tensor({100003}, 7, -100, 100, dtype);
       const Tensor small = testing::uniform_tensor({5}, 8, -1, 1, dtype);
       const std::vector<double> before = g.to_vector<double>(), before_small = small.to_vector<double>();
@@ -94,6 +95,10 @@ TEST(UnscaleAndCheckFinite, FindsNaNAndInfAnywhereInEveryDtype) {
         // but PyTorch's kernel unscales all of them too).
         EXPECT_EQ(g.to_vector<double>()[where == 0 ? 1 : 0], 0.25);
         EXPECT_EQ(clean.to_vector<double>()[0], 1.0);
+        // At a scale of 1 (the check alone, nothing written) too, in the first or the second tensor.
+        EXPECT_TRUE(unscale_and_check_finite({clean, g}, 1.0)) << dtype_name(dtype) << " " << bad << " at " << where;
+        EXPECT_TRUE(unscale_and_check_finite({g, clean}, 1.0)) << dtype_name(dtype) << " " << bad << " at " << where;
+        EXPECT_FALSE(unscale_and_check_finite({clean}, 1.0)) << dtype_name(dtype);
       }
     }
   }

@@ -43,6 +43,7 @@
 #include <utility>
 #include <vector>
 
+#include "tensor/cpu/attention_amx.h"
 #include "tensor/cpu/convert_block.h"
 #include "tensor/cpu/cpu_backend.h"
 #include "tensor/cpu/fast_math.h"
@@ -310,6 +311,10 @@ void CpuBackend::causal_attention(const Tensor& q, const Tensor& k, const Tensor
   check_bhtd(op, "v", v, q.shape(), q.dtype());
   check_bhtd(op, "out", out, q.shape(), q.dtype());
   check_stats(op, lse, {B, H, T}, stats_dtype(q.dtype()));
+  if (amx_attention_applies(q.dtype(), D)) {  // bf16 on a CPU with AMX: tensor/cpu/attention_amx.cpp
+    amx_causal_attention(q, k, v, scale, out, lse);
+    return;
+  }
   dispatch_float(q.dtype(), op, [&]<typename T_>() {
     using A = acc_t<T_>;
     const int64_t Dp = round_up(std::max<int64_t>(D, 1), kTileCols<A>);  // padded width of row-major tiles
@@ -419,6 +424,10 @@ void CpuBackend::causal_attention_backward(const Tensor& grad_out, const Tensor&
                                 {"grad_v", grad_v}})
     check_bhtd(op, name, t, q.shape(), q.dtype());
   check_stats(op, lse, {B, H, T}, stats_dtype(q.dtype()));
+  if (amx_attention_applies(q.dtype(), D)) {
+    amx_causal_attention_backward(grad_out, q, k, v, out, lse, scale, grad_q, grad_k, grad_v);
+    return;
+  }
   dispatch_float(q.dtype(), op, [&]<typename T_>() {
     using A = acc_t<T_>;
     const int64_t Dp = round_up(std::max<int64_t>(D, 1), kTileCols<A>);

@@ -1,0 +1,386 @@
+// bf16 causal attention on AMX tiles: the block products of tensor/cpu/attention.cpp's method done by the
+// CPU's matrix unit (_tile_dpbf16ps: C[16 x 16] fp32 += A[16 x 32] bf16 B[32 x 16] bf16, each product exact
+// and summed in fp32), the softmax and its gradient in fp32 vectors in between.
+//
+// Why: on a CPU with AMX the GEMMs of a training step run at ~2.4 TFLOP/s in bf16 (oneDNN), and the
+// portable kernel's fp32 register tiles (~100 GFLOP/s on the attention of bench_ops) became the largest
+// item of the bf16 step after them. Same inputs, outputs and layouts as the portable kernel; it is chosen by
+// dtype, head dim and CPU only (amx_attention_applies), never by thread count, so a run is deterministic.
+//
+// Method. A task is one (batch, head) slice. Its rows are first packed into per-thread buffers in the
+// layouts the tiles read, T padded with zero rows to Tp, a multiple of the 64-row block:
+//   A operands (row-major): q, do [Tp, D]; q^T, do^T [D, Tp];
+//   B operands (VNNI: pairs of consecutive k rows interleaved, [K/2, N, 2]): k^T and v^T (k = d, n = key),
+//   k (k = key, n = d).
+// Forward, per block of 64 query rows i0..: s = q k^T for every key up to the block's end (a [64, i0 + 64]
+// strip: O(T) per thread, never O(T^2)), then per row the exact max m, p = e^(scale s - m) rounded to bf16
+// (0 for hidden keys), l = the sum of the rounded p, out = (p v) / l rounded once to bf16 and
+// lse = m + log l. Normalising by the sum of the values actually multiplied keeps out a convex combination of
+// the v rows.
+// Backward, per key block j0 and each query block i0 >= j0 (the causal pairs), as in the portable kernel:
+//   p = e^(scale q k^T - lse),  dp = do v^T,  ds = p (dp - delta)  (fp32; delta_i = do_i . o_i),
+//   dv^T += do^T p,  dk^T += q^T ds,  dq += ds k  (p and ds rounded to bf16 as tile operands),
+// with dk^T and dv^T stored transposed (and dk, dq scaled) once per key block, dq once per head.
+// Numerics: the scores and every sum are fp32, as in the portable kernel; the difference is the rounding of
+// p and ds to bf16 before their products (relative 2^-9 each, the rounding FlashAttention does on a GPU).
+// tests/test_attention.cpp's Amx* tests bound the outputs and gradients against f64 references.
+#include "tensor/cpu/attention_amx.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <atomic>
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define MIXTAPE_AMX_ATTENTION 1
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+#include "tensor/cpu/fast_math.h"
+#include "tensor/cpu/lane_sum.h"
+#include "tensor/cpu/transpose.h"
+#include "tensor/error.h"
+
+namespace mixtape::cpu {
+
+namespace {
+std::atomic<bool> amx_enabled{true};
+}  // namespace
+
+bool set_amx_attention_enabled(bool enabled) { return amx_enabled.exchange(enabled); }
+
+bool amx_attention_applies(DType dtype, int64_t D) {
+  return dtype == DType::BF16 && D > 0 && D % 32 == 0 && amx_enabled.load(std::memory_order_relaxed) &&
+         amx_attention_available();
+}
+
+#if MIXTAPE_AMX_ATTENTION
+
+namespace {
+
+constexpr int64_t kBlock = 64;  // query and key rows per block: a multiple of 32 (two tiles of 16 rows)
+
+int64_t round_up(int64_t n, int64_t multiple) { return (n + multiple - 1) / multiple * multiple; }
+
+// Rows (b, h, t) of a [B, H, T, D] bf16 tensor: data + b*sB + h*sH + t*sT, the head dim contiguous.
+struct Heads {
+  BFloat16* data;
+  int64_t H, sB, sH, sT;
+  BFloat16* row(int64_t bh, int64_t t) const { return data + (bh / H) * sB + (bh % H) * sH + t * sT; }
+};
+
+Heads heads_of(const Tensor& t) { return {t.data<BFloat16>(), t.size(1), t.stride(0), t.stride(1), t.stride(2)}; }
+
+// The tile registers, configured once per thread for a kernel: tiles 0-3 hold C (16 rows of 16 floats),
+// 4-5 A (16 rows of 32 bf16), 6-7 B (16 rows of 16 bf16 pairs): 64 bytes a row for all of them.
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+class TileScope {
+ public:
+  TileScope() {
+    TileConfig config;
+    for (int i = 0; i < 8; ++i) {
+      config.colsb[i] = 64;
+      config.rows[i] = 16;
+    }
+    _tile_loadconfig(&config);
+  }
+  ~TileScope() { _tile_release(); }
+  TileScope(const TileScope&) = delete;
+  TileScope& operator=(const TileScope&) = delete;
+};
+
+// C[M x N] (ldc floats) (+)= A[M x K] B[K x N], M, N and K multiples of 32. A is row-major bf16 (lda), B is in
+// VNNI form: the pair (B[2kk, n], B[2kk + 1, n]) at b + kk * ldb + 2n. Blocks of 32 x 32 (four C tiles)
+// walk K in steps of 32.
+template <bool Accumulate>
+void tile_gemm(int64_t M, int64_t N, int64_t K, const BFloat16* a, int64_t lda, const BFloat16* b, int64_t ldb,
+               float* c, int64_t ldc) {
+  const int64_t sa = lda * 2, sb = ldb * 2, sc = ldc * 4;  // row strides in bytes
+  for (int64_t i = 0; i < M; i += 32)
+    for (int64_t j = 0; j < N; j += 32) {
+      float* c0 = c + i * ldc + j;
+      float* c1 = c0 + 16 * ldc;
+      if constexpr (Accumulate) {
+        _tile_loadd(0, c0, sc);
+        _tile_loadd(1, c0 + 16, sc);
+        _tile_loadd(2, c1, sc);
+        _tile_loadd(3, c1 + 16, sc);
+      } else {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+      }
+      for (int64_t k = 0; k < K; k += 32) {
+        _tile_loadd(4, a + i * lda + k, sa);
+        _tile_loadd(5, a + (i + 16) * lda + k, sa);
+        _tile_loadd(6, b + (k / 2) * ldb + 2 * j, sb);
+        _tile_loadd(7, b + (k / 2) * ldb + 2 * (j + 16), sb);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+      _tile_stored(0, c0, sc);
+      _tile_stored(1, c0 + 16, sc);
+      _tile_stored(2, c1, sc);
+      _tile_stored(3, c1 + 16, sc);
+    }
+}
+
+// dst[0, n) = src[0, n) rounded to bf16 (nearest even), n a multiple of 32. Tile operands only: the
+// instruction flushes subnormal inputs (below 1.2e-38) to 0, where convert<BFloat16> keeps them.
+inline void narrow_tile_row(const float* src, BFloat16* dst, int64_t n) {
+  for (int64_t j = 0; j < n; j += 32) {
+    const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + j + 16), _mm512_loadu_ps(src + j));
+    _mm512_storeu_si512(dst + j, (__m512i)v);
+  }
+}
+
+// dst[(c * 2) + e] = bf16(row_e[c]) for e = 0, 1 and c < n (n a multiple of 32): two rows of a B operand
+// interleaved into a VNNI row.
+inline void narrow_pair_row(const float* row0, const float* row1, BFloat16* dst, int64_t n) {
+  // 16-bit lanes: [row0 0..15, row1 0..15] -> [row0 0, row1 0, row0 1, row1 1, ...]
+  alignas(64) static constexpr uint16_t kInterleave[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,
+                                                           21, 6, 22, 7, 23, 8, 24, 9, 25, 10, 26,
+                                                           11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i index = _mm512_load_si512(kInterleave);
+  for (int64_t j = 0; j < n; j += 16) {
+    const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(row1 + j), _mm512_loadu_ps(row0 + j));
+    _mm512_storeu_si512(dst + 2 * j, _mm512_permutexvar_epi16(index, (__m512i)v));
+  }
+}
+
+// ---- packing a head's rows --------------------------------------------------------------------------------
+
+// [Tp, D] row-major: rows 0..T-1 of the head, then zero rows.
+void pack_rows(const Heads& x, int64_t bh, int64_t T, int64_t Tp, int64_t D, BFloat16* dst) {
+  for (int64_t t = 0; t < T; ++t) std::memcpy(dst + t * D, x.row(bh, t), static_cast<size_t>(D) * 2);
+  std::memset(static_cast<void*>(dst + T * D), 0, static_cast<size_t>((Tp - T) * D) * 2);
+}
+
+// [D, Tp] row-major: the head transposed, zero columns T..Tp-1. Through an fp32 scratch [D, Tp] (exact: bf16
+// widens and narrows back unchanged) so the transpose runs in transpose_into's register blocks.
+void pack_transposed(const Heads& x, int64_t bh, int64_t T, int64_t Tp, int64_t D, float* scratch, BFloat16* dst) {
+  transpose_into(x.row(bh, 0), x.sT, D, T, scratch, Tp);
+  for (int64_t d = 0; d < D; ++d) {
+    for (int64_t t = T; t < Tp; ++t) scratch[d * Tp + t] = 0.0f;
+    for (int64_t t = 0; t < Tp; ++t) dst[d * Tp + t] = BFloat16::from_bits(std::bit_cast<uint32_t>(scratch[d * Tp + t]) >> 16);
+  }
+}
+
+// VNNI with k = t: [Tp / 2, D, 2], element (t, d) at (t / 2) * 2D + 2d + t % 2 (a B operand summed over rows).
+void pack_row_pairs(const Heads& x, int64_t bh, int64_t T, int64_t Tp, int64_t D, BFloat16* dst) {
+  for (int64_t t = 0; t < Tp; t += 2) {
+    const BFloat16* r0 = t < T ? x.row(bh, t) : nullptr;
+    const BFloat16* r1 = t + 1 < T ? x.row(bh, t + 1) : nullptr;
+    BFloat16* out = dst + t * D;
+    const BFloat16 zero;
+    for (int64_t d = 0; d < D; ++d) {
+      out[2 * d] = r0 ? r0[d] : zero;
+      out[2 * d + 1] = r1 ? r1[d] : zero;
+    }
+  }
+}
+
+// VNNI with k = d: [D / 2, Tp, 2], element (t, d) at (d / 2) * 2Tp + 2t + d % 2 (x^T as a B operand): the head
+// seen as [T, D / 2] pairs of bf16, transposed pair by pair. Where the rows are 4-byte aligned the pairs go
+// through transpose_into as 32-bit lanes (moved, never computed on: the bits are kept).
+void pack_col_pairs(const Heads& x, int64_t bh, int64_t T, int64_t Tp, int64_t D, BFloat16* dst) {
+  auto* out = reinterpret_cast<uint32_t*>(dst);
+  const BFloat16* head = x.row(bh, 0);
+  if (x.sT % 2 == 0 && reinterpret_cast<uintptr_t>(head) % 4 == 0) {
+    transpose_into(reinterpret_cast<const float*>(head), x.sT / 2, D / 2, T, reinterpret_cast<float*>(out), Tp);
+  } else {
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t p = 0; p < D / 2; ++p) {
+        uint32_t pair;
+        std::memcpy(&pair, x.row(bh, t) + 2 * p, 4);
+        out[p * Tp + t] = pair;
+      }
+  }
+  for (int64_t p = 0; p < D / 2; ++p) std::fill(out + p * Tp + T, out + (p + 1) * Tp, 0u);
+}
+
+// out[0, n) = bf16(scale * src[0, n)), rounded as convert<BFloat16> rounds (outputs keep subnormals).
+inline void store_scaled(const float* src, float scale, BFloat16* out, int64_t n) {
+  for (int64_t d = 0; d < n; ++d) out[d] = convert<BFloat16>(scale * src[d]);
+}
+
+bool worth_parallel(int64_t BH, int64_t T, int64_t D) { return BH > 1 && BH * T * T * D >= (int64_t{1} << 20); }
+
+}  // namespace
+
+bool amx_attention_available() {
+  static const bool available = [] {
+    if (!__builtin_cpu_supports("amx-bf16") || !__builtin_cpu_supports("avx512bf16")) return false;
+    // Linux hands a process the AMX tile state only on request (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA).
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtileData = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtileData) == 0;
+  }();
+  return available;
+}
+
+void amx_causal_attention(const Tensor& q, const Tensor& k, const Tensor& v, double scale, const Tensor& out,
+                          const Tensor& lse) {
+  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3), BH = B * H;
+  if (B * H * T == 0) return;
+  const int64_t Tp = round_up(T, kBlock);
+  const Heads qh = heads_of(q), kh = heads_of(k), vh = heads_of(v), oh = heads_of(out);
+  float* lse_out = lse.data<float>();
+  const float scale_f = static_cast<float>(scale);
+#pragma omp parallel if (worth_parallel(BH, T, D))
+  {
+    const TileScope tiles;
+    std::vector<BFloat16> qa(Tp * D), kt(Tp * D), vp(Tp * D), p(kBlock * Tp);
+    std::vector<float> s(kBlock * Tp), o(kBlock * D), m(kBlock), l(kBlock);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t bh = 0; bh < BH; ++bh) {
+      pack_rows(qh, bh, T, Tp, D, qa.data());
+      pack_col_pairs(kh, bh, T, Tp, D, kt.data());
+      pack_row_pairs(vh, bh, T, Tp, D, vp.data());
+      for (int64_t i0 = 0; i0 < T; i0 += kBlock) {
+        const int64_t keys = i0 + kBlock;  // every key block up to and including the diagonal one
+        tile_gemm<false>(kBlock, keys, D, qa.data() + i0 * D, D, kt.data(), 2 * Tp, s.data(), Tp);
+        for (int64_t r = 0; r < kBlock; ++r) {
+          const int64_t i = i0 + r;
+          float* sr = s.data() + r * Tp;
+          BFloat16* pr = p.data() + r * Tp;
+          if (i >= T) {  // a padding row: no probabilities
+            std::fill(pr, pr + keys, BFloat16());
+            continue;
+          }
+          const int64_t n = i + 1;
+#pragma omp simd
+          for (int64_t c = 0; c < n; ++c) sr[c] *= scale_f;
+          const float row_max = lane_max(sr, n);
+#pragma omp simd
+          for (int64_t c = 0; c < n; ++c) sr[c] = fast_exp(sr[c] - row_max);
+          std::fill(sr + n, sr + keys, 0.0f);
+          narrow_tile_row(sr, pr, keys);
+          float sum = 0;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t c = 0; c < n; ++c) sum += static_cast<float>(pr[c]);
+          m[r] = row_max;
+          l[r] = sum;  // >= 1: the max's own term is e^0, exactly 1 in bf16
+        }
+        tile_gemm<false>(kBlock, D, keys, p.data(), Tp, vp.data(), 2 * D, o.data(), D);
+        for (int64_t r = 0; r < std::min(kBlock, T - i0); ++r) {
+          store_scaled(o.data() + r * D, 1.0f / l[r], oh.row(bh, i0 + r), D);
+          lse_out[bh * T + i0 + r] = m[r] + std::log(l[r]);
+        }
+      }
+    }
+  }
+}
+
+void amx_causal_attention_backward(const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v,
+                                   const Tensor& out, const Tensor& lse, double scale, const Tensor& grad_q,
+                                   const Tensor& grad_k, const Tensor& grad_v) {
+  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3), BH = B * H;
+  if (B * H * T == 0) return;
+  const int64_t Tp = round_up(T, kBlock);
+  const Heads qh = heads_of(q), kh = heads_of(k), vh = heads_of(v), goh = heads_of(grad_out), oh = heads_of(out);
+  const Heads gqh = heads_of(grad_q), gkh = heads_of(grad_k), gvh = heads_of(grad_v);
+  const float* lse_in = lse.data<float>();
+  const float scale_f = static_cast<float>(scale);
+#pragma omp parallel if (worth_parallel(BH, T, D))
+  {
+    const TileScope tiles;
+    const size_t head = static_cast<size_t>(Tp * D), block = static_cast<size_t>(kBlock * kBlock);
+    std::vector<BFloat16> qa(head), qt(head), kt(head), kp(head), vt(head), doa(head), dot(head);
+    std::vector<BFloat16> p_pairs(block), ds_pairs(block), ds_rows(block);
+    std::vector<float> scratch(head), s(block), dp(block), dkt(kBlock * D), dvt(kBlock * D), dq(head), delta(Tp);
+    std::vector<float> dk_rows(kBlock * D), dv_rows(kBlock * D);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t bh = 0; bh < BH; ++bh) {
+      pack_rows(qh, bh, T, Tp, D, qa.data());
+      pack_transposed(qh, bh, T, Tp, D, scratch.data(), qt.data());
+      pack_col_pairs(kh, bh, T, Tp, D, kt.data());
+      pack_row_pairs(kh, bh, T, Tp, D, kp.data());
+      pack_col_pairs(vh, bh, T, Tp, D, vt.data());
+      pack_rows(goh, bh, T, Tp, D, doa.data());
+      pack_transposed(goh, bh, T, Tp, D, scratch.data(), dot.data());
+      for (int64_t i = 0; i < T; ++i) {  // delta_i = do_i . o_i in fp32
+        const BFloat16* g = goh.row(bh, i);
+        const BFloat16* o = oh.row(bh, i);
+        float sum = 0;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t d = 0; d < D; ++d) sum += static_cast<float>(g[d]) * static_cast<float>(o[d]);
+        delta[i] = sum;
+      }
+      std::fill(dq.begin(), dq.end(), 0.0f);
+      for (int64_t j0 = 0; j0 < T; j0 += kBlock) {
+        std::fill(dkt.begin(), dkt.end(), 0.0f);
+        std::fill(dvt.begin(), dvt.end(), 0.0f);
+        for (int64_t i0 = j0; i0 < T; i0 += kBlock) {
+          tile_gemm<false>(kBlock, kBlock, D, qa.data() + i0 * D, D, kt.data() + 2 * j0, 2 * Tp, s.data(), kBlock);
+          tile_gemm<false>(kBlock, kBlock, D, doa.data() + i0 * D, D, vt.data() + 2 * j0, 2 * Tp, dp.data(), kBlock);
+          for (int64_t r = 0; r < kBlock; ++r) {
+            const int64_t i = i0 + r;
+            const int64_t n = i < T ? std::clamp<int64_t>(i - j0 + 1, 0, kBlock) : 0;  // keys row i sees
+            const float row_lse = i < T ? lse_in[bh * T + i] : 0.0f, row_delta = i < T ? delta[i] : 0.0f;
+            float* sr = s.data() + r * kBlock;
+            float* dsr = dp.data() + r * kBlock;
+#pragma omp simd
+            for (int64_t c = 0; c < n; ++c) {
+              sr[c] = fast_exp(scale_f * sr[c] - row_lse);
+              dsr[c] = sr[c] * (dsr[c] - row_delta);  // ds = p (dp - delta)
+            }
+            std::fill(sr + n, sr + kBlock, 0.0f);
+            std::fill(dsr + n, dsr + kBlock, 0.0f);
+            narrow_tile_row(dsr, ds_rows.data() + r * kBlock, kBlock);
+          }
+          for (int64_t r = 0; r < kBlock; r += 2) {  // p and ds as B operands summed over query rows
+            narrow_pair_row(s.data() + r * kBlock, s.data() + (r + 1) * kBlock, p_pairs.data() + r * kBlock, kBlock);
+            narrow_pair_row(dp.data() + r * kBlock, dp.data() + (r + 1) * kBlock, ds_pairs.data() + r * kBlock,
+                            kBlock);
+          }
+          // dv^T += do^T p;  dk^T += q^T ds;  dq += ds k
+          tile_gemm<true>(D, kBlock, kBlock, dot.data() + i0, Tp, p_pairs.data(), 2 * kBlock, dvt.data(), kBlock);
+          tile_gemm<true>(D, kBlock, kBlock, qt.data() + i0, Tp, ds_pairs.data(), 2 * kBlock, dkt.data(), kBlock);
+          tile_gemm<true>(kBlock, D, kBlock, ds_rows.data(), kBlock, kp.data() + j0 * D, 2 * D, dq.data() + i0 * D, D);
+        }
+        // dk^T and dv^T [D, 64] back to rows [64, D] (register-block transposes), then stored.
+        const int64_t keys = std::min(kBlock, T - j0);
+        transpose_into(dkt.data(), kBlock, keys, D, dk_rows.data(), D);
+        transpose_into(dvt.data(), kBlock, keys, D, dv_rows.data(), D);
+        for (int64_t c = 0; c < keys; ++c) {
+          store_scaled(dk_rows.data() + c * D, scale_f, gkh.row(bh, j0 + c), D);
+          store_scaled(dv_rows.data() + c * D, 1.0f, gvh.row(bh, j0 + c), D);
+        }
+      }
+      for (int64_t i = 0; i < T; ++i) store_scaled(dq.data() + i * D, scale_f, gqh.row(bh, i), D);
+    }
+  }
+}
+
+#else  // built without AMX
+
+bool amx_attention_available() { return false; }
+
+void amx_causal_attention(const Tensor&, const Tensor&, const Tensor&, double, const Tensor&, const Tensor&) {
+  fail("causal_attention: not supported: the AMX kernel (this build has no AMX-BF16)");
+}
+
+void amx_causal_attention_backward(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                   const Tensor&, double, const Tensor&, const Tensor&, const Tensor&) {
+  fail("causal_attention_backward: not supported: the AMX kernel (this build has no AMX-BF16)");
+}
+
+#endif
+
+}  // namespace mixtape::cpu
