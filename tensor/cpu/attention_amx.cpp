@@ -182,16 +182,24 @@ void pack_transposed(const Heads& x, int64_t bh, int64_t T, int64_t Tp, int64_t 
   }
 }
 
-// VNNI with k = t: [Tp / 2, D, 2], element (t, d) at (t / 2) * 2D + 2d + t % 2 (a B operand summed over rows).
+// VNNI with k = t: [Tp / 2, D, 2], element (t, d) at (t / 2) * 2D + 2d + t % 2 (a B operand summed over rows):
+// rows t and t + 1 interleaved 32 values at a time (D is a multiple of 32).
 void pack_row_pairs(const Heads& x, int64_t bh, int64_t T, int64_t Tp, int64_t D, BFloat16* dst) {
+  // 16-bit lanes of (r0, r1): the first 16 of each interleaved, then the last 16.
+  alignas(64) static constexpr uint16_t kLow[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,  37, 6,  38, 7,  39,
+                                                    8,  40, 9,  41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static constexpr uint16_t kHigh[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                                     24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i low = _mm512_load_si512(kLow), high = _mm512_load_si512(kHigh);
   for (int64_t t = 0; t < Tp; t += 2) {
     const BFloat16* r0 = t < T ? x.row(bh, t) : nullptr;
     const BFloat16* r1 = t + 1 < T ? x.row(bh, t + 1) : nullptr;
     BFloat16* out = dst + t * D;
-    const BFloat16 zero;
-    for (int64_t d = 0; d < D; ++d) {
-      out[2 * d] = r0 ? r0[d] : zero;
-      out[2 * d + 1] = r1 ? r1[d] : zero;
+    for (int64_t d = 0; d < D; d += 32) {
+      const __m512i a = r0 ? _mm512_loadu_si512(r0 + d) : _mm512_setzero_si512();
+      const __m512i b = r1 ? _mm512_loadu_si512(r1 + d) : _mm512_setzero_si512();
+      _mm512_storeu_si512(out + 2 * d, _mm512_permutex2var_epi16(a, low, b));
+      _mm512_storeu_si512(out + 2 * d + 32, _mm512_permutex2var_epi16(a, high, b));
     }
   }
 }
