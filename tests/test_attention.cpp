@@ -394,8 +394,8 @@ TEST(AmxAttention, ResultDoesNotDependOnThreadCount) {
 // output and the three gradients (4 x the [B, H, T, D] input size), lse and delta ([B, H, T]), the forward's
 // k^T copy (1 x, freed before the backward) and the backward's fp32 dq accumulators: with B*H = 2 the
 // backward splits each head's key blocks into 2 groups with one [T, D] accumulator each (2 x). The autograd
-// engine then copies the three gradients into the leaves' .grad (3 x, after the kernel's scratch is freed).
-// The peak is ~7 x the input: linear in T, and at T/D = 64 already 9 x below B*H*T*T*4, which the naive
+// engine hands the three gradients to the leaves as their .grad without copying them. The peak is ~6 x the
+// input (at most 7 x is checked): linear in T, and at T/D = 64 already 9 x below B*H*T*T*4, which the naive
 // composition, measured the same way, exceeds.
 TEST(Attention, MemoryStaysLinearInSequenceLength) {
   const int64_t B = 1, H = 2, T = 2048, D = 32;

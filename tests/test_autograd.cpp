@@ -16,6 +16,7 @@
 #include "autograd/autograd.h"
 #include "autograd/gradcheck.h"
 #include "tensor/autograd_node.h"
+#include "tensor/backend.h"
 #include "tensor/ops.h"
 #include "test_util.h"
 
@@ -162,6 +163,35 @@ TEST(Autograd, ToDtypeBackwardCastsTheGradientBack) {
   backward({w.transpose(0, 0)}, {Tensor::full({2}, 0.25, DType::F64)});
   EXPECT_EQ(w.grad().dtype(), DType::F32);
   EXPECT_EQ(w.grad().to_vector<double>(), (std::vector<double>{0.25, 0.25}));
+}
+
+// A gradient that a backward closure made and handed over (here mul's g * 3, a fresh [n] buffer) becomes the
+// leaf's .grad as it is: the backward allocates it once, not once more for a copy (the weight gradients of an
+// autocast step, widened to f32 by the cast's backward, took a second pass that way).
+TEST(Autograd, AFreshGradientBecomesTheLeafsGradWithoutACopy) {
+  const int64_t n = int64_t{1} << 20;
+  const size_t bytes = static_cast<size_t>(n) * 4;
+  const Tensor x = Tensor::ones({n}).requires_grad_();
+  const Tensor loss = sum(mul(x, 3.0));
+  Backend& backend = backend_for(Device::cpu());
+  backend.reset_peak_memory_stats();
+  const size_t before = backend.memory_stats().allocated_bytes;
+  backward(loss);
+  const size_t peak = backend.memory_stats().peak_allocated_bytes;
+  EXPECT_GE(peak - before, bytes);           // the gradient itself
+  EXPECT_LT(peak - before, bytes + bytes / 2) << "the gradient was copied";
+  EXPECT_EQ(x.grad().to_vector<double>(), std::vector<double>(static_cast<size_t>(n), 3.0));
+}
+
+// One buffer returned as the gradient of two leaves (add's backward hands g to both) is copied for each:
+// their .grad tensors never alias.
+TEST(Autograd, AGradientSharedByTwoLeavesIsCopiedForEach) {
+  const Tensor a = Tensor::ones({1000}).requires_grad_(), b = Tensor::ones({1000}).requires_grad_();
+  backward(sum(mul(add(a, b), 2.0)));
+  ASSERT_NE(a.grad().data_ptr(), b.grad().data_ptr());
+  a.grad().add_(Tensor::ones({1000}));
+  EXPECT_EQ(a.grad().to_vector<double>()[0], 3.0);
+  EXPECT_EQ(b.grad().to_vector<double>()[0], 2.0);
 }
 
 TEST(Autograd, OutputThatIsALeafGetsItsGradientDirectly) {
