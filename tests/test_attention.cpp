@@ -282,12 +282,6 @@ TEST(Attention, ResultDoesNotDependOnThreadCount) {
 
 namespace {
 
-// Turns the AMX kernels off for a scope (the portable kernel then serves bf16), restoring the setting after.
-struct PortableAttention {
-  bool saved = cpu::set_amx_attention_enabled(false);
-  ~PortableAttention() { cpu::set_amx_attention_enabled(saved); }
-};
-
 #define SKIP_WITHOUT_AMX()                                                                                   \
   if (!cpu::amx_attention_available()) GTEST_SKIP() << "this CPU (or build, or OS) has no AMX-BF16 tiles"
 
@@ -304,7 +298,7 @@ TEST(AmxAttention, AppliesToBf16WithWholeTileHeadDimsOnly) {
   EXPECT_FALSE(cpu::amx_attention_applies(DType::BF16, 70));
   EXPECT_FALSE(cpu::amx_attention_applies(DType::F16, 64));
   EXPECT_FALSE(cpu::amx_attention_applies(DType::F32, 64));
-  const PortableAttention portable;
+  const mixtape::testing::PortableAttention portable;
   EXPECT_FALSE(cpu::amx_attention_applies(DType::BF16, 64));
 }
 
@@ -361,7 +355,7 @@ TEST(AmxAttention, DiffersFromThePortableKernelInTheLastBits) {
   const Tensor amx = scaled_dot_product_attention(q, k, v);
   Tensor portable;
   {
-    const PortableAttention scope;
+    const mixtape::testing::PortableAttention scope;
     portable = scaled_dot_product_attention(q, k, v);
   }
   EXPECT_NE(amx.to_vector<double>(), portable.to_vector<double>());

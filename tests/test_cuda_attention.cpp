@@ -15,6 +15,8 @@
 //  - f16/bf16 through the front end, where the backward reads the forward's own rounded output (CPU and CUDA
 //    outputs may differ by an ulp, and delta_i = do_i.o_i with them), the 16-bit gradients get 2 ulp or one
 //    ulp of the dtype at the largest element's scale.
+// The CPU side is the portable kernel (p and ds kept in fp32, as these bounds assume): each test turns the AMX
+// kernels off (testing::PortableAttention), which on a CPU with AMX-BF16 round p and ds to bf16 first.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -206,6 +208,7 @@ std::vector<double> values(const Tensor& t) { return t.to_vector<double>(); }
 
 TEST(CudaAttention, KernelsMatchCpuInEveryDtype) {
   MIXTAPE_REQUIRE_CUDA();
+  const mixtape::testing::PortableAttention portable_cpu;
   uint64_t seed = 100;
   for (DType dtype : kDtypes)
     for (const Shape& shape : kShapes) expect_kernels_match_cpu(shape, dtype, seed += 10);
@@ -214,6 +217,7 @@ TEST(CudaAttention, KernelsMatchCpuInEveryDtype) {
 // GPT-2 small's head (D = 64) at a long sequence: 16 query tiles, most key tiles skipped by the mask.
 TEST(CudaAttention, KernelsMatchCpuAtLongSequence) {
   MIXTAPE_REQUIRE_CUDA();
+  const mixtape::testing::PortableAttention portable_cpu;
   expect_kernels_match_cpu({1, 3, 1024, 64}, DType::F32, 7);
   expect_kernels_match_cpu({1, 2, 1024, 64}, DType::BF16, 8);
 }
@@ -222,6 +226,7 @@ TEST(CudaAttention, KernelsMatchCpuAtLongSequence) {
 
 TEST(CudaAttention, FrontEndMatchesCpuInEveryDtype) {
   MIXTAPE_REQUIRE_CUDA();
+  const mixtape::testing::PortableAttention portable_cpu;
   uint64_t seed = 500;
   for (DType dtype : kDtypes)
     for (const Shape& shape : {Shape{2, 2, 7, 16}, Shape{1, 2, 65, 64}, Shape{1, 1, 130, 24}})
@@ -233,6 +238,7 @@ TEST(CudaAttention, FrontEndMatchesCpuInEveryDtype) {
 // and bit for bit against contiguous copies on CUDA (strides change addresses only, never a sum's order).
 TEST(CudaAttention, StridedViewsOfAFusedProjection) {
   MIXTAPE_REQUIRE_CUDA();
+  const mixtape::testing::PortableAttention portable_cpu;
   const int64_t B = 2, T = 67, H = 3, D = 16;
   for (DType dtype : {DType::F32, DType::BF16}) {
     const Tensor qkv_cpu = uniform_tensor({B, T, 3, H, D}, 21, -2, 2, dtype);
@@ -272,6 +278,7 @@ TEST(CudaAttention, StridedViewsOfAFusedProjection) {
 // gradient through strides.
 TEST(CudaAttention, CausalSelfAttentionMatchesCpu) {
   MIXTAPE_REQUIRE_CUDA();
+  const mixtape::testing::PortableAttention portable_cpu;
   const int64_t B = 2, T = 70, n_head = 4, C = 4 * 16;
   for (DType dtype : kDtypes) {
     const Tensor qkv_cpu = uniform_tensor({B, T, 3 * C}, 31, -2, 2, dtype);
@@ -298,6 +305,7 @@ TEST(CudaAttention, CausalSelfAttentionMatchesCpu) {
 // No atomics anywhere: two runs of the forward and the backward give the same bits.
 TEST(CudaAttention, TwoRunsGiveIdenticalBits) {
   MIXTAPE_REQUIRE_CUDA();
+  const mixtape::testing::PortableAttention portable_cpu;
   for (DType dtype : {DType::F32, DType::BF16}) {
     const Inputs in = random_inputs({2, 3, 200, 64}, dtype, 41);
     const FrontEndResults first = run_front_end(in, cuda0());
@@ -312,6 +320,7 @@ TEST(CudaAttention, TwoRunsGiveIdenticalBits) {
 // Head dims above 128 are refused with a message that says so (the kernels keep a row in registers).
 TEST(CudaAttention, RejectsHeadDimAbove128) {
   MIXTAPE_REQUIRE_CUDA();
+  const mixtape::testing::PortableAttention portable_cpu;
   const Tensor q = Tensor::zeros({1, 1, 4, 160}, DType::F32).to(cuda0());
   EXPECT_ERROR_MENTIONS(scaled_dot_product_attention(q, q, q), "causal_attention", "head dim", "160", "128");
 }

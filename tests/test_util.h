@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "tensor/cpu/attention_amx.h"
 #include "tensor/tensor.h"
 
 namespace mixtape::testing {
@@ -105,5 +106,15 @@ inline ::testing::AssertionResult all_close(const Tensor& actual, const Tensor& 
         EXPECT_NE(message.find(part), std::string::npos) << "message: " << message << "\nlacks: " << part; \
     }                                                                                           \
   } while (0)
+
+// Turns the CPU's AMX attention kernels off for a scope (the portable kernel then serves bf16 on a CPU with
+// AMX-BF16), restoring the setting after.
+struct PortableAttention {
+  bool saved = cpu::set_amx_attention_enabled(false);
+  ~PortableAttention() { cpu::set_amx_attention_enabled(saved); }
+  PortableAttention() = default;
+  PortableAttention(const PortableAttention&) = delete;
+  PortableAttention& operator=(const PortableAttention&) = delete;
+};
 
 }  // namespace mixtape::testing

@@ -178,7 +178,8 @@ void pack_transposed(const Heads& x, int64_t bh, int64_t T, int64_t Tp, int64_t 
   transpose_into(x.row(bh, 0), x.sT, D, T, scratch, Tp);
   for (int64_t d = 0; d < D; ++d) {
     for (int64_t t = T; t < Tp; ++t) scratch[d * Tp + t] = 0.0f;
-    for (int64_t t = 0; t < Tp; ++t) dst[d * Tp + t] = BFloat16::from_bits(std::bit_cast<uint32_t>(scratch[d * Tp + t]) >> 16);
+    for (int64_t t = 0; t < Tp; ++t)
+      dst[d * Tp + t] = BFloat16::from_bits(static_cast<uint16_t>(std::bit_cast<uint32_t>(scratch[d * Tp + t]) >> 16));
   }
 }
 
