@@ -11,7 +11,7 @@
 // layouts the tiles read, T padded with zero rows to Tp, a multiple of the 64-row block:
 //   A operands (row-major): q, do [Tp, D]; q^T, do^T [D, Tp];
 //   B operands (VNNI: pairs of consecutive k rows interleaved, [K/2, N, 2]): k^T and v^T (k = d, n = key),
-//   k (k = key, n = d).
+//   k and v (k = key, n = d); in the backward also p and ds (k = query, n = key), block by block.
 // Forward, per block of 64 query rows i0..: s = q k^T for every key up to the block's end (a [64, i0 + 64]
 // strip: O(T) per thread, never O(T^2)), then per row the exact max m, p = e^(scale s - m) rounded to bf16
 // (0 for hidden keys), l = the sum of the rounded p, out = (p v) / l rounded once to bf16 and
