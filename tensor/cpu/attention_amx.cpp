@@ -205,35 +205,6 @@ void pack_row_pairs(const Heads& x, int64_t bh, int64_t T, int64_t Tp, int64_t D
   }
 }
 
-// dst[c * ld + r] = rows[r][c] for r, c < 16: a 16 x 16 block of 32-bit lanes transposed in registers (lanes
-// are moved, never computed on).
-// (The zero-masked forms of the intrinsics with all-ones masks throughout: GCC 12's plain ones warn of an
-// uninitialised value.)
-inline void transpose_16x16(const __m512i (&rows)[16], uint32_t* dst, int64_t ld) {
-  __m512i t[16], u[16];
-  for (int i = 0; i < 16; i += 2) {  // per 128-bit lane: (a0 b0 a1 b1), (a2 b2 a3 b3)
-    t[i] = _mm512_maskz_unpacklo_epi32(0xFFFF, rows[i], rows[i + 1]);
-    t[i + 1] = _mm512_maskz_unpackhi_epi32(0xFFFF, rows[i], rows[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {  // u[i + j], lane k: column 4k + j of rows i..i+3
-    u[i] = _mm512_maskz_unpacklo_epi64(0xFF, t[i], t[i + 2]);
-    u[i + 1] = _mm512_maskz_unpackhi_epi64(0xFF, t[i], t[i + 2]);
-    u[i + 2] = _mm512_maskz_unpacklo_epi64(0xFF, t[i + 1], t[i + 3]);
-    u[i + 3] = _mm512_maskz_unpackhi_epi64(0xFF, t[i + 1], t[i + 3]);
-  }
-  // 128-bit lanes 0 and 2 (even) or 1 and 3 (odd) of a, then the same of b.
-  auto even = [](__m512i a, __m512i b) { return _mm512_maskz_shuffle_i32x4(0xFFFF, a, b, 0x88); };
-  auto odd = [](__m512i a, __m512i b) { return _mm512_maskz_shuffle_i32x4(0xFFFF, a, b, 0xDD); };
-  for (int j = 0; j < 4; ++j) {  // the four 128-bit lanes of column 4k + j gathered from the row groups
-    const __m512i v0 = even(u[j], u[4 + j]), v1 = odd(u[j], u[4 + j]);
-    const __m512i w0 = even(u[8 + j], u[12 + j]), w1 = odd(u[8 + j], u[12 + j]);
-    _mm512_storeu_si512(dst + j * ld, even(v0, w0));
-    _mm512_storeu_si512(dst + (4 + j) * ld, even(v1, w1));
-    _mm512_storeu_si512(dst + (8 + j) * ld, odd(v0, w0));
-    _mm512_storeu_si512(dst + (12 + j) * ld, odd(v1, w1));
-  }
-}
-
 // VNNI with k = d: [D / 2, Tp, 2], element (t, d) at (d / 2) * 2Tp + 2t + d % 2 (x^T as a B operand): the head
 // seen as [T, D / 2] pairs of bf16, transposed pair by pair, 16 x 16 pairs at a time (D / 2 is a multiple of
 // 16); rows past the last whole block of 16 pair by pair.

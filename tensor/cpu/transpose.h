@@ -1,8 +1,9 @@
 #pragma once
 // Transposing copies into float: dst[r * ld_dst + c] = src[c * ld_src + r]. Float (and 16-bit, widened first)
-// sources go 8 x 8 at a time through register transposes; element by element, each strided access costs a
-// cache line of its own. Used for the keys of the fused attention and for every copy that reads its source
-// transposed (tensor/cpu/strided.h's run_tiled), matmul operands packed row-major among them.
+// sources go 16 x 16 (AVX-512) or 8 x 8 (AVX2) at a time through register transposes; element by element,
+// each strided access costs a cache line of its own. Used for the keys of the fused attention and for every
+// copy that reads its source transposed (tensor/cpu/strided.h's run_tiled), matmul operands packed row-major
+// among them.
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -37,6 +38,39 @@ inline void transpose_8x8(const float* const rows[8], int64_t d, float* dst, int
 }
 #endif
 
+#if defined(__AVX512F__)
+// dst[c * ld + r] = rows[r][c] for r, c < 16: a 16 x 16 block of 32-bit lanes transposed in registers (lanes
+// are moved, never computed on).
+// (The zero-masked forms of the intrinsics with all-ones masks throughout: GCC 12's plain ones warn of an
+// uninitialised value.)
+template <class Lane>
+inline void transpose_16x16(const __m512i (&rows)[16], Lane* dst, int64_t ld) {
+  static_assert(sizeof(Lane) == 4);
+  __m512i t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {  // per 128-bit lane: (a0 b0 a1 b1), (a2 b2 a3 b3)
+    t[i] = _mm512_maskz_unpacklo_epi32(0xFFFF, rows[i], rows[i + 1]);
+    t[i + 1] = _mm512_maskz_unpackhi_epi32(0xFFFF, rows[i], rows[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // u[i + j], lane k: column 4k + j of rows i..i+3
+    u[i] = _mm512_maskz_unpacklo_epi64(0xFF, t[i], t[i + 2]);
+    u[i + 1] = _mm512_maskz_unpackhi_epi64(0xFF, t[i], t[i + 2]);
+    u[i + 2] = _mm512_maskz_unpacklo_epi64(0xFF, t[i + 1], t[i + 3]);
+    u[i + 3] = _mm512_maskz_unpackhi_epi64(0xFF, t[i + 1], t[i + 3]);
+  }
+  // 128-bit lanes 0 and 2 (even) or 1 and 3 (odd) of a, then the same of b.
+  auto even = [](__m512i a, __m512i b) { return _mm512_maskz_shuffle_i32x4(0xFFFF, a, b, 0x88); };
+  auto odd = [](__m512i a, __m512i b) { return _mm512_maskz_shuffle_i32x4(0xFFFF, a, b, 0xDD); };
+  for (int j = 0; j < 4; ++j) {  // the four 128-bit lanes of column 4k + j gathered from the row groups
+    const __m512i v0 = even(u[j], u[4 + j]), v1 = odd(u[j], u[4 + j]);
+    const __m512i w0 = even(u[8 + j], u[12 + j]), w1 = odd(u[8 + j], u[12 + j]);
+    _mm512_storeu_si512(dst + j * ld, even(v0, w0));
+    _mm512_storeu_si512(dst + (4 + j) * ld, even(v1, w1));
+    _mm512_storeu_si512(dst + (8 + j) * ld, odd(v0, w0));
+    _mm512_storeu_si512(dst + (12 + j) * ld, odd(v1, w1));
+  }
+}
+#endif
+
 // dst[r * ld_dst + c] = src[c * ld_src + r] for r < rows, c < cols, converted to A (float or double). Source
 // rows are taken 8 at a time and walked in chunks of 64 elements (16-bit chunks widened to float first).
 template <class T, class A>
@@ -46,24 +80,37 @@ void transpose_into(const T* __restrict src, int64_t ld_src, int64_t rows, int64
 #if defined(__AVX2__)
   if constexpr (std::is_same_v<A, float> && (std::is_same_v<T, float> || kSixteenBit<T>)) {
     constexpr int64_t kChunk = 64;
-    alignas(64) float widened[kSixteenBit<T> ? 8 * kChunk : 1];
-    for (; c0 + 8 <= cols; c0 += 8)
-      for (int64_t r0 = 0; r0 < rows; r0 += kChunk) {
-        const int64_t m = std::min(kChunk, rows - r0);
-        const float* lines[8];
-        for (int i = 0; i < 8; ++i) {
-          if constexpr (kSixteenBit<T>) {
-            widen_block(src + (c0 + i) * ld_src + r0, widened + i * kChunk, m);
-            lines[i] = widened + i * kChunk;
-          } else {
-            lines[i] = src + (c0 + i) * ld_src + r0;
+    // W source rows at a time, walked in chunks of kChunk elements, each W x W block transposed by `block`.
+    auto by_blocks = [&]<int W>(auto&& block) {
+      alignas(64) float widened[kSixteenBit<T> ? W * kChunk : 1];
+      for (; c0 + W <= cols; c0 += W)
+        for (int64_t r0 = 0; r0 < rows; r0 += kChunk) {
+          const int64_t m = std::min(kChunk, rows - r0);
+          const float* lines[W];
+          for (int i = 0; i < W; ++i) {
+            if constexpr (kSixteenBit<T>) {
+              widen_block(src + (c0 + i) * ld_src + r0, widened + i * kChunk, m);
+              lines[i] = widened + i * kChunk;
+            } else {
+              lines[i] = src + (c0 + i) * ld_src + r0;
+            }
           }
+          int64_t r = 0;
+          for (; r + W <= m; r += W) block(lines, r, dst + (r0 + r) * ld_dst + c0);
+          for (; r < m; ++r)
+            for (int i = 0; i < W; ++i) dst[(r0 + r) * ld_dst + c0 + i] = lines[i][r];
         }
-        int64_t r = 0;
-        for (; r + 8 <= m; r += 8) transpose_8x8(lines, r, dst + (r0 + r) * ld_dst + c0, ld_dst);
-        for (; r < m; ++r)
-          for (int i = 0; i < 8; ++i) dst[(r0 + r) * ld_dst + c0 + i] = lines[i][r];
-      }
+    };
+#if defined(__AVX512F__)
+    by_blocks.template operator()<16>([&](const float* const* lines, int64_t r, float* out) {
+      __m512i block[16];
+      for (int i = 0; i < 16; ++i) block[i] = _mm512_castps_si512(_mm512_loadu_ps(lines[i] + r));
+      transpose_16x16(block, out, ld_dst);
+    });
+#endif
+    by_blocks.template operator()<8>([&](const float* const* lines, int64_t r, float* out) {
+      transpose_8x8(lines, r, out, ld_dst);
+    });
   }
 #endif
   for (int64_t c = c0; c < cols; ++c)
