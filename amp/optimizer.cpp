@@ -224,11 +224,7 @@ void MixedPrecisionOptimizer::fold_pending_grads() {
       unscaled[i] = grad.to(dtype).contiguous();
     } else {
       // Held by the parameter and `grad` alone, over a storage no other tensor (view) shares, all of it.
-      const bool private_buffer = grad.impl_ptr().use_count() == 2 && grad.storage().use_count() == 1 &&
-                                  grad.is_contiguous() && grad.data_ptr() == grad.storage()->data() &&
-                                  grad.storage()->nbytes() == static_cast<size_t>(grad.numel()) *
-                                                                  dtype_size(dtype);
-      unscaled[i] = private_buffer ? grad : grad.clone();
+      unscaled[i] = is_private_buffer(grad, 2) ? grad : grad.clone();
     }
   }
   const bool found_inf = unscale_and_check_finite(unscaled, inv_scale);

@@ -27,16 +27,6 @@ Tensor conform(const Tensor& grad, const Shape& shape, DType dtype, const char* 
   return grad.dtype() == dtype ? grad : grad.to(dtype);
 }
 
-// Whether `g` (held by the caller's gradient list and this local handle only) is a contiguous tensor over the
-// whole of a storage no other tensor shares: a buffer a backward closure made and handed over, which can
-// become a leaf's .grad as it is. Anything else (a view, an alias of a saved tensor, a gradient returned for
-// two inputs, one the closure also keeps) has another holder.
-bool exclusively_held(const Tensor& g) {
-  return g.impl_ptr().use_count() == 2 && g.storage().use_count() == 1 && g.is_contiguous() &&
-         g.data_ptr() == g.storage()->data() &&
-         g.storage()->nbytes() == static_cast<size_t>(g.numel()) * dtype_size(g.dtype());
-}
-
 void accumulate_leaf(TensorImpl& leaf, const Tensor& grad) {
   Tensor g = conform(grad, leaf.shape, leaf.grad_dtype.value_or(leaf.dtype), "leaf");
   // A gradient installed in another dtype (set_grad) is widened first (to() makes a fresh buffer), so the
@@ -46,8 +36,10 @@ void accumulate_leaf(TensorImpl& leaf, const Tensor& grad) {
     Tensor(leaf.grad).add_(g);
   } else if (!g.same(grad)) {
     leaf.grad = g.impl_ptr();  // conform converted it: a fresh contiguous tensor nothing else holds
-  } else if (exclusively_held(g)) {
-    leaf.grad = g.impl_ptr();  // e.g. the f32 gradient an autocast cast's backward widened: no second copy
+  } else if (is_private_buffer(g, 2)) {
+    // Held by the caller's gradient list and `g` alone: a buffer the backward closure made and handed over
+    // (e.g. the f32 gradient an autocast cast's backward widened) becomes the .grad, without a second copy.
+    leaf.grad = g.impl_ptr();
   } else {
     // Own a fresh contiguous buffer: g may be a broadcast view or alias another tensor.
     Tensor owned = Tensor::empty(g.shape(), g.dtype(), g.device());

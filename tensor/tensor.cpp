@@ -154,6 +154,12 @@ std::string Tensor::description() const {
   return out.str();
 }
 
+bool is_private_buffer(const Tensor& t, long holders) {
+  return t.defined() && t.storage() && t.impl_ptr().use_count() == holders && t.storage().use_count() == 1 &&
+         t.is_contiguous() && t.data_ptr() == t.storage()->data() &&
+         t.storage()->nbytes() == static_cast<size_t>(t.numel()) * dtype_size(t.dtype());
+}
+
 Tensor make_view(const Tensor& base, const Shape& shape, const Strides& strides, int64_t offset) {
   if (shape.size() != strides.size())
     fail("make_view: shape ", shape_str(shape), " and strides ", shape_str(strides), " differ in length");

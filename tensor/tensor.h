@@ -144,4 +144,9 @@ std::ostream& operator<<(std::ostream& out, const Tensor& tensor);
 // kernels; checks that the view stays inside the storage.
 Tensor make_view(const Tensor& base, const Shape& shape, const Strides& strides, int64_t offset);
 
+// Whether `t` is a private buffer its holders may keep or change as their own: contiguous over the whole of a
+// storage that no other tensor shares, its tensor held by exactly `holders` handles (the caller's counted).
+// A view, an alias of a saved tensor or a tensor someone else also keeps is not.
+bool is_private_buffer(const Tensor& t, long holders);
+
 }  // namespace mixtape

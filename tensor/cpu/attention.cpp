@@ -44,6 +44,7 @@
 #include <vector>
 
 #include "tensor/cpu/attention_amx.h"
+#include "tensor/cpu/attention_rows.h"
 #include "tensor/cpu/convert_block.h"
 #include "tensor/cpu/cpu_backend.h"
 #include "tensor/cpu/fast_math.h"
@@ -207,22 +208,6 @@ void load_run(const T* __restrict src, A* __restrict dst, int64_t n) {
     widen_block(src, dst, n);
   else
     for (int64_t d = 0; d < n; ++d) dst[d] = convert<A>(src[d]);
-}
-
-// dst[0, n) = scale * src[0, n), each product rounded once to T.
-template <class A, class T>
-void store_scaled_run(const A* __restrict src, A scale, T* __restrict dst, int64_t n) {
-  if constexpr (kSixteenBit<T>) {
-    constexpr int64_t kChunk = 64;
-    alignas(64) float scaled[kChunk];
-    for (int64_t d0 = 0; d0 < n; d0 += kChunk) {
-      const int64_t m = std::min(kChunk, n - d0);
-      for (int64_t d = 0; d < m; ++d) scaled[d] = scale * src[d0 + d];
-      narrow_block(scaled, dst + d0, m);
-    }
-  } else {
-    for (int64_t d = 0; d < n; ++d) dst[d] = convert<T>(scale * src[d]);
-  }
 }
 
 // dst[r, d] = src[r * ld_src + d] for r < rows, d < D; columns D..Dp-1 are zero (padding that products read).
@@ -518,15 +503,8 @@ void CpuBackend::causal_attention_backward(const Tensor& grad_out, const Tensor&
             for (int64_t r = 0; r < rows; ++r) {
               const int64_t i = i0 + r, n = visible_keys(i, j0, cols);
               const A row_lse = lse_in[bh * T + i], row_delta = delta[bh * T + i];
-              A* pr = p.data() + r * kBlockK;
-              A* dsr = ds.data() + r * kBlockK;
-#pragma omp simd
-              for (int64_t c = 0; c < n; ++c) {
-                pr[c] = fast_exp(scale_a * pr[c] - row_lse);
-                dsr[c] = pr[c] * (dsr[c] - row_delta);  // ds = p (dp - delta)
-              }
-              std::fill(pr + n, pr + kBlockK, A(0));
-              std::fill(dsr + n, dsr + kBlockK, A(0));
+              probabilities_and_gradient_row(p.data() + r * kBlockK, ds.data() + r * kBlockK, n, kBlockK, scale_a,
+                                             row_lse, row_delta);
             }
             // dv += p^T do;  dk += ds^T q;  dq += ds k  (dk and dq are scaled on store)
             product_tiles<true>(cols, Dp, rows, p.data(), 1, kBlockK, dos, dom.ld, dv.data(), Dp, Causal::KBeforeRow,

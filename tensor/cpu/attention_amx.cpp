@@ -42,6 +42,7 @@
 #include <unistd.h>
 #endif
 
+#include "tensor/cpu/attention_rows.h"
 #include "tensor/cpu/fast_math.h"
 #include "tensor/cpu/lane_sum.h"
 #include "tensor/cpu/transpose.h"
@@ -223,11 +224,6 @@ void pack_col_pairs(const Heads& x, int64_t bh, int64_t T, int64_t Tp, int64_t D
   for (int64_t p = 0; p < pairs; ++p) std::fill(out + p * Tp + T, out + (p + 1) * Tp, 0u);
 }
 
-// out[0, n) = bf16(scale * src[0, n)), rounded as convert<BFloat16> rounds (outputs keep subnormals).
-inline void store_scaled(const float* src, float scale, BFloat16* out, int64_t n) {
-  for (int64_t d = 0; d < n; ++d) out[d] = convert<BFloat16>(scale * src[d]);
-}
-
 bool worth_parallel(int64_t BH, int64_t T, int64_t D) { return BH > 1 && BH * T * T * D >= (int64_t{1} << 20); }
 
 }  // namespace
@@ -287,7 +283,7 @@ void amx_causal_attention(const Tensor& q, const Tensor& k, const Tensor& v, dou
         }
         tile_gemm<false>(kBlock, D, keys, p.data(), Tp, vp.data(), 2 * D, o.data(), D);
         for (int64_t r = 0; r < std::min(kBlock, T - i0); ++r) {
-          store_scaled(o.data() + r * D, 1.0f / l[r], oh.row(bh, i0 + r), D);
+          store_scaled_run(o.data() + r * D, 1.0f / l[r], oh.row(bh, i0 + r), D);
           lse_out[bh * T + i0 + r] = m[r] + std::log(l[r]);
         }
       }
@@ -341,15 +337,8 @@ void amx_causal_attention_backward(const Tensor& grad_out, const Tensor& q, cons
             const int64_t i = i0 + r;
             const int64_t n = i < T ? std::clamp<int64_t>(i - j0 + 1, 0, kBlock) : 0;  // keys row i sees
             const float row_lse = i < T ? lse_in[bh * T + i] : 0.0f, row_delta = i < T ? delta[i] : 0.0f;
-            float* sr = s.data() + r * kBlock;
             float* dsr = dp.data() + r * kBlock;
-#pragma omp simd
-            for (int64_t c = 0; c < n; ++c) {
-              sr[c] = fast_exp(scale_f * sr[c] - row_lse);
-              dsr[c] = sr[c] * (dsr[c] - row_delta);  // ds = p (dp - delta)
-            }
-            std::fill(sr + n, sr + kBlock, 0.0f);
-            std::fill(dsr + n, dsr + kBlock, 0.0f);
+            probabilities_and_gradient_row(s.data() + r * kBlock, dsr, n, kBlock, scale_f, row_lse, row_delta);
             narrow_tile_row(dsr, ds_rows.data() + r * kBlock, kBlock);
           }
           for (int64_t r = 0; r < kBlock; r += 2) {  // p and ds as B operands summed over query rows
@@ -367,11 +356,11 @@ void amx_causal_attention_backward(const Tensor& grad_out, const Tensor& q, cons
         transpose_into(dkt.data(), kBlock, keys, D, dk_rows.data(), D);
         transpose_into(dvt.data(), kBlock, keys, D, dv_rows.data(), D);
         for (int64_t c = 0; c < keys; ++c) {
-          store_scaled(dk_rows.data() + c * D, scale_f, gkh.row(bh, j0 + c), D);
-          store_scaled(dv_rows.data() + c * D, 1.0f, gvh.row(bh, j0 + c), D);
+          store_scaled_run(dk_rows.data() + c * D, scale_f, gkh.row(bh, j0 + c), D);
+          store_scaled_run(dv_rows.data() + c * D, 1.0f, gvh.row(bh, j0 + c), D);
         }
       }
-      for (int64_t i = 0; i < T; ++i) store_scaled(dq.data() + i * D, scale_f, gqh.row(bh, i), D);
+      for (int64_t i = 0; i < T; ++i) store_scaled_run(dq.data() + i * D, scale_f, gqh.row(bh, i), D);
     }
   }
 }
