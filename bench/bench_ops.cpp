@@ -5,6 +5,10 @@
 //                       the transpose of a stored [K, M] (a weight gradient's X^T), as the backward does;
 //                       rows named Bt_ take B as the transpose of a stored [N, K] (a linear layer's
 //                       weight in the forward: x W^T).
+//   matmul f16         on a CPU with AMX, where f16 products run as bf16 products of their bf16 parts (see
+//                       tensor/cpu/matmul.cpp), the GPT's shapes in f16 vs the raw oneDNN f32 matmul of the
+//                       same shape: the f16 modes' products should not be slower than fp32's (issue 4).
+//                       Elsewhere f16 is multiplied through f32 and the rows are not registered.
 //   add (16M f32)       vs memcpy of the same bytes; add moves 3 x 64 MiB (reads a and b, writes out), the
 //                       memcpy copies 96 MiB (reads 96, writes 96: the same 192 MiB).
 //   layer_norm          ([16384, 1024] f32) vs memcpy of 64 MiB; layer_norm moves 2 x 64 MiB (reads x,
@@ -53,6 +57,7 @@
 #include <dnnl.hpp>
 
 #include "autograd/autograd.h"
+#include "tensor/cpu/cpu_backend.h"
 #include "tensor/ops.h"
 
 using namespace mixtape;
@@ -60,6 +65,7 @@ using namespace mixtape;
 namespace {
 
 constexpr double kMatmulTarget = 0.9;     // mixtape matmul >= 0.9x raw oneDNN
+constexpr double kF16MatmulTarget = 1.0;  // an f16 product (bf16 parts on AMX) >= the raw f32 product
 constexpr double kBandwidthTarget = 0.5;  // memory-bound ops >= 0.5x memcpy bandwidth (issue 2)
 constexpr double kAttentionTarget = 1.0;  // the fused attention at least as fast as the dense math path
 constexpr double kGeluTarget = 2.0;       // f32 GELU forward + backward >= 2x the scalar glibc loop
@@ -372,6 +378,16 @@ void register_benchmarks() {
       comparisons().push_back(
           {std::string("matmul ") + dtype_name(dtype) + " " + shape_name(s) + " (" + s.what + ")",
            base + "/mixtape", base + "/onednn", "best FLOP/s", "GFLOP/s", kMatmulTarget});
+    }
+  }
+  if (cpu::f16_matmul_splits()) {
+    for (const MatmulShape& s : kMatmulShapes) {
+      if (std::string(s.what).rfind("GPT", 0) != 0) continue;
+      const std::string base = "matmul_f16/" + shape_name(s);
+      configure(benchmark::RegisterBenchmark((base + "/mixtape").c_str(), matmul_mixtape, s, DType::F16));
+      comparisons().push_back({"matmul f16 " + shape_name(s) + " vs f32 (" + s.what + ")", base + "/mixtape",
+                               "matmul_f32/" + shape_name(s) + "/onednn", "best FLOP/s", "GFLOP/s",
+                               kF16MatmulTarget});
     }
   }
   configure(benchmark::RegisterBenchmark("add_f32/16M/mixtape", add_mixtape));

@@ -3,11 +3,14 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <limits>
+#include <utility>
 #include <vector>
 
 #include "autograd/autograd.h"
 #include "autograd/gradcheck.h"
 #include "tensor/backend.h"
+#include "tensor/cpu/cpu_backend.h"
 #include "tensor/ops.h"
 #include "test_util.h"
 
@@ -128,6 +131,135 @@ TEST(Matmul, LowPrecisionIsWithinOneUlpOfRoundedExactProduct) {
       EXPECT_TRUE(within_ulp(out, reference, 1)) << dtype_name(dtype) << " K=" << K;
       // Most elements are exactly the correctly rounded value (a test that a 1-ulp bound alone cannot make).
       EXPECT_GT(exact_fraction(out, reference), 0.9) << dtype_name(dtype) << " K=" << K;
+    }
+  }
+}
+
+// f16 products on a CPU with AMX run as bf16 products of each value's bf16 parts, x = hi + lo, dropping the
+// lo * lo term (tensor/cpu/matmul.cpp, "f16 as bf16 parts"); elsewhere, or switched off, through f32 with
+// exact products. The f32 route, for a comparison on the same machine:
+struct F16ThroughF32 {
+  bool saved = cpu::set_f16_matmul_split_enabled(false);
+  ~F16ThroughF32() { cpu::set_f16_matmul_split_enabled(saved); }
+};
+
+TEST(MatmulF16, TheBf16PartsRouteDropsExactlyTheLowTimesLowTerm) {
+  // Row 0 of A is (a0, -1), column 0 of B is (a0, c) with c = a0^2 rounded to f16, zeros elsewhere; the
+  // operands are large enough for oneDNN's AMX kernels. The exact sum a0^2 - c is held by f32 (a0^2 has 21
+  // bits), so the f32 route gives it. The parts route keeps ah^2 + 2 ah al and the exact -c (-1 * c's parts,
+  // -1 = hi -1, lo 0): a0^2 - c - al^2, its sum exact in any order.
+  //   a0 = 1 + 2^-10: hi 1, lo 2^-10; c = 1 + 2^-9. Exact 2^-20 (an f16 subnormal), parts 0.
+  //   a0 = 1 + 7 2^-10: hi rounds up to 1 + 2^-7, lo = -2^-10; c = 1 + 14 2^-10. Exact 49 2^-20, parts
+  //   48 2^-20. With hi cut (truncated) instead of rounded, lo would be 7 2^-10 and the parts route 0.
+  // A route that kept all four terms would give the exact value; one that lost another term, neither value.
+  // A bias joins the f32 sum before the one rounding. A and B each row- and column-major.
+  constexpr int64_t M = 32, K = 64, N = 48;
+  const double u = std::ldexp(1.0, -10);
+  struct Case {
+    double a0, c, exact, parts;
+  };
+  for (const Case& test : {Case{1 + u, 1 + 2 * u, u * u, 0}, Case{1 + 7 * u, 1 + 14 * u, 49 * u * u, 48 * u * u}}) {
+    SCOPED_TRACE(test.a0);
+    std::vector<double> av(M * K, 0.0), bv(K * N, 0.0), bias_v(N, 0.0);
+    av[0] = test.a0;
+    av[1] = -1;
+    bv[0] = test.a0;
+    bv[N] = test.c;
+    bias_v[0] = u * u;
+    const Tensor a = Tensor::from_vector(av, {M, K}, DType::F16), b = Tensor::from_vector(bv, {K, N}, DType::F16);
+    const Tensor bias = Tensor::from_vector(bias_v, {N}, DType::F16);
+    for (bool split : {true, false}) {
+      const bool saved = cpu::set_f16_matmul_split_enabled(split);
+      const bool parts = cpu::f16_matmul_splits();
+      SCOPED_TRACE(parts ? "bf16 parts" : "through f32");
+      std::vector<double> want(M * N, 0.0), want_bias(M * N, 0.0);
+      want[0] = parts ? test.parts : test.exact;
+      for (int64_t i = 0; i < M; ++i) want_bias[i * N] = u * u;
+      want_bias[0] = want[0] + u * u;
+      for (const Tensor& x : {a, a.mT().contiguous().mT()}) {
+        for (const Tensor& y : {b, b.mT().contiguous().mT()}) {
+          EXPECT_EQ(matmul(x, y).to_vector<double>(), want);
+          EXPECT_EQ(linear(x, y.mT(), bias).to_vector<double>(), want_bias);
+        }
+      }
+      cpu::set_f16_matmul_split_enabled(saved);
+    }
+  }
+}
+
+TEST(MatmulF16, NonFiniteInputsGiveWhatTheValuesGive) {
+  // B is all ones except b[0][0] = inf, and A is all ones: column 0 of the product is inf + 63 = inf, the
+  // others 64. Split naively, inf = hi inf + lo (inf - inf = NaN); with lo = 0 instead, the term al * bh is
+  // 0 * inf = NaN (al = 0 for a = 1). Such a product must take the f32 route. NaN stays NaN, inf - inf in one
+  // sum is NaN, as in f32; a finite product right after is exact.
+  constexpr int64_t M = 32, K = 64, N = 48;
+  const double inf = std::numeric_limits<double>::infinity(), nan = std::numeric_limits<double>::quiet_NaN();
+  auto b_with = [&](std::vector<double> first) {
+    std::vector<double> bv(K * N, 1.0);
+    for (size_t k = 0; k < first.size(); ++k) bv[k * N] = first[k];
+    return Tensor::from_vector(bv, {K, N}, DType::F16);
+  };
+  const Tensor ones = Tensor::ones({M, K}, DType::F16);
+  for (const Tensor& a : {ones, ones.mT().contiguous().mT()}) {
+    using Case = std::pair<std::vector<double>, double>;  // column 0 of B, column 0 of the product
+    for (const auto& [first, column0] :
+         {Case{{inf}, inf}, Case{{-inf}, -inf}, Case{{nan}, nan}, Case{{inf, -inf}, nan}}) {
+      for (const Tensor& b : {b_with(first), b_with(first).mT().contiguous().mT()}) {
+        const std::vector<double> out = matmul(a, b).to_vector<double>();
+        for (int64_t i = 0; i < M; ++i) {
+          if (std::isnan(column0)) EXPECT_TRUE(std::isnan(out[i * N])) << "row " << i << ": " << out[i * N];
+          else EXPECT_EQ(out[i * N], column0) << "row " << i;
+          EXPECT_EQ(out[i * N + 1], 64) << "row " << i;
+        }
+        // The operands the other way round: the non-finite value in A.
+        const std::vector<double> out_t = matmul(b.mT(), a.mT()).to_vector<double>();
+        if (std::isnan(column0)) EXPECT_TRUE(std::isnan(out_t[0]));
+        else EXPECT_EQ(out_t[0], column0);
+        EXPECT_EQ(out_t[M], 64);
+      }
+    }
+    EXPECT_EQ(matmul(a, b_with({2})).to_vector<double>()[0], 65);
+  }
+}
+
+TEST(MatmulF16, TheBf16PartsStayWithinTheirBoundOfTheExactProduct) {
+  if (!cpu::f16_matmul_splits()) GTEST_SKIP() << "no AMX here: f16 is multiplied through f32";
+  // Each product a b loses its lo * lo term, at most 2^-16 |a b| (|lo| <= 2^-8 |x|), and the 3K terms are
+  // summed in f32: |out - exact| <= half an f16 ulp of the result + (2^-16 + 3K 2^-24) sum_k |a_k b_k|. The
+  // dropped terms have random signs, so in practice the f32 value is far closer and the stored f16 is the
+  // correctly rounded one almost everywhere (as on the f32 route, Matmul.LowPrecisionIsWithin...): both
+  // checked on signed data, in all four layouts, with K large enough (1000) for the sums to matter. Some
+  // roundings must differ from the f32 route's, which shows that the parts route ran.
+  EXPECT_FALSE(backend_of(Tensor::zeros({1}, DType::F16)).matmul_widens(DType::F16));
+  constexpr int64_t M = 64, K = 1000, N = 96;
+  const Tensor a = Tensor::randn({M, K}, 41, DType::F16), b = Tensor::randn({K, N}, 42, DType::F16);
+  const std::vector<double> av = a.to_vector<double>(), bv = b.to_vector<double>();
+  const Tensor reference = reference_matmul(a, b);
+  const std::vector<double> exact = reference.to_vector<double>();
+  Tensor through_f32;
+  {
+    F16ThroughF32 f32_route;
+    EXPECT_TRUE(backend_of(a).matmul_widens(DType::F16));
+    through_f32 = matmul(a, b);
+  }
+  for (const Tensor& x : {a, a.mT().contiguous().mT()}) {
+    for (const Tensor& y : {b, b.mT().contiguous().mT()}) {
+      const Tensor out = matmul(x, y);
+      const std::vector<double> got = out.to_vector<double>();
+      int beyond = 0;
+      for (int64_t i = 0; i < M; ++i) {
+        for (int64_t j = 0; j < N; ++j) {
+          double magnitude = 0;
+          for (int64_t k = 0; k < K; ++k) magnitude += std::abs(av[i * K + k] * bv[k * N + j]);
+          const double e = exact[i * N + j];
+          const double half_ulp = std::ldexp(1.0, std::max(std::ilogb(e), -14) - 11);
+          const double bound = half_ulp + (std::ldexp(1.0, -16) + 3 * K * std::ldexp(1.0, -24)) * magnitude;
+          beyond += std::abs(got[i * N + j] - e) > bound;
+        }
+      }
+      EXPECT_EQ(beyond, 0);
+      EXPECT_GT(exact_fraction(out, reference), 0.9);
+      EXPECT_NE(got, through_f32.to_vector<double>());
     }
   }
 }
@@ -392,7 +524,8 @@ TEST(LinearGrad, MatchesFiniteDifferences) {
 // The backward's two products in every dtype, bitwise as matmul gives them one by one: also where the CPU
 // multiplies f16 through f32 and the backward widens the incoming gradient once for both products.
 TEST(LinearGrad, EqualsTheTwoProductsBitForBitInEveryDtype) {
-  EXPECT_TRUE(backend_of(Tensor::zeros({1}, DType::F16)).matmul_widens(DType::F16));
+  // f16 widens unless it has a GEMM of its own: bf16 pairs on AMX (MatmulF16.*).
+  EXPECT_EQ(backend_of(Tensor::zeros({1}, DType::F16)).matmul_widens(DType::F16), !cpu::f16_matmul_splits());
   EXPECT_FALSE(backend_of(Tensor::zeros({1})).matmul_widens(DType::F32));
   for (DType dtype : {DType::F32, DType::BF16, DType::F16, DType::F64}) {
     SCOPED_TRACE(dtype_name(dtype));

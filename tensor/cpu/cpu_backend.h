@@ -111,4 +111,11 @@ class CpuBackend final : public Backend {
 
 CpuBackend& cpu_backend();
 
+// Whether f16 products run as exact sums of bf16 products on oneDNN's AMX kernels (matmul.cpp): this CPU has
+// AMX-BF16 and the route is enabled. Elsewhere f16 is multiplied through f32.
+bool f16_matmul_splits();
+// Turns that route on or off for every later product (on by default) and returns the previous setting: tests
+// compare it with the f32 route on the same machine.
+bool set_f16_matmul_split_enabled(bool enabled);
+
 }  // namespace mixtape::cpu

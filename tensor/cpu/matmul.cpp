@@ -1,6 +1,7 @@
 // CPU matmul: oneDNN for f32 and bf16 (bf16 accumulates in f32 inside oneDNN and rounds once on store), f16
-// through f32 (oneDNN 2.6 has no f16 matmul on CPUs without AVX512-FP16), and a plain loop for f64, which
-// only serves references and gradcheck.
+// through f32 or, on a CPU with AMX, as bf16 products of each value's two bf16 parts (oneDNN 2.6 has no f16
+// matmul at all; see "f16 as bf16 parts" below), and a plain loop for f64, which only serves references and
+// gradcheck.
 //
 // The kernel receives a [..., M, K], b [..., K, N] with out's batch dims already broadcast (stride 0) and a
 // contiguous out. Before reaching oneDNN the geometry is simplified (simplify_matmul in
@@ -24,8 +25,12 @@
 // geometry, so a training loop builds each primitive once.
 #include <omp.h>
 #include <dnnl.hpp>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -100,6 +105,136 @@ void matmul_f64(const MatmulGeometry& g, const double* a, const double* b, const
   }
 }
 
+// ---- f16 as bf16 parts -------------------------------------------------------------------------------------
+//
+// oneDNN 2.6 has no f16 matmul, and f16 through f32 is slower than f32 itself (the operand copies come on top
+// of the same f32 GEMM). On a CPU with AMX, whose bf16 products run about 6x the f32 ones (bench_ops: 2.2-2.6
+// against 0.36-0.43 TFLOP/s on the GPT's shapes), an f16 product is computed from bf16 parts instead, the
+// scheme PyTorch's float32_matmul_precision("high") calls bf16x3:
+//   An f16 value x (11 significant bits) is hi + lo exactly, hi = x rounded to bf16 (8 bits, nearest even)
+//   and lo = x - hi: a multiple of x's last bit no larger than half of hi's, so 3 bits at most, exact in bf16
+//   (its exponent, >= 2^-24 or zero, is far inside bf16's range), with |lo| <= 2^-8 |x|.
+//   a b = ah bh + al bh + ah bl + al bl. Each term, a product of two bf16 values (<= 16 significant bits), is
+//   exact in f32. The last one is at most 2^-16 |a b| and is dropped: one bf16 GEMM over K' = 3K terms,
+//     A' = [Ah | Al | Ah] (M x 3K),  B' = [Bh ; Bh ; Bl] (3K x N),
+//   accumulated in f32 (oneDNN's AMX kernels: tdpbf16ps, f32 products of bf16 pairs summed in f32) and
+//   rounded to f16 once.
+// So each product carries a relative error of at most 2^-16 (1/32 of f16's unit roundoff, 2^-11), in all
+// at most 2^-16 sum_k |a_k b_k|: below the worst-case error of the f32 sum itself once K >= 86 (K 2^-24 of
+// the same sum), and of random sign. Everything else is the f32 route's: f32 sums, one rounding, a bias
+// joining the f32 sum. The 4-term exact sum was measured too and lost to the f32 route (bench_train_gpt's
+// fp16 step at 0.85x-0.89x of fp32 against 0.92x-1.00x through f32 and 1.09x-1.15x with 3 terms).
+// set_f16_matmul_split_enabled(false) restores the f32 route, with its exact products, in this process.
+// A non-finite input would break the identity (inf = inf + NaN, and inf * 0 appears in terms where the
+// product of the values has none): the split finds it and the product takes the f32 route instead.
+// Only 2-D products with a unit-stride dim in each operand (every linear layer, forward and backward) split;
+// batched ones take the f32 route.
+
+constexpr int64_t kParts = 3;  // K' = kParts * K
+std::atomic<bool> split_enabled{true};
+
+bool onednn_has_amx() {
+  static const bool amx = [] {
+    const auto isa = static_cast<unsigned>(dnnl::get_effective_cpu_isa());
+    const auto core = static_cast<unsigned>(dnnl::cpu_isa::avx512_core_amx);
+    return (isa & core) == core;
+  }();
+  return amx;
+}
+
+// The bf16 bits of an f32's bits rounded to nearest even (for finite values; x is never NaN here).
+inline uint32_t bf16_round_bits(uint32_t bits) { return (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16; }
+
+// Splits the n f16 values of a contiguous run into hi (stored at hi0 and hi1) and lo; returns false when a
+// value is inf or NaN.
+bool split_run(const uint16_t* src, int64_t n, uint16_t* hi0, uint16_t* hi1, uint16_t* lo) {
+  int64_t j = 0;
+  bool finite = true;
+#if defined(__AVX512F__) && defined(__F16C__)
+  const __m512i exponent = _mm512_set1_epi32(0x7F800000), round = _mm512_set1_epi32(0x7FFF),
+                one = _mm512_set1_epi32(1);
+  __mmask16 special = 0;
+  // The zero-masked forms with an all-ones mask: GCC 12's plain ones warn of an uninitialised value.
+  auto shift_down = [](__m512i v) { return _mm512_maskz_srli_epi32(0xFFFF, v, 16); };
+  for (; j + 16 <= n; j += 16) {
+    const __m512 x = _mm512_mask_cvtph_ps(_mm512_setzero_ps(), 0xFFFF,
+                                          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + j)));
+    const __m512i bits = _mm512_castps_si512(x);
+    special |= _mm512_cmpeq_epi32_mask(_mm512_and_si512(bits, exponent), exponent);
+    const __m512i odd = _mm512_and_si512(shift_down(bits), one);
+    const __m512i hi = shift_down(_mm512_add_epi32(bits, _mm512_add_epi32(round, odd)));
+    const __m512 low = _mm512_sub_ps(x, _mm512_castsi512_ps(_mm512_maskz_slli_epi32(0xFFFF, hi, 16)));
+    const __m256i hi16 = _mm512_maskz_cvtepi32_epi16(0xFFFF, hi);
+    const __m256i lo16 = _mm512_maskz_cvtepi32_epi16(0xFFFF, shift_down(_mm512_castps_si512(low)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi0 + j), hi16);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi1 + j), hi16);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + j), lo16);
+  }
+  finite = special == 0;
+#endif
+  for (; j < n; ++j) {
+    const float x = half_bits_to_float(src[j]);
+    uint32_t bits;
+    std::memcpy(&bits, &x, 4);
+    finite &= (bits & 0x7F800000u) != 0x7F800000u;
+    const uint32_t hi = bf16_round_bits(bits), hi_f32 = hi << 16;
+    float hi_value;
+    std::memcpy(&hi_value, &hi_f32, 4);
+    const float low = x - hi_value;  // exact
+    uint32_t low_bits;
+    std::memcpy(&low_bits, &low, 4);
+    hi0[j] = hi1[j] = static_cast<uint16_t>(hi);
+    lo[j] = static_cast<uint16_t>(low_bits >> 16);  // lo's low 16 bits are zero: no rounding
+  }
+  return finite;
+}
+
+// Where split_operand puts an operand's parts, and how oneDNN reads them. The operand's unit-stride dim gives
+// its runs. When that dim is K (A row-major, B column-major) each run of K becomes a run of 3K, its three
+// parts side by side; otherwise (A column-major, B row-major) the K runs are stacked three times as planes.
+struct SplitLayout {
+  bool runs_along_k;
+  int64_t runs, run_length, run_stride;  // in the operand's own memory
+  int64_t rows, cols;                    // the operand with K' = 3K: [M, 3K] for A, [3K, N] for B
+  Strides strides;                       // of the packed operand, in that shape
+};
+
+SplitLayout split_layout(const MatrixLayout& m, int64_t rows, int64_t cols, bool is_a) {
+  SplitLayout s;
+  const bool row_runs = m.col_stride == 1 && (rows == 1 || m.row_stride >= cols);
+  s.runs_along_k = row_runs == is_a;  // A's rows and B's columns run along K
+  s.runs = row_runs ? rows : cols;
+  s.run_length = row_runs ? cols : rows;
+  s.run_stride = row_runs ? m.row_stride : m.col_stride;
+  s.rows = is_a ? rows : kParts * rows;
+  s.cols = is_a ? kParts * cols : cols;
+  const int64_t k = is_a ? cols : rows;
+  if (s.runs_along_k)  // [.. 3K ..] per run: the K' dim has unit stride
+    s.strides = is_a ? Strides{kParts * k, 1} : Strides{1, kParts * k};
+  else  // planes of the operand's own layout, one after another along K'
+    s.strides = is_a ? Strides{1, rows} : Strides{cols, 1};
+  return s;
+}
+
+// Packs an f16 operand as its bf16 parts along K: A' = [Ah | Al | Ah], B' = [Bh ; Bh ; Bl]. Returns false
+// when it holds a non-finite value.
+bool split_operand(const Tensor& t, const SplitLayout& s, bool is_a, const Tensor& packed) {
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(t.data<Half>());
+  uint16_t* dst = reinterpret_cast<uint16_t*>(packed.data<BFloat16>());
+  const int64_t n = s.run_length, runs = s.runs;
+  // Offsets of the parts (K' blocks 0..2) of run r: along a run of 3n, or one plane of runs * n apart.
+  const int64_t run_step = s.runs_along_k ? kParts * n : n, part_step = s.runs_along_k ? n : runs * n;
+  const int64_t second_hi = is_a ? 2 : 1, lo = is_a ? 1 : 2;  // A: hi, lo, hi;  B: hi, hi, lo
+  bool finite = true;
+#pragma omp parallel for schedule(static) reduction(&& : finite) if (runs * n >= 32768)
+  for (int64_t r = 0; r < runs; ++r) {
+    uint16_t* base = dst + r * run_step;
+    finite = split_run(src + r * s.run_stride, n, base, base + second_hi * part_step, base + lo * part_step) &&
+             finite;
+  }
+  return finite;
+}
+
 // ---- oneDNN plans -----------------------------------------------------------------------------------------
 
 // How an operand reaches oneDNN.
@@ -118,6 +253,8 @@ struct Plan {
   int64_t a_span = 0, b_span = 0;  // elements copied for a Packing::Span operand
   // Inputs converted to f32 and the f32 result rounded into out (f16, or bf16 where this CPU lacks it).
   bool via_f32 = false;
+  // f16 operands split into bf16 parts (split_operand) for a bf16 product with 3K terms and an f32 result.
+  bool split = false;
 };
 
 memory::data_type dnnl_type(DType dtype) {
@@ -184,6 +321,26 @@ memory::desc make_md(const Shape& dims, const Strides& strides, memory::data_typ
   return memory::desc(md_dims, type, md_strides);
 }
 
+// Creates plan's primitive for these descriptors (bias_md zero: no bias); false when oneDNN has nothing better
+// than its reference implementation for them.
+bool make_primitive(const memory::desc& a_md, const memory::desc& b_md, const memory::desc& bias_md,
+                    const memory::desc& out_md, Plan& plan) {
+  try {
+    const dnnl::matmul::desc desc = bias_md.is_zero() ? dnnl::matmul::desc(a_md, b_md, out_md)
+                                                      : dnnl::matmul::desc(a_md, b_md, bias_md, out_md);
+    const dnnl::matmul::primitive_desc pd(desc, dnnl_engine(), /*allow_empty=*/true);
+    if (!pd || std::string(pd.impl_info_str()).rfind("ref", 0) == 0) return false;
+    plan.primitive = dnnl::matmul(pd);
+  } catch (const dnnl::error&) {
+    return false;
+  }
+  plan.a_md = a_md;
+  plan.b_md = b_md;
+  plan.out_md = out_md;
+  plan.bias_md = bias_md;
+  return true;
+}
+
 // Creates the primitive for one choice of packing; empty when oneDNN has nothing better than its reference
 // implementation for it.
 bool try_plan(const MatmulGeometry& g, memory::data_type type, bool bias, Packing a_packing,
@@ -208,21 +365,7 @@ bool try_plan(const MatmulGeometry& g, memory::data_type type, bool bias, Packin
     bias_shape.back() = g.N;
     bias_md = make_md(bias_shape, contiguous_strides(bias_shape), type);
   }
-  try {
-    const dnnl::matmul::desc desc = bias ? dnnl::matmul::desc(a_md, b_md, bias_md, out_md)
-                                         : dnnl::matmul::desc(a_md, b_md, out_md);
-    const dnnl::matmul::primitive_desc pd(desc, dnnl_engine(), /*allow_empty=*/true);
-    if (!pd) return false;
-    const std::string impl = pd.impl_info_str();
-    if (impl.rfind("ref", 0) == 0) return false;
-    plan.primitive = dnnl::matmul(pd);
-  } catch (const dnnl::error&) {
-    return false;
-  }
-  plan.a_md = a_md;
-  plan.b_md = b_md;
-  plan.out_md = out_md;
-  plan.bias_md = bias_md;
+  if (!make_primitive(a_md, b_md, bias_md, out_md, plan)) return false;
   plan.a_packing = a_packing;
   plan.b_packing = b_packing;
   return true;
@@ -264,7 +407,23 @@ bool transpose_wide_product(const MatmulGeometry& g, bool bias) {
   return !bias && g.M > 128 && g.K >= 512 && pack_transposed_a(swapped);
 }
 
-Plan make_plan(const MatmulGeometry& g, DType dtype, bool bias, bool tf32) {
+// The plan of an f16 product as a bf16 one over its parts (see "f16 as bf16 parts"); false when the geometry
+// does not split or oneDNN offers only its reference implementation for it.
+bool try_split_plan(const MatmulGeometry& g, bool bias, Plan& plan) {
+  if (!g.batch.empty() || !plain_layout(g.M, g.K, g.a) || !plain_layout(g.K, g.N, g.b)) return false;
+  const SplitLayout a = split_layout(g.a, g.M, g.K, true), b = split_layout(g.b, g.K, g.N, false);
+  const memory::desc a_md = make_md({a.rows, a.cols}, a.strides, memory::data_type::bf16);
+  const memory::desc b_md = make_md({b.rows, b.cols}, b.strides, memory::data_type::bf16);
+  const memory::desc out_md = make_md({g.M, g.N}, {g.out.row_stride, g.out.col_stride}, memory::data_type::f32);
+  const memory::desc bias_md = bias ? make_md({1, g.N}, {g.N, 1}, memory::data_type::f32) : memory::desc();
+  if (!make_primitive(a_md, b_md, bias_md, out_md, plan)) return false;
+  plan.split = true;
+  return true;
+}
+
+Plan make_plan(const MatmulGeometry& g, DType dtype, bool bias, bool tf32, bool split) {
+  Plan split_plan;
+  if (split && try_split_plan(g, bias, split_plan)) return split_plan;
   // f16 goes through f32; bf16 does too where this CPU has no fast bf16 matmul.
   std::vector<std::pair<DType, bool>> attempts;  // (compute dtype, via_f32)
   if (dtype != DType::F16) attempts.push_back({dtype, false});
@@ -316,11 +475,12 @@ struct KeyHash {
 
 // The plan for a geometry, built on first use. Plans are never evicted individually (a model has a handful
 // of shapes); the cache is cleared if it ever grows past kMaxPlans (shapes that change every step).
-std::shared_ptr<const Plan> plan_for(const MatmulGeometry& g, DType dtype, bool bias, bool tf32) {
+// `split`: an f16 product may take the bf16-parts route.
+std::shared_ptr<const Plan> plan_for(const MatmulGeometry& g, DType dtype, bool bias, bool tf32, bool split) {
   static std::mutex mutex;
   static std::unordered_map<std::vector<int64_t>, std::shared_ptr<const Plan>, KeyHash> plans;
   constexpr size_t kMaxPlans = 4096;
-  std::vector<int64_t> key = {static_cast<int64_t>(dtype), bias, tf32, g.M, g.K, g.N};
+  std::vector<int64_t> key = {static_cast<int64_t>(dtype), bias, tf32, split, g.M, g.K, g.N};
   for (const MatrixLayout* m : {&g.a, &g.b, &g.out}) {
     key.push_back(m->row_stride);
     key.push_back(m->col_stride);
@@ -333,7 +493,7 @@ std::shared_ptr<const Plan> plan_for(const MatmulGeometry& g, DType dtype, bool 
   auto it = plans.find(key);
   if (it != plans.end()) return it->second;
   if (plans.size() >= kMaxPlans) plans.clear();  // callers in flight keep their plan alive
-  auto plan = std::make_shared<const Plan>(make_plan(g, dtype, bias, tf32));
+  auto plan = std::make_shared<const Plan>(make_plan(g, dtype, bias, tf32, split));
   plans.emplace(std::move(key), plan);
   return plan;
 }
@@ -363,7 +523,46 @@ void round_packed_to_tf32(const Tensor& packed) {
   for (int64_t i = 0; i < n; ++i) p[i] = round_to_tf32(p[i]);
 }
 
+// Runs a plan's primitive on prepared operands (a, b: the caller's, for the message).
+void execute(const Plan& plan, const Tensor& a_in, const Tensor& b_in, const Tensor& bias_in, const Tensor& dst,
+             const Tensor& a, const Tensor& b) {
+  try {
+    memory a_mem(plan.a_md, dnnl_engine(), a_in.data_ptr());
+    memory b_mem(plan.b_md, dnnl_engine(), b_in.data_ptr());
+    memory out_mem(plan.out_md, dnnl_engine(), dst.data_ptr());
+    std::unordered_map<int, memory> args = {{DNNL_ARG_SRC, a_mem}, {DNNL_ARG_WEIGHTS, b_mem},
+                                            {DNNL_ARG_DST, out_mem}};
+    if (bias_in.defined()) args.emplace(DNNL_ARG_BIAS, memory(plan.bias_md, dnnl_engine(), bias_in.data_ptr()));
+    plan.primitive.execute(dnnl_stream(), args);
+    dnnl_stream().wait();
+  } catch (const dnnl::error& error) {
+    fail("cpu matmul: oneDNN failed on ", a.description(), " x ", b.description(), ": ", error.what());
+  }
+}
+
+// An f16 product on its bf16 parts; false (and out untouched) when an operand holds inf or NaN.
+bool split_matmul(const Plan& plan, const MatmulGeometry& g, const Tensor& a, const Tensor& b,
+                  const Tensor& bias, const Tensor& out) {
+  const SplitLayout a_layout = split_layout(g.a, g.M, g.K, true), b_layout = split_layout(g.b, g.K, g.N, false);
+  const Tensor a_parts = Tensor::empty({kParts * g.M * g.K}, DType::BF16, a.device());
+  const Tensor b_parts = Tensor::empty({kParts * g.K * g.N}, DType::BF16, b.device());
+  if (!split_operand(a, a_layout, true, a_parts) || !split_operand(b, b_layout, false, b_parts)) return false;
+  Tensor bias_f32;
+  if (bias.defined()) {
+    bias_f32 = Tensor::empty(bias.shape(), DType::F32, bias.device());
+    cpu_backend().copy(bias, bias_f32);
+  }
+  const Tensor out_f32 = Tensor::empty(out.shape(), DType::F32, out.device());
+  execute(plan, a_parts, b_parts, bias_f32, out_f32, a, b);
+  cpu_backend().copy(out_f32, out);
+  return true;
+}
+
 }  // namespace
+
+bool f16_matmul_splits() { return split_enabled.load(std::memory_order_relaxed) && onednn_has_amx(); }
+
+bool set_f16_matmul_split_enabled(bool enabled) { return split_enabled.exchange(enabled); }
 
 void CpuBackend::matmul(const Tensor& a, const Tensor& b, const Tensor& out, const Tensor& bias) {
   // Messages are formatted only on failure (check() would format its arguments on every call).
@@ -408,7 +607,12 @@ void CpuBackend::matmul(const Tensor& a, const Tensor& b, const Tensor& out, con
   }
 
   const bool tf32 = a.dtype() == DType::F32 && allow_tf32();
-  const std::shared_ptr<const Plan> shared_plan = plan_for(g, a.dtype(), has_bias, tf32);
+  const bool split = a.dtype() == DType::F16 && f16_matmul_splits();
+  std::shared_ptr<const Plan> shared_plan = plan_for(g, a.dtype(), has_bias, tf32, split);
+  if (shared_plan->split) {
+    if (split_matmul(*shared_plan, g, a, b, bias, out)) return;
+    shared_plan = plan_for(g, a.dtype(), has_bias, tf32, false);  // a non-finite input: the f32 route
+  }
   const Plan& plan = *shared_plan;
   const DType compute = plan.via_f32 ? DType::F32 : a.dtype();
   const Tensor a_in = prepare_operand(a, g, g.a, g.M, g.K, plan.a_packing, plan.a_span, compute);
@@ -425,28 +629,17 @@ void CpuBackend::matmul(const Tensor& a, const Tensor& b, const Tensor& out, con
   // Via f32 the result lands in an f32 buffer and is rounded into out once.
   const Tensor out_f32 = plan.via_f32 ? Tensor::empty(out.shape(), DType::F32, out.device()) : Tensor();
   const Tensor& dst = plan.via_f32 ? out_f32 : out;
-  try {
-    memory a_mem(plan.a_md, dnnl_engine(), a_in.data_ptr());
-    memory b_mem(plan.b_md, dnnl_engine(), b_in.data_ptr());
-    memory out_mem(plan.out_md, dnnl_engine(), dst.data_ptr());
-    std::unordered_map<int, memory> args = {{DNNL_ARG_SRC, a_mem}, {DNNL_ARG_WEIGHTS, b_mem},
-                                            {DNNL_ARG_DST, out_mem}};
-    if (has_bias) args.emplace(DNNL_ARG_BIAS, memory(plan.bias_md, dnnl_engine(), bias_in.data_ptr()));
-    plan.primitive.execute(dnnl_stream(), args);
-    dnnl_stream().wait();
-  } catch (const dnnl::error& error) {
-    fail("cpu matmul: oneDNN failed on ", a.description(), " x ", b.description(), ": ", error.what());
-  }
+  execute(plan, a_in, b_in, bias_in, dst, a, b);
   if (plan.via_f32) copy(out_f32, out);
 }
 
 bool CpuBackend::matmul_widens(DType dtype) const {
-  if (dtype == DType::F16) return true;  // never a GEMM of its own (make_plan)
+  if (dtype == DType::F16) return !f16_matmul_splits();  // its GEMM is the f32 one, or the bf16-parts one
   if (dtype != DType::BF16) return false;
   // bf16 widens where this CPU has no bf16 GEMM: what the plan of a small product chooses.
   static const bool bf16_widens = [] {
     const Tensor a = Tensor::zeros({16, 16}, DType::BF16);
-    return plan_for(simplify_matmul(a, a, a), DType::BF16, false, false)->via_f32;
+    return plan_for(simplify_matmul(a, a, a), DType::BF16, false, false, false)->via_f32;
   }();
   return bf16_widens;
 }
