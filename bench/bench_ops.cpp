@@ -385,7 +385,7 @@ void register_benchmarks() {
       if (std::string(s.what).rfind("GPT", 0) != 0) continue;
       const std::string base = "matmul_f16/" + shape_name(s);
       configure(benchmark::RegisterBenchmark((base + "/mixtape").c_str(), matmul_mixtape, s, DType::F16));
-      comparisons().push_back({"matmul f16 " + shape_name(s) + " vs f32 (" + s.what + ")", base + "/mixtape",
+      comparisons().push_back({"matmul f16 " + shape_name(s) + " (" + s.what + ")", base + "/mixtape",
                                "matmul_f32/" + shape_name(s) + "/onednn", "best FLOP/s", "GFLOP/s",
                                kF16MatmulTarget});
     }
