@@ -137,10 +137,11 @@ TEST(Matmul, LowPrecisionIsWithinOneUlpOfRoundedExactProduct) {
 
 // f16 products on a CPU with AMX run as bf16 products of each value's bf16 parts, x = hi + lo, dropping the
 // lo * lo term (tensor/cpu/matmul.cpp, "f16 as bf16 parts"); elsewhere, or switched off, through f32 with
-// exact products. The f32 route, for a comparison on the same machine:
-struct F16ThroughF32 {
-  bool saved = cpu::set_f16_matmul_split_enabled(false);
-  ~F16ThroughF32() { cpu::set_f16_matmul_split_enabled(saved); }
+// exact products. The route a scope asks for, on or off, to compare both on the same machine:
+struct F16SplitSetting {
+  explicit F16SplitSetting(bool enabled) : saved(cpu::set_f16_matmul_split_enabled(enabled)) {}
+  ~F16SplitSetting() { cpu::set_f16_matmul_split_enabled(saved); }
+  bool saved;
 };
 
 TEST(MatmulF16, TheBf16PartsRouteDropsExactlyTheLowTimesLowTerm) {
@@ -153,7 +154,9 @@ TEST(MatmulF16, TheBf16PartsRouteDropsExactlyTheLowTimesLowTerm) {
   //   48 2^-20. With hi cut (truncated) instead of rounded, lo would be 7 2^-10 and the parts route 0.
   // A route that kept all four terms would give the exact value; one that lost another term, neither value.
   // A bias joins the f32 sum before the one rounding. A and B each row- and column-major.
-  constexpr int64_t M = 32, K = 64, N = 48;
+  // The same numbers sit again in row 1 of A and column 1 of B at k = 64, 65: with K = 72 a run along K ends
+  // in 8 values that the split's scalar tail handles, while rows 0 and columns 0 take its vector loop.
+  constexpr int64_t M = 32, K = 72, N = 48;
   const double u = std::ldexp(1.0, -10);
   struct Case {
     double a0, c, exact, parts;
@@ -161,42 +164,45 @@ TEST(MatmulF16, TheBf16PartsRouteDropsExactlyTheLowTimesLowTerm) {
   for (const Case& test : {Case{1 + u, 1 + 2 * u, u * u, 0}, Case{1 + 7 * u, 1 + 14 * u, 49 * u * u, 48 * u * u}}) {
     SCOPED_TRACE(test.a0);
     std::vector<double> av(M * K, 0.0), bv(K * N, 0.0), bias_v(N, 0.0);
-    av[0] = test.a0;
-    av[1] = -1;
-    bv[0] = test.a0;
-    bv[N] = test.c;
+    for (int64_t at : {0, 1}) {  // row/column `at`, from k = 64 * at
+      av[at * K + 64 * at] = test.a0;
+      av[at * K + 64 * at + 1] = -1;
+      bv[64 * at * N + at] = test.a0;
+      bv[(64 * at + 1) * N + at] = test.c;
+    }
     bias_v[0] = u * u;
     const Tensor a = Tensor::from_vector(av, {M, K}, DType::F16), b = Tensor::from_vector(bv, {K, N}, DType::F16);
     const Tensor bias = Tensor::from_vector(bias_v, {N}, DType::F16);
     for (bool split : {true, false}) {
-      const bool saved = cpu::set_f16_matmul_split_enabled(split);
+      const F16SplitSetting setting(split);
       const bool parts = cpu::f16_matmul_splits();
       SCOPED_TRACE(parts ? "bf16 parts" : "through f32");
       std::vector<double> want(M * N, 0.0), want_bias(M * N, 0.0);
-      want[0] = parts ? test.parts : test.exact;
+      want[0] = want[N + 1] = parts ? test.parts : test.exact;
       for (int64_t i = 0; i < M; ++i) want_bias[i * N] = u * u;
       want_bias[0] = want[0] + u * u;
+      want_bias[N + 1] = want[N + 1];
       for (const Tensor& x : {a, a.mT().contiguous().mT()}) {
         for (const Tensor& y : {b, b.mT().contiguous().mT()}) {
           EXPECT_EQ(matmul(x, y).to_vector<double>(), want);
           EXPECT_EQ(linear(x, y.mT(), bias).to_vector<double>(), want_bias);
         }
       }
-      cpu::set_f16_matmul_split_enabled(saved);
     }
   }
 }
 
 TEST(MatmulF16, NonFiniteInputsGiveWhatTheValuesGive) {
-  // B is all ones except b[0][0] = inf, and A is all ones: column 0 of the product is inf + 63 = inf, the
-  // others 64. Split naively, inf = hi inf + lo (inf - inf = NaN); with lo = 0 instead, the term al * bh is
-  // 0 * inf = NaN (al = 0 for a = 1). Such a product must take the f32 route. NaN stays NaN, inf - inf in one
-  // sum is NaN, as in f32; a finite product right after is exact.
-  constexpr int64_t M = 32, K = 64, N = 48;
+  // B is all ones except b[k0][0] = inf, and A is all ones: column 0 of the product is inf + (K - 1) = inf,
+  // the others K. Split naively, inf = hi inf + lo (inf - inf = NaN); with lo = 0 instead, the term al * bh
+  // is 0 * inf = NaN (al = 0 for a = 1). Such a product must take the f32 route. NaN stays NaN, inf - inf in
+  // one sum is NaN, as in f32; a finite product right after is exact. With K = 72 the values sit either at
+  // k0 = 0 (the split's vector loop) or at k0 = 64, in the last 8 of a run along K (its scalar tail).
+  constexpr int64_t M = 32, K = 72, N = 48;
   const double inf = std::numeric_limits<double>::infinity(), nan = std::numeric_limits<double>::quiet_NaN();
-  auto b_with = [&](std::vector<double> first) {
+  auto b_with = [&](std::vector<double> first, int64_t k0) {
     std::vector<double> bv(K * N, 1.0);
-    for (size_t k = 0; k < first.size(); ++k) bv[k * N] = first[k];
+    for (size_t k = 0; k < first.size(); ++k) bv[(k0 + static_cast<int64_t>(k)) * N] = first[k];
     return Tensor::from_vector(bv, {K, N}, DType::F16);
   };
   const Tensor ones = Tensor::ones({M, K}, DType::F16);
@@ -204,21 +210,24 @@ TEST(MatmulF16, NonFiniteInputsGiveWhatTheValuesGive) {
     using Case = std::pair<std::vector<double>, double>;  // column 0 of B, column 0 of the product
     for (const auto& [first, column0] :
          {Case{{inf}, inf}, Case{{-inf}, -inf}, Case{{nan}, nan}, Case{{inf, -inf}, nan}}) {
-      for (const Tensor& b : {b_with(first), b_with(first).mT().contiguous().mT()}) {
-        const std::vector<double> out = matmul(a, b).to_vector<double>();
-        for (int64_t i = 0; i < M; ++i) {
-          if (std::isnan(column0)) EXPECT_TRUE(std::isnan(out[i * N])) << "row " << i << ": " << out[i * N];
-          else EXPECT_EQ(out[i * N], column0) << "row " << i;
-          EXPECT_EQ(out[i * N + 1], 64) << "row " << i;
+      for (const int64_t k0 : {0, 64}) {
+        const Tensor stored = b_with(first, k0);
+        for (const Tensor& b : {stored, stored.mT().contiguous().mT()}) {
+          const std::vector<double> out = matmul(a, b).to_vector<double>();
+          for (int64_t i = 0; i < M; ++i) {
+            if (std::isnan(column0)) EXPECT_TRUE(std::isnan(out[i * N])) << "row " << i << ": " << out[i * N];
+            else EXPECT_EQ(out[i * N], column0) << "row " << i;
+            EXPECT_EQ(out[i * N + 1], K) << "row " << i;
+          }
+          // The operands the other way round: the non-finite value in A.
+          const std::vector<double> out_t = matmul(b.mT(), a.mT()).to_vector<double>();
+          if (std::isnan(column0)) EXPECT_TRUE(std::isnan(out_t[0]));
+          else EXPECT_EQ(out_t[0], column0);
+          EXPECT_EQ(out_t[M], K);
         }
-        // The operands the other way round: the non-finite value in A.
-        const std::vector<double> out_t = matmul(b.mT(), a.mT()).to_vector<double>();
-        if (std::isnan(column0)) EXPECT_TRUE(std::isnan(out_t[0]));
-        else EXPECT_EQ(out_t[0], column0);
-        EXPECT_EQ(out_t[M], 64);
       }
     }
-    EXPECT_EQ(matmul(a, b_with({2})).to_vector<double>()[0], 65);
+    EXPECT_EQ(matmul(a, b_with({2}, 0)).to_vector<double>()[0], K + 1);
   }
 }
 
@@ -238,7 +247,7 @@ TEST(MatmulF16, TheBf16PartsStayWithinTheirBoundOfTheExactProduct) {
   const std::vector<double> exact = reference.to_vector<double>();
   Tensor through_f32;
   {
-    F16ThroughF32 f32_route;
+    const F16SplitSetting f32_route(false);
     EXPECT_TRUE(backend_of(a).matmul_widens(DType::F16));
     through_f32 = matmul(a, b);
   }

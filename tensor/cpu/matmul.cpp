@@ -31,6 +31,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <bit>
+#include <cmath>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -133,17 +135,12 @@ void matmul_f64(const MatmulGeometry& g, const double* a, const double* b, const
 constexpr int64_t kParts = 3;  // K' = kParts * K
 std::atomic<bool> split_enabled{true};
 
-bool onednn_has_amx() {
-  static const bool amx = [] {
-    const auto isa = static_cast<unsigned>(dnnl::get_effective_cpu_isa());
-    const auto core = static_cast<unsigned>(dnnl::cpu_isa::avx512_core_amx);
-    return (isa & core) == core;
-  }();
-  return amx;
+// Whether the kernels oneDNN runs on this CPU include an ISA (its cpu_isa values are bit masks of features).
+bool onednn_has(dnnl::cpu_isa isa) {
+  static const auto effective = static_cast<unsigned>(dnnl::get_effective_cpu_isa());
+  const auto wanted = static_cast<unsigned>(isa);
+  return (effective & wanted) == wanted;
 }
-
-// The bf16 bits of an f32's bits rounded to nearest even (for finite values; x is never NaN here).
-inline uint32_t bf16_round_bits(uint32_t bits) { return (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16; }
 
 // Splits the n f16 values of a contiguous run into hi (stored at hi0 and hi1) and lo; returns false when a
 // value is inf or NaN.
@@ -174,17 +171,11 @@ bool split_run(const uint16_t* src, int64_t n, uint16_t* hi0, uint16_t* hi1, uin
 #endif
   for (; j < n; ++j) {
     const float x = half_bits_to_float(src[j]);
-    uint32_t bits;
-    std::memcpy(&bits, &x, 4);
-    finite &= (bits & 0x7F800000u) != 0x7F800000u;
-    const uint32_t hi = bf16_round_bits(bits), hi_f32 = hi << 16;
-    float hi_value;
-    std::memcpy(&hi_value, &hi_f32, 4);
-    const float low = x - hi_value;  // exact
-    uint32_t low_bits;
-    std::memcpy(&low_bits, &low, 4);
-    hi0[j] = hi1[j] = static_cast<uint16_t>(hi);
-    lo[j] = static_cast<uint16_t>(low_bits >> 16);  // lo's low 16 bits are zero: no rounding
+    finite &= std::isfinite(x);
+    const uint16_t hi = float_to_bf16_bits(x);
+    const float low = x - bf16_bits_to_float(hi);  // exact, and its low 16 bits are zero: no rounding below
+    hi0[j] = hi1[j] = hi;
+    lo[j] = static_cast<uint16_t>(std::bit_cast<uint32_t>(low) >> 16);
   }
   return finite;
 }
@@ -255,6 +246,7 @@ struct Plan {
   bool via_f32 = false;
   // f16 operands split into bf16 parts (split_operand) for a bf16 product with 3K terms and an f32 result.
   bool split = false;
+  SplitLayout a_split, b_split;  // where the parts go, when split
 };
 
 memory::data_type dnnl_type(DType dtype) {
@@ -377,17 +369,8 @@ bool try_plan(const MatmulGeometry& g, memory::data_type type, bool bias, Packin
 // Measured on Zen 3 with the transposing copy included: M >= 512 with N <= 256 gains 1.04x-1.6x, wider
 // products gain nothing; bench_ops' matmul_f32 At_ rows track it. oneDNN's AVX-512 kernels were not
 // measured this way, so there A keeps its own strides.
-bool onednn_has_avx512() {
-  static const bool avx512 = [] {
-    const auto isa = static_cast<unsigned>(dnnl::get_effective_cpu_isa());
-    const auto core = static_cast<unsigned>(dnnl::cpu_isa::avx512_core);  // a bit mask of its features
-    return (isa & core) == core;
-  }();
-  return avx512;
-}
-
 bool pack_transposed_a(const MatmulGeometry& g) {
-  return !onednn_has_avx512() && g.batch.empty() && g.a.row_stride == 1 && g.a.col_stride != 1 &&
+  return !onednn_has(dnnl::cpu_isa::avx512_core) && g.batch.empty() && g.a.row_stride == 1 && g.a.col_stride != 1 &&
          g.M >= 512 && g.N <= 256;
 }
 
@@ -412,6 +395,8 @@ bool transpose_wide_product(const MatmulGeometry& g, bool bias) {
 bool try_split_plan(const MatmulGeometry& g, bool bias, Plan& plan) {
   if (!g.batch.empty() || !plain_layout(g.M, g.K, g.a) || !plain_layout(g.K, g.N, g.b)) return false;
   const SplitLayout a = split_layout(g.a, g.M, g.K, true), b = split_layout(g.b, g.K, g.N, false);
+  plan.a_split = a;
+  plan.b_split = b;
   const memory::desc a_md = make_md({a.rows, a.cols}, a.strides, memory::data_type::bf16);
   const memory::desc b_md = make_md({b.rows, b.cols}, b.strides, memory::data_type::bf16);
   const memory::desc out_md = make_md({g.M, g.N}, {g.out.row_stride, g.out.col_stride}, memory::data_type::f32);
@@ -543,10 +528,10 @@ void execute(const Plan& plan, const Tensor& a_in, const Tensor& b_in, const Ten
 // An f16 product on its bf16 parts; false (and out untouched) when an operand holds inf or NaN.
 bool split_matmul(const Plan& plan, const MatmulGeometry& g, const Tensor& a, const Tensor& b,
                   const Tensor& bias, const Tensor& out) {
-  const SplitLayout a_layout = split_layout(g.a, g.M, g.K, true), b_layout = split_layout(g.b, g.K, g.N, false);
   const Tensor a_parts = Tensor::empty({kParts * g.M * g.K}, DType::BF16, a.device());
   const Tensor b_parts = Tensor::empty({kParts * g.K * g.N}, DType::BF16, b.device());
-  if (!split_operand(a, a_layout, true, a_parts) || !split_operand(b, b_layout, false, b_parts)) return false;
+  if (!split_operand(a, plan.a_split, true, a_parts) || !split_operand(b, plan.b_split, false, b_parts))
+    return false;
   Tensor bias_f32;
   if (bias.defined()) {
     bias_f32 = Tensor::empty(bias.shape(), DType::F32, bias.device());
@@ -560,7 +545,9 @@ bool split_matmul(const Plan& plan, const MatmulGeometry& g, const Tensor& a, co
 
 }  // namespace
 
-bool f16_matmul_splits() { return split_enabled.load(std::memory_order_relaxed) && onednn_has_amx(); }
+bool f16_matmul_splits() {
+  return split_enabled.load(std::memory_order_relaxed) && onednn_has(dnnl::cpu_isa::avx512_core_amx);
+}
 
 bool set_f16_matmul_split_enabled(bool enabled) { return split_enabled.exchange(enabled); }
 
