@@ -183,10 +183,11 @@ bool split_run(const uint16_t* src, int64_t n, uint16_t* hi0, uint16_t* hi1, uin
 // Where split_operand puts an operand's parts, and how oneDNN reads them. The operand's unit-stride dim gives
 // its runs. When that dim is K (A row-major, B column-major) each run of K becomes a run of 3K, its three
 // parts side by side; otherwise (A column-major, B row-major) the K runs are stacked three times as planes.
+// Zero-initialised: a plan that does not split still copies its (unused) layouts.
 struct SplitLayout {
-  bool runs_along_k;
-  int64_t runs, run_length, run_stride;  // in the operand's own memory
-  int64_t rows, cols;                    // the operand with K' = 3K: [M, 3K] for A, [3K, N] for B
+  bool runs_along_k = false;
+  int64_t runs = 0, run_length = 0, run_stride = 0;  // in the operand's own memory
+  int64_t rows = 0, cols = 0;  // the operand with K' = 3K: [M, 3K] for A, [3K, N] for B
   Strides strides;                       // of the packed operand, in that shape
 };
 
