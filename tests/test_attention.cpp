@@ -16,7 +16,7 @@
 
 #include "autograd/autograd.h"
 #include "autograd/gradcheck.h"
-#include "tensor/cpu/attention_amx.h"
+#include "tensor/cpu/attention_bf16.h"
 #include "tensor/cpu/cpu_backend.h"
 #include "tensor/ops.h"
 #include "test_util.h"
@@ -256,8 +256,8 @@ TEST(Attention, GradientsInEveryDtypeMatchF64Composition) {
 }
 
 // Query blocks are independent tasks and the backward's split into tasks depends on the shape only, so one
-// and two threads give bitwise the same results. The bf16 case with D = 64 takes the AMX kernels where the CPU
-// has them (one task per head there).
+// and two threads give bitwise the same results. The bf16 case with D = 64 takes a bf16 kernel (AMX or
+// AVX512-BF16) where the CPU has one (one task per head there).
 TEST(Attention, ResultDoesNotDependOnThreadCount) {
   struct Case {
     DType dtype;
@@ -281,28 +281,63 @@ TEST(Attention, ResultDoesNotDependOnThreadCount) {
   }
 }
 
-// ---- the AMX kernels (bf16, D a multiple of 32, on a CPU with AMX-BF16) -------------------------------------
+// ---- the bf16 kernels (bf16, D a multiple of 32, on a CPU with AMX-BF16 or AVX512-BF16) ---------------------
+// Each test runs every such kernel this CPU has, chosen through set_bf16_attention_kernel.
 
 namespace {
 
-#define SKIP_WITHOUT_AMX()                                                                                   \
-  if (!cpu::amx_attention_available()) GTEST_SKIP() << "this CPU (or build, or OS) has no AMX-BF16 tiles"
+using cpu::Bf16AttentionKernel;
+using mixtape::testing::Bf16AttentionKernelScope;
 
-// Ragged T (padding rows and keys), one block and several, D of 1, 2 and 3 tile widths.
-const std::vector<Shape> kAmxShapes = {{2, 3, 200, 64}, {1, 2, 33, 32}, {2, 1, 130, 96}};
+std::vector<Bf16AttentionKernel> bf16_kernels() {
+  std::vector<Bf16AttentionKernel> kernels;
+  for (Bf16AttentionKernel kernel : {Bf16AttentionKernel::Amx, Bf16AttentionKernel::Avx512Bf16})
+    if (cpu::bf16_attention_kernel_available(kernel)) kernels.push_back(kernel);
+  return kernels;
+}
+
+#define SKIP_WITHOUT_BF16_KERNEL()                                                                            \
+  if (bf16_kernels().empty()) GTEST_SKIP() << "this CPU (or build, or OS) has neither AMX-BF16 nor AVX512-BF16"
+
+// Ragged T (padding rows and keys), one block and several, D of 1, 2 and 3 block widths.
+const std::vector<Shape> kBf16Shapes = {{2, 3, 200, 64}, {1, 2, 33, 32}, {2, 1, 130, 96}};
 
 }  // namespace
 
-TEST(AmxAttention, AppliesToBf16WithWholeTileHeadDimsOnly) {
-  SKIP_WITHOUT_AMX();
-  EXPECT_TRUE(cpu::amx_attention_applies(DType::BF16, 64));
-  EXPECT_TRUE(cpu::amx_attention_applies(DType::BF16, 32));
-  EXPECT_FALSE(cpu::amx_attention_applies(DType::BF16, 16));
-  EXPECT_FALSE(cpu::amx_attention_applies(DType::BF16, 70));
-  EXPECT_FALSE(cpu::amx_attention_applies(DType::F16, 64));
-  EXPECT_FALSE(cpu::amx_attention_applies(DType::F32, 64));
+TEST(Bf16Attention, DefaultsToTheFastestKernelThisCpuHas) {
+  Bf16AttentionKernel fastest = Bf16AttentionKernel::Portable;
+  if (cpu::bf16_attention_kernel_available(Bf16AttentionKernel::Avx512Bf16))
+    fastest = Bf16AttentionKernel::Avx512Bf16;
+  if (cpu::bf16_attention_kernel_available(Bf16AttentionKernel::Amx)) fastest = Bf16AttentionKernel::Amx;
+  EXPECT_EQ(cpu::bf16_attention_kernel(), fastest) << cpu::bf16_attention_kernel_name(cpu::bf16_attention_kernel());
+  EXPECT_TRUE(cpu::bf16_attention_kernel_available(Bf16AttentionKernel::Portable));
+}
+
+TEST(Bf16Attention, RefusesAKernelThisCpuLacks) {
+  bool any_missing = false;
+  for (Bf16AttentionKernel kernel : {Bf16AttentionKernel::Amx, Bf16AttentionKernel::Avx512Bf16}) {
+    if (cpu::bf16_attention_kernel_available(kernel)) continue;
+    any_missing = true;
+    const Bf16AttentionKernel before = cpu::bf16_attention_kernel();
+    EXPECT_ERROR_MENTIONS(cpu::set_bf16_attention_kernel(kernel), "set_bf16_attention_kernel", "not supported",
+                         cpu::bf16_attention_kernel_name(kernel));
+    EXPECT_EQ(cpu::bf16_attention_kernel(), before);
+  }
+  if (!any_missing) GTEST_SKIP() << "this CPU has every bf16 attention kernel";
+}
+
+TEST(Bf16Attention, ServesBf16WithWholeBlockHeadDimsOnly) {
+  SKIP_WITHOUT_BF16_KERNEL();
+  for (Bf16AttentionKernel kernel : bf16_kernels()) {
+    const Bf16AttentionKernelScope scope(kernel);
+    EXPECT_EQ(cpu::bf16_attention_kernel_for(DType::BF16, 64), kernel);
+    EXPECT_EQ(cpu::bf16_attention_kernel_for(DType::BF16, 32), kernel);
+    for (const auto& [dtype, D] : {std::pair{DType::BF16, int64_t{16}}, {DType::BF16, 70}, {DType::BF16, 0},
+                                   {DType::F16, 64}, {DType::F32, 64}})
+      EXPECT_EQ(cpu::bf16_attention_kernel_for(dtype, D), Bf16AttentionKernel::Portable) << dtype_name(dtype) << D;
+  }
   const mixtape::testing::PortableAttention portable;
-  EXPECT_FALSE(cpu::amx_attention_applies(DType::BF16, 64));
+  EXPECT_EQ(cpu::bf16_attention_kernel_for(DType::BF16, 64), Bf16AttentionKernel::Portable);
 }
 
 // out = sum_j p~_j v_j / sum_j p~_j with p~ the bf16-rounded probabilities: a convex combination of the v
@@ -310,87 +345,102 @@ TEST(AmxAttention, AppliesToBf16WithWholeTileHeadDimsOnly) {
 // bf16 ulp is 2^-7) the value before its rounding is within 2^-9 * (max v - min v) <= 2^-9 = 1/4 ulp of the
 // exact one, plus fp32 noise; rounding adds at most 1/2 ulp: within 1 ulp in all. Mixed-sign v: within half
 // an ulp of 1 (the rounding at the output's scale) plus that 2^-9 * 2 of the weights.
-TEST(AmxAttention, OutputsAreWithinOneUlpOfF64) {
-  SKIP_WITHOUT_AMX();
-  for (const Shape& shape : kAmxShapes) {
-    const Tensor q = uniform_tensor(shape, 50, -2, 2, DType::BF16);
-    const Tensor k = uniform_tensor(shape, 51, -2, 2, DType::BF16);
-    const Tensor v = uniform_tensor(shape, 52, 1, 2, DType::BF16);
-    const Tensor out = scaled_dot_product_attention(q, k, v);
-    EXPECT_TRUE(within_ulp(out, Tensor::from_vector(reference_attention(q, k, v), shape, DType::F64), 1))
-        << shape_str(shape);
-    const Tensor v_signed = uniform_tensor(shape, 53, -1, 1, DType::BF16);
-    EXPECT_TRUE(all_close(scaled_dot_product_attention(q, k, v_signed),
-                          Tensor::from_vector(reference_attention(q, k, v_signed), shape, DType::F64),
-                          0x1p-8 + 0x1p-8 + 1e-5, 0))
-        << shape_str(shape);
+TEST(Bf16Attention, OutputsAreWithinOneUlpOfF64) {
+  SKIP_WITHOUT_BF16_KERNEL();
+  for (Bf16AttentionKernel kernel : bf16_kernels()) {
+    const Bf16AttentionKernelScope scope(kernel);
+    for (const Shape& shape : kBf16Shapes) {
+      const Tensor q = uniform_tensor(shape, 50, -2, 2, DType::BF16);
+      const Tensor k = uniform_tensor(shape, 51, -2, 2, DType::BF16);
+      const Tensor v = uniform_tensor(shape, 52, 1, 2, DType::BF16);
+      const Tensor out = scaled_dot_product_attention(q, k, v);
+      EXPECT_TRUE(within_ulp(out, Tensor::from_vector(reference_attention(q, k, v), shape, DType::F64), 1))
+          << cpu::bf16_attention_kernel_name(kernel) << shape_str(shape);
+      const Tensor v_signed = uniform_tensor(shape, 53, -1, 1, DType::BF16);
+      EXPECT_TRUE(all_close(scaled_dot_product_attention(q, k, v_signed),
+                            Tensor::from_vector(reference_attention(q, k, v_signed), shape, DType::F64),
+                            0x1p-8 + 0x1p-8 + 1e-5, 0))
+          << cpu::bf16_attention_kernel_name(kernel) << shape_str(shape);
+    }
   }
 }
 
 // The tolerance of GradientsInEveryDtypeMatchF64Composition for bf16 (4 bf16 ulps of the largest gradient):
 // on top of the portable kernel's roundings, p and ds are rounded to bf16 (2^-9 relative) before their
 // products, an error of the same order as the gradients' own rounding.
-TEST(AmxAttention, GradientsMatchF64Composition) {
-  SKIP_WITHOUT_AMX();
-  for (const Shape& shape : kAmxShapes) {
-    const Tensor q = uniform_tensor(shape, 54, -2, 2, DType::BF16);
-    const Tensor k = uniform_tensor(shape, 55, -2, 2, DType::BF16);
-    const Tensor v = uniform_tensor(shape, 56, -1, 1, DType::BF16);
-    const Tensor g = uniform_tensor(shape, 57, -1, 1, DType::BF16);
-    const Grads3 amx = attention_grads(scaled_dot_product_attention, q, k, v, g);
-    auto to64 = [](const Tensor& t) { return t.to(DType::F64); };
-    const Grads3 exact = attention_grads(naive_attention, to64(q), to64(k), to64(v), to64(g));
-    for (const auto& [got, want] : {std::pair{amx.q, exact.q}, {amx.k, exact.k}, {amx.v, exact.v}}) {
-      EXPECT_EQ(got.dtype(), DType::BF16);
-      EXPECT_TRUE(all_close(got, want, 4 * 0x1p-8 * max_abs(want), 0)) << shape_str(shape);
+TEST(Bf16Attention, GradientsMatchF64Composition) {
+  SKIP_WITHOUT_BF16_KERNEL();
+  for (Bf16AttentionKernel kernel : bf16_kernels()) {
+    const Bf16AttentionKernelScope scope(kernel);
+    for (const Shape& shape : kBf16Shapes) {
+      const Tensor q = uniform_tensor(shape, 54, -2, 2, DType::BF16);
+      const Tensor k = uniform_tensor(shape, 55, -2, 2, DType::BF16);
+      const Tensor v = uniform_tensor(shape, 56, -1, 1, DType::BF16);
+      const Tensor g = uniform_tensor(shape, 57, -1, 1, DType::BF16);
+      const Grads3 got = attention_grads(scaled_dot_product_attention, q, k, v, g);
+      auto to64 = [](const Tensor& t) { return t.to(DType::F64); };
+      const Grads3 exact = attention_grads(naive_attention, to64(q), to64(k), to64(v), to64(g));
+      for (const auto& [grad, want] : {std::pair{got.q, exact.q}, {got.k, exact.k}, {got.v, exact.v}}) {
+        EXPECT_EQ(grad.dtype(), DType::BF16);
+        EXPECT_TRUE(all_close(grad, want, 4 * 0x1p-8 * max_abs(want), 0))
+            << cpu::bf16_attention_kernel_name(kernel) << shape_str(shape);
+      }
     }
   }
 }
 
-// The dispatch reaches the AMX kernels: they round p to bf16 where the portable kernel keeps fp32, so the two
+// The dispatch reaches each bf16 kernel: it rounds p to bf16 where the portable kernel keeps fp32, so the two
 // give different bits on the same inputs (and agree within the bf16 tolerances above).
-TEST(AmxAttention, DiffersFromThePortableKernelInTheLastBits) {
-  SKIP_WITHOUT_AMX();
+TEST(Bf16Attention, DiffersFromThePortableKernelInTheLastBits) {
+  SKIP_WITHOUT_BF16_KERNEL();
   const Shape shape = {16, 4, 128, 64};
   const Tensor q = uniform_tensor(shape, 58, -2, 2, DType::BF16);
   const Tensor k = uniform_tensor(shape, 59, -2, 2, DType::BF16);
   const Tensor v = uniform_tensor(shape, 60, -1, 1, DType::BF16);
-  const Tensor amx = scaled_dot_product_attention(q, k, v);
   Tensor portable;
   {
     const mixtape::testing::PortableAttention scope;
     portable = scaled_dot_product_attention(q, k, v);
   }
-  EXPECT_NE(amx.to_vector<double>(), portable.to_vector<double>());
-  EXPECT_TRUE(all_close(amx, portable, 2 * 0x1p-8, 0));
+  for (Bf16AttentionKernel kernel : bf16_kernels()) {
+    const Bf16AttentionKernelScope scope(kernel);
+    const Tensor fast = scaled_dot_product_attention(q, k, v);
+    EXPECT_NE(fast.to_vector<double>(), portable.to_vector<double>()) << cpu::bf16_attention_kernel_name(kernel);
+    EXPECT_TRUE(all_close(fast, portable, 2 * 0x1p-8, 0)) << cpu::bf16_attention_kernel_name(kernel);
+  }
 }
 
 // Heads whose rows start at odd bf16 offsets (a [.., D + 1] tensor narrowed to its last D columns: row stride
 // D + 1, rows 2-byte but not 4-byte aligned, read as bf16 pairs by the packing; T = 100 leaves 4 rows past the
 // 16-row register transposes) give bitwise the contiguous heads' results; so do the heads of a fused qkv.
 // (The f64 tests above catch a packing that is wrong for both alike.)
-TEST(AmxAttention, OddOffsetAndFusedHeadsGiveBitwiseTheContiguousResults) {
-  SKIP_WITHOUT_AMX();
-  const int64_t B = 2, H = 2, T = 100, D = 64;
-  auto odd_rows = [&](uint64_t seed, double lo, double hi) {
-    return uniform_tensor({B, H, T, D + 1}, seed, lo, hi, DType::BF16).narrow(3, 1, D);
-  };
-  const Tensor q = odd_rows(70, -2, 2), k = odd_rows(71, -2, 2), v = odd_rows(72, -1, 1), g = odd_rows(73, -1, 1);
-  ASSERT_EQ(q.stride(2), D + 1);
-  const Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous(), gc = g.contiguous();
-  const Grads3 odd = attention_grads(scaled_dot_product_attention, q, k, v, g);
-  const Grads3 plain = attention_grads(scaled_dot_product_attention, qc, kc, vc, gc);
-  EXPECT_EQ(scaled_dot_product_attention(q, k, v).to_vector<double>(),
-            scaled_dot_product_attention(qc, kc, vc).to_vector<double>());
-  EXPECT_EQ(odd.q.to_vector<double>(), plain.q.to_vector<double>());
-  EXPECT_EQ(odd.k.to_vector<double>(), plain.k.to_vector<double>());
-  EXPECT_EQ(odd.v.to_vector<double>(), plain.v.to_vector<double>());
-  // The thirds of a fused [B, T, 3, H, D] projection, viewed as [B, H, T, D].
-  const Tensor qkv = uniform_tensor({B, T, 3, H, D}, 74, -2, 2, DType::BF16);
-  auto third = [&](int64_t i) { return qkv.select(2, i).permute({0, 2, 1, 3}); };
-  EXPECT_EQ(scaled_dot_product_attention(third(0), third(1), third(2)).to_vector<double>(),
-            scaled_dot_product_attention(third(0).contiguous(), third(1).contiguous(), third(2).contiguous())
-                .to_vector<double>());
+TEST(Bf16Attention, OddOffsetAndFusedHeadsGiveBitwiseTheContiguousResults) {
+  SKIP_WITHOUT_BF16_KERNEL();
+  for (Bf16AttentionKernel kernel : bf16_kernels()) {
+    SCOPED_TRACE(cpu::bf16_attention_kernel_name(kernel));
+    const Bf16AttentionKernelScope scope(kernel);
+    const int64_t B = 2, H = 2, T = 100, D = 64;
+    auto odd_rows = [&](uint64_t seed, double lo, double hi) {
+      return uniform_tensor({B, H, T, D + 1}, seed, lo, hi, DType::BF16).narrow(3, 1, D);
+    };
+    const Tensor q = odd_rows(70, -2, 2), k = odd_rows(71, -2, 2);
+    const Tensor v = odd_rows(72, -1, 1), g = odd_rows(73, -1, 1);
+    ASSERT_EQ(q.stride(2), D + 1);
+    const Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous(), gc = g.contiguous();
+    const Grads3 odd = attention_grads(scaled_dot_product_attention, q, k, v, g);
+    const Grads3 plain = attention_grads(scaled_dot_product_attention, qc, kc, vc, gc);
+    EXPECT_EQ(scaled_dot_product_attention(q, k, v).to_vector<double>(),
+              scaled_dot_product_attention(qc, kc, vc).to_vector<double>());
+    EXPECT_EQ(odd.q.to_vector<double>(), plain.q.to_vector<double>());
+    EXPECT_EQ(odd.k.to_vector<double>(), plain.k.to_vector<double>());
+    EXPECT_EQ(odd.v.to_vector<double>(), plain.v.to_vector<double>());
+    // The thirds of a fused [B, T, 3, H, D] projection, viewed as [B, H, T, D].
+    const Tensor qkv = uniform_tensor({B, T, 3, H, D}, 74, -2, 2, DType::BF16);
+    auto third = [&](int64_t i) { return qkv.select(2, i).permute({0, 2, 1, 3}); };
+    EXPECT_EQ(scaled_dot_product_attention(third(0), third(1), third(2)).to_vector<double>(),
+              scaled_dot_product_attention(third(0).contiguous(), third(1).contiguous(), third(2).contiguous())
+                  .to_vector<double>());
+  }
 }
 
 // ---- memory ----------------------------------------------------------------------------------------------

@@ -15,8 +15,8 @@
 //  - f16/bf16 through the front end, where the backward reads the forward's own rounded output (CPU and CUDA
 //    outputs may differ by an ulp, and delta_i = do_i.o_i with them), the 16-bit gradients get 2 ulp or one
 //    ulp of the dtype at the largest element's scale.
-// The CPU side is the portable kernel (p and ds kept in fp32, as these bounds assume): each test turns the AMX
-// kernels off (testing::PortableAttention), which on a CPU with AMX-BF16 round p and ds to bf16 first.
+// The CPU side is the portable kernel (p and ds kept in fp32, as these bounds assume): each test turns the bf16
+// kernels off (testing::PortableAttention), which on a CPU with AMX or AVX512-BF16 round p and ds to bf16 first.
 #include <gtest/gtest.h>
 
 #include <algorithm>

@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "tensor/cpu/attention_amx.h"
+#include "tensor/cpu/attention_bf16.h"
 #include "tensor/tensor.h"
 
 namespace mixtape::testing {
@@ -107,14 +107,18 @@ inline ::testing::AssertionResult all_close(const Tensor& actual, const Tensor& 
     }                                                                                           \
   } while (0)
 
-// Turns the CPU's AMX attention kernels off for a scope (the portable kernel then serves bf16 on a CPU with
-// AMX-BF16), restoring the setting after.
-struct PortableAttention {
-  bool saved = cpu::set_amx_attention_enabled(false);
-  ~PortableAttention() { cpu::set_amx_attention_enabled(saved); }
-  PortableAttention() = default;
-  PortableAttention(const PortableAttention&) = delete;
-  PortableAttention& operator=(const PortableAttention&) = delete;
+// Makes `kernel` serve the CPU's bf16 attention for a scope, restoring the previous choice after.
+struct Bf16AttentionKernelScope {
+  explicit Bf16AttentionKernelScope(cpu::Bf16AttentionKernel kernel) : saved(cpu::set_bf16_attention_kernel(kernel)) {}
+  ~Bf16AttentionKernelScope() { cpu::set_bf16_attention_kernel(saved); }
+  Bf16AttentionKernelScope(const Bf16AttentionKernelScope&) = delete;
+  Bf16AttentionKernelScope& operator=(const Bf16AttentionKernelScope&) = delete;
+  cpu::Bf16AttentionKernel saved;
+};
+
+// The portable kernel serves bf16 for a scope, also on a CPU with AMX or AVX512-BF16.
+struct PortableAttention : Bf16AttentionKernelScope {
+  PortableAttention() : Bf16AttentionKernelScope(cpu::Bf16AttentionKernel::Portable) {}
 };
 
 }  // namespace mixtape::testing

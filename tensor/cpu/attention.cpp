@@ -43,7 +43,7 @@
 #include <utility>
 #include <vector>
 
-#include "tensor/cpu/attention_amx.h"
+#include "tensor/cpu/attention_bf16.h"
 #include "tensor/cpu/attention_rows.h"
 #include "tensor/cpu/convert_block.h"
 #include "tensor/cpu/cpu_backend.h"
@@ -296,8 +296,10 @@ void CpuBackend::causal_attention(const Tensor& q, const Tensor& k, const Tensor
   check_bhtd(op, "v", v, q.shape(), q.dtype());
   check_bhtd(op, "out", out, q.shape(), q.dtype());
   check_stats(op, lse, {B, H, T}, stats_dtype(q.dtype()));
-  if (amx_attention_applies(q.dtype(), D)) {  // bf16 on a CPU with AMX: tensor/cpu/attention_amx.cpp
-    amx_causal_attention(q, k, v, scale, out, lse);
+  // bf16 on a CPU with AMX or AVX512-BF16: tensor/cpu/attention_bf16.cpp
+  if (const Bf16AttentionKernel kernel = bf16_attention_kernel_for(q.dtype(), D);
+      kernel != Bf16AttentionKernel::Portable) {
+    bf16_causal_attention(kernel, q, k, v, scale, out, lse);
     return;
   }
   dispatch_float(q.dtype(), op, [&]<typename T_>() {
@@ -409,8 +411,9 @@ void CpuBackend::causal_attention_backward(const Tensor& grad_out, const Tensor&
                                 {"grad_v", grad_v}})
     check_bhtd(op, name, t, q.shape(), q.dtype());
   check_stats(op, lse, {B, H, T}, stats_dtype(q.dtype()));
-  if (amx_attention_applies(q.dtype(), D)) {
-    amx_causal_attention_backward(grad_out, q, k, v, out, lse, scale, grad_q, grad_k, grad_v);
+  if (const Bf16AttentionKernel kernel = bf16_attention_kernel_for(q.dtype(), D);
+      kernel != Bf16AttentionKernel::Portable) {
+    bf16_causal_attention_backward(kernel, grad_out, q, k, v, out, lse, scale, grad_q, grad_k, grad_v);
     return;
   }
   dispatch_float(q.dtype(), op, [&]<typename T_>() {

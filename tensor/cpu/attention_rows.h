@@ -1,7 +1,7 @@
 #pragma once
-// Row work the two causal-attention kernels share (tensor/cpu/attention.cpp, the portable one, and
-// tensor/cpu/attention_amx.cpp, bf16 on AMX tiles): storing a scaled fp32 row into the output dtype, and the
-// backward's recomputed probabilities and their gradient for one query row of a block.
+// Row work the causal-attention kernels share (tensor/cpu/attention.cpp, the portable one, and
+// tensor/cpu/attention_bf16.cpp, bf16 on AMX tiles or AVX512-BF16 dot products): storing a scaled fp32 row into
+// the output dtype, and the backward's recomputed probabilities and their gradient for one query row of a block.
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>

@@ -1,14 +1,17 @@
-// bf16 causal attention on AMX tiles: the block products of tensor/cpu/attention.cpp's method done by the
-// CPU's matrix unit (_tile_dpbf16ps: C[16 x 16] fp32 += A[16 x 32] bf16 B[32 x 16] bf16, each product exact
-// and summed in fp32), the softmax and its gradient in fp32 vectors in between.
+// bf16 causal attention on the CPU's bf16 product instructions: the block products of tensor/cpu/attention.cpp's
+// method done by AMX tiles (_tile_dpbf16ps: C[16 x 16] fp32 += A[16 x 32] bf16 B[32 x 16] bf16) or by AVX512-BF16
+// dot products (_mm512_dpbf16_ps: 16 fp32 lanes, each += a0 b0 + a1 b1 of a bf16 pair), each product exact and
+// summed in fp32; the softmax and its gradient in fp32 vectors in between. Both engines read the same packed
+// operands (below) and run the same loops; only the block product differs (Tiles, DotProducts).
 //
-// Why: on a CPU with AMX the GEMMs of a training step run at ~2.4 TFLOP/s in bf16 (oneDNN), and the
-// portable kernel's fp32 register tiles (~100 GFLOP/s on the attention of bench_ops) became the largest
-// item of the bf16 step after them. Same inputs, outputs and layouts as the portable kernel; it is chosen by
-// dtype, head dim and CPU only (amx_attention_applies), never by thread count, so a run is deterministic.
+// Why: bf16 GEMMs run at ~2x the fp32 rate with AVX512-BF16 (oneDNN, ~950 GFLOP/s on 2 Zen 5 cores) and ~6x
+// with AMX (~2.4 TFLOP/s), and the portable kernel's fp32 register tiles (~130 GFLOP/s and ~100 GFLOP/s on
+// bench_ops' attention there) became the largest item of the bf16 step after them. Same inputs, outputs and
+// layouts as the portable kernel; it is chosen by dtype, head dim and CPU only (bf16_attention_kernel_for),
+// never by thread count, so a run is deterministic.
 //
 // Method. A task is one (batch, head) slice. Its rows are first packed into per-thread buffers in the
-// layouts the tiles read, T padded with zero rows to Tp, a multiple of the 64-row block:
+// layouts the block products read, T padded with zero rows to Tp, a multiple of the 64-row block:
 //   A operands (row-major): q, do [Tp, D]; q^T, do^T [D, Tp];
 //   B operands (VNNI: pairs of consecutive k rows interleaved, [K/2, N, 2]): k^T and v^T (k = d, n = key),
 //   k and v (k = key, n = d); in the backward also p and ds (k = query, n = key), block by block.
@@ -19,12 +22,13 @@
 // the v rows.
 // Backward, per key block j0 and each query block i0 >= j0 (the causal pairs), as in the portable kernel:
 //   p = e^(scale q k^T - lse),  dp = do v^T,  ds = p (dp - delta)  (fp32; delta_i = do_i . o_i),
-//   dv^T += do^T p,  dk^T += q^T ds,  dq += ds k  (p and ds rounded to bf16 as tile operands),
+//   dv^T += do^T p,  dk^T += q^T ds,  dq += ds k  (p and ds rounded to bf16 as block-product operands),
 // with dk^T and dv^T stored transposed (and dk, dq scaled) once per key block, dq once per head.
 // Numerics: the scores and every sum are fp32, as in the portable kernel; the difference is the rounding of
-// p and ds to bf16 before their products (relative 2^-9 each, the rounding FlashAttention does on a GPU).
-// tests/test_attention.cpp's Amx* tests bound the outputs and gradients against f64 references.
-#include "tensor/cpu/attention_amx.h"
+// p and ds to bf16 before their products (relative 2^-9 each, the rounding FlashAttention does on a GPU). The
+// two engines sum the same exact products in different orders, so their last bits may differ.
+// tests/test_attention.cpp's Bf16Attention* tests bound each engine's outputs and gradients against f64.
+#include "tensor/cpu/attention_bf16.h"
 
 #include <omp.h>
 
@@ -35,11 +39,15 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
-#define MIXTAPE_AMX_ATTENTION 1
+// The packing and the loops need AVX512-BF16 (and BW); the tiles need AMX on top of it.
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define MIXTAPE_BF16_ATTENTION 1
 #include <immintrin.h>
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define MIXTAPE_AMX_TILES 1
 #include <sys/syscall.h>
 #include <unistd.h>
+#endif
 #endif
 
 #include "tensor/cpu/attention_rows.h"
@@ -50,18 +58,71 @@
 
 namespace mixtape::cpu {
 
-namespace {
-std::atomic<bool> amx_enabled{true};
-}  // namespace
-
-bool set_amx_attention_enabled(bool enabled) { return amx_enabled.exchange(enabled); }
-
-bool amx_attention_applies(DType dtype, int64_t D) {
-  return dtype == DType::BF16 && D > 0 && D % 32 == 0 && amx_enabled.load(std::memory_order_relaxed) &&
-         amx_attention_available();
+const char* bf16_attention_kernel_name(Bf16AttentionKernel kernel) {
+  switch (kernel) {
+    case Bf16AttentionKernel::Portable: return "portable";
+    case Bf16AttentionKernel::Avx512Bf16: return "avx512_bf16";
+    case Bf16AttentionKernel::Amx: return "amx";
+  }
+  return "unknown";
 }
 
-#if MIXTAPE_AMX_ATTENTION
+bool bf16_attention_kernel_available(Bf16AttentionKernel kernel) {
+  switch (kernel) {
+    case Bf16AttentionKernel::Portable: return true;
+    case Bf16AttentionKernel::Avx512Bf16: {
+#if MIXTAPE_BF16_ATTENTION
+      static const bool available = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw");
+      return available;
+#else
+      return false;
+#endif
+    }
+    case Bf16AttentionKernel::Amx: {
+#if MIXTAPE_AMX_TILES
+      static const bool available = [] {
+        if (!__builtin_cpu_supports("amx-bf16") || !__builtin_cpu_supports("avx512bf16")) return false;
+        // Linux hands a process the AMX tile state only on request (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA).
+        constexpr long kReqXcompPerm = 0x1023, kXfeatureXtileData = 18;
+        return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtileData) == 0;
+      }();
+      return available;
+#else
+      return false;
+#endif
+    }
+  }
+  return false;
+}
+
+namespace {
+
+std::atomic<Bf16AttentionKernel>& selected_kernel() {
+  static std::atomic<Bf16AttentionKernel> selected = [] {
+    for (Bf16AttentionKernel kernel : {Bf16AttentionKernel::Amx, Bf16AttentionKernel::Avx512Bf16})
+      if (bf16_attention_kernel_available(kernel)) return kernel;
+    return Bf16AttentionKernel::Portable;
+  }();
+  return selected;
+}
+
+}  // namespace
+
+Bf16AttentionKernel bf16_attention_kernel() { return selected_kernel().load(std::memory_order_relaxed); }
+
+Bf16AttentionKernel set_bf16_attention_kernel(Bf16AttentionKernel kernel) {
+  if (!bf16_attention_kernel_available(kernel))
+    fail("set_bf16_attention_kernel: not supported: the ", bf16_attention_kernel_name(kernel),
+         " kernel (this build or CPU lacks its instructions)");
+  return selected_kernel().exchange(kernel);
+}
+
+Bf16AttentionKernel bf16_attention_kernel_for(DType dtype, int64_t D) {
+  if (dtype != DType::BF16 || D <= 0 || D % 32 != 0) return Bf16AttentionKernel::Portable;
+  return bf16_attention_kernel();
+}
+
+#if MIXTAPE_BF16_ATTENTION
 
 namespace {
 
@@ -78,6 +139,7 @@ struct Heads {
 
 Heads heads_of(const Tensor& t) { return {t.data<BFloat16>(), t.size(1), t.stride(0), t.stride(1), t.stride(2)}; }
 
+#if MIXTAPE_AMX_TILES
 // The tile registers, configured once per thread for a kernel: tiles 0-3 hold C (16 rows of 16 floats),
 // 4-5 A (16 rows of 32 bf16), 6-7 B (16 rows of 16 bf16 pairs): 64 bytes a row for all of them.
 struct alignas(64) TileConfig {
@@ -102,10 +164,56 @@ class TileScope {
   TileScope(const TileScope&) = delete;
   TileScope& operator=(const TileScope&) = delete;
 };
+#endif  // MIXTAPE_AMX_TILES
 
-// C[M x N] (ldc floats) (+)= A[M x K] B[K x N], M, N and K multiples of 32. A is row-major bf16 (lda), B is in
-// VNNI form: the pair (B[2kk, n], B[2kk + 1, n]) at b + kk * ldb + 2n. Blocks of 32 x 32 (four C tiles)
-// walk K in steps of 32.
+// ---- the block product: C[M x N] (ldc floats) (+)= A[M x K] B[K x N], M, N and K multiples of 32 ----------
+// A is row-major bf16 (lda), B is in VNNI form: the pair (B[2kk, n], B[2kk + 1, n]) at b + kk * ldb + 2n. An
+// engine is a type with a Scope (held by each thread around its products) and a static gemm<Accumulate>.
+
+// AVX512-BF16: a register block of C, 8 rows x 32 columns (16 zmm accumulators), stays in registers over the
+// whole K; each step broadcasts one A pair per row against two 16-column rows of B pairs.
+struct DotProducts {
+  struct Scope {};
+
+  template <bool Accumulate>
+  static void gemm(int64_t M, int64_t N, int64_t K, const BFloat16* a, int64_t lda, const BFloat16* b, int64_t ldb,
+                   float* c, int64_t ldc) {
+    constexpr int kRows = 8;
+    for (int64_t i = 0; i < M; i += kRows)
+      for (int64_t j = 0; j < N; j += 32) {
+        __m512 acc[kRows][2];
+#pragma GCC unroll 8
+        for (int r = 0; r < kRows; ++r) {
+          const float* cr = c + (i + r) * ldc + j;
+          acc[r][0] = Accumulate ? _mm512_loadu_ps(cr) : _mm512_setzero_ps();
+          acc[r][1] = Accumulate ? _mm512_loadu_ps(cr + 16) : _mm512_setzero_ps();
+        }
+        const BFloat16* a_rows = a + i * lda;
+        const BFloat16* b_pairs = b + 2 * j;
+        for (int64_t kk = 0; kk < K / 2; ++kk) {
+          const __m512bh b0 = (__m512bh)_mm512_loadu_si512(b_pairs + kk * ldb);
+          const __m512bh b1 = (__m512bh)_mm512_loadu_si512(b_pairs + kk * ldb + 32);
+#pragma GCC unroll 8
+          for (int r = 0; r < kRows; ++r) {
+            int32_t pair;  // A[i + r, 2kk] and A[i + r, 2kk + 1]
+            std::memcpy(&pair, a_rows + r * lda + 2 * kk, sizeof pair);
+            const __m512bh ar = (__m512bh)_mm512_set1_epi32(pair);
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], ar, b0);
+            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], ar, b1);
+          }
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < kRows; ++r) {
+          float* cr = c + (i + r) * ldc + j;
+          _mm512_storeu_ps(cr, acc[r][0]);
+          _mm512_storeu_ps(cr + 16, acc[r][1]);
+        }
+      }
+  }
+};
+
+#if MIXTAPE_AMX_TILES
+// AMX: blocks of 32 x 32 (four C tiles) walk K in steps of 32.
 template <bool Accumulate>
 void tile_gemm(int64_t M, int64_t N, int64_t K, const BFloat16* a, int64_t lda, const BFloat16* b, int64_t ldb,
                float* c, int64_t ldc) {
@@ -142,7 +250,18 @@ void tile_gemm(int64_t M, int64_t N, int64_t K, const BFloat16* a, int64_t lda, 
     }
 }
 
-// dst[0, n) = src[0, n) rounded to bf16 (nearest even), n a multiple of 32. Tile operands only: the
+struct Tiles {
+  using Scope = TileScope;
+
+  template <bool Accumulate>
+  static void gemm(int64_t M, int64_t N, int64_t K, const BFloat16* a, int64_t lda, const BFloat16* b, int64_t ldb,
+                   float* c, int64_t ldc) {
+    tile_gemm<Accumulate>(M, N, K, a, lda, b, ldb, c, ldc);
+  }
+};
+#endif  // MIXTAPE_AMX_TILES
+
+// dst[0, n) = src[0, n) rounded to bf16 (nearest even), n a multiple of 32. Block-product operands only: the
 // instruction flushes subnormal inputs (below 1.2e-38) to 0, where convert<BFloat16> keeps them.
 inline void narrow_tile_row(const float* src, BFloat16* dst, int64_t n) {
   for (int64_t j = 0; j < n; j += 32) {
@@ -226,20 +345,8 @@ void pack_col_pairs(const Heads& x, int64_t bh, int64_t T, int64_t Tp, int64_t D
 
 bool worth_parallel(int64_t BH, int64_t T, int64_t D) { return BH > 1 && BH * T * T * D >= (int64_t{1} << 20); }
 
-}  // namespace
-
-bool amx_attention_available() {
-  static const bool available = [] {
-    if (!__builtin_cpu_supports("amx-bf16") || !__builtin_cpu_supports("avx512bf16")) return false;
-    // Linux hands a process the AMX tile state only on request (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA).
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtileData = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtileData) == 0;
-  }();
-  return available;
-}
-
-void amx_causal_attention(const Tensor& q, const Tensor& k, const Tensor& v, double scale, const Tensor& out,
-                          const Tensor& lse) {
+template <class Engine>
+void forward(const Tensor& q, const Tensor& k, const Tensor& v, double scale, const Tensor& out, const Tensor& lse) {
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3), BH = B * H;
   if (B * H * T == 0) return;
   const int64_t Tp = round_up(T, kBlock);
@@ -248,7 +355,7 @@ void amx_causal_attention(const Tensor& q, const Tensor& k, const Tensor& v, dou
   const float scale_f = static_cast<float>(scale);
 #pragma omp parallel if (worth_parallel(BH, T, D))
   {
-    const TileScope tiles;
+    [[maybe_unused]] const typename Engine::Scope scope;  // AMX: the tile configuration of this thread
     std::vector<BFloat16> qa(Tp * D), kt(Tp * D), vp(Tp * D), p(kBlock * Tp);
     std::vector<float> s(kBlock * Tp), o(kBlock * D), m(kBlock), l(kBlock);
 #pragma omp for schedule(dynamic, 1)
@@ -258,7 +365,7 @@ void amx_causal_attention(const Tensor& q, const Tensor& k, const Tensor& v, dou
       pack_row_pairs(vh, bh, T, Tp, D, vp.data());
       for (int64_t i0 = 0; i0 < T; i0 += kBlock) {
         const int64_t keys = i0 + kBlock;  // every key block up to and including the diagonal one
-        tile_gemm<false>(kBlock, keys, D, qa.data() + i0 * D, D, kt.data(), 2 * Tp, s.data(), Tp);
+        Engine::template gemm<false>(kBlock, keys, D, qa.data() + i0 * D, D, kt.data(), 2 * Tp, s.data(), Tp);
         for (int64_t r = 0; r < kBlock; ++r) {
           const int64_t i = i0 + r;
           float* sr = s.data() + r * Tp;
@@ -281,7 +388,7 @@ void amx_causal_attention(const Tensor& q, const Tensor& k, const Tensor& v, dou
           m[r] = row_max;
           l[r] = sum;  // >= 1: the max's own term is e^0, exactly 1 in bf16
         }
-        tile_gemm<false>(kBlock, D, keys, p.data(), Tp, vp.data(), 2 * D, o.data(), D);
+        Engine::template gemm<false>(kBlock, D, keys, p.data(), Tp, vp.data(), 2 * D, o.data(), D);
         for (int64_t r = 0; r < std::min(kBlock, T - i0); ++r) {
           store_scaled_run(o.data() + r * D, 1.0f / l[r], oh.row(bh, i0 + r), D);
           lse_out[bh * T + i0 + r] = m[r] + std::log(l[r]);
@@ -291,9 +398,9 @@ void amx_causal_attention(const Tensor& q, const Tensor& k, const Tensor& v, dou
   }
 }
 
-void amx_causal_attention_backward(const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v,
-                                   const Tensor& out, const Tensor& lse, double scale, const Tensor& grad_q,
-                                   const Tensor& grad_k, const Tensor& grad_v) {
+template <class Engine>
+void backward(const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+              const Tensor& lse, double scale, const Tensor& grad_q, const Tensor& grad_k, const Tensor& grad_v) {
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3), BH = B * H;
   if (B * H * T == 0) return;
   const int64_t Tp = round_up(T, kBlock);
@@ -303,7 +410,7 @@ void amx_causal_attention_backward(const Tensor& grad_out, const Tensor& q, cons
   const float scale_f = static_cast<float>(scale);
 #pragma omp parallel if (worth_parallel(BH, T, D))
   {
-    const TileScope tiles;
+    [[maybe_unused]] const typename Engine::Scope scope;  // AMX: the tile configuration of this thread
     const size_t head = static_cast<size_t>(Tp * D), block = static_cast<size_t>(kBlock * kBlock);
     std::vector<BFloat16> qa(head), qt(head), kt(head), kp(head), vt(head), doa(head), dot(head);
     std::vector<BFloat16> p_pairs(block), ds_pairs(block), ds_rows(block);
@@ -331,8 +438,10 @@ void amx_causal_attention_backward(const Tensor& grad_out, const Tensor& q, cons
         std::fill(dkt.begin(), dkt.end(), 0.0f);
         std::fill(dvt.begin(), dvt.end(), 0.0f);
         for (int64_t i0 = j0; i0 < T; i0 += kBlock) {
-          tile_gemm<false>(kBlock, kBlock, D, qa.data() + i0 * D, D, kt.data() + 2 * j0, 2 * Tp, s.data(), kBlock);
-          tile_gemm<false>(kBlock, kBlock, D, doa.data() + i0 * D, D, vt.data() + 2 * j0, 2 * Tp, dp.data(), kBlock);
+          Engine::template gemm<false>(kBlock, kBlock, D, qa.data() + i0 * D, D, kt.data() + 2 * j0, 2 * Tp,
+                                       s.data(), kBlock);
+          Engine::template gemm<false>(kBlock, kBlock, D, doa.data() + i0 * D, D, vt.data() + 2 * j0, 2 * Tp,
+                                       dp.data(), kBlock);
           for (int64_t r = 0; r < kBlock; ++r) {
             const int64_t i = i0 + r;
             const int64_t n = i < T ? std::clamp<int64_t>(i - j0 + 1, 0, kBlock) : 0;  // keys row i sees
@@ -347,9 +456,12 @@ void amx_causal_attention_backward(const Tensor& grad_out, const Tensor& q, cons
                             kBlock);
           }
           // dv^T += do^T p;  dk^T += q^T ds;  dq += ds k
-          tile_gemm<true>(D, kBlock, kBlock, dot.data() + i0, Tp, p_pairs.data(), 2 * kBlock, dvt.data(), kBlock);
-          tile_gemm<true>(D, kBlock, kBlock, qt.data() + i0, Tp, ds_pairs.data(), 2 * kBlock, dkt.data(), kBlock);
-          tile_gemm<true>(kBlock, D, kBlock, ds_rows.data(), kBlock, kp.data() + j0 * D, 2 * D, dq.data() + i0 * D, D);
+          Engine::template gemm<true>(D, kBlock, kBlock, dot.data() + i0, Tp, p_pairs.data(), 2 * kBlock,
+                                      dvt.data(), kBlock);
+          Engine::template gemm<true>(D, kBlock, kBlock, qt.data() + i0, Tp, ds_pairs.data(), 2 * kBlock,
+                                      dkt.data(), kBlock);
+          Engine::template gemm<true>(kBlock, D, kBlock, ds_rows.data(), kBlock, kp.data() + j0 * D, 2 * D,
+                                      dq.data() + i0 * D, D);
         }
         // dk^T and dv^T [D, 64] back to rows [64, D] (register-block transposes), then stored.
         const int64_t keys = std::min(kBlock, T - j0);
@@ -365,17 +477,43 @@ void amx_causal_attention_backward(const Tensor& grad_out, const Tensor& q, cons
   }
 }
 
-#else  // built without AMX
+}  // namespace
 
-bool amx_attention_available() { return false; }
-
-void amx_causal_attention(const Tensor&, const Tensor&, const Tensor&, double, const Tensor&, const Tensor&) {
-  fail("causal_attention: not supported: the AMX kernel (this build has no AMX-BF16)");
+void bf16_causal_attention(Bf16AttentionKernel kernel, const Tensor& q, const Tensor& k, const Tensor& v,
+                           double scale, const Tensor& out, const Tensor& lse) {
+#if MIXTAPE_AMX_TILES
+  if (kernel == Bf16AttentionKernel::Amx) return forward<Tiles>(q, k, v, scale, out, lse);
+#endif
+  if (kernel == Bf16AttentionKernel::Avx512Bf16) return forward<DotProducts>(q, k, v, scale, out, lse);
+  fail("causal_attention: not supported: the ", bf16_attention_kernel_name(kernel), " kernel in this build");
 }
 
-void amx_causal_attention_backward(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                                   const Tensor&, double, const Tensor&, const Tensor&, const Tensor&) {
-  fail("causal_attention_backward: not supported: the AMX kernel (this build has no AMX-BF16)");
+void bf16_causal_attention_backward(Bf16AttentionKernel kernel, const Tensor& grad_out, const Tensor& q,
+                                    const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
+                                    double scale, const Tensor& grad_q, const Tensor& grad_k, const Tensor& grad_v) {
+#if MIXTAPE_AMX_TILES
+  if (kernel == Bf16AttentionKernel::Amx)
+    return backward<Tiles>(grad_out, q, k, v, out, lse, scale, grad_q, grad_k, grad_v);
+#endif
+  if (kernel == Bf16AttentionKernel::Avx512Bf16)
+    return backward<DotProducts>(grad_out, q, k, v, out, lse, scale, grad_q, grad_k, grad_v);
+  fail("causal_attention_backward: not supported: the ", bf16_attention_kernel_name(kernel),
+       " kernel in this build");
+}
+
+#else  // built without AVX512-BF16
+
+void bf16_causal_attention(Bf16AttentionKernel kernel, const Tensor&, const Tensor&, const Tensor&, double,
+                           const Tensor&, const Tensor&) {
+  fail("causal_attention: not supported: the ", bf16_attention_kernel_name(kernel),
+       " kernel (this build has no AVX512-BF16)");
+}
+
+void bf16_causal_attention_backward(Bf16AttentionKernel kernel, const Tensor&, const Tensor&, const Tensor&,
+                                    const Tensor&, const Tensor&, const Tensor&, double, const Tensor&,
+                                    const Tensor&, const Tensor&) {
+  fail("causal_attention_backward: not supported: the ", bf16_attention_kernel_name(kernel),
+       " kernel (this build has no AVX512-BF16)");
 }
 
 #endif
