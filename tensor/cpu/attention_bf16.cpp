@@ -34,7 +34,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <bit>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -270,6 +269,24 @@ inline void narrow_tile_row(const float* src, BFloat16* dst, int64_t n) {
   }
 }
 
+// narrow_tile_row, returning the fp32 sum of the rounded values: 16 lane sums, added pairwise at the end.
+inline float narrow_tile_row_sum(const float* src, BFloat16* dst, int64_t n) {
+  __m512 lanes = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; j += 32) {
+    const __m512i v = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + j + 16), _mm512_loadu_ps(src + j));
+    _mm512_storeu_si512(dst + j, v);
+    // bf16 -> fp32 exactly: the low halves shifted up, the high halves masked in place.
+    // (The masked forms with all-ones masks: GCC 12's plain ones warn of an uninitialised value.)
+    lanes = _mm512_add_ps(lanes, _mm512_castsi512_ps(_mm512_maskz_slli_epi32(0xFFFF, v, 16)));
+    lanes = _mm512_add_ps(lanes, _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(-65536))));
+  }
+  alignas(64) float lane[16];
+  _mm512_store_ps(lane, lanes);
+  for (int width = 8; width >= 1; width /= 2)
+    for (int i = 0; i < width; ++i) lane[i] += lane[i + width];
+  return lane[0];
+}
+
 // dst[(c * 2) + e] = bf16(row_e[c]) for e = 0, 1 and c < n (n a multiple of 32): two rows of a B operand
 // interleaved into a VNNI row.
 inline void narrow_pair_row(const float* row0, const float* row1, BFloat16* dst, int64_t n) {
@@ -290,17 +307,6 @@ inline void narrow_pair_row(const float* row0, const float* row1, BFloat16* dst,
 void pack_rows(const Heads& x, int64_t bh, int64_t T, int64_t Tp, int64_t D, BFloat16* dst) {
   for (int64_t t = 0; t < T; ++t) std::memcpy(dst + t * D, x.row(bh, t), static_cast<size_t>(D) * 2);
   std::memset(static_cast<void*>(dst + T * D), 0, static_cast<size_t>((Tp - T) * D) * 2);
-}
-
-// [D, Tp] row-major: the head transposed, zero columns T..Tp-1. Through an fp32 scratch [D, Tp] (exact: bf16
-// widens and narrows back unchanged) so the transpose runs in transpose_into's register blocks.
-void pack_transposed(const Heads& x, int64_t bh, int64_t T, int64_t Tp, int64_t D, float* scratch, BFloat16* dst) {
-  transpose_into(x.row(bh, 0), x.sT, D, T, scratch, Tp);
-  for (int64_t d = 0; d < D; ++d) {
-    for (int64_t t = T; t < Tp; ++t) scratch[d * Tp + t] = 0.0f;
-    for (int64_t t = 0; t < Tp; ++t)
-      dst[d * Tp + t] = BFloat16::from_bits(static_cast<uint16_t>(std::bit_cast<uint32_t>(scratch[d * Tp + t]) >> 16));
-  }
 }
 
 // VNNI with k = t: [Tp / 2, D, 2], element (t, d) at (t / 2) * 2D + 2d + t % 2 (a B operand summed over rows):
@@ -343,6 +349,27 @@ void pack_col_pairs(const Heads& x, int64_t bh, int64_t T, int64_t Tp, int64_t D
   for (int64_t p = 0; p < pairs; ++p) std::fill(out + p * Tp + T, out + (p + 1) * Tp, 0u);
 }
 
+// [D, Tp] row-major: the head transposed, zero columns T..Tp-1. First as pairs (pack_col_pairs: row p holds
+// (x[t, 2p], x[t, 2p + 1]) for every t), then each pair row split into rows 2p and 2p + 1, 32 values at a time.
+void pack_transposed(const Heads& x, int64_t bh, int64_t T, int64_t Tp, int64_t D, BFloat16* pairs,
+                     BFloat16* dst) {
+  pack_col_pairs(x, bh, T, Tp, D, pairs);
+  // 16-bit lanes of two registers of pairs (64 values): the even ones (the first of each pair), then the odd.
+  alignas(64) static constexpr uint16_t kEven[32] = {0,  2,  4,  6,  8,  10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30,
+                                                     32, 34, 36, 38, 40, 42, 44, 46, 48, 50, 52, 54, 56, 58, 60, 62};
+  alignas(64) static constexpr uint16_t kOdd[32] = {1,  3,  5,  7,  9,  11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31,
+                                                    33, 35, 37, 39, 41, 43, 45, 47, 49, 51, 53, 55, 57, 59, 61, 63};
+  const __m512i even = _mm512_load_si512(kEven), odd = _mm512_load_si512(kOdd);
+  for (int64_t p = 0; p < D / 2; ++p) {
+    const BFloat16* row = pairs + p * 2 * Tp;
+    for (int64_t t = 0; t < Tp; t += 32) {  // Tp is a multiple of 32
+      const __m512i lo = _mm512_loadu_si512(row + 2 * t), hi = _mm512_loadu_si512(row + 2 * t + 32);
+      _mm512_storeu_si512(dst + 2 * p * Tp + t, _mm512_permutex2var_epi16(lo, even, hi));
+      _mm512_storeu_si512(dst + (2 * p + 1) * Tp + t, _mm512_permutex2var_epi16(lo, odd, hi));
+    }
+  }
+}
+
 bool worth_parallel(int64_t BH, int64_t T, int64_t D) { return BH > 1 && BH * T * T * D >= (int64_t{1} << 20); }
 
 template <class Engine>
@@ -381,12 +408,8 @@ void forward(const Tensor& q, const Tensor& k, const Tensor& v, double scale, co
 #pragma omp simd
           for (int64_t c = 0; c < n; ++c) sr[c] = fast_exp(sr[c] - row_max);
           std::fill(sr + n, sr + keys, 0.0f);
-          narrow_tile_row(sr, pr, keys);
-          float sum = 0;
-#pragma omp simd reduction(+ : sum)
-          for (int64_t c = 0; c < n; ++c) sum += static_cast<float>(pr[c]);
           m[r] = row_max;
-          l[r] = sum;  // >= 1: the max's own term is e^0, exactly 1 in bf16
+          l[r] = narrow_tile_row_sum(sr, pr, keys);  // >= 1: the max's own term is e^0, exactly 1 in bf16
         }
         Engine::template gemm<false>(kBlock, D, keys, p.data(), Tp, vp.data(), 2 * D, o.data(), D);
         for (int64_t r = 0; r < std::min(kBlock, T - i0); ++r) {
@@ -412,19 +435,19 @@ void backward(const Tensor& grad_out, const Tensor& q, const Tensor& k, const Te
   {
     [[maybe_unused]] const typename Engine::Scope scope;  // AMX: the tile configuration of this thread
     const size_t head = static_cast<size_t>(Tp * D), block = static_cast<size_t>(kBlock * kBlock);
-    std::vector<BFloat16> qa(head), qt(head), kt(head), kp(head), vt(head), doa(head), dot(head);
+    std::vector<BFloat16> qa(head), qt(head), kt(head), kp(head), vt(head), doa(head), dot(head), pairs(head);
     std::vector<BFloat16> p_pairs(block), ds_pairs(block), ds_rows(block);
-    std::vector<float> scratch(head), s(block), dp(block), dkt(kBlock * D), dvt(kBlock * D), dq(head), delta(Tp);
+    std::vector<float> s(block), dp(block), dkt(kBlock * D), dvt(kBlock * D), dq(head), delta(Tp);
     std::vector<float> dk_rows(kBlock * D), dv_rows(kBlock * D);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t bh = 0; bh < BH; ++bh) {
       pack_rows(qh, bh, T, Tp, D, qa.data());
-      pack_transposed(qh, bh, T, Tp, D, scratch.data(), qt.data());
+      pack_transposed(qh, bh, T, Tp, D, pairs.data(), qt.data());
       pack_col_pairs(kh, bh, T, Tp, D, kt.data());
       pack_row_pairs(kh, bh, T, Tp, D, kp.data());
       pack_col_pairs(vh, bh, T, Tp, D, vt.data());
       pack_rows(goh, bh, T, Tp, D, doa.data());
-      pack_transposed(goh, bh, T, Tp, D, scratch.data(), dot.data());
+      pack_transposed(goh, bh, T, Tp, D, pairs.data(), dot.data());
       for (int64_t i = 0; i < T; ++i) {  // delta_i = do_i . o_i in fp32
         const BFloat16* g = goh.row(bh, i);
         const BFloat16* o = oh.row(bh, i);
