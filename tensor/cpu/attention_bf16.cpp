@@ -5,10 +5,10 @@
 // operands (below) and run the same loops; only the block product differs (Tiles, DotProducts).
 //
 // Why: bf16 GEMMs run at ~2x the fp32 rate with AVX512-BF16 (oneDNN, ~950 GFLOP/s on 2 Zen 5 cores) and ~6x
-// with AMX (~2.4 TFLOP/s), and the portable kernel's fp32 register tiles (~130 GFLOP/s and ~100 GFLOP/s on
-// bench_ops' attention there) became the largest item of the bf16 step after them. Same inputs, outputs and
-// layouts as the portable kernel; it is chosen by dtype, head dim and CPU only (bf16_attention_kernel_for),
-// never by thread count, so a run is deterministic.
+// with AMX (~2.4 TFLOP/s), and the portable kernel's fp32 register tiles (bench_ops' bf16 attention: ~160
+// GFLOP/s on the Zen 5, ~90 on the Xeon with AMX) became the largest item of the bf16 step after them. Same
+// inputs, outputs and layouts as the portable kernel; it is chosen by dtype, head dim and CPU only
+// (bf16_attention_kernel_for), never by thread count, so a run is deterministic.
 //
 // Method. A task is one (batch, head) slice. Its rows are first packed into per-thread buffers in the
 // layouts the block products read, T padded with zero rows to Tp, a multiple of the 64-row block:
@@ -52,7 +52,6 @@
 
 #include "tensor/cpu/attention_rows.h"
 #include "tensor/cpu/fast_math.h"
-#include "tensor/cpu/lane_sum.h"
 #include "tensor/cpu/transpose.h"
 #include "tensor/error.h"
 
@@ -214,49 +213,43 @@ struct DotProducts {
 
 #if MIXTAPE_AMX_TILES
 // AMX: blocks of 32 x 32 (four C tiles) walk K in steps of 32.
-template <bool Accumulate>
-void tile_gemm(int64_t M, int64_t N, int64_t K, const BFloat16* a, int64_t lda, const BFloat16* b, int64_t ldb,
-               float* c, int64_t ldc) {
-  const int64_t sa = lda * 2, sb = ldb * 2, sc = ldc * 4;  // row strides in bytes
-  for (int64_t i = 0; i < M; i += 32)
-    for (int64_t j = 0; j < N; j += 32) {
-      float* c0 = c + i * ldc + j;
-      float* c1 = c0 + 16 * ldc;
-      if constexpr (Accumulate) {
-        _tile_loadd(0, c0, sc);
-        _tile_loadd(1, c0 + 16, sc);
-        _tile_loadd(2, c1, sc);
-        _tile_loadd(3, c1 + 16, sc);
-      } else {
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-      }
-      for (int64_t k = 0; k < K; k += 32) {
-        _tile_loadd(4, a + i * lda + k, sa);
-        _tile_loadd(5, a + (i + 16) * lda + k, sa);
-        _tile_loadd(6, b + (k / 2) * ldb + 2 * j, sb);
-        _tile_loadd(7, b + (k / 2) * ldb + 2 * (j + 16), sb);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
-      }
-      _tile_stored(0, c0, sc);
-      _tile_stored(1, c0 + 16, sc);
-      _tile_stored(2, c1, sc);
-      _tile_stored(3, c1 + 16, sc);
-    }
-}
-
 struct Tiles {
   using Scope = TileScope;
 
   template <bool Accumulate>
   static void gemm(int64_t M, int64_t N, int64_t K, const BFloat16* a, int64_t lda, const BFloat16* b, int64_t ldb,
                    float* c, int64_t ldc) {
-    tile_gemm<Accumulate>(M, N, K, a, lda, b, ldb, c, ldc);
+    const int64_t sa = lda * 2, sb = ldb * 2, sc = ldc * 4;  // row strides in bytes
+    for (int64_t i = 0; i < M; i += 32)
+      for (int64_t j = 0; j < N; j += 32) {
+        float* c0 = c + i * ldc + j;
+        float* c1 = c0 + 16 * ldc;
+        if constexpr (Accumulate) {
+          _tile_loadd(0, c0, sc);
+          _tile_loadd(1, c0 + 16, sc);
+          _tile_loadd(2, c1, sc);
+          _tile_loadd(3, c1 + 16, sc);
+        } else {
+          _tile_zero(0);
+          _tile_zero(1);
+          _tile_zero(2);
+          _tile_zero(3);
+        }
+        for (int64_t k = 0; k < K; k += 32) {
+          _tile_loadd(4, a + i * lda + k, sa);
+          _tile_loadd(5, a + (i + 16) * lda + k, sa);
+          _tile_loadd(6, b + (k / 2) * ldb + 2 * j, sb);
+          _tile_loadd(7, b + (k / 2) * ldb + 2 * (j + 16), sb);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 4, 7);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+        _tile_stored(0, c0, sc);
+        _tile_stored(1, c0 + 16, sc);
+        _tile_stored(2, c1, sc);
+        _tile_stored(3, c1 + 16, sc);
+      }
   }
 };
 #endif  // MIXTAPE_AMX_TILES
@@ -282,25 +275,40 @@ inline float fold_lanes(__m512 lanes, Op op) {
   return _mm_cvtss_f32(op(two, _mm_shuffle_ps(two, two, 1)));
 }
 
-// narrow_tile_row, returning the fp32 sum of the rounded values: 16 lane sums, added pairwise at the end.
-inline float narrow_tile_row_sum(const float* src, BFloat16* dst, int64_t n) {
-  __m512 lanes = _mm512_setzero_ps();
-  for (int64_t j = 0; j < n; j += 32) {
-    const __m512i v = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + j + 16), _mm512_loadu_ps(src + j));
-    _mm512_storeu_si512(dst + j, v);
-    // bf16 -> fp32 exactly: the low halves shifted up, the high halves masked in place.
-    // (The masked forms with all-ones masks: GCC 12's plain ones warn of an uninitialised value.)
-    lanes = _mm512_add_ps(lanes, _mm512_castsi512_ps(_mm512_maskz_slli_epi32(0xFFFF, v, 16)));
-    lanes = _mm512_add_ps(lanes, _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(-65536))));
-  }
+inline float sum_lanes(__m512 lanes) {
   return fold_lanes(lanes, [](auto a, auto b) {
     if constexpr (sizeof(a) == 32) return _mm256_add_ps(a, b);
     else return _mm_add_ps(a, b);
   });
 }
 
-// max_{c < n} v[c] for n >= 1, 16 lanes at a time, the last ones masked: the exact maximum (NaN ignored, as
-// lane_max does), without lane_max's scalar tail for the row lengths that are not a multiple of 16.
+inline float max_lanes(__m512 lanes) {
+  return fold_lanes(lanes, [](auto a, auto b) {
+    if constexpr (sizeof(a) == 32) return _mm256_max_ps(a, b);
+    else return _mm_max_ps(a, b);
+  });
+}
+
+// 32 bf16 as two registers of floats, exactly: a float is a bf16 with 16 zero bits below it, so the even
+// elements of each pair shift up and the odd ones are masked in place. The masked shift with an all-ones mask:
+// GCC 12's plain one warns of an uninitialised value.
+inline __m512 widen_even(__m512i v) { return _mm512_castsi512_ps(_mm512_maskz_slli_epi32(0xFFFF, v, 16)); }
+inline __m512 widen_odd(__m512i v) { return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(-65536))); }
+
+// narrow_tile_row, returning the fp32 sum of the rounded values: 16 lane sums, added pairwise at the end.
+inline float narrow_tile_row_sum(const float* src, BFloat16* dst, int64_t n) {
+  __m512 lanes = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; j += 32) {
+    const __m512i v = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + j + 16), _mm512_loadu_ps(src + j));
+    _mm512_storeu_si512(dst + j, v);
+    lanes = _mm512_add_ps(lanes, widen_even(v));
+    lanes = _mm512_add_ps(lanes, widen_odd(v));
+  }
+  return sum_lanes(lanes);
+}
+
+// max_{c < n} v[c] for n >= 1, 16 lanes at a time, the last ones masked: the exact maximum, NaN ignored (as
+// lane_max in tensor/cpu/lane_sum.h, whose scalar tail cost this kernel for rows not a multiple of 16).
 inline float row_max(const float* v, int64_t n) {
   __m512 lanes = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   int64_t c = 0;
@@ -309,29 +317,18 @@ inline float row_max(const float* v, int64_t n) {
     const __mmask16 tail = static_cast<__mmask16>((1u << (n - c)) - 1);
     lanes = _mm512_mask_max_ps(lanes, tail, _mm512_maskz_loadu_ps(tail, v + c), lanes);
   }
-  return fold_lanes(lanes, [](auto a, auto b) {
-    if constexpr (sizeof(a) == 32) return _mm256_max_ps(a, b);
-    else return _mm_max_ps(a, b);
-  });
+  return max_lanes(lanes);
 }
 
-// sum_{d < D} a[d] b[d] in fp32 (D a multiple of 32): 16 lanes of fused products, folded at the end. bf16
-// widens exactly by moving its bits to the high half of a float: the even elements of a pair shift up, the odd
-// ones are masked in place.
+// sum_{d < D} a[d] b[d] in fp32 (D a multiple of 32): 16 lanes of fused products, folded at the end.
 inline float dot_row(const BFloat16* a, const BFloat16* b, int64_t D) {
-  const __m512i high = _mm512_set1_epi32(-65536);
   __m512 lanes = _mm512_setzero_ps();
   for (int64_t d = 0; d < D; d += 32) {
     const __m512i x = _mm512_loadu_si512(a + d), y = _mm512_loadu_si512(b + d);
-    lanes = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_maskz_slli_epi32(0xFFFF, x, 16)),
-                            _mm512_castsi512_ps(_mm512_maskz_slli_epi32(0xFFFF, y, 16)), lanes);
-    lanes = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(x, high)),
-                            _mm512_castsi512_ps(_mm512_and_si512(y, high)), lanes);
+    lanes = _mm512_fmadd_ps(widen_even(x), widen_even(y), lanes);
+    lanes = _mm512_fmadd_ps(widen_odd(x), widen_odd(y), lanes);
   }
-  return fold_lanes(lanes, [](auto u, auto v) {
-    if constexpr (sizeof(u) == 32) return _mm256_add_ps(u, v);
-    else return _mm_add_ps(u, v);
-  });
+  return sum_lanes(lanes);
 }
 
 // dst[(c * 2) + e] = bf16(row_e[c]) for e = 0, 1 and c < n (n a multiple of 32): two rows of a B operand
