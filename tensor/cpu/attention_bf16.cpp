@@ -37,7 +37,6 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
-#include <vector>
 
 // The packing and the loops need AVX512-BF16 (and BW); the tiles need AMX on top of it.
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -52,6 +51,7 @@
 
 #include "tensor/cpu/attention_rows.h"
 #include "tensor/cpu/fast_math.h"
+#include "tensor/cpu/scratch.h"
 #include "tensor/cpu/transpose.h"
 #include "tensor/error.h"
 
@@ -414,6 +414,46 @@ void pack_transposed(const Heads& x, int64_t bh, int64_t T, int64_t Tp, int64_t 
   }
 }
 
+// A thread's buffers (the layouts above), carved from its part of a ThreadScratch.
+struct ForwardScratch {
+  ForwardScratch(ScratchCarver& c, int64_t Tp, int64_t D)
+      : qa(c.take<BFloat16>(Tp * D)),
+        kt(c.take<BFloat16>(Tp * D)),
+        vp(c.take<BFloat16>(Tp * D)),
+        p(c.take<BFloat16>(kBlock * Tp)),
+        s(c.take<float>(kBlock * Tp)),
+        o(c.take<float>(kBlock * D)),
+        m(c.take<float>(kBlock)),
+        l(c.take<float>(kBlock)) {}
+  BFloat16 *qa, *kt, *vp, *p;
+  float *s, *o, *m, *l;
+};
+
+struct BackwardScratch {
+  BackwardScratch(ScratchCarver& c, int64_t Tp, int64_t D)
+      : qa(c.take<BFloat16>(Tp * D)),
+        qt(c.take<BFloat16>(Tp * D)),
+        kt(c.take<BFloat16>(Tp * D)),
+        kp(c.take<BFloat16>(Tp * D)),
+        vt(c.take<BFloat16>(Tp * D)),
+        doa(c.take<BFloat16>(Tp * D)),
+        dot(c.take<BFloat16>(Tp * D)),
+        pairs(c.take<BFloat16>(Tp * D)),
+        p_pairs(c.take<BFloat16>(kBlock * kBlock)),
+        ds_pairs(c.take<BFloat16>(kBlock * kBlock)),
+        ds_rows(c.take<BFloat16>(kBlock * kBlock)),
+        s(c.take<float>(kBlock * kBlock)),
+        dp(c.take<float>(kBlock * kBlock)),
+        dkt(c.take<float>(kBlock * D)),
+        dvt(c.take<float>(kBlock * D)),
+        dq(c.take<float>(Tp * D)),
+        delta(c.take<float>(Tp)),
+        dk_rows(c.take<float>(kBlock * D)),
+        dv_rows(c.take<float>(kBlock * D)) {}
+  BFloat16 *qa, *qt, *kt, *kp, *vt, *doa, *dot, *pairs, *p_pairs, *ds_pairs, *ds_rows;
+  float *s, *dp, *dkt, *dvt, *dq, *delta, *dk_rows, *dv_rows;
+};
+
 bool worth_parallel(int64_t BH, int64_t T, int64_t D) { return BH > 1 && BH * T * T * D >= (int64_t{1} << 20); }
 
 template <class Engine>
@@ -424,23 +464,27 @@ void forward(const Tensor& q, const Tensor& k, const Tensor& v, double scale, co
   const Heads qh = heads_of(q), kh = heads_of(k), vh = heads_of(v), oh = heads_of(out);
   float* lse_out = lse.data<float>();
   const float scale_f = static_cast<float>(scale);
-#pragma omp parallel if (worth_parallel(BH, T, D))
+  const bool parallel = worth_parallel(BH, T, D);
+  const ThreadScratch scratch(scratch_bytes<ForwardScratch>(Tp, D), parallel);
+#pragma omp parallel if (parallel)
   {
     [[maybe_unused]] const typename Engine::Scope scope;  // AMX: the tile configuration of this thread
-    std::vector<BFloat16> qa(Tp * D), kt(Tp * D), vp(Tp * D), p(kBlock * Tp);
-    std::vector<float> s(kBlock * Tp), o(kBlock * D), m(kBlock), l(kBlock);
+    ScratchCarver carver = scratch.carver();
+    const ForwardScratch b(carver, Tp, D);
+    BFloat16 *const qa = b.qa, *const kt = b.kt, *const vp = b.vp, *const p = b.p;
+    float *const s = b.s, *const o = b.o, *const m = b.m, *const l = b.l;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t bh = 0; bh < BH; ++bh) {
-      pack_rows(qh, bh, T, Tp, D, qa.data());
-      pack_col_pairs(kh, bh, T, Tp, D, kt.data());
-      pack_row_pairs(vh, bh, T, Tp, D, vp.data());
+      pack_rows(qh, bh, T, Tp, D, qa);
+      pack_col_pairs(kh, bh, T, Tp, D, kt);
+      pack_row_pairs(vh, bh, T, Tp, D, vp);
       for (int64_t i0 = 0; i0 < T; i0 += kBlock) {
         const int64_t keys = i0 + kBlock;  // every key block up to and including the diagonal one
-        Engine::template gemm<false>(kBlock, keys, D, qa.data() + i0 * D, D, kt.data(), 2 * Tp, s.data(), Tp);
+        Engine::template gemm<false>(kBlock, keys, D, qa + i0 * D, D, kt, 2 * Tp, s, Tp);
         for (int64_t r = 0; r < kBlock; ++r) {
           const int64_t i = i0 + r;
-          float* sr = s.data() + r * Tp;
-          BFloat16* pr = p.data() + r * Tp;
+          float* sr = s + r * Tp;
+          BFloat16* pr = p + r * Tp;
           if (i >= T) {  // a padding row: no probabilities
             std::fill(pr, pr + keys, BFloat16());
             continue;
@@ -455,9 +499,9 @@ void forward(const Tensor& q, const Tensor& k, const Tensor& v, double scale, co
           m[r] = max;
           l[r] = narrow_tile_row_sum(sr, pr, keys);  // >= 1: the max's own term is e^0, exactly 1 in bf16
         }
-        Engine::template gemm<false>(kBlock, D, keys, p.data(), Tp, vp.data(), 2 * D, o.data(), D);
+        Engine::template gemm<false>(kBlock, D, keys, p, Tp, vp, 2 * D, o, D);
         for (int64_t r = 0; r < std::min(kBlock, T - i0); ++r) {
-          store_scaled_run(o.data() + r * D, 1.0f / l[r], oh.row(bh, i0 + r), D);
+          store_scaled_run(o + r * D, 1.0f / l[r], oh.row(bh, i0 + r), D);
           lse_out[bh * T + i0 + r] = m[r] + std::log(l[r]);
         }
       }
@@ -475,64 +519,68 @@ void backward(const Tensor& grad_out, const Tensor& q, const Tensor& k, const Te
   const Heads gqh = heads_of(grad_q), gkh = heads_of(grad_k), gvh = heads_of(grad_v);
   const float* lse_in = lse.data<float>();
   const float scale_f = static_cast<float>(scale);
-#pragma omp parallel if (worth_parallel(BH, T, D))
+  const bool parallel = worth_parallel(BH, T, D);
+  const ThreadScratch scratch(scratch_bytes<BackwardScratch>(Tp, D), parallel);
+#pragma omp parallel if (parallel)
   {
     [[maybe_unused]] const typename Engine::Scope scope;  // AMX: the tile configuration of this thread
-    const size_t head = static_cast<size_t>(Tp * D), block = static_cast<size_t>(kBlock * kBlock);
-    std::vector<BFloat16> qa(head), qt(head), kt(head), kp(head), vt(head), doa(head), dot(head), pairs(head);
-    std::vector<BFloat16> p_pairs(block), ds_pairs(block), ds_rows(block);
-    std::vector<float> s(block), dp(block), dkt(kBlock * D), dvt(kBlock * D), dq(head), delta(Tp);
-    std::vector<float> dk_rows(kBlock * D), dv_rows(kBlock * D);
+    ScratchCarver carver = scratch.carver();
+    const BackwardScratch b(carver, Tp, D);
+    BFloat16 *const qa = b.qa, *const qt = b.qt, *const kt = b.kt, *const kp = b.kp, *const vt = b.vt;
+    BFloat16 *const doa = b.doa, *const dot = b.dot, *const pairs = b.pairs;
+    BFloat16 *const p_pairs = b.p_pairs, *const ds_pairs = b.ds_pairs, *const ds_rows = b.ds_rows;
+    float *const s = b.s, *const dp = b.dp, *const dkt = b.dkt, *const dvt = b.dvt, *const dq = b.dq;
+    float *const delta = b.delta, *const dk_rows = b.dk_rows, *const dv_rows = b.dv_rows;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t bh = 0; bh < BH; ++bh) {
-      pack_rows(qh, bh, T, Tp, D, qa.data());
-      pack_transposed(qh, bh, T, Tp, D, pairs.data(), qt.data());
-      pack_col_pairs(kh, bh, T, Tp, D, kt.data());
-      pack_row_pairs(kh, bh, T, Tp, D, kp.data());
-      pack_col_pairs(vh, bh, T, Tp, D, vt.data());
-      pack_rows(goh, bh, T, Tp, D, doa.data());
-      pack_transposed(goh, bh, T, Tp, D, pairs.data(), dot.data());
+      pack_rows(qh, bh, T, Tp, D, qa);
+      pack_transposed(qh, bh, T, Tp, D, pairs, qt);
+      pack_col_pairs(kh, bh, T, Tp, D, kt);
+      pack_row_pairs(kh, bh, T, Tp, D, kp);
+      pack_col_pairs(vh, bh, T, Tp, D, vt);
+      pack_rows(goh, bh, T, Tp, D, doa);
+      pack_transposed(goh, bh, T, Tp, D, pairs, dot);
       for (int64_t i = 0; i < T; ++i) delta[i] = dot_row(goh.row(bh, i), oh.row(bh, i), D);
-      std::fill(dq.begin(), dq.end(), 0.0f);
+      std::fill(dq, dq + Tp * D, 0.0f);
       for (int64_t j0 = 0; j0 < T; j0 += kBlock) {
-        std::fill(dkt.begin(), dkt.end(), 0.0f);
-        std::fill(dvt.begin(), dvt.end(), 0.0f);
+        std::fill(dkt, dkt + kBlock * D, 0.0f);
+        std::fill(dvt, dvt + kBlock * D, 0.0f);
         for (int64_t i0 = j0; i0 < T; i0 += kBlock) {
-          Engine::template gemm<false>(kBlock, kBlock, D, qa.data() + i0 * D, D, kt.data() + 2 * j0, 2 * Tp,
-                                       s.data(), kBlock);
-          Engine::template gemm<false>(kBlock, kBlock, D, doa.data() + i0 * D, D, vt.data() + 2 * j0, 2 * Tp,
-                                       dp.data(), kBlock);
+          Engine::template gemm<false>(kBlock, kBlock, D, qa + i0 * D, D, kt + 2 * j0, 2 * Tp,
+                                       s, kBlock);
+          Engine::template gemm<false>(kBlock, kBlock, D, doa + i0 * D, D, vt + 2 * j0, 2 * Tp,
+                                       dp, kBlock);
           for (int64_t r = 0; r < kBlock; ++r) {
             const int64_t i = i0 + r;
             const int64_t n = i < T ? std::clamp<int64_t>(i - j0 + 1, 0, kBlock) : 0;  // keys row i sees
             const float row_lse = i < T ? lse_in[bh * T + i] : 0.0f, row_delta = i < T ? delta[i] : 0.0f;
-            float* dsr = dp.data() + r * kBlock;
-            probabilities_and_gradient_row(s.data() + r * kBlock, dsr, n, kBlock, scale_f, row_lse, row_delta);
-            narrow_tile_row(dsr, ds_rows.data() + r * kBlock, kBlock);
+            float* dsr = dp + r * kBlock;
+            probabilities_and_gradient_row(s + r * kBlock, dsr, n, kBlock, scale_f, row_lse, row_delta);
+            narrow_tile_row(dsr, ds_rows + r * kBlock, kBlock);
           }
           for (int64_t r = 0; r < kBlock; r += 2) {  // p and ds as B operands summed over query rows
-            narrow_pair_row(s.data() + r * kBlock, s.data() + (r + 1) * kBlock, p_pairs.data() + r * kBlock, kBlock);
-            narrow_pair_row(dp.data() + r * kBlock, dp.data() + (r + 1) * kBlock, ds_pairs.data() + r * kBlock,
+            narrow_pair_row(s + r * kBlock, s + (r + 1) * kBlock, p_pairs + r * kBlock, kBlock);
+            narrow_pair_row(dp + r * kBlock, dp + (r + 1) * kBlock, ds_pairs + r * kBlock,
                             kBlock);
           }
           // dv^T += do^T p;  dk^T += q^T ds;  dq += ds k
-          Engine::template gemm<true>(D, kBlock, kBlock, dot.data() + i0, Tp, p_pairs.data(), 2 * kBlock,
-                                      dvt.data(), kBlock);
-          Engine::template gemm<true>(D, kBlock, kBlock, qt.data() + i0, Tp, ds_pairs.data(), 2 * kBlock,
-                                      dkt.data(), kBlock);
-          Engine::template gemm<true>(kBlock, D, kBlock, ds_rows.data(), kBlock, kp.data() + j0 * D, 2 * D,
-                                      dq.data() + i0 * D, D);
+          Engine::template gemm<true>(D, kBlock, kBlock, dot + i0, Tp, p_pairs, 2 * kBlock,
+                                      dvt, kBlock);
+          Engine::template gemm<true>(D, kBlock, kBlock, qt + i0, Tp, ds_pairs, 2 * kBlock,
+                                      dkt, kBlock);
+          Engine::template gemm<true>(kBlock, D, kBlock, ds_rows, kBlock, kp + j0 * D, 2 * D,
+                                      dq + i0 * D, D);
         }
         // dk^T and dv^T [D, 64] back to rows [64, D] (register-block transposes), then stored.
         const int64_t keys = std::min(kBlock, T - j0);
-        transpose_into(dkt.data(), kBlock, keys, D, dk_rows.data(), D);
-        transpose_into(dvt.data(), kBlock, keys, D, dv_rows.data(), D);
+        transpose_into(dkt, kBlock, keys, D, dk_rows, D);
+        transpose_into(dvt, kBlock, keys, D, dv_rows, D);
         for (int64_t c = 0; c < keys; ++c) {
-          store_scaled_run(dk_rows.data() + c * D, scale_f, gkh.row(bh, j0 + c), D);
-          store_scaled_run(dv_rows.data() + c * D, 1.0f, gvh.row(bh, j0 + c), D);
+          store_scaled_run(dk_rows + c * D, scale_f, gkh.row(bh, j0 + c), D);
+          store_scaled_run(dv_rows + c * D, 1.0f, gvh.row(bh, j0 + c), D);
         }
       }
-      for (int64_t i = 0; i < T; ++i) store_scaled_run(dq.data() + i * D, scale_f, gqh.row(bh, i), D);
+      for (int64_t i = 0; i < T; ++i) store_scaled_run(dq + i * D, scale_f, gqh.row(bh, i), D);
     }
   }
 }
