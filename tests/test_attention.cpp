@@ -443,6 +443,35 @@ TEST(Bf16Attention, OddOffsetAndFusedHeadsGiveBitwiseTheContiguousResults) {
   }
 }
 
+// The per-thread scratch comes from the caching allocator (tensor/cpu/scratch.h), not from the heap: its peak
+// rises during a call by at least one thread's packed head buffers (3 in the forward, 8 in the backward,
+// [Tp, D] bf16 each), and a repeated call takes its blocks from the cache, so the allocator holds no new
+// memory after it.
+TEST(Bf16Attention, TakesItsScratchFromTheCachingAllocator) {
+  SKIP_WITHOUT_BF16_KERNEL();
+  cpu::CachingAllocator& allocator = cpu::cpu_backend().caching_allocator();
+  const int64_t B = 2, H = 4, T = 128, D = 64;
+  const size_t head_bytes = static_cast<size_t>(T * D * 2);
+  for (Bf16AttentionKernel kernel : bf16_kernels()) {
+    SCOPED_TRACE(cpu::bf16_attention_kernel_name(kernel));
+    const Tensor q = uniform_tensor({B, H, T, D}, 80, -2, 2, DType::BF16);
+    const Tensor k = uniform_tensor({B, H, T, D}, 81, -2, 2, DType::BF16);
+    const Tensor v = uniform_tensor({B, H, T, D}, 82, -1, 1, DType::BF16);
+    const Tensor g = uniform_tensor({B, H, T, D}, 83, -1, 1, DType::BF16);
+    const Tensor out = Tensor::empty(q.shape(), DType::BF16), lse = Tensor::empty({B, H, T});
+    const Tensor gq = Tensor::empty(q.shape(), DType::BF16), gk = Tensor::empty(q.shape(), DType::BF16);
+    const Tensor gv = Tensor::empty(q.shape(), DType::BF16);
+    auto forward = [&] { cpu::bf16_causal_attention(kernel, q, k, v, 0.125, out, lse); };
+    auto backward = [&] { cpu::bf16_causal_attention_backward(kernel, g, q, k, v, out, lse, 0.125, gq, gk, gv); };
+    EXPECT_GE(peak_extra_bytes(forward), 3 * head_bytes);
+    EXPECT_GE(peak_extra_bytes(backward), 8 * head_bytes);
+    const cpu::CachingAllocator::Stats before = allocator.stats();
+    backward();
+    const cpu::CachingAllocator::Stats after = allocator.stats();
+    EXPECT_EQ(after.allocated_bytes + after.cached_bytes, before.allocated_bytes + before.cached_bytes);
+  }
+}
+
 // ---- memory ----------------------------------------------------------------------------------------------
 
 // At T = 2048 one head's score matrix alone is T*T*4 = 16 MiB. The fused forward + backward needs only the
