@@ -1,18 +1,24 @@
 #include "tensor/shape.h"
 
+#include <charconv>
 #include <cstdint>
-#include <sstream>
 
 #include "tensor/error.h"
 
 namespace mixtape {
 
+// With to_chars, not a stream: check() formats its message's parts before it knows whether it fails, so
+// shapes are formatted on hot paths (every view, reshape and backward node), and a stream's construction and
+// locale lookups cost several times the formatting itself.
 std::string shape_str(const Shape& shape) {
-  std::ostringstream out;
-  out << '[';
-  for (size_t i = 0; i < shape.size(); ++i) out << (i ? "," : "") << shape[i];
-  out << ']';
-  return out.str();
+  std::string out = "[";
+  char digits[24];
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (i) out += ',';
+    out.append(digits, std::to_chars(digits, digits + sizeof digits, shape[i]).ptr);
+  }
+  out += ']';
+  return out;
 }
 
 int64_t shape_numel(const Shape& shape) {

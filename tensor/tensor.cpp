@@ -148,10 +148,13 @@ void Tensor::check_dtype(DType expected, const char* what) const {
 
 std::string Tensor::description() const {
   if (!defined()) return "undefined";
-  std::ostringstream out;
-  out << dtype_name(dtype()) << shape_str(shape());
-  if (!device().is_cpu()) out << ' ' << device();
-  return out.str();
+  std::string out = dtype_name(dtype()) + shape_str(shape());  // no stream, as in shape_str
+  if (!device().is_cpu()) {
+    std::ostringstream where;
+    where << ' ' << device();
+    out += where.str();
+  }
+  return out;
 }
 
 bool is_private_buffer(const Tensor& t, long holders) {

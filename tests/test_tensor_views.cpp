@@ -576,6 +576,17 @@ TEST(TensorErrors, ItemAndDataNameTheTensor) {
   EXPECT_ERROR_MENTIONS(Tensor::zeros({2}, DType::I64).requires_grad_(), "requires_grad_", "i64[2]");
 }
 
+// The formats every error message uses for shapes and tensors (built without streams).
+TEST(TensorErrors, DescriptionAndShapeFormats) {
+  EXPECT_EQ(Tensor::zeros({2, 3}, DType::BF16).description(), "bf16[2,3]");
+  EXPECT_EQ(Tensor::zeros({}).description(), "f32[]");
+  EXPECT_EQ(Tensor::zeros({0, 7}, DType::I64).description(), "i64[0,7]");
+  EXPECT_EQ(shape_str({}), "[]");
+  EXPECT_EQ(shape_str({-1, 0, 12}), "[-1,0,12]");
+  EXPECT_EQ(shape_str({std::numeric_limits<int64_t>::min(), std::numeric_limits<int64_t>::max()}),
+            "[-9223372036854775808,9223372036854775807]");
+}
+
 TEST(TensorErrors, UndefinedTensor) {
   const Tensor undefined;
   EXPECT_FALSE(undefined.defined());
