@@ -546,10 +546,8 @@ void backward(const Tensor& grad_out, const Tensor& q, const Tensor& k, const Te
         std::fill(dkt, dkt + kBlock * D, 0.0f);
         std::fill(dvt, dvt + kBlock * D, 0.0f);
         for (int64_t i0 = j0; i0 < T; i0 += kBlock) {
-          Engine::template gemm<false>(kBlock, kBlock, D, qa + i0 * D, D, kt + 2 * j0, 2 * Tp,
-                                       s, kBlock);
-          Engine::template gemm<false>(kBlock, kBlock, D, doa + i0 * D, D, vt + 2 * j0, 2 * Tp,
-                                       dp, kBlock);
+          Engine::template gemm<false>(kBlock, kBlock, D, qa + i0 * D, D, kt + 2 * j0, 2 * Tp, s, kBlock);
+          Engine::template gemm<false>(kBlock, kBlock, D, doa + i0 * D, D, vt + 2 * j0, 2 * Tp, dp, kBlock);
           for (int64_t r = 0; r < kBlock; ++r) {
             const int64_t i = i0 + r;
             const int64_t n = i < T ? std::clamp<int64_t>(i - j0 + 1, 0, kBlock) : 0;  // keys row i sees
@@ -560,16 +558,12 @@ void backward(const Tensor& grad_out, const Tensor& q, const Tensor& k, const Te
           }
           for (int64_t r = 0; r < kBlock; r += 2) {  // p and ds as B operands summed over query rows
             narrow_pair_row(s + r * kBlock, s + (r + 1) * kBlock, p_pairs + r * kBlock, kBlock);
-            narrow_pair_row(dp + r * kBlock, dp + (r + 1) * kBlock, ds_pairs + r * kBlock,
-                            kBlock);
+            narrow_pair_row(dp + r * kBlock, dp + (r + 1) * kBlock, ds_pairs + r * kBlock, kBlock);
           }
           // dv^T += do^T p;  dk^T += q^T ds;  dq += ds k
-          Engine::template gemm<true>(D, kBlock, kBlock, dot + i0, Tp, p_pairs, 2 * kBlock,
-                                      dvt, kBlock);
-          Engine::template gemm<true>(D, kBlock, kBlock, qt + i0, Tp, ds_pairs, 2 * kBlock,
-                                      dkt, kBlock);
-          Engine::template gemm<true>(kBlock, D, kBlock, ds_rows, kBlock, kp + j0 * D, 2 * D,
-                                      dq + i0 * D, D);
+          Engine::template gemm<true>(D, kBlock, kBlock, dot + i0, Tp, p_pairs, 2 * kBlock, dvt, kBlock);
+          Engine::template gemm<true>(D, kBlock, kBlock, qt + i0, Tp, ds_pairs, 2 * kBlock, dkt, kBlock);
+          Engine::template gemm<true>(kBlock, D, kBlock, ds_rows, kBlock, kp + j0 * D, 2 * D, dq + i0 * D, D);
         }
         // dk^T and dv^T [D, 64] back to rows [64, D] (register-block transposes), then stored.
         const int64_t keys = std::min(kBlock, T - j0);
