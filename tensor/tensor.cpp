@@ -149,11 +149,7 @@ void Tensor::check_dtype(DType expected, const char* what) const {
 std::string Tensor::description() const {
   if (!defined()) return "undefined";
   std::string out = dtype_name(dtype()) + shape_str(shape());  // no stream, as in shape_str
-  if (!device().is_cpu()) {
-    std::ostringstream where;
-    where << ' ' << device();
-    out += where.str();
-  }
+  if (!device().is_cpu()) out += ' ' + device().str();
   return out;
 }
 
