@@ -126,6 +126,7 @@ Bf16AttentionKernel bf16_attention_kernel_for(DType dtype, int64_t D) {
 namespace {
 
 constexpr int64_t kBlock = 64;  // query and key rows per block: a multiple of 32 (two tiles of 16 rows)
+constexpr int64_t kHalf = kBlock / 2;  // half a block: still a multiple of 32, as the block products need
 
 int64_t round_up(int64_t n, int64_t multiple) { return (n + multiple - 1) / multiple * multiple; }
 
@@ -479,27 +480,31 @@ void forward(const Tensor& q, const Tensor& k, const Tensor& v, double scale, co
       pack_col_pairs(kh, bh, T, Tp, D, kt);
       pack_row_pairs(vh, bh, T, Tp, D, vp);
       for (int64_t i0 = 0; i0 < T; i0 += kBlock) {
-        const int64_t keys = i0 + kBlock;  // every key block up to and including the diagonal one
-        Engine::template gemm<false>(kBlock, keys, D, qa + i0 * D, D, kt, 2 * Tp, s, Tp);
-        for (int64_t r = 0; r < kBlock; ++r) {
-          const int64_t i = i0 + r;
-          float* sr = s + r * Tp;
-          BFloat16* pr = p + r * Tp;
-          if (i >= T) {  // a padding row: no probabilities
-            std::fill(pr, pr + keys, BFloat16());
-            continue;
+        // Each half of the block's rows sees the keys up to its own end: the top half skips the diagonal
+        // block's upper right quadrant, which the mask hides.
+        for (int64_t h0 = 0; h0 < kBlock; h0 += kHalf) {
+          const int64_t keys = i0 + h0 + kHalf;
+          Engine::template gemm<false>(kHalf, keys, D, qa + (i0 + h0) * D, D, kt, 2 * Tp, s + h0 * Tp, Tp);
+          for (int64_t r = h0; r < h0 + kHalf; ++r) {
+            const int64_t i = i0 + r;
+            float* sr = s + r * Tp;
+            BFloat16* pr = p + r * Tp;
+            if (i >= T) {  // a padding row: no probabilities
+              std::fill(pr, pr + keys, BFloat16());
+              continue;
+            }
+            const int64_t n = i + 1;
+#pragma omp simd
+            for (int64_t c = 0; c < n; ++c) sr[c] *= scale_f;
+            const float max = row_max(sr, n);
+#pragma omp simd
+            for (int64_t c = 0; c < n; ++c) sr[c] = fast_exp(sr[c] - max);
+            std::fill(sr + n, sr + keys, 0.0f);
+            m[r] = max;
+            l[r] = narrow_tile_row_sum(sr, pr, keys);  // >= 1: the max's own term is e^0, exactly 1 in bf16
           }
-          const int64_t n = i + 1;
-#pragma omp simd
-          for (int64_t c = 0; c < n; ++c) sr[c] *= scale_f;
-          const float max = row_max(sr, n);
-#pragma omp simd
-          for (int64_t c = 0; c < n; ++c) sr[c] = fast_exp(sr[c] - max);
-          std::fill(sr + n, sr + keys, 0.0f);
-          m[r] = max;
-          l[r] = narrow_tile_row_sum(sr, pr, keys);  // >= 1: the max's own term is e^0, exactly 1 in bf16
+          Engine::template gemm<false>(kHalf, D, keys, p + h0 * Tp, Tp, vp, 2 * D, o + h0 * D, D);
         }
-        Engine::template gemm<false>(kBlock, D, keys, p, Tp, vp, 2 * D, o, D);
         for (int64_t r = 0; r < std::min(kBlock, T - i0); ++r) {
           store_scaled_run(o + r * D, 1.0f / l[r], oh.row(bh, i0 + r), D);
           lse_out[bh * T + i0 + r] = m[r] + std::log(l[r]);
@@ -546,8 +551,16 @@ void backward(const Tensor& grad_out, const Tensor& q, const Tensor& k, const Te
         std::fill(dkt, dkt + kBlock * D, 0.0f);
         std::fill(dvt, dvt + kBlock * D, 0.0f);
         for (int64_t i0 = j0; i0 < T; i0 += kBlock) {
-          Engine::template gemm<false>(kBlock, kBlock, D, qa + i0 * D, D, kt + 2 * j0, 2 * Tp, s, kBlock);
-          Engine::template gemm<false>(kBlock, kBlock, D, doa + i0 * D, D, vt + 2 * j0, 2 * Tp, dp, kBlock);
+          // On the diagonal block, the upper right quadrant (query rows of the top half, keys of the right
+          // half) is masked: p and ds are zero there, so every product below skips it.
+          const bool diagonal = i0 == j0;
+          for (int64_t h0 = 0; h0 < kBlock; h0 += kHalf) {  // s and dp for the keys each half of the rows sees
+            const int64_t keys = diagonal ? h0 + kHalf : kBlock;
+            Engine::template gemm<false>(kHalf, keys, D, qa + (i0 + h0) * D, D, kt + 2 * j0, 2 * Tp, s + h0 * kBlock,
+                                         kBlock);
+            Engine::template gemm<false>(kHalf, keys, D, doa + (i0 + h0) * D, D, vt + 2 * j0, 2 * Tp,
+                                         dp + h0 * kBlock, kBlock);
+          }
           for (int64_t r = 0; r < kBlock; ++r) {
             const int64_t i = i0 + r;
             const int64_t n = i < T ? std::clamp<int64_t>(i - j0 + 1, 0, kBlock) : 0;  // keys row i sees
@@ -560,10 +573,19 @@ void backward(const Tensor& grad_out, const Tensor& q, const Tensor& k, const Te
             narrow_pair_row(s + r * kBlock, s + (r + 1) * kBlock, p_pairs + r * kBlock, kBlock);
             narrow_pair_row(dp + r * kBlock, dp + (r + 1) * kBlock, ds_pairs + r * kBlock, kBlock);
           }
-          // dv^T += do^T p;  dk^T += q^T ds;  dq += ds k
-          Engine::template gemm<true>(D, kBlock, kBlock, dot + i0, Tp, p_pairs, 2 * kBlock, dvt, kBlock);
-          Engine::template gemm<true>(D, kBlock, kBlock, qt + i0, Tp, ds_pairs, 2 * kBlock, dkt, kBlock);
-          Engine::template gemm<true>(kBlock, D, kBlock, ds_rows, kBlock, kp + j0 * D, 2 * D, dq + i0 * D, D);
+          // dv^T += do^T p;  dk^T += q^T ds (per half of the keys, over the query rows that see them);
+          // dq += ds k (per half of the query rows, over the keys they see).
+          for (int64_t h0 = 0; h0 < kBlock; h0 += kHalf) {
+            const int64_t r0 = diagonal ? h0 : 0;  // the first query row that sees keys h0..
+            const int64_t pairs_at = (r0 / 2) * 2 * kBlock + 2 * h0;
+            Engine::template gemm<true>(D, kHalf, kBlock - r0, dot + i0 + r0, Tp, p_pairs + pairs_at, 2 * kBlock,
+                                        dvt + h0, kBlock);
+            Engine::template gemm<true>(D, kHalf, kBlock - r0, qt + i0 + r0, Tp, ds_pairs + pairs_at, 2 * kBlock,
+                                        dkt + h0, kBlock);
+            const int64_t keys = diagonal ? h0 + kHalf : kBlock;
+            Engine::template gemm<true>(kHalf, D, keys, ds_rows + h0 * kBlock, kBlock, kp + j0 * D, 2 * D,
+                                        dq + (i0 + h0) * D, D);
+          }
         }
         // dk^T and dv^T [D, 64] back to rows [64, D] (register-block transposes), then stored.
         const int64_t keys = std::min(kBlock, T - j0);
