@@ -24,6 +24,9 @@
 //   p = e^(scale q k^T - lse),  dp = do v^T,  ds = p (dp - delta)  (fp32; delta_i = do_i . o_i),
 //   dv^T += do^T p,  dk^T += q^T ds,  dq += ds k  (p and ds rounded to bf16 as block-product operands),
 // with dk^T and dv^T stored transposed (and dk, dq scaled) once per key block, dq once per head.
+// Both skip the masked upper right quadrant of each diagonal block (the top 32 query rows never see the right
+// 32 keys): each product runs per half block over the rows or keys that are not masked (17% fewer products at
+// T = 128; bench_ops' bf16 attention row went from 1.48-1.57 to 1.34-1.43 ms on the Zen 5).
 // Numerics: the scores and every sum are fp32, as in the portable kernel; the difference is the rounding of
 // p and ds to bf16 before their products (relative 2^-9 each, the rounding FlashAttention does on a GPU). The
 // two engines sum the same exact products in different orders, so their last bits may differ.
