@@ -322,6 +322,37 @@ TEST(Adam, MatchesThePublishedAlgorithmOverThreeSteps) {
       }
 }
 
+TEST(Adam, SmallAndLargeParamsTakeTheSameBitsOnAnyThreadCount) {
+  // Tensors below the threading grain are stepped a tensor per thread, larger ones by a loop split across the
+  // threads. The small params repeat the large one's first elements (values, gradients and so moments), so
+  // a difference between the two paths (a tensor skipped or stepped twice, another formula) or between
+  // thread counts shows as a mismatch. Their speed is bench_ops' adamw row.
+  const int64_t large = 70000;
+  const std::vector<int64_t> small = {1, 5, 16, 37, 100, 4096};
+  auto run = [&](int threads) {
+    const std::vector<double> start = test_values(large, 1, 0.5, 2.0);
+    std::vector<Tensor> params = {make_param(start, DType::F32)};
+    for (int64_t n : small) params.push_back(make_param({start.begin(), start.begin() + n}, DType::F32));
+    AdamW optimizer(params, 0.01, 0.1);
+    const int saved = omp_get_max_threads();
+    omp_set_num_threads(threads);
+    for (int64_t t = 0; t < 3; ++t) {
+      const std::vector<double> g = test_values(large, t + 2, 0.1, 1.0);
+      for (Tensor& p : params) give_grad(p, std::vector<double>(g.begin(), g.begin() + p.numel()));
+      optimizer.step();
+    }
+    omp_set_num_threads(saved);
+    std::vector<std::vector<float>> out;
+    for (const Tensor& p : params) out.push_back(p.to_vector<float>());
+    return out;
+  };
+  const auto one = run(1), two = run(2);
+  EXPECT_EQ(one, two);
+  for (size_t k = 1; k < one.size(); ++k)
+    EXPECT_EQ(one[k], std::vector<float>(one[0].begin(), one[0].begin() + static_cast<int64_t>(one[k].size())))
+        << "param of " << one[k].size() << " elements";
+}
+
 TEST(Adam, SixteenBitParamsKeepF32StateAndRoundOnceOnStore) {
   for (DType dtype : {DType::F16, DType::BF16}) {
     SCOPED_TRACE(dtype_name(dtype));

@@ -1,4 +1,5 @@
 // AMP kernels: the fused unscale + non-finite check a loss scaler runs on every gradient each step.
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -21,12 +22,12 @@ bool unscale_one(T* g, int64_t n, double inv_scale) {
     // reading the gradients without writing them back (half the memory traffic of the pass below). x * 0 is
     // +-0 for a finite x and NaN for inf or NaN, so the sum is NaN exactly when some element is not finite.
     Acc probe = 0;
-#pragma omp parallel for simd schedule(static) reduction(+ : probe) if (n >= 2 * kParallelGrain)
+#pragma omp parallel for simd schedule(static) reduction(+ : probe) if (parallel : n >= 2 * kParallelGrain)
     for (int64_t i = 0; i < n; ++i) probe += convert<Acc>(g[i]) * Acc(0);
     return std::isnan(probe);
   }
   bool found = false;
-#pragma omp parallel for simd schedule(static) reduction(|| : found) if (n >= 2 * kParallelGrain)
+#pragma omp parallel for simd schedule(static) reduction(|| : found) if (parallel : n >= 2 * kParallelGrain)
   for (int64_t i = 0; i < n; ++i) {
     const Acc x = convert<Acc>(g[i]);
     const T y = convert<T>(x * inv);
@@ -41,14 +42,17 @@ bool unscale_one(T* g, int64_t n, double inv_scale) {
 }  // namespace
 
 bool CpuBackend::unscale_and_check_finite(const std::vector<Tensor>& grads, double inv_scale) {
-  bool found_inf = false;
-  for (const Tensor& g : grads) {
-    const bool found = dispatch_float(g.dtype(), "unscale_and_check_finite", [&]<typename T>() {
+  for (const Tensor& g : grads)  // dtypes first: the loop below may run inside an OpenMP region
+    if (!is_floating(g.dtype())) dispatch_float(g.dtype(), "unscale_and_check_finite", []<typename T>() {});
+  std::vector<char> found(grads.size(), 0);
+  const auto size = [&](int64_t i) { return grads[static_cast<size_t>(i)].numel(); };
+  for_each_tensor(static_cast<int64_t>(grads.size()), size, [&](int64_t i) {
+    const Tensor& g = grads[static_cast<size_t>(i)];
+    found[static_cast<size_t>(i)] = dispatch_float(g.dtype(), "unscale_and_check_finite", [&]<typename T>() {
       return unscale_one<T>(g.data<T>(), g.numel(), inv_scale);
     });
-    found_inf = found_inf || found;
-  }
-  return found_inf;
+  });
+  return std::find(found.begin(), found.end(), 1) != found.end();
 }
 
 }  // namespace mixtape::cpu

@@ -27,7 +27,7 @@ template <class T, WeightDecayMode kDecay>
 void adam_update(T* param, const T* grad, acc_t<T>* exp_avg, acc_t<T>* exp_avg_sq, int64_t n,
                  const AdamScalars<acc_t<T>>& s) {
   using A = acc_t<T>;
-#pragma omp parallel for simd schedule(static) if (n >= 2 * kParallelGrain)
+#pragma omp parallel for simd schedule(static) if (parallel : n >= 2 * kParallelGrain)
   for (int64_t i = 0; i < n; ++i) {
     A p = convert<A>(param[i]);
     A g = convert<A>(grad[i]);
@@ -49,7 +49,7 @@ void sgd_update(T* param, const T* grad, acc_t<T>* momentum_buffer, int64_t n, d
   using A = acc_t<T>;
   const A lr = static_cast<A>(lr_), weight_decay = static_cast<A>(weight_decay_);
   const A momentum = static_cast<A>(momentum_), one_minus_dampening = static_cast<A>(1 - dampening_);
-#pragma omp parallel for schedule(static) if (n >= 2 * kParallelGrain)
+#pragma omp parallel for schedule(static) if (parallel : n >= 2 * kParallelGrain)
   for (int64_t i = 0; i < n; ++i) {
     const A p = convert<A>(param[i]);
     A g = convert<A>(grad[i]);
@@ -74,7 +74,7 @@ template <class T>
 double squared_norm(const T* g, int64_t n) {
   const int64_t chunks = (n + kChunk - 1) / kChunk;
   std::vector<double> partial(chunks);
-#pragma omp parallel for schedule(static) if (n >= 2 * kParallelGrain)
+#pragma omp parallel for schedule(static) if (parallel : n >= 2 * kParallelGrain)
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t begin = c * kChunk, end = std::min(n, begin + kChunk);
     // Squares of f32/f16/bf16 values are exact in double, and the sums lose far less than a float
@@ -101,7 +101,11 @@ double squared_norm(const T* g, int64_t n) {
 }  // namespace
 
 void CpuBackend::adam_step(const std::vector<AdamUpdate>& updates, double beta1, double beta2, double eps) {
-  for (const AdamUpdate& u : updates)
+  for (const AdamUpdate& u : updates)  // dtypes first: the updates below may run inside an OpenMP region
+    if (!is_floating(u.param.dtype())) dispatch_float(u.param.dtype(), "adam_step", []<typename T>() {});
+  const auto size = [&](int64_t i) { return updates[static_cast<size_t>(i)].param.numel(); };
+  for_each_tensor(static_cast<int64_t>(updates.size()), size, [&](int64_t i) {
+    const AdamUpdate& u = updates[static_cast<size_t>(i)];
     dispatch_float(u.param.dtype(), "adam_step", [&]<typename T>() {
       using A = acc_t<T>;
       const AdamScalars<A> s{static_cast<A>(beta1),
@@ -124,6 +128,7 @@ void CpuBackend::adam_step(const std::vector<AdamUpdate>& updates, double beta1,
         case WeightDecayMode::Decoupled: return adam_update<T, WeightDecayMode::Decoupled>(p, g, m, v, n, s);
       }
     });
+  });
 }
 
 void CpuBackend::sgd_step(const std::vector<SgdUpdate>& updates, double momentum, double dampening, bool nesterov) {
@@ -153,7 +158,7 @@ int64_t CpuBackend::count_zeros(const std::vector<Tensor>& tensors) {
     zeros += dispatch_float(flat.dtype(), "count_zeros", [&]<typename T>() {
       const T* p = flat.data<T>();
       int64_t count = 0;
-#pragma omp parallel for simd reduction(+ : count) if (n >= 2 * kParallelGrain)
+#pragma omp parallel for simd reduction(+ : count) if (parallel : n >= 2 * kParallelGrain)
       for (int64_t i = 0; i < n; ++i) count += convert<acc_t<T>>(p[i]) == 0;
       return count;
     });

@@ -6,6 +6,7 @@
 
 #include <array>
 #include <cstdint>
+#include <vector>
 
 #include <algorithm>
 
@@ -15,6 +16,24 @@ namespace mixtape::cpu {
 
 // Below this many elements a loop runs on one thread (spawning costs more than it saves).
 inline constexpr int64_t kParallelGrain = 32768;
+
+// Calls body(i) for every i < count, a tensor at a time: the per-tensor loops of the optimizers and the loss
+// scaler. Tensors below the threading grain (size(i) elements) run single-threaded, spread over the threads a
+// tensor at a time (dynamic: their sizes differ), so a small model's parameters use every core; larger ones
+// run one after another, each split across the threads by its own loop. Each call touches only its own
+// tensors, so the order changes no bit. `body` must not throw (an exception cannot leave an OpenMP region):
+// callers check dtypes first.
+template <class Size, class Body>
+void for_each_tensor(int64_t count, Size size, Body body) {
+  std::vector<int64_t> small;
+  for (int64_t i = 0; i < count; ++i) {
+    if (size(i) < 2 * kParallelGrain) small.push_back(i);
+    else body(i);
+  }
+  const int64_t n_small = static_cast<int64_t>(small.size());
+#pragma omp parallel for schedule(dynamic, 1) if (n_small > 1)
+  for (int64_t k = 0; k < n_small; ++k) body(small[static_cast<size_t>(k)]);
+}
 
 template <size_t N>
 class StridedLoop {
