@@ -58,14 +58,14 @@ BoostedParts Booster::boost_parts(Module& model, std::unique_ptr<Optimizer> opti
   // moves the parameters to fp32 masters, so the state would be left behind on tensors no longer trained.
   for (const Tensor& param : optimizer->params())
     check(optimizer->state(param) == nullptr, "Booster.boost: the ", optimizer->name(),
-          " already has state for parameter ", param.description(),
+          " already has state for parameter ", param.described(),
           "; expected an optimizer that has not taken a step (boost the model before training it)");
   // fp32 gradients are set on leaves without a gradient: a 16-bit parameter (which conversion keeps as it
   // is) must not have one yet; an fp32 one becomes a new 16-bit leaf or stays fp32.
   if (c.fp32_grads())
     for (const auto& [name, param] : model.named_parameters())
       check(!is_low_precision(param.dtype()) || !param.grad().defined(), "Booster.boost: parameter ", name,
-            " ", param.description(), " already has a gradient; ", c.name(),
+            " ", param.described(), " already has a gradient; ", c.name(),
             " gives the 16-bit parameters fp32 gradients, which needs none yet (boost the model before ",
             "training it, or zero_grad first)");
   const std::vector<std::pair<std::string, Tensor>> before = model.named_parameters();
@@ -78,7 +78,7 @@ BoostedParts Booster::boost_parts(Module& model, std::unique_ptr<Optimizer> opti
   for (size_t g = 0; g < groups.size(); ++g)
     for (size_t i = 0; i < groups[g].params.size(); ++i)
       check(model_params.count(groups[g].params[i].impl_ptr().get()) != 0, "Booster.boost: the ",
-            optimizer->name(), "'s parameter ", i, " of group ", g, " (", groups[g].params[i].description(),
+            optimizer->name(), "'s parameter ", i, " of group ", g, " (", groups[g].params[i].described(),
             ") is not a parameter of the model; expected an optimizer built on the model's parameters ",
             "(model.parameters() or a subset)");
   print_verbose_ = options.print_verbose;

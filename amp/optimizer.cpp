@@ -130,7 +130,7 @@ MixedPrecisionOptimizer::MixedPrecisionOptimizer(std::unique_ptr<Optimizer> opti
         ": clip_grad must be finite and >= 0 (0 = off), got ", options_.clip_grad);
   for (const Tensor& param : optimizer_->params())
     check(optimizer_->state(param) == nullptr, kWho, ": the wrapped ", optimizer_->name(),
-          " already has state for parameter ", param.description(),
+          " already has state for parameter ", param.described(),
           "; expected an optimizer that has not taken a step (its state must be computed on the masters)");
 
   NoGradGuard no_grad;
@@ -204,7 +204,7 @@ void MixedPrecisionOptimizer::fold_pending_grads() {
   if (pending_loss_ < 0) {
     if (stepped_) return;  // the installed gradients are the previous step's, already unscaled
     for (const Tensor& param : model_params_)
-      check(!param.grad().defined(), kWho, ": parameter ", param.description(),
+      check(!param.grad().defined(), kWho, ": parameter ", param.described(),
             " has a gradient, but no loss ",
             "went through scale_loss()/backward() of this optimizer since the last step or zero_grad(); ",
             "expected its gradients to carry a known loss scale");
@@ -376,13 +376,12 @@ void MixedPrecisionOptimizer::load_state_dict(const StateDict& dict) {
           who, ": unexpected tensor entry '", key, "' (parameter ", index, " has no separate fp32 master)");
     check(tensor.defined() && tensor.shape() == master_params_[i].shape() &&
               tensor.dtype() == master_params_[i].dtype(),
-          who, ": tensor entry '", key, "' is ", tensor.defined() ? tensor.description() : "undefined",
-          ", expected ", master_params_[i].description());
+          who, ": tensor entry '", key, "' is ", tensor.described(), ", expected ", master_params_[i].described());
     masters[i] = tensor;
   }
   for (size_t i = 0; i < master_params_.size(); ++i)
     check(master_params_[i].same(model_params_[i]) || masters.count(i), who,
-          ": missing tensor entry 'master.", i, "' (the fp32 master of ", model_params_[i].description(),
+          ": missing tensor entry 'master.", i, "' (the fp32 master of ", model_params_[i].described(),
           ")");
 
   // ---- apply, rolling back on a failure inside the wrapped optimizer or a scaler ----

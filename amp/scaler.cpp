@@ -91,7 +91,7 @@ void check_same_option(const char* who, const char* option, int64_t saved, int64
 
 Tensor LossScaler::scale(const Tensor& loss) const {
   check(loss.defined(), name(), ".scale: the loss is an undefined tensor");
-  check(is_floating(loss.dtype()), name(), ".scale: the loss is ", loss.description(),
+  check(is_floating(loss.dtype()), name(), ".scale: the loss is ", loss.described(),
         ", expected a floating tensor");
   if (scale_ == 1.0) return loss;
   return mul(loss, scale_);
@@ -102,7 +102,7 @@ std::vector<Tensor> LossScaler::scale(const std::vector<Tensor>& outputs) const 
     check(outputs[i].defined(), name(), ".scale: output ", i, " of ", outputs.size(),
           " is an undefined tensor");
     check(is_floating(outputs[i].dtype()), name(), ".scale: output ", i, " of ", outputs.size(), " is ",
-          outputs[i].description(), ", expected a floating tensor");
+          outputs[i].described(), ", expected a floating tensor");
   }
   std::vector<Tensor> scaled;
   scaled.reserve(outputs.size());
@@ -159,7 +159,7 @@ void GradScaler::unscale(Optimizer& optimizer) {
     const Tensor grad = param.grad();
     if (!grad.defined()) continue;
     check(grad.dtype() != DType::F16, "GradScaler.unscale: attempting to unscale FP16 gradients (",
-          grad.description(), "); keep f32 master weights (amp/optimizer) for f16 parameters");
+          grad.described(), "); keep f32 master weights (amp/optimizer) for f16 parameters");
     params_and_grads.emplace_back(param, grad);
   }
   NoGradGuard no_grad;

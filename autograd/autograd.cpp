@@ -14,7 +14,7 @@ thread_local LeafGradHook leaf_grad_hook;
 void check_saved_versions(const Node& node) {
   for (const SavedVersion& saved : node.saved) {
     check(saved.storage->version() == saved.version, "backward: a tensor (", dtype_name(saved.dtype),
-          shape_str(saved.shape), ") saved by '", node.op, "' for backward was modified in place afterwards "
+          shape_text(saved.shape), ") saved by '", node.op, "' for backward was modified in place afterwards "
           "(version ", saved.version, " when saved, ", saved.storage->version(),
           " now); clone() it before modifying, or modify a copy");
   }
@@ -22,8 +22,8 @@ void check_saved_versions(const Node& node) {
 
 // Casts a gradient to the dtype and shape of what it is the gradient of.
 Tensor conform(const Tensor& grad, const Shape& shape, DType dtype, const char* op) {
-  check(grad.shape() == shape, "backward: '", op, "' produced a gradient ", grad.description(),
-        " for a tensor of shape ", shape_str(shape));
+  check(grad.shape() == shape, "backward: '", op, "' produced a gradient ", grad.described(),
+        " for a tensor of shape ", shape_text(shape));
   return grad.dtype() == dtype ? grad : grad.to(dtype);
 }
 
@@ -57,7 +57,7 @@ LeafGradHook set_leaf_grad_hook(LeafGradHook hook) {
 
 void backward(const Tensor& loss) {
   check(loss.defined(), "backward: loss is undefined");
-  check(loss.numel() == 1, "backward: loss ", loss.description(),
+  check(loss.numel() == 1, "backward: loss ", loss.described(),
         " must have exactly one element; pass grad_outputs for other outputs");
   backward({loss}, {Tensor::ones(loss.shape(), loss.dtype(), loss.device())});
 }
@@ -79,8 +79,8 @@ void backward(const std::vector<Tensor>& outputs, const std::vector<Tensor>& gra
     check(out.defined() && out.requires_grad(), "backward: output ", i,
           " does not require grad (no input of the computation requires grad)");
     const Tensor& g = grad_outputs[i];
-    check(g.defined() && g.shape() == out.shape(), "backward: grad_output ", i, " is ", g.description(),
-          ", expected the shape of output ", out.description());
+    check(g.defined() && g.shape() == out.shape(), "backward: grad_output ", i, " is ", g.described(),
+          ", expected the shape of output ", out.described());
     if (out.is_leaf()) {
       accumulate_leaf(out.impl(), g);
       continue;
@@ -140,7 +140,7 @@ void backward(const std::vector<Tensor>& outputs, const std::vector<Tensor>& gra
         if (!grads[i].defined() || (!edge.node && !edge.leaf)) continue;
         const Shape& expected = edge.node ? edge.node->output_shape : edge.leaf->shape;
         check(grads[i].shape() == expected, "backward: '", node->op, "' returned a gradient ",
-              grads[i].description(), " for input ", i, " of shape ", shape_str(expected));
+              grads[i].described(), " for input ", i, " of shape ", shape_text(expected));
       }
     }
     if (!node->keep_after_backward) {

@@ -35,7 +35,7 @@ GradcheckResult gradcheck(const std::function<Tensor(const std::vector<Tensor>&)
   std::ostringstream report;
   int reported = 0;
   const Tensor y = f(leaves);
-  check(y.defined() && y.dtype() == DType::F64, "gradcheck: f must return an f64 tensor, got ", y.description());
+  check(y.defined() && y.dtype() == DType::F64, "gradcheck: f must return an f64 tensor, got ", y.described());
   const Tensor r = Tensor::randn(y.shape(), options.seed, DType::F64);
   const std::vector<double> r_values = r.to_vector<double>();
   if (y.requires_grad()) backward({y}, {r});

@@ -187,7 +187,7 @@ bool check_same_everywhere(const Communicator::Impl& c, const Tensor& tensor, co
 
 void check_contiguous(const Communicator::Impl& c, const Tensor& tensor, const char* op) {
   check(tensor.defined(), "dist::", op, " on the ", c.name, ": tensor is undefined");
-  check(tensor.is_contiguous(), "dist::", op, " on the ", c.name, ": tensor ", tensor.description(),
+  check(tensor.is_contiguous(), "dist::", op, " on the ", c.name, ": tensor ", tensor.described(),
         " is not contiguous (pass .contiguous())");
 }
 
@@ -201,7 +201,7 @@ void finish(const Tensor& host, const Tensor& tensor) {
 }
 
 int count_of(const Tensor& t) {
-  check(t.numel() <= INT32_MAX, "dist: tensor ", t.description(), " has more than 2^31-1 elements");
+  check(t.numel() <= INT32_MAX, "dist: tensor ", t.described(), " has more than 2^31-1 elements");
   return static_cast<int>(t.numel());
 }
 
@@ -363,7 +363,7 @@ void exchange_header(const Communicator::Impl& c, const Tensor& tensor, int peer
   check(theirs.receiving != mine.receiving, "dist::", op, " on the ", c.name, ": rank ", c.rank, " and rank ", peer,
         " are both ", receiving ? "receiving from" : "sending to", " each other (a send must meet a recv)");
   check(theirs.dtype == mine.dtype && theirs.numel == mine.numel && theirs.tag == mine.tag, "dist::", op, " on the ",
-        c.name, ": rank ", c.rank, " ", receiving ? "expects" : "sends", " ", tensor.description(), " (tag ", tag,
+        c.name, ": rank ", c.rank, " ", receiving ? "expects" : "sends", " ", tensor.described(), " (tag ", tag,
         ") but rank ", peer, receiving ? " sends " : " expects ", theirs.numel, " elements of ",
         dtype_name(static_cast<DType>(theirs.dtype)), " (tag ", theirs.tag,
         "); both ends of a CUDA transfer must agree on dtype, size and tag, in the same order");
@@ -508,7 +508,7 @@ void Communicator::all_reduce(std::span<double> values, Reduction op) const {
 
 Tensor Communicator::all_gather(const Tensor& tensor) const {
   check_contiguous(*impl_, tensor, "all_gather");
-  check(tensor.dim() >= 1, "dist::all_gather on the ", impl_->name, ": tensor ", tensor.description(),
+  check(tensor.dim() >= 1, "dist::all_gather on the ", impl_->name, ": tensor ", tensor.described(),
         " needs at least one dim (chunks are stacked along dim 0)");
   const bool all_gpu = check_same_everywhere(*impl_, tensor, "all_gather");
   Shape shape = tensor.shape();
@@ -529,7 +529,7 @@ Tensor Communicator::all_gather(const Tensor& tensor) const {
 Tensor Communicator::reduce_scatter(const Tensor& tensor, Reduction op) const {
   check_contiguous(*impl_, tensor, "reduce_scatter");
   check(tensor.dim() >= 1 && tensor.size(0) % impl_->size == 0, "dist::reduce_scatter on the ", impl_->name,
-        ": tensor ", tensor.description(), " must have dim 0 divisible by the group size ", impl_->size);
+        ": tensor ", tensor.described(), " must have dim 0 divisible by the group size ", impl_->size);
   const bool all_gpu = check_same_everywhere(*impl_, tensor, "reduce_scatter");
   Shape shape = tensor.shape();
   shape[0] /= impl_->size;
@@ -602,7 +602,7 @@ void Communicator::recv(const Tensor& tensor, int source, int tag) const {
             "MPI_Recv");
   int received = 0;
   MPI_Get_count(&status, mpi_type(host.dtype()), &received);
-  check(received == count_of(host), "dist::recv on the ", impl_->name, ": expected ", tensor.description(),
+  check(received == count_of(host), "dist::recv on the ", impl_->name, ": expected ", tensor.described(),
         " from rank ", source, " but ", received, " elements arrived");
   finish(host, tensor);
   tensor.bump_version();

@@ -27,7 +27,7 @@ GradientReducer::GradientReducer(Communicator dp, std::vector<Tensor> params, in
   for (size_t k = params_.size(); k-- > 0;) {
     const Tensor& p = params_[k];
     check(p.defined(), kWho, ": parameter ", k, " is undefined");
-    check(is_floating(p.dtype()), kWho, ": parameter ", k, " is ", p.description(),
+    check(is_floating(p.dtype()), kWho, ": parameter ", k, " is ", p.described(),
           ", expected a floating-point parameter");
     auto& [bucket, bytes] = open[p.grad_dtype()];
     bucket.push_back(k);
@@ -45,7 +45,7 @@ GradientReducer::GradientReducer(Communicator dp, std::vector<Tensor> params, in
     for (size_t k : buckets_[b]) bucket_of_[k] = b;
   for (size_t k = 0; k < params_.size(); ++k) {
     check(index_of_.emplace(params_[k].impl_ptr().get(), k).second, kWho, ": parameter ", k, " (",
-          params_[k].description(), ") appears more than once");
+          params_[k].described(), ") appears more than once");
   }
 }
 
@@ -83,7 +83,7 @@ void GradientReducer::on_leaf_ready(const TensorImpl& leaf) {
   const auto found = index_of_.find(&leaf);
   if (found == index_of_.end()) return;  // not one of ours (an input that requires grad, ...)
   const size_t k = found->second, b = bucket_of_[k];
-  check(b >= next_bucket_, kWho, ": the gradient of parameter ", k, " (", params_[k].description(),
+  check(b >= next_bucket_, kWho, ": the gradient of parameter ", k, " (", params_[k].described(),
         ") was produced again after its bucket's all-reduce started; expected ", backwards_,
         " backward call(s) between begin() and finish()");
   if (++produced_[k] == backwards_) --pending_[b];
@@ -123,8 +123,8 @@ void GradientReducer::start_bucket(size_t b) {
     const Tensor& p = params_[k];
     const Tensor grad = p.grad();
     if (grad.defined()) {
-      check(grad.shape() == p.shape(), kWho, ": the gradient of parameter ", k, " is ", grad.description(),
-            ", expected the parameter's shape ", p.description());
+      check(grad.shape() == p.shape(), kWho, ": the gradient of parameter ", k, " is ", grad.described(),
+            ", expected the parameter's shape ", p.described());
       flat.narrow(0, offset, p.numel()).copy_(grad.reshape({-1}));  // widened exactly
     }
     offset += p.numel();

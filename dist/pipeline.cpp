@@ -136,7 +136,7 @@ PipelineSchedule::PipelineSchedule(Communicator pp, PipelineOptions options)
 void PipelineSchedule::send_activation(const Tensor& output) const {
   const int s = pp_.rank();
   const Tensor activation = output.detach().contiguous();
-  check(activation.dim() <= kMaxDims, "PipelineSchedule: stage ", s, " output ", activation.description(),
+  check(activation.dim() <= kMaxDims, "PipelineSchedule: stage ", s, " output ", activation.described(),
         " has more than ", kMaxDims, " dims");
   std::vector<int64_t> h(kHeaderSize, 0);
   h[0] = static_cast<int64_t>(activation.dtype());
@@ -176,7 +176,7 @@ std::vector<double> PipelineSchedule::forward_only(PipelineStage& stage, const s
           " returned an undefined tensor for micro-batch ", m);
     if (s == P - 1) {
       check(out.numel() == 1, "PipelineSchedule::forward_only: the last stage (", s, " of ", P,
-            ") must return the micro-batch's loss (one element), got ", out.description());
+            ") must return the micro-batch's loss (one element), got ", out.described());
       losses[i] = out.item();
     } else {
       send_activation(out);
@@ -235,7 +235,7 @@ double PipelineSchedule::run(PipelineStage& stage, const std::vector<Tensor>& mi
               " returned an undefined tensor for micro-batch ", m);
         if (last) {
           check(out.numel() == 1, "PipelineSchedule::run (", schedule_name, "): the last stage (", s, " of ", P,
-                ") must return the micro-batch's loss (one element), got ", out.description(),
+                ") must return the micro-batch's loss (one element), got ", out.described(),
                 " for micro-batch ", m);
           loss_sum += out.item();
         }
@@ -294,11 +294,11 @@ double PipelineSchedule::run(PipelineStage& stage, const std::vector<Tensor>& mi
 
 std::vector<Tensor> split_micro_batches(const Tensor& batch, int64_t num_micro_batches) {
   check(batch.defined() && batch.dim() >= 1, "split_micro_batches: expected a batch with a leading batch dim, got ",
-        batch.defined() ? batch.description() : std::string("undefined"));
+        batch.described());
   check(num_micro_batches >= 1, "split_micro_batches: need at least one micro-batch, got ", num_micro_batches);
   const int64_t B = batch.size(0);
   check(B % num_micro_batches == 0, "split_micro_batches: ", num_micro_batches,
-        " micro-batches do not divide the batch ", batch.description(), " (batch size ", B,
+        " micro-batches do not divide the batch ", batch.described(), " (batch size ", B,
         "); micro-batches must be of equal size so their mean losses average to the batch's");
   const int64_t size = B / num_micro_batches;
   std::vector<Tensor> out;

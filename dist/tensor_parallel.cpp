@@ -304,7 +304,7 @@ Tensor VocabParallelEmbedding::forward(const Tensor& indices) {
 
 void VocabParallelEmbedding::gather_full(Embedding& full) const {
   check(full.weight.size(0) == num_embeddings && full.weight.size(1) == embedding_dim,
-        "VocabParallelEmbedding::gather_full: full weight ", full.weight.description(), ", expected [",
+        "VocabParallelEmbedding::gather_full: full weight ", full.weight.described(), ", expected [",
         num_embeddings, ", ", embedding_dim, "]");
   assign(full.weight, gather_shards(weight, shard_spec(), tp));
 }
@@ -372,24 +372,23 @@ ParallelGPTOutput ParallelGPT::forward(const Tensor& idx, const Tensor& targets)
   Tensor x = embed(idx);
   for (const auto& block : *h) x = (*block)(x);
   if (targets.defined())
-    check(targets.shape() == idx.shape(), "ParallelGPT: targets ", targets.description(), " must have idx's shape ",
-          idx.description());
+    check(targets.shape() == idx.shape(), "ParallelGPT: targets ", targets.described(), " must have idx's shape ",
+          idx.described());
   return head(x, targets);
 }
 
 Tensor ParallelGPT::embed(const Tensor& idx) {
   check(idx.defined() && idx.dim() == 2 && (idx.dtype() == DType::I64 || idx.dtype() == DType::I32),
-        "ParallelGPT: expected idx [B, T] of i32/i64, got ", idx.defined() ? idx.description() : std::string("undefined"));
+        "ParallelGPT: expected idx [B, T] of i32/i64, got ", idx.described());
   const int64_t T = idx.size(1);
-  check(T <= config_.block_size, "ParallelGPT: cannot forward a sequence of length ", T, " (idx ", idx.description(),
+  check(T <= config_.block_size, "ParallelGPT: cannot forward a sequence of length ", T, " (idx ", idx.described(),
         "): block_size is only ", config_.block_size);
   const Tensor positions = Tensor::arange(0, static_cast<double>(T), 1, DType::I64, idx.device());
   return (*drop)(add((*wte)(idx), (*wpe)(positions)));
 }
 
 ParallelGPTOutput ParallelGPT::head(const Tensor& x_in, const Tensor& targets) {
-  check(x_in.defined() && x_in.dim() == 3, "ParallelGPT::head: expected x [B, T, C], got ",
-        x_in.defined() ? x_in.description() : std::string("undefined"));
+  check(x_in.defined() && x_in.dim() == 3, "ParallelGPT::head: expected x [B, T, C], got ", x_in.described());
   const int64_t B = x_in.size(0), T = x_in.size(1);
   const Tensor x = (*ln_f)(x_in);
   ParallelGPTOutput output;
@@ -399,7 +398,7 @@ ParallelGPTOutput ParallelGPT::head(const Tensor& x_in, const Tensor& targets) {
   output.logits = lm_head ? (*lm_head)(x) : matmul(copy_to_tp_region(x, tp), wte->weight.mT());
   if (targets.defined()) {
     check(targets.dim() == 2 && targets.size(0) == B && targets.size(1) == T, "ParallelGPT: targets ",
-          targets.description(), " must be [", B, ", ", T, "]");
+          targets.described(), " must be [", B, ", ", T, "]");
     const int64_t v = output.logits.size(-1);
     output.loss = vocab_parallel_cross_entropy(output.logits.reshape({B * T, v}), targets.reshape({B * T}), tp, -1,
                                                config_.vocab_size);

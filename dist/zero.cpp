@@ -39,16 +39,16 @@ ZeroOptimizer::ZeroOptimizer(std::unique_ptr<Optimizer> optimizer,
         ": clip_grad must be finite and >= 0 (0 = off), got ", options_.clip_grad);
   for (const Tensor& param : optimizer_->params()) {
     check(optimizer_->state(param) == nullptr, kWho, ": the wrapped ", optimizer_->name(),
-          " already has state for parameter ", param.description(), "; expected an optimizer that has not ",
+          " already has state for parameter ", param.described(), "; expected an optimizer that has not ",
           "taken a step (its state is kept for the fp32 shard)");
-    check(Optimizer::state_dtype(param) == DType::F32, kWho, ": parameter ", param.description(),
+    check(Optimizer::state_dtype(param) == DType::F32, kWho, ": parameter ", param.described(),
           " computes in f64; expected f16, bf16 or f32 parameters (the optimizer state is f32)");
   }
   for (const ParamGroup& group : optimizer_->param_groups()) {
     group_counts_.push_back(static_cast<int64_t>(group.params.size()));
     for (const Tensor& param : group.params) {
       check(param.device() == optimizer_->params().front().device(), kWho, ": parameter ",
-            param.description(), " is on another device than the first parameter; expected one device");
+            param.described(), " is on another device than the first parameter; expected one device");
       model_params_.push_back(param);
       offsets_.push_back(total_numel_);
       total_numel_ += param.numel();
@@ -130,7 +130,7 @@ void ZeroOptimizer::zero_grad() {
 }
 
 void ZeroOptimizer::check_known_scale(const Tensor& param) const {
-  check(pending_loss_ >= 0 || !param.grad().defined(), kWho, ": parameter ", param.description(),
+  check(pending_loss_ >= 0 || !param.grad().defined(), kWho, ": parameter ", param.described(),
         " has a gradient, but no loss went through scale_loss()/backward() of this optimizer since the last step ",
         "or zero_grad(); expected its gradients to carry a known loss scale");
 }
@@ -143,7 +143,7 @@ Tensor ZeroOptimizer::take_grads() {
     if (!grad.defined()) continue;
     check_known_scale(model_params_[i]);
     check(grad.shape() == model_params_[i].shape(), kWho, ": the gradient of parameter ", i, " is ",
-          grad.description(), ", expected ", model_params_[i].description());
+          grad.described(), ", expected ", model_params_[i].described());
     flat.narrow(0, offsets_[i], model_params_[i].numel()).copy_(grad.reshape({-1}));
     model_params_[i].set_grad(Tensor());  // consumed
   }
@@ -371,12 +371,12 @@ void ZeroOptimizer::load_state_dict(const StateDict& dict) {
       const Tensor& param = model_params_[i];
       const DType dtype = master ? DType::F32 : Optimizer::state_dtype(param);
       check(tensor.defined() && tensor.shape() == param.shape() && tensor.dtype() == dtype, who,
-            ": tensor entry '", key, "' is ", tensor.defined() ? tensor.description() : "undefined", ", expected ",
-            dtype_name(dtype), shape_str(param.shape()), " for parameter ", i, " (", param.description(), ")");
+            ": tensor entry '", key, "' is ", tensor.described(), ", expected ",
+            dtype_name(dtype), shape_text(param.shape()), " for parameter ", i, " (", param.described(), ")");
     }
     for (size_t i = 0; i < model_params_.size(); ++i)
       check(!separate_master(i) || dict.tensors.count("master." + std::to_string(i)), who,
-            ": missing tensor entry 'master.", i, "' (the fp32 master of ", model_params_[i].description(), ")");
+            ": missing tensor entry 'master.", i, "' (the fp32 master of ", model_params_[i].described(), ")");
 
     // ---- this rank's part: the wrapped optimizer's dict for its pieces (numbered in group order) ----
     StateDict inner;

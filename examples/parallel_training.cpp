@@ -586,14 +586,14 @@ void ParallelTrainer::Impl::load_named(const StateDict& state, bool with_optimiz
     check(found != state.tensors.end(), what, ": missing tensor '", name, "'");
     const Tensor& file = found->second;
     check(file.defined(), what, ": tensor '", name, "' is undefined");
-    check(file.shape() == param.shape(), what, ": tensor '", name, "' is ", file.description(), ", expected shape ",
-          param.description());
+    check(file.shape() == param.shape(), what, ": tensor '", name, "' is ", file.described(), ", expected shape ",
+          param.described());
     // As the single-process Trainer: a floating value takes the parameter's floating dtype (files hold fp32), any
     // other dtype must be the parameter's own.
     check(file.dtype() == param.dtype() || (is_floating(file.dtype()) && is_floating(param.dtype())), what,
-          ": tensor '", name, "' has ", file.description(), ", expected ", param.description());
+          ": tensor '", name, "' has ", file.described(), ", expected ", param.described());
     const std::string bad = first_bad_value(file);
-    check(bad.empty(), what, ": tensor '", name, "' (", file.description(), ") is not finite: ", bad);
+    check(bad.empty(), what, ": tensor '", name, "' (", file.described(), ") is not finite: ", bad);
   }
   // This rank's parameters in their own dtypes (a 16-bit stage under naive AMP): finite there too. Only the
   // ranks holding such a parameter see an overflow in the conversion, so the ranks agree before going on.
@@ -638,8 +638,8 @@ void ParallelTrainer::Impl::load_named(const StateDict& state, bool with_optimiz
       check(i < full_order.size(), what, ": optimizer entry '", key, "' names parameter ", i, " of ",
             full_order.size());
       const Tensor& param = full_params.at(full_order[i]);
-      check(t.shape() == param.shape(), what, ": optimizer entry '", key, "' is ", t.description(),
-            ", expected the shape of parameter '", full_order[i], "', ", param.description());
+      check(t.shape() == param.shape(), what, ": optimizer entry '", key, "' is ", t.described(),
+            ", expected the shape of parameter '", full_order[i], "', ", param.described());
       const auto j = local_index.find(full_order[i]);
       if (j == local_index.end()) continue;  // another stage's parameter
       rest.replace(rest.find('%'), 1, std::to_string(j->second));

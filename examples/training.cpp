@@ -412,7 +412,7 @@ StateDict Trainer::model_part_in_model_dtypes(const StateDict& state, const char
     if (is_floating(t.dtype()) && is_floating(found->second.dtype()) && t.dtype() != found->second.dtype())
       t = t.to(found->second.dtype());
     const std::string bad = first_bad_value(t);
-    check(bad.empty(), what, ": tensor '", name, "' (", original.description(), ") is not finite",
+    check(bad.empty(), what, ": tensor '", name, "' (", original.described(), ") is not finite",
           t.dtype() == original.dtype() ? "" : std::string(" in the model's ") + dtype_name(t.dtype()), ": ", bad);
   }
   return part;
@@ -463,7 +463,7 @@ int64_t validate_checkpoint(const StateDict& state, const GPTConfig& config, con
     if (name.rfind("optimizer.", 0) != 0) continue;
     const bool non_negative = ends_with(name, ".exp_avg_sq");
     const std::string bad = first_bad_value(t, non_negative);
-    check(bad.empty(), what, ": tensor '", name, "' (", t.description(), ") is not ",
+    check(bad.empty(), what, ": tensor '", name, "' (", t.described(), ") is not ",
           non_negative ? "finite and >= 0" : "finite", ": ", bad);
   }
   for (const auto& [key, value] : state.metadata)

@@ -188,9 +188,9 @@ void check_gpt_shapes(const GPTConfig& config, const std::map<std::string, Tenso
     names.insert(name);
     const auto found = tensors.find(name);
     check(found != tensors.end() && found->second.defined(), what, ": missing tensor '", name, "' (expected ",
-          shape_str(shape), " for the config ", config_text, ")");
-    check(found->second.shape() == shape, what, ": tensor '", name, "' is ", shape_str(found->second.shape()),
-          " but the config (", config_text, ") expects ", shape_str(shape));
+          shape_text(shape), " for the config ", config_text, ")");
+    check(found->second.shape() == shape, what, ": tensor '", name, "' is ", shape_text(found->second.shape()),
+          " but the config (", config_text, ") expects ", shape_text(shape));
   }
   for (const auto& [name, t] : tensors)
     check(names.count(name) == 1, what, ": unexpected tensor '", name, "' (not a parameter of a GPT with ",
@@ -275,9 +275,9 @@ void GPT::init_weights(uint64_t seed) {
 
 GPTOutput GPT::forward(const Tensor& idx, const Tensor& targets) {
   check(idx.defined() && idx.dim() == 2 && (idx.dtype() == DType::I64 || idx.dtype() == DType::I32),
-        "GPT: expected idx [B, T] of i32/i64, got ", idx.defined() ? idx.description() : std::string("undefined"));
+        "GPT: expected idx [B, T] of i32/i64, got ", idx.described());
   const int64_t B = idx.size(0), T = idx.size(1), V = config_.vocab_size;
-  check(T <= config_.block_size, "GPT: cannot forward a sequence of length ", T, " (idx ", idx.description(),
+  check(T <= config_.block_size, "GPT: cannot forward a sequence of length ", T, " (idx ", idx.described(),
         "): block_size is only ", config_.block_size);
   const Tensor positions = Tensor::arange(0, static_cast<double>(T), 1, DType::I64, idx.device());
   Tensor x = (*drop)(add((*wte)(idx), (*wpe)(positions)));  // [B, T, C] + [T, C]
@@ -286,8 +286,8 @@ GPTOutput GPT::forward(const Tensor& idx, const Tensor& targets) {
   GPTOutput output;
   output.logits = lm_head ? (*lm_head)(x) : matmul(x, wte->weight.mT());
   if (targets.defined()) {
-    check(targets.shape() == idx.shape(), "GPT: targets ", targets.description(), " must have idx's shape ",
-          idx.description());
+    check(targets.shape() == idx.shape(), "GPT: targets ", targets.described(), " must have idx's shape ",
+          idx.described());
     output.loss = softmax_cross_entropy(output.logits.view({B * T, V}), targets.reshape({B * T}), -1);
   }
   return output;

@@ -32,7 +32,7 @@ Linear::Linear(int64_t in_features, int64_t out_features, bool bias, uint64_t se
 
 Tensor Linear::forward(const Tensor& x) {
   check(x.defined() && x.dim() >= 1 && x.size(-1) == in_features_, "Linear: expected input [..., ", in_features_,
-        "], got ", x.defined() ? x.description() : std::string("undefined"), " (weight ", weight.description(), ")");
+        "], got ", x.described(), " (weight ", weight.described(), ")");
   return linear(x, weight, bias);
 }
 

@@ -24,7 +24,7 @@ void Module::register_parameter(const std::string& name, Tensor& tensor) {
   check_new_name(name);
   check(tensor.defined(), "register_parameter: '", name, "' is undefined");
   check(is_floating(tensor.dtype()), "register_parameter: '", name, "' must be floating, got ",
-        tensor.description());
+        tensor.described());
   check(tensor.is_leaf(), "register_parameter: '", name, "' must be a leaf tensor (detach it first)");
   tensor.requires_grad_(true);
   parameters_.emplace_back(name, &tensor);
@@ -194,11 +194,11 @@ void Module::load_state_dict(const StateDict& state, bool strict) {
     const Tensor& found = it->second;
     check(found.defined(), "load_state_dict: entry '", name, "' is undefined (expected ", slot->description(), ")");
     check(found.shape() == slot->shape() && found.dtype() == slot->dtype(), "load_state_dict: entry '", name,
-          "' has ", found.description(), ", expected ", slot->description());
+          "' has ", found.described(), ", expected ", slot->description());
   }
   if (strict) {
     for (const auto& [name, tensor] : state.tensors)
-      check(expected.count(name) == 1, "load_state_dict: unexpected entry '", name, "' (", tensor.description(),
+      check(expected.count(name) == 1, "load_state_dict: unexpected entry '", name, "' (", tensor.described(),
             ") is not a parameter or buffer of this module");
   }
   NoGradGuard no_grad;

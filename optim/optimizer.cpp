@@ -55,11 +55,11 @@ void Optimizer::check_group(const ParamGroup& group, const std::vector<Tensor>& 
   for (const Tensor& other : others) seen.insert(other.impl_ptr().get());
   for (const Tensor& param : group.params) {
     check(param.defined(), name(), ": a parameter is an undefined tensor");
-    check(is_floating(param.dtype()), name(), ": parameter ", param.description(),
+    check(is_floating(param.dtype()), name(), ": parameter ", param.described(),
           " is not floating point (only f32, f16, bf16 and f64 tensors can be optimized)");
-    check(param.is_leaf(), name(), ": parameter ", param.description(), " is not a leaf (made by '",
+    check(param.is_leaf(), name(), ": parameter ", param.described(), " is not a leaf (made by '",
           param.grad_fn() ? param.grad_fn()->op : "", "'); optimize leaves only");
-    check(seen.insert(param.impl_ptr().get()).second, name(), ": parameter ", param.description(),
+    check(seen.insert(param.impl_ptr().get()).second, name(), ": parameter ", param.described(),
           " appears more than once in the parameter groups");
   }
 }
@@ -88,11 +88,11 @@ void Optimizer::zero_grad() {
 
 void Optimizer::check_for_step(const Tensor& param, const Tensor& grad, int64_t index) const {
   const auto where = [&] { return std::string(" (parameter ") + std::to_string(index) + ")"; };
-  check(param.is_leaf(), name(), ".step: parameter ", param.description(), where(), " is not a leaf");
-  check(param.is_contiguous(), name(), ".step: parameter ", param.description(), where(),
+  check(param.is_leaf(), name(), ".step: parameter ", param.described(), where(), " is not a leaf");
+  check(param.is_contiguous(), name(), ".step: parameter ", param.described(), where(),
         " is not contiguous; the fused update walks parameters as flat arrays");
   check(grad.dtype() == param.dtype() && grad.shape() == param.shape() && grad.device() == param.device(),
-        name(), ".step: gradient ", grad.description(), " does not match parameter ", param.description(),
+        name(), ".step: gradient ", grad.described(), " does not match parameter ", param.described(),
         where(), " (expected the same dtype, shape and device)");
 }
 
@@ -109,7 +109,7 @@ void Optimizer::step() {
   for (const ParamGroup& group : groups_)
     for (const Tensor& param : group.params) {
       check(param.defined(), name(), ".step: parameter ", index, " is an undefined tensor");
-      check(seen.insert(param.impl_ptr().get()).second, name(), ".step: parameter ", param.description(),
+      check(seen.insert(param.impl_ptr().get()).second, name(), ".step: parameter ", param.described(),
             " (", index, ") appears more than once in the parameter groups");
       const Tensor grad = param.grad();
       if (grad.defined()) check_for_step(param, grad, index);
@@ -255,8 +255,8 @@ void Optimizer::load_state_dict(const StateDict& dict) {
     const Tensor& param = all[index];
     check(tensor.defined(), who, ": tensor entry '", key, "' is undefined");
     check(tensor.shape() == param.shape() && tensor.dtype() == state_dtype(param), who, ": tensor entry '",
-          key, "' is ", tensor.description(), ", expected ", dtype_name(state_dtype(param)),
-          shape_str(param.shape()), " for parameter ", index, " (", param.description(), ")");
+          key, "' is ", tensor.described(), ", expected ", dtype_name(state_dtype(param)),
+          shape_text(param.shape()), " for parameter ", index, " (", param.described(), ")");
     // A non-finite moment (or a negative second moment) would turn every later update into NaN or a skip.
     const bool non_negative = buffer_is_non_negative(what);
     const std::string bad = first_bad_value(tensor, non_negative);

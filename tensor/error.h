@@ -20,7 +20,9 @@ template <class... Parts>
   throw Error(message.str());
 }
 
-// Throws Error(parts...) unless ok. The parts are only formatted on failure.
+// Throws Error(parts...) unless ok. The parts are only formatted on failure, but they are built on every
+// call: pass t.described() and shape_text(s) (tensor/tensor.h, tensor/shape.h), not t.description() and
+// shape_str(s), so that a check that passes builds no string.
 template <class... Parts>
 inline void check(bool ok, const Parts&... parts) {
   if (!ok) [[unlikely]] fail(parts...);

@@ -13,13 +13,13 @@ bool unscale_and_check_finite(const std::vector<Tensor>& grads, double inv_scale
   for (size_t i = 0; i < grads.size(); ++i) {
     const Tensor& g = grads[i];
     if (!g.defined()) continue;
-    check(is_floating(g.dtype()), "unscale_and_check_finite: tensor ", i, " is ", g.description(),
+    check(is_floating(g.dtype()), "unscale_and_check_finite: tensor ", i, " is ", g.described(),
           ", expected a floating dtype (f32, f16, bf16 or f64)");
-    check(g.is_contiguous(), "unscale_and_check_finite: tensor ", i, " is ", g.description(),
+    check(g.is_contiguous(), "unscale_and_check_finite: tensor ", i, " is ", g.described(),
           " and not contiguous; expected contiguous gradients (a strided view may alias itself)");
     if (!defined.empty())
       check(g.device() == defined.front().device(), "unscale_and_check_finite: tensor ", i, " is ",
-            g.description(), " but the first is ", defined.front().description(),
+            g.described(), " but the first is ", defined.front().described(),
             "; expected one device");
     defined.push_back(g);
   }

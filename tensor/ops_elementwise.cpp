@@ -20,7 +20,7 @@ void check_defined(const char* op, const Tensor& x) { check(x.defined(), op, ": 
 void check_floating(const char* op, const Tensor& x) {
   check_defined(op, x);
   check(is_floating(x.dtype()), op, ": expected a floating tensor (f32, f16, bf16 or f64), got ",
-        x.description());
+        x.described());
 }
 
 // NumPy broadcasting of all operands: dims align from the right, and each dim is 1 or one common size.
@@ -28,8 +28,8 @@ Shape broadcast(const char* op, std::initializer_list<Tensor> operands) {
   const Tensor& first = *operands.begin();
   size_t ndim = 0;
   for (const Tensor& t : operands) {
-    check(t.device() == first.device(), op, ": operands on different devices (", first.description(), ", ",
-          t.description(), ")");
+    check(t.device() == first.device(), op, ": operands on different devices (", first.described(), ", ",
+          t.described(), ")");
     ndim = std::max(ndim, static_cast<size_t>(t.dim()));
   }
   Shape shape(ndim, 1);
@@ -306,8 +306,8 @@ Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
   check_defined("where", a);
   check_defined("where", b);
   const bool both_floating = is_floating(a.dtype()) && is_floating(b.dtype());
-  check(a.dtype() == b.dtype() || both_floating, "where: cannot combine ", a.description(), " with ",
-        b.description(), " (mixing integer and floating values needs an explicit to())");
+  check(a.dtype() == b.dtype() || both_floating, "where: cannot combine ", a.described(), " with ",
+        b.described(), " (mixing integer and floating values needs an explicit to())");
   const Shape shape = broadcast("where", {cond, a, b});
   const DType dtype = promote(a.dtype(), b.dtype());
   const Tensor c = cond.detach(), x = as_dtype(a, dtype), y = as_dtype(b, dtype);

@@ -29,7 +29,7 @@ void check_targets_in_range(const Tensor& flat_targets, int64_t V, int64_t ignor
     for (int64_t i = 0; i < host.numel(); ++i) {
       const int64_t t = static_cast<int64_t>(target[i]);
       check(t == ignore_index || (t >= 0 && t < V), "softmax_cross_entropy: target ", t, " at row ", i,
-            " is out of range for V = ", V, " classes (logits ", logits.description(),
+            " is out of range for V = ", V, " classes (logits ", logits.described(),
             "; expected 0 <= target < ", V, " or ignore_index ", ignore_index, ")");
     }
   });
@@ -57,18 +57,17 @@ Tensor softmax_cross_entropy(const Tensor& logits, const Tensor& targets, int64_
   if (const auto cast = autocast_inputs(AutocastOp::SoftmaxCrossEntropy, logits)) [[unlikely]]
     return softmax_cross_entropy((*cast)[0], targets, ignore_index);
   const char* op = "softmax_cross_entropy";
-  check(logits.defined() && targets.defined(), op, ": logits ",
-        logits.defined() ? logits.description() : "undefined", " and targets ",
-        targets.defined() ? targets.description() : "undefined", " must both be defined");
+  check(logits.defined() && targets.defined(), op, ": logits ", logits.described(), " and targets ",
+        targets.described(), " must both be defined");
   check(is_floating(logits.dtype()), op, ": logits must be floating (f32, f16, bf16 or f64), got ",
-        logits.description());
-  check(logits.dim() >= 1, op, ": logits must have a class dim (the last), got ", logits.description());
+        logits.described());
+  check(logits.dim() >= 1, op, ": logits must have a class dim (the last), got ", logits.described());
   check(targets.dtype() == DType::I32 || targets.dtype() == DType::I64, op,
-        ": targets must be i32 or i64, got ", targets.description());
+        ": targets must be i32 or i64, got ", targets.described());
   const Shape row_shape(logits.shape().begin(), logits.shape().end() - 1);
-  check(targets.shape() == row_shape, op, ": targets ", targets.description(),
-        " must have the shape of logits ", logits.description(), " without the class dim (expected ",
-        shape_str(row_shape), ")");
+  check(targets.shape() == row_shape, op, ": targets ", targets.described(),
+        " must have the shape of logits ", logits.described(), " without the class dim (expected ",
+        shape_text(row_shape), ")");
   check(targets.device() == logits.device(), op, ": logits on ", logits.device(), ", targets on ",
         targets.device());
 
@@ -102,17 +101,17 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
   check(q.defined() && k.defined() && v.defined(), op, ": q ", describe(q), ", k ", describe(k), " and v ",
         describe(v), " must all be defined");
   check(is_floating(q.dtype()) && q.dtype() == k.dtype() && q.dtype() == v.dtype(), op,
-        ": q, k and v must share one floating dtype (f32, f16, bf16 or f64), got q ", q.description(), ", k ",
-        k.description(), ", v ", v.description());
+        ": q, k and v must share one floating dtype (f32, f16, bf16 or f64), got q ", q.described(), ", k ",
+        k.described(), ", v ", v.described());
   check(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, op, ": q, k and v must be [B, H, T, D], got q ",
-        q.description(), ", k ", k.description(), ", v ", v.description());
+        q.described(), ", k ", k.described(), ", v ", v.described());
   check(k.shape().back() == q.shape().back() && v.shape().back() == q.shape().back(), op,
-        ": head dim D differs: q ", q.description(), ", k ", k.description(), ", v ", v.description(),
+        ": head dim D differs: q ", q.described(), ", k ", k.described(), ", v ", v.described(),
         " (expected the same last dim)");
-  check(k.shape() == q.shape() && v.shape() == q.shape(), op, ": k ", k.description(), " and v ",
-        v.description(), " must have q's shape ", q.description(),
+  check(k.shape() == q.shape() && v.shape() == q.shape(), op, ": k ", k.described(), " and v ",
+        v.described(), " must have q's shape ", q.described(),
         " (causal self-attention: the same B, H and T)");
-  check(q.shape()[3] >= 1, op, ": head dim D must be at least 1, got q ", q.description());
+  check(q.shape()[3] >= 1, op, ": head dim D must be at least 1, got q ", q.described());
   check(k.device() == q.device() && v.device() == q.device(), op, ": q on ", q.device(), ", k on ",
         k.device(), ", v on ", v.device());
 

@@ -16,17 +16,17 @@ namespace {
 Tensor prepare_affine(const char* op, const char* name, const Tensor& x, const Tensor& t) {
   if (!t.defined()) return t;
   const int64_t C = x.shape().back();
-  check(is_floating(t.dtype()), op, ": ", name, " must be floating, got ", t.description());
-  check(t.dim() == 1 && t.shape()[0] == C, op, ": ", name, " ", t.description(),
-        " does not match the last dim of x ", x.description(), " (expected [", C, "])");
+  check(is_floating(t.dtype()), op, ": ", name, " must be floating, got ", t.described());
+  check(t.dim() == 1 && t.shape()[0] == C, op, ": ", name, " ", t.described(),
+        " does not match the last dim of x ", x.described(), " (expected [", C, "])");
   check(t.device() == x.device(), op, ": ", name, " is on ", t.device(), " but x is on ", x.device());
   return t.to(x.dtype()).contiguous();
 }
 
 void check_norm_input(const char* op, const Tensor& x, double eps) {
   check(x.defined(), op, ": x is undefined");
-  check(is_floating(x.dtype()), op, ": expected a floating x (f32, f16, bf16 or f64), got ", x.description());
-  check(x.dim() >= 1, op, ": x must have at least one dim (normalised over the last), got ", x.description());
+  check(is_floating(x.dtype()), op, ": expected a floating x (f32, f16, bf16 or f64), got ", x.described());
+  check(x.dim() >= 1, op, ": x must have at least one dim (normalised over the last), got ", x.described());
   check(std::isfinite(eps) && eps >= 0, op, ": eps must be finite and >= 0, got ", eps);
 }
 
@@ -105,8 +105,8 @@ RMSNormResult rms_norm(const Tensor& x, const Tensor& weight, double eps) {
 Tensor dropout(const Tensor& x, double p, Generator& generator, bool training) {
   check(x.defined(), "dropout: input is undefined");
   check(is_floating(x.dtype()), "dropout: expected a floating tensor (f32, f16, bf16 or f64), got ",
-        x.description());
-  check(p >= 0 && p < 1, "dropout: p must be in [0, 1), got ", p, " for ", x.description());
+        x.described());
+  check(p >= 0 && p < 1, "dropout: p must be in [0, 1), got ", p, " for ", x.described());
   if (!training || p == 0) return x;
   // The mask is a pure function of (seed, offset + i): nothing is stored, backward redraws it.
   const uint64_t seed = generator.seed;

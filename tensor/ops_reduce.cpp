@@ -15,7 +15,7 @@ namespace {
 void check_floating(const char* op, const Tensor& x) {
   check(x.defined(), op, ": input is undefined");
   check(is_floating(x.dtype()), op, ": expected a floating tensor (f32, f16, bf16 or f64), got ",
-        x.description());
+        x.described());
 }
 
 // The dims a reduction runs over, normalised (sorted, unique), and the shapes of its result.
@@ -37,14 +37,14 @@ ReduceDims resolve_dims(const char* op, const Tensor& x, const std::vector<int64
     // A 0-d tensor accepts dim 0 / -1 (as in torch) and has nothing to reduce.
     const int64_t range = std::max<int64_t>(ndim, 1);
     for (int64_t d : requested) {
-      check(d >= -range && d < range, op, ": dim ", d, " is out of range for ", x.description(),
+      check(d >= -range && d < range, op, ": dim ", d, " is out of range for ", x.described(),
             " (expected ", -range, "..", range - 1, ")");
       if (ndim > 0) r.dims.push_back(d < 0 ? d + ndim : d);
     }
     std::sort(r.dims.begin(), r.dims.end());
     const auto repeated = std::adjacent_find(r.dims.begin(), r.dims.end());
     check(repeated == r.dims.end(), op, ": dim ", repeated == r.dims.end() ? 0 : *repeated,
-          " appears more than once in ", shape_str(requested), " for ", x.description());
+          " appears more than once in ", shape_text(requested), " for ", x.described());
   }
   r.keep_shape = x.shape();
   for (int64_t d : r.dims) {
@@ -73,7 +73,7 @@ Tensor expand_back(const Tensor& g, const Shape& keep_shape, const Shape& x_shap
 Tensor extremum(const char* op, ReduceOp kind, const Tensor& x, const std::vector<int64_t>& dims,
                 bool keepdim) {
   const ReduceDims r = resolve_dims(op, x, dims, keepdim);
-  check(r.count > 0, op, ": cannot reduce over an empty dim of ", x.description());
+  check(r.count > 0, op, ": cannot reduce over an empty dim of ", x.described());
   Tensor out = run_reduce(kind, x, r);
   const Tensor extreme = out.detach();
   record_backward(op, {x}, out,
@@ -94,7 +94,7 @@ Tensor extremum(const char* op, ReduceOp kind, const Tensor& x, const std::vecto
 void check_softmax(const char* op, const Tensor& x, int64_t dim) {
   check_floating(op, x);
   const int64_t range = std::max<int64_t>(x.dim(), 1);
-  check(dim >= -range && dim < range, op, ": dim ", dim, " is out of range for ", x.description(),
+  check(dim >= -range && dim < range, op, ": dim ", dim, " is out of range for ", x.described(),
         " (expected ", -range, "..", range - 1, ")");
 }
 
@@ -154,7 +154,7 @@ Tensor var(const Tensor& x, const std::vector<int64_t>& dims, int64_t correction
   if (const auto cast = autocast_inputs(AutocastOp::Var, x)) [[unlikely]]
     return var((*cast)[0], dims, correction, keepdim);
   const ReduceDims r = resolve_dims("var", x, dims, keepdim);
-  check(correction >= 0, "var: correction must be >= 0, got ", correction, " for ", x.description());
+  check(correction >= 0, "var: correction must be >= 0, got ", correction, " for ", x.described());
   Tensor out = Tensor::empty(r.keep_shape, x.dtype(), x.device());
   backend_of(x).var(x, r.dims, correction, out);
   if (r.out_shape != r.keep_shape) out = out.view(r.out_shape);
@@ -175,10 +175,10 @@ Tensor norm(const Tensor& x, double p, const std::vector<int64_t>& dims, bool ke
   if (const auto cast = autocast_inputs(AutocastOp::Norm, x)) [[unlikely]]
     return norm((*cast)[0], p, dims, keepdim);
   const ReduceDims r = resolve_dims("norm", x, dims, keepdim);
-  check(p > 0, "not supported: norm with p = ", p, " for ", x.description(),
+  check(p > 0, "not supported: norm with p = ", p, " for ", x.described(),
         " (expected p > 0, finite or inf; PyTorch's p = 0, p < 0 and -inf are not implemented)");
-  check(!(std::isinf(p) && r.count == 0), "norm: the inf norm of ", x.description(), " over dims ",
-        shape_str(r.dims), " reduces empty sets (a max of nothing); expected a non-empty reduction");
+  check(!(std::isinf(p) && r.count == 0), "norm: the inf norm of ", x.described(), " over dims ",
+        shape_text(r.dims), " reduces empty sets (a max of nothing); expected a non-empty reduction");
   const DType acc = x.dtype() == DType::F64 ? DType::F64 : DType::F32;
   AutocastScope no_autocast(std::nullopt);  // the ops below are the norm's own arithmetic
   if (p == 1 || std::isinf(p)) {
@@ -219,8 +219,8 @@ Tensor sum_to(const Tensor& x, const Shape& shape) {
   const int64_t lead = x.dim() - static_cast<int64_t>(shape.size());
   bool ok = lead >= 0;
   for (size_t i = 0; ok && i < shape.size(); ++i) ok = shape[i] == 1 || shape[i] == x.shape()[lead + i];
-  check(ok, "sum_to: cannot sum ", x.description(), " to ", shape_str(shape), " (", shape_str(shape),
-        " must broadcast to ", shape_str(x.shape()), ")");
+  check(ok, "sum_to: cannot sum ", x.described(), " to ", shape_text(shape), " (", shape_text(shape),
+        " must broadcast to ", shape_text(x.shape()), ")");
   if (x.shape() == shape) return x;
   // Reduce the leading extra dims and the dims where `shape` has 1 but x does not, then drop the leading
   // dims.

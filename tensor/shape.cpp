@@ -2,6 +2,7 @@
 
 #include <charconv>
 #include <cstdint>
+#include <ostream>
 
 #include "tensor/error.h"
 
@@ -20,6 +21,8 @@ std::string shape_str(const Shape& shape) {
   out += ']';
   return out;
 }
+
+std::ostream& operator<<(std::ostream& out, const ShapeText& text) { return out << shape_str(text.shape); }
 
 int64_t shape_numel(const Shape& shape) {
   int64_t n = 1;
@@ -57,7 +60,7 @@ Shape broadcast_shapes(const Shape& a, const Shape& b, const char* op) {
   for (size_t i = 0; i < ndim; ++i) {
     const int64_t da = i < ndim - a.size() ? 1 : a[i - (ndim - a.size())];
     const int64_t db = i < ndim - b.size() ? 1 : b[i - (ndim - b.size())];
-    check(da == db || da == 1 || db == 1, op, ": shapes ", shape_str(a), " and ", shape_str(b),
+    check(da == db || da == 1 || db == 1, op, ": shapes ", shape_text(a), " and ", shape_text(b),
           " do not broadcast (dim ", i, ": ", da, " vs ", db, ")");
     out[i] = da == 1 ? db : da;
   }

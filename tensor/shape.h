@@ -11,6 +11,13 @@ using Shape = std::vector<int64_t>;
 using Strides = std::vector<int64_t>;
 
 std::string shape_str(const Shape& shape);  // "[2,3,4]"
+// shape_str(shape), formatted only when printed: check()'s arguments are built on every call, and the text
+// only on failure (in a small model, eager shape strings were ~4% of the step).
+struct ShapeText {
+  const Shape& shape;
+};
+inline ShapeText shape_text(const Shape& shape) { return {shape}; }
+std::ostream& operator<<(std::ostream& out, const ShapeText& text);
 int64_t shape_numel(const Shape& shape);
 Strides contiguous_strides(const Shape& shape);  // row-major
 // Turns a possibly negative dim into 0..ndim-1; `op` names the caller in the error.

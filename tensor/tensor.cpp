@@ -74,7 +74,7 @@ template <class V>
 Tensor tensor_from_host(const std::vector<V>& values, const Shape& shape, DType dtype, const char* op) {
   check_shape(shape, op);
   check(static_cast<int64_t>(values.size()) == shape_numel(shape), op, ": ", values.size(),
-        " values do not fill shape ", shape_str(shape), " (", shape_numel(shape), " elements)");
+        " values do not fill shape ", shape_text(shape), " (", shape_numel(shape), " elements)");
   Tensor t = Tensor::empty(shape, dtype);
   dispatch_all(dtype, op, [&]<typename T>() {
     T* out = t.data<T>();
@@ -194,20 +194,20 @@ Shape infer_shape(const Shape& requested, int64_t numel, const char* op, const T
   int64_t known = 1, unknown = -1;
   for (size_t i = 0; i < shape.size(); ++i) {
     if (shape[i] == -1) {
-      check(unknown < 0, op, ": only one dim may be -1 in ", shape_str(requested), " (for ", t.description(), ")");
+      check(unknown < 0, op, ": only one dim may be -1 in ", shape_text(requested), " (for ", t.described(), ")");
       unknown = static_cast<int64_t>(i);
     } else {
-      check(shape[i] >= 0, op, ": invalid size ", shape[i], " in ", shape_str(requested), " (for ", t.description(),
+      check(shape[i] >= 0, op, ": invalid size ", shape[i], " in ", shape_text(requested), " (for ", t.described(),
             ")");
       known *= shape[i];
     }
   }
   if (unknown >= 0) {
-    check(known != 0 && numel % known == 0, op, ": cannot view ", t.description(), " as ", shape_str(requested));
+    check(known != 0 && numel % known == 0, op, ": cannot view ", t.described(), " as ", shape_text(requested));
     shape[unknown] = numel / known;
   }
-  check(shape_numel(shape) == numel, op, ": shape ", shape_str(requested), " has ", shape_numel(shape),
-        " elements but ", t.description(), " has ", numel);
+  check(shape_numel(shape) == numel, op, ": shape ", shape_text(requested), " has ", shape_numel(shape),
+        " elements but ", t.described(), " has ", numel);
   return shape;
 }
 
@@ -258,7 +258,7 @@ Tensor Tensor::view(const Shape& requested) const {
   const Shape shape = infer_shape(requested, numel(), "view", *this);
   Strides strides;
   check(view_strides(impl().shape, impl().strides, shape, strides), "view: cannot view ", description(),
-        " (strides ", shape_str(this->strides()), ") as ", shape_str(shape),
+        " (strides ", shape_text(this->strides()), ") as ", shape_text(shape),
         " without a copy; use reshape() or contiguous()");
   Tensor out = make_view(*this, shape, strides, offset());
   const Shape input_shape = this->shape();
@@ -292,7 +292,7 @@ Tensor Tensor::permute(const std::vector<int64_t>& dims) const {
   Strides strides(dims.size());
   for (size_t i = 0; i < dims.size(); ++i) {
     const int64_t d = dim_of(*this, dims[i], "permute");
-    check(!seen[d], "permute: dim ", d, " repeated in ", shape_str(dims), " (for ", description(), ")");
+    check(!seen[d], "permute: dim ", d, " repeated in ", shape_text(dims), " (for ", description(), ")");
     seen[d] = true;
     order[i] = d;
     inverse[d] = static_cast<int64_t>(i);
@@ -452,13 +452,13 @@ namespace {
 // apply the update once per alias.
 void check_no_overlap(const Tensor& t, const char* op) {
   for (int64_t d = 0; d < t.dim(); ++d)
-    check(!(t.strides()[d] == 0 && t.shape()[d] > 1), op, ": in-place write to ", t.description(),
+    check(!(t.strides()[d] == 0 && t.shape()[d] > 1), op, ": in-place write to ", t.described(),
           " whose dim ", d, " is a broadcast (stride 0), so its elements overlap; write to a contiguous() copy");
 }
 
 void check_inplace(const Tensor& t, const char* op) {
   if (!grad_enabled() || !t.requires_grad()) return;
-  check(!t.is_leaf(), op, ": in-place change of a leaf that requires grad (", t.description(),
+  check(!t.is_leaf(), op, ": in-place change of a leaf that requires grad (", t.described(),
         "); wrap it in NoGradGuard (optimizer steps) or use an out-of-place op");
   fail(op, ": in-place change of ", t.description(), ", which requires grad (made by '", t.grad_fn()->op,
        "'); in-place ops are not recorded on the tape, so its gradient would be wrong: use an out-of-place op, "
@@ -511,7 +511,7 @@ Tensor& Tensor::copy_(const Tensor& src) {
   check(src.defined(), "copy_: source is undefined (destination ", description(), ")");
   check_source_untracked(src, "copy_");
   const Shape shape = broadcast_shapes(src.shape(), this->shape(), "copy_");
-  check(shape == this->shape(), "copy_: source ", src.description(), " does not broadcast to destination ",
+  check(shape == this->shape(), "copy_: source ", src.described(), " does not broadcast to destination ",
         description());
   // From another device: the bytes move first (as they are), then convert and spread on this device.
   const Tensor here = src.device() == device() ? src : src.detach().to(device());
@@ -526,7 +526,7 @@ Tensor& Tensor::add_(const Tensor& other, double alpha) {
   check(other.device() == device(), "add_: other on ", other.device(), ", this on ", device());
   check_source_untracked(other, "add_");
   const Shape shape = broadcast_shapes(other.shape(), this->shape(), "add_");
-  check(shape == this->shape(), "add_: ", other.description(), " does not broadcast to ", description());
+  check(shape == this->shape(), "add_: ", other.described(), " does not broadcast to ", description());
   backend_of(*this).add_inplace(*this, readable_source(*this, other), alpha);
   bump_version();
   return *this;
@@ -607,6 +607,7 @@ std::string Tensor::str() const {
 }
 
 std::ostream& operator<<(std::ostream& out, const Tensor& tensor) { return out << tensor.str(); }
+std::ostream& operator<<(std::ostream& out, const TensorText& text) { return out << text.tensor->description(); }
 
 // ---- autograd ------------------------------------------------------------------------------------------
 
@@ -620,7 +621,7 @@ Tensor& Tensor::requires_grad_(bool enabled) {
 
 void Tensor::set_grad(const Tensor& grad) {
   if (grad.defined())
-    check(grad.shape() == shape(), "set_grad: gradient ", grad.description(), " does not match ", description());
+    check(grad.shape() == shape(), "set_grad: gradient ", grad.described(), " does not match ", description());
   impl().grad = grad.impl_ptr();
 }
 
@@ -629,7 +630,7 @@ Tensor& Tensor::set_grad_dtype(DType dtype) {
         dtype_name(dtype));
   check(is_leaf(), "set_grad_dtype: ", description(), " is not a leaf; only leaves accumulate gradients");
   check(!impl().grad, "set_grad_dtype: ", description(), " already has a gradient (",
-        Tensor(impl().grad).description(), "); set the dtype before backward or after zero_grad");
+        Tensor(impl().grad).described(), "); set the dtype before backward or after zero_grad");
   impl().grad_dtype = dtype == impl().dtype ? std::nullopt : std::optional<DType>(dtype);
   return *this;
 }

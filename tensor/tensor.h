@@ -17,6 +17,12 @@
 namespace mixtape {
 
 struct Node;  // tensor/autograd_node.h
+class Tensor;
+
+// A tensor's description(), formatted only when printed (see ShapeText): check(ok, "op: ", t.described()).
+struct TensorText {
+  const Tensor* tensor;
+};
 
 struct TensorImpl {
   std::shared_ptr<Storage> storage;
@@ -78,6 +84,7 @@ class Tensor {
     return static_cast<T*>(data_ptr());
   }
   std::string description() const;  // "f32[2,3] cpu", used in error messages
+  TensorText described() const { return {this}; }  // the same, formatted only when printed
 
   // ---- views (share storage; differentiable) ----
   Tensor view(const Shape& shape) const;  // one dim may be -1; needs compatible strides
@@ -139,6 +146,7 @@ class Tensor {
 };
 
 std::ostream& operator<<(std::ostream& out, const Tensor& tensor);
+std::ostream& operator<<(std::ostream& out, const TensorText& text);
 
 // A new tensor over `base`'s storage with the given geometry (no autograd history). Used by view ops and
 // kernels; checks that the view stays inside the storage.

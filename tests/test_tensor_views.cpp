@@ -587,6 +587,21 @@ TEST(TensorErrors, DescriptionAndShapeFormats) {
             "[-9223372036854775808,9223372036854775807]");
 }
 
+TEST(TensorErrors, CheckFormatsItsLazyPartsAsTheEagerOnes) {
+  // check() takes t.described() and shape_text(s) so that a passing check builds no string; a failing one
+  // must print exactly what description() and shape_str() give, an undefined tensor included.
+  const Tensor t = Tensor::zeros({2, 3}, DType::BF16), undefined;
+  const Shape shape = {4, -1};
+  try {
+    check(false, "op: ", t.described(), " and ", undefined.described(), " at ", shape_text(shape));
+    FAIL() << "check(false, ...) did not throw";
+  } catch (const Error& e) {
+    EXPECT_EQ(std::string(e.what()), "op: " + t.description() + " and undefined at " + shape_str(shape));
+    EXPECT_EQ(std::string(e.what()), "op: bf16[2,3] and undefined at [4,-1]");
+  }
+  EXPECT_NO_THROW(check(true, t.described(), shape_text(shape)));
+}
+
 TEST(TensorErrors, UndefinedTensor) {
   const Tensor undefined;
   EXPECT_FALSE(undefined.defined());

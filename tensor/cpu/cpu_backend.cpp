@@ -95,7 +95,7 @@ void CachingAllocator::empty_cache() {
 // ---- copy, fill, arange --------------------------------------------------------------------------------
 
 void CpuBackend::copy(const Tensor& src, const Tensor& dst) {
-  check(src.shape() == dst.shape(), "copy: source ", src.description(), " and destination ", dst.description(),
+  check(src.shape() == dst.shape(), "copy: source ", src.described(), " and destination ", dst.described(),
         " differ in shape");
   const StridedLoop<2> loop(dst.shape(), {dst.strides(), src.strides()});
   dispatch_all(dst.dtype(), "copy", [&]<typename To>() {

@@ -26,13 +26,13 @@ inline bool parallel_rows(int64_t N, int64_t V) { return N > 1 && N * V >= 2 * k
 void check_tensor(const char* op, const char* name, const Tensor& t, const Shape& shape, DType dtype) {
   // An empty tensor has no layout to get wrong (and is_contiguous() says no for some empty shapes).
   check(t.defined() && t.shape() == shape && (t.is_contiguous() || t.numel() == 0) && t.dtype() == dtype, op,
-        ": ", name, " must be contiguous ", dtype_name(dtype), shape_str(shape), ", got ", t.description());
+        ": ", name, " must be contiguous ", dtype_name(dtype), shape_text(shape), ", got ", t.described());
 }
 
 void check_targets(const char* op, const Tensor& targets, int64_t N) {
   check(targets.defined() && targets.dim() == 1 && targets.shape()[0] == N && targets.is_contiguous() &&
             (targets.dtype() == DType::I32 || targets.dtype() == DType::I64),
-        op, ": targets must be contiguous i32/i64 [", N, "], got ", targets.description());
+        op, ": targets must be contiguous i32/i64 [", N, "], got ", targets.described());
 }
 
 template <class I>
@@ -61,7 +61,7 @@ A row_log_sum_exp(const T* __restrict x, int64_t V) {
 void CpuBackend::softmax_cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore_index,
                                        const Tensor& loss, const Tensor& lse) {
   const char* op = "softmax_cross_entropy";
-  check(logits.dim() == 2, op, ": logits must be [N, V], got ", logits.description());
+  check(logits.dim() == 2, op, ": logits must be [N, V], got ", logits.described());
   const int64_t N = logits.shape()[0], V = logits.shape()[1];
   check_tensor(op, "logits", logits, {N, V}, logits.dtype());
   check_targets(op, targets, N);
@@ -94,7 +94,7 @@ void CpuBackend::softmax_cross_entropy_backward(const Tensor& grad_loss, const T
                                                 const Tensor& targets, const Tensor& lse,
                                                 int64_t ignore_index, const Tensor& grad_logits) {
   const char* op = "softmax_cross_entropy_backward";
-  check(logits.dim() == 2, op, ": logits must be [N, V], got ", logits.description());
+  check(logits.dim() == 2, op, ": logits must be [N, V], got ", logits.described());
   const int64_t N = logits.shape()[0], V = logits.shape()[1];
   check_tensor(op, "logits", logits, {N, V}, logits.dtype());
   check_targets(op, targets, N);

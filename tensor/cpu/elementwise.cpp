@@ -27,7 +27,7 @@ namespace {
 constexpr int64_t kTranscendentalGrain = 4096;
 
 void check_same_shape(const char* op, const Tensor& a, const Tensor& b) {
-  check(a.shape() == b.shape(), op, ": ", a.description(), " and ", b.description(), " differ in shape");
+  check(a.shape() == b.shape(), op, ": ", a.described(), " and ", b.described(), " differ in shape");
 }
 
 // 16-bit operands of a contiguous run are widened into a float block, f runs over floats (a loop the

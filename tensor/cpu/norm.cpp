@@ -136,13 +136,13 @@ void check_rows(const char* op, const char* name, const Tensor& t, int64_t N, in
   check(t.defined() && t.dim() == 2 && t.shape()[0] == N && t.shape()[1] == C && t.is_contiguous() &&
             t.dtype() == dtype,
         op, ": ", name, " must be contiguous ", dtype_name(dtype), "[", N, ",", C, "], got ",
-        t.description());
+        t.described());
 }
 
 void check_vector(const char* op, const char* name, const Tensor& t, int64_t n, DType dtype) {
   if (!t.defined()) return;
   check(t.dim() == 1 && t.shape()[0] == n && t.is_contiguous() && t.dtype() == dtype, op, ": ", name,
-        " must be contiguous ", dtype_name(dtype), "[", n, "], got ", t.description());
+        " must be contiguous ", dtype_name(dtype), "[", n, "], got ", t.described());
 }
 
 // Sums the per-block partials [blocks, C] into dest[C], pairwise over blocks (a tree of whole rows, so the
@@ -164,7 +164,7 @@ void combine_partials(std::vector<A>& partial, int64_t blocks, int64_t C, T* des
 
 void CpuBackend::layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps,
                             const Tensor& out, const Tensor& mean, const Tensor& rstd) {
-  check(x.dim() == 2, "layer_norm: x must be [N, C], got ", x.description());
+  check(x.dim() == 2, "layer_norm: x must be [N, C], got ", x.described());
   const int64_t N = x.shape()[0], C = x.shape()[1];
   check_rows("layer_norm", "x", x, N, C, x.dtype());
   check_rows("layer_norm", "out", out, N, C, x.dtype());
@@ -218,7 +218,7 @@ void CpuBackend::layer_norm(const Tensor& x, const Tensor& weight, const Tensor&
 void CpuBackend::layer_norm_backward(const Tensor& grad_out, const Tensor& x, const Tensor& weight,
                                      const Tensor& mean, const Tensor& rstd, const Tensor& grad_x,
                                      const Tensor& grad_weight, const Tensor& grad_bias) {
-  check(x.dim() == 2, "layer_norm_backward: x must be [N, C], got ", x.description());
+  check(x.dim() == 2, "layer_norm_backward: x must be [N, C], got ", x.described());
   const int64_t N = x.shape()[0], C = x.shape()[1];
   check_rows("layer_norm_backward", "x", x, N, C, x.dtype());
   check_rows("layer_norm_backward", "grad_out", grad_out, N, C, x.dtype());
@@ -267,7 +267,7 @@ void CpuBackend::layer_norm_backward(const Tensor& grad_out, const Tensor& x, co
 
 void CpuBackend::rms_norm(const Tensor& x, const Tensor& weight, double eps, const Tensor& out,
                           const Tensor& rstd) {
-  check(x.dim() == 2, "rms_norm: x must be [N, C], got ", x.description());
+  check(x.dim() == 2, "rms_norm: x must be [N, C], got ", x.described());
   const int64_t N = x.shape()[0], C = x.shape()[1];
   check_rows("rms_norm", "x", x, N, C, x.dtype());
   check_rows("rms_norm", "out", out, N, C, x.dtype());
@@ -305,7 +305,7 @@ void CpuBackend::rms_norm(const Tensor& x, const Tensor& weight, double eps, con
 
 void CpuBackend::rms_norm_backward(const Tensor& grad_out, const Tensor& x, const Tensor& weight,
                                    const Tensor& rstd, const Tensor& grad_x, const Tensor& grad_weight) {
-  check(x.dim() == 2, "rms_norm_backward: x must be [N, C], got ", x.description());
+  check(x.dim() == 2, "rms_norm_backward: x must be [N, C], got ", x.described());
   const int64_t N = x.shape()[0], C = x.shape()[1];
   check_rows("rms_norm_backward", "x", x, N, C, x.dtype());
   check_rows("rms_norm_backward", "grad_out", grad_out, N, C, x.dtype());
@@ -347,7 +347,7 @@ void CpuBackend::rms_norm_backward(const Tensor& grad_out, const Tensor& x, cons
 
 void CpuBackend::dropout(const Tensor& x, double p, uint64_t seed, uint64_t offset, const Tensor& out) {
   check(x.shape() == out.shape() && x.dtype() == out.dtype() && out.is_contiguous(), "dropout: output ",
-        out.description(), " must be contiguous with the shape and dtype of ", x.description());
+        out.described(), " must be contiguous with the shape and dtype of ", x.described());
   check(p >= 0 && p < 1, "dropout: p must be in [0, 1), got ", p);
   // Element i (row-major index) is kept iff u_i >= p with u_i = uniform(philox(offset + i, key = seed)[0]);
   // kept elements are scaled by 1 / (1 - p) so the expectation is unchanged. The draw depends only on

@@ -236,12 +236,12 @@ void check_reduce_output(const char* op, const Tensor& x, const std::vector<int6
                          const Tensor& out) {
   Shape expected = x.shape();
   for (int64_t d : dims) {
-    check(d >= 0 && d < x.dim(), op, ": dim ", d, " out of range for ", x.description());
+    check(d >= 0 && d < x.dim(), op, ": dim ", d, " out of range for ", x.described());
     expected[static_cast<size_t>(d)] = 1;
   }
   check(out.shape() == expected && out.is_contiguous() && out.dtype() == x.dtype(), op, ": output ",
-        out.description(), " must be contiguous ", dtype_name(x.dtype()), shape_str(expected), " for input ",
-        x.description());
+        out.described(), " must be contiguous ", dtype_name(x.dtype()), shape_text(expected), " for input ",
+        x.described());
 }
 
 }  // namespace
@@ -329,7 +329,7 @@ struct SoftmaxRows {
 };
 
 void check_same_shape(const char* op, const Tensor& a, const Tensor& b) {
-  check(a.shape() == b.shape() && a.dtype() == b.dtype(), op, ": ", a.description(), " and ", b.description(),
+  check(a.shape() == b.shape() && a.dtype() == b.dtype(), op, ": ", a.described(), " and ", b.described(),
         " must have the same shape and dtype");
 }
 
@@ -337,7 +337,7 @@ void check_same_shape(const char* op, const Tensor& a, const Tensor& b) {
 
 void CpuBackend::softmax(const Tensor& x, int64_t dim, bool log, const Tensor& out) {
   check_same_shape("softmax", x, out);
-  check(dim >= 0 && dim < x.dim(), "softmax: dim ", dim, " out of range for ", x.description());
+  check(dim >= 0 && dim < x.dim(), "softmax: dim ", dim, " out of range for ", x.described());
   const SoftmaxRows rows({&x, &out}, dim);
   const int64_t n = rows.length, sx = rows.row_strides[0], so = rows.row_strides[1];
   dispatch_float(x.dtype(), "softmax", [&]<typename T>() {
@@ -381,7 +381,7 @@ void CpuBackend::softmax_backward(const Tensor& y, const Tensor& grad_y, int64_t
                                   const Tensor& grad_x) {
   check_same_shape("softmax_backward", y, grad_y);
   check_same_shape("softmax_backward", y, grad_x);
-  check(dim >= 0 && dim < y.dim(), "softmax_backward: dim ", dim, " out of range for ", y.description());
+  check(dim >= 0 && dim < y.dim(), "softmax_backward: dim ", dim, " out of range for ", y.described());
   const SoftmaxRows rows({&y, &grad_y, &grad_x}, dim);
   const int64_t n = rows.length, sy = rows.row_strides[0], sg = rows.row_strides[1], sd = rows.row_strides[2];
   dispatch_float(y.dtype(), "softmax_backward", [&]<typename T>() {
