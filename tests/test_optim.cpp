@@ -866,13 +866,21 @@ TEST(ClipGradNorm, NormDoesNotDependOnTheThreadCount) {
   for (double& x : g) x = static_cast<float>(x);
   Tensor p = make_param(std::vector<double>(n, 0.0), DType::F32);
   give_grad(p, g);
+  // Small tensors too: they are summed a tensor per thread, and their sums added in the tensors' order.
+  std::vector<Tensor> params = {p};
+  for (int64_t k = 0; k < 12; ++k) {
+    const int64_t m = 1 + 997 * k;
+    params.push_back(make_param(std::vector<double>(m, 0.0), DType::F32));
+    give_grad(params.back(), std::vector<double>(g.begin(), g.begin() + m));
+  }
   const int threads = omp_get_max_threads();
   omp_set_num_threads(1);
-  const double one = grad_norm({p});
+  const double one = grad_norm({p}), one_all = grad_norm(params);
   omp_set_num_threads(2);
-  const double two = grad_norm({p});
+  const double two = grad_norm({p}), two_all = grad_norm(params);
   omp_set_num_threads(threads);
   EXPECT_EQ(one, two);
+  EXPECT_EQ(one_all, two_all);
   // Against a plain double sum in index order (a different order: agreement to double rounding).
   double sum = 0;
   for (double x : g) sum += x * x;

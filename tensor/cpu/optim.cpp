@@ -73,7 +73,11 @@ constexpr int kLanes = 8;
 template <class T>
 double squared_norm(const T* g, int64_t n) {
   const int64_t chunks = (n + kChunk - 1) / kChunk;
-  std::vector<double> partial(chunks);
+  // A tensor below the threading grain has at most 16 chunks: their sums stay on the stack.
+  double few[16];
+  std::vector<double> many;
+  if (chunks > 16) many.resize(static_cast<size_t>(chunks));
+  double* const partial = chunks > 16 ? many.data() : few;
 #pragma omp parallel for schedule(static) if (parallel : n >= 2 * kParallelGrain)
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t begin = c * kChunk, end = std::min(n, begin + kChunk);
@@ -94,7 +98,7 @@ double squared_norm(const T* g, int64_t n) {
         ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
   }
   double total = 0;
-  for (double p : partial) total += p;
+  for (int64_t c = 0; c < chunks; ++c) total += partial[c];
   return total;
 }
 
@@ -141,12 +145,21 @@ void CpuBackend::sgd_step(const std::vector<SgdUpdate>& updates, double momentum
 }
 
 double CpuBackend::sum_of_squares(const std::vector<Tensor>& tensors) {
-  double total = 0;
+  // Copies (of non-contiguous tensors) and dtype checks first: the sums may run inside an OpenMP region.
+  std::vector<Tensor> flat;
   for (const Tensor& t : tensors) {
-    const Tensor flat = t.contiguous();
-    total += dispatch_float(flat.dtype(), "sum_of_squares",
-                            [&]<typename T>() { return squared_norm<T>(flat.data<T>(), flat.numel()); });
+    if (!is_floating(t.dtype())) dispatch_float(t.dtype(), "sum_of_squares", []<typename T>() {});
+    flat.push_back(t.contiguous());
   }
+  std::vector<double> sums(flat.size());
+  const auto size = [&](int64_t i) { return flat[static_cast<size_t>(i)].numel(); };
+  for_each_tensor(static_cast<int64_t>(flat.size()), size, [&](int64_t i) {
+    const Tensor& t = flat[static_cast<size_t>(i)];
+    sums[static_cast<size_t>(i)] = dispatch_float(
+        t.dtype(), "sum_of_squares", [&]<typename T>() { return squared_norm<T>(t.data<T>(), t.numel()); });
+  });
+  double total = 0;  // in the tensors' order, as before: the same bits on any thread count
+  for (double sum : sums) total += sum;
   return total;
 }
 
