@@ -75,7 +75,11 @@ class Backend {
   // grad_x = grad_out * d op(x) / dx; y = op(x) is passed for ops whose derivative uses it.
   virtual void unary_backward(UnaryOp op, const Tensor& x, const Tensor& y, const Tensor& grad_out,
                               const Tensor& grad_x, double scalar) = 0;
+  // a and b have out's dtype, or, where binary_reads_mixed says so, their own (each converted as it is read).
   virtual void binary(BinaryOp op, const Tensor& a, const Tensor& b, const Tensor& out) = 0;
+  // Whether binary(op, a, b, out) takes a and b in these dtypes for an `out` of the wider one: the promoting
+  // ops (add, sub, mul, div) then read a narrower input in place instead of copying it to the wider dtype.
+  virtual bool binary_reads_mixed(DType, DType, DType) const { return false; }
   // out = a op scalar, or scalar op a when scalar_first. The scalar stays in double until the op runs.
   virtual void binary_scalar(BinaryOp op, const Tensor& a, double scalar, bool scalar_first, const Tensor& out) = 0;
   // out = cond ? a : b, with cond a bool-like tensor (nonzero = true) of any dtype.

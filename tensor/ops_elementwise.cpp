@@ -2,6 +2,7 @@
 // backward of each op (written with other ops so it runs on every backend).
 #include <algorithm>
 #include <initializer_list>
+#include <optional>
 #include <sstream>
 #include <utility>
 #include <vector>
@@ -102,23 +103,39 @@ Tensor unary_op(UnaryOp op, const char* name, const Tensor& x, double scalar = 0
 // ---- binary ----
 
 struct BinaryInputs {
-  Tensor a, b;  // detached, in the compute dtype, in their own (unbroadcast) shapes
+  Tensor a, b;  // detached, in their own (unbroadcast) shapes: in the compute dtype, or see prepare_binary
   Shape shape;  // the broadcast output shape
+  DType dtype;  // the compute (and output) dtype: the promoted one
 };
 
-BinaryInputs prepare_binary(const char* name, const Tensor& a, const Tensor& b) {
+// `op`: an op whose kernel may read an input of another dtype in place (add, sub, mul, div), when the
+// backend can (Backend::binary_reads_mixed). A residual add of a bf16 branch to an f32 stream then reads the
+// bf16 values as they are, where a copy would write and read the f32 values once more. The result is the
+// same: widening to the promoted dtype is exact.
+BinaryInputs prepare_binary(const char* name, const Tensor& a, const Tensor& b,
+                            std::optional<BinaryOp> op = std::nullopt) {
   check_floating(name, a);
   check_floating(name, b);
   BinaryInputs in;
   in.shape = broadcast(name, {a, b});
-  const DType dtype = promote(a.dtype(), b.dtype());
-  in.a = as_dtype(a, dtype);
-  in.b = as_dtype(b, dtype);
+  in.dtype = promote(a.dtype(), b.dtype());
+  const bool in_place = op && backend_of(a).binary_reads_mixed(a.dtype(), b.dtype(), in.dtype);
+  in.a = in_place ? a.detach() : as_dtype(a, in.dtype);
+  in.b = in_place ? b.detach() : as_dtype(b, in.dtype);
   return in;
 }
 
+// Whether the kernel of a promoting op reads a and b in place (Backend::binary_reads_mixed). Autocast's
+// promote policy then leaves them to it: the kernel promotes to the same widest dtype with the same bits, and
+// record_binary casts each gradient back to its input's dtype, as the hook's cast would in its backward.
+bool promotes_in_kernel(const Tensor& a, const Tensor& b) {
+  if (!a.defined() || !b.defined() || a.dtype() == b.dtype() || !is_floating(a.dtype()) || !is_floating(b.dtype()))
+    return false;
+  return backend_of(a).binary_reads_mixed(a.dtype(), b.dtype(), promote(a.dtype(), b.dtype()));
+}
+
 Tensor run_binary(BinaryOp op, const BinaryInputs& in) {
-  Tensor out = Tensor::empty(in.shape, in.a.dtype(), in.a.device());
+  Tensor out = Tensor::empty(in.shape, in.dtype, in.a.device());
   backend_of(out).binary(op, in.a.expand(in.shape), in.b.expand(in.shape), out);
   return out;
 }
@@ -155,18 +172,20 @@ Tensor scalar_op(BinaryOp op, const char* name, const Tensor& a, double scalar, 
 // ---- tensor-tensor ---------------------------------------------------------------------------------------
 
 Tensor add(const Tensor& a, const Tensor& b) {
-  if (const auto cast = autocast_inputs(AutocastOp::Add, a, b)) [[unlikely]]
-    return add((*cast)[0], (*cast)[1]);
-  const BinaryInputs in = prepare_binary("add", a, b);
+  if (!promotes_in_kernel(a, b))
+    if (const auto cast = autocast_inputs(AutocastOp::Add, a, b)) [[unlikely]]
+      return add((*cast)[0], (*cast)[1]);
+  const BinaryInputs in = prepare_binary("add", a, b, BinaryOp::Add);
   Tensor out = run_binary(BinaryOp::Add, in);
   record_binary("add", a, b, out, {}, [](const Tensor& g, bool, bool) { return GradPair{g, g}; });
   return out;
 }
 
 Tensor sub(const Tensor& a, const Tensor& b) {
-  if (const auto cast = autocast_inputs(AutocastOp::Sub, a, b)) [[unlikely]]
-    return sub((*cast)[0], (*cast)[1]);
-  const BinaryInputs in = prepare_binary("sub", a, b);
+  if (!promotes_in_kernel(a, b))
+    if (const auto cast = autocast_inputs(AutocastOp::Sub, a, b)) [[unlikely]]
+      return sub((*cast)[0], (*cast)[1]);
+  const BinaryInputs in = prepare_binary("sub", a, b, BinaryOp::Sub);
   Tensor out = run_binary(BinaryOp::Sub, in);
   record_binary("sub", a, b, out, {}, [](const Tensor& g, bool, bool need_b) {
     return GradPair{g, need_b ? neg(g) : Tensor()};
@@ -175,9 +194,10 @@ Tensor sub(const Tensor& a, const Tensor& b) {
 }
 
 Tensor mul(const Tensor& a, const Tensor& b) {
-  if (const auto cast = autocast_inputs(AutocastOp::Mul, a, b)) [[unlikely]]
-    return mul((*cast)[0], (*cast)[1]);
-  const BinaryInputs in = prepare_binary("mul", a, b);
+  if (!promotes_in_kernel(a, b))
+    if (const auto cast = autocast_inputs(AutocastOp::Mul, a, b)) [[unlikely]]
+      return mul((*cast)[0], (*cast)[1]);
+  const BinaryInputs in = prepare_binary("mul", a, b, BinaryOp::Mul);
   Tensor out = run_binary(BinaryOp::Mul, in);
   const Tensor x = in.a, y = in.b;
   record_binary("mul", a, b, out, {x, y}, [x, y](const Tensor& g, bool need_a, bool need_b) {
@@ -188,9 +208,10 @@ Tensor mul(const Tensor& a, const Tensor& b) {
 
 // d(a/b)/da = 1/b; d(a/b)/db = -a/b^2 = -(a/b)/b, so grad_b = -grad_a * out.
 Tensor div(const Tensor& a, const Tensor& b) {
-  if (const auto cast = autocast_inputs(AutocastOp::Div, a, b)) [[unlikely]]
-    return div((*cast)[0], (*cast)[1]);
-  const BinaryInputs in = prepare_binary("div", a, b);
+  if (!promotes_in_kernel(a, b))
+    if (const auto cast = autocast_inputs(AutocastOp::Div, a, b)) [[unlikely]]
+      return div((*cast)[0], (*cast)[1]);
+  const BinaryInputs in = prepare_binary("div", a, b, BinaryOp::Div);
   Tensor out = run_binary(BinaryOp::Div, in);
   const Tensor y = in.b, quotient = out.detach();
   record_binary("div", a, b, out, {y, quotient}, [y, quotient](const Tensor& g, bool, bool need_b) {

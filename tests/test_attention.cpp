@@ -24,6 +24,7 @@
 using namespace mixtape;
 using mixtape::testing::all_close;
 using mixtape::testing::kFloatDtypes;
+using mixtape::testing::peak_extra_bytes;
 using mixtape::testing::uniform_tensor;
 using mixtape::testing::within_ulp;
 
@@ -93,21 +94,6 @@ void expect_gradcheck(const std::function<Tensor(const std::vector<Tensor>&)>& f
                       const std::vector<Tensor>& inputs) {
   const GradcheckResult result = gradcheck(f, inputs);
   EXPECT_TRUE(result.ok) << result.message;
-}
-
-// The most bytes the CPU allocator holds beyond what was live when `fn` started, at any moment during it.
-// The allocator's peak only grows, so first a ballast tensor (never touched, so never paged in) lifts the
-// live bytes to the current peak; after that, the peak rises by exactly the extra bytes fn needs.
-size_t peak_extra_bytes(const std::function<void()>& fn) {
-  cpu::CachingAllocator& allocator = cpu::cpu_backend().caching_allocator();
-  const cpu::CachingAllocator::Stats before = allocator.stats();
-  const size_t gap =
-      before.peak_allocated_bytes - before.allocated_bytes;  // a multiple of 512 (rounded sizes)
-  const Tensor ballast = gap > 0 ? Tensor::empty({static_cast<int64_t>(gap / 4)}) : Tensor();
-  const size_t peak = allocator.stats().peak_allocated_bytes;
-  EXPECT_EQ(allocator.stats().allocated_bytes, peak);
-  fn();
-  return allocator.stats().peak_allocated_bytes - peak;
 }
 
 }  // namespace

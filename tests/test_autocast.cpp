@@ -92,14 +92,59 @@ TEST(AutocastPolicy, PromoteOpsCastEveryInputToTheWidest) {
     EXPECT_EQ(cat({h, f}, 0).dtype(), DType::F32);
     EXPECT_EQ(stack({h, f}, 0).dtype(), DType::F32);
     EXPECT_EQ(where(h, h, f).dtype(), DType::F32);
-    // One cast of h per op (h is not a leaf that requires grad, so it is not cached): the promotion happened
-    // in the hook, on the tape, not inside the kernels.
-    EXPECT_EQ(autocast_cast_count() - before, 7u);
+    // One cast of h per op for cat, stack and where (h is not a leaf that requires grad, so it is not
+    // cached): their promotion happens in the hook, on the tape. add, sub, mul and div on the CPU read h in
+    // place and promote inside the kernel (Backend::binary_reads_mixed), so the hook casts nothing for them
+    // (AutocastPolicy.KernelPromotionGivesTheHooksBitsAndGradients).
+    EXPECT_EQ(autocast_cast_count() - before, 3u);
     // Same-dtype inputs stay as they are: promote never narrows and never goes to f32 on its own.
     EXPECT_EQ(add(h, h).dtype(), low);
     EXPECT_EQ(cat({h, h}, 1).dtype(), low);
-    EXPECT_EQ(autocast_cast_count() - before, 7u);
+    EXPECT_EQ(autocast_cast_count() - before, 3u);
   }
+}
+
+TEST(AutocastPolicy, KernelPromotionGivesTheHooksBitsAndGradients) {
+  // add/sub/mul/div of an f16/bf16 and an f32 tensor: the CPU kernel reads the 16-bit input in place. The
+  // outputs and both gradients must be bit for bit those of the explicit cast the hook would make, with and
+  // without autocast, including a broadcast 16-bit operand; and no f32 copy of the 16-bit input is made.
+  using BinaryFn = Tensor (*)(const Tensor&, const Tensor&);
+  const BinaryFn ops[] = {[](const Tensor& a, const Tensor& b) { return add(a, b); },
+                          [](const Tensor& a, const Tensor& b) { return sub(a, b); },
+                          [](const Tensor& a, const Tensor& b) { return mul(a, b); },
+                          [](const Tensor& a, const Tensor& b) { return div(a, b); }};
+  for (DType low : kAutocastDtypes)
+    for (bool autocast : {false, true})
+      for (bool broadcast : {false, true}) {
+        SCOPED_TRACE(::testing::Message() << dtype_name(low) << (autocast ? " autocast" : "")
+                                          << (broadcast ? " broadcast" : ""));
+        int k = 0;
+        for (BinaryFn op : ops) {
+          SCOPED_TRACE(k++);
+          Tensor h = positive(broadcast ? Shape{1, 5} : Shape{3, 5}, 60, low).detach().requires_grad_();
+          Tensor f = positive({3, 5}, 61, DType::F32).detach().requires_grad_();
+          Tensor h_ref = h.detach().requires_grad_(), f_ref = f.detach().requires_grad_();
+          std::optional<Autocast> guard;
+          if (autocast) guard.emplace(low);
+          const Tensor out = op(h, f), expected = op(h_ref.to(DType::F32), f_ref);
+          guard.reset();
+          EXPECT_EQ(out.dtype(), DType::F32);
+          EXPECT_EQ(out.to_vector<float>(), expected.to_vector<float>());
+          const Tensor g = positive({3, 5}, 62, DType::F32);
+          backward({out}, {g});
+          backward({expected}, {g});
+          EXPECT_EQ(h.grad().dtype(), low);
+          EXPECT_EQ(h.grad().to_vector<float>(), h_ref.grad().to_vector<float>());
+          EXPECT_EQ(f.grad().to_vector<float>(), f_ref.grad().to_vector<float>());
+        }
+      }
+  // Memory: adding a bf16 branch to an f32 stream allocates the f32 output only, not an f32 copy of the
+  // branch (which the old cast-then-add made: twice the output's bytes).
+  const int64_t n = 1 << 16;
+  const Tensor stream = Tensor::randn({n}, 63), branch = Tensor::randn({n}, 64, DType::BF16);
+  const size_t bytes = testing::peak_extra_bytes([&] { add(stream, branch); });
+  EXPECT_GE(bytes, static_cast<size_t>(n) * 4);
+  EXPECT_LT(bytes, static_cast<size_t>(n) * 8);
 }
 
 TEST(AutocastPolicy, OpsOutsideTheTableKeepTheirInputDtype) {

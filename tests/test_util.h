@@ -3,10 +3,12 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <functional>
 #include <string>
 #include <vector>
 
 #include "tensor/cpu/attention_bf16.h"
+#include "tensor/cpu/cpu_backend.h"
 #include "tensor/tensor.h"
 
 namespace mixtape::testing {
@@ -120,5 +122,20 @@ struct Bf16AttentionKernelScope {
 struct PortableAttention : Bf16AttentionKernelScope {
   PortableAttention() : Bf16AttentionKernelScope(cpu::Bf16AttentionKernel::Portable) {}
 };
+
+// The most bytes the CPU allocator holds beyond what was live when `fn` started, at any moment during it.
+// The allocator's peak only grows, so first a ballast tensor (never touched, so never paged in) lifts the
+// live bytes to the current peak; after that, the peak rises by exactly the extra bytes fn needs.
+inline size_t peak_extra_bytes(const std::function<void()>& fn) {
+  cpu::CachingAllocator& allocator = cpu::cpu_backend().caching_allocator();
+  const cpu::CachingAllocator::Stats before = allocator.stats();
+  const size_t gap =
+      before.peak_allocated_bytes - before.allocated_bytes;  // a multiple of 512 (rounded sizes)
+  const Tensor ballast = gap > 0 ? Tensor::empty({static_cast<int64_t>(gap / 4)}) : Tensor();
+  const size_t peak = allocator.stats().peak_allocated_bytes;
+  EXPECT_EQ(allocator.stats().allocated_bytes, peak);
+  fn();
+  return allocator.stats().peak_allocated_bytes - peak;
+}
 
 }  // namespace mixtape::testing

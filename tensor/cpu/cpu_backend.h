@@ -76,6 +76,7 @@ class CpuBackend final : public Backend {
   // matmul.cpp
   void matmul(const Tensor& a, const Tensor& b, const Tensor& out, const Tensor& bias) override;
   bool matmul_widens(DType dtype) const override;
+  bool binary_reads_mixed(DType a, DType b, DType out) const override;
 
   // norm.cpp
   void layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps, const Tensor& out,

@@ -106,6 +106,45 @@ void map_binary(const Tensor& a, const Tensor& b, const Tensor& out, int64_t gra
   }, grain);
 }
 
+// The n values at src as floats: src itself for float, else widened (exactly) into buffer.
+template <class T>
+const float* as_floats(const T* src, float* buffer, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    return src;
+  } else {
+    widen_block(src, buffer, n);
+    return buffer;
+  }
+}
+
+// out (f32) = f(a, b) for an a or b in f16/bf16, read in place (Backend::binary_reads_mixed): contiguous runs
+// widen a block of the 16-bit input at a time. Widening is exact, so out holds the bits that f gives on an
+// f32 copy of the input.
+template <class TA, class TB, class F>
+void map_binary_to_float(const Tensor& a, const Tensor& b, const Tensor& out, int64_t grain, F f) {
+  const TA* pa = a.data<TA>();
+  const TB* pb = b.data<TB>();
+  float* po = out.data<float>();
+  const StridedLoop<3> loop(out.shape(), {out.strides(), a.strides(), b.strides()});
+  const auto [so, sa, sb] = loop.inner_strides();
+  loop.run([&](const std::array<int64_t, 3>& at, int64_t n) __attribute__((flatten)) {
+    float* dst = po + at[0];
+    const TA* x = pa + at[1];
+    const TB* y = pb + at[2];
+    if (so == 1 && sa == 1 && sb == 1) {
+      alignas(64) float x_block[kBlock], y_block[kBlock];
+      for (int64_t j0 = 0; j0 < n; j0 += kBlock) {
+        const int64_t m = std::min(kBlock, n - j0);
+        const float* xs = as_floats(x + j0, x_block, m);
+        const float* ys = as_floats(y + j0, y_block, m);
+        for (int64_t j = 0; j < m; ++j) dst[j0 + j] = f(xs[j], ys[j]);
+      }
+      return;
+    }
+    for (int64_t j = 0; j < n; ++j) dst[j * so] = f(convert<float>(x[j * sa]), convert<float>(y[j * sb]));
+  }, grain);
+}
+
 // ---- the math of each op ---------------------------------------------------------------------------------
 // A is the compute type. Formulas are chosen to avoid cancellation where the textbook form has it.
 
@@ -375,9 +414,53 @@ void CpuBackend::unary_backward(UnaryOp op, const Tensor& x, const Tensor& y, co
 
 // ---- binary ----------------------------------------------------------------------------------------------
 
+namespace {
+
+bool reads_as_float(DType dtype) { return dtype == DType::F32 || dtype == DType::F16 || dtype == DType::BF16; }
+
+// The arithmetic ops on an f32 out from inputs of mixed dtypes (binary_reads_mixed), read in place.
+void binary_mixed(BinaryOp op, const Tensor& a, const Tensor& b, const Tensor& out) {
+  auto for_input = [&](const Tensor& t, auto body) {
+    switch (t.dtype()) {
+      case DType::F32: return body(float());
+      case DType::F16: return body(Half());
+      case DType::BF16: return body(BFloat16());
+      default: fail("binary: not supported: ", t.described(), " read as f32 (expected f32, f16 or bf16)");
+    }
+  };
+  for_input(a, [&](auto a_type) {
+    for_input(b, [&](auto b_type) {
+      using TA = decltype(a_type);
+      using TB = decltype(b_type);
+      auto run = [&](auto f) { map_binary_to_float<TA, TB>(a, b, out, kParallelGrain, f); };
+      switch (op) {
+        case BinaryOp::Add: return run([](float x, float y) { return x + y; });
+        case BinaryOp::Sub: return run([](float x, float y) { return x - y; });
+        case BinaryOp::Mul: return run([](float x, float y) { return x * y; });
+        case BinaryOp::Div: return run([](float x, float y) { return x / y; });
+        default:
+          fail("binary: not supported: op ", static_cast<int>(op), " on mixed dtypes ", a.described(), " and ",
+               b.described(), " (expected add, sub, mul or div)");
+      }
+    });
+  });
+}
+
+}  // namespace
+
+bool CpuBackend::binary_reads_mixed(DType a, DType b, DType out) const {
+  return out == DType::F32 && reads_as_float(a) && reads_as_float(b);
+}
+
 void CpuBackend::binary(BinaryOp op, const Tensor& a, const Tensor& b, const Tensor& out) {
   check_same_shape("binary", a, out);
   check_same_shape("binary", b, out);
+  if (a.dtype() != out.dtype() || b.dtype() != out.dtype()) {
+    check(binary_reads_mixed(a.dtype(), b.dtype(), out.dtype()), "binary: inputs ", a.described(), " and ",
+          b.described(), " for output ", out.described(),
+          ": expected the output's dtype, or f32, f16 or bf16 inputs for an f32 output");
+    return binary_mixed(op, a, b, out);
+  }
   dispatch_float(out.dtype(), "binary", [&]<typename T>() {
     // f16/bf16 compute in float: +, -, *, / of two 11-bit (f16) or 8-bit (bf16) values rounded to float's
     // 24 bits and then to the 16-bit type is correctly rounded (double rounding is harmless when the wider
