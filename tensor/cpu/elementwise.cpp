@@ -66,46 +66,6 @@ void map_unary(const Tensor& x, const Tensor& out, int64_t grain, F f) {
   }, grain);
 }
 
-// out = f(a, b) elementwise; a, b and out are T (a, b already broadcast to out's shape), f computes in C.
-template <class T, class C, class F>
-void map_binary(const Tensor& a, const Tensor& b, const Tensor& out, int64_t grain, F f) {
-  const T* pa = a.data<T>();
-  const T* pb = b.data<T>();
-  T* po = out.data<T>();
-  const StridedLoop<3> loop(out.shape(), {out.strides(), a.strides(), b.strides()});
-  const auto [so, sa, sb] = loop.inner_strides();
-  loop.run([&](const std::array<int64_t, 3>& at, int64_t n) __attribute__((flatten)) {
-    T* dst = po + at[0];
-    const T* x = pa + at[1];
-    const T* y = pb + at[2];
-    if constexpr (kSixteenBit<T> && std::is_same_v<C, float>) {
-      if (so == 1 && sa == 1 && sb == 1) {
-        alignas(64) float x_block[kBlock], y_block[kBlock], out_block[kBlock];
-        for (int64_t j0 = 0; j0 < n; j0 += kBlock) {
-          const int64_t m = std::min(kBlock, n - j0);
-          widen_block(x + j0, x_block, m);
-          widen_block(y + j0, y_block, m);
-          for (int64_t j = 0; j < m; ++j) out_block[j] = f(x_block[j], y_block[j]);
-          narrow_block(out_block, dst + j0, m);
-        }
-        return;
-      }
-    }
-    if (so == 1 && sa == 1 && sb == 1) {
-      for (int64_t j = 0; j < n; ++j) dst[j] = convert<T>(f(convert<C>(x[j]), convert<C>(y[j])));
-    } else if (so == 1 && sa == 1 && sb == 0) {  // b is one value along this run
-      const C y0 = convert<C>(y[0]);
-      for (int64_t j = 0; j < n; ++j) dst[j] = convert<T>(f(convert<C>(x[j]), y0));
-    } else if (so == 1 && sa == 0 && sb == 1) {  // a is one value along this run
-      const C x0 = convert<C>(x[0]);
-      for (int64_t j = 0; j < n; ++j) dst[j] = convert<T>(f(x0, convert<C>(y[j])));
-    } else {
-      for (int64_t j = 0; j < n; ++j)
-        dst[j * so] = convert<T>(f(convert<C>(x[j * sa]), convert<C>(y[j * sb])));
-    }
-  }, grain);
-}
-
 // The n values at src as floats: src itself for float, else widened (exactly) into buffer.
 template <class T>
 const float* as_floats(const T* src, float* buffer, int64_t n) {
@@ -117,32 +77,57 @@ const float* as_floats(const T* src, float* buffer, int64_t n) {
   }
 }
 
-// out (f32) = f(a, b) for an a or b in f16/bf16, read in place (Backend::binary_reads_mixed): contiguous runs
-// widen a block of the 16-bit input at a time. Widening is exact, so out holds the bits that f gives on an
-// f32 copy of the input.
-template <class TA, class TB, class F>
-void map_binary_to_float(const Tensor& a, const Tensor& b, const Tensor& out, int64_t grain, F f) {
+// out = f(a, b) elementwise, a, b already broadcast to out's shape; f computes in C. a, b and out have one
+// dtype, or (Backend::binary_reads_mixed) an f32 out takes f16/bf16 inputs as they are: widening is exact,
+// so out holds the bits f gives on an f32 copy of them. Contiguous runs with a 16-bit side compute in blocks
+// of floats: 16-bit inputs widened a block at a time, a 16-bit out narrowed from the block.
+template <class TO, class TA, class TB, class C, class F>
+void map_binary_of(const Tensor& a, const Tensor& b, const Tensor& out, int64_t grain, F f) {
   const TA* pa = a.data<TA>();
   const TB* pb = b.data<TB>();
-  float* po = out.data<float>();
+  TO* po = out.data<TO>();
   const StridedLoop<3> loop(out.shape(), {out.strides(), a.strides(), b.strides()});
   const auto [so, sa, sb] = loop.inner_strides();
   loop.run([&](const std::array<int64_t, 3>& at, int64_t n) __attribute__((flatten)) {
-    float* dst = po + at[0];
+    TO* dst = po + at[0];
     const TA* x = pa + at[1];
     const TB* y = pb + at[2];
-    if (so == 1 && sa == 1 && sb == 1) {
-      alignas(64) float x_block[kBlock], y_block[kBlock];
-      for (int64_t j0 = 0; j0 < n; j0 += kBlock) {
-        const int64_t m = std::min(kBlock, n - j0);
-        const float* xs = as_floats(x + j0, x_block, m);
-        const float* ys = as_floats(y + j0, y_block, m);
-        for (int64_t j = 0; j < m; ++j) dst[j0 + j] = f(xs[j], ys[j]);
+    if constexpr ((kSixteenBit<TO> || kSixteenBit<TA> || kSixteenBit<TB>) && std::is_same_v<C, float>) {
+      if (so == 1 && sa == 1 && sb == 1) {
+        alignas(64) float x_block[kBlock], y_block[kBlock], out_block[kSixteenBit<TO> ? kBlock : 1];
+        for (int64_t j0 = 0; j0 < n; j0 += kBlock) {
+          const int64_t m = std::min(kBlock, n - j0);
+          const float* xs = as_floats(x + j0, x_block, m);
+          const float* ys = as_floats(y + j0, y_block, m);
+          if constexpr (kSixteenBit<TO>) {
+            for (int64_t j = 0; j < m; ++j) out_block[j] = f(xs[j], ys[j]);
+            narrow_block(out_block, dst + j0, m);
+          } else {
+            for (int64_t j = 0; j < m; ++j) dst[j0 + j] = f(xs[j], ys[j]);
+          }
+        }
+        return;
       }
-      return;
     }
-    for (int64_t j = 0; j < n; ++j) dst[j * so] = f(convert<float>(x[j * sa]), convert<float>(y[j * sb]));
+    if (so == 1 && sa == 1 && sb == 1) {
+      for (int64_t j = 0; j < n; ++j) dst[j] = convert<TO>(f(convert<C>(x[j]), convert<C>(y[j])));
+    } else if (so == 1 && sa == 1 && sb == 0) {  // b is one value along this run
+      const C y0 = convert<C>(y[0]);
+      for (int64_t j = 0; j < n; ++j) dst[j] = convert<TO>(f(convert<C>(x[j]), y0));
+    } else if (so == 1 && sa == 0 && sb == 1) {  // a is one value along this run
+      const C x0 = convert<C>(x[0]);
+      for (int64_t j = 0; j < n; ++j) dst[j] = convert<TO>(f(x0, convert<C>(y[j])));
+    } else {
+      for (int64_t j = 0; j < n; ++j)
+        dst[j * so] = convert<TO>(f(convert<C>(x[j * sa]), convert<C>(y[j * sb])));
+    }
   }, grain);
+}
+
+// out = f(a, b) with a, b and out all T.
+template <class T, class C, class F>
+void map_binary(const Tensor& a, const Tensor& b, const Tensor& out, int64_t grain, F f) {
+  map_binary_of<T, T, T, C>(a, b, out, grain, f);
 }
 
 // ---- the math of each op ---------------------------------------------------------------------------------
@@ -432,7 +417,7 @@ void binary_mixed(BinaryOp op, const Tensor& a, const Tensor& b, const Tensor& o
     for_input(b, [&](auto b_type) {
       using TA = decltype(a_type);
       using TB = decltype(b_type);
-      auto run = [&](auto f) { map_binary_to_float<TA, TB>(a, b, out, kParallelGrain, f); };
+      auto run = [&](auto f) { map_binary_of<float, TA, TB, float>(a, b, out, kParallelGrain, f); };
       switch (op) {
         case BinaryOp::Add: return run([](float x, float y) { return x + y; });
         case BinaryOp::Sub: return run([](float x, float y) { return x - y; });

@@ -73,11 +73,13 @@ constexpr int kLanes = 8;
 template <class T>
 double squared_norm(const T* g, int64_t n) {
   const int64_t chunks = (n + kChunk - 1) / kChunk;
-  // A tensor below the threading grain has at most 16 chunks: their sums stay on the stack.
-  double few[16];
+  // A tensor below the threading grain (run a tensor per thread by for_each_tensor) keeps its sums on the
+  // stack.
+  constexpr int64_t kFewChunks = 2 * kParallelGrain / kChunk;
+  double few[kFewChunks];
   std::vector<double> many;
-  if (chunks > 16) many.resize(static_cast<size_t>(chunks));
-  double* const partial = chunks > 16 ? many.data() : few;
+  if (chunks > kFewChunks) many.resize(static_cast<size_t>(chunks));
+  double* const partial = chunks > kFewChunks ? many.data() : few;
 #pragma omp parallel for schedule(static) if (parallel : n >= 2 * kParallelGrain)
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t begin = c * kChunk, end = std::min(n, begin + kChunk);
