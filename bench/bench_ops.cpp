@@ -17,7 +17,7 @@
 //                       memcpy of the same bytes; the step moves 7 x 768 KiB (reads p, g, m, v; writes p, m,
 //                       v). Shows a per-parameter loop that stopped vectorising: an OpenMP `if` on a combined
 //                       `parallel for simd` once turned off the simd part too for tensors below the
-//                       threading grain, and the step ran at 0.05x (now 0.47x-0.48x, bound by sqrt and div).
+//                       threading grain, and the step ran at 0.05x (now 0.47x-0.49x, bound by sqrt and div).
 //   transpose           copying the transpose of a [2048, 1024] f32 into a contiguous [1024, 2048] (how a
 //                       matmul packs a transposed A) vs oneDNN's reorder between the same two layouts;
 //                       moves 2 x 8 MiB (reads the source, writes the copy).
@@ -74,7 +74,7 @@ constexpr double kMatmulTarget = 0.9;     // mixtape matmul >= 0.9x raw oneDNN
 constexpr double kF16MatmulTarget = 1.0;  // an f16 product (bf16 parts on AMX) >= the raw f32 product
 constexpr double kBandwidthTarget = 0.5;  // memory-bound ops >= 0.5x memcpy bandwidth (issue 2)
 // An optimizer step on parameters in the cache: its square root and two divisions per element, not the
-// bandwidth, bound it (0.47x-0.48x of the in-cache memcpy on the Zen 5); the scalar loop reached 0.05x.
+// bandwidth, bound it (0.47x-0.49x of the in-cache memcpy on the Zen 5); the scalar loop reached 0.05x.
 constexpr double kSmallStepTarget = 0.25;
 constexpr double kAttentionTarget = 1.0;  // the fused attention at least as fast as the dense math path
 constexpr double kGeluTarget = 2.0;       // f32 GELU forward + backward >= 2x the scalar glibc loop
