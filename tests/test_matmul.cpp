@@ -11,6 +11,7 @@
 #include "autograd/gradcheck.h"
 #include "tensor/backend.h"
 #include "tensor/cpu/cpu_backend.h"
+#include "tensor/cpu/gemm_f16.h"
 #include "tensor/ops.h"
 #include "test_util.h"
 
@@ -533,8 +534,9 @@ TEST(LinearGrad, MatchesFiniteDifferences) {
 // The backward's two products in every dtype, bitwise as matmul gives them one by one: also where the CPU
 // multiplies f16 through f32 and the backward widens the incoming gradient once for both products.
 TEST(LinearGrad, EqualsTheTwoProductsBitForBitInEveryDtype) {
-  // f16 widens unless it has a GEMM of its own: bf16 pairs on AMX (MatmulF16.*).
-  EXPECT_EQ(backend_of(Tensor::zeros({1}, DType::F16)).matmul_widens(DType::F16), !cpu::f16_matmul_splits());
+  // f16 widens unless it has a GEMM of its own: bf16 pairs on AMX (MatmulF16.*), or gemm_f16 (GemmF16.*).
+  EXPECT_EQ(backend_of(Tensor::zeros({1}, DType::F16)).matmul_widens(DType::F16),
+            !cpu::f16_matmul_splits() && !cpu::gemm_f16_available());
   EXPECT_FALSE(backend_of(Tensor::zeros({1})).matmul_widens(DType::F32));
   for (DType dtype : {DType::F32, DType::BF16, DType::F16, DType::F64}) {
     SCOPED_TRACE(dtype_name(dtype));

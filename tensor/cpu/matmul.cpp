@@ -40,6 +40,7 @@
 #include <unordered_map>
 
 #include "tensor/cpu/cpu_backend.h"
+#include "tensor/cpu/gemm_f16.h"
 #include "tensor/cpu/strided.h"
 #include "tensor/half.h"
 #include "tensor/kernel_geometry.h"
@@ -544,6 +545,17 @@ bool split_matmul(const Plan& plan, const MatmulGeometry& g, const Tensor& a, co
   return true;
 }
 
+// An f16 product by gemm_f16 (tensor/cpu/gemm_f16.cpp): unbatched, each operand with a unit stride along one
+// dim, rows of out contiguous. False (nothing written) for any other geometry, which then goes through f32.
+bool own_f16_gemm(const MatmulGeometry& g, const Tensor& a, const Tensor& b, const Tensor& bias, const Tensor& out) {
+  if (!gemm_f16_available() || !g.batch.empty() || g.out.col_stride != 1) return false;
+  const F16Matrix am{a.data<Half>(), g.a.row_stride, g.a.col_stride};
+  const F16Matrix bm{b.data<Half>(), g.b.row_stride, g.b.col_stride};
+  if (!gemm_f16_takes(am, bm)) return false;
+  gemm_f16(g.M, g.K, g.N, am, bm, bias.defined() ? bias.data<Half>() : nullptr, out.data<Half>(), g.out.row_stride);
+  return true;
+}
+
 }  // namespace
 
 bool f16_matmul_splits() {
@@ -584,6 +596,7 @@ void CpuBackend::matmul(const Tensor& a, const Tensor& b, const Tensor& out, con
   }
   check(a.dtype() == DType::F32 || is_low_precision(a.dtype()), "cpu matmul: dtype ", dtype_name(a.dtype()),
         " is not supported (expected f32, f16, bf16 or f64)");
+  if (a.dtype() == DType::F16 && !f16_matmul_splits() && own_f16_gemm(g, a, b, bias, out)) return;
   if (transpose_wide_product(g, has_bias)) {  // out^T = B^T A^T, then out^T transposed into out
     const Tensor b_t = make_view(b, {g.N, g.K}, {g.b.col_stride, g.b.row_stride}, b.offset());
     const Tensor a_t = make_view(a, {g.K, g.M}, {g.a.col_stride, g.a.row_stride}, a.offset());
@@ -622,7 +635,8 @@ void CpuBackend::matmul(const Tensor& a, const Tensor& b, const Tensor& out, con
 }
 
 bool CpuBackend::matmul_widens(DType dtype) const {
-  if (dtype == DType::F16) return !f16_matmul_splits();  // its GEMM is the f32 one, or the bf16-parts one
+  // f16: gemm_f16 reads it in place, the bf16-parts route splits it; otherwise its GEMM is the f32 one.
+  if (dtype == DType::F16) return !f16_matmul_splits() && !gemm_f16_available();
   if (dtype != DType::BF16) return false;
   // bf16 widens where this CPU has no bf16 GEMM: what the plan of a small product chooses.
   static const bool bf16_widens = [] {
