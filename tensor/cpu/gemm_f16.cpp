@@ -113,39 +113,51 @@ void widen_b_row(const F16Matrix& b, int64_t K, int64_t N, int64_t k, float* pac
   }
 }
 
-// A 12 x 32 tile: sums over k of a(r, k) * sliver[k][j], plus bias, rounded into out's first `rows` rows and
-// `cols` columns.
-template <bool kRowMajorA>
+// A 12 x 32 tile (12 x 16 with kVecs = 1, for a last sliver of at most 16 columns): sums over k of
+// a(r, k) * sliver[k][j], plus bias, rounded into out's first `rows` rows and `cols` columns.
+template <bool kRowMajorA, int kVecs>
 void tile(int64_t K, const float* __restrict a, int64_t lda, const float* __restrict sliver,
           const float* __restrict bias, int rows, int cols, Half* __restrict out, int64_t ldo) {
-  __m512 c[kMR][2];
-  for (int r = 0; r < kMR; ++r) c[r][0] = c[r][1] = _mm512_setzero_ps();
+  static_assert(kVecs == 1 || kVecs == 2);
+  __m512 c[kMR][kVecs];
+  for (int r = 0; r < kMR; ++r)
+    for (int v = 0; v < kVecs; ++v) c[r][v] = _mm512_setzero_ps();
   const float* rows_a[kMR];
   for (int r = 0; r < kMR; ++r) rows_a[r] = kRowMajorA ? a + r * lda : a + r;
   for (int64_t k = 0; k < K; ++k) {
-    const __m512 b0 = _mm512_loadu_ps(sliver + k * kNR), b1 = _mm512_loadu_ps(sliver + k * kNR + 16);
+    __m512 b[kVecs];
+    for (int v = 0; v < kVecs; ++v) b[v] = _mm512_loadu_ps(sliver + k * kNR + 16 * v);
 #pragma GCC unroll 12
     for (int r = 0; r < kMR; ++r) {
       const __m512 x = _mm512_set1_ps(kRowMajorA ? rows_a[r][k] : a[k * lda + r]);
-      c[r][0] = _mm512_fmadd_ps(x, b0, c[r][0]);
-      c[r][1] = _mm512_fmadd_ps(x, b1, c[r][1]);
+      for (int v = 0; v < kVecs; ++v) c[r][v] = _mm512_fmadd_ps(x, b[v], c[r][v]);
     }
   }
-  const __mmask16 m0 = cols >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << cols) - 1);
-  const __mmask16 m1 = cols >= 32 ? __mmask16(0xFFFF) : cols <= 16 ? __mmask16(0) : __mmask16((1u << (cols - 16)) - 1);
-  __m512 bias0 = _mm512_setzero_ps(), bias1 = _mm512_setzero_ps();
-  if (bias) {
-    bias0 = _mm512_maskz_loadu_ps(m0, bias);
-    bias1 = _mm512_maskz_loadu_ps(m1, bias + 16);
+  __mmask16 mask[kVecs];
+  __m512 bias_v[kVecs];
+  for (int v = 0; v < kVecs; ++v) {
+    const int n = std::clamp(cols - 16 * v, 0, 16);
+    mask[v] = static_cast<__mmask16>((1u << n) - 1);
+    bias_v[v] = bias ? _mm512_maskz_loadu_ps(mask[v], bias + 16 * v) : _mm512_setzero_ps();
   }
   constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   for (int r = 0; r < rows; ++r) {
-    Half* line = out + r * ldo;
-    const __m256i h0 = _mm512_maskz_cvtps_ph(0xFFFF, _mm512_add_ps(c[r][0], bias0), kRound);
-    const __m256i h1 = _mm512_maskz_cvtps_ph(0xFFFF, _mm512_add_ps(c[r][1], bias1), kRound);
-    _mm256_mask_storeu_epi16(line, m0, h0);
-    _mm256_mask_storeu_epi16(line + 16, m1, h1);
+    for (int v = 0; v < kVecs; ++v) {
+      const __m256i h = _mm512_maskz_cvtps_ph(0xFFFF, _mm512_add_ps(c[r][v], bias_v[v]), kRound);
+      _mm256_mask_storeu_epi16(out + r * ldo + 16 * v, mask[v], h);
+    }
   }
+}
+
+// The tile for A's layout and the sliver's width.
+void run_tile(bool row_major_a, int64_t K, const float* a, int64_t lda, const float* sliver, const float* bias,
+              int rows, int cols, Half* out, int64_t ldo) {
+  if (row_major_a) {
+    if (cols > 16) return tile<true, 2>(K, a, lda, sliver, bias, rows, cols, out, ldo);
+    return tile<true, 1>(K, a, lda, sliver, bias, rows, cols, out, ldo);
+  }
+  if (cols > 16) return tile<false, 2>(K, a, lda, sliver, bias, rows, cols, out, ldo);
+  tile<false, 1>(K, a, lda, sliver, bias, rows, cols, out, ldo);
 }
 
 }  // namespace
@@ -224,10 +236,8 @@ void gemm_f16(int64_t M, int64_t K, int64_t N, const F16Matrix& a, const F16Matr
         for (int64_t r0 = 0; r0 < rows; r0 += kMR) {
           const int tile_rows = static_cast<int>(std::min<int64_t>(kMR, rows - r0));
           Half* dst = out + (m0 + r0) * out_row_stride + s * kNR;
-          if (row_major_a)
-            tile<true>(K, block.data + r0 * ld, ld, sliver, bias_s, tile_rows, cols, dst, out_row_stride);
-          else
-            tile<false>(K, block.data + r0 * K, ld, sliver, bias_s, tile_rows, cols, dst, out_row_stride);
+          const float* a_tile = block.data + r0 * (row_major_a ? ld : K);
+          run_tile(row_major_a, K, a_tile, ld, sliver, bias_s, tile_rows, cols, dst, out_row_stride);
         }
       }
     }
