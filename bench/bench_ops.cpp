@@ -64,7 +64,7 @@
 #include "autograd/autograd.h"
 #include "optim/adam.h"
 #include "tensor/cpu/cpu_backend.h"
-#include "tensor/cpu/gemm_f16.h"
+#include "tensor/cpu/gemm16.h"
 #include "tensor/ops.h"
 
 using namespace mixtape;
@@ -412,10 +412,10 @@ void register_benchmarks() {
            base + "/mixtape", base + "/onednn", "best FLOP/s", "GFLOP/s", kMatmulTarget});
     }
   }
-  // f16 products: on AMX as bf16 parts (at least the raw f32 product's rate); elsewhere with AVX-512 by
-  // gemm_f16, an f32-FMA GEMM that reads and writes fp16 itself (the f32 rows' 0.9x: what it saves is the
+  // f16 products: on AMX as bf16 parts (at least the raw f32 product's rate); elsewhere with AVX2 or AVX-512
+  // by gemm16, an f32-FMA GEMM that reads and writes fp16 itself (the f32 rows' 0.9x: what it saves is the
   // conversion passes around the f32 GEMM, which these in-cache rows do not show).
-  if (cpu::f16_matmul_splits() || cpu::gemm_f16_available()) {
+  if (cpu::f16_matmul_splits() || cpu::gemm16_isa() != cpu::Gemm16Isa::None) {
     const double f16_target = cpu::f16_matmul_splits() ? kF16MatmulTarget : kMatmulTarget;
     for (const MatmulShape& s : kMatmulShapes) {
       if (std::string(s.what).rfind("GPT", 0) != 0) continue;

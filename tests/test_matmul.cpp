@@ -11,7 +11,7 @@
 #include "autograd/gradcheck.h"
 #include "tensor/backend.h"
 #include "tensor/cpu/cpu_backend.h"
-#include "tensor/cpu/gemm_f16.h"
+#include "tensor/cpu/gemm16.h"
 #include "tensor/ops.h"
 #include "test_util.h"
 
@@ -534,43 +534,51 @@ TEST(LinearGrad, MatchesFiniteDifferences) {
 // The backward's two products in every dtype, bitwise as matmul gives them one by one: also where the CPU
 // multiplies f16 through f32 and the backward widens the incoming gradient once for both products.
 TEST(LinearGrad, EqualsTheTwoProductsBitForBitInEveryDtype) {
-  // f16 widens unless it has a GEMM of its own: bf16 pairs on AMX (MatmulF16.*), or gemm_f16 (GemmF16.*).
-  EXPECT_EQ(backend_of(Tensor::zeros({1}, DType::F16)).matmul_widens(DType::F16),
-            !cpu::f16_matmul_splits() && !cpu::gemm_f16_available());
   EXPECT_FALSE(backend_of(Tensor::zeros({1})).matmul_widens(DType::F32));
-  for (DType dtype : {DType::F32, DType::BF16, DType::F16, DType::F64}) {
-    SCOPED_TRACE(dtype_name(dtype));
-    Tensor x = Tensor::randn({3, 17, 64}, 80, dtype), w = Tensor::randn({40, 64}, 81, dtype);
-    const Tensor g = Tensor::randn({3, 17, 40}, 82, dtype);
-    x.requires_grad_();
-    w.requires_grad_();
-    backward({linear(x, w)}, {g});
-    ASSERT_EQ(x.grad().dtype(), dtype);
-    ASSERT_EQ(w.grad().dtype(), dtype);
-    EXPECT_EQ(x.grad().to_vector<double>(), matmul(g, w.detach()).to_vector<double>());
-    EXPECT_EQ(w.grad().to_vector<double>(),
-              matmul(g.reshape({-1, 40}).mT(), x.detach().reshape({-1, 64})).to_vector<double>());
+  for (cpu::Gemm16Isa route : mixtape::testing::gemm16_routes()) {  // each 16-bit route this build has
+    const mixtape::testing::Gemm16Setting setting(route);
+    SCOPED_TRACE(std::string("gemm16 ") + cpu::gemm16_isa_name(route));
+    // f16 widens unless it has a GEMM of its own: bf16 pairs on AMX (MatmulF16.*), or gemm16 (Gemm16.*).
+    EXPECT_EQ(backend_of(Tensor::zeros({1}, DType::F16)).matmul_widens(DType::F16),
+              !cpu::f16_matmul_splits() && route == cpu::Gemm16Isa::None);
+    for (DType dtype : {DType::F32, DType::BF16, DType::F16, DType::F64}) {
+      SCOPED_TRACE(dtype_name(dtype));
+      Tensor x = Tensor::randn({3, 17, 64}, 80, dtype), w = Tensor::randn({40, 64}, 81, dtype);
+      const Tensor g = Tensor::randn({3, 17, 40}, 82, dtype);
+      x.requires_grad_();
+      w.requires_grad_();
+      backward({linear(x, w)}, {g});
+      ASSERT_EQ(x.grad().dtype(), dtype);
+      ASSERT_EQ(w.grad().dtype(), dtype);
+      EXPECT_EQ(x.grad().to_vector<double>(), matmul(g, w.detach()).to_vector<double>());
+      EXPECT_EQ(w.grad().to_vector<double>(),
+                matmul(g.reshape({-1, 40}).mT(), x.detach().reshape({-1, 64})).to_vector<double>());
+    }
   }
 }
 
 // matmul's backward shares the incoming gradient between its two products the same way: a matrix shared by
 // the batch, and a batch of matrices (its gradient summed back from the broadcast).
 TEST(MatmulGrad, EqualsTheTwoProductsBitForBitInEveryDtype) {
-  for (DType dtype : {DType::F32, DType::BF16, DType::F16}) {
-    for (const Shape& w_shape : {Shape{64, 40}, Shape{1, 64, 40}}) {
-      SCOPED_TRACE(std::string(dtype_name(dtype)) + shape_str(w_shape));
-      Tensor x = Tensor::randn({3, 17, 64}, 83, dtype), w = Tensor::randn(w_shape, 84, dtype);
-      const Tensor g = Tensor::randn({3, 17, 40}, 85, dtype);
-      x.requires_grad_();
-      w.requires_grad_();
-      backward({matmul(x, w)}, {g});
-      ASSERT_EQ(w.grad().shape(), w_shape);
-      EXPECT_EQ(x.grad().to_vector<double>(), matmul(g, w.detach().mT()).to_vector<double>());
-      const Tensor per_batch = matmul(x.detach().mT(), g);  // [3, 64, 40]
-      const Tensor want = w_shape.size() == 2
-                              ? matmul(x.detach().reshape({-1, 64}).mT(), g.reshape({-1, 40}))
-                              : sum(per_batch, {0}, true);
-      EXPECT_EQ(w.grad().to_vector<double>(), want.to_vector<double>());
+  for (cpu::Gemm16Isa route : mixtape::testing::gemm16_routes()) {
+    const mixtape::testing::Gemm16Setting setting(route);
+    for (DType dtype : {DType::F32, DType::BF16, DType::F16}) {
+      for (const Shape& w_shape : {Shape{64, 40}, Shape{1, 64, 40}}) {
+        SCOPED_TRACE(std::string("gemm16 ") + cpu::gemm16_isa_name(route) + " " + dtype_name(dtype) +
+                     shape_str(w_shape));
+        Tensor x = Tensor::randn({3, 17, 64}, 83, dtype), w = Tensor::randn(w_shape, 84, dtype);
+        const Tensor g = Tensor::randn({3, 17, 40}, 85, dtype);
+        x.requires_grad_();
+        w.requires_grad_();
+        backward({matmul(x, w)}, {g});
+        ASSERT_EQ(w.grad().shape(), w_shape);
+        EXPECT_EQ(x.grad().to_vector<double>(), matmul(g, w.detach().mT()).to_vector<double>());
+        const Tensor per_batch = matmul(x.detach().mT(), g);  // [3, 64, 40]
+        const Tensor want = w_shape.size() == 2
+                                ? matmul(x.detach().reshape({-1, 64}).mT(), g.reshape({-1, 40}))
+                                : sum(per_batch, {0}, true);
+        EXPECT_EQ(w.grad().to_vector<double>(), want.to_vector<double>());
+      }
     }
   }
 }

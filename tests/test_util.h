@@ -9,9 +9,34 @@
 
 #include "tensor/cpu/attention_bf16.h"
 #include "tensor/cpu/cpu_backend.h"
+#include "tensor/cpu/gemm16.h"
 #include "tensor/tensor.h"
 
 namespace mixtape::testing {
+
+// The gemm16 kernel a scope asks for (Gemm16Isa::None: 16-bit products go through the f32 GEMM), so that a
+// test runs on each route this build has.
+struct Gemm16Setting {
+  explicit Gemm16Setting(cpu::Gemm16Isa isa) : saved(cpu::set_gemm16_isa(isa)) {}
+  ~Gemm16Setting() { cpu::set_gemm16_isa(saved); }
+  Gemm16Setting(const Gemm16Setting&) = delete;
+  Gemm16Setting& operator=(const Gemm16Setting&) = delete;
+  cpu::Gemm16Isa saved;
+};
+
+// The routes of 16-bit products this build has: gemm16's kernels, widest first, then None.
+inline std::vector<cpu::Gemm16Isa> gemm16_routes() {
+  std::vector<cpu::Gemm16Isa> routes;
+  for (cpu::Gemm16Isa isa : {cpu::Gemm16Isa::Avx512, cpu::Gemm16Isa::Avx2}) {
+    try {
+      const Gemm16Setting probe(isa);
+      routes.push_back(isa);
+    } catch (const Error&) {
+    }
+  }
+  routes.push_back(cpu::Gemm16Isa::None);
+  return routes;
+}
 
 // The f64 value `reference` rounded to `dtype` (nearest even), back in f64: what a correctly rounded
 // f16/bf16/f32 kernel would store.

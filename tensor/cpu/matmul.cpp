@@ -1,7 +1,9 @@
-// CPU matmul: oneDNN for f32 and bf16 (bf16 accumulates in f32 inside oneDNN and rounds once on store), f16
-// through f32 or, on a CPU with AMX, as bf16 products of each value's two bf16 parts (oneDNN 2.6 has no f16
-// matmul at all; see "f16 as bf16 parts" below), and a plain loop for f64, which only serves references and
-// gradcheck.
+// CPU matmul: oneDNN for f32 and bf16 (bf16 accumulates in f32 inside oneDNN and rounds once on store); f16
+// (oneDNN 2.6 has no f16 matmul on these CPUs) on a CPU with AMX as bf16 products of each value's two bf16
+// parts (see "f16 as bf16 parts" below), on other CPUs with AVX2 or AVX-512 by gemm16 (tensor/cpu/gemm16.cpp:
+// own code, the 16-bit data read and written in place) where the geometry is unbatched, and otherwise through
+// f32 (as bf16 is where oneDNN has no bf16 GEMM for the CPU); and a plain loop for f64, which only serves
+// references and gradcheck.
 //
 // The kernel receives a [..., M, K], b [..., K, N] with out's batch dims already broadcast (stride 0) and a
 // contiguous out. Before reaching oneDNN the geometry is simplified (simplify_matmul in
@@ -40,7 +42,7 @@
 #include <unordered_map>
 
 #include "tensor/cpu/cpu_backend.h"
-#include "tensor/cpu/gemm_f16.h"
+#include "tensor/cpu/gemm16.h"
 #include "tensor/cpu/strided.h"
 #include "tensor/half.h"
 #include "tensor/kernel_geometry.h"
@@ -545,15 +547,27 @@ bool split_matmul(const Plan& plan, const MatmulGeometry& g, const Tensor& a, co
   return true;
 }
 
-// An f16 product by gemm_f16 (tensor/cpu/gemm_f16.cpp): unbatched, each operand with a unit stride along one
-// dim, rows of out contiguous. False (nothing written) for any other geometry, which then goes through f32.
-bool own_f16_gemm(const MatmulGeometry& g, const Tensor& a, const Tensor& b, const Tensor& bias, const Tensor& out) {
-  if (!gemm_f16_available() || !g.batch.empty() || g.out.col_stride != 1) return false;
-  const F16Matrix am{a.data<Half>(), g.a.row_stride, g.a.col_stride};
-  const F16Matrix bm{b.data<Half>(), g.b.row_stride, g.b.col_stride};
-  if (!gemm_f16_takes(am, bm)) return false;
-  gemm_f16(g.M, g.K, g.N, am, bm, bias.defined() ? bias.data<Half>() : nullptr, out.data<Half>(), g.out.row_stride);
+// An f16 or bf16 product by gemm16 (tensor/cpu/gemm16.cpp): unbatched, each operand with a unit stride along
+// one dim, rows of out contiguous. False (nothing written) for any other geometry, which then goes through
+// f32.
+template <class T>
+bool own_gemm16(const MatmulGeometry& g, const Tensor& a, const Tensor& b, const Tensor& bias, const Tensor& out) {
+  if (gemm16_isa() == Gemm16Isa::None || !g.batch.empty() || g.out.col_stride != 1) return false;
+  const Matrix16<T> am{a.data<T>(), g.a.row_stride, g.a.col_stride};
+  const Matrix16<T> bm{b.data<T>(), g.b.row_stride, g.b.col_stride};
+  if (!gemm16_takes(am, bm)) return false;
+  gemm16(g.M, g.K, g.N, am, bm, bias.defined() ? bias.data<T>() : nullptr, out.data<T>(), g.out.row_stride);
   return true;
+}
+
+// Whether oneDNN multiplies bf16 through f32 on this CPU (it has no bf16 GEMM for it): what the plan of a
+// small product chooses.
+bool bf16_through_f32() {
+  static const bool through_f32 = [] {
+    const Tensor a = Tensor::zeros({16, 16}, DType::BF16);
+    return plan_for(simplify_matmul(a, a, a), DType::BF16, false, false, false)->via_f32;
+  }();
+  return through_f32;
 }
 
 }  // namespace
@@ -596,7 +610,9 @@ void CpuBackend::matmul(const Tensor& a, const Tensor& b, const Tensor& out, con
   }
   check(a.dtype() == DType::F32 || is_low_precision(a.dtype()), "cpu matmul: dtype ", dtype_name(a.dtype()),
         " is not supported (expected f32, f16, bf16 or f64)");
-  if (a.dtype() == DType::F16 && !f16_matmul_splits() && own_f16_gemm(g, a, b, bias, out)) return;
+  // 16-bit products without a oneDNN GEMM of their own: gemm16, where the geometry allows.
+  if (a.dtype() == DType::F16 && !f16_matmul_splits() && own_gemm16<Half>(g, a, b, bias, out)) return;
+  if (a.dtype() == DType::BF16 && bf16_through_f32() && own_gemm16<BFloat16>(g, a, b, bias, out)) return;
   if (transpose_wide_product(g, has_bias)) {  // out^T = B^T A^T, then out^T transposed into out
     const Tensor b_t = make_view(b, {g.N, g.K}, {g.b.col_stride, g.b.row_stride}, b.offset());
     const Tensor a_t = make_view(a, {g.K, g.M}, {g.a.col_stride, g.a.row_stride}, a.offset());
@@ -635,15 +651,11 @@ void CpuBackend::matmul(const Tensor& a, const Tensor& b, const Tensor& out, con
 }
 
 bool CpuBackend::matmul_widens(DType dtype) const {
-  // f16: gemm_f16 reads it in place, the bf16-parts route splits it; otherwise its GEMM is the f32 one.
-  if (dtype == DType::F16) return !f16_matmul_splits() && !gemm_f16_available();
-  if (dtype != DType::BF16) return false;
-  // bf16 widens where this CPU has no bf16 GEMM: what the plan of a small product chooses.
-  static const bool bf16_widens = [] {
-    const Tensor a = Tensor::zeros({16, 16}, DType::BF16);
-    return plan_for(simplify_matmul(a, a, a), DType::BF16, false, false, false)->via_f32;
-  }();
-  return bf16_widens;
+  // f16: gemm16 reads it in place, the bf16-parts route splits it; otherwise its GEMM is the f32 one. bf16
+  // widens where oneDNN has no bf16 GEMM for this CPU and gemm16 does not run.
+  const bool own = gemm16_isa() != Gemm16Isa::None;
+  if (dtype == DType::F16) return !f16_matmul_splits() && !own;
+  return dtype == DType::BF16 && bf16_through_f32() && !own;
 }
 
 }  // namespace mixtape::cpu

@@ -1,0 +1,361 @@
+// A GEMM on fp16 or bf16 operands for CPUs without arithmetic in that format.
+//
+// Why by hand: oneDNN 2.6 (the version Debian 12 ships) has no fp16 GEMM on a CPU without AVX512-FP16, and no
+// bf16 GEMM on one without AVX512-BF16 (AVX2 machines, older AVX-512 ones), and no library here has one. So a
+// 16-bit product used to be three passes: both operands widened to f32 copies, oneDNN's f32 GEMM, and its f32
+// result rounded into the 16-bit output. Those copies come from and go to memory; in the fp16 training step
+// on a Zen 5 they took about a tenth of the step (README, "On a Zen 5"), and the fp16 modes ran slower than
+// fp32. Here the widening is the GEMM's own packing, done a cache-sized block at a time, and the rounding is
+// the kernel's epilogue: the 16-bit data is read once and written once.
+//
+// The numbers are the f32 GEMM's: fp16 and bf16 values have at most 11 significant bits, so every product is
+// exact in float, and each output element sums its K products in float, in order of k, then adds the bias and
+// rounds once (nearest even).
+//
+// Layout (BLIS-style; a row-major A is widened but not repacked), for a tile of kMR rows x kNR columns
+// (AVX-512: 12 x 32, in 24 zmm registers; AVX2: 6 x 16, in 12 ymm registers):
+//   - B is widened into slivers of kNR columns: sliver s holds b(k, kNR s + j) at [s][k][j], zero past N. A
+//     row-major B is widened a row at a time into every sliver; a transposed one (a linear layer's weight)
+//     goes through the register transposes of transpose.h.
+//   - Each thread takes an even share of A's tiles and widens them a block of ~kABlockBytes at a time
+//     (row-major when A is; packed per tile, k-major, when A is transposed), so the block stays in the core's
+//     L2 while every B sliver passes over it. An A with fewer tiles than threads splits the slivers instead.
+//   - Per k the kernel loads two vectors of B and broadcasts kMR values of A into 2 kMR FMAs. A last sliver
+//     of at most one vector's width takes a tile of one vector per row.
+#include "tensor/cpu/gemm16.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <string>
+#include <cstring>
+
+#include "tensor/cpu/convert_block.h"
+#include "tensor/cpu/scratch.h"
+#include "tensor/cpu/transpose.h"
+#include "tensor/error.h"
+#include "tensor/tensor.h"
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define MIXTAPE_GEMM16_AVX2 1
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__F16C__)
+#define MIXTAPE_GEMM16_AVX512 1
+#endif
+#if defined(MIXTAPE_GEMM16_AVX2) || defined(MIXTAPE_GEMM16_AVX512)
+#include <immintrin.h>
+#endif
+
+namespace mixtape::cpu {
+
+namespace {
+
+constexpr Gemm16Isa widest_built() {
+#if defined(MIXTAPE_GEMM16_AVX512)
+  return Gemm16Isa::Avx512;
+#elif defined(MIXTAPE_GEMM16_AVX2)
+  return Gemm16Isa::Avx2;
+#else
+  return Gemm16Isa::None;
+#endif
+}
+
+bool built(Gemm16Isa isa) {
+  switch (isa) {
+    case Gemm16Isa::None: return true;
+#if defined(MIXTAPE_GEMM16_AVX2)
+    case Gemm16Isa::Avx2: return true;
+#endif
+#if defined(MIXTAPE_GEMM16_AVX512)
+    case Gemm16Isa::Avx512: return true;
+#endif
+    default: return false;
+  }
+}
+
+// The kernel in use: MIXTAPE_GEMM16's choice, else the widest built. Read on first use.
+std::atomic<Gemm16Isa>& chosen_isa() {
+  static std::atomic<Gemm16Isa> isa{gemm16_isa_from_env(std::getenv("MIXTAPE_GEMM16"))};
+  return isa;
+}
+
+// ---- the vector code, per instruction set -------------------------------------------------------------------
+
+#if defined(MIXTAPE_GEMM16_AVX512)
+struct Avx512 {
+  using V = __m512;
+  static constexpr int kLanes = 16, kMR = 12;
+  static constexpr int64_t kABlockBytes = 768 << 10;  // the widened A block a thread keeps in L2
+  static V zero() { return _mm512_setzero_ps(); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static V broadcast(float x) { return _mm512_set1_ps(x); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+};
+#endif
+
+#if defined(MIXTAPE_GEMM16_AVX2)
+struct Avx2 {
+  using V = __m256;
+  static constexpr int kLanes = 8, kMR = 6;
+  static constexpr int64_t kABlockBytes = 384 << 10;  // AVX2 CPUs have 512 KiB L2 and less
+  static V zero() { return _mm256_setzero_ps(); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static V broadcast(float x) { return _mm256_set1_ps(x); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+};
+#endif
+
+// ---- widening into the packed layouts ---------------------------------------------------------------------
+
+// The widened A block of a thread: rows [m0, m0 + rows) of A, padded with zero rows to whole tiles.
+// Row-major (element (r, k) at [r * ld + k]) when A's k stride is 1. Otherwise packed tile by tile, k-major
+// within a tile (element (kMR t + i, k) at [t * K * kMR + k * kMR + i]), so the kernel reads it as one stream.
+struct ABlock {
+  float* data;
+  float* line;  // packed layout only: one k's rows, widened before they are dealt out to the tiles
+  int64_t ld;   // row-major: the row stride; packed: kMR
+  bool row_major;
+};
+
+// ld of a row-major block: K rounded up to 16 floats, plus 16 when that is a multiple of 256 floats, so the
+// rows the kernel walks together do not fall into one L1 set.
+int64_t row_major_ld(int64_t K) {
+  int64_t ld = (K + 15) / 16 * 16;
+  if (ld % 256 == 0) ld += 16;
+  return ld;
+}
+
+template <class T>
+void widen_a_block(const Matrix16<T>& a, int64_t m0, int64_t rows, int64_t padded_rows, int64_t K, int mr,
+                   const ABlock& block) {
+  if (block.row_major) {
+    for (int64_t r = 0; r < rows; ++r) widen_block(a.data + (m0 + r) * a.row_stride, block.data + r * block.ld, K);
+    // The padding rows' sums are never stored; zeroed so that no garbage (denormals) slows the FMAs.
+    for (int64_t r = rows; r < padded_rows; ++r) std::memset(block.data + r * block.ld, 0, sizeof(float) * K);
+    return;
+  }
+  // a.row_stride == 1: at each k the block's rows are one contiguous run, widened whole, then dealt out.
+  std::fill(block.line + rows, block.line + padded_rows, 0.0f);
+  for (int64_t k = 0; k < K; ++k) {
+    widen_block(a.data + k * a.col_stride + m0, block.line, rows);
+    for (int64_t r0 = 0; r0 < padded_rows; r0 += mr)
+      std::memcpy(block.data + r0 * K + k * mr, block.line + r0, sizeof(float) * static_cast<size_t>(mr));
+  }
+}
+
+// Row k of a row-major B into every sliver: b(k, n) at packed[(n / nr) * K * nr + k * nr + n % nr].
+template <class T>
+void widen_b_row(const Matrix16<T>& b, int64_t K, int64_t N, int64_t k, int nr, float* packed) {
+  const T* row = b.data + k * b.row_stride;
+  int64_t n0 = 0;
+  for (; n0 + nr <= N; n0 += nr) widen_block(row + n0, packed + n0 * K + k * nr, nr);
+  if (n0 < N) {
+    float* line = packed + n0 * K + k * nr;
+    widen_block(row + n0, line, N - n0);
+    std::fill(line + (N - n0), line + nr, 0.0f);
+  }
+}
+
+// Sliver starting at column n0 of a B whose k stride is 1: column n0 + j is a contiguous run over k,
+// transposed in registers into out[k * nr + j], zero for n0 + j >= N.
+template <class T>
+void widen_b_sliver(const Matrix16<T>& b, int64_t K, int64_t N, int64_t n0, int nr, float* out) {
+  const int64_t cols = std::min<int64_t>(nr, N - n0);
+  transpose_into(b.data + n0 * b.col_stride, b.col_stride, K, cols, out, nr);
+  if (cols < nr)
+    for (int64_t k = 0; k < K; ++k) std::fill(out + k * nr + cols, out + (k + 1) * nr, 0.0f);
+}
+
+// ---- the kernel ---------------------------------------------------------------------------------------------
+
+// A tile of Isa::kMR rows x kVecs vectors: the sums over k of a(r, k) * sliver[k][j], plus the bias, rounded
+// into out's first `rows` rows and `cols` columns. `bias` points at the sliver's part of the padded bias.
+template <class Isa, class T, bool kRowMajorA, int kVecs>
+void tile(int64_t K, const float* __restrict a, int64_t lda, const float* __restrict sliver, int64_t nr,
+          const float* __restrict bias, int rows, int cols, T* __restrict out, int64_t ldo) {
+  using V = typename Isa::V;
+  constexpr int kMR = Isa::kMR, kLanes = Isa::kLanes;
+  V c[kMR][kVecs];
+  for (int r = 0; r < kMR; ++r)
+    for (int v = 0; v < kVecs; ++v) c[r][v] = Isa::zero();
+  const float* rows_a[kMR];
+  for (int r = 0; r < kMR; ++r) rows_a[r] = kRowMajorA ? a + r * lda : a + r;
+  for (int64_t k = 0; k < K; ++k) {
+    V b[kVecs];
+    for (int v = 0; v < kVecs; ++v) b[v] = Isa::load(sliver + k * nr + kLanes * v);
+#pragma GCC unroll 12
+    for (int r = 0; r < kMR; ++r) {
+      const V x = Isa::broadcast(kRowMajorA ? rows_a[r][k] : a[k * lda + r]);
+      for (int v = 0; v < kVecs; ++v) c[r][v] = Isa::fma(x, b[v], c[r][v]);
+    }
+  }
+  V bias_v[kVecs];
+  for (int v = 0; v < kVecs; ++v) bias_v[v] = bias ? Isa::load(bias + kLanes * v) : Isa::zero();
+  alignas(64) float sums[kVecs * kLanes];
+  for (int r = 0; r < rows; ++r) {
+    for (int v = 0; v < kVecs; ++v) Isa::store(sums + kLanes * v, Isa::add(c[r][v], bias_v[v]));
+    narrow_block(sums, out + r * ldo, cols);
+  }
+}
+
+// The tile for A's layout and the sliver's width.
+template <class Isa, class T>
+void run_tile(bool row_major_a, int64_t K, const float* a, int64_t lda, const float* sliver, const float* bias,
+              int rows, int cols, T* out, int64_t ldo) {
+  constexpr int64_t nr = 2 * Isa::kLanes;
+  if (cols > Isa::kLanes) {
+    if (row_major_a) return tile<Isa, T, true, 2>(K, a, lda, sliver, nr, bias, rows, cols, out, ldo);
+    return tile<Isa, T, false, 2>(K, a, lda, sliver, nr, bias, rows, cols, out, ldo);
+  }
+  if (row_major_a) return tile<Isa, T, true, 1>(K, a, lda, sliver, nr, bias, rows, cols, out, ldo);
+  tile<Isa, T, false, 1>(K, a, lda, sliver, nr, bias, rows, cols, out, ldo);
+}
+
+// ---- the driver ---------------------------------------------------------------------------------------------
+
+template <class Isa, class T>
+void run(int64_t M, int64_t K, int64_t N, const Matrix16<T>& a, const Matrix16<T>& b, const T* bias, T* out,
+         int64_t out_row_stride) {
+  constexpr int kMR = Isa::kMR, kNR = 2 * Isa::kLanes;
+  const int64_t slivers = (N + kNR - 1) / kNR;
+  const int64_t flops = 2 * M * K * N;
+  const bool parallel = flops >= (int64_t{1} << 21) && omp_get_max_threads() > 1;
+  const int threads = parallel ? omp_get_max_threads() : 1;
+
+  // B, widened into slivers, shared by the threads; the bias widened once, padded to whole slivers.
+  const Tensor b_buffer = Tensor::empty({slivers * K * kNR});
+  float* packed_b = b_buffer.data<float>();
+  const Tensor bias_buffer = bias ? Tensor::empty({slivers * kNR}) : Tensor();
+  float* bias_f32 = bias ? bias_buffer.data<float>() : nullptr;
+  if (bias) {
+    widen_block(bias, bias_f32, N);
+    std::fill(bias_f32 + N, bias_f32 + slivers * kNR, 0.0f);
+  }
+
+  // Each thread takes an even share of A's tiles (of B's slivers when A has fewer tiles than threads) and
+  // widens its tiles a block at a time.
+  const bool row_major_a = a.col_stride == 1;
+  const int64_t tiles = (M + kMR - 1) / kMR;
+  const int64_t ld_row_major = row_major_ld(K);
+  const int64_t tile_bytes = kMR * (row_major_a ? ld_row_major : K) * int64_t{sizeof(float)};
+  const int64_t split_tiles = tiles >= threads ? threads : 1;
+  const int64_t share = (tiles + split_tiles - 1) / split_tiles;
+  const int64_t tiles_per_block = std::clamp<int64_t>(Isa::kABlockBytes / tile_bytes, 1, share);
+  const int64_t ld = row_major_a ? ld_row_major : kMR;
+  const int64_t block_floats = tiles_per_block * tile_bytes / int64_t{sizeof(float)};
+  const int64_t line_floats = row_major_a ? 0 : tiles_per_block * kMR;
+  const ThreadScratch a_scratch(static_cast<size_t>(block_floats + line_floats + 32) * sizeof(float), parallel);
+
+#pragma omp parallel num_threads(threads) if (parallel)
+  {
+    if (b.col_stride == 1) {  // row by row, each row read once from end to end into every sliver
+#pragma omp for schedule(static)
+      for (int64_t k = 0; k < K; ++k) widen_b_row(b, K, N, k, kNR, packed_b);
+    } else {
+#pragma omp for schedule(static)
+      for (int64_t s = 0; s < slivers; ++s) widen_b_sliver(b, K, N, s * kNR, kNR, packed_b + s * K * kNR);
+    }
+    ScratchCarver carver = a_scratch.carver();
+    float* block_data = carver.take<float>(block_floats);
+    float* line = carver.take<float>(line_floats);
+    const ABlock block{block_data, line, ld, row_major_a};
+    const int64_t thread = omp_get_thread_num(), team = omp_get_num_threads();
+    // This thread's tiles [t_begin, t_end) and slivers [s_begin, s_end).
+    int64_t t_begin = 0, t_end = tiles, s_begin = 0, s_end = slivers;
+    if (split_tiles > 1) {
+      t_begin = tiles * thread / team;
+      t_end = tiles * (thread + 1) / team;
+    } else {
+      s_begin = slivers * thread / team;
+      s_end = slivers * (thread + 1) / team;
+    }
+    for (int64_t t0 = t_begin; t0 < t_end && s_begin < s_end; t0 += tiles_per_block) {
+      const int64_t m0 = t0 * kMR;
+      const int64_t rows = std::min(std::min(t_end - t0, tiles_per_block) * kMR, M - m0);
+      const int64_t padded = (rows + kMR - 1) / kMR * kMR;
+      widen_a_block(a, m0, rows, padded, K, kMR, block);
+      for (int64_t s = s_begin; s < s_end; ++s) {
+        const float* sliver = packed_b + s * K * kNR;
+        const int cols = static_cast<int>(std::min<int64_t>(kNR, N - s * kNR));
+        const float* bias_s = bias_f32 ? bias_f32 + s * kNR : nullptr;
+        for (int64_t r0 = 0; r0 < rows; r0 += kMR) {
+          const int tile_rows = static_cast<int>(std::min<int64_t>(kMR, rows - r0));
+          T* dst = out + (m0 + r0) * out_row_stride + s * kNR;
+          const float* a_tile = block.data + r0 * (row_major_a ? ld : K);
+          run_tile<Isa>(row_major_a, K, a_tile, ld, sliver, bias_s, tile_rows, cols, dst, out_row_stride);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+const char* gemm16_isa_name(Gemm16Isa isa) {
+  switch (isa) {
+    case Gemm16Isa::None: return "none";
+    case Gemm16Isa::Avx2: return "AVX2";
+    case Gemm16Isa::Avx512: return "AVX-512";
+  }
+  return "?";
+}
+
+Gemm16Isa gemm16_isa_from_env(const char* value) {
+  if (value == nullptr || *value == '\0') return widest_built();
+  const std::string v = value;
+  Gemm16Isa isa;
+  if (v == "none") isa = Gemm16Isa::None;
+  else if (v == "avx2") isa = Gemm16Isa::Avx2;
+  else if (v == "avx512") isa = Gemm16Isa::Avx512;
+  else fail("MIXTAPE_GEMM16=", v, ": expected none, avx2 or avx512");
+  if (!built(isa))
+    fail("MIXTAPE_GEMM16=", v, ": not supported: this build has no ", gemm16_isa_name(isa), " kernel (its widest: ",
+         gemm16_isa_name(widest_built()), ")");
+  return isa;
+}
+
+Gemm16Isa gemm16_isa() { return chosen_isa().load(std::memory_order_relaxed); }
+
+Gemm16Isa set_gemm16_isa(Gemm16Isa isa) {
+  if (!built(isa))
+    fail("set_gemm16_isa: not supported: this build has no ", gemm16_isa_name(isa), " kernel (its widest: ",
+         gemm16_isa_name(widest_built()), ")");
+  return chosen_isa().exchange(isa);
+}
+
+template <class T>
+void gemm16(int64_t M, int64_t K, int64_t N, const Matrix16<T>& a, const Matrix16<T>& b, const T* bias, T* out,
+            int64_t out_row_stride) {
+  static_assert(std::is_same_v<T, Half> || std::is_same_v<T, BFloat16>);
+  const char* name = std::is_same_v<T, Half> ? "f16" : "bf16";
+  if (M <= 0 || K <= 0 || N <= 0) fail("gemm16 (", name, "): M ", M, ", K ", K, ", N ", N, " must be positive");
+  if (!gemm16_takes(a, b))
+    fail("gemm16 (", name, "): operands need a unit stride along one dim (a strides ", a.row_stride, ", ",
+         a.col_stride, "; b strides ", b.row_stride, ", ", b.col_stride, ")");
+  switch (gemm16_isa()) {
+#if defined(MIXTAPE_GEMM16_AVX512)
+    case Gemm16Isa::Avx512: return run<Avx512>(M, K, N, a, b, bias, out, out_row_stride);
+#endif
+#if defined(MIXTAPE_GEMM16_AVX2)
+    case Gemm16Isa::Avx2: return run<Avx2>(M, K, N, a, b, bias, out, out_row_stride);
+#endif
+    default:
+      fail("gemm16 (", name, "): not supported: ",
+           widest_built() == Gemm16Isa::None ? "this build has neither AVX2 with FMA and F16C nor AVX-512"
+                                              : "switched off by set_gemm16_isa",
+           " (16-bit products go through the f32 GEMM)");
+  }
+}
+
+template void gemm16<Half>(int64_t, int64_t, int64_t, const Matrix16<Half>&, const Matrix16<Half>&, const Half*,
+                           Half*, int64_t);
+template void gemm16<BFloat16>(int64_t, int64_t, int64_t, const Matrix16<BFloat16>&, const Matrix16<BFloat16>&,
+                               const BFloat16*, BFloat16*, int64_t);
+
+}  // namespace mixtape::cpu
