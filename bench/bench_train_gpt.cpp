@@ -49,6 +49,7 @@
 #include "examples/training.h"
 #include "nn/json.h"
 #include "tensor/backend.h"
+#include "tensor/cpu/cpu_backend.h"
 #include "tensor/precision.h"
 
 using namespace mixtape;
@@ -192,7 +193,7 @@ void compare(int rounds, int steps, bool with_pytorch) {
       unfair_fp32 = "PyTorch runs on Debian's reference BLAS, not a fair baseline: apt-get install "
                     "libopenblas0-pthread";
     unfair_bf16 = unfair_fp32;
-    if (unfair_bf16.empty() && backend_for(Device::cpu()).matmul_widens(DType::BF16))
+    if (unfair_bf16.empty() && !cpu::onednn_has_bf16_gemm())
       unfair_bf16 = "this CPU has no bf16 instructions, so PyTorch 1.13's bf16 autocast has no fast path "
                     "here; the target is set against a CPU with AVX512-BF16";
   }

@@ -113,10 +113,14 @@ class CpuBackend final : public Backend {
 CpuBackend& cpu_backend();
 
 // Whether f16 products run as exact sums of bf16 products on oneDNN's AMX kernels (matmul.cpp): this CPU has
-// AMX-BF16 and the route is enabled. Elsewhere f16 is multiplied through f32.
+// AMX-BF16 and the route is enabled. Elsewhere f16 is multiplied by gemm16 (gemm16.h) or through f32.
 bool f16_matmul_splits();
 // Turns that route on or off for every later product (on by default) and returns the previous setting: tests
 // compare it with the f32 route on the same machine.
 bool set_f16_matmul_split_enabled(bool enabled);
+
+// Whether oneDNN has a bf16 GEMM for this CPU (AVX512-BF16 or AMX). Without one, bf16 products run in gemm16
+// or through f32, and bf16 has no arithmetic of its own here (PyTorch's bf16 autocast has no fast path either).
+bool onednn_has_bf16_gemm();
 
 }  // namespace mixtape::cpu

@@ -572,6 +572,8 @@ bool bf16_through_f32() {
 
 }  // namespace
 
+bool onednn_has_bf16_gemm() { return !bf16_through_f32(); }
+
 bool f16_matmul_splits() {
   return split_enabled.load(std::memory_order_relaxed) && onednn_has(dnnl::cpu_isa::avx512_core_amx);
 }
