@@ -22,12 +22,7 @@ using mixtape::testing::Gemm16Setting;
 
 namespace {
 
-// gemm16's kernels in this build (not None).
-std::vector<cpu::Gemm16Isa> kernels() {
-  std::vector<cpu::Gemm16Isa> all = mixtape::testing::gemm16_routes();
-  all.pop_back();
-  return all;
-}
+std::vector<cpu::Gemm16Isa> kernels() { return cpu::gemm16_kernels(); }
 
 template <class T>
 const char* name_of() {

@@ -26,14 +26,7 @@ struct Gemm16Setting {
 
 // The routes of 16-bit products this build has: gemm16's kernels, widest first, then None.
 inline std::vector<cpu::Gemm16Isa> gemm16_routes() {
-  std::vector<cpu::Gemm16Isa> routes;
-  for (cpu::Gemm16Isa isa : {cpu::Gemm16Isa::Avx512, cpu::Gemm16Isa::Avx2}) {
-    try {
-      const Gemm16Setting probe(isa);
-      routes.push_back(isa);
-    } catch (const Error&) {
-    }
-  }
+  std::vector<cpu::Gemm16Isa> routes = cpu::gemm16_kernels();
   routes.push_back(cpu::Gemm16Isa::None);
   return routes;
 }

@@ -30,6 +30,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <string>
+#include <vector>
 #include <cstring>
 
 #include "tensor/cpu/convert_block.h"
@@ -62,17 +63,12 @@ constexpr Gemm16Isa widest_built() {
 #endif
 }
 
-bool built(Gemm16Isa isa) {
-  switch (isa) {
-    case Gemm16Isa::None: return true;
-#if defined(MIXTAPE_GEMM16_AVX2)
-    case Gemm16Isa::Avx2: return true;
-#endif
-#if defined(MIXTAPE_GEMM16_AVX512)
-    case Gemm16Isa::Avx512: return true;
-#endif
-    default: return false;
-  }
+// `who` may choose `isa`: None or a kernel this build has; else "not supported", naming what it has.
+void require_built(Gemm16Isa isa, const std::string& who) {
+  const std::vector<Gemm16Isa> kernels = gemm16_kernels();
+  if (isa != Gemm16Isa::None && std::find(kernels.begin(), kernels.end(), isa) == kernels.end())
+    fail(who, ": not supported: this build has no ", gemm16_isa_name(isa), " kernel (its widest: ",
+         gemm16_isa_name(widest_built()), ")");
 }
 
 // The kernel in use: MIXTAPE_GEMM16's choice, else the widest built. Read on first use.
@@ -146,13 +142,13 @@ void widen_a_block(const Matrix16<T>& a, int64_t m0, int64_t rows, int64_t padde
   // into `lines`, then dealt out tile by tile, so that each tile's part is written as one run (dealing out
   // each k on its own wrote 48 bytes to every tile in turn, K * 48 bytes apart: a fifth of the packing's
   // time in the fp16 step).
+  // The padding rows of each line, zeroed once: the widening below writes only the first `rows`.
+  for (int64_t k = 0; k < std::min(kLines, K); ++k)
+    std::fill(block.lines + k * padded_rows + rows, block.lines + (k + 1) * padded_rows, 0.0f);
   for (int64_t k0 = 0; k0 < K; k0 += kLines) {
     const int64_t n = std::min(kLines, K - k0);
-    for (int64_t k = 0; k < n; ++k) {
-      float* line = block.lines + k * padded_rows;
-      widen_block(a.data + (k0 + k) * a.col_stride + m0, line, rows);
-      std::fill(line + rows, line + padded_rows, 0.0f);
-    }
+    for (int64_t k = 0; k < n; ++k)
+      widen_block(a.data + (k0 + k) * a.col_stride + m0, block.lines + k * padded_rows, rows);
     for (int64_t r0 = 0; r0 < padded_rows; r0 += mr) {
       float* dst = block.data + r0 * K + k0 * mr;
       for (int64_t k = 0; k < n; ++k)
@@ -326,19 +322,26 @@ Gemm16Isa gemm16_isa_from_env(const char* value) {
   else if (v == "avx2") isa = Gemm16Isa::Avx2;
   else if (v == "avx512") isa = Gemm16Isa::Avx512;
   else fail("MIXTAPE_GEMM16=", v, ": expected none, avx2 or avx512");
-  if (!built(isa))
-    fail("MIXTAPE_GEMM16=", v, ": not supported: this build has no ", gemm16_isa_name(isa), " kernel (its widest: ",
-         gemm16_isa_name(widest_built()), ")");
+  require_built(isa, "MIXTAPE_GEMM16=" + v);
   return isa;
 }
 
 Gemm16Isa gemm16_isa() { return chosen_isa().load(std::memory_order_relaxed); }
 
 Gemm16Isa set_gemm16_isa(Gemm16Isa isa) {
-  if (!built(isa))
-    fail("set_gemm16_isa: not supported: this build has no ", gemm16_isa_name(isa), " kernel (its widest: ",
-         gemm16_isa_name(widest_built()), ")");
+  require_built(isa, "set_gemm16_isa");
   return chosen_isa().exchange(isa);
+}
+
+std::vector<Gemm16Isa> gemm16_kernels() {
+  std::vector<Gemm16Isa> kernels;
+#if defined(MIXTAPE_GEMM16_AVX512)
+  kernels.push_back(Gemm16Isa::Avx512);
+#endif
+#if defined(MIXTAPE_GEMM16_AVX2)
+  kernels.push_back(Gemm16Isa::Avx2);
+#endif
+  return kernels;
 }
 
 template <class T>

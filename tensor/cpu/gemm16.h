@@ -3,6 +3,7 @@
 // float block by block inside the GEMM, float FMAs, the result rounded back in the kernel's epilogue. See
 // gemm16.cpp for why and how.
 #include <cstdint>
+#include <vector>
 
 #include "tensor/half.h"
 
@@ -23,6 +24,9 @@ using Bf16Matrix = Matrix16<BFloat16>;
 // throws "not supported" and 16-bit products go through the f32 GEMM.
 enum class Gemm16Isa { None, Avx2, Avx512 };
 const char* gemm16_isa_name(Gemm16Isa isa);
+
+// The kernels this build has, widest first (empty: none).
+std::vector<Gemm16Isa> gemm16_kernels();
 
 // The kernel gemm16 runs now: the widest this build has, unless the environment variable MIXTAPE_GEMM16
 // (none, avx2 or avx512; read on first use) or set_gemm16_isa chose another.
