@@ -382,6 +382,8 @@ std::string Communicator::cuda_transport() const {
     case Impl::Cuda::Host: return "host: " + impl_->cuda_reason;
     case Impl::Cuda::Undecided: break;
   }
+  // A group of one rank communicates nothing (unless nccl::set_single_rank_groups asks for NCCL anyway).
+  if (impl_->size == 1 && !nccl::single_rank_groups()) return "none: a group of one rank moves nothing";
   return "undecided";
 }
 

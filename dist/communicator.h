@@ -85,8 +85,8 @@ class Communicator {
   void recv(const Tensor& tensor, int source, int tag = 0) const;
   void barrier() const;
 
-  // How this group moves CUDA tensors: "nccl", "host: <why>", or "undecided" before its first collective on
-  // CUDA tensors (a group of one rank never needs to decide).
+  // How this group moves CUDA tensors: "nccl", "host: <why>", "undecided" before its first collective on CUDA
+  // tensors, or "none: ..." for a group of one rank, which never needs to decide.
   std::string cuda_transport() const;
 
   struct Impl;  // dist/communicator.cpp

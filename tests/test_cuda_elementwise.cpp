@@ -291,16 +291,37 @@ TEST(CudaRandom, RandintDrawsTheCpuBitsForNarrowAndFullWidthRanges) {
   EXPECT_TRUE(identical(device, host));
 }
 
-TEST(CudaRandom, NormalMatchesTheCpuWithinAnUlp) {
+// Box-Muller in double on both devices: sqrt(-2 log u1) cos(2 pi u2). CUDA's and glibc's log and cos differ by an
+// ulp or two of their results; near a zero of the cosine (a draw close to the mean) that is a few ulp of 1, not of
+// the tiny draw (seen on an H100: 128 ulp of 0.0042). So f64 draws agree within 16 ulp of the larger of the draw
+// and the standard deviation (an absolute bound at the distribution's scale); the narrower dtypes round that away
+// and agree within an ulp of the draw itself.
+::testing::AssertionResult normal_draws_agree(const Tensor& device, const Tensor& host, double stddev) {
+  if (host.dtype() != DType::F64) return within_ulp(device, host, 1);
+  const std::vector<double> got = device.to(Device::cpu()).to_vector<double>(), want = host.to_vector<double>();
+  const double ulp_of_1 = std::ldexp(1.0, -52);
+  int bad = 0;
+  std::string report;
+  for (size_t i = 0; i < want.size(); ++i) {
+    const double error = std::abs(got[i] - want[i]), bound = 16 * ulp_of_1 * std::max(std::abs(want[i]), stddev);
+    if (!(error <= bound) && bad++ < 5)
+      report += "element " + std::to_string(i) + ": got " + std::to_string(got[i]) + ", reference " +
+                std::to_string(want[i]) + ", error " + std::to_string(error / bound) + "x the bound\n";
+  }
+  if (bad) return ::testing::AssertionFailure() << bad << " f64 draws beyond 16 ulp at their scale\n" << report;
+  return ::testing::AssertionSuccess();
+}
+
+TEST(CudaRandom, NormalMatchesTheCpuWithinAnUlpAtItsScale) {
   MIXTAPE_REQUIRE_CUDA();
   for (DType dtype : kFloatDtypes) {
     SCOPED_TRACE(dtype_name(dtype));
-    const double bound = dtype == DType::F64 ? 16 : 1;
-    EXPECT_TRUE(within_ulp(Tensor::randn({100003}, 4321, dtype, cuda0()), Tensor::randn({100003}, 4321, dtype), bound));
+    EXPECT_TRUE(normal_draws_agree(Tensor::randn({100003}, 4321, dtype, cuda0()), Tensor::randn({100003}, 4321, dtype),
+                                   1.0));
     Tensor host = Tensor::empty({2049}, dtype), device = Tensor::empty({2049}, dtype, cuda0());
     backend_for(Device::cpu()).normal(host, 8, 77777, 0.5, 2.0);
     backend_for(cuda0()).normal(device, 8, 77777, 0.5, 2.0);
-    EXPECT_TRUE(within_ulp(device, host, bound));
+    EXPECT_TRUE(normal_draws_agree(device, host, 2.0));
   }
 }
 
