@@ -1,6 +1,8 @@
 // The per-device backend registry: the CPU backend always, CUDA backends when built with them.
 #include "tensor/backend.h"
 
+#include <atomic>
+
 #include "tensor/cpu/cpu_backend.h"
 
 namespace mixtape {
@@ -21,6 +23,12 @@ Backend& backend_for(Device device) {
   not_supported("backend for ", device, ": this build of mixtape has no CUDA backend");
 #endif
 }
+
+namespace {
+std::atomic<CudaAttentionKernel> attention_kernel{CudaAttentionKernel::TensorCores};
+}  // namespace
+CudaAttentionKernel set_cuda_attention_kernel(CudaAttentionKernel kernel) { return attention_kernel.exchange(kernel); }
+CudaAttentionKernel cuda_attention_kernel() { return attention_kernel.load(); }
 
 #ifndef MIXTAPE_WITH_CUDA
 int cuda_device_count() { return 0; }

@@ -173,6 +173,14 @@ void copy_between_devices(const Tensor& src, const Tensor& dst);
 // integers), so a kernel that leaves an output element unwritten shows up as a NaN. Off by default; a no-op
 // without CUDA.
 void set_cuda_allocation_poisoning(bool enabled);
+// Which kernels serve causal attention on CUDA in f16/bf16 with a head dim of 32, 64 or 128. TensorCores (the
+// default): the products on the tensor cores, with p and ds rounded to the input dtype as their operands, as
+// FlashAttention and the CPU's bf16 kernels do. Simt: p and ds kept in fp32, the CPU portable kernel's
+// numerics, several times slower. f32, f64 and other head dims always take Simt. Returns the previous choice;
+// without CUDA the setting is kept and changes nothing.
+enum class CudaAttentionKernel { Simt, TensorCores };
+CudaAttentionKernel set_cuda_attention_kernel(CudaAttentionKernel kernel);
+CudaAttentionKernel cuda_attention_kernel();
 // How many CUDA devices this process can use: 0 in a build without CUDA or on a machine without GPU/driver.
 int cuda_device_count();
 // The GPU's name as the driver reports it ("NVIDIA H100 80GB HBM3"); Error for a bad index or without CUDA.

@@ -16,4 +16,18 @@
 
 namespace mixtape::testing {
 inline Device cuda0() { return Device::cuda(0); }
+
+// Makes `kernel` serve CUDA attention for a scope, restoring the previous choice after.
+struct CudaAttentionKernelScope {
+  explicit CudaAttentionKernelScope(CudaAttentionKernel kernel) : saved(set_cuda_attention_kernel(kernel)) {}
+  ~CudaAttentionKernelScope() { set_cuda_attention_kernel(saved); }
+  CudaAttentionKernelScope(const CudaAttentionKernelScope&) = delete;
+  CudaAttentionKernelScope& operator=(const CudaAttentionKernelScope&) = delete;
+  CudaAttentionKernel saved;
+};
+
+// The SIMT kernels (fp32 p and ds) serve every CUDA attention call for a scope, 16-bit ones included.
+struct SimtCudaAttention : CudaAttentionKernelScope {
+  SimtCudaAttention() : CudaAttentionKernelScope(CudaAttentionKernel::Simt) {}
+};
 }  // namespace mixtape::testing

@@ -16,12 +16,18 @@
 //    outputs may differ by an ulp, and delta_i = do_i.o_i with them), the 16-bit gradients get 2 ulp or one
 //    ulp of the dtype at the largest element's scale.
 // The CPU side is the portable kernel (p and ds kept in fp32, as these bounds assume): each test turns the bf16
-// kernels off (testing::PortableAttention), which on a CPU with AMX or AVX512-BF16 round p and ds to bf16 first.
+// kernels off (testing::PortableAttention), which on a CPU with AMX or AVX512-BF16 round p and ds to bf16 first;
+// and the CUDA side the SIMT kernels (testing::SimtCudaAttention), for the same reason.
+//
+// The tensor-core kernels (f16/bf16 at D = 32, 64, 128, the default there) round p and ds to the dtype as
+// operands, so they are held to the CPU bf16 kernels' bounds against an f64 reference instead (the
+// TensorCores* tests at the end, where each bound is derived).
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "autograd/autograd.h"
@@ -214,6 +220,7 @@ std::vector<double> values(const Tensor& t) { return t.to_vector<double>(); }
 TEST(CudaAttention, KernelsMatchCpuInEveryDtype) {
   MIXTAPE_REQUIRE_CUDA();
   const mixtape::testing::PortableAttention portable_cpu;
+  const mixtape::testing::SimtCudaAttention simt;
   uint64_t seed = 100;
   for (DType dtype : kDtypes)
     for (const Shape& shape : kShapes) expect_kernels_match_cpu(shape, dtype, seed += 10);
@@ -223,6 +230,7 @@ TEST(CudaAttention, KernelsMatchCpuInEveryDtype) {
 TEST(CudaAttention, KernelsMatchCpuAtLongSequence) {
   MIXTAPE_REQUIRE_CUDA();
   const mixtape::testing::PortableAttention portable_cpu;
+  const mixtape::testing::SimtCudaAttention simt;
   expect_kernels_match_cpu({1, 3, 1024, 64}, DType::F32, 7);
   expect_kernels_match_cpu({1, 2, 1024, 64}, DType::BF16, 8);
 }
@@ -232,6 +240,7 @@ TEST(CudaAttention, KernelsMatchCpuAtLongSequence) {
 TEST(CudaAttention, FrontEndMatchesCpuInEveryDtype) {
   MIXTAPE_REQUIRE_CUDA();
   const mixtape::testing::PortableAttention portable_cpu;
+  const mixtape::testing::SimtCudaAttention simt;
   uint64_t seed = 500;
   for (DType dtype : kDtypes)
     for (const Shape& shape : {Shape{2, 2, 7, 16}, Shape{1, 2, 65, 64}, Shape{1, 1, 130, 24}})
@@ -307,11 +316,13 @@ TEST(CudaAttention, CausalSelfAttentionMatchesCpu) {
 
 // ---- determinism and limits ------------------------------------------------------------------------------
 
-// No atomics anywhere: two runs of the forward and the backward give the same bits.
+// No atomics anywhere: two runs of the forward and the backward give the same bits, with either kernel.
 TEST(CudaAttention, TwoRunsGiveIdenticalBits) {
   MIXTAPE_REQUIRE_CUDA();
   const mixtape::testing::PortableAttention portable_cpu;
-  for (DType dtype : {DType::F32, DType::BF16}) {
+  for (CudaAttentionKernel kernel : {CudaAttentionKernel::Simt, CudaAttentionKernel::TensorCores})
+  for (DType dtype : {DType::F32, DType::BF16, DType::F16}) {
+    const mixtape::testing::CudaAttentionKernelScope scope(kernel);
     const Inputs in = random_inputs({2, 3, 200, 64}, dtype, 41);
     const FrontEndResults first = run_front_end(in, cuda0());
     const FrontEndResults second = run_front_end(in, cuda0());
@@ -328,4 +339,130 @@ TEST(CudaAttention, RejectsHeadDimAbove128) {
   const mixtape::testing::PortableAttention portable_cpu;
   const Tensor q = Tensor::zeros({1, 1, 4, 160}, DType::F32).to(cuda0());
   EXPECT_ERROR_MENTIONS(scaled_dot_product_attention(q, q, q), "causal_attention", "head dim", "160", "128");
+}
+
+// ---- the tensor-core kernels -----------------------------------------------------------------------------
+
+namespace {
+
+// Half an ulp of 1 in the dtype (the rounding of a value in [1, 2)): 2^-8 for bf16, 2^-11 for f16. It is also
+// the relative rounding of p and ds to the dtype (at most half an ulp of a value in [1, 2) relative to it).
+double half_ulp_of_one(DType dtype) { return dtype == DType::F16 ? 0x1p-11 : 0x1p-8; }
+
+Inputs widened(const Inputs& in) {
+  return {in.q.to(DType::F64), in.k.to(DType::F64), in.v.to(DType::F64), in.grad_out.to(DType::F64)};
+}
+
+// Shapes for the tensor-core kernels: T of 1, ragged within a tile, across tiles and long; D = 32, 64, 128.
+const std::vector<Shape> kTensorCoreShapes = {{1, 1, 1, 64},   {1, 2, 33, 32},  {2, 3, 200, 64},
+                                              {2, 1, 130, 128}, {1, 2, 1024, 64}};
+
+}  // namespace
+
+// out = sum_j p~_j v_j / sum_j p~_j with p~ the probabilities rounded to the dtype (relative error at most
+// u = half_ulp_of_one each; the online softmax rescales o and l by the same factors, so the weights stay
+// consistent): a convex combination of the v rows whose weights are off by at most u relative each. With v in
+// [1, 2] (outputs in [1, 2], where an ulp is 4u), the value before its rounding is within u (max v - min v) <=
+// u = 1/4 ulp of the exact one, plus fp32 noise; rounding adds at most 1/2 ulp: within 1 ulp in all. Mixed-sign
+// v in [-1, 1]: within half an ulp of 1 (the rounding at the output's scale) plus u * 2 for the weights. (f16's
+// subnormal p below 2^-14 round with an absolute 2^-25: at T = 1024 at most 2^-15 of a weight sum >= 1.)
+TEST(CudaAttention, TensorCoreOutputsAreWithinOneUlpOfF64) {
+  MIXTAPE_REQUIRE_CUDA();
+  const mixtape::testing::CudaAttentionKernelScope scope(CudaAttentionKernel::TensorCores);
+  uint64_t seed = 900;
+  for (DType dtype : {DType::BF16, DType::F16})
+    for (const Shape& shape : kTensorCoreShapes) {
+      SCOPED_TRACE(describe(dtype, shape));
+      const Tensor q = uniform_tensor(shape, ++seed, -2, 2, dtype), k = uniform_tensor(shape, ++seed, -2, 2, dtype);
+      const Tensor v = uniform_tensor(shape, ++seed, 1, 2, dtype);
+      const Tensor out = scaled_dot_product_attention(q.to(cuda0()), k.to(cuda0()), v.to(cuda0())).to(Device::cpu());
+      const Tensor exact = scaled_dot_product_attention(q.to(DType::F64), k.to(DType::F64), v.to(DType::F64));
+      EXPECT_TRUE(mixtape::testing::within_ulp(out, exact, 1));
+      const Tensor v_signed = uniform_tensor(shape, ++seed, -1, 1, dtype);
+      const Tensor out_signed =
+          scaled_dot_product_attention(q.to(cuda0()), k.to(cuda0()), v_signed.to(cuda0())).to(Device::cpu());
+      const Tensor exact_signed =
+          scaled_dot_product_attention(q.to(DType::F64), k.to(DType::F64), v_signed.to(DType::F64));
+      EXPECT_TRUE(mixtape::testing::all_close(out_signed, exact_signed, 3 * half_ulp_of_one(dtype) + 1e-5, 0));
+    }
+}
+
+// Gradients through the front end against the f64 composition, the CPU bf16 kernels' bound (tests/
+// test_attention.cpp's Bf16Attention.GradientsMatchF64Composition): 4 u of the largest gradient. On top of the
+// SIMT kernels' roundings, p and ds are rounded (u relative each) before their products, an error of the same
+// order as the gradients' own rounding.
+TEST(CudaAttention, TensorCoreGradientsMatchF64) {
+  MIXTAPE_REQUIRE_CUDA();
+  const mixtape::testing::CudaAttentionKernelScope scope(CudaAttentionKernel::TensorCores);
+  uint64_t seed = 950;
+  for (DType dtype : {DType::BF16, DType::F16})
+    for (const Shape& shape : kTensorCoreShapes) {
+      SCOPED_TRACE(describe(dtype, shape));
+      const Inputs in = random_inputs(shape, dtype, seed += 10);
+      const FrontEndResults got = run_front_end(in, cuda0());
+      const FrontEndResults exact = run_front_end(widened(in), Device::cpu());
+      // At T = 1 grad_q and grad_k are exactly 0 (dp = delta) and hold rounding residues only (seen on an H100:
+      // f16 residues against f64's ~1e-16): their scale there is grad_v's, as in expect_kernels_match_cpu.
+      const double dv_scale = max_abs(values(exact.grad_v));
+      for (const auto& [grad, want, name, floor] : {std::tuple{got.grad_q, exact.grad_q, "grad_q", dv_scale},
+                                                    {got.grad_k, exact.grad_k, "grad_k", dv_scale},
+                                                    {got.grad_v, exact.grad_v, "grad_v", 0.0}}) {
+        EXPECT_EQ(grad.dtype(), dtype);
+        const double scale = shape[2] == 1 ? std::max(max_abs(values(want)), floor) : max_abs(values(want));
+        EXPECT_TRUE(mixtape::testing::all_close(grad, want, 4 * half_ulp_of_one(dtype) * scale, 0)) << name;
+      }
+    }
+}
+
+// The dispatch: the tensor cores serve f16/bf16 at D = 32, 64, 128 (their rounded p changes the last bits
+// against the SIMT kernels), and nothing else (f32, f64 and other head dims give the SIMT kernels' bits).
+TEST(CudaAttention, TensorCoresServeSixteenBitHeadsOf32To128Only) {
+  MIXTAPE_REQUIRE_CUDA();
+  EXPECT_EQ(cuda_attention_kernel(), CudaAttentionKernel::TensorCores);  // the default
+  auto forward = [](const Tensor& q, CudaAttentionKernel kernel) {
+    const mixtape::testing::CudaAttentionKernelScope scope(kernel);
+    const Tensor on_gpu = q.to(cuda0());
+    return values(scaled_dot_product_attention(on_gpu, on_gpu * 0.5, on_gpu * -1.0).to(Device::cpu()));
+  };
+  for (const auto& [dtype, D, served] : {std::tuple{DType::BF16, int64_t{64}, true}, {DType::F16, int64_t{128}, true},
+                                         {DType::BF16, int64_t{32}, true}, {DType::BF16, int64_t{48}, false},
+                                         {DType::F16, int64_t{16}, false}, {DType::F32, int64_t{64}, false},
+                                         {DType::F64, int64_t{64}, false}}) {
+    const Tensor q = uniform_tensor({2, 2, 150, D}, 77, -2, 2, dtype);
+    const std::vector<double> simt = forward(q, CudaAttentionKernel::Simt);
+    const std::vector<double> tensor_cores = forward(q, CudaAttentionKernel::TensorCores);
+    if (served)
+      EXPECT_NE(tensor_cores, simt) << describe(dtype, q.shape());
+    else
+      EXPECT_EQ(tensor_cores, simt) << describe(dtype, q.shape());
+  }
+}
+
+// The heads of a fused qkv (rows 16-byte aligned) and heads whose rows start at odd element offsets (a
+// [.., D + 1] tensor narrowed to its last D columns: the element-by-element load path) give bitwise the
+// contiguous heads' results, forward and backward.
+TEST(CudaAttention, TensorCoresReadStridedAndUnalignedHeadsInPlace) {
+  MIXTAPE_REQUIRE_CUDA();
+  const mixtape::testing::CudaAttentionKernelScope scope(CudaAttentionKernel::TensorCores);
+  const int64_t B = 2, H = 3, T = 100, D = 64;
+  for (DType dtype : {DType::BF16, DType::F16}) {
+    SCOPED_TRACE(dtype_name(dtype));
+    // Views made on the GPU (a copy between devices is contiguous).
+    const Tensor qkv = uniform_tensor({B, T, 3, H, D}, 81, -2, 2, dtype).to(cuda0());
+    auto fused = [&](int64_t part) { return qkv.select(2, part).permute({0, 2, 1, 3}); };
+    auto odd = [&](uint64_t seed) {
+      return uniform_tensor({B, H, T, D + 1}, seed, -2, 2, dtype).to(cuda0()).narrow(3, 1, D);
+    };
+    const Tensor g = uniform_tensor({B, H, T, D}, 85, -1, 1, dtype);
+    for (const Inputs& in : {Inputs{fused(0), fused(1), fused(2), g}, Inputs{odd(82), odd(83), odd(84), g}}) {
+      ASSERT_FALSE(in.q.is_contiguous());
+      const FrontEndResults strided = run_front_end(in, cuda0());
+      const FrontEndResults plain =
+          run_front_end({in.q.contiguous(), in.k.contiguous(), in.v.contiguous(), g}, cuda0());
+      EXPECT_EQ(values(strided.out), values(plain.out));
+      EXPECT_EQ(values(strided.grad_q), values(plain.grad_q));
+      EXPECT_EQ(values(strided.grad_k), values(plain.grad_k));
+      EXPECT_EQ(values(strided.grad_v), values(plain.grad_v));
+    }
+  }
 }

@@ -29,9 +29,12 @@
 //   dk and dq are scaled by `scale` on store. Scores and probabilities are recomputed in both kernels with
 //   the same summation order (bitwise the same p), and every sum runs in a fixed order: two runs give the
 //   same bits.
+#include <mma.h>
+
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "tensor/cuda/common.cuh"
 #include "tensor/cuda/cuda_backend.h"
@@ -344,6 +347,334 @@ __global__ void __launch_bounds__(kBlockThreads)
   if (valid) store_row(grad_q.head(bh) + i * grad_q.sT, dq, scale, D, g);
 }
 
+// ---- tensor-core kernels (f16/bf16, D = 32, 64 or 128) ------------------------------------------------------
+//
+// The same method on the tensor cores (WMMA 16 x 16 x 16, 16-bit operands, exact products summed in fp32),
+// FlashAttention-2's numerics: p and ds are rounded to the input dtype as operands of their products (relative
+// 2^-9 for bf16, 2^-11 for f16), as the CPU's bf16 kernels do (tensor/cpu/attention_bf16.cpp); the scores,
+// the softmax statistics, dp, delta and every accumulator stay fp32, and each output is rounded once.
+// A block is 4 warps; warp w owns rows 16 w .. 16 w + 15 of the block's 64 (query rows, or key rows for dk/dv).
+// The other side streams through shared memory in 64-row tiles of the input dtype. A warp's products land in
+// its own fp32 rows of a shared score tile, where lane pairs do the row-wise softmax work (lane l: row l / 2,
+// columns 32 (l % 2) ..) before the probabilities go back to the tensor cores as 16-bit operands.
+// Forward: online softmax over the key tiles at or before the diagonal: m, l per row in the lane pair's
+// registers; o (fp32, shared) rescaled by e^(m_old - m_new) before each tile's p v is added; l sums the rounded
+// p actually multiplied, so out = o / l stays a convex combination of v rows.
+namespace tc {
+
+using namespace nvcuda;
+
+constexpr int kWarps = 4;
+constexpr int kThreads = 32 * kWarps;
+constexpr int kRows = 64;  // rows per block, and rows per streamed tile
+
+template <int D>
+struct Layout {
+  static constexpr int ldh = D + 8;      // 16-bit tiles [64][D + 8] (WMMA wants ld % 8 == 0; +8 staggers banks)
+  static constexpr int lds = kRows + 4;  // fp32 score tiles [64][68]
+  static constexpr int ldp = kRows + 8;  // 16-bit probability tiles [64][72]
+  static constexpr int ldo = D + 4;      // fp32 accumulator tiles [64][D + 4]
+  static constexpr size_t half_tile = size_t(kRows) * ldh;  // elements
+  static constexpr size_t p_tile = size_t(kRows) * ldp;
+  static constexpr size_t s_tile = size_t(kRows) * lds;
+  static constexpr size_t o_tile = size_t(kRows) * ldo;
+  // Dynamic shared memory of each kernel (bytes; every region a multiple of 32 bytes, as WMMA needs).
+  static constexpr size_t forward_bytes = (3 * half_tile + p_tile) * 2 + (s_tile + o_tile) * 4;
+  static constexpr size_t dkdv_bytes = (4 * half_tile + 2 * p_tile) * 2 + 2 * s_tile * 4 + 2 * kRows * 4;
+  static constexpr size_t dq_bytes = (4 * half_tile + p_tile) * 2 + 2 * s_tile * 4;
+  static_assert(o_tile <= 2 * s_tile, "the dk/dv and dq kernels stage their results in the two score tiles");
+};
+
+template <class Dt>
+using FragA = wmma::fragment<wmma::matrix_a, 16, 16, 16, Dt, wmma::row_major>;
+template <class Dt, class Major>
+using FragB = wmma::fragment<wmma::matrix_b, 16, 16, 16, Dt, Major>;
+using FragC = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
+
+// Rows r0 .. r0 + 63 of a head into a [64][ldh] tile, 16 bytes at a time where the row is 16-byte aligned;
+// zero rows past T.
+template <int D, class Dt>
+__device__ __forceinline__ void load_rows(Dt* tile, const Dt* head, int64_t sT, int64_t r0, int64_t T) {
+  constexpr int chunks = D / 8;
+  for (int index = threadIdx.x; index < kRows * chunks; index += kThreads) {
+    const int r = index / chunks, c = (index % chunks) * 8;
+    Dt* dst = tile + r * Layout<D>::ldh + c;
+    if (r0 + r < T) {
+      const Dt* src = head + (r0 + r) * sT + c;
+      if ((reinterpret_cast<uintptr_t>(src) & 15) == 0) {
+        *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+      } else {
+#pragma unroll
+        for (int u = 0; u < 8; ++u) dst[u] = src[u];
+      }
+    } else {
+      *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
+    }
+  }
+}
+
+// out[16 x 64] (fp32, row-major, ld lds) = a[16 x D] b^T for the warp: a row-major rows of `a_rows`, b the 64
+// rows of `b_rows` (both [.][ldh] 16-bit tiles), i.e. every dot product of an a row with a b row.
+template <int D, class Dt>
+__device__ __forceinline__ void row_dots(float* out, const Dt* a_rows, const Dt* b_rows) {
+  using L = Layout<D>;
+#pragma unroll
+  for (int n = 0; n < kRows / 16; ++n) {
+    FragC c;
+    wmma::fill_fragment(c, 0.0f);
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      FragA<Dt> a;
+      FragB<Dt, wmma::col_major> b;
+      wmma::load_matrix_sync(a, a_rows + kk * 16, L::ldh);
+      wmma::load_matrix_sync(b, b_rows + n * 16 * L::ldh + kk * 16, L::ldh);
+      wmma::mma_sync(c, a, b, c);
+    }
+    wmma::store_matrix_sync(out + n * 16, c, L::lds, wmma::mem_row_major);
+  }
+}
+
+// acc[dn] (16 x 16 blocks of a 16 x D result) += p[16 x 64] x[64 x D]: p the warp's rows of a [.][ldp]
+// 16-bit tile, x a [64][ldh] tile.
+template <int D, class Dt>
+__device__ __forceinline__ void accumulate_products(FragC (&acc)[D / 16], const Dt* p_rows, const Dt* x) {
+  using L = Layout<D>;
+#pragma unroll
+  for (int kk = 0; kk < kRows / 16; ++kk) {
+    FragA<Dt> a;
+    wmma::load_matrix_sync(a, p_rows + kk * 16, L::ldp);
+#pragma unroll
+    for (int dn = 0; dn < D / 16; ++dn) {
+      FragB<Dt, wmma::row_major> b;
+      wmma::load_matrix_sync(b, x + kk * 16 * L::ldh + dn * 16, L::ldh);
+      wmma::mma_sync(acc[dn], a, b, acc[dn]);
+    }
+  }
+}
+
+// The warp's accumulators through its rows of the fp32 staging tile into row `t` of a head (scaled, rounded
+// once), lane pair by lane pair; nothing for rows past T.
+template <int D, class Dt>
+__device__ __forceinline__ void store_rows(FragC (&acc)[D / 16], float* stage, int warp, int row, int half,
+                                           Dt* dst_row, bool valid, float scale) {
+  using L = Layout<D>;
+#pragma unroll
+  for (int dn = 0; dn < D / 16; ++dn)
+    wmma::store_matrix_sync(stage + warp * 16 * L::ldo + dn * 16, acc[dn], L::ldo, wmma::mem_row_major);
+  __syncwarp();
+  if (valid)
+    for (int d = half * (D / 2); d < (half + 1) * (D / 2); ++d) dst_row[d] = store<Dt>(scale * stage[row * L::ldo + d]);
+  __syncwarp();
+}
+
+template <class Dt, int D>
+__global__ void __launch_bounds__(kThreads)
+    forward_kernel(Heads<const Dt> q, Heads<const Dt> k, Heads<const Dt> v, Heads<Dt> out, float* lse, int64_t T,
+                   float scale) {
+  using L = Layout<D>;
+  extern __shared__ __align__(128) unsigned char smem[];
+  Dt* q_tile = reinterpret_cast<Dt*>(smem);
+  Dt* k_tile = q_tile + L::half_tile;
+  Dt* v_tile = k_tile + L::half_tile;
+  Dt* p_tile = v_tile + L::half_tile;
+  float* s_tile = reinterpret_cast<float*>(p_tile + L::p_tile);
+  float* o_tile = s_tile + L::s_tile;
+  const int64_t bh = blockIdx.x;
+  const int query_tile = static_cast<int>(gridDim.y - 1 - blockIdx.y);  // heaviest first
+  const int64_t q0 = static_cast<int64_t>(query_tile) * kRows;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int row = warp * 16 + lane / 2, half = lane % 2;
+  const int64_t i = q0 + row;
+  load_rows<D>(q_tile, q.head(bh), q.sT, q0, T);
+  for (int index = threadIdx.x; index < kRows * L::ldo; index += kThreads) o_tile[index] = 0.0f;
+  float m = -INFINITY, l = 0.0f;
+  float* s_row = s_tile + row * L::lds + half * 32;
+  Dt* p_row = p_tile + row * L::ldp + half * 32;
+  float* o_row = o_tile + row * L::ldo + half * (D / 2);
+  for (int key_tile = 0; key_tile <= query_tile; ++key_tile) {
+    const int64_t j0 = static_cast<int64_t>(key_tile) * kRows;
+    __syncthreads();  // the previous tile's k and v are no longer read
+    load_rows<D>(k_tile, k.head(bh), k.sT, j0, T);
+    load_rows<D>(v_tile, v.head(bh), v.sT, j0, T);
+    __syncthreads();
+    row_dots<D>(s_tile + warp * 16 * L::lds, q_tile + warp * 16 * L::ldh, k_tile);
+    __syncwarp();
+    float s[32];
+    float tile_max = -INFINITY;
+#pragma unroll
+    for (int c = 0; c < 32; ++c) {
+      const int64_t j = j0 + half * 32 + c;
+      s[c] = (i < T && j <= i) ? scale * s_row[c] : -INFINITY;
+      tile_max = fmaxf(tile_max, s[c]);
+    }
+    tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+    const float m_new = fmaxf(m, tile_max);
+    const float alpha = m_new == -INFINITY ? 1.0f : expf(m - m_new);  // 0 for the first visible tile
+    float p_sum = 0.0f;
+#pragma unroll
+    for (int c = 0; c < 32; ++c) {
+      const Dt p = store<Dt>(s[c] == -INFINITY ? 0.0f : expf(s[c] - m_new));
+      p_row[c] = p;
+      p_sum += load_as<float>(p);
+    }
+    p_sum += __shfl_xor_sync(0xffffffffu, p_sum, 1);
+    l = l * alpha + p_sum;
+    m = m_new;
+    for (int d = 0; d < D / 2; ++d) o_row[d] *= alpha;
+    __syncwarp();
+    FragC o[D / 16];
+#pragma unroll
+    for (int dn = 0; dn < D / 16; ++dn)
+      wmma::load_matrix_sync(o[dn], o_tile + warp * 16 * L::ldo + dn * 16, L::ldo, wmma::mem_row_major);
+    accumulate_products<D>(o, p_tile + warp * 16 * L::ldp, v_tile);
+#pragma unroll
+    for (int dn = 0; dn < D / 16; ++dn)
+      wmma::store_matrix_sync(o_tile + warp * 16 * L::ldo + dn * 16, o[dn], L::ldo, wmma::mem_row_major);
+    __syncwarp();
+  }
+  if (i < T) {
+    Dt* dst = out.head(bh) + i * out.sT + half * (D / 2);
+    for (int d = 0; d < D / 2; ++d) dst[d] = store<Dt>(o_row[d] / l);
+    if (half == 0) lse[bh * T + i] = m + logf(l);
+  }
+}
+
+// dk, dv for 64 key rows (block (bh, key tile)); streams the query tiles at or after the diagonal.
+template <class Dt, int D>
+__global__ void __launch_bounds__(kThreads)
+    backward_dkdv_kernel(Heads<const Dt> q, Heads<const Dt> k, Heads<const Dt> v, Heads<const Dt> grad_out,
+                         const float* lse, const float* delta, Heads<Dt> grad_k, Heads<Dt> grad_v, int64_t T,
+                         float scale) {
+  using L = Layout<D>;
+  extern __shared__ __align__(128) unsigned char smem[];
+  Dt* k_tile = reinterpret_cast<Dt*>(smem);
+  Dt* v_tile = k_tile + L::half_tile;
+  Dt* q_tile = v_tile + L::half_tile;
+  Dt* do_tile = q_tile + L::half_tile;
+  Dt* p_tile = do_tile + L::half_tile;
+  Dt* ds_tile = p_tile + L::p_tile;
+  float* s_tile = reinterpret_cast<float*>(ds_tile + L::p_tile);
+  float* dp_tile = s_tile + L::s_tile;
+  float* lse_tile = dp_tile + L::s_tile;
+  float* delta_tile = lse_tile + kRows;
+  const int64_t bh = blockIdx.x, k0 = static_cast<int64_t>(blockIdx.y) * kRows;  // blockIdx.y 0 is heaviest
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int row = warp * 16 + lane / 2, half = lane % 2;
+  const int64_t j = k0 + row;
+  load_rows<D>(k_tile, k.head(bh), k.sT, k0, T);
+  load_rows<D>(v_tile, v.head(bh), v.sT, k0, T);
+  FragC dk[D / 16], dv[D / 16];
+#pragma unroll
+  for (int dn = 0; dn < D / 16; ++dn) {
+    wmma::fill_fragment(dk[dn], 0.0f);
+    wmma::fill_fragment(dv[dn], 0.0f);
+  }
+  const int64_t tiles = (T + kRows - 1) / kRows;
+  for (int64_t query_tile = blockIdx.y; query_tile < tiles; ++query_tile) {
+    const int64_t i0 = query_tile * kRows;
+    __syncthreads();
+    load_rows<D>(q_tile, q.head(bh), q.sT, i0, T);
+    load_rows<D>(do_tile, grad_out.head(bh), grad_out.sT, i0, T);
+    for (int c = threadIdx.x; c < kRows; c += kThreads) {
+      lse_tile[c] = i0 + c < T ? lse[bh * T + i0 + c] : 0.0f;
+      delta_tile[c] = i0 + c < T ? delta[bh * T + i0 + c] : 0.0f;
+    }
+    __syncthreads();
+    // s^T = k q^T and dp^T = v do^T for the warp's 16 keys and the tile's 64 queries.
+    row_dots<D>(s_tile + warp * 16 * L::lds, k_tile + warp * 16 * L::ldh, q_tile);
+    row_dots<D>(dp_tile + warp * 16 * L::lds, v_tile + warp * 16 * L::ldh, do_tile);
+    __syncwarp();
+#pragma unroll 4
+    for (int c = half * 32; c < half * 32 + 32; ++c) {
+      const int64_t i = i0 + c;
+      float p = 0.0f, ds = 0.0f;
+      if (j < T && i < T && i >= j) {
+        p = expf(scale * s_tile[row * L::lds + c] - lse_tile[c]);
+        ds = p * (dp_tile[row * L::lds + c] - delta_tile[c]);
+      }
+      p_tile[row * L::ldp + c] = store<Dt>(p);
+      ds_tile[row * L::ldp + c] = store<Dt>(ds);
+    }
+    __syncwarp();
+    accumulate_products<D>(dv, p_tile + warp * 16 * L::ldp, do_tile);   // dv += p^T do
+    accumulate_products<D>(dk, ds_tile + warp * 16 * L::ldp, q_tile);   // dk += ds^T q
+  }
+  __syncthreads();  // the staging rows below span other warps' score rows
+  store_rows<D>(dk, s_tile, warp, row, half, grad_k.head(bh) + j * grad_k.sT, j < T, scale);
+  store_rows<D>(dv, s_tile, warp, row, half, grad_v.head(bh) + j * grad_v.sT, j < T, 1.0f);
+}
+
+// dq for 64 query rows (block (bh, query tile)); streams the key tiles at or before the diagonal.
+template <class Dt, int D>
+__global__ void __launch_bounds__(kThreads)
+    backward_dq_kernel(Heads<const Dt> q, Heads<const Dt> k, Heads<const Dt> v, Heads<const Dt> grad_out,
+                       const float* lse, const float* delta, Heads<Dt> grad_q, int64_t T, float scale) {
+  using L = Layout<D>;
+  extern __shared__ __align__(128) unsigned char smem[];
+  Dt* q_tile = reinterpret_cast<Dt*>(smem);
+  Dt* do_tile = q_tile + L::half_tile;
+  Dt* k_tile = do_tile + L::half_tile;
+  Dt* v_tile = k_tile + L::half_tile;
+  Dt* ds_tile = v_tile + L::half_tile;
+  float* s_tile = reinterpret_cast<float*>(ds_tile + L::p_tile);
+  float* dp_tile = s_tile + L::s_tile;
+  const int64_t bh = blockIdx.x;
+  const int query_tile = static_cast<int>(gridDim.y - 1 - blockIdx.y);  // heaviest first
+  const int64_t q0 = static_cast<int64_t>(query_tile) * kRows;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int row = warp * 16 + lane / 2, half = lane % 2;
+  const int64_t i = q0 + row;
+  const float row_lse = i < T ? lse[bh * T + i] : 0.0f, row_delta = i < T ? delta[bh * T + i] : 0.0f;
+  load_rows<D>(q_tile, q.head(bh), q.sT, q0, T);
+  load_rows<D>(do_tile, grad_out.head(bh), grad_out.sT, q0, T);
+  FragC dq[D / 16];
+#pragma unroll
+  for (int dn = 0; dn < D / 16; ++dn) wmma::fill_fragment(dq[dn], 0.0f);
+  for (int key_tile = 0; key_tile <= query_tile; ++key_tile) {
+    const int64_t j0 = static_cast<int64_t>(key_tile) * kRows;
+    __syncthreads();
+    load_rows<D>(k_tile, k.head(bh), k.sT, j0, T);
+    load_rows<D>(v_tile, v.head(bh), v.sT, j0, T);
+    __syncthreads();
+    row_dots<D>(s_tile + warp * 16 * L::lds, q_tile + warp * 16 * L::ldh, k_tile);    // s = q k^T
+    row_dots<D>(dp_tile + warp * 16 * L::lds, do_tile + warp * 16 * L::ldh, v_tile);  // dp = do v^T
+    __syncwarp();
+#pragma unroll 4
+    for (int c = half * 32; c < half * 32 + 32; ++c) {
+      const int64_t jc = j0 + c;
+      float ds = 0.0f;
+      if (i < T && jc <= i) {
+        const float p = expf(scale * s_tile[row * L::lds + c] - row_lse);
+        ds = p * (dp_tile[row * L::lds + c] - row_delta);
+      }
+      ds_tile[row * L::ldp + c] = store<Dt>(ds);
+    }
+    __syncwarp();
+    accumulate_products<D>(dq, ds_tile + warp * 16 * L::ldp, k_tile);  // dq += ds k
+  }
+  __syncthreads();
+  store_rows<D>(dq, s_tile, warp, row, half, grad_q.head(bh) + i * grad_q.sT, i < T, scale);
+}
+
+// Opts a kernel into more than 48 KiB of dynamic shared memory (once per instantiation and device; cheap).
+template <class Kernel>
+void allow_shared_bytes(Kernel kernel, size_t bytes) {
+  MIXTAPE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+}
+
+// Calls fn.template operator()<D>() for the head dims the tensor-core kernels serve.
+template <class Fn>
+void dispatch_exact_head_dim(int64_t D, Fn&& fn) {
+  if (D == 32)
+    fn.template operator()<32>();
+  else if (D == 64)
+    fn.template operator()<64>();
+  else
+    fn.template operator()<128>();
+}
+
+}  // namespace tc
+
 // ---- host side -------------------------------------------------------------------------------------------
 
 DType stats_dtype(DType x) { return x == DType::F64 ? DType::F64 : DType::F32; }
@@ -375,6 +706,15 @@ dim3 tile_grid(const char* op, int64_t BH, int64_t T) {
   return dim3(static_cast<unsigned>(BH), static_cast<unsigned>(tiles));
 }
 
+// Whether the tensor-core kernels serve this call (see set_cuda_attention_kernel).
+bool tensor_cores_serve(DType dtype, int64_t D) {
+  return cuda_attention_kernel() == CudaAttentionKernel::TensorCores &&
+         (dtype == DType::F16 || dtype == DType::BF16) && (D == 32 || D == 64 || D == 128);
+}
+
+template <class Dt>
+constexpr bool kSixteenBit = std::is_same_v<Dt, __half> || std::is_same_v<Dt, __nv_bfloat16>;
+
 // Calls fn.template operator()<DMAX>() with DMAX the smallest of 32, 64, 128 that holds D.
 template <class Fn>
 void dispatch_head_dim(const char* op, int64_t D, Fn&& fn) {
@@ -404,9 +744,23 @@ void CudaBackend::causal_attention(const Tensor& q, const Tensor& k, const Tenso
   if (q.numel() == 0) return;  // nothing to compute (no rows, or no heads)
   const int64_t BH = B * H;
   const dim3 grid = tile_grid(op, BH, T);
+  const bool tensor_cores = tensor_cores_serve(q.dtype(), D);
   dispatch_float(q.dtype(), op, [&]<typename T_>() {
     using Dt = device_t<T_>;
     using A = device_acc_t<Dt>;
+    if constexpr (kSixteenBit<Dt>) {
+      if (tensor_cores) {
+        tc::dispatch_exact_head_dim(D, [&]<int DH>() {
+          constexpr size_t bytes = tc::Layout<DH>::forward_bytes;
+          tc::allow_shared_bytes(tc::forward_kernel<Dt, DH>, bytes);
+          tc::forward_kernel<Dt, DH><<<grid, tc::kThreads, bytes, stream()>>>(
+              heads_of<const Dt>(q), heads_of<const Dt>(k), heads_of<const Dt>(v), heads_of<Dt>(out),
+              reinterpret_cast<float*>(lse.data_ptr()), T, static_cast<float>(scale));
+          MIXTAPE_KERNEL_CHECK();
+        });
+        return;
+      }
+    }
     dispatch_head_dim(op, D, [&]<int DMAX>() {
       attention_forward_kernel<Dt, DMAX><<<grid, kBlockThreads, 0, stream()>>>(
           heads_of<const Dt>(q), heads_of<const Dt>(k), heads_of<const Dt>(v), heads_of<Dt>(out),
@@ -437,6 +791,7 @@ void CudaBackend::causal_attention_backward(const Tensor& grad_out, const Tensor
   const dim3 grid = tile_grid(op, BH, T);
   // delta_i = do_i . o_i for every query row (scratch from the caching allocator).
   const Tensor delta = Tensor::empty({BH * T}, stats_dtype(q.dtype()), q.device());
+  const bool tensor_cores = tensor_cores_serve(q.dtype(), D);
   dispatch_float(q.dtype(), op, [&]<typename T_>() {
     using Dt = device_t<T_>;
     using A = device_acc_t<Dt>;
@@ -450,6 +805,22 @@ void CudaBackend::causal_attention_backward(const Tensor& grad_out, const Tensor
     attention_delta_kernel<Dt><<<blocks_for(BH * T * 32, kDeltaThreads), kDeltaThreads, 0, stream()>>>(
         goh, oh, delta_data, BH * T, T, static_cast<int>(D));
     MIXTAPE_KERNEL_CHECK();
+    if constexpr (kSixteenBit<Dt>) {
+      if (tensor_cores) {
+        tc::dispatch_exact_head_dim(D, [&]<int DH>() {
+          constexpr size_t dkdv_bytes = tc::Layout<DH>::dkdv_bytes, dq_bytes = tc::Layout<DH>::dq_bytes;
+          tc::allow_shared_bytes(tc::backward_dkdv_kernel<Dt, DH>, dkdv_bytes);
+          tc::backward_dkdv_kernel<Dt, DH><<<grid, tc::kThreads, dkdv_bytes, stream()>>>(
+              qh, kh, vh, goh, lse_data, delta_data, heads_of<Dt>(grad_k), heads_of<Dt>(grad_v), T, scale_a);
+          MIXTAPE_KERNEL_CHECK();
+          tc::allow_shared_bytes(tc::backward_dq_kernel<Dt, DH>, dq_bytes);
+          tc::backward_dq_kernel<Dt, DH><<<grid, tc::kThreads, dq_bytes, stream()>>>(
+              qh, kh, vh, goh, lse_data, delta_data, heads_of<Dt>(grad_q), T, scale_a);
+          MIXTAPE_KERNEL_CHECK();
+        });
+        return;
+      }
+    }
     dispatch_head_dim(op, D, [&]<int DMAX>() {
       attention_backward_dkdv_kernel<Dt, DMAX><<<grid, kBlockThreads, 0, stream()>>>(
           qh, kh, vh, goh, lse_data, delta_data, heads_of<Dt>(grad_k), heads_of<Dt>(grad_v), T,

@@ -217,6 +217,20 @@ struct GeluErfOp { template <class A> __device__ A operator()(A v) const { retur
 struct GeluTanhOp {
   template <class A> __device__ A operator()(A v) const { return v * logistic(A(2) * gelu_tanh_inner(v)).s; }
 };
+// For f16/bf16 storage the erf GELU and its derivative run in float (erfcf, expf: within a few float ulps of the
+// double evaluation above, far under the one rounding to 16 bits that follows). The double erfc made GPT-2's
+// GELU compute-bound on an H100: 0.32 ms forward and 0.42 ms backward per layer at 16 x 1024 x 3072 in bf16,
+// against ~0.03 ms of memory traffic.
+struct GeluErfFloatOp {
+  __device__ float operator()(float v) const { return 0.5f * v * erfcf(-v * static_cast<float>(kSqrt2 / 2)); }
+};
+struct GeluErfFloatGrad {
+  __device__ float operator()(float v, float g) const {
+    const float cdf = 0.5f * erfcf(-v * static_cast<float>(kSqrt2 / 2));
+    const float pdf = expf(-0.5f * v * v) * static_cast<float>(kInvSqrt2Pi);
+    return g * (cdf + v * pdf);
+  }
+};
 struct PowScalarOp {  // computes in double: the exponent is never rounded to the tensor's dtype
   double p;
   __device__ double operator()(double v) const { return pow_scalar(v, p); }
@@ -662,7 +676,9 @@ void CudaBackend::unary(UnaryOp op, const Tensor& x, const Tensor& out, double s
       case UnaryOp::Tanh: return run(TanhOp{});
       case UnaryOp::Sigmoid: return run(SigmoidOp{});
       case UnaryOp::Silu: return run(SiluOp{});
-      case UnaryOp::GeluErf: return run(GeluErfOp{});
+      case UnaryOp::GeluErf:
+        if constexpr (sizeof(D) == 2) return run(GeluErfFloatOp{});
+        else return run(GeluErfOp{});
       case UnaryOp::GeluTanh: return run(GeluTanhOp{});
       case UnaryOp::PowScalar: return run_unary<D, double>(s, "unary", x, out, PowScalarOp{scalar});
     }
@@ -695,7 +711,9 @@ void CudaBackend::unary_backward(UnaryOp op, const Tensor& x, const Tensor& y, c
       case UnaryOp::Tanh: return run(TanhGrad{});
       case UnaryOp::Sigmoid: return run(SigmoidGrad{});
       case UnaryOp::Silu: return run(SiluGrad{});
-      case UnaryOp::GeluErf: return run(GeluErfGrad{});
+      case UnaryOp::GeluErf:
+        if constexpr (sizeof(D) == 2) return run(GeluErfFloatGrad{});
+        else return run(GeluErfGrad{});
       case UnaryOp::GeluTanh: return run(GeluTanhGrad{});
       case UnaryOp::PowScalar:
         return run_binary<D, double>(s, "unary_backward", in, grad_out, grad_x, PowScalarGrad{scalar});
