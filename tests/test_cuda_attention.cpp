@@ -347,7 +347,7 @@ namespace {
 
 // Half an ulp of 1 in the dtype (the rounding of a value in [1, 2)): 2^-8 for bf16, 2^-11 for f16. It is also
 // the relative rounding of p and ds to the dtype (at most half an ulp of a value in [1, 2) relative to it).
-double half_ulp_of_one(DType dtype) { return dtype == DType::F16 ? 0x1p-11 : 0x1p-8; }
+double half_ulp_of_one(DType dtype) { return epsilon(dtype) / 2; }
 
 Inputs widened(const Inputs& in) {
   return {in.q.to(DType::F64), in.k.to(DType::F64), in.v.to(DType::F64), in.grad_out.to(DType::F64)};

@@ -23,6 +23,8 @@ done
 mkdir -p "$root/.gpu"
 tar -C "$stage" -cJf "$root/.gpu/bundle.tar.xz" bin lib
 rm -rf "$stage"
+# The device receives this checkout only (../shared does not travel): the corpus goes in the carried, git-ignored
+# .gpu/ for that call alone; nothing under ../shared/data is ever committed. Delete .gpu/ after the run.
 cp "$root/../shared/data/tinyshakespeare.txt" "$root/.gpu/"
 cp "$root/bench/gpu/run.sh" "$root/bench/gpu/ncu_by_kernel.py" "$root/.gpu/"
 ls -la "$root/.gpu"

@@ -110,6 +110,8 @@ D device_bits(T value) {
 
 __device__ __forceinline__ float math_exp(float x) { return ::expf(x); }
 __device__ __forceinline__ double math_exp(double x) { return ::exp(x); }
+__device__ __forceinline__ float math_erfc(float x) { return ::erfcf(x); }
+__device__ __forceinline__ double math_erfc(double x) { return ::erfc(x); }
 __device__ __forceinline__ float math_log(float x) { return ::logf(x); }
 __device__ __forceinline__ double math_log(double x) { return ::log(x); }
 __device__ __forceinline__ float math_sqrt(float x) { return ::sqrtf(x); }  // IEEE (nvcc's -prec-sqrt default)
@@ -152,8 +154,24 @@ __device__ __noinline__ A gelu_erf_of(A x) {
   return static_cast<A>(0.5 * xd * ::erfc(-xd * (kSqrt2 / 2)));
 }
 
+// x Phi(x) and its derivative Phi(x) + x phi(x), phi = e^(-x^2/2) / sqrt(2 pi), evaluated in A itself: the f64
+// derivative (as the CPU's template), and both for f16/bf16 storage in float (erfcf and expf are within a few
+// float ulps of the double evaluation, far under the one rounding to 16 bits that follows; the double erfc
+// made GPT-2's GELU compute-bound on an H100: 0.32 ms forward and 0.42 ms backward per layer at
+// 16 x 1024 x 3072 in bf16, against ~0.03 ms of memory traffic).
+template <class A>
+__device__ __forceinline__ A gelu_erf_in(A x) {
+  return A(0.5) * x * math_erfc(-x * A(kSqrt2 / 2));
+}
+template <class A>
+__device__ __forceinline__ A gelu_erf_derivative_in(A x) {
+  const A cdf = A(0.5) * math_erfc(-x * A(kSqrt2 / 2));
+  const A pdf = math_exp(A(-0.5) * x * x) * A(kInvSqrt2Pi);
+  return cdf + x * pdf;
+}
+
 // d/dx x Phi(x) = Phi(x) + x phi(x). Float compute: in double with phi from erfc's own Gaussian e^(-z^2),
-// z = -x / sqrt2 (as the CPU's erfc_and_gaussian); f64: e^(-x^2/2) directly (as the CPU's template).
+// z = -x / sqrt2 (as the CPU's erfc_and_gaussian); f64: gelu_erf_derivative_in.
 template <class A>
 __device__ __noinline__ A gelu_erf_derivative(A x) {
   if constexpr (std::is_same_v<A, float>) {
@@ -164,9 +182,7 @@ __device__ __noinline__ A gelu_erf_derivative(A x) {
     const double gaussian = ::exp(-a * a);
     return static_cast<float>(0.5 * erfc + xd * gaussian * kInvSqrt2Pi);
   } else {
-    const A cdf = A(0.5) * ::erfc(-x * A(kSqrt2 / 2));
-    const A pdf = math_exp(A(-0.5) * x * x) * A(0.5 * kInvSqrtPi * kSqrt2);
-    return cdf + x * pdf;
+    return gelu_erf_derivative_in(x);
   }
 }
 
@@ -217,19 +233,10 @@ struct GeluErfOp { template <class A> __device__ A operator()(A v) const { retur
 struct GeluTanhOp {
   template <class A> __device__ A operator()(A v) const { return v * logistic(A(2) * gelu_tanh_inner(v)).s; }
 };
-// For f16/bf16 storage the erf GELU and its derivative run in float (erfcf, expf: within a few float ulps of the
-// double evaluation above, far under the one rounding to 16 bits that follows). The double erfc made GPT-2's
-// GELU compute-bound on an H100: 0.32 ms forward and 0.42 ms backward per layer at 16 x 1024 x 3072 in bf16,
-// against ~0.03 ms of memory traffic.
-struct GeluErfFloatOp {
-  __device__ float operator()(float v) const { return 0.5f * v * erfcf(-v * static_cast<float>(kSqrt2 / 2)); }
-};
+// For f16/bf16 storage the erf GELU and its derivative run in float (gelu_erf_in).
+struct GeluErfFloatOp { __device__ float operator()(float v) const { return gelu_erf_in(v); } };
 struct GeluErfFloatGrad {
-  __device__ float operator()(float v, float g) const {
-    const float cdf = 0.5f * erfcf(-v * static_cast<float>(kSqrt2 / 2));
-    const float pdf = expf(-0.5f * v * v) * static_cast<float>(kInvSqrt2Pi);
-    return g * (cdf + v * pdf);
-  }
+  __device__ float operator()(float v, float g) const { return g * gelu_erf_derivative_in(v); }
 };
 struct PowScalarOp {  // computes in double: the exponent is never rounded to the tensor's dtype
   double p;
