@@ -368,6 +368,20 @@ constexpr int kWarps = 4;
 constexpr int kThreads = 32 * kWarps;
 constexpr int kRows = 64;  // rows per block, and rows per streamed tile
 
+// A thread's place in its block's 64 rows: each warp owns 16 of them, and each lane pair one row, the even
+// lane its first half and the odd lane its second.
+struct RowLane {
+  int warp, row, half;
+};
+__device__ __forceinline__ RowLane row_lane() {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  return {warp, warp * 16 + lane / 2, lane % 2};
+}
+
+// The query tile of a block whose blockIdx.y counts the tiles from the last: the heaviest (most key tiles
+// under the diagonal) is scheduled first.
+__device__ __forceinline__ int heaviest_first_query_tile() { return static_cast<int>(gridDim.y - 1 - blockIdx.y); }
+
 template <int D>
 struct Layout {
   static constexpr int ldh = D + 8;      // 16-bit tiles [64][D + 8] (WMMA wants ld % 8 == 0; +8 staggers banks)
@@ -480,10 +494,9 @@ __global__ void __launch_bounds__(kThreads)
   float* s_tile = reinterpret_cast<float*>(p_tile + L::p_tile);
   float* o_tile = s_tile + L::s_tile;
   const int64_t bh = blockIdx.x;
-  const int query_tile = static_cast<int>(gridDim.y - 1 - blockIdx.y);  // heaviest first
+  const int query_tile = heaviest_first_query_tile();
   const int64_t q0 = static_cast<int64_t>(query_tile) * kRows;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int row = warp * 16 + lane / 2, half = lane % 2;
+  const auto [warp, row, half] = row_lane();
   const int64_t i = q0 + row;
   load_rows<D>(q_tile, q.head(bh), q.sT, q0, T);
   for (int index = threadIdx.x; index < kRows * L::ldo; index += kThreads) o_tile[index] = 0.0f;
@@ -558,8 +571,7 @@ __global__ void __launch_bounds__(kThreads)
   float* lse_tile = dp_tile + L::s_tile;
   float* delta_tile = lse_tile + kRows;
   const int64_t bh = blockIdx.x, k0 = static_cast<int64_t>(blockIdx.y) * kRows;  // blockIdx.y 0 is heaviest
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int row = warp * 16 + lane / 2, half = lane % 2;
+  const auto [warp, row, half] = row_lane();
   const int64_t j = k0 + row;
   load_rows<D>(k_tile, k.head(bh), k.sT, k0, T);
   load_rows<D>(v_tile, v.head(bh), v.sT, k0, T);
@@ -619,10 +631,9 @@ __global__ void __launch_bounds__(kThreads)
   float* s_tile = reinterpret_cast<float*>(ds_tile + L::p_tile);
   float* dp_tile = s_tile + L::s_tile;
   const int64_t bh = blockIdx.x;
-  const int query_tile = static_cast<int>(gridDim.y - 1 - blockIdx.y);  // heaviest first
+  const int query_tile = heaviest_first_query_tile();
   const int64_t q0 = static_cast<int64_t>(query_tile) * kRows;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int row = warp * 16 + lane / 2, half = lane % 2;
+  const auto [warp, row, half] = row_lane();
   const int64_t i = q0 + row;
   const float row_lse = i < T ? lse[bh * T + i] : 0.0f, row_delta = i < T ? delta[bh * T + i] : 0.0f;
   load_rows<D>(q_tile, q.head(bh), q.sT, q0, T);
