@@ -398,34 +398,37 @@ TEST(Bf16Attention, DiffersFromThePortableKernelInTheLastBits) {
 
 // Heads whose rows start at odd bf16 offsets (a [.., D + 1] tensor narrowed to its last D columns: row stride
 // D + 1, rows 2-byte but not 4-byte aligned, read as bf16 pairs by the packing; T = 100 leaves 4 rows past the
-// 16-row register transposes) give bitwise the contiguous heads' results; so do the heads of a fused qkv.
+// 16-row register transposes) give bitwise the contiguous heads' results; so do the heads of a fused qkv. At
+// T = 128 (whole blocks) the kernels read q and the output gradient in place, at T = 100 from packed copies.
 // (The f64 tests above catch a packing that is wrong for both alike.)
 TEST(Bf16Attention, OddOffsetAndFusedHeadsGiveBitwiseTheContiguousResults) {
   SKIP_WITHOUT_BF16_KERNEL();
   for (Bf16AttentionKernel kernel : bf16_kernels()) {
-    SCOPED_TRACE(cpu::bf16_attention_kernel_name(kernel));
-    const Bf16AttentionKernelScope scope(kernel);
-    const int64_t B = 2, H = 2, T = 100, D = 64;
-    auto odd_rows = [&](uint64_t seed, double lo, double hi) {
-      return uniform_tensor({B, H, T, D + 1}, seed, lo, hi, DType::BF16).narrow(3, 1, D);
-    };
-    const Tensor q = odd_rows(70, -2, 2), k = odd_rows(71, -2, 2);
-    const Tensor v = odd_rows(72, -1, 1), g = odd_rows(73, -1, 1);
-    ASSERT_EQ(q.stride(2), D + 1);
-    const Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous(), gc = g.contiguous();
-    const Grads3 odd = attention_grads(scaled_dot_product_attention, q, k, v, g);
-    const Grads3 plain = attention_grads(scaled_dot_product_attention, qc, kc, vc, gc);
-    EXPECT_EQ(scaled_dot_product_attention(q, k, v).to_vector<double>(),
-              scaled_dot_product_attention(qc, kc, vc).to_vector<double>());
-    EXPECT_EQ(odd.q.to_vector<double>(), plain.q.to_vector<double>());
-    EXPECT_EQ(odd.k.to_vector<double>(), plain.k.to_vector<double>());
-    EXPECT_EQ(odd.v.to_vector<double>(), plain.v.to_vector<double>());
-    // The thirds of a fused [B, T, 3, H, D] projection, viewed as [B, H, T, D].
-    const Tensor qkv = uniform_tensor({B, T, 3, H, D}, 74, -2, 2, DType::BF16);
-    auto third = [&](int64_t i) { return qkv.select(2, i).permute({0, 2, 1, 3}); };
-    EXPECT_EQ(scaled_dot_product_attention(third(0), third(1), third(2)).to_vector<double>(),
-              scaled_dot_product_attention(third(0).contiguous(), third(1).contiguous(), third(2).contiguous())
-                  .to_vector<double>());
+    for (const int64_t T : {int64_t{100}, int64_t{128}}) {
+      SCOPED_TRACE(std::string(cpu::bf16_attention_kernel_name(kernel)) + ", T = " + std::to_string(T));
+      const Bf16AttentionKernelScope scope(kernel);
+      const int64_t B = 2, H = 2, D = 64;
+      auto odd_rows = [&](uint64_t seed, double lo, double hi) {
+        return uniform_tensor({B, H, T, D + 1}, seed, lo, hi, DType::BF16).narrow(3, 1, D);
+      };
+      const Tensor q = odd_rows(70, -2, 2), k = odd_rows(71, -2, 2);
+      const Tensor v = odd_rows(72, -1, 1), g = odd_rows(73, -1, 1);
+      ASSERT_EQ(q.stride(2), D + 1);
+      const Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous(), gc = g.contiguous();
+      const Grads3 odd = attention_grads(scaled_dot_product_attention, q, k, v, g);
+      const Grads3 plain = attention_grads(scaled_dot_product_attention, qc, kc, vc, gc);
+      EXPECT_EQ(scaled_dot_product_attention(q, k, v).to_vector<double>(),
+                scaled_dot_product_attention(qc, kc, vc).to_vector<double>());
+      EXPECT_EQ(odd.q.to_vector<double>(), plain.q.to_vector<double>());
+      EXPECT_EQ(odd.k.to_vector<double>(), plain.k.to_vector<double>());
+      EXPECT_EQ(odd.v.to_vector<double>(), plain.v.to_vector<double>());
+      // The thirds of a fused [B, T, 3, H, D] projection, viewed as [B, H, T, D].
+      const Tensor qkv = uniform_tensor({B, T, 3, H, D}, 74, -2, 2, DType::BF16);
+      auto third = [&](int64_t i) { return qkv.select(2, i).permute({0, 2, 1, 3}); };
+      EXPECT_EQ(scaled_dot_product_attention(third(0), third(1), third(2)).to_vector<double>(),
+                scaled_dot_product_attention(third(0).contiguous(), third(1).contiguous(), third(2).contiguous())
+                    .to_vector<double>());
+    }
   }
 }
 

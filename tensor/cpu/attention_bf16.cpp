@@ -357,6 +357,20 @@ void pack_rows(const Heads& x, int64_t bh, int64_t T, int64_t Tp, int64_t D, BFl
   std::memset(static_cast<void*>(dst + T * D), 0, static_cast<size_t>((Tp - T) * D) * 2);
 }
 
+// A head's rows as a row-major A operand (rows .. + ld): read in place where the head has no padding rows (T a
+// multiple of the block, so no product reaches past row T - 1), else packed into `scratch` as pack_rows does.
+struct RowOperand {
+  const BFloat16* data;
+  int64_t ld;
+  const BFloat16* row(int64_t t) const { return data + t * ld; }
+};
+
+RowOperand row_operand(const Heads& x, int64_t bh, int64_t T, int64_t Tp, int64_t D, BFloat16* scratch) {
+  if (T == Tp) return {x.row(bh, 0), x.sT};
+  pack_rows(x, bh, T, Tp, D, scratch);
+  return {scratch, D};
+}
+
 // VNNI with k = t: [Tp / 2, D, 2], element (t, d) at (t / 2) * 2D + 2d + t % 2 (a B operand summed over rows):
 // rows t and t + 1 interleaved 32 values at a time (D is a multiple of 32).
 void pack_row_pairs(const Heads& x, int64_t bh, int64_t T, int64_t Tp, int64_t D, BFloat16* dst) {
@@ -479,7 +493,7 @@ void forward(const Tensor& q, const Tensor& k, const Tensor& v, double scale, co
     float *const s = b.s, *const o = b.o, *const m = b.m, *const l = b.l;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t bh = 0; bh < BH; ++bh) {
-      pack_rows(qh, bh, T, Tp, D, qa);
+      const RowOperand qr = row_operand(qh, bh, T, Tp, D, qa);
       pack_col_pairs(kh, bh, T, Tp, D, kt);
       pack_row_pairs(vh, bh, T, Tp, D, vp);
       for (int64_t i0 = 0; i0 < T; i0 += kBlock) {
@@ -487,7 +501,7 @@ void forward(const Tensor& q, const Tensor& k, const Tensor& v, double scale, co
         // block's upper right quadrant, which the mask hides.
         for (int64_t h0 = 0; h0 < kBlock; h0 += kHalf) {
           const int64_t keys = i0 + h0 + kHalf;
-          Engine::template gemm<false>(kHalf, keys, D, qa + (i0 + h0) * D, D, kt, 2 * Tp, s + h0 * Tp, Tp);
+          Engine::template gemm<false>(kHalf, keys, D, qr.row(i0 + h0), qr.ld, kt, 2 * Tp, s + h0 * Tp, Tp);
           for (int64_t r = h0; r < h0 + kHalf; ++r) {
             const int64_t i = i0 + r;
             float* sr = s + r * Tp;
@@ -541,12 +555,12 @@ void backward(const Tensor& grad_out, const Tensor& q, const Tensor& k, const Te
     float *const delta = b.delta, *const dk_rows = b.dk_rows, *const dv_rows = b.dv_rows;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t bh = 0; bh < BH; ++bh) {
-      pack_rows(qh, bh, T, Tp, D, qa);
+      const RowOperand qr = row_operand(qh, bh, T, Tp, D, qa);
       pack_transposed(qh, bh, T, Tp, D, pairs, qt);
       pack_col_pairs(kh, bh, T, Tp, D, kt);
       pack_row_pairs(kh, bh, T, Tp, D, kp);
       pack_col_pairs(vh, bh, T, Tp, D, vt);
-      pack_rows(goh, bh, T, Tp, D, doa);
+      const RowOperand dor = row_operand(goh, bh, T, Tp, D, doa);
       pack_transposed(goh, bh, T, Tp, D, pairs, dot);
       for (int64_t i = 0; i < T; ++i) delta[i] = dot_row(goh.row(bh, i), oh.row(bh, i), D);
       std::fill(dq, dq + Tp * D, 0.0f);
@@ -559,9 +573,9 @@ void backward(const Tensor& grad_out, const Tensor& q, const Tensor& k, const Te
           const bool diagonal = i0 == j0;
           for (int64_t h0 = 0; h0 < kBlock; h0 += kHalf) {  // s and dp for the keys each half of the rows sees
             const int64_t keys = diagonal ? h0 + kHalf : kBlock;
-            Engine::template gemm<false>(kHalf, keys, D, qa + (i0 + h0) * D, D, kt + 2 * j0, 2 * Tp, s + h0 * kBlock,
-                                         kBlock);
-            Engine::template gemm<false>(kHalf, keys, D, doa + (i0 + h0) * D, D, vt + 2 * j0, 2 * Tp,
+            Engine::template gemm<false>(kHalf, keys, D, qr.row(i0 + h0), qr.ld, kt + 2 * j0, 2 * Tp,
+                                         s + h0 * kBlock, kBlock);
+            Engine::template gemm<false>(kHalf, keys, D, dor.row(i0 + h0), dor.ld, vt + 2 * j0, 2 * Tp,
                                          dp + h0 * kBlock, kBlock);
           }
           for (int64_t r = 0; r < kBlock; ++r) {
