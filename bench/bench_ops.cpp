@@ -19,7 +19,8 @@
 //                       `parallel for simd` once turned off the simd part too for tensors below the
 //                       threading grain, and the step ran at 0.05x (now 0.47x-0.49x, bound by sqrt and div).
 //   transpose           copying the transpose of a [2048, 1024] f32 into a contiguous [1024, 2048] (how a
-//                       matmul packs a transposed A) vs oneDNN's reorder between the same two layouts;
+//                       matmul packs a transposed A), and of a [2048, 256] bf16 (a bf16 weight gradient's
+//                       packed operand), vs oneDNN's reorder between the same two layouts;
 //                       moves 2 x 8 MiB (reads the source, writes the copy).
 //   attention           (f32, bf16, f16) forward + backward of the GPT benchmark's causal self-attention
 //                       (qkv [16, 128, 768], 4 heads of 64) vs the dense math path on the same heads:
@@ -280,29 +281,28 @@ void adamw_small_mixtape(benchmark::State& state) {
 
 // ---- transpose --------------------------------------------------------------------------------------------
 
-// The stored source; the copy is its transpose.
-constexpr int64_t kTransposeRows = 2048, kTransposeCols = 1024;
-
-void transpose_mixtape(benchmark::State& state) {
-  const Tensor x = Tensor::rand({kTransposeRows, kTransposeCols}, 12);
-  Tensor out = Tensor::empty({kTransposeCols, kTransposeRows});
+// The stored source [rows, cols]; the copy is its transpose.
+void transpose_mixtape(benchmark::State& state, DType dtype, int64_t rows, int64_t cols) {
+  const Tensor x = Tensor::rand({rows, cols}, 12, dtype);
+  Tensor out = Tensor::empty({cols, rows}, dtype);
   if (!runs(state, [&] { out.copy_(x.mT()); })) return;
   const double best = timed_loop(state, [&] {
     out.copy_(x.mT());
     benchmark::DoNotOptimize(out.data_ptr());
   });
-  set_bytes(state, 2 * kTransposeRows * kTransposeCols * 4, best);
+  set_bytes(state, 2 * rows * cols * static_cast<int64_t>(dtype_size(dtype)), best);
 }
 
-void transpose_onednn(benchmark::State& state) {
+void transpose_onednn(benchmark::State& state, DType dtype, int64_t rows, int64_t cols) {
   using dnnl::memory;
   static dnnl::engine engine(dnnl::engine::kind::cpu, 0);
   dnnl::stream stream(engine);
-  const Tensor x = Tensor::rand({kTransposeRows, kTransposeCols}, 12);
-  const Tensor out = Tensor::empty({kTransposeCols, kTransposeRows});
-  // The same [2048, 1024] matrix, read row-major and written column-major (the transpose, contiguous).
-  const memory::desc from({kTransposeRows, kTransposeCols}, memory::data_type::f32, memory::format_tag::ab);
-  const memory::desc to({kTransposeRows, kTransposeCols}, memory::data_type::f32, memory::format_tag::ba);
+  const Tensor x = Tensor::rand({rows, cols}, 12, dtype);
+  const Tensor out = Tensor::empty({cols, rows}, dtype);
+  // The same matrix, read row-major and written column-major (the transpose, contiguous).
+  const memory::data_type type = dtype == DType::BF16 ? memory::data_type::bf16 : memory::data_type::f32;
+  const memory::desc from({rows, cols}, type, memory::format_tag::ab);
+  const memory::desc to({rows, cols}, type, memory::format_tag::ba);
   memory from_mem(from, engine, x.data_ptr()), to_mem(to, engine, out.data_ptr());
   dnnl::reorder reorder(from_mem, to_mem);
   reorder.execute(stream, from_mem, to_mem);
@@ -311,7 +311,7 @@ void transpose_onednn(benchmark::State& state) {
     reorder.execute(stream, from_mem, to_mem);
     stream.wait();
   });
-  set_bytes(state, 2 * kTransposeRows * kTransposeCols * 4, best);
+  set_bytes(state, 2 * rows * cols * static_cast<int64_t>(dtype_size(dtype)), best);
 }
 
 // ---- attention --------------------------------------------------------------------------------------------
@@ -445,10 +445,19 @@ void register_benchmarks() {
                                          7 * kSmallParamElements * 4 / 2));
   comparisons().push_back({"adamw step f32, 48 x [64,64] (7 x 768 KiB)", "adamw_f32/48x64x64/mixtape",
                            "adamw_f32/48x64x64/memcpy", "best B/s", "GB/s", kSmallStepTarget});
-  configure(benchmark::RegisterBenchmark("transpose_f32/2048x1024/mixtape", transpose_mixtape));
-  configure(benchmark::RegisterBenchmark("transpose_f32/2048x1024/onednn", transpose_onednn));
-  comparisons().push_back({"transpose f32 [2048,1024] (2 x 8 MiB)", "transpose_f32/2048x1024/mixtape",
-                           "transpose_f32/2048x1024/onednn", "best B/s", "GB/s", kTransposeTarget});
+  // f32 [2048, 1024]: the copy of a transposed f32 operand; bf16 [2048, 256]: the operand a bf16 weight
+  // gradient packs (dY^T or X^T of a width-256 layer over 2048 tokens).
+  for (const auto& [dtype, rows, cols] : {std::tuple{DType::F32, int64_t{2048}, int64_t{1024}},
+                                          std::tuple{DType::BF16, int64_t{2048}, int64_t{256}}}) {
+    const std::string base = std::string("transpose_") + dtype_name(dtype) + "/" + std::to_string(rows) + "x" +
+                             std::to_string(cols);
+    configure(benchmark::RegisterBenchmark((base + "/mixtape").c_str(), transpose_mixtape, dtype, rows, cols));
+    configure(benchmark::RegisterBenchmark((base + "/onednn").c_str(), transpose_onednn, dtype, rows, cols));
+    const double mib = static_cast<double>(rows * cols * static_cast<int64_t>(dtype_size(dtype))) / (1 << 20);
+    comparisons().push_back({std::string("transpose ") + dtype_name(dtype) + " [" + std::to_string(rows) + "," +
+                                 std::to_string(cols) + "] (2 x " + std::to_string(static_cast<int>(mib)) + " MiB)",
+                             base + "/mixtape", base + "/onednn", "best B/s", "GB/s", kTransposeTarget});
+  }
   for (DType dtype : {DType::F32, DType::BF16, DType::F16}) {
     const std::string base = std::string("attention_") + dtype_name(dtype) + "/16x4x128x64";
     configure(benchmark::RegisterBenchmark((base + "/fused").c_str(), attention, dtype, true));

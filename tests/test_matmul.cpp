@@ -330,6 +330,19 @@ TEST(Matmul, TransposedAndStridedOperandsGiveTheSameResult) {
     const Tensor batch1 = short_at.unsqueeze(0), wide1 = wide.unsqueeze(0);  // [1, 200, 520] x [1, 520, 600]
     EXPECT_TRUE(matches_reference(matmul(batch1, wide1), reference_matmul(batch1, wide1)))
         << dtype_name(dtype);
+    // Weight gradients dY^T X over a long K (the tokens; >= 1024 and ragged for the 16-bit transposes): with
+    // bf16 on oneDNN's AVX512-BF16 kernels, A is copied row-major when M <= N, and a product with M > N and
+    // B row-major is computed as out^T = B^T A^T with B^T copied. Both sides of M = N, and B transposed.
+    const int64_t K = 1100;
+    const Tensor dy_narrow = Tensor::rand({K, 40}, 31, dtype), dy_wide = Tensor::rand({K, 72}, 32, dtype);
+    const Tensor x_narrow = Tensor::rand({K, 40}, 33, dtype), x_wide = Tensor::rand({K, 72}, 34, dtype);
+    for (const auto& [dy, x] : {std::pair{dy_narrow, x_wide}, {dy_wide, x_narrow}, {dy_narrow, x_narrow}}) {
+      EXPECT_TRUE(matches_reference(matmul(dy.mT(), x), reference_matmul(dy.mT(), x)))
+          << dtype_name(dtype) << " " << shape_str(dy.shape()) << " " << shape_str(x.shape());
+      const Tensor x_cols = x.mT().contiguous().mT();  // the same values, B column-major
+      EXPECT_TRUE(matches_reference(matmul(dy.mT(), x_cols), reference_matmul(dy.mT(), x)))
+          << dtype_name(dtype) << " " << shape_str(dy.shape()) << " " << shape_str(x.shape());
+    }
   }
 }
 

@@ -425,7 +425,8 @@ TEST(TensorInPlace, CopyBetweenRandomStridedViewsKeepsLogicalOrder) {
 
 TEST(TensorInPlace, TransposingCopyVisitsEveryElementOnceInEveryDtypePair) {
   // A source read transposed into a destination whose rows are contiguous takes the tiled walk of the copy
-  // kernel (64 x 64 tiles): sizes that leave partial tiles at both edges, a batch dim, a
+  // kernel (tiles of 16 x 256, 32 x 256 between 16-bit types): sizes that leave partial tiles and partial
+  // register blocks at both edges, a batch dim, a
   // destination with padded rows, and one shape big enough to split the tiles across threads. Values are
   // position % 251, exact in every dtype here, and the expected element is computed from its indices.
   struct Case {
@@ -436,7 +437,7 @@ TEST(TensorInPlace, TransposingCopyVisitsEveryElementOnceInEveryDtypePair) {
   const std::pair<DType, DType> pairs[] = {{DType::F32, DType::F32}, {DType::F16, DType::F32},
                                            {DType::BF16, DType::F32}, {DType::F32, DType::F16},
                                            {DType::F32, DType::BF16}, {DType::F64, DType::F64},
-                                           {DType::BF16, DType::BF16}};
+                                           {DType::BF16, DType::BF16}, {DType::F16, DType::F16}};
   for (const Case& c : cases) {
     const int64_t B = c.shape[0], R = c.shape[1], C = c.shape[2];
     std::vector<double> stored(static_cast<size_t>(B * C * R));
@@ -458,6 +459,31 @@ TEST(TensorInPlace, TransposingCopyVisitsEveryElementOnceInEveryDtypePair) {
                             << " at [" << b << ", " << r << ", " << col << "]: " << got << ", want " << want;
           }
       EXPECT_EQ(wrong, 0) << dtype_name(from) << " -> " << dtype_name(to) << " " << shape_str(c.shape);
+    }
+  }
+}
+
+// A transposing copy between 16-bit tensors of one type moves bits: every one of the 65,536 patterns (NaNs
+// with payloads, signalling ones among them, infinities, subnormals, -0) lands bit for bit where the
+// transpose puts it, on the register-transpose path ([256, 256]: whole 32-row tiles) and at ragged edges.
+TEST(TensorInPlace, SixteenBitTransposingCopyMovesEveryBitPattern) {
+  for (DType dtype : {DType::BF16, DType::F16}) {
+    for (const auto& [rows, cols] : {std::pair<int64_t, int64_t>{256, 256}, {4096, 16}, {16, 4096}, {273, 241}}) {
+      const int64_t n = rows * cols;
+      const Tensor src = Tensor::empty({cols, rows}, dtype);  // read transposed: [rows, cols]
+      auto* bits = static_cast<uint16_t*>(src.data_ptr());
+      for (int64_t i = 0; i < n; ++i) bits[i] = static_cast<uint16_t>((i * 40503) & 0xFFFF);  // odd: a bijection
+      const Tensor dst = src.transpose(0, 1).contiguous();
+      ASSERT_EQ(dst.shape(), (Shape{rows, cols}));
+      const auto* out = static_cast<const uint16_t*>(dst.data_ptr());
+      int64_t wrong = 0;
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t c = 0; c < cols; ++c)
+          if (out[r * cols + c] != bits[c * rows + r] && ++wrong <= 3)
+            ADD_FAILURE() << dtype_name(dtype) << " [" << rows << ", " << cols << "] at [" << r << ", " << c
+                          << "]: 0x" << std::hex << out[r * cols + c] << ", want 0x" << bits[c * rows + r]
+                          << std::dec;
+      EXPECT_EQ(wrong, 0) << dtype_name(dtype) << " [" << rows << ", " << cols << "]";
     }
   }
 }

@@ -133,6 +133,8 @@ void CpuBackend::copy(const Tensor& src, const Tensor& dst) {
         loop.run_tiled([&](const std::array<int64_t, 2>& at, int64_t rows, int64_t cols) {
           if constexpr (std::is_same_v<To, float> && (std::is_same_v<From, float> || kSixteenBit<From>)) {
             transpose_into(in + at[1], si, rows, cols, out + at[0], dst_rows);
+          } else if constexpr (std::is_same_v<To, From> && kSixteenBit<From>) {
+            transpose16_into(in + at[1], si, rows, cols, out + at[0], dst_rows);
           } else {
             for (int64_t r = 0; r < rows; ++r) body({at[0] + r * dst_rows, at[1] + r}, cols);
           }

@@ -378,6 +378,18 @@ bool pack_transposed_a(const MatmulGeometry& g) {
          g.M >= 512 && g.N <= 256;
 }
 
+// The same for a bf16 product on oneDNN's AVX512-BF16 kernels (a CPU without AMX), whose brgemm reads a
+// transposed A through copies of its own: the weight gradients dY^T X of a linear layer, K = the tokens of a
+// batch. A is copied row-major (the 16-bit tiled transpose) when M <= N; a product with M > N is computed
+// transposed instead (transpose_wide_product), so that the operand copied is always the narrower side. On a
+// Zen 5 (2 threads, a scratch program timing oneDNN primitives, operands in cache) the GPT's four weight
+// gradients ran at 883-940 GFLOP/s with A transposed against 980-987 row-major; in the training step, whose
+// operands come from memory, at 720-865 GFLOP/s (ONEDNN_VERBOSE). AMX kernels were not measured.
+bool pack_transposed_bf16_a(const MatmulGeometry& g) {
+  return onednn_has(dnnl::cpu_isa::avx512_core_bf16) && !onednn_has(dnnl::cpu_isa::avx512_core_amx) &&
+         g.batch.empty() && g.a.row_stride == 1 && g.a.col_stride != 1 && g.K >= 1024 && g.M <= g.N;
+}
+
 // Whether a short, wide product is better computed transposed: out^T = B^T A^T, when that transposed
 // product is the tall, narrow one pack_transposed_a packs (B row-major, so B^T is read transposed), and
 // out^T is transposed into out by the tiled copy. By oneDNN's source, its AVX2 sgemm driver picks the
@@ -388,10 +400,14 @@ bool pack_transposed_a(const MatmulGeometry& g) {
 // 512..2048 gains 1.04x-1.7x with A plain or transposed; M = 128 and M >= 384 were mixed (0.72x-1.47x) and
 // are left alone. bench_ops' matmul_f32/At_256x2048x1024 row tracks it. No bias (it would have to join
 // out^T's rows); AVX-512 CPUs were not measured (pack_transposed_a is false there).
-bool transpose_wide_product(const MatmulGeometry& g, bool bias) {
+// For bf16 (pack_transposed_bf16_a): a product with A transposed, B row-major and M > N.
+bool transpose_wide_product(const MatmulGeometry& g, bool bias, DType dtype) {
   auto transposed = [](const MatrixLayout& m) { return MatrixLayout{m.batch, m.col_stride, m.row_stride}; };
   const MatmulGeometry swapped{g.batch, g.N, g.K, g.M, transposed(g.b), transposed(g.a), transposed(g.out)};
-  return !bias && g.M > 128 && g.K >= 512 && pack_transposed_a(swapped);
+  if (bias) return false;
+  if (dtype == DType::BF16)
+    return g.M > g.N && g.a.row_stride == 1 && g.a.col_stride != 1 && pack_transposed_bf16_a(swapped);
+  return g.M > 128 && g.K >= 512 && pack_transposed_a(swapped);
 }
 
 // The plan of an f16 product as a bf16 one over its parts (see "f16 as bf16 parts"); false when the geometry
@@ -425,7 +441,8 @@ Plan make_plan(const MatmulGeometry& g, DType dtype, bool bias, bool tf32, bool 
                                                   {Packing::Materialize, Packing::Materialize}};
   const int64_t a_span = dense_span(g, g.a, g.M, g.K), b_span = dense_span(g, g.b, g.K, g.N);
   for (const auto& [compute, via_f32] : attempts) {
-    const bool pack_a = compute == DType::F32 && pack_transposed_a(g);
+    const bool pack_a =
+        compute == DType::F32 ? pack_transposed_a(g) : compute == DType::BF16 && pack_transposed_bf16_a(g);
     for (auto [a_packing, b_packing] : packings) {
       if (pack_a && a_packing == Packing::None) continue;  // the slow case: A is copied row-major
       // Converting to f32 (or rounding to tf32) copies every operand: an operand oneDNN could read in place
@@ -615,7 +632,7 @@ void CpuBackend::matmul(const Tensor& a, const Tensor& b, const Tensor& out, con
   // 16-bit products without a oneDNN GEMM of their own: gemm16, where the geometry allows.
   if (a.dtype() == DType::F16 && !f16_matmul_splits() && own_gemm16<Half>(g, a, b, bias, out)) return;
   if (a.dtype() == DType::BF16 && bf16_through_f32() && own_gemm16<BFloat16>(g, a, b, bias, out)) return;
-  if (transpose_wide_product(g, has_bias)) {  // out^T = B^T A^T, then out^T transposed into out
+  if (transpose_wide_product(g, has_bias, a.dtype())) {  // out^T = B^T A^T, then out^T transposed into out
     const Tensor b_t = make_view(b, {g.N, g.K}, {g.b.col_stride, g.b.row_stride}, b.offset());
     const Tensor a_t = make_view(a, {g.K, g.M}, {g.a.col_stride, g.a.row_stride}, a.offset());
     const Tensor out_t = Tensor::empty({g.N, g.M}, out.dtype(), out.device());

@@ -1,9 +1,9 @@
 #pragma once
-// Transposing copies into float: dst[r * ld_dst + c] = src[c * ld_src + r]. Float (and 16-bit, widened first)
-// sources go 16 x 16 (AVX-512) or 8 x 8 (AVX2) at a time through register transposes; element by element,
-// each strided access costs a cache line of its own. Used for the keys of the fused attention and for every
-// copy that reads its source transposed (tensor/cpu/strided.h's run_tiled), matmul operands packed row-major
-// among them.
+// Transposing copies, dst[r * ld_dst + c] = src[c * ld_src + r]: into float (float sources, and 16-bit ones
+// widened first) 16 x 16 (AVX-512) or 8 x 8 (AVX2) at a time through register transposes, and between 16-bit
+// tensors of one type 16 x 16 at a time with AVX-512; element by element, each strided access costs a cache
+// line of its own. Used for the keys of the fused attention and for every copy that reads its source
+// transposed (tensor/cpu/strided.h's run_tiled), matmul operands packed row-major among them.
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -70,6 +70,40 @@ inline void transpose_16x16(const __m512i (&rows)[16], Lane* dst, int64_t ld) {
   }
 }
 #endif
+
+// dst[r * ld_dst + c] = src[c * ld_src + r] for r < rows, c < cols, for a 16-bit T (fp16, bf16): its bits
+// moved, never converted (a signalling NaN stays as it is). With AVX-512, 16 x 16 blocks: 16 values of 16
+// source runs widened to 32-bit lanes, transposed in registers (transpose_16x16) and narrowed back. Used by
+// copies that read a 16-bit source transposed into the same type (a bf16 matmul operand packed row-major).
+template <class T>
+void transpose16_into(const T* __restrict src, int64_t ld_src, int64_t rows, int64_t cols, T* __restrict dst,
+                      int64_t ld_dst) {
+  static_assert(sizeof(T) == 2);
+  const auto* in = reinterpret_cast<const uint16_t*>(src);
+  auto* out = reinterpret_cast<uint16_t*>(dst);
+  int64_t c0 = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  for (; c0 + 16 <= cols; c0 += 16) {
+    const uint16_t* at = in + c0 * ld_src;  // source run i starts at at + i * ld_src
+    int64_t r = 0;
+    for (; r + 16 <= rows; r += 16) {
+      __m512i block[16];
+      for (int i = 0; i < 16; ++i)
+        block[i] = _mm512_maskz_cvtepu16_epi32(
+            0xFFFF, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + i * ld_src + r)));
+      alignas(64) uint32_t wide[16 * 16];
+      transpose_16x16(block, wide, 16);
+      for (int j = 0; j < 16; ++j)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (r + j) * ld_dst + c0),
+                            _mm512_maskz_cvtepi32_epi16(0xFFFF, _mm512_load_si512(wide + 16 * j)));
+    }
+    for (; r < rows; ++r)
+      for (int i = 0; i < 16; ++i) out[r * ld_dst + c0 + i] = at[i * ld_src + r];
+  }
+#endif
+  for (int64_t c = c0; c < cols; ++c)
+    for (int64_t r = 0; r < rows; ++r) out[r * ld_dst + c] = in[c * ld_src + r];
+}
 
 // dst[r * ld_dst + c] = src[c * ld_src + r] for r < rows, c < cols, converted to A (float or double). Source
 // rows are taken 8 at a time and walked in chunks of 64 elements (16-bit chunks widened to float first).
