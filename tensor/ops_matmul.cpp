@@ -167,18 +167,19 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
     backend_of(xs).matmul(x2, broadcast_to_batch(ws.detach().mT(), batch), out2, b_contig);
   }
 
-  // grad_x = g @ W, grad_W = g^T x over all rows at once, grad_b = g summed over all but the last dim.
+  // grad_x = g @ W, grad_W = g^T x over all rows at once, grad_b = g summed over all but the last dim. grad_x
+  // comes last: it is what the next backward node reads, so it is still in cache when that node runs.
   const bool x_grad = xs.requires_grad(), w_grad = ws.requires_grad(), b_grad = bs.defined() && bs.requires_grad();
   const Tensor xd = xs.detach(), wd = ws.detach();
   auto backward = [xd, wd, x_grad, w_grad, b_grad, K, N](const Tensor& g) {
     Grads grads(3);
     const GradOperand gm = grad_operand(g, x_grad && w_grad);
-    if (x_grad) grads[0] = gm.round(matmul(gm.operand, wd));
     if (w_grad) {  // the row count spelled out: reshape cannot infer a -1 beside a 0 (K or N may be 0)
       const int64_t rows = shape_numel(leading_dims(xd));
       grads[1] = gm.round(matmul(gm.operand.reshape({rows, N}).mT(), xd.reshape({rows, K})));
     }
     if (b_grad) grads[2] = sum_to(g, {N});
+    if (x_grad) grads[0] = gm.round(matmul(gm.operand, wd));
     return grads;
   };
   record_backward("linear", {xs, ws, bs}, out, std::move(backward), {xs, ws});
