@@ -128,7 +128,8 @@ void CpuBackend::copy(const Tensor& src, const Tensor& dst) {
           for (int64_t j = 0; j < n; ++j) o[j * so] = convert<To>(i[j * si]);
         }
       };
-      if (loop.transposes(1)) {  // src read transposed: tiles, through register transposes into float
+      // src read transposed: tiles, through register transposes (into float, or 16-bit into the same type)
+      if (loop.transposes(1)) {
         const int64_t dst_rows = loop.row_stride(0);
         loop.run_tiled([&](const std::array<int64_t, 2>& at, int64_t rows, int64_t cols) {
           if constexpr (std::is_same_v<To, float> && (std::is_same_v<From, float> || kSixteenBit<From>)) {
