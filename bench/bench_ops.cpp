@@ -176,9 +176,14 @@ void matmul_mixtape(benchmark::State& state, MatmulShape s, DType dtype) {
   set_flops(state, s, best);
 }
 
+// oneDNN's type for a baseline's dtype (the baselines run in f32 or bf16).
+dnnl::memory::data_type onednn_type(DType dtype) {
+  return dtype == DType::BF16 ? dnnl::memory::data_type::bf16 : dnnl::memory::data_type::f32;
+}
+
 void matmul_onednn(benchmark::State& state, MatmulShape s, DType dtype) {
   using dnnl::memory;
-  const memory::data_type type = dtype == DType::BF16 ? memory::data_type::bf16 : memory::data_type::f32;
+  const memory::data_type type = onednn_type(dtype);
   static dnnl::engine engine(dnnl::engine::kind::cpu, 0);
   dnnl::stream stream(engine);
   const memory::desc a_md({s.M, s.K}, type, s.a_transposed ? memory::format_tag::ba : memory::format_tag::ab);
@@ -300,7 +305,7 @@ void transpose_onednn(benchmark::State& state, DType dtype, int64_t rows, int64_
   const Tensor x = Tensor::rand({rows, cols}, 12, dtype);
   const Tensor out = Tensor::empty({cols, rows}, dtype);
   // The same matrix, read row-major and written column-major (the transpose, contiguous).
-  const memory::data_type type = dtype == DType::BF16 ? memory::data_type::bf16 : memory::data_type::f32;
+  const memory::data_type type = onednn_type(dtype);
   const memory::desc from({rows, cols}, type, memory::format_tag::ab);
   const memory::desc to({rows, cols}, type, memory::format_tag::ba);
   memory from_mem(from, engine, x.data_ptr()), to_mem(to, engine, out.data_ptr());

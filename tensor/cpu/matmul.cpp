@@ -367,6 +367,9 @@ bool try_plan(const MatmulGeometry& g, memory::data_type type, bool bias, Packin
   return true;
 }
 
+// Whether an operand is stored transposed: unit row stride, its columns strided.
+bool transposed_layout(const MatrixLayout& m) { return m.row_stride == 1 && m.col_stride != 1; }
+
 // Whether A (a transposed operand: unit row stride) is better packed row-major before an f32 GEMM. oneDNN
 // 2.6's AVX2 sgemm reads such an A up to 2x slower when the product is tall and narrow: a weight gradient
 // X^T dY of a layer with a wide input and a narrow output ([1024, 2048] x [2048, 256] in the GPT's MLP).
@@ -374,8 +377,8 @@ bool try_plan(const MatmulGeometry& g, memory::data_type type, bool bias, Packin
 // products gain nothing; bench_ops' matmul_f32 At_ rows track it. oneDNN's AVX-512 kernels were not
 // measured this way, so there A keeps its own strides.
 bool pack_transposed_a(const MatmulGeometry& g) {
-  return !onednn_has(dnnl::cpu_isa::avx512_core) && g.batch.empty() && g.a.row_stride == 1 && g.a.col_stride != 1 &&
-         g.M >= 512 && g.N <= 256;
+  return !onednn_has(dnnl::cpu_isa::avx512_core) && g.batch.empty() && transposed_layout(g.a) && g.M >= 512 &&
+         g.N <= 256;
 }
 
 // The same for a bf16 product on oneDNN's AVX512-BF16 kernels (a CPU without AMX), whose brgemm reads a
@@ -387,7 +390,7 @@ bool pack_transposed_a(const MatmulGeometry& g) {
 // operands come from memory, at 720-865 GFLOP/s (ONEDNN_VERBOSE). AMX kernels were not measured.
 bool pack_transposed_bf16_a(const MatmulGeometry& g) {
   return onednn_has(dnnl::cpu_isa::avx512_core_bf16) && !onednn_has(dnnl::cpu_isa::avx512_core_amx) &&
-         g.batch.empty() && g.a.row_stride == 1 && g.a.col_stride != 1 && g.K >= 1024 && g.M <= g.N;
+         g.batch.empty() && transposed_layout(g.a) && g.K >= 1024 && g.M <= g.N;
 }
 
 // Whether a short, wide product is better computed transposed: out^T = B^T A^T, when that transposed
@@ -406,7 +409,7 @@ bool transpose_wide_product(const MatmulGeometry& g, bool bias, DType dtype) {
   const MatmulGeometry swapped{g.batch, g.N, g.K, g.M, transposed(g.b), transposed(g.a), transposed(g.out)};
   if (bias) return false;
   if (dtype == DType::BF16)
-    return g.M > g.N && g.a.row_stride == 1 && g.a.col_stride != 1 && pack_transposed_bf16_a(swapped);
+    return g.M > g.N && transposed_layout(g.a) && pack_transposed_bf16_a(swapped);
   return g.M > 128 && g.K >= 512 && pack_transposed_a(swapped);
 }
 
