@@ -510,13 +510,18 @@ void forward(const Tensor& q, const Tensor& k, const Tensor& v, double scale, co
               std::fill(pr, pr + keys, BFloat16());
               continue;
             }
+            // Over all `keys` columns (a multiple of 32), the hidden ones (c > i) selected to zero: loops over
+            // the first n = i + 1 alone ran their last n % 16 elements as scalar code (see
+            // probabilities_and_gradient_row).
             const int64_t n = i + 1;
 #pragma omp simd
-            for (int64_t c = 0; c < n; ++c) sr[c] *= scale_f;
+            for (int64_t c = 0; c < keys; ++c) sr[c] *= scale_f;
             const float max = row_max(sr, n);
 #pragma omp simd
-            for (int64_t c = 0; c < n; ++c) sr[c] = fast_exp(sr[c] - max);
-            std::fill(sr + n, sr + keys, 0.0f);
+            for (int64_t c = 0; c < keys; ++c) {
+              const float e = fast_exp(sr[c] - max);
+              sr[c] = c < n ? e : 0.0f;
+            }
             m[r] = max;
             l[r] = narrow_tile_row_sum(sr, pr, keys);  // >= 1: the max's own term is e^0, exactly 1 in bf16
           }

@@ -31,16 +31,20 @@ inline void store_scaled_run(const A* __restrict src, A scale, T* __restrict dst
 
 // One query row of a backward block, in place: s (its scores q.k) becomes p = e^(scale s - lse) and dp (its
 // do.v) becomes ds = p (dp - delta) for the n keys the row sees; the rest of the row, up to width, is zero.
+// One loop over the whole width, the hidden keys selected to zero: a loop over the first n alone left a scalar
+// remainder of up to 15 elements (each a scalar exp) in every row whose n is not a multiple of the vector
+// width, and on the diagonal blocks that is nearly every row. What the hidden entries held (stale sums,
+// even NaN) is computed on and then discarded.
 template <class A>
 inline void probabilities_and_gradient_row(A* __restrict s, A* __restrict dp, int64_t n, int64_t width, A scale,
                                            A lse, A delta) {
 #pragma omp simd
-  for (int64_t c = 0; c < n; ++c) {
-    s[c] = fast_exp(scale * s[c] - lse);
-    dp[c] = s[c] * (dp[c] - delta);  // ds = p (dp - delta)
+  for (int64_t c = 0; c < width; ++c) {
+    const A p = fast_exp(scale * s[c] - lse);
+    const A ds = p * (dp[c] - delta);  // ds = p (dp - delta)
+    s[c] = c < n ? p : A(0);
+    dp[c] = c < n ? ds : A(0);
   }
-  std::fill(s + n, s + width, A(0));
-  std::fill(dp + n, dp + width, A(0));
 }
 
 }  // namespace mixtape::cpu
