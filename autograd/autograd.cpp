@@ -1,5 +1,6 @@
 #include "autograd/autograd.h"
 
+#include <chrono>
 #include <unordered_map>
 
 #include "tensor/autocast_state.h"
@@ -10,6 +11,30 @@ namespace mixtape {
 namespace {
 
 thread_local LeafGradHook leaf_grad_hook;
+thread_local BackwardProfiler* backward_profiler = nullptr;
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+// Times a part of backward() into the thread's profiler, if there is one (no clock read otherwise).
+class ProfiledPart {
+ public:
+  ProfiledPart(BackwardProfiler* profiler, const char* what)
+      : profiler_(profiler), what_(what), start_(profiler ? Clock::now() : Clock::time_point()) {}
+  ~ProfiledPart() {
+    if (profiler_) profiler_->add(what_, seconds_since(start_));
+  }
+  ProfiledPart(const ProfiledPart&) = delete;
+  ProfiledPart& operator=(const ProfiledPart&) = delete;
+
+ private:
+  BackwardProfiler* profiler_;
+  const char* what_;
+  Clock::time_point start_;
+};
 
 void check_saved_versions(const Node& node) {
   for (const SavedVersion& saved : node.saved) {
@@ -65,6 +90,15 @@ void backward(const Tensor& loss) {
 void backward(const std::vector<Tensor>& outputs, const std::vector<Tensor>& grad_outputs) {
   check(outputs.size() == grad_outputs.size(), "backward: ", outputs.size(), " outputs but ",
         grad_outputs.size(), " grad_outputs");
+  BackwardProfiler* const profiler = BackwardProfiler::active();
+  const Clock::time_point started = profiler ? Clock::now() : Clock::time_point();
+  struct CallTimer {  // the whole call, also when it throws
+    BackwardProfiler* profiler;
+    Clock::time_point started;
+    ~CallTimer() {
+      if (profiler) profiler->add_backward_call(seconds_since(started));
+    }
+  } call_timer{profiler, started};
   NoGradGuard no_grad;  // backward closures build no graph of their own
   AutocastScope no_autocast(std::nullopt);  // closures run in the saved dtypes, not an open scope's
   std::unordered_map<Node*, Tensor> pending;  // gradient summed so far for each node's output
@@ -131,7 +165,10 @@ void backward(const std::vector<Tensor>& outputs, const std::vector<Tensor>& gra
       check_saved_versions(*node);
       const Tensor grad_output = conform(it->second, node->output_shape, node->output_dtype, node->op);
       pending.erase(it);
-      grads = node->backward(grad_output);
+      {
+        const ProfiledPart part(profiler, node->op);
+        grads = node->backward(grad_output);
+      }
       check(grads.size() == node->inputs.size(), "backward: '", node->op, "' returned ", grads.size(),
             " gradients for ", node->inputs.size(), " inputs");
       // Blame a misshapen gradient on the op that returned it (the consumer), not on its input.
@@ -149,16 +186,51 @@ void backward(const std::vector<Tensor>& outputs, const std::vector<Tensor>& gra
     }
     for (size_t i = 0; i < grads.size(); ++i) {
       const Edge& edge = node->inputs[i];
-      if (edge.leaf && grads[i].defined()) accumulate_leaf(*edge.leaf, grads[i]);
+      if (edge.leaf && grads[i].defined()) {
+        const ProfiledPart part(profiler, "(leaf gradients)");
+        accumulate_leaf(*edge.leaf, grads[i]);
+      }
       if (hooked && edge.leaf && --leaf_uses[edge.leaf.get()] == 0) hook(*edge.leaf);
       if (!edge.node) continue;
       if (grads[i].defined()) {
         Tensor& slot = pending[edge.node.get()];
-        slot = slot.defined() ? add(slot, grads[i]) : grads[i];
+        if (slot.defined()) {
+          const ProfiledPart part(profiler, "(gradient sums)");
+          slot = add(slot, grads[i]);
+        } else {
+          slot = grads[i];
+        }
       }
       if (--dependents[edge.node.get()] == 0) ready.push_back(edge.node);
     }
   }
+}
+
+BackwardProfiler::BackwardProfiler() {
+  check(backward_profiler == nullptr,
+        "BackwardProfiler: this thread already has one; profilers do not nest (use the live one, or clear() it)");
+  backward_profiler = this;
+}
+
+BackwardProfiler::~BackwardProfiler() { backward_profiler = nullptr; }
+
+BackwardProfiler* BackwardProfiler::active() { return backward_profiler; }
+
+void BackwardProfiler::add(const char* what, double seconds) {
+  Entry& entry = entries_[what];
+  entry.seconds += seconds;
+  ++entry.calls;
+}
+
+void BackwardProfiler::add_backward_call(double seconds) {
+  total_seconds_ += seconds;
+  ++backward_calls_;
+}
+
+void BackwardProfiler::clear() {
+  entries_.clear();
+  total_seconds_ = 0;
+  backward_calls_ = 0;
 }
 
 }  // namespace mixtape

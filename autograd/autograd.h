@@ -1,7 +1,10 @@
 #pragma once
 // The read side of the tape: backward() runs the recorded nodes in reverse order and accumulates leaf
 // gradients. Recording (record_backward) and NoGradGuard live in tensor/autograd_node.h.
+#include <cstdint>
 #include <functional>
+#include <map>
+#include <string>
 #include <vector>
 
 #include "tensor/autograd_node.h"
@@ -23,5 +26,39 @@ void backward(const std::vector<Tensor>& outputs, const std::vector<Tensor>& gra
 // backward goes on. Returns the hook installed before; an empty function removes it.
 using LeafGradHook = std::function<void(const TensorImpl& leaf)>;
 LeafGradHook set_leaf_grad_hook(LeafGradHook hook);
+
+// Where backward() spends its time, per op. While a BackwardProfiler lives on a thread, every backward() run
+// on that thread adds each node's wall time to the entry of the op the node was recorded by ("linear",
+// "gelu", "layer_norm", "to" for a cast, ...), the time spent summing gradients that meet at a node to
+// "(gradient sums)" and accumulating leaf gradients to "(leaf gradients)", and its own wall time to
+// total_seconds(). Times are wall clock and include the threads a kernel runs on; what total_seconds() has
+// beyond the entries is the engine's own bookkeeping. One profiler per thread at a time: a second one while
+// the first lives is an error. bench_train_gpt --phases prints these per precision mode.
+class BackwardProfiler {
+ public:
+  struct Entry {
+    double seconds = 0;
+    int64_t calls = 0;  // node runs (or sums, or leaf accumulations)
+  };
+  BackwardProfiler();
+  ~BackwardProfiler();
+  BackwardProfiler(const BackwardProfiler&) = delete;
+  BackwardProfiler& operator=(const BackwardProfiler&) = delete;
+
+  const std::map<std::string, Entry>& entries() const { return entries_; }
+  double total_seconds() const { return total_seconds_; }
+  int64_t backward_calls() const { return backward_calls_; }
+  void clear();
+
+  // For backward(): the profiler of this thread, or null.
+  static BackwardProfiler* active();
+  void add(const char* what, double seconds);
+  void add_backward_call(double seconds);
+
+ private:
+  std::map<std::string, Entry> entries_;
+  double total_seconds_ = 0;
+  int64_t backward_calls_ = 0;
+};
 
 }  // namespace mixtape

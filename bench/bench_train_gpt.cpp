@@ -4,6 +4,7 @@
 //   ./build/bench/bench_train_gpt                    # Google Benchmark rows, then the comparison table
 //   ./build/bench/bench_train_gpt --compare-only --rounds 5 --steps 10 --precision fp32,bf16
 //   ./build/bench/bench_train_gpt --rounds 1 --steps 2 --no-pytorch     # a quick functional check
+//   ./build/bench/bench_train_gpt --compare-only --precision bf16 --no-pytorch --phases  # where a step goes
 //
 // A step is what train_gpt does per step: forward, fused cross-entropy, backward, global gradient clipping
 // at norm 1, AdamW (weight decay 0.1 on matrices and embeddings), on a random batch (the Trainer's own
@@ -26,6 +27,11 @@
 // autocast, and every fp16/bf16 mode at least as fast as mixtape fp32 (the verdict names the slowest such
 // mode and the range of its ratio over the rounds, each round's median against fp32's in the same round).
 //
+// --phases adds a table after the comparison: for each mixtape mode the median forward, backward and
+// optimizer time of its timed steps (StepStats), and its backward per op (a BackwardProfiler around each timed
+// step: mean ms per step, largest first; "engine" is backward()'s own bookkeeping). Without it no profiler
+// runs.
+//
 // PyTorch missing (no python3-torch) prints a note and only mixtape's figures. The verdicts against PyTorch
 // say "n/a" (the ratios are still printed) where PyTorch is not the baseline the targets mean: when it runs
 // on Debian's reference BLAS (no libopenblas0-pthread: ~10x slower in fp32), and, for the bf16 target, on a
@@ -39,12 +45,14 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "autograd/autograd.h"
 #include "bench/bench_training.h"
 #include "examples/training.h"
 #include "nn/json.h"
@@ -77,18 +85,39 @@ const TokenData& bench_data() {
 struct Side {
   std::string mode;
   std::unique_ptr<Trainer> trainer;
+  // --phases: each timed step's phases (ms) and the backward per op summed over the timed steps.
+  std::vector<double> forward_ms, backward_ms, optimizer_ms;
+  std::map<std::string, double> backward_op_ms;
+  double backward_engine_ms = 0;
+  int profiled_steps = 0;
+
   explicit Side(std::string m) : mode(std::move(m)) {
     trainer = bench::make_trainer(kModel, mode, 1e-3, Device::cpu(), bench_data());
     set_allow_tf32(false);  // building a tf32 trainer turned it on process-wide; step() sets it per mode
   }
-  void step() {
+  StepStats step() {
     set_allow_tf32(mode == "tf32");
-    trainer->train_step();
+    return trainer->train_step();
   }
-  double step_ms() {
+  double step_ms(bool phases) {
+    std::unique_ptr<BackwardProfiler> profiler;
+    if (phases) profiler = std::make_unique<BackwardProfiler>();
     const auto t0 = std::chrono::steady_clock::now();
-    step();
-    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    const StepStats stats = step();
+    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    if (phases) {
+      forward_ms.push_back(stats.forward_seconds * 1e3);
+      backward_ms.push_back(stats.backward_seconds * 1e3);
+      optimizer_ms.push_back(stats.optimizer_seconds * 1e3);
+      double parts = 0;
+      for (const auto& [op, entry] : profiler->entries()) {
+        backward_op_ms[op] += entry.seconds * 1e3;
+        parts += entry.seconds;
+      }
+      backward_engine_ms += (profiler->total_seconds() - parts) * 1e3;
+      ++profiled_steps;
+    }
+    return ms;
   }
 };
 
@@ -148,7 +177,35 @@ std::vector<double> pytorch_steps(int steps, const std::string& autocast, std::s
   }
 }
 
-void compare(int rounds, int steps, bool with_pytorch) {
+// --phases: where each mode's step goes (see the header).
+void print_phases() {
+  std::printf("\nWhere the step goes (--phases): median ms per step of each phase; backward by op: mean ms per "
+              "step, largest first\n");
+  std::printf("%-24s %10s %10s %10s\n", "", "forward", "backward", "optimizer");
+  for (const auto& side : sides()) {
+    if (side->profiled_steps == 0) continue;
+    std::printf("%-24s %10.1f %10.1f %10.1f\n", ("mixtape " + side->mode).c_str(), median(side->forward_ms),
+                median(side->backward_ms), median(side->optimizer_ms));
+    std::vector<std::pair<double, std::string>> ops;
+    for (const auto& [op, ms] : side->backward_op_ms) ops.emplace_back(ms / side->profiled_steps, op);
+    ops.emplace_back(side->backward_engine_ms / side->profiled_steps, "engine");
+    std::sort(ops.rbegin(), ops.rend());
+    std::string line = "    backward:";
+    for (size_t i = 0; i < ops.size(); ++i) {
+      char item[96];
+      std::snprintf(item, sizeof(item), "%s %s %.2f", i == 0 ? "" : ",", ops[i].second.c_str(), ops[i].first);
+      if (line.size() + std::strlen(item) > 110) {
+        std::printf("%s,\n", line.c_str());
+        line = "             ";
+        std::snprintf(item, sizeof(item), " %s %.2f", ops[i].second.c_str(), ops[i].first);
+      }
+      line += item;
+    }
+    std::printf("%s\n", line.c_str());
+  }
+}
+
+void compare(int rounds, int steps, bool with_pytorch, bool phases) {
   struct Timed {
     std::string name;
     std::vector<double> ms;
@@ -160,7 +217,7 @@ void compare(int rounds, int steps, bool with_pytorch) {
   for (const auto& side : sides()) side->step();  // warm-up
   for (int r = 0; r < rounds; ++r) {
     for (size_t k = 0; k < sides().size(); ++k)
-      for (int i = 0; i < steps; ++i) mixtape[k].ms.push_back(sides()[k]->step_ms());
+      for (int i = 0; i < steps; ++i) mixtape[k].ms.push_back(sides()[k]->step_ms(phases));
     set_allow_tf32(false);
     if (with_pytorch && why.empty()) {
       for (Timed* t : {&torch_fp32, &torch_bf16}) {
@@ -285,6 +342,7 @@ void compare(int rounds, int steps, bool with_pytorch) {
   } else {
     std::printf("fp16/bf16 modes vs mixtape fp32: n/a (needs fp32 in --precision)\n");
   }
+  if (phases) print_phases();
 }
 
 std::vector<std::string> split_modes(const std::string& text) {
@@ -308,7 +366,7 @@ std::vector<std::string> split_modes(const std::string& text) {
 int main(int argc, char** argv) {
   benchmark::Initialize(&argc, argv);
   int rounds = 3, steps = 10;
-  bool with_pytorch = true, only_compare = false;
+  bool with_pytorch = true, only_compare = false, phases = false;
   std::string precision;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -317,9 +375,10 @@ int main(int argc, char** argv) {
     else if (a == "--precision" && i + 1 < argc) precision = argv[++i];
     else if (a == "--no-pytorch") with_pytorch = false;
     else if (a == "--compare-only") only_compare = true;
+    else if (a == "--phases") phases = true;
     else {
       std::fprintf(stderr, "bench_train_gpt: unknown option %s (own options: --rounds N --steps N "
-                   "--precision a,b,c --no-pytorch --compare-only; others go to Google Benchmark)\n",
+                   "--precision a,b,c --no-pytorch --compare-only --phases; others go to Google Benchmark)\n",
                    a.c_str());
       return 2;
     }
@@ -333,7 +392,7 @@ int main(int argc, char** argv) {
                                    BM_GPTTrainStep, side.get())
           ->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(3.0);
     if (!only_compare) benchmark::RunSpecifiedBenchmarks();
-    compare(rounds, steps, with_pytorch);
+    compare(rounds, steps, with_pytorch, phases);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_train_gpt: %s\n", e.what());
     return 1;

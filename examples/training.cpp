@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <charconv>
+#include <chrono>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
@@ -323,14 +324,26 @@ StepStats Trainer::train_step() {
   stats.step = step_;
   model_->train();
   const auto [x, y] = batch(step_);
+  using Clock = std::chrono::steady_clock;
+  const auto seconds = [](Clock::time_point from, Clock::time_point to) {
+    return std::chrono::duration<double>(to - from).count();
+  };
+  const Clock::time_point t0 = Clock::now();
   optimizer_->zero_grad();
   const Tensor loss = forward_loss(x, y);
   stats.loss = loss.item();
+  const Clock::time_point t1 = Clock::now();
   stats.loss_scale = optimizer_->loss_scale();
   booster_.backward(loss, *optimizer_);
+  const Clock::time_point t2 = Clock::now();
   if (gradient_hook) gradient_hook(step_, *model_);
   stats.lr = apply_schedule(optimizer_->optimizer(), *schedule_, step_);
+  const Clock::time_point t3 = Clock::now();
   const StepResult result = booster_.step(*optimizer_);
+  const Clock::time_point t4 = Clock::now();
+  stats.forward_seconds = seconds(t0, t1);
+  stats.backward_seconds = seconds(t1, t2);
+  stats.optimizer_seconds = seconds(t3, t4);
   stats.grad_norm = result.grad_norm;
   stats.skipped = result.skipped;
   stats.num_zeros = result.num_zeros;

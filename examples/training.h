@@ -96,6 +96,11 @@ struct StepStats {
   double loss_scale = 1;  // the scale this step's loss was multiplied by
   // Zero elements of the unscaled gradients (naive AMP's log_num_zeros_in_grad); -1: off, or a skipped step.
   int64_t num_zeros = -1;
+  // Wall time of the step's phases: zero_grad, forward and loss (the loss read back); backward (the
+  // booster's, loss scaling included); the optimizer step (unscale and overflow check, clipping, the update,
+  // master weights copied back). The batch's sampling and the learning-rate schedule are in none of them.
+  // Trainer fills them; ParallelTrainer leaves them 0 (its pipeline interleaves forward and backward).
+  double forward_seconds = 0, backward_seconds = 0, optimizer_seconds = 0;
 };
 
 class Trainer {

@@ -289,6 +289,62 @@ TEST(Autograd, OutputsThatFeedEachOtherAreSummedBeforeRunning) {
   EXPECT_EQ(x.grad().to_vector<double>(), (std::vector<double>{11, 32, 23, 44}));
 }
 
+// ---- the backward profiler -----------------------------------------------------------------------------
+
+TEST(BackwardProfiler, CountsEachNodeUnderItsOpAndTheSumsAndLeavesApart) {
+  // y = h[0:3] + h[1:4] with h = gelu(x * w): mul, gelu, the two slices' and the add's nodes once each; the two
+  // slices' gradients meet at h (one sum); x and w are leaves (two accumulations).
+  const Tensor x = leaf(values_f64({0.5, -1, 2, 0.25}, {4})), w = leaf(values_f64({1, 2, 3, 4}, {4}));
+  const Tensor h = gelu(mul(x, w));
+  const Tensor y = add(h.slice(0, 0, 3), h.slice(0, 1, 4));
+  {
+    BackwardProfiler profiler;
+    backward({y}, {gradient_like(y)});
+    const auto& e = profiler.entries();
+    auto calls = [&](const std::string& op) { return e.count(op) ? e.at(op).calls : int64_t{0}; };
+    EXPECT_EQ(calls("mul"), 1);
+    EXPECT_EQ(calls("gelu"), 1);
+    EXPECT_EQ(calls("add"), 1);
+    EXPECT_EQ(calls("(gradient sums)"), 1);
+    EXPECT_EQ(calls("(leaf gradients)"), 2);
+    EXPECT_EQ(profiler.backward_calls(), 1);
+    double parts = 0;
+    for (const auto& [op, entry] : e) {
+      EXPECT_GE(entry.seconds, 0.0) << op;
+      parts += entry.seconds;
+    }
+    EXPECT_GT(parts, 0.0);
+    EXPECT_GE(profiler.total_seconds(), parts);
+    // A second call adds to the same entries; clear() empties them.
+    const Tensor y2 = gelu(mul(x, w));
+    backward({y2}, {gradient_like(y2)});
+    EXPECT_EQ(calls("gelu"), 2);
+    EXPECT_EQ(profiler.backward_calls(), 2);
+    profiler.clear();
+    EXPECT_TRUE(profiler.entries().empty());
+    EXPECT_EQ(profiler.total_seconds(), 0.0);
+  }
+  // With no profiler alive nothing is recorded anywhere, and a new one starts empty.
+  const Tensor y3 = gelu(mul(x, w));
+  backward({y3}, {gradient_like(y3)});
+  BackwardProfiler fresh;
+  EXPECT_TRUE(fresh.entries().empty());
+  EXPECT_EQ(fresh.backward_calls(), 0);
+}
+
+TEST(BackwardProfiler, OneAtATimePerThread) {
+  BackwardProfiler first;
+  EXPECT_ERROR_MENTIONS(BackwardProfiler(), "BackwardProfiler", "already has one");
+  EXPECT_EQ(BackwardProfiler::active(), &first);
+  // Another thread has its own.
+  std::thread([] {
+    EXPECT_EQ(BackwardProfiler::active(), nullptr);
+    BackwardProfiler second;
+    EXPECT_EQ(BackwardProfiler::active(), &second);
+  }).join();
+  EXPECT_EQ(BackwardProfiler::active(), &first);
+}
+
 // ---- graph lifetime ------------------------------------------------------------------------------------
 
 TEST(Autograd, SecondBackwardThroughTheSameGraphIsAnError) {

@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -257,6 +258,21 @@ TEST(TrainGPT, LossFallsOnStructuredText) {
   for (int i = 0; i < 60; ++i) trainer.train_step();
   const double after = trainer.evaluate();
   EXPECT_LT(after, before - 0.5) << before << " -> " << after;
+}
+
+TEST(TrainGPT, StepStatsTimeTheForwardBackwardAndOptimizerPhasesWithinTheStep) {
+  const TokenData data = char_tokens(sample_text());
+  Trainer trainer(tiny_config(data.vocab_size, 0), tiny_options("adamw"), data);
+  trainer.train_step();  // warm-up
+  for (int i = 0; i < 3; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const StepStats s = trainer.train_step();
+    const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    EXPECT_GT(s.forward_seconds, 0.0);
+    EXPECT_GT(s.backward_seconds, 0.0);
+    EXPECT_GT(s.optimizer_seconds, 0.0);
+    EXPECT_LE(s.forward_seconds + s.backward_seconds + s.optimizer_seconds, wall);
+  }
 }
 
 TEST(TrainGPT, WeightDecayGoesToMatricesAndEmbeddingsOnly) {
