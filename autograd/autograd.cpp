@@ -196,7 +196,18 @@ void backward(const std::vector<Tensor>& outputs, const std::vector<Tensor>& gra
         Tensor& slot = pending[edge.node.get()];
         if (slot.defined()) {
           const ProfiledPart part(profiler, "(gradient sums)");
-          slot = add(slot, grads[i]);
+          Tensor& g = grads[i];
+          // Into a buffer nothing else holds (usually the fresh gradient, still in cache) when the two agree
+          // in dtype and shape: the same sum, as addition commutes, without a new buffer and its cold pages.
+          const bool alike = g.dtype() == slot.dtype() && g.shape() == slot.shape() && g.device() == slot.device();
+          if (alike && is_private_buffer(g, 1)) {
+            g.add_(slot);
+            slot = g;
+          } else if (alike && is_private_buffer(slot, 1)) {
+            slot.add_(g);
+          } else {
+            slot = add(slot, g);
+          }
         } else {
           slot = grads[i];
         }

@@ -281,6 +281,31 @@ TEST(Autograd, DiamondGraphSumsGradients) {
   EXPECT_EQ(w.grad().to_vector<double>(), (std::vector<double>{11, 23, 32, 44}));
 }
 
+TEST(Autograd, GradientsThatMeetAreSummedWithoutTouchingABufferAnythingElseHolds) {
+  // h feeds two nodes. One returns a gradient the test also holds (shared: it must come out unchanged), the
+  // other a fresh buffer (private: the engine may sum into it). Either order of arrival, the sum reaches x.
+  for (bool shared_first : {true, false}) {
+    SCOPED_TRACE(shared_first ? "shared gradient arrives first" : "fresh gradient arrives first");
+    const Tensor x = leaf(iota({3}));
+    const Tensor h = x.clone();
+    const Tensor shared = values_f64({100, 200, 300}, {3});
+    auto with_grad = [](const Tensor& in, const char* op, std::function<Tensor()> grad) {
+      Tensor out = in.detach().clone();
+      record_backward(op, {in}, out, [grad](const Tensor&) { return Grads{grad()}; });
+      return out;
+    };
+    const Tensor a = with_grad(h, "shared", [shared] { return shared; });
+    const Tensor b = with_grad(h, "fresh", [] { return values_f64({1, 2, 3}, {3}); });
+    // backward runs the outputs' nodes from the back of its ready list: the last output first.
+    if (shared_first)
+      backward({b, a}, {gradient_like(b), gradient_like(a)});
+    else
+      backward({a, b}, {gradient_like(a), gradient_like(b)});
+    EXPECT_EQ(x.grad().to_vector<double>(), (std::vector<double>{101, 202, 303}));
+    EXPECT_EQ(shared.to_vector<double>(), (std::vector<double>{100, 200, 300}));
+  }
+}
+
 TEST(Autograd, OutputsThatFeedEachOtherAreSummedBeforeRunning) {
   const Tensor x = leaf(iota({2, 2}));
   const Tensor y1 = x.clone();
