@@ -65,3 +65,22 @@ TEST(Tensor, InPlaceArithmeticOnABroadcastViewIsAnError) {
   EXPECT_THROW(wide.copy_(Tensor::zeros({4, 3})), Error);
   EXPECT_EQ(base.to_vector<double>(), (std::vector<double>{1, 1, 1}));  // nothing was written
 }
+
+TEST(CpuAllocator, HandsBackTheBlockOfASizeFreedLast) {
+  // The last freed block of a size is the likeliest still in cache, so it is the one a new tensor gets (the
+  // cache's first-freed block was the old choice: the longest unused). An odd size no other test uses.
+  const Shape shape{12345};
+  const void* first_freed = nullptr;
+  const void* last_freed = nullptr;
+  {
+    const Tensor a = Tensor::empty(shape), b = Tensor::empty(shape);
+    first_freed = a.data_ptr();
+    last_freed = b.data_ptr();
+    ASSERT_NE(first_freed, last_freed);
+  }  // b is destroyed first, then a
+  std::swap(first_freed, last_freed);
+  const Tensor c = Tensor::empty(shape);
+  EXPECT_EQ(c.data_ptr(), last_freed);
+  const Tensor d = Tensor::empty(shape);
+  EXPECT_EQ(d.data_ptr(), first_freed);
+}

@@ -30,8 +30,11 @@ void* CachingAllocator::allocate(size_t nbytes) {
   const size_t size = round_size(nbytes);
   {
     std::lock_guard lock(mutex_);
-    auto it = free_blocks_.find(size);
-    if (it != free_blocks_.end()) {
+    // The block of this size freed last: the likeliest to be still in cache (a multimap keeps equal keys in
+    // insertion order, so it is the last of the range; find() would give the first, the longest unused).
+    auto it = free_blocks_.upper_bound(size);
+    if (it != free_blocks_.begin() && std::prev(it)->first == size) {
+      --it;
       void* ptr = it->second;
       free_blocks_.erase(it);
       stats_.cached_bytes -= size;
