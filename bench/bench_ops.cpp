@@ -13,6 +13,8 @@
 //                       memcpy copies 96 MiB (reads 96, writes 96: the same 192 MiB).
 //   layer_norm          ([16384, 1024] f32) vs memcpy of 64 MiB; layer_norm moves 2 x 64 MiB (reads x,
 //                       writes out; the [C] weight/bias and [N] mean/rstd are < 0.2 % and not counted).
+//   column sums         a bf16 [2048, 1024] summed over its rows into [1024] (the bias gradient of the GPT's
+//                       MLP layer) vs memcpy of 2 MiB; the sum reads 4 MiB, the memcpy reads 2 and writes 2.
 //   adamw (small)       one AdamW step over 48 [64, 64] f32 parameters (a small model's; in the cache) vs
 //                       memcpy of the same bytes; the step moves 7 x 768 KiB (reads p, g, m, v; writes p, m,
 //                       v). Shows a per-parameter loop that stopped vectorising: an OpenMP `if` on a combined
@@ -262,6 +264,20 @@ void layer_norm_mixtape(benchmark::State& state) {
   set_bytes(state, 2 * kNormRows * kNormCols * 4, best);
 }
 
+// ---- column sums (a bias gradient) ----------------------------------------------------------------------------
+
+constexpr int64_t kColumnSumRows = 2048, kColumnSumCols = 1024;
+
+void column_sum_mixtape(benchmark::State& state) {
+  const Tensor g = Tensor::randn({kColumnSumRows, kColumnSumCols}, 8).to(DType::BF16);
+  if (!runs(state, [&] { sum_to(g, {kColumnSumCols}); })) return;
+  const double best = timed_loop(state, [&] {
+    const Tensor total = sum_to(g, {kColumnSumCols});
+    benchmark::DoNotOptimize(total.data_ptr());
+  });
+  set_bytes(state, kColumnSumRows * kColumnSumCols * 2, best);
+}
+
 // ---- optimizer step on small parameters ---------------------------------------------------------------------
 
 // A small model's parameters: kSmallParams matrices of [64, 64] (a width-64 GPT has ~50 of them), 196,608
@@ -445,6 +461,11 @@ void register_benchmarks() {
   configure(benchmark::RegisterBenchmark("gelu_f32/2048x1024/glibc", gelu_glibc));
   comparisons().push_back({"gelu f32 fwd+bwd [2048,1024]", "gelu_f32/2048x1024/mixtape",
                            "gelu_f32/2048x1024/glibc", "best elem/s", "Melem/s", kGeluTarget, 1e6});
+  configure(benchmark::RegisterBenchmark("column_sum_bf16/2048x1024/mixtape", column_sum_mixtape));
+  configure(benchmark::RegisterBenchmark("column_sum_bf16/2048x1024/memcpy", memcpy_bytes,
+                                         kColumnSumRows * kColumnSumCols * 2 / 2));
+  comparisons().push_back({"column sums bf16 [2048,1024] (4 MiB)", "column_sum_bf16/2048x1024/mixtape",
+                           "column_sum_bf16/2048x1024/memcpy", "best B/s", "GB/s", kBandwidthTarget});
   configure(benchmark::RegisterBenchmark("adamw_f32/48x64x64/mixtape", adamw_small_mixtape));
   configure(benchmark::RegisterBenchmark("adamw_f32/48x64x64/memcpy", memcpy_bytes,
                                          7 * kSmallParamElements * 4 / 2));

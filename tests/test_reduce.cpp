@@ -6,6 +6,7 @@
 #include <cmath>
 #include <functional>
 #include <limits>
+#include <string>
 #include <vector>
 
 #include "autograd/autograd.h"
@@ -208,6 +209,31 @@ TEST(SumTo, SumsLeadingAndBroadcastDimsInEveryDtype) {
       EXPECT_EQ(out.shape(), c.target);
       EXPECT_TRUE(within_ulp(out, reference, sum_ulp_bound(dtype)))
           << dtype_name(dtype) << shape_str(c.target);
+    }
+  }
+}
+
+TEST(Sum, SixteenBitColumnSumsGiveTheSameBitsContiguousOrStrided) {
+  // A contiguous 16-bit input summed over its leading dims takes the register-held column sums (AVX-512);
+  // the same values read with a column stride of 2 take the generic loop. Both sum each column in the same
+  // order, so their bits must agree: widths that leave 256-, 64-, 16-column and scalar parts, rows that span
+  // several 128-row chunks, an outer kept dim, and leading dims that are not one run.
+  for (DType dtype : {DType::BF16, DType::F16}) {
+    for (int64_t C : {1000, 256, 77, 5}) {
+      SCOPED_TRACE(std::string(dtype_name(dtype)) + " C " + std::to_string(C));
+      // Values over twenty binades, so that float sums round and the order of the additions shows.
+      const Tensor mantissas = uniform_tensor({3, 150, 2 * C}, 41 + C, -2.0, 2.0, DType::F64);
+      const Tensor binades = uniform_tensor({3, 150, 2 * C}, 42 + C, -10.0, 10.0, DType::F64);
+      std::vector<double> values = mantissas.to_vector<double>();
+      const std::vector<double> exponents = binades.to_vector<double>();
+      for (size_t i = 0; i < values.size(); ++i) values[i] = std::ldexp(values[i], static_cast<int>(exponents[i]));
+      const Tensor wide = Tensor::from_vector(values, {3, 150, 2 * C}, DType::F64).to(dtype);
+      const Tensor strided = wide.slice(2, 0, 2 * C, 2);  // [3, 150, C], column stride 2
+      const Tensor contiguous = strided.contiguous();
+      for (const std::vector<int64_t>& dims : std::vector<std::vector<int64_t>>{{1}, {0, 1}, {0}}) {
+        const Tensor a = sum(contiguous, dims), b = sum(strided, dims);
+        EXPECT_EQ(a.to_vector<double>(), b.to_vector<double>()) << "dims " << dims.size() << " " << dims[0];
+      }
     }
   }
 }
