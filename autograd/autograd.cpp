@@ -15,17 +15,17 @@ thread_local BackwardProfiler* backward_profiler = nullptr;
 
 using Clock = std::chrono::steady_clock;
 
-double seconds_since(Clock::time_point start) {
-  return std::chrono::duration<double>(Clock::now() - start).count();
-}
-
-// Times a part of backward() into the thread's profiler, if there is one (no clock read otherwise).
+// Times a part of backward() into the thread's profiler, if there is one (no clock read otherwise): the entry
+// `what`, or with what = nullptr the whole backward() call. Recorded on destruction, so also when it throws.
 class ProfiledPart {
  public:
   ProfiledPart(BackwardProfiler* profiler, const char* what)
       : profiler_(profiler), what_(what), start_(profiler ? Clock::now() : Clock::time_point()) {}
   ~ProfiledPart() {
-    if (profiler_) profiler_->add(what_, seconds_since(start_));
+    if (!profiler_) return;
+    const double seconds = std::chrono::duration<double>(Clock::now() - start_).count();
+    if (what_) profiler_->add(what_, seconds);
+    else profiler_->add_backward_call(seconds);
   }
   ProfiledPart(const ProfiledPart&) = delete;
   ProfiledPart& operator=(const ProfiledPart&) = delete;
@@ -91,14 +91,7 @@ void backward(const std::vector<Tensor>& outputs, const std::vector<Tensor>& gra
   check(outputs.size() == grad_outputs.size(), "backward: ", outputs.size(), " outputs but ",
         grad_outputs.size(), " grad_outputs");
   BackwardProfiler* const profiler = BackwardProfiler::active();
-  const Clock::time_point started = profiler ? Clock::now() : Clock::time_point();
-  struct CallTimer {  // the whole call, also when it throws
-    BackwardProfiler* profiler;
-    Clock::time_point started;
-    ~CallTimer() {
-      if (profiler) profiler->add_backward_call(seconds_since(started));
-    }
-  } call_timer{profiler, started};
+  const ProfiledPart whole_call(profiler, nullptr);
   NoGradGuard no_grad;  // backward closures build no graph of their own
   AutocastScope no_autocast(std::nullopt);  // closures run in the saved dtypes, not an open scope's
   std::unordered_map<Node*, Tensor> pending;  // gradient summed so far for each node's output

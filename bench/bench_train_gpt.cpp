@@ -48,6 +48,7 @@
 #include <cstring>
 #include <map>
 #include <memory>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -89,7 +90,6 @@ struct Side {
   std::vector<double> forward_ms, backward_ms, optimizer_ms;
   std::map<std::string, double> backward_op_ms;
   double backward_engine_ms = 0;
-  int profiled_steps = 0;
 
   explicit Side(std::string m) : mode(std::move(m)) {
     trainer = bench::make_trainer(kModel, mode, 1e-3, Device::cpu(), bench_data());
@@ -100,8 +100,8 @@ struct Side {
     return trainer->train_step();
   }
   double step_ms(bool phases) {
-    std::unique_ptr<BackwardProfiler> profiler;
-    if (phases) profiler = std::make_unique<BackwardProfiler>();
+    std::optional<BackwardProfiler> profiler;
+    if (phases) profiler.emplace();
     const auto t0 = std::chrono::steady_clock::now();
     const StepStats stats = step();
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
@@ -115,7 +115,6 @@ struct Side {
         parts += entry.seconds;
       }
       backward_engine_ms += (profiler->total_seconds() - parts) * 1e3;
-      ++profiled_steps;
     }
     return ms;
   }
@@ -183,21 +182,25 @@ void print_phases() {
               "step, largest first\n");
   std::printf("%-24s %10s %10s %10s\n", "", "forward", "backward", "optimizer");
   for (const auto& side : sides()) {
-    if (side->profiled_steps == 0) continue;
+    const double steps = static_cast<double>(side->forward_ms.size());  // the profiled steps
+    if (steps == 0) continue;
     std::printf("%-24s %10.1f %10.1f %10.1f\n", ("mixtape " + side->mode).c_str(), median(side->forward_ms),
                 median(side->backward_ms), median(side->optimizer_ms));
     std::vector<std::pair<double, std::string>> ops;
-    for (const auto& [op, ms] : side->backward_op_ms) ops.emplace_back(ms / side->profiled_steps, op);
-    ops.emplace_back(side->backward_engine_ms / side->profiled_steps, "engine");
+    for (const auto& [op, ms] : side->backward_op_ms) ops.emplace_back(ms / steps, op);
+    ops.emplace_back(side->backward_engine_ms / steps, "engine");
     std::sort(ops.rbegin(), ops.rend());
+    // "op ms" items, comma-separated, wrapped before 110 characters.
     std::string line = "    backward:";
     for (size_t i = 0; i < ops.size(); ++i) {
       char item[96];
-      std::snprintf(item, sizeof(item), "%s %s %.2f", i == 0 ? "" : ",", ops[i].second.c_str(), ops[i].first);
-      if (line.size() + std::strlen(item) > 110) {
-        std::printf("%s,\n", line.c_str());
+      std::snprintf(item, sizeof(item), " %s %.2f", ops[i].second.c_str(), ops[i].first);
+      const std::string separator = i == 0 ? "" : ",";
+      if (line.size() + separator.size() + std::strlen(item) > 110) {
+        std::printf("%s%s\n", line.c_str(), separator.c_str());
         line = "             ";
-        std::snprintf(item, sizeof(item), " %s %.2f", ops[i].second.c_str(), ops[i].first);
+      } else {
+        line += separator;
       }
       line += item;
     }

@@ -213,12 +213,12 @@ TEST(SumTo, SumsLeadingAndBroadcastDimsInEveryDtype) {
   }
 }
 
-TEST(Sum, SixteenBitColumnSumsGiveTheSameBitsContiguousOrStrided) {
-  // A contiguous 16-bit input summed over its leading dims takes the register-held column sums (AVX-512);
-  // the same values read with a column stride of 2 take the generic loop. Both sum each column in the same
+TEST(Sum, FloatSummedColumnSumsGiveTheSameBitsContiguousOrStrided) {
+  // A contiguous f32, f16 or bf16 input summed over its leading dims takes the register-held column sums
+  // (AVX-512); the same values read with a column stride of 2 take the generic loop. Both sum each column in the same
   // order, so their bits must agree: widths that leave 256-, 64-, 16-column and scalar parts, rows that span
   // several 128-row chunks, an outer kept dim, and leading dims that are not one run.
-  for (DType dtype : {DType::BF16, DType::F16}) {
+  for (DType dtype : {DType::BF16, DType::F16, DType::F32}) {
     for (int64_t C : {1000, 256, 77, 5}) {
       SCOPED_TRACE(std::string(dtype_name(dtype)) + " C " + std::to_string(C));
       // Values over twenty binades, so that float sums round and the order of the additions shows.

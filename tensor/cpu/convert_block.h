@@ -5,7 +5,7 @@
 // without a scalar conversion per element.
 #include <cstdint>
 #include <type_traits>
-#if defined(__F16C__)
+#if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -18,16 +18,27 @@ namespace mixtape::cpu {
 template <class T>
 constexpr bool kSixteenBit = std::is_same_v<T, Half> || std::is_same_v<T, BFloat16>;
 
+#if defined(__AVX512F__)
+// 16 consecutive values as a register of floats, exactly: floats as they are, fp16 through vcvtph2ps, bf16 by
+// a shift (a float is a bf16 with 16 zero bits below it). The masked forms with all-ones masks: GCC 12's
+// plain _mm512_cvtph_ps and _mm512_slli_epi32 warn of an uninitialised value.
+inline __m512 load16_as_float(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16_as_float(const Half* p) {
+  return _mm512_mask_cvtph_ps(_mm512_setzero_ps(), 0xFFFF, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512 load16_as_float(const BFloat16* p) {
+  const __m512i bits = _mm512_maskz_cvtepu16_epi32(0xFFFF, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_maskz_slli_epi32(0xFFFF, bits, 16));
+}
+#endif
+
 template <class T>
 inline void widen_block(const T* src, float* dst, int64_t n) {
 #if defined(__F16C__)
   if constexpr (std::is_same_v<T, Half>) {
     int64_t j = 0;
 #if defined(__AVX512F__)
-    // The masked form with an all-ones mask: GCC 12's plain _mm512_cvtph_ps warns of an uninitialised value.
-    for (; j + 16 <= n; j += 16)
-      _mm512_storeu_ps(dst + j, _mm512_mask_cvtph_ps(_mm512_setzero_ps(), 0xFFFF,
-                                                     _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + j))));
+    for (; j + 16 <= n; j += 16) _mm512_storeu_ps(dst + j, load16_as_float(src + j));
 #endif
     for (; j + 8 <= n; j += 8)
       _mm256_storeu_ps(dst + j, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + j))));

@@ -23,9 +23,6 @@
 #include <numeric>
 #include <type_traits>
 #include <vector>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 
 #include "tensor/cpu/convert_block.h"
 #include "tensor/cpu/cpu_backend.h"
@@ -165,20 +162,11 @@ void reduce_rows(const T* x, const ReduceGeometry& g, const Rule& rule, A* resul
 }
 
 #if defined(__AVX512F__)
-// 16 values of a 16-bit row as floats, exactly.
-inline __m512 widen16(const BFloat16* p) {
-  const __m512i bits = _mm512_maskz_cvtepu16_epi32(0xFFFF, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_maskz_slli_epi32(0xFFFF, bits, 16));
-}
-inline __m512 widen16(const Half* p) {
-  return _mm512_mask_cvtph_ps(_mm512_setzero_ps(), 0xFFFF, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
-// Column mode's sum of n 16-bit rows (row k at first + k * stride, width contiguous values) into acc[0, width),
-// each column summed in order of k as the generic loop does (the same bits), with the running sums of up to
-// 256 columns held in registers while the rows stream past. The generic loop widened every row into a
-// buffer and added it into acc in memory: 3x the loads and stores (the bias gradient of a bf16 linear layer,
-// ~1% of the bf16 training step).
+// Column mode's sum of n rows (row k at first + k * stride, width contiguous values) into float sums
+// acc[0, width), for every dtype that sums in float (f32, f16, bf16). Each column is summed in order of k as
+// the generic loop does (the same bits), with the running sums of up to 256 columns held in registers while
+// the rows stream past, each row read as one run. The generic loop added every row into acc in memory
+// (widening a 16-bit row into a buffer first): 2-3x the loads and stores. Bias gradients are such sums.
 template <int kVectors, class T>
 void add_rows_in_registers(const T* first, int64_t n, int64_t stride, float* acc) {
   __m512 sums[kVectors];
@@ -187,23 +175,18 @@ void add_rows_in_registers(const T* first, int64_t n, int64_t stride, float* acc
   for (int64_t k = 0; k < n; ++k) {
     const T* row = first + k * stride;
 #pragma GCC unroll 16
-    for (int v = 0; v < kVectors; ++v) sums[v] = _mm512_add_ps(sums[v], widen16(row + 16 * v));
+    for (int v = 0; v < kVectors; ++v) sums[v] = _mm512_add_ps(sums[v], load16_as_float(row + 16 * v));
   }
 #pragma GCC unroll 16
   for (int v = 0; v < kVectors; ++v) _mm512_storeu_ps(acc + 16 * v, sums[v]);
 }
 
 template <class T>
-void add_rows_16bit(const T* first, int64_t n, int64_t stride, int64_t width, float* acc) {
+void add_rows_in_float(const T* first, int64_t n, int64_t stride, int64_t width, float* acc) {
   int64_t c = 0;
-  // 256 columns (a whole block) in 16 registers, each row read as one run; then 64 and 16 at a time.
   for (; c + 256 <= width; c += 256) add_rows_in_registers<16>(first + c, n, stride, acc + c);
   for (; c + 64 <= width; c += 64) add_rows_in_registers<4>(first + c, n, stride, acc + c);
-  for (; c + 16 <= width; c += 16) {
-    __m512 s = _mm512_loadu_ps(acc + c);
-    for (int64_t k = 0; k < n; ++k) s = _mm512_add_ps(s, widen16(first + k * stride + c));
-    _mm512_storeu_ps(acc + c, s);
-  }
+  for (; c + 16 <= width; c += 16) add_rows_in_registers<1>(first + c, n, stride, acc + c);
   for (; c < width; ++c)
     for (int64_t k = 0; k < n; ++k) acc[c] += convert<float>(first[k * stride + c]);
 }
@@ -233,8 +216,8 @@ void reduce_columns(const T* x, const ReduceGeometry& g, const Rule& rule, A* re
     for_each_run(g.reduced_sizes, g.reduced_strides, begin, end,
                  [&](int64_t offset, int64_t n, int64_t stride) {
 #if defined(__AVX512F__)
-                   if constexpr (kSixteenBit<T> && std::is_same_v<Rule, SumRule<float>>) {
-                     if (cs == 1) return add_rows_16bit(base + offset, n, stride, width, acc);
+                   if constexpr (std::is_same_v<Rule, SumRule<float>>) {
+                     if (cs == 1) return add_rows_in_float(base + offset, n, stride, width, acc);
                    }
 #endif
                    for (int64_t k = 0; k < n; ++k) {
