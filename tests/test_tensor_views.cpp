@@ -425,9 +425,9 @@ TEST(TensorInPlace, CopyBetweenRandomStridedViewsKeepsLogicalOrder) {
 
 TEST(TensorInPlace, TransposingCopyVisitsEveryElementOnceInEveryDtypePair) {
   // A source read transposed into a destination whose rows are contiguous takes the tiled walk of the copy
-  // kernel (tiles of 16 x 256, 32 x 256 between 16-bit types): sizes that leave partial tiles and partial
-  // register blocks at both edges, a batch dim, a
-  // destination with padded rows, and one shape big enough to split the tiles across threads. Values are
+  // kernel (tiles of 16 x 256; between 16-bit types, blocks 32 and 16 columns wide): sizes that leave partial
+  // tiles and partial register blocks at both edges, a batch dim, a destination with padded rows, and one
+  // shape big enough to split the tiles across threads. Values are
   // position % 251, exact in every dtype here, and the expected element is computed from its indices.
   struct Case {
     Shape shape;  // destination [B, R, C]; the source is stored [B, C, R] and transposed
@@ -465,7 +465,9 @@ TEST(TensorInPlace, TransposingCopyVisitsEveryElementOnceInEveryDtypePair) {
 
 // A transposing copy between 16-bit tensors of one type moves bits: every one of the 65,536 patterns (NaNs
 // with payloads, signalling ones among them, infinities, subnormals, -0) lands bit for bit where the
-// transpose puts it, on the register-transpose path ([256, 256]: whole 32-row tiles) and at ragged edges.
+// transpose puts it, on the register-transpose paths ([256, 256]: whole tiles of 32-wide blocks; [273, 241]:
+// 32-wide blocks, then a 16-wide one, then single columns, and rows past the last whole block of 16) and at
+// ragged edges.
 TEST(TensorInPlace, SixteenBitTransposingCopyMovesEveryBitPattern) {
   for (DType dtype : {DType::BF16, DType::F16}) {
     for (const auto& [rows, cols] : {std::pair<int64_t, int64_t>{256, 256}, {4096, 16}, {16, 4096}, {273, 241}}) {
