@@ -33,13 +33,11 @@ LeafGradHook set_leaf_grad_hook(LeafGradHook hook);
 // "(gradient sums)" and accumulating leaf gradients to "(leaf gradients)", and its own wall time to
 // total_seconds(). Times are wall clock and include the threads a kernel runs on; what total_seconds() has
 // beyond the entries is the engine's own bookkeeping. One profiler per thread at a time: a second one while
-// the first lives is an error. bench_train_gpt --phases prints these per precision mode.
+// the first lives is an error. bench_train_gpt --phases prints these per precision mode. (The forward's
+// counterpart, ForwardProfiler, is in tensor/autograd_node.h beside the recording it hooks.)
 class BackwardProfiler {
  public:
-  struct Entry {
-    double seconds = 0;
-    int64_t calls = 0;  // node runs (or sums, or leaf accumulations)
-  };
+  using Entry = ProfileEntry;  // calls: node runs (or sums, or leaf accumulations)
   BackwardProfiler();
   ~BackwardProfiler();
   BackwardProfiler(const BackwardProfiler&) = delete;

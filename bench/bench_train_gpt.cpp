@@ -28,9 +28,10 @@
 // mode and the range of its ratio over the rounds, each round's median against fp32's in the same round).
 //
 // --phases adds a table after the comparison: for each mixtape mode the median forward, backward and
-// optimizer time of its timed steps (StepStats), and its backward per op (a BackwardProfiler around each timed
-// step: mean ms per step, largest first; "engine" is backward()'s own bookkeeping). Without it no profiler
-// runs.
+// optimizer time of its timed steps (StepStats), and its forward and backward per op (a ForwardProfiler and a
+// BackwardProfiler around each timed step: mean ms per step, largest first; the forward's "(rest)" is what
+// its time has beyond its recorded ops, zero_grad and reading the loss; "engine" is backward()'s own
+// bookkeeping). Without it no profiler runs.
 //
 // PyTorch missing (no python3-torch) prints a note and only mixtape's figures. The verdicts against PyTorch
 // say "n/a" (the ratios are still printed) where PyTorch is not the baseline the targets mean: when it runs
@@ -88,8 +89,8 @@ struct Side {
   std::unique_ptr<Trainer> trainer;
   // --phases: each timed step's phases (ms) and the backward per op summed over the timed steps.
   std::vector<double> forward_ms, backward_ms, optimizer_ms;
-  std::map<std::string, double> backward_op_ms;
-  double backward_engine_ms = 0;
+  std::map<std::string, double> forward_op_ms, backward_op_ms;
+  double forward_rest_ms = 0, backward_engine_ms = 0;
 
   explicit Side(std::string m) : mode(std::move(m)) {
     trainer = bench::make_trainer(kModel, mode, 1e-3, Device::cpu(), bench_data());
@@ -100,8 +101,12 @@ struct Side {
     return trainer->train_step();
   }
   double step_ms(bool phases) {
+    std::optional<ForwardProfiler> forward_profiler;
     std::optional<BackwardProfiler> profiler;
-    if (phases) profiler.emplace();
+    if (phases) {
+      forward_profiler.emplace();
+      profiler.emplace();
+    }
     const auto t0 = std::chrono::steady_clock::now();
     const StepStats stats = step();
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
@@ -109,6 +114,8 @@ struct Side {
       forward_ms.push_back(stats.forward_seconds * 1e3);
       backward_ms.push_back(stats.backward_seconds * 1e3);
       optimizer_ms.push_back(stats.optimizer_seconds * 1e3);
+      for (const auto& [op, entry] : forward_profiler->entries()) forward_op_ms[op] += entry.seconds * 1e3;
+      forward_rest_ms += (stats.forward_seconds - forward_profiler->total_seconds()) * 1e3;
       double parts = 0;
       for (const auto& [op, entry] : profiler->entries()) {
         backward_op_ms[op] += entry.seconds * 1e3;
@@ -176,35 +183,43 @@ std::vector<double> pytorch_steps(int steps, const std::string& autocast, std::s
   }
 }
 
+// One phase's ops as "op ms" items, mean ms per step, largest first (`rest` under its own name), comma-separated
+// and wrapped before 110 characters.
+void print_ops(const char* phase, const std::map<std::string, double>& op_ms, double steps, double rest_ms,
+               const char* rest_name) {
+  std::vector<std::pair<double, std::string>> ops;
+  for (const auto& [op, ms] : op_ms) ops.emplace_back(ms / steps, op);
+  ops.emplace_back(rest_ms / steps, rest_name);
+  std::sort(ops.rbegin(), ops.rend());
+  std::string line = std::string("    ") + phase;
+  const std::string indent(line.size(), ' ');
+  for (size_t i = 0; i < ops.size(); ++i) {
+    char item[96];
+    std::snprintf(item, sizeof(item), " %s %.2f", ops[i].second.c_str(), ops[i].first);
+    const std::string separator = i == 0 ? "" : ",";
+    if (line.size() + separator.size() + std::strlen(item) > 110) {
+      std::printf("%s%s\n", line.c_str(), separator.c_str());
+      line = indent;
+    } else {
+      line += separator;
+    }
+    line += item;
+  }
+  std::printf("%s\n", line.c_str());
+}
+
 // --phases: where each mode's step goes (see the header).
 void print_phases() {
-  std::printf("\nWhere the step goes (--phases): median ms per step of each phase; backward by op: mean ms per "
-              "step, largest first\n");
+  std::printf("\nWhere the step goes (--phases): median ms per step of each phase; forward and backward by op: mean "
+              "ms per step, largest first\n");
   std::printf("%-24s %10s %10s %10s\n", "", "forward", "backward", "optimizer");
   for (const auto& side : sides()) {
     const double steps = static_cast<double>(side->forward_ms.size());  // the profiled steps
     if (steps == 0) continue;
     std::printf("%-24s %10.1f %10.1f %10.1f\n", ("mixtape " + side->mode).c_str(), median(side->forward_ms),
                 median(side->backward_ms), median(side->optimizer_ms));
-    std::vector<std::pair<double, std::string>> ops;
-    for (const auto& [op, ms] : side->backward_op_ms) ops.emplace_back(ms / steps, op);
-    ops.emplace_back(side->backward_engine_ms / steps, "engine");
-    std::sort(ops.rbegin(), ops.rend());
-    // "op ms" items, comma-separated, wrapped before 110 characters.
-    std::string line = "    backward:";
-    for (size_t i = 0; i < ops.size(); ++i) {
-      char item[96];
-      std::snprintf(item, sizeof(item), " %s %.2f", ops[i].second.c_str(), ops[i].first);
-      const std::string separator = i == 0 ? "" : ",";
-      if (line.size() + separator.size() + std::strlen(item) > 110) {
-        std::printf("%s%s\n", line.c_str(), separator.c_str());
-        line = "             ";
-      } else {
-        line += separator;
-      }
-      line += item;
-    }
-    std::printf("%s\n", line.c_str());
+    print_ops("forward:", side->forward_op_ms, steps, side->forward_rest_ms, "(rest)");
+    print_ops("backward:", side->backward_op_ms, steps, side->backward_engine_ms, "engine");
   }
 }
 

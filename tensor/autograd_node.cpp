@@ -1,9 +1,12 @@
 #include "tensor/autograd_node.h"
 
+#include "tensor/error.h"
+
 namespace mixtape {
 
 namespace {
 thread_local bool grad_mode = true;
+thread_local ForwardProfiler* forward_profiler = nullptr;
 }
 
 bool grad_enabled() { return grad_mode; }
@@ -55,6 +58,38 @@ void record_backward(const char* op, const std::vector<Tensor>& inputs, Tensor& 
   node->output_device = out.device();
   out.impl().requires_grad = true;
   out.impl().grad_fn = std::move(node);
+  if (forward_profiler) forward_profiler->recorded(op);
+}
+
+ForwardProfiler::ForwardProfiler() : last_(std::chrono::steady_clock::now()) {
+  check(forward_profiler == nullptr,
+        "ForwardProfiler: this thread already has one; profilers do not nest (use the live one, or clear() it)");
+  forward_profiler = this;
+}
+
+ForwardProfiler::~ForwardProfiler() { forward_profiler = nullptr; }
+
+ForwardProfiler* ForwardProfiler::active() { return forward_profiler; }
+
+void ForwardProfiler::mark() { last_ = std::chrono::steady_clock::now(); }
+
+void ForwardProfiler::recorded(const char* op) {
+  const auto now = std::chrono::steady_clock::now();
+  ProfileEntry& entry = entries_[op];
+  entry.seconds += std::chrono::duration<double>(now - last_).count();
+  ++entry.calls;
+  last_ = now;
+}
+
+double ForwardProfiler::total_seconds() const {
+  double total = 0;
+  for (const auto& [op, entry] : entries_) total += entry.seconds;
+  return total;
+}
+
+void ForwardProfiler::clear() {
+  entries_.clear();
+  mark();
 }
 
 }  // namespace mixtape

@@ -1,8 +1,12 @@
 #pragma once
 // The write side of the tape: what an op records so backward() (autograd/) can run it in reverse.
 // It lives in tensor/ because every op front end writes to it; the engine that reads it is in autograd/.
+#include <chrono>
+#include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "tensor/tensor.h"
@@ -64,5 +68,43 @@ bool any_requires_grad(const std::vector<Tensor>& inputs);
 // Capture `out` itself only as out.detach(): the node is owned by `out`, so capturing it would be a cycle.
 void record_backward(const char* op, const std::vector<Tensor>& inputs, Tensor& out, BackwardFn backward,
                      const std::vector<Tensor>& saved = {});
+
+// An op's share of a profiled run: wall seconds and how many times it was counted.
+struct ProfileEntry {
+  double seconds = 0;
+  int64_t calls = 0;
+};
+
+// Where a forward pass spends its time, per op (autograd/'s BackwardProfiler does the backward). While a
+// ForwardProfiler lives on a thread, each node recorded on that thread adds the wall time since the previous
+// recording (or since mark()) to the entry of its op: ops run one after another and record their node as they
+// finish, so an entry is its ops' own time plus whatever ran since the op before that recorded nothing (a
+// view, a cast autocast had cached, the caller's code between ops). Only recording ops are seen: under a
+// NoGradGuard, or with no input that requires grad, nothing is counted. Times are the host's wall clock and
+// include the threads a kernel runs on; on a CUDA device, whose kernels are queued asynchronously, they are
+// the host's time to queue them. One profiler per thread at a time: a second one while the first lives is an
+// error. bench_train_gpt --phases prints these per precision mode; Trainer::train_step marks the start of
+// its forward.
+class ForwardProfiler {
+ public:
+  ForwardProfiler();  // marks the start: the first recorded op's time counts from here
+  ~ForwardProfiler();
+  ForwardProfiler(const ForwardProfiler&) = delete;
+  ForwardProfiler& operator=(const ForwardProfiler&) = delete;
+
+  // The next recorded op's time counts from now (what ran since the last one goes uncounted).
+  void mark();
+  const std::map<std::string, ProfileEntry>& entries() const { return entries_; }
+  double total_seconds() const;  // the entries' sum
+  void clear();  // empties the entries (and marks)
+
+  // For record_backward: the profiler of this thread, or null; `op` just recorded its node.
+  static ForwardProfiler* active();
+  void recorded(const char* op);
+
+ private:
+  std::map<std::string, ProfileEntry> entries_;
+  std::chrono::steady_clock::time_point last_;
+};
 
 }  // namespace mixtape

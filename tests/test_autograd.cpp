@@ -6,8 +6,10 @@
 #include <pthread.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <thread>
@@ -316,6 +318,19 @@ TEST(Autograd, OutputsThatFeedEachOtherAreSummedBeforeRunning) {
 
 // ---- the backward profiler -----------------------------------------------------------------------------
 
+// A profiler's count for `op` (0 when it has no entry), and the sum of its entries, each checked >= 0.
+int64_t calls_of(const std::map<std::string, ProfileEntry>& entries, const std::string& op) {
+  return entries.count(op) ? entries.at(op).calls : int64_t{0};
+}
+double sum_of(const std::map<std::string, ProfileEntry>& entries) {
+  double sum = 0;
+  for (const auto& [op, entry] : entries) {
+    EXPECT_GE(entry.seconds, 0.0) << op;
+    sum += entry.seconds;
+  }
+  return sum;
+}
+
 TEST(BackwardProfiler, CountsEachNodeUnderItsOpAndTheSumsAndLeavesApart) {
   // y = h[0:3] + h[1:4] with h = gelu(x * w): mul, gelu, the two slices' and the add's nodes once each; the two
   // slices' gradients meet at h (one sum); x and w are leaves (two accumulations).
@@ -325,19 +340,14 @@ TEST(BackwardProfiler, CountsEachNodeUnderItsOpAndTheSumsAndLeavesApart) {
   {
     BackwardProfiler profiler;
     backward({y}, {gradient_like(y)});
-    const auto& e = profiler.entries();
-    auto calls = [&](const std::string& op) { return e.count(op) ? e.at(op).calls : int64_t{0}; };
+    auto calls = [&](const std::string& op) { return calls_of(profiler.entries(), op); };
     EXPECT_EQ(calls("mul"), 1);
     EXPECT_EQ(calls("gelu"), 1);
     EXPECT_EQ(calls("add"), 1);
     EXPECT_EQ(calls("(gradient sums)"), 1);
     EXPECT_EQ(calls("(leaf gradients)"), 2);
     EXPECT_EQ(profiler.backward_calls(), 1);
-    double parts = 0;
-    for (const auto& [op, entry] : e) {
-      EXPECT_GE(entry.seconds, 0.0) << op;
-      parts += entry.seconds;
-    }
+    const double parts = sum_of(profiler.entries());
     EXPECT_GT(parts, 0.0);
     EXPECT_GE(profiler.total_seconds(), parts);
     // A second call adds to the same entries; clear() empties them.
@@ -357,17 +367,68 @@ TEST(BackwardProfiler, CountsEachNodeUnderItsOpAndTheSumsAndLeavesApart) {
   EXPECT_EQ(fresh.backward_calls(), 0);
 }
 
-TEST(BackwardProfiler, OneAtATimePerThread) {
-  BackwardProfiler first;
-  EXPECT_ERROR_MENTIONS(BackwardProfiler(), "BackwardProfiler", "already has one");
-  EXPECT_EQ(BackwardProfiler::active(), &first);
-  // Another thread has its own.
+// A profiler is one per thread: a second one while the first lives is an error; another thread has its own.
+template <class Profiler>
+void expect_one_profiler_at_a_time_per_thread(const char* name) {
+  Profiler first;
+  EXPECT_ERROR_MENTIONS(Profiler(), name, "already has one");
+  EXPECT_EQ(Profiler::active(), &first);
   std::thread([] {
-    EXPECT_EQ(BackwardProfiler::active(), nullptr);
-    BackwardProfiler second;
-    EXPECT_EQ(BackwardProfiler::active(), &second);
+    EXPECT_EQ(Profiler::active(), nullptr);
+    Profiler second;
+    EXPECT_EQ(Profiler::active(), &second);
   }).join();
-  EXPECT_EQ(BackwardProfiler::active(), &first);
+  EXPECT_EQ(Profiler::active(), &first);
+}
+
+TEST(BackwardProfiler, OneAtATimePerThread) {
+  expect_one_profiler_at_a_time_per_thread<BackwardProfiler>("BackwardProfiler");
+}
+
+// ---- the forward profiler ------------------------------------------------------------------------------
+
+TEST(ForwardProfiler, CountsEachRecordedOpAndOnlyThose) {
+  const Tensor x = leaf(values_f64({0.5, -1, 2, 0.25}, {4})), w = leaf(values_f64({1, 2, 3, 4}, {4}));
+  ForwardProfiler profiler;
+  const Tensor h = gelu(mul(x, w));
+  const Tensor y = add(h, neg(h));
+  auto calls = [&](const std::string& op) { return calls_of(profiler.entries(), op); };
+  EXPECT_EQ(calls("mul"), 1);
+  EXPECT_EQ(calls("gelu"), 1);
+  EXPECT_EQ(calls("neg"), 1);
+  EXPECT_EQ(calls("add"), 1);
+  EXPECT_DOUBLE_EQ(profiler.total_seconds(), sum_of(profiler.entries()));
+  // Ops that record no node are not seen: under a NoGradGuard, or with no input that requires grad.
+  {
+    NoGradGuard no_grad;
+    const Tensor unrecorded = mul(x, w);
+  }
+  const Tensor constant = mul(values_f64({1, 2}, {2}), values_f64({3, 4}, {2}));
+  EXPECT_EQ(calls("mul"), 1);
+  profiler.clear();
+  EXPECT_TRUE(profiler.entries().empty());
+  EXPECT_EQ(profiler.total_seconds(), 0.0);
+}
+
+TEST(ForwardProfiler, AnOpsTimeRunsFromTheRecordingBeforeItOrFromMark) {
+  // The 200 ms pauses dwarf the ops (microseconds), so the bounds below hold on any machine that is not stalled
+  // for a fifth of a second.
+  const Tensor x = leaf(values_f64({0.5, -1, 2, 0.25}, {4}));
+  ForwardProfiler profiler;
+  const Tensor a = mul(x, x);
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  const Tensor b = gelu(a);  // counted from mul's recording: the pause is gelu's
+  EXPECT_GE(profiler.entries().at("gelu").seconds, 0.2);
+  EXPECT_LT(profiler.entries().at("mul").seconds, 0.2);
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  profiler.mark();
+  const Tensor c = neg(b);  // counted from mark(): the pause is nobody's
+  EXPECT_LT(profiler.entries().at("neg").seconds, 0.2);
+  EXPECT_LT(profiler.total_seconds(), 0.4);
+}
+
+TEST(ForwardProfiler, OneAtATimePerThread) {
+  expect_one_profiler_at_a_time_per_thread<ForwardProfiler>("ForwardProfiler");
 }
 
 // ---- graph lifetime ------------------------------------------------------------------------------------
