@@ -71,9 +71,13 @@ ForwardProfiler::~ForwardProfiler() { forward_profiler = nullptr; }
 
 ForwardProfiler* ForwardProfiler::active() { return forward_profiler; }
 
-void ForwardProfiler::mark() { last_ = std::chrono::steady_clock::now(); }
+void ForwardProfiler::mark() {
+  last_ = std::chrono::steady_clock::now();
+  paused_ = false;
+}
 
 void ForwardProfiler::recorded(const char* op) {
+  if (paused_) return;
   const auto now = std::chrono::steady_clock::now();
   ProfileEntry& entry = entries_[op];
   entry.seconds += std::chrono::duration<double>(now - last_).count();

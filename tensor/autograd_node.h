@@ -84,7 +84,7 @@ struct ProfileEntry {
 // include the threads a kernel runs on; on a CUDA device, whose kernels are queued asynchronously, they are
 // the host's time to queue them. One profiler per thread at a time: a second one while the first lives is an
 // error. bench_train_gpt --phases prints these per precision mode; Trainer::train_step marks the start of
-// its forward.
+// its forward and pauses at its end.
 class ForwardProfiler {
  public:
   ForwardProfiler();  // marks the start: the first recorded op's time counts from here
@@ -92,8 +92,11 @@ class ForwardProfiler {
   ForwardProfiler(const ForwardProfiler&) = delete;
   ForwardProfiler& operator=(const ForwardProfiler&) = delete;
 
-  // The next recorded op's time counts from now (what ran since the last one goes uncounted).
+  // The next recorded op's time counts from now (what ran since the last one goes uncounted); counting
+  // resumes if pause() stopped it.
   void mark();
+  // Recorded ops are not counted until the next mark() (the rest of a step, after its forward).
+  void pause() { paused_ = true; }
   const std::map<std::string, ProfileEntry>& entries() const { return entries_; }
   double total_seconds() const;  // the entries' sum
   void clear();  // empties the entries (and marks)
@@ -105,6 +108,7 @@ class ForwardProfiler {
  private:
   std::map<std::string, ProfileEntry> entries_;
   std::chrono::steady_clock::time_point last_;
+  bool paused_ = false;
 };
 
 }  // namespace mixtape

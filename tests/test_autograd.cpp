@@ -410,7 +410,7 @@ TEST(ForwardProfiler, CountsEachRecordedOpAndOnlyThose) {
   EXPECT_EQ(profiler.total_seconds(), 0.0);
 }
 
-TEST(ForwardProfiler, AnOpsTimeRunsFromTheRecordingBeforeItOrFromMark) {
+TEST(ForwardProfiler, AnOpsTimeRunsFromTheRecordingBeforeItOrFromMarkAndPauseStopsIt) {
   // The 200 ms pauses dwarf the ops (microseconds), so the bounds below hold on any machine that is not stalled
   // for a fifth of a second.
   const Tensor x = leaf(values_f64({0.5, -1, 2, 0.25}, {4}));
@@ -425,6 +425,13 @@ TEST(ForwardProfiler, AnOpsTimeRunsFromTheRecordingBeforeItOrFromMark) {
   const Tensor c = neg(b);  // counted from mark(): the pause is nobody's
   EXPECT_LT(profiler.entries().at("neg").seconds, 0.2);
   EXPECT_LT(profiler.total_seconds(), 0.4);
+  // pause() stops the counting until the next mark().
+  profiler.pause();
+  const Tensor d = neg(c);
+  EXPECT_EQ(profiler.entries().at("neg").calls, 1);
+  profiler.mark();
+  const Tensor e = neg(d);
+  EXPECT_EQ(profiler.entries().at("neg").calls, 2);
 }
 
 TEST(ForwardProfiler, OneAtATimePerThread) {
