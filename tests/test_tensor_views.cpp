@@ -427,8 +427,8 @@ TEST(TensorInPlace, TransposingCopyVisitsEveryElementOnceInEveryDtypePair) {
   // A source read transposed into a destination whose rows are contiguous takes the tiled walk of the copy
   // kernel (tiles of 16 x 256; between 16-bit types, blocks 32 and 16 columns wide): sizes that leave partial
   // tiles and partial register blocks at both edges, a batch dim, a destination with padded rows, and one
-  // shape big enough to split the tiles across threads. Values are
-  // position % 251, exact in every dtype here, and the expected element is computed from its indices.
+  // shape big enough to split the tiles across threads. Values are position % 251, exact in every dtype
+  // here, and the expected element is computed from its indices.
   struct Case {
     Shape shape;  // destination [B, R, C]; the source is stored [B, C, R] and transposed
     int64_t pad;  // extra columns in each destination row

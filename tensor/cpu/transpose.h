@@ -85,47 +85,43 @@ void transpose16_into(const T* __restrict src, int64_t ld_src, int64_t rows, int
   static_assert(sizeof(T) == 2);
   const auto* in = reinterpret_cast<const uint16_t*>(src);
   auto* out = reinterpret_cast<uint16_t*>(dst);
-  int64_t c0 = 0;
+  // The register blocks cover rows [0, rows16) of columns [0, c0); the scalar loops below cover the rest.
+  int64_t c0 = 0, rows16 = 0;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-  // Elements r .. r + 15 of source runs c .. c + 15, transposed into wide (16 rows of 16 lanes).
-  auto block_16x16 = [&](int64_t c, int64_t r, uint32_t* wide) {
-    __m512i block[16];
-    for (int i = 0; i < 16; ++i)
-      block[i] = _mm512_maskz_cvtepu16_epi32(
-          0xFFFF, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + (c + i) * ld_src + r)));
-    transpose_16x16(block, wide, 16);
-  };
-  for (; c0 + 32 <= cols; c0 += 32) {
-    int64_t r = 0;
-    for (; r + 16 <= rows; r += 16) {
-      alignas(64) uint32_t wide[2][16 * 16];
-      block_16x16(c0, r, wide[0]);
-      block_16x16(c0 + 16, r, wide[1]);
-      for (int j = 0; j < 16; ++j) {
-        const __m256i left = _mm512_maskz_cvtepi32_epi16(0xFFFF, _mm512_load_si512(wide[0] + 16 * j));
-        const __m256i right = _mm512_maskz_cvtepi32_epi16(0xFFFF, _mm512_load_si512(wide[1] + 16 * j));
-        _mm512_storeu_si512(out + (r + j) * ld_dst + c0,
-                            _mm512_maskz_inserti64x4(0xFF, _mm512_castsi256_si512(left), right, 1));
+  rows16 = rows / 16 * 16;
+  // Columns c0 .. c0 + width - 1 (width 32 or 16) of every whole 16-row block, each destination row of the
+  // block one store: width / 16 blocks of 16 source runs x 16 values, each widened to 32-bit lanes,
+  // transposed (transpose_16x16) and narrowed back side by side.
+  auto columns = [&](int width) {
+    for (; c0 + width <= cols; c0 += width)
+      for (int64_t r = 0; r < rows16; r += 16) {
+        alignas(64) uint32_t wide[2][16 * 16];
+        for (int h = 0; h < width / 16; ++h) {
+          __m512i block[16];
+          for (int i = 0; i < 16; ++i)
+            block[i] = _mm512_maskz_cvtepu16_epi32(
+                0xFFFF, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + (c0 + 16 * h + i) * ld_src + r)));
+          transpose_16x16(block, wide[h], 16);
+        }
+        for (int j = 0; j < 16; ++j) {
+          const __m256i left = _mm512_maskz_cvtepi32_epi16(0xFFFF, _mm512_load_si512(wide[0] + 16 * j));
+          uint16_t* row = out + (r + j) * ld_dst + c0;
+          if (width == 16) {
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(row), left);
+          } else {
+            const __m256i right = _mm512_maskz_cvtepi32_epi16(0xFFFF, _mm512_load_si512(wide[1] + 16 * j));
+            _mm512_storeu_si512(row, _mm512_maskz_inserti64x4(0xFF, _mm512_castsi256_si512(left), right, 1));
+          }
+        }
       }
-    }
-    for (; r < rows; ++r)
-      for (int i = 0; i < 32; ++i) out[r * ld_dst + c0 + i] = in[(c0 + i) * ld_src + r];
-  }
-  for (; c0 + 16 <= cols; c0 += 16) {
-    int64_t r = 0;
-    for (; r + 16 <= rows; r += 16) {
-      alignas(64) uint32_t wide[16 * 16];
-      block_16x16(c0, r, wide);
-      for (int j = 0; j < 16; ++j)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (r + j) * ld_dst + c0),
-                            _mm512_maskz_cvtepi32_epi16(0xFFFF, _mm512_load_si512(wide + 16 * j)));
-    }
-    for (; r < rows; ++r)
-      for (int i = 0; i < 16; ++i) out[r * ld_dst + c0 + i] = in[(c0 + i) * ld_src + r];
-  }
+  };
+  columns(32);
+  columns(16);
 #endif
   for (int64_t c = c0; c < cols; ++c)
-    for (int64_t r = 0; r < rows; ++r) out[r * ld_dst + c] = in[c * ld_src + r];
+    for (int64_t r = 0; r < rows16; ++r) out[r * ld_dst + c] = in[c * ld_src + r];
+  for (int64_t r = rows16; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) out[r * ld_dst + c] = in[c * ld_src + r];
 }
 
 // dst[r * ld_dst + c] = src[c * ld_src + r] for r < rows, c < cols, converted to A (float or double). Source
