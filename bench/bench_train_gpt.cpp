@@ -5,6 +5,7 @@
 //   ./build/bench/bench_train_gpt --compare-only --rounds 5 --steps 10 --precision fp32,bf16
 //   ./build/bench/bench_train_gpt --rounds 1 --steps 2 --no-pytorch     # a quick functional check
 //   ./build/bench/bench_train_gpt --compare-only --precision bf16 --no-pytorch --phases  # where a step goes
+//   ./build/bench/bench_train_gpt --compare-only --precision bf16 --gemms  # the GEMMs of both sides
 //
 // A step is what train_gpt does per step: forward, fused cross-entropy, backward, global gradient clipping
 // at norm 1, AdamW (weight decay 0.1 on matrices and embeddings), on a random batch (the Trainer's own
@@ -33,6 +34,14 @@
 // its time has beyond its recorded ops, zero_grad and reading the loss; "engine" is backward()'s own
 // bookkeeping). Without it no profiler runs.
 //
+// --gemms adds the bf16 step's GEMM time on both sides, as oneDNN itself measures it: this program (bf16 only)
+// and the PyTorch script under bf16 autocast (PyTorch bundles its own oneDNN) are each run as a child process
+// with ONEDNN_VERBOSE=1 for 4 and then 12 steps, the execution times of their logs summed (bench/onednn_verbose.h)
+// and the difference divided by 8: the per-step time of 2-D matmuls (the linear layers' GEMMs), of batched ones
+// (PyTorch's attention) and of every other oneDNN primitive. With both bf16 medians of the comparison it prints
+// what the 1.5x target leaves beyond mixtape's GEMMs. The two sides run the same GEMM kernels, so this is the
+// part of the step the target does not touch.
+//
 // PyTorch missing (no python3-torch) prints a note and only mixtape's figures. The verdicts against PyTorch
 // say "n/a" (the ratios are still printed) where PyTorch is not the baseline the targets mean: when it runs
 // on Debian's reference BLAS (no libopenblas0-pthread: ~10x slower in fp32), and, for the bf16 target, on a
@@ -47,6 +56,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -54,8 +64,11 @@
 #include <string>
 #include <vector>
 
+#include <unistd.h>
+
 #include "autograd/autograd.h"
 #include "bench/bench_training.h"
+#include "bench/onednn_verbose.h"
 #include "examples/training.h"
 #include "nn/json.h"
 #include "tensor/backend.h"
@@ -142,17 +155,22 @@ void BM_GPTTrainStep(benchmark::State& state, Side* side) {
   set_allow_tf32(false);
 }
 
+// The command that runs the PyTorch script for `steps` timed steps (autocast "none" or "bf16"), its output and
+// errors on standard output.
+std::string pytorch_command(int steps, const std::string& autocast) {
+  return std::string("python3 ") + MIXTAPE_SOURCE_DIR + "/bench/pytorch_train_step.py" + " --layers " +
+         std::to_string(kModel.layers) + " --heads " + std::to_string(kModel.heads) + " --width " +
+         std::to_string(kModel.width) + " --block " + std::to_string(kModel.block) + " --batch " +
+         std::to_string(kModel.batch) + " --vocab " + std::to_string(kModel.vocab) + " --threads " +
+         std::to_string(omp_get_max_threads()) + " --warmup 2 --steps " + std::to_string(steps) + " --autocast " +
+         autocast + " 2>&1";
+}
+
 // Runs the PyTorch script (autocast "none" or "bf16"); returns its step times, or an empty vector with `why`
 // set.
 std::vector<double> pytorch_steps(int steps, const std::string& autocast, std::string& version,
                                   std::string& blas, std::string& why) {
-  const std::string command = std::string("python3 ") + MIXTAPE_SOURCE_DIR + "/bench/pytorch_train_step.py" +
-                              " --layers " + std::to_string(kModel.layers) + " --heads " +
-                              std::to_string(kModel.heads) + " --width " + std::to_string(kModel.width) +
-                              " --block " + std::to_string(kModel.block) + " --batch " +
-                              std::to_string(kModel.batch) + " --vocab " + std::to_string(kModel.vocab) +
-                              " --threads " + std::to_string(omp_get_max_threads()) + " --warmup 2 --steps " +
-                              std::to_string(steps) + " --autocast " + autocast + " 2>&1";
+  const std::string command = pytorch_command(steps, autocast);
   std::string out;
   int status = 0;
   if (!bench::run_command(command, out, status)) {
@@ -180,6 +198,96 @@ std::vector<double> pytorch_steps(int steps, const std::string& autocast, std::s
   } catch (const std::exception& e) {
     why = std::string("cannot read the PyTorch script's output (") + e.what() + "):\n" + out;
     return {};
+  }
+}
+
+// --gemms: oneDNN's sums per step of a child run, `command(steps)` run for two step counts: the difference of
+// the two logs over the difference of the steps, so start-up, warm-up and primitive creation cancel out.
+// Empty with `why` set when a run cannot start or fails.
+bench::OnednnTimes onednn_per_step(const std::function<std::string(int)>& command, std::string& why) {
+  constexpr int kFew = 4, kMany = 12;
+  bench::OnednnTimes logs[2];
+  for (int k = 0; k < 2; ++k) {
+    std::string out;
+    int status = 0;
+    if (!bench::run_command(command(k == 0 ? kFew : kMany), out, status)) {
+      why = "cannot start a child process";
+      return {};
+    }
+    if (status != 0) {
+      why = bench::exited_with(status, 77) ? "PyTorch is not installed (apt-get install python3-torch)"
+                                           : "the child run failed:\n" + out.substr(out.size() - std::min<size_t>(
+                                                                                       out.size(), 2000));
+      return {};
+    }
+    logs[k] = bench::parse_onednn_verbose(out);
+  }
+  const double steps = kMany - kFew;
+  auto per_step = [&](const bench::OnednnTimes::Sum& few, const bench::OnednnTimes::Sum& many) {
+    return bench::OnednnTimes::Sum{static_cast<int64_t>(std::llround((many.calls - few.calls) / steps)),
+                                   (many.ms - few.ms) / steps};
+  };
+  bench::OnednnTimes result;
+  result.matmul = per_step(logs[0].matmul, logs[1].matmul);
+  result.batched = per_step(logs[0].batched, logs[1].batched);
+  for (const auto& [name, many] : logs[1].other) {
+    const auto few = logs[0].other.find(name);
+    const bench::OnednnTimes::Sum per = per_step(few == logs[0].other.end() ? bench::OnednnTimes::Sum{} : few->second,
+                                                 many);
+    if (per.calls > 0) result.other[name] = per;
+  }
+  return result;
+}
+
+// --gemms (see the header): the bf16 step's oneDNN time on both sides, and what the 1.5x target leaves beyond
+// mixtape's GEMMs at the comparison's medians (NaN where a side did not run).
+void print_gemms(bool with_pytorch, double mixtape_bf16_ms, double pytorch_bf16_ms) {
+  std::fprintf(stderr, "--gemms: child runs of each side with ONEDNN_VERBOSE=1\n");
+  char self[4096];
+  const ssize_t length = readlink("/proc/self/exe", self, sizeof(self) - 1);
+  check(length > 0, "bench_train_gpt --gemms: cannot find this program's path (/proc/self/exe)");
+  self[length] = '\0';
+  std::string mixtape_why, pytorch_why;
+  const bench::OnednnTimes mixtape = onednn_per_step(
+      [&](int steps) {
+        return "ONEDNN_VERBOSE=1 '" + std::string(self) + "' --compare-only --no-pytorch --precision bf16 " +
+               "--rounds 1 --steps " + std::to_string(steps) + " 2>&1";
+      },
+      mixtape_why);
+  bench::OnednnTimes pytorch;
+  if (with_pytorch)
+    pytorch = onednn_per_step(
+        [](int steps) { return "ONEDNN_VERBOSE=1 DNNL_VERBOSE=1 " + pytorch_command(steps, "bf16"); }, pytorch_why);
+  else
+    pytorch_why = "--no-pytorch";
+
+  std::printf("\nThe bf16 step's GEMMs (--gemms): oneDNN's own execution times (ONEDNN_VERBOSE=1), ms per step, "
+              "from child runs of 4 and 12 steps\n");
+  std::printf("%-24s %10s %10s %10s %10s  %s\n", "", "matmuls", "ms", "batched", "ms", "other oneDNN primitives");
+  auto row = [](const char* name, const bench::OnednnTimes& t, const std::string& why) {
+    if (!why.empty()) {
+      std::printf("%-24s skipped: %s\n", name, why.c_str());
+      return;
+    }
+    std::string others;
+    for (const auto& [primitive, sum] : t.other) {
+      char item[96];
+      std::snprintf(item, sizeof(item), "%s%s %lld x %.1f", others.empty() ? "" : ", ", primitive.c_str(),
+                    static_cast<long long>(sum.calls), sum.ms);
+      others += item;
+    }
+    std::printf("%-24s %10lld %10.1f %10lld %10.1f  %s\n", name, static_cast<long long>(t.matmul.calls),
+                t.matmul.ms, static_cast<long long>(t.batched.calls), t.batched.ms,
+                others.empty() ? "none" : others.c_str());
+  };
+  row("mixtape bf16", mixtape, mixtape_why);
+  row("PyTorch bf16 autocast", pytorch, pytorch_why);
+  if (mixtape_why.empty() && !std::isnan(mixtape_bf16_ms) && !std::isnan(pytorch_bf16_ms)) {
+    const double budget = pytorch_bf16_ms / kTargetBf16, gemm_ms = mixtape.matmul.ms + mixtape.batched.ms;
+    std::printf("%.1fx PyTorch's median bf16 step (%.1f ms) is a step of %.1f ms: %.1f ms beyond mixtape's %.1f ms "
+                "of GEMMs,\nagainst %.1f ms beyond them in its median step (%.1f ms) of the comparison above\n",
+                kTargetBf16, pytorch_bf16_ms, budget, budget - gemm_ms, gemm_ms, mixtape_bf16_ms - gemm_ms,
+                mixtape_bf16_ms);
   }
 }
 
@@ -223,7 +331,7 @@ void print_phases() {
   }
 }
 
-void compare(int rounds, int steps, bool with_pytorch, bool phases) {
+void compare(int rounds, int steps, bool with_pytorch, bool phases, bool gemms) {
   struct Timed {
     std::string name;
     std::vector<double> ms;
@@ -361,6 +469,8 @@ void compare(int rounds, int steps, bool with_pytorch, bool phases) {
     std::printf("fp16/bf16 modes vs mixtape fp32: n/a (needs fp32 in --precision)\n");
   }
   if (phases) print_phases();
+  if (gemms)
+    print_gemms(with_pytorch, mixtape_bf16 ? median(mixtape_bf16->ms) : NAN, pt_bf16 ? median(pt_bf16->ms) : NAN);
 }
 
 std::vector<std::string> split_modes(const std::string& text) {
@@ -384,7 +494,7 @@ std::vector<std::string> split_modes(const std::string& text) {
 int main(int argc, char** argv) {
   benchmark::Initialize(&argc, argv);
   int rounds = 3, steps = 10;
-  bool with_pytorch = true, only_compare = false, phases = false;
+  bool with_pytorch = true, only_compare = false, phases = false, gemms = false;
   std::string precision;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -394,9 +504,11 @@ int main(int argc, char** argv) {
     else if (a == "--no-pytorch") with_pytorch = false;
     else if (a == "--compare-only") only_compare = true;
     else if (a == "--phases") phases = true;
+    else if (a == "--gemms") gemms = true;
     else {
       std::fprintf(stderr, "bench_train_gpt: unknown option %s (own options: --rounds N --steps N "
-                   "--precision a,b,c --no-pytorch --compare-only --phases; others go to Google Benchmark)\n",
+                   "--precision a,b,c --no-pytorch --compare-only --phases --gemms; others go to Google "
+                   "Benchmark)\n",
                    a.c_str());
       return 2;
     }
@@ -410,7 +522,7 @@ int main(int argc, char** argv) {
                                    BM_GPTTrainStep, side.get())
           ->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(3.0);
     if (!only_compare) benchmark::RunSpecifiedBenchmarks();
-    compare(rounds, steps, with_pytorch, phases);
+    compare(rounds, steps, with_pytorch, phases, gemms);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_train_gpt: %s\n", e.what());
     return 1;
