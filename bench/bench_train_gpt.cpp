@@ -201,93 +201,128 @@ std::vector<double> pytorch_steps(int steps, const std::string& autocast, std::s
   }
 }
 
-// --gemms: oneDNN's sums per step of a child run, `command(steps)` run for two step counts: the difference of
-// the two logs over the difference of the steps, so start-up, warm-up and primitive creation cancel out.
-// Empty with `why` set when a run cannot start or fails.
-bench::OnednnTimes onednn_per_step(const std::function<std::string(int)>& command, std::string& why) {
-  constexpr int kFew = 4, kMany = 12;
-  bench::OnednnTimes logs[2];
-  for (int k = 0; k < 2; ++k) {
-    std::string out;
-    int status = 0;
-    if (!bench::run_command(command(k == 0 ? kFew : kMany), out, status)) {
-      why = "cannot start a child process";
-      return {};
-    }
-    if (status != 0) {
-      why = bench::exited_with(status, 77) ? "PyTorch is not installed (apt-get install python3-torch)"
-                                           : "the child run failed:\n" + out.substr(out.size() - std::min<size_t>(
-                                                                                       out.size(), 2000));
-      return {};
-    }
-    logs[k] = bench::parse_onednn_verbose(out);
+// --gemms: one side's child runs, each with oneDNN's log on: `command(steps)` runs it, `median_ms(output)`
+// reads its median step (ms) from what it prints.
+struct LoggedSide {
+  LoggedSide(const char* n, std::function<std::string(int)> c, std::function<double(const std::string&)> m)
+      : name(n), command(std::move(c)), median_ms(std::move(m)) {}
+  const char* name;
+  std::function<std::string(int)> command;
+  std::function<double(const std::string&)> median_ms;
+  std::string why;             // why the side has no figures ("" when it has)
+  bench::OnednnTimes logs[2];  // the runs of kFewSteps and kManySteps
+  double step_ms = NAN;        // the median step of the longer run
+};
+constexpr int kFewSteps = 4, kManySteps = 12;
+
+// Runs side's child for `steps`; on failure sets side.why.
+void run_logged(LoggedSide& side, int steps, int k) {
+  if (!side.why.empty()) return;
+  std::string out;
+  int status = 0;
+  if (!bench::run_command(side.command(steps), out, status)) {
+    side.why = "cannot start a child process";
+  } else if (status != 0) {
+    side.why = bench::exited_with(status, 77)
+                   ? "PyTorch is not installed (apt-get install python3-torch)"
+                   : "the child run failed:\n" + out.substr(out.size() - std::min<size_t>(out.size(), 2000));
+  } else {
+    side.logs[k] = bench::parse_onednn_verbose(out);
+    if (k == 1) side.step_ms = side.median_ms(out);
   }
-  const double steps = kMany - kFew;
-  auto per_step = [&](const bench::OnednnTimes::Sum& few, const bench::OnednnTimes::Sum& many) {
+}
+
+// The per-step sums: the difference of the two runs' logs over the difference of their steps, so start-up,
+// warm-up and primitive creation cancel out.
+bench::OnednnTimes per_step(const LoggedSide& side) {
+  const double steps = kManySteps - kFewSteps;
+  auto sum = [&](const bench::OnednnTimes::Sum& few, const bench::OnednnTimes::Sum& many) {
     return bench::OnednnTimes::Sum{static_cast<int64_t>(std::llround((many.calls - few.calls) / steps)),
                                    (many.ms - few.ms) / steps};
   };
   bench::OnednnTimes result;
-  result.matmul = per_step(logs[0].matmul, logs[1].matmul);
-  result.batched = per_step(logs[0].batched, logs[1].batched);
-  for (const auto& [name, many] : logs[1].other) {
-    const auto few = logs[0].other.find(name);
-    const bench::OnednnTimes::Sum per = per_step(few == logs[0].other.end() ? bench::OnednnTimes::Sum{} : few->second,
-                                                 many);
+  result.matmul = sum(side.logs[0].matmul, side.logs[1].matmul);
+  result.batched = sum(side.logs[0].batched, side.logs[1].batched);
+  for (const auto& [name, many] : side.logs[1].other) {
+    const auto few = side.logs[0].other.find(name);
+    const bench::OnednnTimes::Sum per = sum(few == side.logs[0].other.end() ? bench::OnednnTimes::Sum{} : few->second,
+                                            many);
     if (per.calls > 0) result.other[name] = per;
   }
   return result;
 }
 
-// --gemms (see the header): the bf16 step's oneDNN time on both sides, and what the 1.5x target leaves beyond
-// mixtape's GEMMs at the comparison's medians (NaN where a side did not run).
-void print_gemms(bool with_pytorch, double mixtape_bf16_ms, double pytorch_bf16_ms) {
+// --gemms (see the header): the bf16 step and its oneDNN time on both sides, from child runs alternated
+// between the sides (mixtape 4 steps, PyTorch 4, mixtape 12, PyTorch 12) so that both meet the same load, and
+// what the 1.5x target leaves beyond mixtape's GEMMs at those runs' steps.
+void print_gemms(bool with_pytorch) {
   std::fprintf(stderr, "--gemms: child runs of each side with ONEDNN_VERBOSE=1\n");
   char self[4096];
   const ssize_t length = readlink("/proc/self/exe", self, sizeof(self) - 1);
   check(length > 0, "bench_train_gpt --gemms: cannot find this program's path (/proc/self/exe)");
   self[length] = '\0';
-  std::string mixtape_why, pytorch_why;
-  const bench::OnednnTimes mixtape = onednn_per_step(
+  LoggedSide mixtape{
+      "mixtape bf16",
       [&](int steps) {
         return "ONEDNN_VERBOSE=1 '" + std::string(self) + "' --compare-only --no-pytorch --precision bf16 " +
                "--rounds 1 --steps " + std::to_string(steps) + " 2>&1";
       },
-      mixtape_why);
-  bench::OnednnTimes pytorch;
-  if (with_pytorch)
-    pytorch = onednn_per_step(
-        [](int steps) { return "ONEDNN_VERBOSE=1 DNNL_VERBOSE=1 " + pytorch_command(steps, "bf16"); }, pytorch_why);
-  else
-    pytorch_why = "--no-pytorch";
+      [](const std::string& out) {  // the median of the child's comparison row "mixtape bf16  <median> ..."
+        const std::string label = "\nmixtape bf16 ";
+        for (size_t row = out.find(label); row != std::string::npos; row = out.find(label, row + 1)) {
+          const char* number = out.c_str() + row + label.size();
+          char* end = nullptr;
+          const double ms = std::strtod(number, &end);
+          if (end != number) return ms;  // (the verdict line "mixtape bf16 / PyTorch ..." has no number)
+        }
+        fail("bench_train_gpt --gemms: no 'mixtape bf16' row with a median in the child's output");
+      }};
+  LoggedSide pytorch{"PyTorch bf16 autocast",
+                     [](int steps) { return "ONEDNN_VERBOSE=1 DNNL_VERBOSE=1 " + pytorch_command(steps, "bf16"); },
+                     [](const std::string& out) {  // the script's last line: JSON with "step_ms"
+                       const size_t start = out.rfind('{');
+                       check(start != std::string::npos, "bench_train_gpt --gemms: no JSON line from PyTorch");
+                       const json::Value v = json::parse(std::string_view(out).substr(start));
+                       const json::Value* step_ms = v.find("step_ms");
+                       check(step_ms, "bench_train_gpt --gemms: no \"step_ms\" in PyTorch's JSON line");
+                       std::vector<double> times;
+                       for (const json::Value& t : step_ms->as_array()) times.push_back(t.as_number());
+                       return median(times);
+                     }};
+  if (!with_pytorch) pytorch.why = "--no-pytorch";
+  for (int k = 0; k < 2; ++k)
+    for (LoggedSide* side : {&mixtape, &pytorch}) run_logged(*side, k == 0 ? kFewSteps : kManySteps, k);
 
-  std::printf("\nThe bf16 step's GEMMs (--gemms): oneDNN's own execution times (ONEDNN_VERBOSE=1), ms per step, "
-              "from child runs of 4 and 12 steps\n");
-  std::printf("%-24s %10s %10s %10s %10s  %s\n", "", "matmuls", "ms", "batched", "ms", "other oneDNN primitives");
-  auto row = [](const char* name, const bench::OnednnTimes& t, const std::string& why) {
-    if (!why.empty()) {
-      std::printf("%-24s skipped: %s\n", name, why.c_str());
+  std::printf("\nThe bf16 step and its GEMMs (--gemms): child runs of 4 and 12 steps per side, alternated, with "
+              "ONEDNN_VERBOSE=1;\nthe median step of the 12-step run, and oneDNN's own execution times per step "
+              "(the runs' difference / 8)\n");
+  std::printf("%-24s %10s %10s %10s %10s %10s  %s\n", "", "step ms", "matmuls", "ms", "batched", "ms",
+              "other oneDNN primitives");
+  auto row = [](const LoggedSide& side) {
+    if (!side.why.empty()) {
+      std::printf("%-24s skipped: %s\n", side.name, side.why.c_str());
       return;
     }
+    const bench::OnednnTimes t = per_step(side);
     std::string others;
     for (const auto& [primitive, sum] : t.other) {
       char item[96];
-      std::snprintf(item, sizeof(item), "%s%s %lld x %.1f", others.empty() ? "" : ", ", primitive.c_str(),
+      std::snprintf(item, sizeof(item), "%s%s %lld x %.1f ms", others.empty() ? "" : ", ", primitive.c_str(),
                     static_cast<long long>(sum.calls), sum.ms);
       others += item;
     }
-    std::printf("%-24s %10lld %10.1f %10lld %10.1f  %s\n", name, static_cast<long long>(t.matmul.calls),
-                t.matmul.ms, static_cast<long long>(t.batched.calls), t.batched.ms,
-                others.empty() ? "none" : others.c_str());
+    std::printf("%-24s %10.1f %10lld %10.1f %10lld %10.1f  %s\n", side.name, side.step_ms,
+                static_cast<long long>(t.matmul.calls), t.matmul.ms, static_cast<long long>(t.batched.calls),
+                t.batched.ms, others.empty() ? "none" : others.c_str());
   };
-  row("mixtape bf16", mixtape, mixtape_why);
-  row("PyTorch bf16 autocast", pytorch, pytorch_why);
-  if (mixtape_why.empty() && !std::isnan(mixtape_bf16_ms) && !std::isnan(pytorch_bf16_ms)) {
-    const double budget = pytorch_bf16_ms / kTargetBf16, gemm_ms = mixtape.matmul.ms + mixtape.batched.ms;
-    std::printf("%.1fx PyTorch's median bf16 step (%.1f ms) is a step of %.1f ms: %.1f ms beyond mixtape's %.1f ms "
-                "of GEMMs,\nagainst %.1f ms beyond them in its median step (%.1f ms) of the comparison above\n",
-                kTargetBf16, pytorch_bf16_ms, budget, budget - gemm_ms, gemm_ms, mixtape_bf16_ms - gemm_ms,
-                mixtape_bf16_ms);
+  row(mixtape);
+  row(pytorch);
+  if (mixtape.why.empty() && pytorch.why.empty()) {
+    const bench::OnednnTimes m = per_step(mixtape);
+    const double budget = pytorch.step_ms / kTargetBf16, gemm_ms = m.matmul.ms + m.batched.ms;
+    std::printf("%.1fx PyTorch's step (%.1f ms) is a mixtape step of %.1f ms: %.1f ms beyond its %.1f ms of GEMMs, "
+                "against %.1f ms now\n",
+                kTargetBf16, pytorch.step_ms, budget, budget - gemm_ms, gemm_ms, mixtape.step_ms - gemm_ms);
   }
 }
 
@@ -469,8 +504,7 @@ void compare(int rounds, int steps, bool with_pytorch, bool phases, bool gemms) 
     std::printf("fp16/bf16 modes vs mixtape fp32: n/a (needs fp32 in --precision)\n");
   }
   if (phases) print_phases();
-  if (gemms)
-    print_gemms(with_pytorch, mixtape_bf16 ? median(mixtape_bf16->ms) : NAN, pt_bf16 ? median(pt_bf16->ms) : NAN);
+  if (gemms) print_gemms(with_pytorch);
 }
 
 std::vector<std::string> split_modes(const std::string& text) {
