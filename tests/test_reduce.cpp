@@ -3,14 +3,17 @@
 #include <gtest/gtest.h>
 #include <omp.h>
 
+#include <bit>
 #include <cmath>
 #include <functional>
 #include <limits>
+#include <random>
 #include <string>
 #include <vector>
 
 #include "autograd/autograd.h"
 #include "autograd/gradcheck.h"
+#include "tensor/cpu/lane_sum.h"
 #include "tensor/ops.h"
 #include "test_util.h"
 
@@ -688,4 +691,51 @@ TEST(Softmax, RejectsBadDimAndIntegerInput) {
   EXPECT_ERROR_MENTIONS(softmax(Tensor::zeros({2, 3}), 2), "softmax", "dim 2", "f32[2,3]");
   EXPECT_ERROR_MENTIONS(log_softmax(Tensor::zeros({2, 3}), -3), "log_softmax", "dim -3", "f32[2,3]");
   EXPECT_ERROR_MENTIONS(softmax(Tensor::zeros({2}, DType::I32), 0), "softmax", "i32[2]");
+}
+
+// lane_sum (tensor/cpu/lane_sum.h), which the norms, the attention kernels and the softmax rows build on:
+// element j goes to lane j % 16 in order, the rest after the last whole group to a tail, and the lanes are
+// combined as lanes[l] += lanes[l + w] for w = 8, 4, 2, 1, then the tail added, on every CPU. The library is
+// built for its CPU (-march) and this file is not, so the check goes through a kernel: layer_norm's mean of a
+// row whose first element is 0 is that sum times 1/C. Values spread over 2^-40..2^40 with both signs make
+// nearly any other order round differently (it fails when the AVX-512 fold adds lane l to lane l + 1 before
+// l + 2, tried).
+namespace {
+
+float tree_sum(const std::vector<float>& v) {
+  float lanes[16] = {};
+  size_t j = 0;
+  for (; j + 16 <= v.size(); j += 16)
+    for (size_t l = 0; l < 16; ++l) lanes[l] += v[j + l];
+  float tail = 0;
+  for (; j < v.size(); ++j) tail += v[j];
+  for (size_t width = 8; width > 0; width /= 2)
+    for (size_t l = 0; l < width; ++l) lanes[l] += lanes[l + width];
+  return lanes[0] + tail;
+}
+
+}  // namespace
+
+TEST(LaneSum, CombinesItsLanesInTheDocumentedOrder) {
+  std::mt19937 rng(7);
+  std::uniform_int_distribution<int> exponent(-40, 40);
+  const int64_t rows = 64;
+  for (int64_t C : {16, 17, 256, 300}) {
+    std::vector<float> x(static_cast<size_t>(rows * C));
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 1; c < C; ++c) {  // x[r, 0] = 0: the kernel's shift by the first element is exact
+        const float sign = (rng() & 1) ? 1.0f : -1.0f;
+        x[static_cast<size_t>(r * C + c)] =
+            std::ldexp(sign, exponent(rng)) * (1.0f + static_cast<float>(rng() % 1000) / 997.0f);
+      }
+    const LayerNormResult result = layer_norm(Tensor::from_vector(x, {rows, C}), Tensor(), Tensor(), 1e-5);
+    const std::vector<float> means = result.mean.to_vector<float>();
+    int differing = 0;
+    for (int64_t r = 0; r < rows; ++r) {
+      const std::vector<float> row(x.begin() + r * C, x.begin() + (r + 1) * C);
+      const float expected = tree_sum(row) * (1.0f / static_cast<float>(C));
+      differing += std::bit_cast<uint32_t>(means[static_cast<size_t>(r)]) != std::bit_cast<uint32_t>(expected);
+    }
+    EXPECT_EQ(differing, 0) << "C = " << C << ": rows whose mean is not the documented tree's sum / C";
+  }
 }

@@ -54,6 +54,7 @@
 
 #include "tensor/cpu/attention_rows.h"
 #include "tensor/cpu/fast_math.h"
+#include "tensor/cpu/lane_sum.h"
 #include "tensor/cpu/scratch.h"
 #include "tensor/cpu/transpose.h"
 #include "tensor/error.h"
@@ -265,32 +266,6 @@ inline void narrow_tile_row(const float* src, BFloat16* dst, int64_t n) {
     const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + j + 16), _mm512_loadu_ps(src + j));
     _mm512_storeu_si512(dst + j, (__m512i)v);
   }
-}
-
-// The 16 lanes combined by op in registers: lane i with lane i + 8, then + 4, + 2, + 1. (Through memory, a
-// 64-byte store read back a float at a time, a row sum took a sixth of the forward's time.) The masked
-// extracts with all-ones masks: GCC 12's plain ones, and the casts built on them, warn of an uninitialised
-// value.
-template <class Op>
-inline float fold_lanes(__m512 lanes, Op op) {
-  const __m256 eight = op(_mm512_maskz_extractf32x8_ps(0xFF, lanes, 0), _mm512_maskz_extractf32x8_ps(0xFF, lanes, 1));
-  const __m128 four = op(_mm256_castps256_ps128(eight), _mm256_extractf128_ps(eight, 1));
-  const __m128 two = op(four, _mm_movehl_ps(four, four));
-  return _mm_cvtss_f32(op(two, _mm_shuffle_ps(two, two, 1)));
-}
-
-inline float sum_lanes(__m512 lanes) {
-  return fold_lanes(lanes, [](auto a, auto b) {
-    if constexpr (sizeof(a) == 32) return _mm256_add_ps(a, b);
-    else return _mm_add_ps(a, b);
-  });
-}
-
-inline float max_lanes(__m512 lanes) {
-  return fold_lanes(lanes, [](auto a, auto b) {
-    if constexpr (sizeof(a) == 32) return _mm256_max_ps(a, b);
-    else return _mm_max_ps(a, b);
-  });
 }
 
 // 32 bf16 as two registers of floats, exactly: a float is a bf16 with 16 zero bits below it, so the even
