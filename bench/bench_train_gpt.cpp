@@ -317,12 +317,22 @@ void print_gemms(bool with_pytorch) {
   };
   row(mixtape);
   row(pytorch);
-  if (mixtape.why.empty() && pytorch.why.empty()) {
+  if (mixtape.why.empty() && per_step(mixtape).matmul.calls == 0) {
+    // No AVX512-BF16 (or AMX): mixtape's bf16 products run in its own kernel (tensor/cpu/gemm16.cpp), which
+    // oneDNN's log does not see, so there is no G to subtract.
+    std::printf("mixtape's bf16 GEMMs do not run in oneDNN on this CPU (its own kernel, tensor/cpu/gemm16.cpp): "
+                "no GEMM time to split off\n");
+  } else if (mixtape.why.empty() && pytorch.why.empty()) {
     const bench::OnednnTimes m = per_step(mixtape);
     const double budget = pytorch.step_ms / kTargetBf16, gemm_ms = m.matmul.ms + m.batched.ms;
-    std::printf("%.1fx PyTorch's step (%.1f ms) is a mixtape step of %.1f ms: %.1f ms beyond its %.1f ms of GEMMs, "
-                "against %.1f ms now\n",
-                kTargetBf16, pytorch.step_ms, budget, budget - gemm_ms, gemm_ms, mixtape.step_ms - gemm_ms);
+    if (budget < gemm_ms)
+      std::printf("%.1fx PyTorch's step (%.1f ms) is a mixtape step of %.1f ms: less than its %.1f ms of GEMMs "
+                  "alone\n",
+                  kTargetBf16, pytorch.step_ms, budget, gemm_ms);
+    else
+      std::printf("%.1fx PyTorch's step (%.1f ms) is a mixtape step of %.1f ms: %.1f ms beyond its %.1f ms of "
+                  "GEMMs, against %.1f ms now\n",
+                  kTargetBf16, pytorch.step_ms, budget, budget - gemm_ms, gemm_ms, mixtape.step_ms - gemm_ms);
   }
 }
 
