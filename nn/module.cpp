@@ -190,11 +190,11 @@ void Module::load_state_dict(const StateDict& state, bool strict) {
     auto it = state.tensors.find(name);
     if (it == state.tensors.end() && !strict) continue;  // PyTorch's strict=False: keep the current value
     check(it != state.tensors.end(), "load_state_dict: missing entry '", name, "' (expected ",
-          slot->description(), ")");
+          slot->described(), ")");
     const Tensor& found = it->second;
-    check(found.defined(), "load_state_dict: entry '", name, "' is undefined (expected ", slot->description(), ")");
+    check(found.defined(), "load_state_dict: entry '", name, "' is undefined (expected ", slot->described(), ")");
     check(found.shape() == slot->shape() && found.dtype() == slot->dtype(), "load_state_dict: entry '", name,
-          "' has ", found.described(), ", expected ", slot->description());
+          "' has ", found.described(), ", expected ", slot->described());
   }
   if (strict) {
     for (const auto& [name, tensor] : state.tensors)

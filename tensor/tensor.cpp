@@ -257,7 +257,7 @@ bool view_strides(const Shape& shape, const Strides& strides, const Shape& new_s
 Tensor Tensor::view(const Shape& requested) const {
   const Shape shape = infer_shape(requested, numel(), "view", *this);
   Strides strides;
-  check(view_strides(impl().shape, impl().strides, shape, strides), "view: cannot view ", description(),
+  check(view_strides(impl().shape, impl().strides, shape, strides), "view: cannot view ", described(),
         " (strides ", shape_text(this->strides()), ") as ", shape_text(shape),
         " without a copy; use reshape() or contiguous()");
   Tensor out = make_view(*this, shape, strides, offset());
@@ -285,14 +285,14 @@ Tensor Tensor::transpose(int64_t dim0, int64_t dim1) const {
 }
 
 Tensor Tensor::permute(const std::vector<int64_t>& dims) const {
-  check(static_cast<int64_t>(dims.size()) == dim(), "permute: ", dims.size(), " dims given for ", description());
+  check(static_cast<int64_t>(dims.size()) == dim(), "permute: ", dims.size(), " dims given for ", described());
   std::vector<int64_t> order(dims.size()), inverse(dims.size());
   std::vector<bool> seen(dims.size(), false);
   Shape shape(dims.size());
   Strides strides(dims.size());
   for (size_t i = 0; i < dims.size(); ++i) {
     const int64_t d = dim_of(*this, dims[i], "permute");
-    check(!seen[d], "permute: dim ", d, " repeated in ", shape_text(dims), " (for ", description(), ")");
+    check(!seen[d], "permute: dim ", d, " repeated in ", shape_text(dims), " (for ", described(), ")");
     seen[d] = true;
     order[i] = d;
     inverse[d] = static_cast<int64_t>(i);
@@ -306,7 +306,7 @@ Tensor Tensor::permute(const std::vector<int64_t>& dims) const {
 
 Tensor Tensor::slice(int64_t d, int64_t start, int64_t end, int64_t step) const {
   d = dim_of(*this, d, "slice");
-  check(step > 0, "slice: step must be positive, got ", step, " (dim ", d, " of ", description(), ")");
+  check(step > 0, "slice: step must be positive, got ", step, " (dim ", d, " of ", described(), ")");
   const int64_t n = shape()[d];
   auto clamp = [n](int64_t i) { return std::clamp(i < 0 ? i + n : i, int64_t{0}, n); };
   start = clamp(start);
@@ -338,7 +338,7 @@ Tensor Tensor::narrow(int64_t d, int64_t start, int64_t length) const {
 Tensor Tensor::select(int64_t d, int64_t index) const {
   d = dim_of(*this, d, "select");
   const int64_t n = shape()[d];
-  check(index >= -n && index < n, "select: index ", index, " is out of range for dim ", d, " of ", description());
+  check(index >= -n && index < n, "select: index ", index, " is out of range for dim ", d, " of ", described());
   if (index < 0) index += n;
   return slice(d, index, index + 1).squeeze(d);
 }
@@ -508,11 +508,11 @@ Tensor& Tensor::fill_(double value) {
 Tensor& Tensor::copy_(const Tensor& src) {
   check_inplace(*this, "copy_");
   check_no_overlap(*this, "copy_");
-  check(src.defined(), "copy_: source is undefined (destination ", description(), ")");
+  check(src.defined(), "copy_: source is undefined (destination ", described(), ")");
   check_source_untracked(src, "copy_");
   const Shape shape = broadcast_shapes(src.shape(), this->shape(), "copy_");
   check(shape == this->shape(), "copy_: source ", src.described(), " does not broadcast to destination ",
-        description());
+        described());
   // From another device: the bytes move first (as they are), then convert and spread on this device.
   const Tensor here = src.device() == device() ? src : src.detach().to(device());
   backend_of(*this).copy(readable_source(*this, here), *this);
@@ -526,7 +526,7 @@ Tensor& Tensor::add_(const Tensor& other, double alpha) {
   check(other.device() == device(), "add_: other on ", other.device(), ", this on ", device());
   check_source_untracked(other, "add_");
   const Shape shape = broadcast_shapes(other.shape(), this->shape(), "add_");
-  check(shape == this->shape(), "add_: ", other.described(), " does not broadcast to ", description());
+  check(shape == this->shape(), "add_: ", other.described(), " does not broadcast to ", described());
   backend_of(*this).add_inplace(*this, readable_source(*this, other), alpha);
   bump_version();
   return *this;
@@ -543,7 +543,7 @@ Tensor& Tensor::mul_(double value) {
 // ---- host access ---------------------------------------------------------------------------------------
 
 double Tensor::item() const {
-  check(numel() == 1, "item: tensor ", description(), " has ", numel(), " elements, expected exactly 1");
+  check(numel() == 1, "item: tensor ", described(), " has ", numel(), " elements, expected exactly 1");
   return to_vector<double>()[0];
 }
 
@@ -613,7 +613,7 @@ std::ostream& operator<<(std::ostream& out, const TensorText& text) { return out
 
 Tensor& Tensor::requires_grad_(bool enabled) {
   check(!enabled || is_floating(dtype()), "requires_grad_: only floating tensors can require grad, got ",
-        description());
+        described());
   check(is_leaf() || enabled, "requires_grad_: cannot turn off requires_grad on a non-leaf (use detach())");
   impl().requires_grad = enabled;
   return *this;
@@ -621,15 +621,15 @@ Tensor& Tensor::requires_grad_(bool enabled) {
 
 void Tensor::set_grad(const Tensor& grad) {
   if (grad.defined())
-    check(grad.shape() == shape(), "set_grad: gradient ", grad.described(), " does not match ", description());
+    check(grad.shape() == shape(), "set_grad: gradient ", grad.described(), " does not match ", described());
   impl().grad = grad.impl_ptr();
 }
 
 Tensor& Tensor::set_grad_dtype(DType dtype) {
-  check(is_floating(dtype), "set_grad_dtype: ", description(), ": the gradient dtype must be floating, got ",
+  check(is_floating(dtype), "set_grad_dtype: ", described(), ": the gradient dtype must be floating, got ",
         dtype_name(dtype));
-  check(is_leaf(), "set_grad_dtype: ", description(), " is not a leaf; only leaves accumulate gradients");
-  check(!impl().grad, "set_grad_dtype: ", description(), " already has a gradient (",
+  check(is_leaf(), "set_grad_dtype: ", described(), " is not a leaf; only leaves accumulate gradients");
+  check(!impl().grad, "set_grad_dtype: ", described(), " already has a gradient (",
         Tensor(impl().grad).described(), "); set the dtype before backward or after zero_grad");
   impl().grad_dtype = dtype == impl().dtype ? std::nullopt : std::optional<DType>(dtype);
   return *this;

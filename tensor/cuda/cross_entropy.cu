@@ -127,13 +127,13 @@ DType stats_dtype(DType logits) { return logits == DType::F64 ? DType::F64 : DTy
 
 void check_tensor(const char* op, const char* name, const Tensor& t, const Shape& shape, DType dtype) {
   check(t.defined() && t.shape() == shape && (t.is_contiguous() || t.numel() == 0) && t.dtype() == dtype, op,
-        ": ", name, " must be contiguous ", dtype_name(dtype), shape_str(shape), ", got ", t.description());
+        ": ", name, " must be contiguous ", dtype_name(dtype), shape_text(shape), ", got ", t.described());
 }
 
 void check_targets(const char* op, const Tensor& targets, int64_t N) {
   check(targets.defined() && targets.dim() == 1 && targets.shape()[0] == N && targets.is_contiguous() &&
             (targets.dtype() == DType::I32 || targets.dtype() == DType::I64),
-        op, ": targets must be contiguous i32/i64 [", N, "], got ", targets.description());
+        op, ": targets must be contiguous i32/i64 [", N, "], got ", targets.described());
 }
 
 }  // namespace
@@ -141,7 +141,7 @@ void check_targets(const char* op, const Tensor& targets, int64_t N) {
 void CudaBackend::softmax_cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore_index,
                                         const Tensor& loss, const Tensor& lse) {
   const char* op = "softmax_cross_entropy";
-  check(logits.dim() == 2, op, ": logits must be [N, V], got ", logits.description());
+  check(logits.dim() == 2, op, ": logits must be [N, V], got ", logits.described());
   const int64_t N = logits.shape()[0], V = logits.shape()[1];
   check_tensor(op, "logits", logits, {N, V}, logits.dtype());
   check_targets(op, targets, N);
@@ -173,7 +173,7 @@ void CudaBackend::softmax_cross_entropy_backward(const Tensor& grad_loss, const 
                                                  const Tensor& targets, const Tensor& lse, int64_t ignore_index,
                                                  const Tensor& grad_logits) {
   const char* op = "softmax_cross_entropy_backward";
-  check(logits.dim() == 2, op, ": logits must be [N, V], got ", logits.description());
+  check(logits.dim() == 2, op, ": logits must be [N, V], got ", logits.described());
   const int64_t N = logits.shape()[0], V = logits.shape()[1];
   check_tensor(op, "logits", logits, {N, V}, logits.dtype());
   check_targets(op, targets, N);

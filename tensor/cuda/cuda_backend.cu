@@ -67,8 +67,8 @@ Device Device::cuda(int index) {
 
 void copy_between_devices(const Tensor& src, const Tensor& dst) {
   check(src.is_contiguous() && dst.is_contiguous() && src.dtype() == dst.dtype() && src.numel() == dst.numel(),
-        "copy_between_devices: expected contiguous tensors of one dtype and size, got ", src.description(), " and ",
-        dst.description());
+        "copy_between_devices: expected contiguous tensors of one dtype and size, got ", src.described(), " and ",
+        dst.described());
   const size_t nbytes = static_cast<size_t>(src.numel()) * dtype_size(src.dtype());
   if (nbytes == 0) return;
   if (src.device().is_cuda() && dst.device().is_cuda()) {

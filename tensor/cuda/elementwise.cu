@@ -576,7 +576,7 @@ T largest_below(double bound) {
 }
 
 void check_same_shape(const char* op, const Tensor& a, const Tensor& b) {
-  check(a.shape() == b.shape(), op, ": ", a.description(), " and ", b.description(), " differ in shape");
+  check(a.shape() == b.shape(), op, ": ", a.described(), " and ", b.described(), " differ in shape");
 }
 
 template <class D, class C, class Op>
@@ -600,7 +600,7 @@ void run_generate(cudaStream_t stream, const char* what, const Tensor& dst, cons
 // ---- copy, fill, arange -----------------------------------------------------------------------------------
 
 void CudaBackend::copy(const Tensor& src, const Tensor& dst) {
-  check(src.shape() == dst.shape(), "copy: source ", src.description(), " and destination ", dst.description(),
+  check(src.shape() == dst.shape(), "copy: source ", src.described(), " and destination ", dst.described(),
         " differ in shape");
   if (src.dtype() == dst.dtype() && src.is_contiguous() && dst.is_contiguous()) {
     const size_t nbytes = static_cast<size_t>(dst.numel()) * dtype_size(dst.dtype());
@@ -775,8 +775,8 @@ void CudaBackend::where(const Tensor& cond, const Tensor& a, const Tensor& b, co
   check_same_shape("where", cond, out);
   check_same_shape("where", a, out);
   check_same_shape("where", b, out);
-  check(a.dtype() == out.dtype() && b.dtype() == out.dtype(), "where: ", a.description(), " and ",
-        b.description(), " must have the dtype of ", out.description());
+  check(a.dtype() == out.dtype() && b.dtype() == out.dtype(), "where: ", a.described(), " and ",
+        b.described(), " must have the dtype of ", out.described());
   const cudaStream_t s = stream();
   dispatch_all(cond.dtype(), "where", [&]<typename Cond>() {
     dispatch_all(out.dtype(), "where", [&]<typename T>() {
@@ -817,7 +817,7 @@ void CudaBackend::mul_scalar_inplace(const Tensor& dst, double value) {
 
 void CudaBackend::dropout(const Tensor& x, double p, uint64_t seed, uint64_t offset, const Tensor& out) {
   check(x.shape() == out.shape() && x.dtype() == out.dtype() && out.is_contiguous(), "dropout: output ",
-        out.description(), " must be contiguous with the shape and dtype of ", x.description());
+        out.described(), " must be contiguous with the shape and dtype of ", x.described());
   check(p >= 0 && p < 1, "dropout: p must be in [0, 1), got ", p);
   // u is a multiple of 2^-24, so u >= p iff u >= the smallest multiple of 2^-24 that is >= p (exact in float).
   const float threshold = static_cast<float>(std::ceil(p * 0x1p24) * 0x1p-24);

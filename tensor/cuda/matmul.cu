@@ -391,8 +391,8 @@ LtProblem lower(Backend& backend, const Tensor& a, const Tensor& b, const Tensor
   }
   const LtMatrix lt_a = lt_of_a(g), lt_b = lt_of_b(g), lt_out = lt_of_out(g);
   check(g.batch.size() <= 1 && lt_a.ok && lt_b.ok && lt_out.ok && !lt_out.transpose,
-        "cuda matmul: internal error: no cuBLASLt layout for ", a.description(), " x ", b.description(), " -> ",
-        out.description());
+        "cuda matmul: internal error: no cuBLASLt layout for ", a.described(), " x ", b.described(), " -> ",
+        out.described());
 
   PlanKey key;
   key.dtype = a.dtype();

@@ -208,13 +208,13 @@ void check_rows(const char* op, const char* name, const Tensor& t, int64_t N, in
   check(t.defined() && t.dim() == 2 && t.shape()[0] == N && t.shape()[1] == C && t.is_contiguous() &&
             t.dtype() == dtype,
         op, ": ", name, " must be contiguous ", dtype_name(dtype), "[", N, ",", C, "], got ",
-        t.description());
+        t.described());
 }
 
 void check_vector(const char* op, const char* name, const Tensor& t, int64_t n, DType dtype) {
   if (!t.defined()) return;
   check(t.dim() == 1 && t.shape()[0] == n && t.is_contiguous() && t.dtype() == dtype, op, ": ", name,
-        " must be contiguous ", dtype_name(dtype), "[", n, "], got ", t.description());
+        " must be contiguous ", dtype_name(dtype), "[", n, "], got ", t.described());
 }
 
 template <class T>
@@ -286,7 +286,7 @@ void launch_backward(cudaStream_t stream, Device device, const D* g, const D* x,
 
 void CudaBackend::layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps,
                              const Tensor& out, const Tensor& mean, const Tensor& rstd) {
-  check(x.dim() == 2, "layer_norm: x must be [N, C], got ", x.description());
+  check(x.dim() == 2, "layer_norm: x must be [N, C], got ", x.described());
   const int64_t N = x.shape()[0], C = x.shape()[1];
   check_rows("layer_norm", "x", x, N, C, x.dtype());
   check_rows("layer_norm", "out", out, N, C, x.dtype());
@@ -305,7 +305,7 @@ void CudaBackend::layer_norm(const Tensor& x, const Tensor& weight, const Tensor
 void CudaBackend::layer_norm_backward(const Tensor& grad_out, const Tensor& x, const Tensor& weight,
                                       const Tensor& mean, const Tensor& rstd, const Tensor& grad_x,
                                       const Tensor& grad_weight, const Tensor& grad_bias) {
-  check(x.dim() == 2, "layer_norm_backward: x must be [N, C], got ", x.description());
+  check(x.dim() == 2, "layer_norm_backward: x must be [N, C], got ", x.described());
   const int64_t N = x.shape()[0], C = x.shape()[1];
   check_rows("layer_norm_backward", "x", x, N, C, x.dtype());
   check_rows("layer_norm_backward", "grad_out", grad_out, N, C, x.dtype());
@@ -329,7 +329,7 @@ void CudaBackend::layer_norm_backward(const Tensor& grad_out, const Tensor& x, c
 
 void CudaBackend::rms_norm(const Tensor& x, const Tensor& weight, double eps, const Tensor& out,
                            const Tensor& rstd) {
-  check(x.dim() == 2, "rms_norm: x must be [N, C], got ", x.description());
+  check(x.dim() == 2, "rms_norm: x must be [N, C], got ", x.described());
   const int64_t N = x.shape()[0], C = x.shape()[1];
   check_rows("rms_norm", "x", x, N, C, x.dtype());
   check_rows("rms_norm", "out", out, N, C, x.dtype());
@@ -345,7 +345,7 @@ void CudaBackend::rms_norm(const Tensor& x, const Tensor& weight, double eps, co
 
 void CudaBackend::rms_norm_backward(const Tensor& grad_out, const Tensor& x, const Tensor& weight,
                                     const Tensor& rstd, const Tensor& grad_x, const Tensor& grad_weight) {
-  check(x.dim() == 2, "rms_norm_backward: x must be [N, C], got ", x.description());
+  check(x.dim() == 2, "rms_norm_backward: x must be [N, C], got ", x.described());
   const int64_t N = x.shape()[0], C = x.shape()[1];
   check_rows("rms_norm_backward", "x", x, N, C, x.dtype());
   check_rows("rms_norm_backward", "grad_out", grad_out, N, C, x.dtype());

@@ -277,11 +277,11 @@ void run_reduction(CudaBackend& backend, const In* x, const ReduceGeometry& g, c
 void check_reduce_output(const char* op, const Tensor& x, const std::vector<int64_t>& dims, const Tensor& out) {
   Shape expected = x.shape();
   for (int64_t d : dims) {
-    check(d >= 0 && d < x.dim(), op, ": dim ", d, " out of range for ", x.description());
+    check(d >= 0 && d < x.dim(), op, ": dim ", d, " out of range for ", x.described());
     expected[static_cast<size_t>(d)] = 1;
   }
-  check(out.shape() == expected && out.is_contiguous() && out.dtype() == x.dtype(), op, ": output ", out.description(),
-        " must be contiguous ", dtype_name(x.dtype()), shape_str(expected), " for input ", x.description());
+  check(out.shape() == expected && out.is_contiguous() && out.dtype() == x.dtype(), op, ": output ", out.described(),
+        " must be contiguous ", dtype_name(x.dtype()), shape_text(expected), " for input ", x.described());
 }
 
 // ---- softmax ------------------------------------------------------------------------------------------------
@@ -559,7 +559,7 @@ OffsetCalculator<N> row_starts(const std::array<const Tensor*, N>& tensors, int6
 }
 
 void check_same_shape(const char* op, const Tensor& a, const Tensor& b) {
-  check(a.shape() == b.shape() && a.dtype() == b.dtype(), op, ": ", a.description(), " and ", b.description(),
+  check(a.shape() == b.shape() && a.dtype() == b.dtype(), op, ": ", a.described(), " and ", b.described(),
         " must have the same shape and dtype");
 }
 
@@ -627,7 +627,7 @@ void CudaBackend::var(const Tensor& x, const std::vector<int64_t>& dims, int64_t
 
 void CudaBackend::softmax(const Tensor& x, int64_t dim, bool log, const Tensor& out) {
   check_same_shape("softmax", x, out);
-  check(dim >= 0 && dim < x.dim(), "softmax: dim ", dim, " out of range for ", x.description());
+  check(dim >= 0 && dim < x.dim(), "softmax: dim ", dim, " out of range for ", x.described());
   const int64_t n = x.shape()[dim];
   const int64_t count = n == 0 ? 0 : x.numel() / n;
   if (count == 0) return;
@@ -654,7 +654,7 @@ void CudaBackend::softmax(const Tensor& x, int64_t dim, bool log, const Tensor& 
 void CudaBackend::softmax_backward(const Tensor& y, const Tensor& grad_y, int64_t dim, bool log, const Tensor& grad_x) {
   check_same_shape("softmax_backward", y, grad_y);
   check_same_shape("softmax_backward", y, grad_x);
-  check(dim >= 0 && dim < y.dim(), "softmax_backward: dim ", dim, " out of range for ", y.description());
+  check(dim >= 0 && dim < y.dim(), "softmax_backward: dim ", dim, " out of range for ", y.described());
   const int64_t n = y.shape()[dim];
   const int64_t count = n == 0 ? 0 : y.numel() / n;
   if (count == 0) return;
