@@ -38,9 +38,10 @@
 // and the PyTorch script under bf16 autocast (PyTorch bundles its own oneDNN) are each run as a child process
 // with ONEDNN_VERBOSE=1 for 4 and then 12 steps, the execution times of their logs summed (bench/onednn_verbose.h)
 // and the difference divided by 8: the per-step time of 2-D matmuls (the linear layers' GEMMs), of batched ones
-// (PyTorch's attention) and of every other oneDNN primitive. With both bf16 medians of the comparison it prints
-// what the 1.5x target leaves beyond mixtape's GEMMs. The two sides run the same GEMM kernels, so this is the
-// part of the step the target does not touch.
+// (PyTorch's attention) and of every other oneDNN primitive, beside each side's median step in its 12-step run
+// (the sides' runs alternate, so both meet the same load). It then prints what the 1.5x target leaves beyond
+// mixtape's GEMMs. The two sides run the same GEMM kernels, so this is the part of the step the target does not
+// touch.
 //
 // PyTorch missing (no python3-torch) prints a note and only mixtape's figures. The verdicts against PyTorch
 // say "n/a" (the ratios are still printed) where PyTorch is not the baseline the targets mean: when it runs
@@ -166,35 +167,52 @@ std::string pytorch_command(int steps, const std::string& autocast) {
          autocast + " 2>&1";
 }
 
+// Runs `command` (a child process, named `what` in messages) and reads all it prints into `out`; false with
+// `why` set when it cannot start or fails (exit status 77: the PyTorch scripts' "PyTorch is missing").
+bool run_child(const std::string& command, const std::string& what, std::string& out, std::string& why) {
+  int status = 0;
+  if (!bench::run_command(command, out, status)) {
+    why = "cannot start " + what;
+    return false;
+  }
+  if (status != 0) {
+    why = bench::exited_with(status, 77) ? std::string("PyTorch is not installed (apt-get install python3-torch)")
+                                         : what + " failed:\n" + out.substr(out.size() - std::min<size_t>(
+                                                                                out.size(), 4000));
+    return false;
+  }
+  return true;
+}
+
+// The PyTorch script's last line, JSON: {"torch": version, "blas": path, "step_ms": [...], ...}.
+struct PytorchOutput {
+  std::string version, blas;
+  std::vector<double> step_ms;
+};
+PytorchOutput read_pytorch_output(const std::string& out) {
+  const size_t start = out.rfind('{');
+  check(start != std::string::npos, "no JSON line");
+  const json::Value v = json::parse(std::string_view(out).substr(start));
+  const json::Value* torch_version = v.find("torch");
+  const json::Value* step_ms = v.find("step_ms");
+  check(torch_version && step_ms, "no \"torch\" or \"step_ms\" key");
+  const json::Value* blas_path = v.find("blas");
+  PytorchOutput result{torch_version->as_string(), blas_path ? blas_path->as_string() : "", {}};
+  for (const json::Value& t : step_ms->as_array()) result.step_ms.push_back(t.as_number());
+  return result;
+}
+
 // Runs the PyTorch script (autocast "none" or "bf16"); returns its step times, or an empty vector with `why`
 // set.
 std::vector<double> pytorch_steps(int steps, const std::string& autocast, std::string& version,
                                   std::string& blas, std::string& why) {
-  const std::string command = pytorch_command(steps, autocast);
   std::string out;
-  int status = 0;
-  if (!bench::run_command(command, out, status)) {
-    why = "cannot start python3";
-    return {};
-  }
-  if (status != 0) {
-    why = bench::exited_with(status, 77) ? "PyTorch is not installed (apt-get install python3-torch)"
-                                         : "the PyTorch script failed:\n" + out;
-    return {};
-  }
+  if (!run_child(pytorch_command(steps, autocast), "the PyTorch script", out, why)) return {};
   try {
-    const size_t start = out.rfind('{');
-    check(start != std::string::npos, "no JSON line");
-    const json::Value v = json::parse(std::string_view(out).substr(start));
-    const json::Value* torch_version = v.find("torch");
-    const json::Value* step_ms = v.find("step_ms");
-    check(torch_version && step_ms, "no \"torch\" or \"step_ms\" key");
-    version = torch_version->as_string();
-    const json::Value* blas_path = v.find("blas");
-    blas = blas_path ? blas_path->as_string() : "";
-    std::vector<double> times;
-    for (const json::Value& t : step_ms->as_array()) times.push_back(t.as_number());
-    return times;
+    PytorchOutput result = read_pytorch_output(out);
+    version = result.version;
+    blas = result.blas;
+    return std::move(result.step_ms);
   } catch (const std::exception& e) {
     why = std::string("cannot read the PyTorch script's output (") + e.what() + "):\n" + out;
     return {};
@@ -204,38 +222,27 @@ std::vector<double> pytorch_steps(int steps, const std::string& autocast, std::s
 // --gemms: one side's child runs, each with oneDNN's log on: `command(steps)` runs it, `median_ms(output)`
 // reads its median step (ms) from what it prints.
 struct LoggedSide {
-  LoggedSide(const char* n, std::function<std::string(int)> c, std::function<double(const std::string&)> m)
-      : name(n), command(std::move(c)), median_ms(std::move(m)) {}
   const char* name;
   std::function<std::string(int)> command;
   std::function<double(const std::string&)> median_ms;
-  std::string why;             // why the side has no figures ("" when it has)
-  bench::OnednnTimes logs[2];  // the runs of kFewSteps and kManySteps
-  double step_ms = NAN;        // the median step of the longer run
+  std::string why = "";             // why the side has no figures ("" when it has)
+  bench::OnednnTimes logs[2] = {};  // the runs of kLoggedSteps[0] and kLoggedSteps[1] steps
+  double step_ms = NAN;             // the median step of the longer run
 };
-constexpr int kFewSteps = 4, kManySteps = 12;
+constexpr int kLoggedSteps[2] = {4, 12};
 
-// Runs side's child for `steps`; on failure sets side.why.
-void run_logged(LoggedSide& side, int steps, int k) {
-  if (!side.why.empty()) return;
+// Runs side's child for kLoggedSteps[k] steps, unless an earlier run failed; on failure sets side.why.
+void run_logged(LoggedSide& side, int k) {
   std::string out;
-  int status = 0;
-  if (!bench::run_command(side.command(steps), out, status)) {
-    side.why = "cannot start a child process";
-  } else if (status != 0) {
-    side.why = bench::exited_with(status, 77)
-                   ? "PyTorch is not installed (apt-get install python3-torch)"
-                   : "the child run failed:\n" + out.substr(out.size() - std::min<size_t>(out.size(), 2000));
-  } else {
-    side.logs[k] = bench::parse_onednn_verbose(out);
-    if (k == 1) side.step_ms = side.median_ms(out);
-  }
+  if (!side.why.empty() || !run_child(side.command(kLoggedSteps[k]), side.name, out, side.why)) return;
+  side.logs[k] = bench::parse_onednn_verbose(out);
+  if (k == 1) side.step_ms = side.median_ms(out);
 }
 
 // The per-step sums: the difference of the two runs' logs over the difference of their steps, so start-up,
 // warm-up and primitive creation cancel out.
 bench::OnednnTimes per_step(const LoggedSide& side) {
-  const double steps = kManySteps - kFewSteps;
+  const double steps = kLoggedSteps[1] - kLoggedSteps[0];
   auto sum = [&](const bench::OnednnTimes::Sum& few, const bench::OnednnTimes::Sum& many) {
     return bench::OnednnTimes::Sum{static_cast<int64_t>(std::llround((many.calls - few.calls) / steps)),
                                    (many.ms - few.ms) / steps};
@@ -250,6 +257,24 @@ bench::OnednnTimes per_step(const LoggedSide& side) {
     if (per.calls > 0) result.other[name] = per;
   }
   return result;
+}
+
+// One row of the --gemms table.
+void print_logged_row(const LoggedSide& side, const bench::OnednnTimes& t) {
+  if (!side.why.empty()) {
+    std::printf("%-24s skipped: %s\n", side.name, side.why.c_str());
+    return;
+  }
+  std::string others;
+  for (const auto& [primitive, sum] : t.other) {
+    char item[96];
+    std::snprintf(item, sizeof(item), "%s%s %lld x %.1f ms", others.empty() ? "" : ", ", primitive.c_str(),
+                  static_cast<long long>(sum.calls), sum.ms);
+    others += item;
+  }
+  std::printf("%-24s %10.1f %10lld %10.1f %10lld %10.1f  %s\n", side.name, side.step_ms,
+              static_cast<long long>(t.matmul.calls), t.matmul.ms, static_cast<long long>(t.batched.calls),
+              t.batched.ms, others.empty() ? "none" : others.c_str());
 }
 
 // --gemms (see the header): the bf16 step and its oneDNN time on both sides, from child runs alternated
@@ -279,51 +304,26 @@ void print_gemms(bool with_pytorch) {
       }};
   LoggedSide pytorch{"PyTorch bf16 autocast",
                      [](int steps) { return "ONEDNN_VERBOSE=1 DNNL_VERBOSE=1 " + pytorch_command(steps, "bf16"); },
-                     [](const std::string& out) {  // the script's last line: JSON with "step_ms"
-                       const size_t start = out.rfind('{');
-                       check(start != std::string::npos, "bench_train_gpt --gemms: no JSON line from PyTorch");
-                       const json::Value v = json::parse(std::string_view(out).substr(start));
-                       const json::Value* step_ms = v.find("step_ms");
-                       check(step_ms, "bench_train_gpt --gemms: no \"step_ms\" in PyTorch's JSON line");
-                       std::vector<double> times;
-                       for (const json::Value& t : step_ms->as_array()) times.push_back(t.as_number());
-                       return median(times);
-                     }};
+                     [](const std::string& out) { return median(read_pytorch_output(out).step_ms); }};
   if (!with_pytorch) pytorch.why = "--no-pytorch";
   for (int k = 0; k < 2; ++k)
-    for (LoggedSide* side : {&mixtape, &pytorch}) run_logged(*side, k == 0 ? kFewSteps : kManySteps, k);
+    for (LoggedSide* side : {&mixtape, &pytorch}) run_logged(*side, k);
+  const bench::OnednnTimes m = per_step(mixtape), p = per_step(pytorch);
 
   std::printf("\nThe bf16 step and its GEMMs (--gemms): child runs of 4 and 12 steps per side, alternated, with "
               "ONEDNN_VERBOSE=1;\nthe median step of the 12-step run, and oneDNN's own execution times per step "
               "(the runs' difference / 8)\n");
   std::printf("%-24s %10s %10s %10s %10s %10s  %s\n", "", "step ms", "matmuls", "ms", "batched", "ms",
               "other oneDNN primitives");
-  auto row = [](const LoggedSide& side) {
-    if (!side.why.empty()) {
-      std::printf("%-24s skipped: %s\n", side.name, side.why.c_str());
-      return;
-    }
-    const bench::OnednnTimes t = per_step(side);
-    std::string others;
-    for (const auto& [primitive, sum] : t.other) {
-      char item[96];
-      std::snprintf(item, sizeof(item), "%s%s %lld x %.1f ms", others.empty() ? "" : ", ", primitive.c_str(),
-                    static_cast<long long>(sum.calls), sum.ms);
-      others += item;
-    }
-    std::printf("%-24s %10.1f %10lld %10.1f %10lld %10.1f  %s\n", side.name, side.step_ms,
-                static_cast<long long>(t.matmul.calls), t.matmul.ms, static_cast<long long>(t.batched.calls),
-                t.batched.ms, others.empty() ? "none" : others.c_str());
-  };
-  row(mixtape);
-  row(pytorch);
-  if (mixtape.why.empty() && per_step(mixtape).matmul.calls == 0) {
+  print_logged_row(mixtape, m);
+  print_logged_row(pytorch, p);
+  if (!mixtape.why.empty()) return;
+  if (m.matmul.calls == 0) {
     // No AVX512-BF16 (or AMX): mixtape's bf16 products run in its own kernel (tensor/cpu/gemm16.cpp), which
     // oneDNN's log does not see, so there is no G to subtract.
     std::printf("mixtape's bf16 GEMMs do not run in oneDNN on this CPU (its own kernel, tensor/cpu/gemm16.cpp): "
                 "no GEMM time to split off\n");
-  } else if (mixtape.why.empty() && pytorch.why.empty()) {
-    const bench::OnednnTimes m = per_step(mixtape);
+  } else if (pytorch.why.empty()) {
     const double budget = pytorch.step_ms / kTargetBf16, gemm_ms = m.matmul.ms + m.batched.ms;
     if (budget < gemm_ms)
       std::printf("%.1fx PyTorch's step (%.1f ms) is a mixtape step of %.1f ms: less than its %.1f ms of GEMMs "
