@@ -11,8 +11,8 @@
 #include <algorithm>
 #include <cmath>
 #include <type_traits>
-#include <vector>
 
+#include "tensor/cpu/aligned_vector.h"
 #include "tensor/cpu/convert_block.h"
 #include "tensor/cpu/cpu_backend.h"
 #include "tensor/cpu/lane_sum.h"
@@ -26,8 +26,8 @@ namespace {
 // A weight (or bias) in the accumulation type, `missing` (1 for a weight, 0 for a bias) where there is none:
 // converted once per call, so the row loops below have no 16-bit conversion of it.
 template <class T, class A = acc_t<T>>
-std::vector<A> values_or(const Tensor& t, int64_t C, A missing) {
-  std::vector<A> values(static_cast<size_t>(C), missing);
+AlignedVector<A> values_or(const Tensor& t, int64_t C, A missing) {
+  AlignedVector<A> values(static_cast<size_t>(C), missing);
   if (t.defined()) {
     const T* p = t.data<T>();
     for (int64_t j = 0; j < C; ++j) values[j] = convert<A>(p[j]);
@@ -36,14 +36,15 @@ std::vector<A> values_or(const Tensor& t, int64_t C, A missing) {
 }
 
 template <class T, class A = acc_t<T>>
-std::vector<A> weight_values(const Tensor& weight, int64_t C) {
+AlignedVector<A> weight_values(const Tensor& weight, int64_t C) {
   return values_or<T>(weight, C, A(1));
 }
 
 // One thread's access to the rows. For f16/bf16 row i is widened into a float buffer once (and its result
 // narrowed once, after): the row loops then read and write float, as for f32, and vectorise. Converting
 // element by element inside them kept them scalar (fp16's conversion), which made fp16 layer_norm 4x slower
-// than f32's; the values are the same either way. Other dtypes are read and written in place.
+// than f32's; the values are the same either way. Other dtypes are read and written in place. The buffers start
+// on a cache line (aligned_vector.h): from std::vector's 16-byte alignment, the 16-bit backward ran ~2x slower.
 template <class T>
 class RowAccess {
  public:
@@ -66,7 +67,7 @@ class RowAccess {
 
  private:
   int64_t C_;
-  std::vector<float> x_, g_, out_;
+  AlignedVector<float> x_, g_, out_;
 };
 
 // body(rows, u) for u in [0, units), split across threads when `parallel`, each thread with its RowAccess.
@@ -148,7 +149,7 @@ void check_vector(const char* op, const char* name, const Tensor& t, int64_t n, 
 // Sums the per-block partials [blocks, C] into dest[C], pairwise over blocks (a tree of whole rows, so the
 // inner loop runs along C), rounding once. Overwrites `partial`.
 template <class T, class A>
-void combine_partials(std::vector<A>& partial, int64_t blocks, int64_t C, T* dest) {
+void combine_partials(AlignedVector<A>& partial, int64_t blocks, int64_t C, T* dest) {
   for (int64_t width = 1; width < blocks; width *= 2)
     for (int64_t b = 0; b + width < blocks; b += 2 * width) {
       A* into = partial.data() + b * C;
@@ -175,7 +176,7 @@ void CpuBackend::layer_norm(const Tensor& x, const Tensor& weight, const Tensor&
   dispatch_float(x.dtype(), "layer_norm", [&]<typename T>() {
     using A = acc_t<T>;
     const T* xp = x.data<T>();
-    const std::vector<A> wv = weight_values<T>(weight, C), bv = values_or<T>(bias, C, A(0));
+    const AlignedVector<A> wv = weight_values<T>(weight, C), bv = values_or<T>(bias, C, A(0));
     const A* w = weight.defined() ? wv.data() : nullptr;
     const A* b = bias.defined() ? bv.data() : nullptr;
     T* op = out.data<T>();
@@ -232,14 +233,14 @@ void CpuBackend::layer_norm_backward(const Tensor& grad_out, const Tensor& x, co
     using A = acc_t<T>;
     const T* xp = x.data<T>();
     const T* gp = grad_out.data<T>();
-    const std::vector<A> w = weight_values<T>(weight, C);
+    const AlignedVector<A> w = weight_values<T>(weight, C);
     const A* mp = mean.data<A>();
     const A* sp = rstd.data<A>();
     T* dxp = grad_x.defined() ? grad_x.data<T>() : nullptr;
     const bool want_w = grad_weight.defined(), want_b = grad_bias.defined();
     const int64_t block_rows = rows_per_block(N);
     const int64_t blocks = (N + block_rows - 1) / block_rows;
-    std::vector<A> partial_w(static_cast<size_t>(blocks * C)), partial_b(static_cast<size_t>(blocks * C));
+    AlignedVector<A> partial_w(static_cast<size_t>(blocks * C)), partial_b(static_cast<size_t>(blocks * C));
     const A inv_C = A(1) / static_cast<A>(C);
     for_each_unit<T>(blocks, C, parallel_rows(N, C), [&](RowAccess<T>& rows, int64_t block) {
       A* dw = partial_w.data() + block * C;
@@ -276,7 +277,7 @@ void CpuBackend::rms_norm(const Tensor& x, const Tensor& weight, double eps, con
   dispatch_float(x.dtype(), "rms_norm", [&]<typename T>() {
     using A = acc_t<T>;
     const T* xp = x.data<T>();
-    const std::vector<A> wv = weight_values<T>(weight, C);
+    const AlignedVector<A> wv = weight_values<T>(weight, C);
     const A* w = weight.defined() ? wv.data() : nullptr;
     T* op = out.data<T>();
     A* rstd_out = rstd.defined() ? rstd.data<A>() : nullptr;
@@ -317,13 +318,13 @@ void CpuBackend::rms_norm_backward(const Tensor& grad_out, const Tensor& x, cons
     using A = acc_t<T>;
     const T* xp = x.data<T>();
     const T* gp = grad_out.data<T>();
-    const std::vector<A> w = weight_values<T>(weight, C);
+    const AlignedVector<A> w = weight_values<T>(weight, C);
     const A* sp = rstd.data<A>();
     T* dxp = grad_x.defined() ? grad_x.data<T>() : nullptr;
     const bool want_w = grad_weight.defined();
     const int64_t block_rows = rows_per_block(N);
     const int64_t blocks = (N + block_rows - 1) / block_rows;
-    std::vector<A> partial_w(static_cast<size_t>(blocks * C));
+    AlignedVector<A> partial_w(static_cast<size_t>(blocks * C));
     const A inv_C = A(1) / static_cast<A>(C);
     for_each_unit<T>(blocks, C, parallel_rows(N, C), [&](RowAccess<T>& rows, int64_t block) {
       A* dw = partial_w.data() + block * C;
