@@ -12,10 +12,10 @@
 #include <cmath>
 #include <type_traits>
 
-#include "tensor/cpu/aligned_vector.h"
 #include "tensor/cpu/convert_block.h"
 #include "tensor/cpu/cpu_backend.h"
 #include "tensor/cpu/lane_sum.h"
+#include "tensor/cpu/scratch.h"
 #include "tensor/cpu/strided.h"
 #include "tensor/random.h"
 
@@ -25,41 +25,49 @@ namespace {
 
 // A weight (or bias) in the accumulation type, `missing` (1 for a weight, 0 for a bias) where there is none:
 // converted once per call, so the row loops below have no 16-bit conversion of it.
+// This array, the backward's per-block partial sums and the per-thread rows (ThreadScratch) come from the
+// caching allocator: 64-byte aligned, and no heap growing and trimming between calls. In std::vectors (16-byte
+// aligned) most of their 64-byte loads and stores straddled two cache lines: layer_norm's backward of a bf16
+// [2048, 256] took 185-186 us (medians) so and 83-86 us aligned (two Zen 5 cores, a scratch program calling the
+// kernel), the fp16_naive step's norms 0.94 + 1.24 ms (forward + backward, `bench_train_gpt --phases`) against
+// 0.74 + 0.89. The values are the same either way.
 template <class T, class A = acc_t<T>>
-AlignedVector<A> values_or(const Tensor& t, int64_t C, A missing) {
-  AlignedVector<A> values(static_cast<size_t>(C), missing);
-  if (t.defined()) {
-    const T* p = t.data<T>();
-    for (int64_t j = 0; j < C; ++j) values[j] = convert<A>(p[j]);
-  }
+Tensor values_or(const Tensor& t, int64_t C, A missing) {
+  Tensor values = Tensor::empty({C}, dtype_of<A>::value);
+  A* v = values.data<A>();
+  const T* p = t.defined() ? t.data<T>() : nullptr;
+  for (int64_t j = 0; j < C; ++j) v[j] = p ? convert<A>(p[j]) : missing;
   return values;
 }
 
 template <class T, class A = acc_t<T>>
-AlignedVector<A> weight_values(const Tensor& weight, int64_t C) {
+Tensor weight_values(const Tensor& weight, int64_t C) {
   return values_or<T>(weight, C, A(1));
 }
 
 // One thread's access to the rows. For f16/bf16 row i is widened into a float buffer once (and its result
 // narrowed once, after): the row loops then read and write float, as for f32, and vectorise. Converting
 // element by element inside them kept them scalar (fp16's conversion), which made fp16 layer_norm 4x slower
-// than f32's; the values are the same either way. Other dtypes are read and written in place. The buffers start
-// on a cache line (aligned_vector.h): from std::vector's 16-byte alignment, the 16-bit backward ran ~2x slower.
+// than f32's; the values are the same either way. Other dtypes are read and written in place. The buffers are
+// carved from the thread's part of a ThreadScratch (on cache lines, see values_or).
 template <class T>
 class RowAccess {
  public:
   static constexpr bool kWiden = kSixteenBit<T>;
-  explicit RowAccess(int64_t C) : C_(C), x_(kWiden ? C : 0), g_(kWiden ? C : 0), out_(kWiden ? C : 0) {}
+  RowAccess(ScratchCarver& carver, int64_t C)
+      : C_(C),
+        x_(carver.take<float>(kWiden ? C : 0)),
+        g_(carver.take<float>(kWiden ? C : 0)),
+        out_(carver.take<float>(kWiden ? C : 0)) {}
 
   // body(x_i, g_i, out_i) on row i of x, g (may be null) and out (may be null: then out_i is null too).
   template <class Body>
   void row(int64_t i, const T* x, const T* g, T* out, Body&& body) {
     if constexpr (kWiden) {
-      widen_block(x + i * C_, x_.data(), C_);
-      if (g) widen_block(g + i * C_, g_.data(), C_);
-      body(static_cast<const float*>(x_.data()), g ? static_cast<const float*>(g_.data()) : nullptr,
-           out ? out_.data() : nullptr);
-      if (out) narrow_block(out_.data(), out + i * C_, C_);
+      widen_block(x + i * C_, x_, C_);
+      if (g) widen_block(g + i * C_, g_, C_);
+      body(static_cast<const float*>(x_), g ? static_cast<const float*>(g_) : nullptr, out ? out_ : nullptr);
+      if (out) narrow_block(out_, out + i * C_, C_);
     } else {
       body(x + i * C_, g ? g + i * C_ : nullptr, out ? out + i * C_ : nullptr);
     }
@@ -67,15 +75,17 @@ class RowAccess {
 
  private:
   int64_t C_;
-  AlignedVector<float> x_, g_, out_;
+  float *x_, *g_, *out_;
 };
 
 // body(rows, u) for u in [0, units), split across threads when `parallel`, each thread with its RowAccess.
 template <class T, class Body>
 void for_each_unit(int64_t units, int64_t C, bool parallel, Body&& body) {
+  const ThreadScratch scratch(scratch_bytes<RowAccess<T>>(C), parallel);
 #pragma omp parallel if (parallel)
   {
-    RowAccess<T> rows(C);
+    ScratchCarver carver = scratch.carver();
+    RowAccess<T> rows(carver, C);
 #pragma omp for schedule(static)
     for (int64_t u = 0; u < units; ++u) body(rows, u);
   }
@@ -149,11 +159,11 @@ void check_vector(const char* op, const char* name, const Tensor& t, int64_t n, 
 // Sums the per-block partials [blocks, C] into dest[C], pairwise over blocks (a tree of whole rows, so the
 // inner loop runs along C), rounding once. Overwrites `partial`.
 template <class T, class A>
-void combine_partials(AlignedVector<A>& partial, int64_t blocks, int64_t C, T* dest) {
+void combine_partials(A* partial, int64_t blocks, int64_t C, T* dest) {
   for (int64_t width = 1; width < blocks; width *= 2)
     for (int64_t b = 0; b + width < blocks; b += 2 * width) {
-      A* into = partial.data() + b * C;
-      const A* from = partial.data() + (b + width) * C;
+      A* into = partial + b * C;
+      const A* from = partial + (b + width) * C;
       for (int64_t c = 0; c < C; ++c) into[c] += from[c];
     }
   for (int64_t c = 0; c < C; ++c) dest[c] = convert<T>(blocks > 0 ? partial[c] : A(0));
@@ -176,9 +186,9 @@ void CpuBackend::layer_norm(const Tensor& x, const Tensor& weight, const Tensor&
   dispatch_float(x.dtype(), "layer_norm", [&]<typename T>() {
     using A = acc_t<T>;
     const T* xp = x.data<T>();
-    const AlignedVector<A> wv = weight_values<T>(weight, C), bv = values_or<T>(bias, C, A(0));
-    const A* w = weight.defined() ? wv.data() : nullptr;
-    const A* b = bias.defined() ? bv.data() : nullptr;
+    const Tensor wv = weight_values<T>(weight, C), bv = values_or<T>(bias, C, A(0));
+    const A* w = weight.defined() ? wv.data<A>() : nullptr;
+    const A* b = bias.defined() ? bv.data<A>() : nullptr;
     T* op = out.data<T>();
     A* mean_out = mean.defined() ? mean.data<A>() : nullptr;
     A* rstd_out = rstd.defined() ? rstd.data<A>() : nullptr;
@@ -233,18 +243,22 @@ void CpuBackend::layer_norm_backward(const Tensor& grad_out, const Tensor& x, co
     using A = acc_t<T>;
     const T* xp = x.data<T>();
     const T* gp = grad_out.data<T>();
-    const AlignedVector<A> w = weight_values<T>(weight, C);
+    const Tensor wv = weight_values<T>(weight, C);
+    const A* w = wv.data<A>();
     const A* mp = mean.data<A>();
     const A* sp = rstd.data<A>();
     T* dxp = grad_x.defined() ? grad_x.data<T>() : nullptr;
     const bool want_w = grad_weight.defined(), want_b = grad_bias.defined();
     const int64_t block_rows = rows_per_block(N);
     const int64_t blocks = (N + block_rows - 1) / block_rows;
-    AlignedVector<A> partial_w(static_cast<size_t>(blocks * C)), partial_b(static_cast<size_t>(blocks * C));
+    const Tensor partials_w = Tensor::zeros({blocks * C}, dtype_of<A>::value);
+    const Tensor partials_b = Tensor::zeros({blocks * C}, dtype_of<A>::value);
+    A* const partial_w = partials_w.data<A>();
+    A* const partial_b = partials_b.data<A>();
     const A inv_C = A(1) / static_cast<A>(C);
     for_each_unit<T>(blocks, C, parallel_rows(N, C), [&](RowAccess<T>& rows, int64_t block) {
-      A* dw = partial_w.data() + block * C;
-      A* db = partial_b.data() + block * C;
+      A* dw = partial_w + block * C;
+      A* db = partial_b + block * C;
       for (int64_t i = block * block_rows; i < std::min(N, (block + 1) * block_rows); ++i)
         rows.row(i, xp, gp, dxp, [&](const auto* xi, const auto* gi, auto* dxi) {
           const A m = mp[i], s = sp[i];
@@ -256,7 +270,7 @@ void CpuBackend::layer_norm_backward(const Tensor& grad_out, const Tensor& x, co
           });
           const A dnorm_mean = dnorm_sum * inv_C, dnorm_norm_mean = dnorm_norm_sum * inv_C;
           // One more pass writes dx and accumulates dw, db.
-          layer_norm_backward_row(xi, gi, w.data(), m, s, dnorm_mean, dnorm_norm_mean, dxi, dw, db, C);
+          layer_norm_backward_row(xi, gi, w, m, s, dnorm_mean, dnorm_norm_mean, dxi, dw, db, C);
         });
     });
     if (want_w) combine_partials<T, A>(partial_w, blocks, C, grad_weight.data<T>());
@@ -277,8 +291,8 @@ void CpuBackend::rms_norm(const Tensor& x, const Tensor& weight, double eps, con
   dispatch_float(x.dtype(), "rms_norm", [&]<typename T>() {
     using A = acc_t<T>;
     const T* xp = x.data<T>();
-    const AlignedVector<A> wv = weight_values<T>(weight, C);
-    const A* w = weight.defined() ? wv.data() : nullptr;
+    const Tensor wv = weight_values<T>(weight, C);
+    const A* w = weight.defined() ? wv.data<A>() : nullptr;
     T* op = out.data<T>();
     A* rstd_out = rstd.defined() ? rstd.data<A>() : nullptr;
     const A inv_C = A(1) / static_cast<A>(C);
@@ -318,16 +332,18 @@ void CpuBackend::rms_norm_backward(const Tensor& grad_out, const Tensor& x, cons
     using A = acc_t<T>;
     const T* xp = x.data<T>();
     const T* gp = grad_out.data<T>();
-    const AlignedVector<A> w = weight_values<T>(weight, C);
+    const Tensor wv = weight_values<T>(weight, C);
+    const A* w = wv.data<A>();
     const A* sp = rstd.data<A>();
     T* dxp = grad_x.defined() ? grad_x.data<T>() : nullptr;
     const bool want_w = grad_weight.defined();
     const int64_t block_rows = rows_per_block(N);
     const int64_t blocks = (N + block_rows - 1) / block_rows;
-    AlignedVector<A> partial_w(static_cast<size_t>(blocks * C));
+    const Tensor partials_w = Tensor::zeros({blocks * C}, dtype_of<A>::value);
+    A* const partial_w = partials_w.data<A>();
     const A inv_C = A(1) / static_cast<A>(C);
     for_each_unit<T>(blocks, C, parallel_rows(N, C), [&](RowAccess<T>& rows, int64_t block) {
-      A* dw = partial_w.data() + block * C;
+      A* dw = partial_w + block * C;
       for (int64_t i = block * block_rows; i < std::min(N, (block + 1) * block_rows); ++i)
         rows.row(i, xp, gp, dxp, [&](const auto* xi, const auto* gi, auto* dxi) {
           const A s = sp[i];
@@ -337,7 +353,7 @@ void CpuBackend::rms_norm_backward(const Tensor& grad_out, const Tensor& x, cons
               lane_sum<A>(C, [&](int64_t j) { return w[j] * convert<A>(gi[j]) * (convert<A>(xi[j]) * s); }) *
               inv_C;
           // One more pass writes dx and accumulates dw.
-          rms_norm_backward_row(xi, gi, w.data(), s, dnorm_norm_mean, dxi, dw, C);
+          rms_norm_backward_row(xi, gi, w, s, dnorm_norm_mean, dxi, dw, C);
         });
     });
     if (want_w) combine_partials<T, A>(partial_w, blocks, C, grad_weight.data<T>());

@@ -43,11 +43,12 @@ size_t scratch_bytes(const Args&... args) {
 }
 
 // `bytes` of scratch for each thread of a parallel region with `parallel` as its if-clause; carver() inside
-// the region gives the calling thread its own part.
+// the region gives the calling thread its own part. Each part is rounded up to whole cache lines, so every
+// thread's arrays start on one (the carver keeps them there), whatever `bytes` is.
 class ThreadScratch {
  public:
   ThreadScratch(size_t bytes, bool parallel)
-      : bytes_(bytes),
+      : bytes_((bytes + 63) / 64 * 64),
         threads_(parallel ? omp_get_max_threads() : 1),
         buffer_(Tensor::empty({static_cast<int64_t>((bytes_ * static_cast<size_t>(threads_) + 3) / 4)})) {}
 
