@@ -29,8 +29,6 @@
 //   dk and dq are scaled by `scale` on store. Scores and probabilities are recomputed in both kernels with
 //   the same summation order (bitwise the same p), and every sum runs in a fixed order: two runs give the
 //   same bits.
-#include <mma.h>
-
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -349,74 +347,137 @@ __global__ void __launch_bounds__(kBlockThreads)
 
 // ---- tensor-core kernels (f16/bf16, D = 32, 64 or 128) ------------------------------------------------------
 //
-// The same method on the tensor cores (WMMA 16 x 16 x 16, 16-bit operands, exact products summed in fp32),
-// FlashAttention-2's numerics: p and ds are rounded to the input dtype as operands of their products (relative
-// 2^-9 for bf16, 2^-11 for f16), as the CPU's bf16 kernels do (tensor/cpu/attention_bf16.cpp); the scores,
-// the softmax statistics, dp, delta and every accumulator stay fp32, and each output is rounded once.
-// A block is 4 warps; warp w owns rows 16 w .. 16 w + 15 of the block's 64 (query rows, or key rows for dk/dv).
-// The other side streams through shared memory in 64-row tiles of the input dtype. A warp's products land in
-// its own fp32 rows of a shared score tile, where lane pairs do the row-wise softmax work (lane l: row l / 2,
-// columns 32 (l % 2) ..) before the probabilities go back to the tensor cores as 16-bit operands.
-// Forward: online softmax over the key tiles at or before the diagonal: m, l per row in the lane pair's
-// registers; o (fp32, shared) rescaled by e^(m_old - m_new) before each tile's p v is added; l sums the rounded
-// p actually multiplied, so out = o / l stays a convex combination of v rows.
+// The same method on the tensor cores, FlashAttention-2's way: mma.sync m16n8k16 (16-bit operands, exact
+// products summed in fp32) with the scores, probabilities and accumulators kept in registers, never in shared
+// memory. Numerics (as the CPU's bf16 kernels, tensor/cpu/attention_bf16.cpp): p and ds are rounded to the input
+// dtype as operands of their products (relative 2^-9 for bf16, 2^-11 for f16); the scores, the softmax
+// statistics, dp, delta and every accumulator stay fp32, and each output is rounded once. Exponentials are
+// exp2 of log2(e)-scaled scores (lse is stored in natural-log units).
+//
+// A block is 4 warps; warp w owns rows 16 w .. 16 w + 15 of the block's 64 (query rows for the forward and dq,
+// key rows for dk/dv). The other side streams through shared memory in tiles of N rows, double-buffered with
+// cp.async (the next tile loads while this one is multiplied). Tiles are [rows][D + 8] 16-bit arrays: the
+// 16-byte pad puts the 8 rows an ldmatrix reads in 8 different bank quads.
+//
+// Register fragments (PTX ISA, mma.m16n8k16; lane = 4 g + t): an accumulator C[16 x 8] holds (g, 2t), (g, 2t+1),
+// (g+8, 2t), (g+8, 2t+1); an A operand [16 x 16] holds pairs (g, 2t..), (g+8, 2t..), (g, 2t+8..), (g+8, 2t+8..);
+// a B operand [16 x 8] (k x n) holds pairs (k = 2t.., n = g), (k = 2t+8.., n = g). So the accumulators of two
+// adjacent 8-column score tiles, rounded to pairs, are the A operand of the next product (p v, ds k, ...)
+// without leaving the registers.
+//
+// Forward: online softmax over the key tiles at or before the diagonal: per row the max m and the lane's part
+// of the sum l of the rounded p actually multiplied (so out = o / l stays a convex combination of v rows);
+// o rescaled by 2^(m_old - m_new) before each tile's p v is added.
+// dk/dv (block = 64 keys): s^T = k q^T and dp^T = v do^T per streamed query tile; p^T, ds^T = p^T (dp^T - delta)
+//   rounded, dv += p^T do, dk += ds^T q.  dq (block = 64 queries): s = q k^T, dp = do v^T, dq += ds k.
 namespace tc {
-
-using namespace nvcuda;
 
 constexpr int kWarps = 4;
 constexpr int kThreads = 32 * kWarps;
-constexpr int kRows = 64;  // rows per block, and rows per streamed tile
+constexpr int kRows = 64;  // rows per block (16 per warp)
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
 
-// A thread's place in its block's 64 rows: each warp owns 16 of them, and each lane pair one row, the even
-// lane its first half and the odd lane its second.
-struct RowLane {
-  int warp, row, half;
-};
-__device__ __forceinline__ RowLane row_lane() {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  return {warp, warp * 16 + lane / 2, lane % 2};
-}
-
-// The query tile of a block whose blockIdx.y counts the tiles from the last: the heaviest (most key tiles
-// under the diagonal) is scheduled first.
-__device__ __forceinline__ int heaviest_first_query_tile() { return static_cast<int>(gridDim.y - 1 - blockIdx.y); }
+// Rows per streamed tile: 64, or 32 in the backward at D = 128 (two [16 x N] fp32 score tiles and two
+// [16 x D] accumulators per warp stay within the 255 registers of a thread).
+template <int D, bool kBackward>
+constexpr int stream_rows() { return kBackward && D == 128 ? 32 : 64; }
 
 template <int D>
 struct Layout {
-  static constexpr int ldh = D + 8;      // 16-bit tiles [64][D + 8] (WMMA wants ld % 8 == 0; +8 staggers banks)
-  static constexpr int lds = kRows + 4;  // fp32 score tiles [64][68]
-  static constexpr int ldp = kRows + 8;  // 16-bit probability tiles [64][72]
-  static constexpr int ldo = D + 4;      // fp32 accumulator tiles [64][D + 4]
-  static constexpr size_t half_tile = size_t(kRows) * ldh;  // elements
-  static constexpr size_t p_tile = size_t(kRows) * ldp;
-  static constexpr size_t s_tile = size_t(kRows) * lds;
-  static constexpr size_t o_tile = size_t(kRows) * ldo;
-  // Dynamic shared memory of each kernel (bytes; every region a multiple of 32 bytes, as WMMA needs).
-  static constexpr size_t forward_bytes = (3 * half_tile + p_tile) * 2 + (s_tile + o_tile) * 4;
-  static constexpr size_t dkdv_bytes = (4 * half_tile + 2 * p_tile) * 2 + 2 * s_tile * 4 + 2 * kRows * 4;
-  static constexpr size_t dq_bytes = (4 * half_tile + p_tile) * 2 + 2 * s_tile * 4;
-  static_assert(o_tile <= 2 * s_tile, "the dk/dv and dq kernels stage their results in the two score tiles");
+  static constexpr int ld = D + 8;  // 16-bit elements per tile row
+  static constexpr int nf = stream_rows<D, false>(), nb = stream_rows<D, true>();
+  // Dynamic shared memory (bytes): the block's own tile(s) once, the streamed ones twice (double buffer).
+  static constexpr size_t forward_bytes = size_t(kRows + 2 * 2 * nf) * ld * 2;
+  static constexpr size_t dkdv_bytes = size_t(2 * kRows + 2 * 2 * nb) * ld * 2 + 2 * 2 * nb * 4;
+  static constexpr size_t dq_bytes = size_t(2 * kRows + 2 * 2 * nb) * ld * 2;
 };
 
-template <class Dt>
-using FragA = wmma::fragment<wmma::matrix_a, 16, 16, 16, Dt, wmma::row_major>;
-template <class Dt, class Major>
-using FragB = wmma::fragment<wmma::matrix_b, 16, 16, 16, Dt, Major>;
-using FragC = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
+__device__ __forceinline__ uint32_t shared_address(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
 
-// Rows r0 .. r0 + 63 of a head into a [64][ldh] tile, 16 bytes at a time where the row is 16-byte aligned;
-// zero rows past T.
-template <int D, class Dt>
+// Four 8 x 8 16-bit matrices; lane l gives the address of row l % 8 of matrix l / 8 and receives, of each, the
+// pair (row l / 4, columns 2 (l % 4) ..) (`trans`: the pair (rows 2 (l % 4) .., column l / 4)).
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(shared_address(row))
+               : "memory");
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* row) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(shared_address(row))
+               : "memory");
+}
+
+// c[16 x 8] += a[16 x 16] b[16 x 8], fp32 accumulation.
+template <class Dt>
+__device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  if constexpr (std::is_same_v<Dt, __nv_bfloat16>) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+__device__ __forceinline__ uint16_t bits_of(__nv_bfloat16 x) { return __bfloat16_as_ushort(x); }
+__device__ __forceinline__ uint16_t bits_of(__half x) { return __half_as_ushort(x); }
+
+// Two floats rounded to the dtype (nearest even), the lower column in the low half; `sum` gets their rounded
+// values added (the weights actually multiplied).
+template <class Dt>
+__device__ __forceinline__ uint32_t round_pair(float lo, float hi, float& sum) {
+  const Dt a = store<Dt>(lo), b = store<Dt>(hi);
+  sum += load_as<float>(a) + load_as<float>(b);
+  return static_cast<uint32_t>(bits_of(a)) | (static_cast<uint32_t>(bits_of(b)) << 16);
+}
+template <class Dt>
+__device__ __forceinline__ uint32_t round_pair(float lo, float hi) {
+  float unused = 0.0f;
+  return round_pair<Dt>(lo, hi, unused);
+}
+
+// The A operands of a [16 x N] product from the fp32 accumulators of its N / 8 column tiles (see above).
+template <class Dt, int N>
+__device__ __forceinline__ void to_operand(uint32_t (&a)[N / 16][4], const float (&c)[N / 8][4], float& sum_lo,
+                                           float& sum_hi) {
+#pragma unroll
+  for (int nt = 0; nt < N / 8; ++nt) {
+    a[nt / 2][(nt % 2) * 2] = round_pair<Dt>(c[nt][0], c[nt][1], sum_lo);
+    a[nt / 2][(nt % 2) * 2 + 1] = round_pair<Dt>(c[nt][2], c[nt][3], sum_hi);
+  }
+}
+
+__device__ __forceinline__ void cp_async_16(void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(shared_address(dst)), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+// Waits until at most `pending` of this thread's committed groups are still in flight.
+template <int pending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(pending) : "memory");
+}
+
+// Rows r0 .. r0 + R - 1 of a head into a [R][ld] tile: 16-byte cp.async where the source is 16-byte aligned
+// (complete after cp_async_wait and a barrier), element by element where it is not; zero rows past T.
+template <int D, int R, class Dt>
 __device__ __forceinline__ void load_rows(Dt* tile, const Dt* head, int64_t sT, int64_t r0, int64_t T) {
   constexpr int chunks = D / 8;
-  for (int index = threadIdx.x; index < kRows * chunks; index += kThreads) {
+  for (int index = threadIdx.x; index < R * chunks; index += kThreads) {
     const int r = index / chunks, c = (index % chunks) * 8;
-    Dt* dst = tile + r * Layout<D>::ldh + c;
+    Dt* dst = tile + r * Layout<D>::ld + c;
     if (r0 + r < T) {
       const Dt* src = head + (r0 + r) * sT + c;
       if ((reinterpret_cast<uintptr_t>(src) & 15) == 0) {
-        *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+        cp_async_16(dst, src);
       } else {
 #pragma unroll
         for (int u = 0; u < 8; ++u) dst[u] = src[u];
@@ -427,193 +488,258 @@ __device__ __forceinline__ void load_rows(Dt* tile, const Dt* head, int64_t sT, 
   }
 }
 
-// out[16 x 64] (fp32, row-major, ld lds) = a[16 x D] b^T for the warp: a row-major rows of `a_rows`, b the 64
-// rows of `b_rows` (both [.][ldh] 16-bit tiles), i.e. every dot product of an a row with a b row.
-template <int D, class Dt>
-__device__ __forceinline__ void row_dots(float* out, const Dt* a_rows, const Dt* b_rows) {
-  using L = Layout<D>;
+// c[N / 8] (a [16 x N] result) = a b^T with a the warp's 16 rows of a [.][ld] tile (row-major, D columns) and b
+// the N rows of another: every dot product of an a row with a b row.
+template <class Dt, int D, int N>
+__device__ __forceinline__ void row_dots(float (&c)[N / 8][4], const Dt* a_rows, const Dt* b_rows) {
+  constexpr int ld = Layout<D>::ld;
+  const int lane = threadIdx.x % 32;
 #pragma unroll
-  for (int n = 0; n < kRows / 16; ++n) {
-    FragC c;
-    wmma::fill_fragment(c, 0.0f);
+  for (int nt = 0; nt < N / 8; ++nt) c[nt][0] = c[nt][1] = c[nt][2] = c[nt][3] = 0.0f;
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      FragA<Dt> a;
-      FragB<Dt, wmma::col_major> b;
-      wmma::load_matrix_sync(a, a_rows + kk * 16, L::ldh);
-      wmma::load_matrix_sync(b, b_rows + n * 16 * L::ldh + kk * 16, L::ldh);
-      wmma::mma_sync(c, a, b, c);
-    }
-    wmma::store_matrix_sync(out + n * 16, c, L::lds, wmma::mem_row_major);
-  }
-}
-
-// acc[dn] (16 x 16 blocks of a 16 x D result) += p[16 x 64] x[64 x D]: p the warp's rows of a [.][ldp]
-// 16-bit tile, x a [64][ldh] tile.
-template <int D, class Dt>
-__device__ __forceinline__ void accumulate_products(FragC (&acc)[D / 16], const Dt* p_rows, const Dt* x) {
-  using L = Layout<D>;
+  for (int kk = 0; kk < D / 16; ++kk) {
+    uint32_t a[4];
+    ldmatrix_x4(a, a_rows + (lane % 16) * ld + kk * 16 + (lane / 16) * 8);
 #pragma unroll
-  for (int kk = 0; kk < kRows / 16; ++kk) {
-    FragA<Dt> a;
-    wmma::load_matrix_sync(a, p_rows + kk * 16, L::ldp);
-#pragma unroll
-    for (int dn = 0; dn < D / 16; ++dn) {
-      FragB<Dt, wmma::row_major> b;
-      wmma::load_matrix_sync(b, x + kk * 16 * L::ldh + dn * 16, L::ldh);
-      wmma::mma_sync(acc[dn], a, b, acc[dn]);
+    for (int np = 0; np < N / 16; ++np) {
+      uint32_t b[4];  // column tiles 2 np and 2 np + 1, each its k halves
+      ldmatrix_x4(b, b_rows + (np * 16 + (lane / 16) * 8 + lane % 8) * ld + kk * 16 + ((lane / 8) % 2) * 8);
+      mma<Dt>(c[2 * np], a, b[0], b[1]);
+      mma<Dt>(c[2 * np + 1], a, b[2], b[3]);
     }
   }
 }
 
-// The warp's accumulators through its rows of the fp32 staging tile into row `t` of a head (scaled, rounded
-// once), lane pair by lane pair; nothing for rows past T.
-template <int D, class Dt>
-__device__ __forceinline__ void store_rows(FragC (&acc)[D / 16], float* stage, int warp, int row, int half,
-                                           Dt* dst_row, bool valid, float scale) {
-  using L = Layout<D>;
+// acc[D / 8] (a [16 x D] result) += a x with a the A operands of a [16 x N] matrix and x the N rows of a
+// [.][ld] tile (row-major, D columns).
+template <class Dt, int D, int N>
+__device__ __forceinline__ void accumulate_products(float (&acc)[D / 8][4], const uint32_t (&a)[N / 16][4],
+                                                    const Dt* x) {
+  constexpr int ld = Layout<D>::ld;
+  const int lane = threadIdx.x % 32;
 #pragma unroll
-  for (int dn = 0; dn < D / 16; ++dn)
-    wmma::store_matrix_sync(stage + warp * 16 * L::ldo + dn * 16, acc[dn], L::ldo, wmma::mem_row_major);
-  __syncwarp();
-  if (valid)
-    for (int d = half * (D / 2); d < (half + 1) * (D / 2); ++d) dst_row[d] = store<Dt>(scale * stage[row * L::ldo + d]);
-  __syncwarp();
+  for (int kk = 0; kk < N / 16; ++kk) {
+#pragma unroll
+    for (int dp = 0; dp < D / 16; ++dp) {
+      uint32_t b[4];  // column tiles 2 dp and 2 dp + 1, each its k halves
+      ldmatrix_x4_trans(b, x + (kk * 16 + ((lane / 8) % 2) * 8 + lane % 8) * ld + dp * 16 + (lane / 16) * 8);
+      mma<Dt>(acc[2 * dp], a[kk], b[0], b[1]);
+      mma<Dt>(acc[2 * dp + 1], a[kk], b[2], b[3]);
+    }
+  }
+}
+
+// Row r of the warp's accumulators (half 0: row g, half 1: row g + 8) times `scale`, rounded once, into dst.
+template <class Dt, int D>
+__device__ __forceinline__ void store_row(Dt* dst, const float (&acc)[D / 8][4], int half, float scale) {
+  const int t = threadIdx.x % 4;
+  const bool pairs = (reinterpret_cast<uintptr_t>(dst) & 3) == 0;
+#pragma unroll
+  for (int dn = 0; dn < D / 8; ++dn) {
+    const float x0 = scale * acc[dn][2 * half], x1 = scale * acc[dn][2 * half + 1];
+    Dt* p = dst + dn * 8 + 2 * t;
+    if (pairs) {
+      *reinterpret_cast<uint32_t*>(p) = round_pair<Dt>(x0, x1);
+    } else {
+      p[0] = store<Dt>(x0);
+      p[1] = store<Dt>(x1);
+    }
+  }
+}
+
+// The query tile of a block whose blockIdx.y counts the tiles from the last: the heaviest (most key tiles
+// under the diagonal) is scheduled first.
+__device__ __forceinline__ int64_t heaviest_first_query_tile() { return gridDim.y - 1 - blockIdx.y; }
+
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
 template <class Dt, int D>
 __global__ void __launch_bounds__(kThreads)
     forward_kernel(Heads<const Dt> q, Heads<const Dt> k, Heads<const Dt> v, Heads<Dt> out, float* lse, int64_t T,
                    float scale) {
-  using L = Layout<D>;
+  constexpr int N = Layout<D>::nf, ld = Layout<D>::ld;
   extern __shared__ __align__(128) unsigned char smem[];
   Dt* q_tile = reinterpret_cast<Dt*>(smem);
-  Dt* k_tile = q_tile + L::half_tile;
-  Dt* v_tile = k_tile + L::half_tile;
-  Dt* p_tile = v_tile + L::half_tile;
-  float* s_tile = reinterpret_cast<float*>(p_tile + L::p_tile);
-  float* o_tile = s_tile + L::s_tile;
-  const int64_t bh = blockIdx.x;
-  const int query_tile = heaviest_first_query_tile();
-  const int64_t q0 = static_cast<int64_t>(query_tile) * kRows;
-  const auto [warp, row, half] = row_lane();
-  const int64_t i = q0 + row;
-  load_rows<D>(q_tile, q.head(bh), q.sT, q0, T);
-  for (int index = threadIdx.x; index < kRows * L::ldo; index += kThreads) o_tile[index] = 0.0f;
-  float m = -INFINITY, l = 0.0f;
-  float* s_row = s_tile + row * L::lds + half * 32;
-  Dt* p_row = p_tile + row * L::ldp + half * 32;
-  float* o_row = o_tile + row * L::ldo + half * (D / 2);
-  for (int key_tile = 0; key_tile <= query_tile; ++key_tile) {
-    const int64_t j0 = static_cast<int64_t>(key_tile) * kRows;
-    __syncthreads();  // the previous tile's k and v are no longer read
-    load_rows<D>(k_tile, k.head(bh), k.sT, j0, T);
-    load_rows<D>(v_tile, v.head(bh), v.sT, j0, T);
+  Dt* stages = q_tile + kRows * ld;  // stage s: k rows at stages + 2 s N ld, v rows N ld after
+  const int64_t bh = blockIdx.x, q0 = heaviest_first_query_tile() * kRows;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t row_lo = q0 + warp * 16 + lane / 4, row_hi = row_lo + 8;
+  const float scale2 = scale * kLog2e;
+  const int64_t key_end = T < q0 + kRows ? T : q0 + kRows;  // keys this block's rows see
+  const int tiles = static_cast<int>((key_end + N - 1) / N);
+
+  load_rows<D, kRows>(q_tile, q.head(bh), q.sT, q0, T);
+  load_rows<D, N>(stages, k.head(bh), k.sT, 0, T);
+  load_rows<D, N>(stages + N * ld, v.head(bh), v.sT, 0, T);
+  cp_async_commit();
+
+  float o[D / 8][4];
+#pragma unroll
+  for (int dn = 0; dn < D / 8; ++dn) o[dn][0] = o[dn][1] = o[dn][2] = o[dn][3] = 0.0f;
+  float m_lo = -INFINITY, m_hi = -INFINITY, l_lo = 0.0f, l_hi = 0.0f;  // m in log2 units; l the lane's part
+  for (int tile = 0; tile < tiles; ++tile) {
+    const int64_t j0 = static_cast<int64_t>(tile) * N;
+    const Dt* k_tile = stages + (tile % 2) * 2 * N * ld;
+    const Dt* v_tile = k_tile + N * ld;
+    if (tile + 1 < tiles) {
+      Dt* next = stages + ((tile + 1) % 2) * 2 * N * ld;
+      load_rows<D, N>(next, k.head(bh), k.sT, j0 + N, T);
+      load_rows<D, N>(next + N * ld, v.head(bh), v.sT, j0 + N, T);
+    }
+    cp_async_commit();
+    cp_async_wait<1>();  // this tile (and q) has landed
     __syncthreads();
-    row_dots<D>(s_tile + warp * 16 * L::lds, q_tile + warp * 16 * L::ldh, k_tile);
-    __syncwarp();
-    float s[32];
-    float tile_max = -INFINITY;
+    float s[N / 8][4];
+    row_dots<Dt, D, N>(s, q_tile + warp * 16 * ld, k_tile);
+    // Scale to log2 units and mask the keys after each row (and past T, which only rows past T could see).
+    const bool masked = j0 + N - 1 > q0 + warp * 16;
+    float max_lo = -INFINITY, max_hi = -INFINITY;
 #pragma unroll
-    for (int c = 0; c < 32; ++c) {
-      const int64_t j = j0 + half * 32 + c;
-      s[c] = (i < T && j <= i) ? scale * s_row[c] : -INFINITY;
-      tile_max = fmaxf(tile_max, s[c]);
+    for (int nt = 0; nt < N / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int64_t j = j0 + nt * 8 + 2 * (lane % 4) + e;
+        s[nt][e] = masked && j > row_lo ? -INFINITY : s[nt][e] * scale2;
+        s[nt][2 + e] = masked && j > row_hi ? -INFINITY : s[nt][2 + e] * scale2;
+        max_lo = fmaxf(max_lo, s[nt][e]);
+        max_hi = fmaxf(max_hi, s[nt][2 + e]);
+      }
+    const float new_lo = fmaxf(m_lo, quad_max(max_lo)), new_hi = fmaxf(m_hi, quad_max(max_hi));
+    // A row that has seen no key yet keeps m = -inf: subtract 0 instead (its p are all 0).
+    const float base_lo = new_lo == -INFINITY ? 0.0f : new_lo, base_hi = new_hi == -INFINITY ? 0.0f : new_hi;
+    const float alpha_lo = exp2f(m_lo - base_lo), alpha_hi = exp2f(m_hi - base_hi);  // 0 on the first keys
+    m_lo = new_lo;
+    m_hi = new_hi;
+#pragma unroll
+    for (int nt = 0; nt < N / 8; ++nt) {
+      s[nt][0] = exp2f(s[nt][0] - base_lo);
+      s[nt][1] = exp2f(s[nt][1] - base_lo);
+      s[nt][2] = exp2f(s[nt][2] - base_hi);
+      s[nt][3] = exp2f(s[nt][3] - base_hi);
     }
-    tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
-    const float m_new = fmaxf(m, tile_max);
-    const float alpha = m_new == -INFINITY ? 1.0f : expf(m - m_new);  // 0 for the first visible tile
-    float p_sum = 0.0f;
+    uint32_t p[N / 16][4];
+    float sum_lo = 0.0f, sum_hi = 0.0f;
+    to_operand<Dt, N>(p, s, sum_lo, sum_hi);
+    l_lo = l_lo * alpha_lo + sum_lo;
+    l_hi = l_hi * alpha_hi + sum_hi;
 #pragma unroll
-    for (int c = 0; c < 32; ++c) {
-      const Dt p = store<Dt>(s[c] == -INFINITY ? 0.0f : expf(s[c] - m_new));
-      p_row[c] = p;
-      p_sum += load_as<float>(p);
+    for (int dn = 0; dn < D / 8; ++dn) {
+      o[dn][0] *= alpha_lo;
+      o[dn][1] *= alpha_lo;
+      o[dn][2] *= alpha_hi;
+      o[dn][3] *= alpha_hi;
     }
-    p_sum += __shfl_xor_sync(0xffffffffu, p_sum, 1);
-    l = l * alpha + p_sum;
-    m = m_new;
-    for (int d = 0; d < D / 2; ++d) o_row[d] *= alpha;
-    __syncwarp();
-    FragC o[D / 16];
-#pragma unroll
-    for (int dn = 0; dn < D / 16; ++dn)
-      wmma::load_matrix_sync(o[dn], o_tile + warp * 16 * L::ldo + dn * 16, L::ldo, wmma::mem_row_major);
-    accumulate_products<D>(o, p_tile + warp * 16 * L::ldp, v_tile);
-#pragma unroll
-    for (int dn = 0; dn < D / 16; ++dn)
-      wmma::store_matrix_sync(o_tile + warp * 16 * L::ldo + dn * 16, o[dn], L::ldo, wmma::mem_row_major);
-    __syncwarp();
+    accumulate_products<Dt, D, N>(o, p, v_tile);
+    __syncthreads();  // every warp is done with this stage before it is refilled
   }
-  if (i < T) {
-    Dt* dst = out.head(bh) + i * out.sT + half * (D / 2);
-    for (int d = 0; d < D / 2; ++d) dst[d] = store<Dt>(o_row[d] / l);
-    if (half == 0) lse[bh * T + i] = m + logf(l);
+  l_lo = quad_sum(l_lo);
+  l_hi = quad_sum(l_hi);
+  // A row below T sees key 0 at least, so l >= 1 (the max term is 2^0).
+  if (row_lo < T) store_row<Dt, D>(out.head(bh) + row_lo * out.sT, o, 0, 1.0f / l_lo);
+  if (row_hi < T) store_row<Dt, D>(out.head(bh) + row_hi * out.sT, o, 1, 1.0f / l_hi);
+  if (lane % 4 == 0) {
+    if (row_lo < T) lse[bh * T + row_lo] = m_lo * kLn2 + logf(l_lo);
+    if (row_hi < T) lse[bh * T + row_hi] = m_hi * kLn2 + logf(l_hi);
   }
 }
 
-// dk, dv for 64 key rows (block (bh, key tile)); streams the query tiles at or after the diagonal.
+// dk, dv for 64 key rows (block (bh, key tile); blockIdx.y 0, the heaviest, first); streams the query tiles
+// at or after the diagonal.
 template <class Dt, int D>
 __global__ void __launch_bounds__(kThreads)
     backward_dkdv_kernel(Heads<const Dt> q, Heads<const Dt> k, Heads<const Dt> v, Heads<const Dt> grad_out,
                          const float* lse, const float* delta, Heads<Dt> grad_k, Heads<Dt> grad_v, int64_t T,
                          float scale) {
-  using L = Layout<D>;
+  constexpr int N = Layout<D>::nb, ld = Layout<D>::ld;
   extern __shared__ __align__(128) unsigned char smem[];
   Dt* k_tile = reinterpret_cast<Dt*>(smem);
-  Dt* v_tile = k_tile + L::half_tile;
-  Dt* q_tile = v_tile + L::half_tile;
-  Dt* do_tile = q_tile + L::half_tile;
-  Dt* p_tile = do_tile + L::half_tile;
-  Dt* ds_tile = p_tile + L::p_tile;
-  float* s_tile = reinterpret_cast<float*>(ds_tile + L::p_tile);
-  float* dp_tile = s_tile + L::s_tile;
-  float* lse_tile = dp_tile + L::s_tile;
-  float* delta_tile = lse_tile + kRows;
-  const int64_t bh = blockIdx.x, k0 = static_cast<int64_t>(blockIdx.y) * kRows;  // blockIdx.y 0 is heaviest
-  const auto [warp, row, half] = row_lane();
-  const int64_t j = k0 + row;
-  load_rows<D>(k_tile, k.head(bh), k.sT, k0, T);
-  load_rows<D>(v_tile, v.head(bh), v.sT, k0, T);
-  FragC dk[D / 16], dv[D / 16];
+  Dt* v_tile = k_tile + kRows * ld;
+  Dt* stages = v_tile + kRows * ld;  // stage s: q rows at stages + 2 s N ld, do rows N ld after
+  float* stats = reinterpret_cast<float*>(stages + 2 * 2 * N * ld);  // stage s: lse2 at stats + 2 s N, delta after
+  const int64_t bh = blockIdx.x, k0 = static_cast<int64_t>(blockIdx.y) * kRows;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t key_lo = k0 + warp * 16 + lane / 4, key_hi = key_lo + 8;
+  const float scale2 = scale * kLog2e;
+  const int tiles = static_cast<int>((T - k0 + N - 1) / N);  // query rows before k0 see none of these keys
+  const float* lse_head = lse + bh * T;
+  const float* delta_head = delta + bh * T;
+
+  auto load_stage = [&](int tile) {
+    const int64_t i0 = k0 + static_cast<int64_t>(tile) * N;
+    Dt* q_stage = stages + (tile % 2) * 2 * N * ld;
+    load_rows<D, N>(q_stage, q.head(bh), q.sT, i0, T);
+    load_rows<D, N>(q_stage + N * ld, grad_out.head(bh), grad_out.sT, i0, T);
+    float* st = stats + (tile % 2) * 2 * N;
+    for (int c = threadIdx.x; c < N; c += kThreads) {
+      const bool in = i0 + c < T;
+      st[c] = in ? lse_head[i0 + c] * kLog2e : 0.0f;
+      st[N + c] = in ? delta_head[i0 + c] : 0.0f;
+    }
+  };
+  load_rows<D, kRows>(k_tile, k.head(bh), k.sT, k0, T);
+  load_rows<D, kRows>(v_tile, v.head(bh), v.sT, k0, T);
+  load_stage(0);
+  cp_async_commit();
+
+  float dk[D / 8][4], dv[D / 8][4];
 #pragma unroll
-  for (int dn = 0; dn < D / 16; ++dn) {
-    wmma::fill_fragment(dk[dn], 0.0f);
-    wmma::fill_fragment(dv[dn], 0.0f);
-  }
-  const int64_t tiles = (T + kRows - 1) / kRows;
-  for (int64_t query_tile = blockIdx.y; query_tile < tiles; ++query_tile) {
-    const int64_t i0 = query_tile * kRows;
+  for (int dn = 0; dn < D / 8; ++dn) dk[dn][0] = dk[dn][1] = dk[dn][2] = dk[dn][3] = dv[dn][0] = dv[dn][1] =
+      dv[dn][2] = dv[dn][3] = 0.0f;
+  for (int tile = 0; tile < tiles; ++tile) {
+    const int64_t i0 = k0 + static_cast<int64_t>(tile) * N;
+    const Dt* q_stage = stages + (tile % 2) * 2 * N * ld;
+    const Dt* do_stage = q_stage + N * ld;
+    const float* lse2 = stats + (tile % 2) * 2 * N;
+    const float* delta_stage = lse2 + N;
+    if (tile + 1 < tiles) load_stage(tile + 1);
+    cp_async_commit();
+    cp_async_wait<1>();
     __syncthreads();
-    load_rows<D>(q_tile, q.head(bh), q.sT, i0, T);
-    load_rows<D>(do_tile, grad_out.head(bh), grad_out.sT, i0, T);
-    for (int c = threadIdx.x; c < kRows; c += kThreads) {
-      lse_tile[c] = i0 + c < T ? lse[bh * T + i0 + c] : 0.0f;
-      delta_tile[c] = i0 + c < T ? delta[bh * T + i0 + c] : 0.0f;
-    }
-    __syncthreads();
-    // s^T = k q^T and dp^T = v do^T for the warp's 16 keys and the tile's 64 queries.
-    row_dots<D>(s_tile + warp * 16 * L::lds, k_tile + warp * 16 * L::ldh, q_tile);
-    row_dots<D>(dp_tile + warp * 16 * L::lds, v_tile + warp * 16 * L::ldh, do_tile);
-    __syncwarp();
-#pragma unroll 4
-    for (int c = half * 32; c < half * 32 + 32; ++c) {
-      const int64_t i = i0 + c;
-      float p = 0.0f, ds = 0.0f;
-      if (j < T && i < T && i >= j) {
-        p = expf(scale * s_tile[row * L::lds + c] - lse_tile[c]);
-        ds = p * (dp_tile[row * L::lds + c] - delta_tile[c]);
+    // s^T = k q^T and dp^T = v do^T: the warp's 16 keys against the tile's N queries.
+    float s[N / 8][4], dp[N / 8][4];
+    row_dots<Dt, D, N>(s, k_tile + warp * 16 * ld, q_stage);
+    row_dots<Dt, D, N>(dp, v_tile + warp * 16 * ld, do_stage);
+    // Query i sees key j where i >= j (and i < T): masking is needed on the diagonal tiles and past T.
+    const bool masked = i0 < k0 + warp * 16 + 16 || i0 + N > T;
+#pragma unroll
+    for (int nt = 0; nt < N / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int c = nt * 8 + 2 * (lane % 4) + e;
+        const int64_t i = i0 + c;
+        float p_lo = exp2f(s[nt][e] * scale2 - lse2[c]), p_hi = exp2f(s[nt][2 + e] * scale2 - lse2[c]);
+        if (masked) {
+          if (i < key_lo || i >= T) p_lo = 0.0f;
+          if (i < key_hi || i >= T) p_hi = 0.0f;
+        }
+        s[nt][e] = p_lo;
+        s[nt][2 + e] = p_hi;
+        dp[nt][e] = p_lo * (dp[nt][e] - delta_stage[c]);
+        dp[nt][2 + e] = p_hi * (dp[nt][2 + e] - delta_stage[c]);
       }
-      p_tile[row * L::ldp + c] = store<Dt>(p);
-      ds_tile[row * L::ldp + c] = store<Dt>(ds);
-    }
-    __syncwarp();
-    accumulate_products<D>(dv, p_tile + warp * 16 * L::ldp, do_tile);   // dv += p^T do
-    accumulate_products<D>(dk, ds_tile + warp * 16 * L::ldp, q_tile);   // dk += ds^T q
+    uint32_t p_op[N / 16][4], ds_op[N / 16][4];
+    float unused_lo = 0.0f, unused_hi = 0.0f;
+    to_operand<Dt, N>(p_op, s, unused_lo, unused_hi);
+    to_operand<Dt, N>(ds_op, dp, unused_lo, unused_hi);
+    accumulate_products<Dt, D, N>(dv, p_op, do_stage);  // dv += p^T do
+    accumulate_products<Dt, D, N>(dk, ds_op, q_stage);  // dk += ds^T q
+    __syncthreads();
   }
-  __syncthreads();  // the staging rows below span other warps' score rows
-  store_rows<D>(dk, s_tile, warp, row, half, grad_k.head(bh) + j * grad_k.sT, j < T, scale);
-  store_rows<D>(dv, s_tile, warp, row, half, grad_v.head(bh) + j * grad_v.sT, j < T, 1.0f);
+  if (key_lo < T) {
+    store_row<Dt, D>(grad_k.head(bh) + key_lo * grad_k.sT, dk, 0, scale);
+    store_row<Dt, D>(grad_v.head(bh) + key_lo * grad_v.sT, dv, 0, 1.0f);
+  }
+  if (key_hi < T) {
+    store_row<Dt, D>(grad_k.head(bh) + key_hi * grad_k.sT, dk, 1, scale);
+    store_row<Dt, D>(grad_v.head(bh) + key_hi * grad_v.sT, dv, 1, 1.0f);
+  }
 }
 
 // dq for 64 query rows (block (bh, query tile)); streams the key tiles at or before the diagonal.
@@ -621,50 +747,68 @@ template <class Dt, int D>
 __global__ void __launch_bounds__(kThreads)
     backward_dq_kernel(Heads<const Dt> q, Heads<const Dt> k, Heads<const Dt> v, Heads<const Dt> grad_out,
                        const float* lse, const float* delta, Heads<Dt> grad_q, int64_t T, float scale) {
-  using L = Layout<D>;
+  constexpr int N = Layout<D>::nb, ld = Layout<D>::ld;
   extern __shared__ __align__(128) unsigned char smem[];
   Dt* q_tile = reinterpret_cast<Dt*>(smem);
-  Dt* do_tile = q_tile + L::half_tile;
-  Dt* k_tile = do_tile + L::half_tile;
-  Dt* v_tile = k_tile + L::half_tile;
-  Dt* ds_tile = v_tile + L::half_tile;
-  float* s_tile = reinterpret_cast<float*>(ds_tile + L::p_tile);
-  float* dp_tile = s_tile + L::s_tile;
-  const int64_t bh = blockIdx.x;
-  const int query_tile = heaviest_first_query_tile();
-  const int64_t q0 = static_cast<int64_t>(query_tile) * kRows;
-  const auto [warp, row, half] = row_lane();
-  const int64_t i = q0 + row;
-  const float row_lse = i < T ? lse[bh * T + i] : 0.0f, row_delta = i < T ? delta[bh * T + i] : 0.0f;
-  load_rows<D>(q_tile, q.head(bh), q.sT, q0, T);
-  load_rows<D>(do_tile, grad_out.head(bh), grad_out.sT, q0, T);
-  FragC dq[D / 16];
+  Dt* do_tile = q_tile + kRows * ld;
+  Dt* stages = do_tile + kRows * ld;  // stage s: k rows at stages + 2 s N ld, v rows N ld after
+  const int64_t bh = blockIdx.x, q0 = heaviest_first_query_tile() * kRows;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t row_lo = q0 + warp * 16 + lane / 4, row_hi = row_lo + 8;
+  const float scale2 = scale * kLog2e;
+  const float lse2_lo = row_lo < T ? lse[bh * T + row_lo] * kLog2e : 0.0f;
+  const float lse2_hi = row_hi < T ? lse[bh * T + row_hi] * kLog2e : 0.0f;
+  const float delta_lo = row_lo < T ? delta[bh * T + row_lo] : 0.0f;
+  const float delta_hi = row_hi < T ? delta[bh * T + row_hi] : 0.0f;
+  const int64_t key_end = T < q0 + kRows ? T : q0 + kRows;
+  const int tiles = static_cast<int>((key_end + N - 1) / N);
+
+  load_rows<D, kRows>(q_tile, q.head(bh), q.sT, q0, T);
+  load_rows<D, kRows>(do_tile, grad_out.head(bh), grad_out.sT, q0, T);
+  load_rows<D, N>(stages, k.head(bh), k.sT, 0, T);
+  load_rows<D, N>(stages + N * ld, v.head(bh), v.sT, 0, T);
+  cp_async_commit();
+
+  float dq[D / 8][4];
 #pragma unroll
-  for (int dn = 0; dn < D / 16; ++dn) wmma::fill_fragment(dq[dn], 0.0f);
-  for (int key_tile = 0; key_tile <= query_tile; ++key_tile) {
-    const int64_t j0 = static_cast<int64_t>(key_tile) * kRows;
-    __syncthreads();
-    load_rows<D>(k_tile, k.head(bh), k.sT, j0, T);
-    load_rows<D>(v_tile, v.head(bh), v.sT, j0, T);
-    __syncthreads();
-    row_dots<D>(s_tile + warp * 16 * L::lds, q_tile + warp * 16 * L::ldh, k_tile);    // s = q k^T
-    row_dots<D>(dp_tile + warp * 16 * L::lds, do_tile + warp * 16 * L::ldh, v_tile);  // dp = do v^T
-    __syncwarp();
-#pragma unroll 4
-    for (int c = half * 32; c < half * 32 + 32; ++c) {
-      const int64_t jc = j0 + c;
-      float ds = 0.0f;
-      if (i < T && jc <= i) {
-        const float p = expf(scale * s_tile[row * L::lds + c] - row_lse);
-        ds = p * (dp_tile[row * L::lds + c] - row_delta);
-      }
-      ds_tile[row * L::ldp + c] = store<Dt>(ds);
+  for (int dn = 0; dn < D / 8; ++dn) dq[dn][0] = dq[dn][1] = dq[dn][2] = dq[dn][3] = 0.0f;
+  for (int tile = 0; tile < tiles; ++tile) {
+    const int64_t j0 = static_cast<int64_t>(tile) * N;
+    const Dt* k_stage = stages + (tile % 2) * 2 * N * ld;
+    const Dt* v_stage = k_stage + N * ld;
+    if (tile + 1 < tiles) {
+      Dt* next = stages + ((tile + 1) % 2) * 2 * N * ld;
+      load_rows<D, N>(next, k.head(bh), k.sT, j0 + N, T);
+      load_rows<D, N>(next + N * ld, v.head(bh), v.sT, j0 + N, T);
     }
-    __syncwarp();
-    accumulate_products<D>(dq, ds_tile + warp * 16 * L::ldp, k_tile);  // dq += ds k
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();
+    float s[N / 8][4], dp[N / 8][4];
+    row_dots<Dt, D, N>(s, q_tile + warp * 16 * ld, k_stage);   // s = q k^T
+    row_dots<Dt, D, N>(dp, do_tile + warp * 16 * ld, v_stage);  // dp = do v^T
+    const bool masked = j0 + N - 1 > q0 + warp * 16;
+#pragma unroll
+    for (int nt = 0; nt < N / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int64_t j = j0 + nt * 8 + 2 * (lane % 4) + e;
+        float p_lo = exp2f(s[nt][e] * scale2 - lse2_lo), p_hi = exp2f(s[nt][2 + e] * scale2 - lse2_hi);
+        if (masked) {
+          if (j > row_lo) p_lo = 0.0f;
+          if (j > row_hi) p_hi = 0.0f;
+        }
+        dp[nt][e] = p_lo * (dp[nt][e] - delta_lo);
+        dp[nt][2 + e] = p_hi * (dp[nt][2 + e] - delta_hi);
+      }
+    uint32_t ds_op[N / 16][4];
+    float unused_lo = 0.0f, unused_hi = 0.0f;
+    to_operand<Dt, N>(ds_op, dp, unused_lo, unused_hi);
+    accumulate_products<Dt, D, N>(dq, ds_op, k_stage);  // dq += ds k
+    __syncthreads();
   }
-  __syncthreads();
-  store_rows<D>(dq, s_tile, warp, row, half, grad_q.head(bh) + i * grad_q.sT, i < T, scale);
+  if (row_lo < T) store_row<Dt, D>(grad_q.head(bh) + row_lo * grad_q.sT, dq, 0, scale);
+  if (row_hi < T) store_row<Dt, D>(grad_q.head(bh) + row_hi * grad_q.sT, dq, 1, scale);
 }
 
 // Opts a kernel into more than 48 KiB of dynamic shared memory (once per instantiation and device; cheap).
