@@ -53,9 +53,13 @@ Tensor heads_view(const Tensor& x, int64_t first, int64_t H, int64_t D) {
 }  // namespace
 
 Tensor softmax_cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore_index) {
-  // Only the logits take part in autocast; the integer targets are never cast.
-  if (const auto cast = autocast_inputs(AutocastOp::SoftmaxCrossEntropy, logits)) [[unlikely]]
-    return softmax_cross_entropy((*cast)[0], targets, ignore_index);
+  // Only the logits take part in autocast; the integer targets are never cast. Under the op's Fp32 policy,
+  // f16/bf16 logits are read in place rather than widened first: the kernels compute in fp32 and give the f32
+  // loss of the widened logits, and their gradient rounded once to the logits' dtype, bit for bit (tested:
+  // Autocast.CrossEntropyReadsSixteenBitLogitsInPlace), without the cast's [N, V] f32 copy each way.
+  if (!is_low_precision(logits.dtype()))
+    if (const auto cast = autocast_inputs(AutocastOp::SoftmaxCrossEntropy, logits)) [[unlikely]]
+      return softmax_cross_entropy((*cast)[0], targets, ignore_index);
   const char* op = "softmax_cross_entropy";
   check(logits.defined() && targets.defined(), op, ": logits ", logits.described(), " and targets ",
         targets.described(), " must both be defined");

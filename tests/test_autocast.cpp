@@ -16,6 +16,7 @@
 #include "autograd/autograd.h"
 #include "nn/gpt.h"
 #include "tensor/ops.h"
+#include "tests/cross_entropy_in_place.h"
 #include "tests/test_util.h"
 
 namespace mixtape {
@@ -145,6 +146,11 @@ TEST(AutocastPolicy, KernelPromotionGivesTheHooksBitsAndGradients) {
   const size_t bytes = testing::peak_extra_bytes([&] { add(stream, branch); });
   EXPECT_GE(bytes, static_cast<size_t>(n) * 4);
   EXPECT_LT(bytes, static_cast<size_t>(n) * 8);
+}
+
+// The one Fp32 op that reads 16-bit inputs in place: its kernels compute in fp32 on the widened values.
+TEST(AutocastPolicy, CrossEntropyReadsSixteenBitLogitsInPlace) {
+  testing::expect_cross_entropy_reads_sixteen_bit_logits_in_place(Device::cpu());
 }
 
 TEST(AutocastPolicy, OpsOutsideTheTableKeepTheirInputDtype) {

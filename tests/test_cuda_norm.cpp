@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "autograd/autograd.h"
+#include "cross_entropy_in_place.h"
 #include "cuda_test_util.h"
 #include "tensor/ops.h"
 #include "test_util.h"
@@ -342,6 +343,13 @@ TEST(CudaCrossEntropy, NonContiguousLogitsCustomIgnoreIndexAndReproducibleLoss) 
       EXPECT_TRUE(bitwise_equal(loss_g, first));
     }
   }
+}
+
+// 16-bit logits fold in the f32 kernel's order (groups of 4 whatever the storage width), so autocast reads
+// them in place: the same bits as the widened logits on the GPU too.
+TEST(CudaCrossEntropy, SixteenBitLogitsGiveTheWidenedLogitsBitsUnderAutocast) {
+  MIXTAPE_REQUIRE_CUDA();
+  mixtape::testing::expect_cross_entropy_reads_sixteen_bit_logits_in_place(cuda0());
 }
 
 TEST(CudaCrossEntropy, NoCountedRowGivesZeroLossAndZeroGradient) {

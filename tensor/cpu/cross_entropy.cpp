@@ -8,11 +8,18 @@
 //   grad_ij = (e^(x_ij - lse_i) - [j == t_i]) * g / count
 // straight into grad_logits: the softmax is never stored. f16/bf16 compute in float, f64 in double; lse is
 // stored in that accumulation type (f32, f64 for f64).
+//
+// A 16-bit row is widened into a float buffer and runs the f32 kernel's own row functions (the gradient row is
+// rounded once at the end), so 16-bit logits give bit for bit the loss, lse and (rounded) gradient of their
+// f32 copy: autocast's front end relies on that to read 16-bit logits in place (tensor/ops_fused.cpp).
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 
+#include "tensor/cpu/convert_block.h"
 #include "tensor/cpu/cpu_backend.h"
+#include "tensor/cpu/scratch.h"
 #include "tensor/cpu/strided.h"
 
 namespace mixtape::cpu {
@@ -44,17 +51,35 @@ int64_t counted_rows(const I* targets, int64_t N, int64_t ignore_index) {
 
 // log sum_j e^(x_j) of one row in A, shifted by the row max so that no exponential overflows. A row whose
 // max is infinite gets no shift (so all -inf gives -inf, a +inf gives +inf or NaN, as the math does).
-template <class T, class A>
-A row_log_sum_exp(const T* __restrict x, int64_t V) {
+// Not inlined: the f32 rows and the widened 16-bit rows run this one compiled loop (the same bits).
+template <class A>
+[[gnu::noinline]] A row_log_sum_exp(const A* __restrict x, int64_t V) {
   A m = -std::numeric_limits<A>::infinity();
 #pragma omp simd reduction(max : m)
-  for (int64_t j = 0; j < V; ++j) m = std::max(m, convert<A>(x[j]));
+  for (int64_t j = 0; j < V; ++j) m = std::max(m, x[j]);
   const A shift = std::isfinite(m) ? m : A(0);
   A sum = 0;
 #pragma omp simd reduction(+ : sum)
-  for (int64_t j = 0; j < V; ++j) sum += std::exp(convert<A>(x[j]) - shift);
+  for (int64_t j = 0; j < V; ++j) sum += std::exp(x[j] - shift);
   return shift + std::log(sum);
 }
+
+// One counted row's gradient: g_j = e^(x_j - l) * row_scale, and at the target (p - 1) formed in A before the
+// one rounding, so p close to 1 keeps its digits.
+template <class A>
+[[gnu::noinline]] void row_gradient(const A* __restrict x, A* __restrict g, int64_t V, int64_t t, A l,
+                                    A row_scale) {
+  for (int64_t j = 0; j < V; ++j) g[j] = std::exp(x[j] - l) * row_scale;
+  g[t] = (std::exp(x[t] - l) - A(1)) * row_scale;
+}
+
+// A float row for each thread of a region: the widened 16-bit row (and its gradient) for the f32 functions.
+struct FloatRows {
+  float* x;
+  float* g;
+  FloatRows(ScratchCarver& carver, int64_t V, bool gradient)
+      : x(carver.take<float>(V)), g(gradient ? carver.take<float>(V) : nullptr) {}
+};
 
 }  // namespace
 
@@ -73,8 +98,23 @@ void CpuBackend::softmax_cross_entropy(const Tensor& logits, const Tensor& targe
       const T* x = logits.data<T>();
       const I* target = targets.data<I>();
       A* lse_out = lse.data<A>();
-#pragma omp parallel for schedule(static) if (parallel_rows(N, V))
-      for (int64_t i = 0; i < N; ++i) lse_out[i] = row_log_sum_exp<T, A>(x + i * V, V);
+      const bool parallel = parallel_rows(N, V);
+      if constexpr (kSixteenBit<T>) {
+        const ThreadScratch scratch(scratch_bytes<FloatRows>(V, false), parallel);
+#pragma omp parallel if (parallel)
+        {
+          ScratchCarver carver = scratch.carver();
+          const FloatRows rows(carver, V, false);
+#pragma omp for schedule(static)
+          for (int64_t i = 0; i < N; ++i) {
+            widen_block(x + i * V, rows.x, V);
+            lse_out[i] = row_log_sum_exp<A>(rows.x, V);
+          }
+        }
+      } else {
+#pragma omp parallel for schedule(static) if (parallel)
+        for (int64_t i = 0; i < N; ++i) lse_out[i] = row_log_sum_exp<A>(x + i * V, V);
+      }
       // -log softmax(x_i)[t] = lse_i - x_{i,t}; summed in row order (thread-count independent) in double.
       double total = 0;
       int64_t count = 0;
@@ -111,19 +151,29 @@ void CpuBackend::softmax_cross_entropy_backward(const Tensor& grad_loss, const T
       const int64_t count = counted_rows(target, N, ignore_index);
       // d loss / d x_ij = (p_ij - [j == t_i]) / count for counted rows; the chain rule multiplies by g.
       const A row_scale = count > 0 ? grad_loss.data<A>()[0] / static_cast<A>(count) : A(0);
-#pragma omp parallel for schedule(static) if (parallel_rows(N, V))
-      for (int64_t i = 0; i < N; ++i) {
-        const T* xi = x + i * V;
-        T* gi = grad + i * V;
-        const int64_t t = static_cast<int64_t>(target[i]);
-        if (t == ignore_index) {
-          std::fill(gi, gi + V, convert<T>(A(0)));
-          continue;
+      const bool parallel = parallel_rows(N, V);
+      const ThreadScratch scratch(kSixteenBit<T> ? scratch_bytes<FloatRows>(V, true) : 0, parallel);
+#pragma omp parallel if (parallel)
+      {
+        ScratchCarver carver = scratch.carver();
+        const FloatRows rows(carver, kSixteenBit<T> ? V : 0, true);
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < N; ++i) {
+          const T* xi = x + i * V;
+          T* gi = grad + i * V;
+          const int64_t t = static_cast<int64_t>(target[i]);
+          if (t == ignore_index) {
+            std::fill(gi, gi + V, convert<T>(A(0)));
+            continue;
+          }
+          if constexpr (kSixteenBit<T>) {
+            widen_block(xi, rows.x, V);
+            row_gradient<A>(rows.x, rows.g, V, t, lse_in[i], row_scale);
+            narrow_block(rows.g, gi, V);
+          } else {
+            row_gradient<A>(xi, gi, V, t, lse_in[i], row_scale);
+          }
         }
-        const A l = lse_in[i];
-        for (int64_t j = 0; j < V; ++j) gi[j] = convert<T>(std::exp(convert<A>(xi[j]) - l) * row_scale);
-        // The target column: (p - 1) formed in A before the one rounding, so p close to 1 keeps its digits.
-        gi[t] = convert<T>((std::exp(convert<A>(xi[t]) - l) - A(1)) * row_scale);
       }
     });
   });

@@ -244,14 +244,19 @@ __device__ __forceinline__ A block_sum(A v, A* shared) {
   return block_reduce(v, shared, SumOp{});
 }
 
-// Group k of a row of n elements: elements [k * W, k * W + W) as A, W = Pack<D>::kSize. kVec: one 16-byte
-// load (the caller guarantees alignment and n % W == 0); otherwise element loads, elements past n read as 0
-// (callers skip them).
-template <class D, class A, bool kVec>
-__device__ __forceinline__ void load_group(const D* p, int64_t k, int64_t n, A (&out)[Pack<D>::kSize]) {
-  constexpr int W = Pack<D>::kSize;
+// W elements of D, aligned to their size: one vector load (16 bytes for W = Pack<D>::kSize).
+template <class D, int W>
+struct alignas(W * sizeof(D)) Group {
+  D v[W];
+};
+
+// Group k of a row of n elements: elements [k * W, k * W + W) as A (W = Pack<D>::kSize unless given). kVec: one
+// vector load (the caller guarantees alignment to W elements and n % W == 0); otherwise element loads,
+// elements past n read as 0 (callers skip them).
+template <class D, class A, bool kVec, int W = Pack<D>::kSize>
+__device__ __forceinline__ void load_group(const D* p, int64_t k, int64_t n, A (&out)[W]) {
   if constexpr (kVec) {
-    const Pack<D> pk = reinterpret_cast<const Pack<D>*>(p)[k];
+    const Group<D, W> pk = reinterpret_cast<const Group<D, W>*>(p)[k];
 #pragma unroll
     for (int e = 0; e < W; ++e) out[e] = load_as<A>(pk.v[e]);
   } else {
@@ -266,13 +271,13 @@ __device__ __forceinline__ void load_group(const D* p, int64_t k, int64_t n, A (
 // This thread's part of a fold over a row of n elements: acc = f(acc, element as A) over the elements of
 // groups threadIdx.x, threadIdx.x + blockDim.x, ... in order (elements past n skipped). block_reduce then
 // combines the threads' parts: a row statistic (sum, sum of squares, max, sum of exponentials) in two lines.
-template <class D, class A, bool kVec, class F>
+// The order depends on W (groups of W = Pack<D>::kSize elements unless given) and blockDim.x, not on kVec.
+template <class D, class A, bool kVec, int W = Pack<D>::kSize, class F>
 __device__ __forceinline__ A thread_row_fold(const D* row, int64_t n, A acc, F f) {
-  constexpr int W = Pack<D>::kSize;
   const int64_t groups = (n + W - 1) / W;
   for (int64_t k = threadIdx.x; k < groups; k += blockDim.x) {
     A v[W];
-    load_group<D, A, kVec>(row, k, n, v);
+    load_group<D, A, kVec, W>(row, k, n, v);
 #pragma unroll
     for (int e = 0; e < W; ++e)
       if (kVec || k * W + e < n) acc = f(acc, v[e]);

@@ -1,8 +1,11 @@
 // Softmax cross-entropy on CUDA: the forward and the fused backward, with the math of
 // tensor/cpu/cross_entropy.cpp (f16/bf16/f32 compute in float, f64 in double; lse saved in that type).
 //
-// Forward: one block per row of logits [N, V] (32..512 threads by V, 16-byte loads when aligned) computes
-//   lse_i = m + log(sum_j e^(x_ij - m)),  m = the row max (0 when it is not finite, as on the CPU);
+// Forward: one block per row of logits [N, V] (32..512 threads by V) computes
+//   lse_i = m + log(sum_j e^(x_ij - m)),  m = the row max (0 when it is not finite, as on the CPU),
+// folding the row in groups of kFold<D> elements (vector loads when aligned): 4 for f32 and for 16-bit logits
+// alike, so a 16-bit row folds exactly as its widened f32 copy does (the same threads, groups and tree: the
+// same bits; autocast's front end reads 16-bit logits in place because of it, tensor/ops_fused.cpp);
 // then one block sums (lse_i - x_{i, t_i}) over the counted rows in double in a fixed tree (thread t takes
 // rows t, t + 256, ...; a fixed shuffle/shared-memory tree combines them), so the loss is reproducible bit
 // for bit; loss = total / count, 0 when no row counts.
@@ -34,6 +37,19 @@ using rowwise::store_group;
 using rowwise::SumOp;
 using rowwise::thread_row_fold;
 
+// Additions, subtractions and products rounded on their own, never fused into an FMA with e^x's last product:
+// nvcc may contract differently in each instantiation, and the 16-bit kernels must give the f32 kernel's bits.
+__device__ __forceinline__ float add_rn(float a, float b) { return __fadd_rn(a, b); }
+__device__ __forceinline__ double add_rn(double a, double b) { return __dadd_rn(a, b); }
+__device__ __forceinline__ float sub_rn(float a, float b) { return __fsub_rn(a, b); }
+__device__ __forceinline__ double sub_rn(double a, double b) { return __dsub_rn(a, b); }
+__device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
+
+// Elements per group of the lse fold: the accumulation type's 16-byte width (4 for f32/f16/bf16, 2 for f64).
+template <class D>
+constexpr int kFold = Pack<device_acc_t<D>>::kSize;
+
 // lse[i] = log sum_j e^(x_ij), shifted by the row max when it is finite.
 template <class D, bool kVec>
 __global__ void row_lse_kernel(const D* __restrict__ logits, device_acc_t<D>* __restrict__ lse, int64_t N,
@@ -42,10 +58,10 @@ __global__ void row_lse_kernel(const D* __restrict__ logits, device_acc_t<D>* __
   __shared__ A shared[32];
   for (int64_t i = blockIdx.x; i < N; i += gridDim.x) {
     const D* xi = logits + i * V;
-    const A m = block_reduce(thread_row_fold<D, A, kVec>(xi, V, A(-INFINITY), MaxOp{}), shared, MaxOp{});
+    const A m = block_reduce(thread_row_fold<D, A, kVec, kFold<D>>(xi, V, A(-INFINITY), MaxOp{}), shared, MaxOp{});
     const A shift = isfinite(m) ? m : A(0);
     const A sum_exp =
-        thread_row_fold<D, A, kVec>(xi, V, A(0), [=](A acc, A v) { return acc + dev_exp(v - shift); });
+        thread_row_fold<D, A, kVec, kFold<D>>(xi, V, A(0), [=](A acc, A v) { return add_rn(acc, dev_exp(v - shift)); });
     const A sum = block_reduce(sum_exp, shared, SumOp{});
     if (threadIdx.x == 0) lse[i] = shift + dev_log(sum);
   }
@@ -111,12 +127,13 @@ __global__ void cross_entropy_backward_kernel(const device_acc_t<D>* __restrict_
 #pragma unroll
       for (int e = 0; e < W; ++e) {
         const int64_t j = k * W + e;
+        const A p = dev_exp(v[e] - l);
         if (ignored)
           o[e] = A(0);
         else if (j == t)  // (p - 1) formed in A before the one rounding
-          o[e] = (dev_exp(v[e] - l) - A(1)) * row_scale;
+          o[e] = mul_rn(sub_rn(p, A(1)), row_scale);
         else
-          o[e] = dev_exp(v[e] - l) * row_scale;
+          o[e] = mul_rn(p, row_scale);
       }
       store_group<D, A, kVec>(gi, k, V, o);
     }
@@ -154,8 +171,9 @@ void CudaBackend::softmax_cross_entropy(const Tensor& logits, const Tensor& targ
     const D* x = device_ptr<T>(logits);
     A* lse_out = static_cast<A*>(lse.data_ptr());
     if (N > 0) {
-      const int threads = row_threads((V + Pack<D>::kSize - 1) / Pack<D>::kSize);
-      if (can_vectorise<D>(V, {x}))
+      constexpr int W = kFold<D>;
+      const int threads = row_threads((V + W - 1) / W);
+      if (V % W == 0 && reinterpret_cast<uintptr_t>(x) % (W * sizeof(D)) == 0)
         row_lse_kernel<D, true><<<row_blocks(N), threads, 0, s>>>(x, lse_out, N, V);
       else
         row_lse_kernel<D, false><<<row_blocks(N), threads, 0, s>>>(x, lse_out, N, V);
