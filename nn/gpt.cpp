@@ -284,7 +284,9 @@ GPTOutput GPT::forward(const Tensor& idx, const Tensor& targets) {
   for (const auto& block : *h) x = (*block)(x);
   x = (*ln_f)(x);
   GPTOutput output;
-  output.logits = lm_head ? (*lm_head)(x) : matmul(x, wte->weight.mT());
+  // Tied: linear reads wte [V, C] in place (the GEMM transposes it), so autocast casts the leaf (contiguous, cached)
+  // rather than a transposed view, and its gradient arrives in wte's own layout.
+  output.logits = lm_head ? (*lm_head)(x) : linear(x, wte->weight);
   if (targets.defined()) {
     check(targets.shape() == idx.shape(), "GPT: targets ", targets.described(), " must have idx's shape ",
           idx.described());

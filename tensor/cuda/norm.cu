@@ -185,14 +185,26 @@ __global__ void norm_weight_partial_kernel(const D* __restrict__ g, const D* __r
 }
 
 // out[c] = sum over chunks (in order) of partial[chunk, c], rounded once; 0 when there are no chunks.
+// A few blocks of threads (one per column) each sum up to 1024 partials: the loads are issued kBatch at a time
+// before their (sequential, in-order) additions, so the time is a few memory latencies per batch, not one per
+// partial (~60 us -> a few us for [512 chunks, 768] on an H200; the same sums, the same bits).
 template <class D>
 __global__ void combine_partials_kernel(const device_acc_t<D>* __restrict__ partial, int64_t chunks, int64_t C,
                                         D* __restrict__ out) {
   using A = device_acc_t<D>;
+  constexpr int kBatch = 32;
   for (int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; c < C;
        c += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     A s = A(0);
-    for (int64_t k = 0; k < chunks; ++k) s += partial[k * C + c];
+    int64_t k = 0;
+    for (; k + kBatch <= chunks; k += kBatch) {
+      A v[kBatch];
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) v[u] = partial[(k + u) * C + c];
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) s += v[u];
+    }
+    for (; k < chunks; ++k) s += partial[k * C + c];
     out[c] = store<D>(s);
   }
 }
