@@ -2,7 +2,8 @@
 # Runs on a lent GPU machine, in the repository root, after bench/gpu/pack.sh filled .gpu/ here: every CUDA
 # test suite (one process each, so a crash or a sticky CUDA error stays in its suite), the NCCL tests at one
 # rank, a short train_gpt per precision on tinyshakespeare, bench_gpu_train beside PyTorch, bench_cuda_ops,
-# and with PROFILE=1 an ncu breakdown of a 2-layer bf16 step by kernel. Each stage runs only while the
+# with SANITIZE=1 compute-sanitizer (memcheck, racecheck) over the attention / norm / loss tests, and with
+# PROFILE=1 an ncu breakdown of a 2-layer bf16 step by kernel. Each stage runs only while the
 # BUDGET (seconds, default 300) lasts; logs land in $OUT.
 set -u
 t0=$(date +%s); deadline=$((t0 + ${BUDGET:-300}))
@@ -33,6 +34,15 @@ for s in $suites nccl; do
   grep -E '^\[  FAILED  \] [A-Za-z]+\.[A-Za-z]+ ' /tmp/logs/$s.log | sed 's/^/    /'
 done | tee "$OUT/summary.txt"
 grep -B2 -A14 'Failure' "$OUT/cuda_tests.log" | head -60
+
+if [ "${SANITIZE:-0}" = 1 ] && [ "$(left)" -gt 150 ]; then  # hand-written shared-memory pipelines: memcheck + racecheck
+  CS=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+  timeout 100 $CS --tool memcheck $B/mixtape_tests \
+    --gtest_filter='CudaAttention.*:CudaCrossEntropy.*:CudaLayerNorm.*:CudaRmsNorm.*' > "$OUT/memcheck.log" 2>&1
+  timeout 100 $CS --tool racecheck $B/mixtape_tests \
+    --gtest_filter='CudaAttention.TensorCore*:CudaAttention.TwoRuns*' > "$OUT/racecheck.log" 2>&1
+  grep -h -E 'ERROR SUMMARY|RACECHECK SUMMARY|^\[  (PASSED|FAILED) ' "$OUT/memcheck.log" "$OUT/racecheck.log"
+fi
 
 for p in fp32 bf16 fp16; do
   [ "$(left)" -gt 60 ] || break
