@@ -15,7 +15,6 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
-#include <type_traits>
 
 #include "tensor/cpu/convert_block.h"
 #include "tensor/cpu/cpu_backend.h"
@@ -73,12 +72,27 @@ template <class A>
   g[t] = (std::exp(x[t] - l) - A(1)) * row_scale;
 }
 
-// A float row for each thread of a region: the widened 16-bit row (and its gradient) for the f32 functions.
-struct FloatRows {
-  float* x;
-  float* g;
-  FloatRows(ScratchCarver& carver, int64_t V, bool gradient)
-      : x(carver.take<float>(V)), g(gradient ? carver.take<float>(V) : nullptr) {}
+// Each thread's float rows for the f32 row functions: a 16-bit row widened (and its gradient before the one
+// rounding); f32 and f64 rows are used in place and take no scratch.
+template <class T>
+struct AccRows {
+  float* x = nullptr;
+  float* g = nullptr;
+  AccRows(ScratchCarver& carver, int64_t V, bool gradient) {
+    if constexpr (kSixteenBit<T>) {
+      x = carver.take<float>(V);
+      if (gradient) g = carver.take<float>(V);
+    }
+  }
+  // The row as the accumulation type: itself, or widened into x.
+  const acc_t<T>* widened(const T* row, int64_t V) const {
+    if constexpr (kSixteenBit<T>) {
+      widen_block(row, x, V);
+      return x;
+    } else {
+      return row;
+    }
+  }
 };
 
 }  // namespace
@@ -99,21 +113,13 @@ void CpuBackend::softmax_cross_entropy(const Tensor& logits, const Tensor& targe
       const I* target = targets.data<I>();
       A* lse_out = lse.data<A>();
       const bool parallel = parallel_rows(N, V);
-      if constexpr (kSixteenBit<T>) {
-        const ThreadScratch scratch(scratch_bytes<FloatRows>(V, false), parallel);
+      const ThreadScratch scratch(scratch_bytes<AccRows<T>>(V, false), parallel);
 #pragma omp parallel if (parallel)
-        {
-          ScratchCarver carver = scratch.carver();
-          const FloatRows rows(carver, V, false);
+      {
+        ScratchCarver carver = scratch.carver();
+        const AccRows<T> rows(carver, V, false);
 #pragma omp for schedule(static)
-          for (int64_t i = 0; i < N; ++i) {
-            widen_block(x + i * V, rows.x, V);
-            lse_out[i] = row_log_sum_exp<A>(rows.x, V);
-          }
-        }
-      } else {
-#pragma omp parallel for schedule(static) if (parallel)
-        for (int64_t i = 0; i < N; ++i) lse_out[i] = row_log_sum_exp<A>(x + i * V, V);
+        for (int64_t i = 0; i < N; ++i) lse_out[i] = row_log_sum_exp<A>(rows.widened(x + i * V, V), V);
       }
       // -log softmax(x_i)[t] = lse_i - x_{i,t}; summed in row order (thread-count independent) in double.
       double total = 0;
@@ -152,11 +158,11 @@ void CpuBackend::softmax_cross_entropy_backward(const Tensor& grad_loss, const T
       // d loss / d x_ij = (p_ij - [j == t_i]) / count for counted rows; the chain rule multiplies by g.
       const A row_scale = count > 0 ? grad_loss.data<A>()[0] / static_cast<A>(count) : A(0);
       const bool parallel = parallel_rows(N, V);
-      const ThreadScratch scratch(kSixteenBit<T> ? scratch_bytes<FloatRows>(V, true) : 0, parallel);
+      const ThreadScratch scratch(scratch_bytes<AccRows<T>>(V, true), parallel);
 #pragma omp parallel if (parallel)
       {
         ScratchCarver carver = scratch.carver();
-        const FloatRows rows(carver, kSixteenBit<T> ? V : 0, true);
+        const AccRows<T> rows(carver, V, true);
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < N; ++i) {
           const T* xi = x + i * V;
@@ -164,11 +170,8 @@ void CpuBackend::softmax_cross_entropy_backward(const Tensor& grad_loss, const T
           const int64_t t = static_cast<int64_t>(target[i]);
           if (t == ignore_index) {
             std::fill(gi, gi + V, convert<T>(A(0)));
-            continue;
-          }
-          if constexpr (kSixteenBit<T>) {
-            widen_block(xi, rows.x, V);
-            row_gradient<A>(rows.x, rows.g, V, t, lse_in[i], row_scale);
+          } else if constexpr (kSixteenBit<T>) {
+            row_gradient<A>(rows.widened(xi, V), rows.g, V, t, lse_in[i], row_scale);
             narrow_block(rows.g, gi, V);
           } else {
             row_gradient<A>(xi, gi, V, t, lse_in[i], row_scale);

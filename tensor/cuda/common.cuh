@@ -174,12 +174,13 @@ __host__ __device__ __forceinline__ bool aligned16(const void* p) {
   return (reinterpret_cast<uintptr_t>(p) & 15) == 0;
 }
 
-// Whether rows of n elements of D can use 16-byte groups with these operands (null ones are ignored).
-template <class D>
+// Whether rows of n elements of D can use groups of W elements (16 bytes unless given) with these operands:
+// n a multiple of W and every pointer aligned to the group's size (null ones are ignored).
+template <class D, int W = Pack<D>::kSize>
 bool can_vectorise(int64_t n, std::initializer_list<const void*> pointers) {
-  if (n % Pack<D>::kSize != 0) return false;
+  if (n % W != 0) return false;
   for (const void* p : pointers)
-    if (p && !aligned16(p)) return false;
+    if (p && reinterpret_cast<uintptr_t>(p) % (W * sizeof(D)) != 0) return false;
   return true;
 }
 

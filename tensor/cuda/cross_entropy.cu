@@ -171,9 +171,8 @@ void CudaBackend::softmax_cross_entropy(const Tensor& logits, const Tensor& targ
     const D* x = device_ptr<T>(logits);
     A* lse_out = static_cast<A*>(lse.data_ptr());
     if (N > 0) {
-      constexpr int W = kFold<D>;
-      const int threads = row_threads((V + W - 1) / W);
-      if (V % W == 0 && reinterpret_cast<uintptr_t>(x) % (W * sizeof(D)) == 0)
+      const int threads = row_threads((V + kFold<D> - 1) / kFold<D>);
+      if (can_vectorise<D, kFold<D>>(V, {x}))
         row_lse_kernel<D, true><<<row_blocks(N), threads, 0, s>>>(x, lse_out, N, V);
       else
         row_lse_kernel<D, false><<<row_blocks(N), threads, 0, s>>>(x, lse_out, N, V);
