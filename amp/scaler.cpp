@@ -227,6 +227,12 @@ void GradScaler::update(bool found_inf) {
   per_optimizer_.clear();
 }
 
+void GradScaler::update(double new_scale) {
+  if (!options_.enabled) return;
+  scale_ = fp32_scale("GradScaler.update", "new_scale", new_scale);
+  per_optimizer_.clear();
+}
+
 std::map<std::string, std::string> GradScaler::state_dict() const {
   if (!options_.enabled) return {};
   return {{"type", name()},

@@ -77,6 +77,10 @@ class GradScaler final : public LossScaler {
   // The rule itself: found_inf: S *= backoff, tracker = 0; else tracker += 1 and at growth_interval
   // S *= growth (kept only if finite in fp32, as PyTorch keeps S as an fp32 tensor), tracker = 0.
   void update(bool found_inf) override;
+  // PyTorch's update(new_scale): S = new_scale rounded to fp32 (an Error unless it is finite and > 0 there),
+  // the growth tracker kept, the per-optimizer records reset; needs no inf check. Disabled: nothing. (An
+  // integer argument is ambiguous between this and update(bool): write 1024.0, not 1024.)
+  void update(double new_scale);
 
   bool enabled() const { return options_.enabled; }
   int64_t growth_tracker() const { return growth_tracker_; }

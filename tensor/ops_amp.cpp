@@ -1,4 +1,5 @@
 // Front ends of the automatic-mixed-precision ops (see tensor/ops.h).
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -9,7 +10,8 @@ namespace mixtape {
 
 bool unscale_and_check_finite(const std::vector<Tensor>& grads, double inv_scale) {
   check(std::isfinite(inv_scale), "unscale_and_check_finite: inv_scale must be finite, got ", inv_scale);
-  std::vector<Tensor> defined;
+  // The tensors grouped by device, in order of each device's first tensor: one fused pass per backend.
+  std::vector<std::vector<Tensor>> per_device;
   for (size_t i = 0; i < grads.size(); ++i) {
     const Tensor& g = grads[i];
     if (!g.defined()) continue;
@@ -17,15 +19,17 @@ bool unscale_and_check_finite(const std::vector<Tensor>& grads, double inv_scale
           ", expected a floating dtype (f32, f16, bf16 or f64)");
     check(g.is_contiguous(), "unscale_and_check_finite: tensor ", i, " is ", g.described(),
           " and not contiguous; expected contiguous gradients (a strided view may alias itself)");
-    if (!defined.empty())
-      check(g.device() == defined.front().device(), "unscale_and_check_finite: tensor ", i, " is ",
-            g.described(), " but the first is ", defined.front().described(),
-            "; expected one device");
-    defined.push_back(g);
+    auto same_device = [&g](const std::vector<Tensor>& group) { return group.front().device() == g.device(); };
+    const auto group = std::find_if(per_device.begin(), per_device.end(), same_device);
+    if (group == per_device.end()) per_device.push_back({g});
+    else group->push_back(g);
   }
-  if (defined.empty()) return false;
-  const bool found_inf = backend_of(defined.front()).unscale_and_check_finite(defined, inv_scale);
-  for (const Tensor& g : defined) g.bump_version();  // changed in place: a graph that saved it must notice
+  // Every device is unscaled, whatever another found (PyTorch's found_inf_per_device, then any of them).
+  bool found_inf = false;
+  for (const std::vector<Tensor>& group : per_device) {
+    if (backend_of(group.front()).unscale_and_check_finite(group, inv_scale)) found_inf = true;
+    for (const Tensor& g : group) g.bump_version();  // changed in place: a graph that saved it must notice
+  }
   return found_inf;
 }
 

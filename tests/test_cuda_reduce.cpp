@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "amp/scaler.h"
 #include "autograd/autograd.h"
 #include "cuda_test_util.h"
 #include "optim/adam.h"
@@ -393,6 +394,57 @@ TEST(CudaAmp, UnscaleReportsAFiniteValueThatOverflowsWhenStored) {
   EXPECT_TRUE(unscale_and_check_finite({g}, 2.0));
   const Tensor ok = Tensor::from_vector(std::vector<double>{1, 60000, -3}, {3}, DType::F16).to(cuda0());
   EXPECT_FALSE(unscale_and_check_finite({ok}, 0.5));
+}
+
+TEST(CudaAmp, UnscaleTakesGradientsOnSeveralDevicesAndChecksEachOfThem) {
+  MIXTAPE_REQUIRE_CUDA();
+  // CPU and GPU tensors interleaved, an inf planted on either side in turn: every tensor is unscaled on its own
+  // device (the same bits as an all-CPU call) and the inf is found wherever it is.
+  for (const bool inf_on_gpu : {false, true}) {
+    SCOPED_TRACE(inf_on_gpu ? "inf on the GPU" : "inf on the CPU");
+    std::vector<Tensor> reference = amp_grads(600);
+    const size_t planted = inf_on_gpu ? 3 : 2;  // odd indices go to the GPU below
+    std::vector<double> values = reference[planted].to_vector<double>();
+    values[0] = std::numeric_limits<double>::infinity();
+    reference[planted] = Tensor::from_vector(values, reference[planted].shape(), reference[planted].dtype());
+    std::vector<Tensor> mixed;
+    for (size_t i = 0; i < reference.size(); ++i)
+      mixed.push_back(i % 2 == 1 ? reference[i].to(cuda0()) : reference[i].clone());
+    EXPECT_TRUE(unscale_and_check_finite(reference, 0.25));
+    EXPECT_TRUE(unscale_and_check_finite(mixed, 0.25));
+    for (size_t i = 0; i < reference.size(); ++i) {
+      EXPECT_EQ(mixed[i].device().is_cuda(), i % 2 == 1);
+      EXPECT_TRUE(equals_cpu(mixed[i].to(Device::cpu()), reference[i])) << "tensor " << i;
+    }
+  }
+  const std::vector<Tensor> finite = {amp_grads(700)[0], amp_grads(700)[1].to(cuda0())};
+  EXPECT_FALSE(unscale_and_check_finite(finite, 0.25));
+}
+
+TEST(CudaAmp, GradScalerStepsAnOptimizerWithParametersOnTheCpuAndTheGpu) {
+  MIXTAPE_REQUIRE_CUDA();
+  // PyTorch's GradScaler keeps a found_inf per device and skips the step if any is set; an optimizer may hold
+  // CPU and GPU parameters (optim/optimizer.h). A clean step unscales both and steps; an inf on the GPU alone
+  // skips the step for both and backs the scale off.
+  Tensor on_cpu = Tensor::from_vector(std::vector<float>{1, 2}, {2}).requires_grad_();
+  Tensor on_gpu = Tensor::from_vector(std::vector<float>{3, 4}, {2}).to(cuda0()).requires_grad_();
+  SGD sgd({on_cpu, on_gpu}, 0.5);
+  GradScaler scaler(GradScalerOptions{.init_scale = 8});
+  auto give = [&](float gpu_value) {
+    on_cpu.set_grad(Tensor::from_vector(std::vector<float>{8, 16}, {2}));  // 8 * {1, 2}: scaled by S = 8
+    on_gpu.set_grad(Tensor::from_vector(std::vector<float>{gpu_value, 8}, {2}).to(cuda0()));
+  };
+  give(24);
+  EXPECT_TRUE(scaler.step(sgd));
+  scaler.update();
+  EXPECT_EQ(on_cpu.to_vector<float>(), (std::vector<float>{0.5f, 1.0f}));  // 1 - 0.5 * 1, 2 - 0.5 * 2
+  EXPECT_EQ(on_gpu.to(Device::cpu()).to_vector<float>(), (std::vector<float>{1.5f, 3.5f}));
+  give(std::numeric_limits<float>::infinity());
+  EXPECT_FALSE(scaler.step(sgd));
+  scaler.update();
+  EXPECT_EQ(scaler.scale(), 4.0);
+  EXPECT_EQ(on_cpu.to_vector<float>(), (std::vector<float>{0.5f, 1.0f}));
+  EXPECT_EQ(on_gpu.to(Device::cpu()).to_vector<float>(), (std::vector<float>{1.5f, 3.5f}));
 }
 
 // ---- optimizers ---------------------------------------------------------------------------------------------

@@ -325,6 +325,40 @@ TEST(GradScaler, UnscalingTwiceOrAfterStepOrSteppingTwiceIsAnError) {
   scaler.unscale(sgd);  // allowed again after update()
 }
 
+TEST(GradScaler, UpdateToANewScaleKeepsTheGrowthTrackerAndNeedsNoInfCheck) {
+  // PyTorch's update(new_scale): _scale.fill_(new_scale) (an fp32 tensor), _growth_tracker untouched, the
+  // per-optimizer states cleared, and no "No inf checks were recorded" assertion on that path.
+  GradScaler scaler({.init_scale = 4, .growth_interval = 3});
+  scaler.update(false);
+  scaler.update(false);  // tracker 2 of 3
+  scaler.update(1024.0);
+  EXPECT_EQ(scaler.scale(), 1024.0);
+  EXPECT_EQ(scaler.growth_tracker(), 2);
+  scaler.update(false);  // the third clean step grows the new scale
+  EXPECT_EQ(scaler.scale(), 2048.0);
+  EXPECT_EQ(scaler.growth_tracker(), 0);
+  scaler.update(0.1);  // rounded to fp32, as fill_ on an fp32 tensor does
+  EXPECT_EQ(scaler.scale(), 0.10000000149011612);
+
+  // The records of unscale()/step() are reset: the optimizer can be unscaled and stepped again.
+  Tensor p = parameter({5});
+  SGD sgd({p}, 1.0);
+  GradScaler s8({.init_scale = 8});
+  set_grad(p, {8});
+  EXPECT_TRUE(s8.step(sgd));  // 5 - 8 / 8 = 4
+  s8.update(2.0);
+  set_grad(p, {2});
+  EXPECT_TRUE(s8.step(sgd));  // 4 - 2 / 2 = 3
+  EXPECT_EQ(p.to_vector<double>(), (std::vector<double>{3}));
+
+  for (double bad : {0.0, -1.0, kInf, kNaN, 1e39})
+    EXPECT_ERROR_MENTIONS(scaler.update(bad), "GradScaler.update", "new_scale");
+  EXPECT_EQ(scaler.scale(), 0.10000000149011612);  // unchanged by the errors
+  GradScaler disabled({.enabled = false});
+  disabled.update(64.0);
+  EXPECT_EQ(disabled.scale(), 1.0);
+}
+
 TEST(GradScaler, UpdateWithoutAnyInfCheckIsAnError) {
   GradScaler scaler;
   EXPECT_ERROR_MENTIONS(scaler.update(), "GradScaler", "no inf checks were recorded");
