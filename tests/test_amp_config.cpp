@@ -163,7 +163,8 @@ TEST(AmpConfig, ApexAcceptsWhatApexAccepts) {
   EXPECT_ERROR_MENTIONS(AmpConfig::from_json(R"({"loss_scale":"inf"})", "fp16_apex:O2"), "loss_scale",
                         "finite");
   EXPECT_ERROR_MENTIONS(AmpConfig::from_json(R"({"loss_scale":""})", "fp16_apex:O2"), "loss_scale");
-  // verbosity 2 (Apex's verbose level), nothing above or below.
+  // verbosity 0-2 (Apex's range; 2 is Apex's most verbose level, whose meaning here is our own), nothing
+  // above or below.
   EXPECT_EQ(AmpConfig::from_json(R"({"verbosity":2})", "fp16_apex:O2").apex.verbosity, 2);
   EXPECT_EQ(AmpConfig::from_json(R"({"verbosity":0})", "fp16_apex:O2").apex.verbosity, 0);
   EXPECT_ERROR_MENTIONS(AmpConfig::from_json(R"({"verbosity":-1})", "fp16_apex:O2"), "verbosity", "-1", "0",
