@@ -37,8 +37,8 @@
 // fp32 (Apex's torch.float32, O0's and allowed with O1). keep_batchnorm_fp32 here keeps the norm layers
 // (LayerNorm, RMSNorm) in fp32. patch_torch_functions is fp16 autocast. verbosity: 0 silent; 1 (Apex's
 // default) prints Apex's "Gradient overflow.  Skipping step, loss scaler K reducing loss scale to S" on every
-// skipped step; 2 also prints each growth of a dynamic scale (our own level: Apex's 2 prints its casts). loss_scale may be a number, "dynamic", or a
-// numeric string ("128.0": Apex applies float() to it).
+// skipped step; 2 also prints each growth of a dynamic scale (our own level: Apex's 2 prints its casts).
+// loss_scale may be a number, "dynamic", or a numeric string ("128.0": Apex applies float() to it).
 //
 // Gradient accumulation over several backward calls (micro-batches) of one step: the model's 16-bit
 // parameters get fp32 gradients (Tensor::set_grad_dtype) with Apex's master weights, which is what Apex's

@@ -121,7 +121,9 @@ double flops_per_step(const Options& o, bool nanogpt) {
 }
 
 enum class PeakClass { Fp32, Tf32, Half };
-const char* to_string(PeakClass c) { return c == PeakClass::Half ? "fp16/bf16" : c == PeakClass::Tf32 ? "tf32" : "fp32"; }
+const char* to_string(PeakClass c) {
+  return c == PeakClass::Half ? "fp16/bf16" : c == PeakClass::Tf32 ? "tf32" : "fp32";
+}
 
 struct DevicePeaks {
   const char* match;  // substring of cuda_device_name
@@ -269,7 +271,8 @@ std::vector<Result> run_pytorch(const Options& o, std::string& version, std::str
                                                            : PeakClass::Half;
       std::string detail;
       for (const char* key : {"attention", "adamw", "grad_scaler"})
-        if (const json::Value* d = v.find(key)) detail += std::string(detail.empty() ? "" : ", ") + key + " " + d->dump();
+        if (const json::Value* d = v.find(key))
+          detail += std::string(detail.empty() ? "" : ", ") + key + " " + d->dump();
       r.detail = detail;
       results.push_back(std::move(r));
     } catch (const std::exception& e) {
@@ -407,8 +410,9 @@ int run(int argc, char** argv) {
   const double flops = flops_per_step(o, false), flops_nanogpt = flops_per_step(o, true);
   std::printf("\nGPT training step on %s (%s): %lld layers, %lld heads, width %lld, block %lld, vocab %lld, "
               "batch %lld (%lld tokens/step); %d warm-up + %d timed steps per mode, timed by %s\n",
-              device_name.c_str(), o.cpu ? "cpu" : ("cuda:" + std::to_string(o.device)).c_str(), (long long)o.layers, (long long)o.heads, (long long)o.width,
-              (long long)o.block, (long long)o.vocab, (long long)o.batch, (long long)o.tokens_per_step(),
+              device_name.c_str(), o.cpu ? "cpu" : ("cuda:" + std::to_string(o.device)).c_str(), (long long)o.layers,
+              (long long)o.heads, (long long)o.width, (long long)o.block, (long long)o.vocab, (long long)o.batch,
+              (long long)o.tokens_per_step(),
               o.warmup, o.steps, o.cpu ? "the host clock" : "CUDA events");
   std::printf("N = %.2fM parameters without wpe; model FLOPs/step = 6*N*B*T + 6*L*B*T^2*C (causal attention "
               "counted half) = %.4g TFLOP (nanoGPT's 6*N*B*T + 12*L*B*T^2*C = %.4g TFLOP)\n",

@@ -62,7 +62,8 @@ int run(int argc, char** argv) {
   const Device device = dist::device();
   const int n = world.size;
   if (world.rank == 0)
-    std::printf("bench_nccl: %d rank(s), %s\n%-8s %-6s %-15s %12s %14s %14s %10s\n", n, cuda_device_name(device.index).c_str(),
+    std::printf("bench_nccl: %d rank(s), %s\n%-8s %-6s %-15s %12s %14s %14s %10s\n", n,
+                cuda_device_name(device.index).c_str(),
                 "dtype", "MiB", "op", "us/call", "algo GB/s", "bus GB/s", "vs copy");
   for (DType dtype : {DType::F32, DType::BF16}) {
     for (int64_t mib : {1, 16, 128}) {

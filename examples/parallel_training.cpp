@@ -329,7 +329,8 @@ ParallelTrainer::ParallelTrainer(const GPTConfig& config, const TrainOptions& op
   }
 
   dist::PipelineOptions po;
-  po.schedule = parallel.pp_schedule == "gpipe" ? dist::PipelineScheduleKind::GPipe : dist::PipelineScheduleKind::OneFOneB;
+  po.schedule =
+      parallel.pp_schedule == "gpipe" ? dist::PipelineScheduleKind::GPipe : dist::PipelineScheduleKind::OneFOneB;
   po.device = options.device;
   po.scale_loss = [this](const Tensor& loss) {
     return impl_->zero ? impl_->zero->scale_loss(loss) : impl_->mpo->scale_loss(loss);
@@ -350,7 +351,9 @@ int64_t ParallelTrainer::buckets_overlapped() const {
   return impl_->reducer ? impl_->reducer->buckets_reduced_in_backward() : 0;
 }
 
-double ParallelTrainer::loss_scale() const { return impl_->zero ? impl_->zero->loss_scale() : impl_->mpo->loss_scale(); }
+double ParallelTrainer::loss_scale() const {
+  return impl_->zero ? impl_->zero->loss_scale() : impl_->mpo->loss_scale();
+}
 
 StepStats ParallelTrainer::train_step() {
   Impl& m = *impl_;
@@ -475,7 +478,8 @@ StateDict ParallelTrainer::Impl::local_named_state() {
     }
   }
   for (const auto& [key, value] : opt.metadata) {
-    if (auto s = split_state_key(key)) named.metadata["optimizer.state." + local_order.at(s->first) + "." + s->second] = value;
+    if (auto s = split_state_key(key))
+      named.metadata["optimizer.state." + local_order.at(s->first) + "." + s->second] = value;
     else named.metadata["optimizer." + key] = value;
   }
   for (const auto& [name, gen] : stage->named_generators()) {

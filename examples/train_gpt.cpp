@@ -1,5 +1,6 @@
 // train_gpt: trains a GPT (nanoGPT's model) on a text file (character level; any name not ending in .bin) or
-// a .bin file of uint16 token ids, with checkpoints that resume bit for bit. The training core lives in examples/training.h.
+// a .bin file of uint16 token ids, with checkpoints that resume bit for bit. The training core lives in
+// examples/training.h.
 //
 //   train_gpt --data ../shared/data/tinyshakespeare.txt --steps 2000 --save ckpt.safetensors
 //   train_gpt --data ... --resume ckpt.safetensors --steps 4000 --save ckpt.safetensors

@@ -381,8 +381,9 @@ double Trainer::evaluate() {
 
 Tensor Trainer::forward_loss(const Tensor& x, const Tensor& y) {
   // Through the booster: autocast, or the cast model's input/output casts (the loss comes back in fp32).
-  return booster_.forward([&](const std::vector<Tensor>& in) { return std::vector<Tensor>{model_->forward(in[0], in[1]).loss}; },
-                          {x.to(options_.device), y.to(options_.device)})[0];
+  return booster_.forward(
+      [&](const std::vector<Tensor>& in) { return std::vector<Tensor>{model_->forward(in[0], in[1]).loss}; },
+      {x.to(options_.device), y.to(options_.device)})[0];
 }
 
 StateDict Trainer::checkpoint() {

@@ -128,7 +128,8 @@ Tensor causal_self_attention(const Tensor& qkv, int64_t n_head);
 // floating, any mix of dtypes and devices) in place by inv_scale — computed in fp32 (f64 for f64) and
 // rounded once — and returns true when any element was inf or NaN before the multiply or became inf through
 // it. One fused pass per device over its tensors (every device is unscaled, as PyTorch's GradScaler does with
-// its found_inf per device); no autograd (gradients are leaves of nothing). Undefined tensors are skipped. inv_scale must be finite (1 / a scale that itself overflowed is the caller's bug).
+// its found_inf per device); no autograd (gradients are leaves of nothing). Undefined tensors are skipped.
+// inv_scale must be finite (1 / a scale that itself overflowed is the caller's bug).
 bool unscale_and_check_finite(const std::vector<Tensor>& grads, double inv_scale);
 
 }  // namespace mixtape

@@ -15,7 +15,8 @@
 namespace mixtape {
 
 // Philox4x32 with 10 rounds: four 32-bit outputs for a 128-bit counter and 64-bit key.
-MIXTAPE_HOST_DEVICE inline std::array<uint32_t, 4> philox4x32(uint64_t counter_low, uint64_t counter_high, uint64_t key) {
+MIXTAPE_HOST_DEVICE inline std::array<uint32_t, 4> philox4x32(uint64_t counter_low, uint64_t counter_high,
+                                                              uint64_t key) {
   constexpr uint32_t kMul0 = 0xD2511F53u, kMul1 = 0xCD9E8D57u;
   constexpr uint32_t kWeyl0 = 0x9E3779B9u, kWeyl1 = 0xBB67AE85u;
   uint32_t c0 = static_cast<uint32_t>(counter_low), c1 = static_cast<uint32_t>(counter_low >> 32);

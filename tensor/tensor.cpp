@@ -85,10 +85,18 @@ Tensor tensor_from_host(const std::vector<V>& values, const Shape& shape, DType 
 
 }  // namespace
 
-Tensor Tensor::from_vector(const std::vector<float>& v, const Shape& s, DType d) { return tensor_from_host(v, s, d, "from_vector"); }
-Tensor Tensor::from_vector(const std::vector<double>& v, const Shape& s, DType d) { return tensor_from_host(v, s, d, "from_vector"); }
-Tensor Tensor::from_vector(const std::vector<int64_t>& v, const Shape& s, DType d) { return tensor_from_host(v, s, d, "from_vector"); }
-Tensor Tensor::from_vector(const std::vector<int32_t>& v, const Shape& s, DType d) { return tensor_from_host(v, s, d, "from_vector"); }
+Tensor Tensor::from_vector(const std::vector<float>& v, const Shape& s, DType d) {
+  return tensor_from_host(v, s, d, "from_vector");
+}
+Tensor Tensor::from_vector(const std::vector<double>& v, const Shape& s, DType d) {
+  return tensor_from_host(v, s, d, "from_vector");
+}
+Tensor Tensor::from_vector(const std::vector<int64_t>& v, const Shape& s, DType d) {
+  return tensor_from_host(v, s, d, "from_vector");
+}
+Tensor Tensor::from_vector(const std::vector<int32_t>& v, const Shape& s, DType d) {
+  return tensor_from_host(v, s, d, "from_vector");
+}
 
 Tensor Tensor::rand(const Shape& shape, uint64_t seed, DType dtype, Device device) {
   check(is_floating(dtype), "rand: dtype must be floating, got ", dtype_name(dtype));

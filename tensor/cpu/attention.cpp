@@ -378,7 +378,8 @@ void CpuBackend::causal_attention(const Tensor& q, const Tensor& k, const Tensor
             m[r] = m_new;
           }
           // o += p v
-          product_tiles<true>(rows, Dp, cols, s.data(), kBlockK, 1, vs, vr.ld, o.data(), Dp, Causal::KAfterRow, i0 - j0);
+          product_tiles<true>(rows, Dp, cols, s.data(), kBlockK, 1, vs, vr.ld, o.data(), Dp, Causal::KAfterRow,
+                              i0 - j0);
         }
         for (int64_t r = 0; r < rows; ++r) {
           // Row i sees key 0 at least, so l >= 1 (the max term is e^0) and the division is safe.

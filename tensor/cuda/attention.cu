@@ -814,7 +814,8 @@ __global__ void __launch_bounds__(kThreads)
 // Opts a kernel into more than 48 KiB of dynamic shared memory (once per instantiation and device; cheap).
 template <class Kernel>
 void allow_shared_bytes(Kernel kernel, size_t bytes) {
-  MIXTAPE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+  MIXTAPE_CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
 }
 
 // Calls fn.template operator()<D>() for the head dims the tensor-core kernels serve.

@@ -561,11 +561,12 @@ TEST(ParallelTrainer, EvaluateEqualsTheSingleProcessValidationLoss) {
 // (each rank counts its shard, the counts summed over dp) and without (the replicated gradients counted once),
 // and under tensor parallelism (TP2 x PP2; TP2 x DP2 with ZeRO-1), where the vocabulary of 25 characters
 // leaves wte a padding row whose gradient is always 0: it is not counted.
-// The zeros are planted on every rank: the whole gradients of ln_f.bias and of the first block's mlp.c_proj.bias
-// (both replicated over tp), and the key part of each block's c_attn.bias (0 in exact arithmetic, rounding noise in practice: see
-// determined_values). Beyond those 4C a 16-bit gradient element is now and then exactly 0 by rounding, and
-// which one depends on how the batch was split (one wte element in the single run here), so the counts may
-// differ by such stragglers; a count over the wrong elements (a shard only: ~1/4; every rank's: 4x) may not.
+// The zeros are planted on every rank: the whole gradients of ln_f.bias and of the first block's
+// mlp.c_proj.bias (both replicated over tp), and the key part of each block's c_attn.bias (0 in exact
+// arithmetic, rounding noise in practice: see determined_values). Beyond those 4C a 16-bit gradient element is
+// now and then exactly 0 by rounding, and which one depends on how the batch was split (one wte element in the
+// single run here), so the counts may differ by such stragglers; a count over the wrong elements (a shard only:
+// ~1/4; every rank's: 4x) may not.
 TEST(ParallelTrainer, CountsZeroGradientElementsAsOneProcessWithAndWithoutZero) {
   const AmpConfig amp = AmpConfig::from_json(
       R"({"initial_scale":1024,"growth_interval":5,"log_num_zeros_in_grad":true})", "fp16_naive");

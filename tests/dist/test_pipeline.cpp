@@ -97,7 +97,8 @@ Simulation simulate(PipelineScheduleKind kind, int P, int64_t M) {
   }
   for (int s = 0; s < P && !result.deadlocked; ++s)
     for (int64_t m = 0; m < M; ++m)
-      if (state[size_t(s)][size_t(m)] != 2) fail_with("micro-batch " + std::to_string(m) + " not done on stage " + std::to_string(s));
+      if (state[size_t(s)][size_t(m)] != 2)
+        fail_with("micro-batch " + std::to_string(m) + " not done on stage " + std::to_string(s));
   return result;
 }
 
@@ -436,8 +437,9 @@ TEST(PipelineSchedule, ErrorsNameTheProblem) {
   // Or on the schedule.
   PipelineOptions gpipe;
   gpipe.schedule = PipelineScheduleKind::GPipe;
-  EXPECT_ERROR_MENTIONS(PipelineSchedule(pp, pp.rank() == 0 ? gpipe : PipelineOptions{}).run(stage, split_micro_batches(x, 4)),
-                        "disagree on the schedule");
+  EXPECT_ERROR_MENTIONS(
+      PipelineSchedule(pp, pp.rank() == 0 ? gpipe : PipelineOptions{}).run(stage, split_micro_batches(x, 4)),
+      "disagree on the schedule");
   // The first stage needs every micro-batch's input.
   EXPECT_ERROR_MENTIONS(PipelineSchedule(pp).run(stage, std::vector<Tensor>(4)), "first stage needs the input");
 }

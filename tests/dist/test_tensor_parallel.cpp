@@ -200,7 +200,8 @@ TEST(TensorParallel, ParallelMLPMatchesTheFullMLP) {
                               tol, tol));
         EXPECT_TRUE(
             all_close(mlp.c_fc->bias.grad(), slice_of(full.c_fc->bias.grad(), 0, r, tp_size, blocks), tol, tol));
-        EXPECT_TRUE(all_close(mlp.c_proj->weight.grad(), slice_of(full.c_proj->weight.grad(), 1, r, tp_size), tol, tol));
+        EXPECT_TRUE(
+            all_close(mlp.c_proj->weight.grad(), slice_of(full.c_proj->weight.grad(), 1, r, tp_size), tol, tol));
         EXPECT_TRUE(all_close(mlp.c_proj->bias.grad(), full.c_proj->bias.grad(), tol, tol));
       }
     }
@@ -228,7 +229,8 @@ TEST(TensorParallel, ParallelAttentionSplitsHeadsAndMatchesTheFullAttention) {
       backward(weighted_sum(yp, w));
       EXPECT_TRUE(all_close(xp.grad(), x.grad(), tol, tol));
       // q, k and v rows of this rank's heads.
-      EXPECT_TRUE(all_close(attn.c_attn->weight.grad(), slice_of(full.c_attn->weight.grad(), 0, r, tp_size, 3), tol, tol));
+      EXPECT_TRUE(
+          all_close(attn.c_attn->weight.grad(), slice_of(full.c_attn->weight.grad(), 0, r, tp_size, 3), tol, tol));
       EXPECT_TRUE(all_close(attn.c_attn->bias.grad(), slice_of(full.c_attn->bias.grad(), 0, r, tp_size, 3), tol, tol));
       EXPECT_TRUE(all_close(attn.c_proj->weight.grad(), slice_of(full.c_proj->weight.grad(), 1, r, tp_size), tol, tol));
       EXPECT_TRUE(all_close(attn.c_proj->bias.grad(), full.c_proj->bias.grad(), tol, tol));
