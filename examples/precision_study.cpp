@@ -32,7 +32,7 @@
 // The Markdown table is also printed at the end. Errors (unknown mode or option, a bad value, missing data or
 // train_gpt, a child failing) print "error: ..." and exit non-zero; a failing mode does not stop the others,
 // so the study reports what it can. When no mode succeeds nothing is written (no tables, no plot).
-// SIGINT, SIGTERM or SIGHUP kill the running child, remove the temporary file being written and exit with
+// SIGINT, SIGTERM, SIGHUP or SIGPIPE kill the running child, remove the temporary file being written and exit with
 // 128 + the signal.
 #include <fcntl.h>
 #include <signal.h>
@@ -54,6 +54,7 @@
 #include <fstream>
 #include <iostream>
 #include <optional>
+#include <map>
 #include <set>
 #include <sstream>
 #include <string>
@@ -183,6 +184,7 @@ Options parse(int argc, char** argv) {
     check(i + 1 < argc, "precision_study: ", flag, " needs a value");
     const std::string value = argv[++i];
     if (flag == "--data") {
+      check(!value.empty(), "precision_study: --data needs a file name, got ''");
       o.data = value;
     } else if (flag == "--out") {
       check(!value.empty(), "precision_study: --out needs a directory");
@@ -190,15 +192,18 @@ Options parse(int argc, char** argv) {
     } else if (flag == "--modes") {
       o.modes = split(value, ',');
       check(!o.modes.empty(), "precision_study: --modes needs at least one mode");
-      std::set<std::string> seen;
+      std::map<std::string, std::string> seen;  // canonical name -> as written
       for (const std::string& mode : o.modes) {
         check(!mode.empty(), "precision_study: --modes '", value, "' has an empty entry");
+        std::string name;  // canonical: "fp16_apex" is "fp16_apex:O1"
         try {
-          AmpConfig::parse(mode);
+          name = AmpConfig::parse(mode).name();
         } catch (const Error& e) {
           fail("precision_study: --modes: unknown precision mode '", mode, "' (", e.what(), ")");
         }
-        check(seen.insert(mode).second, "precision_study: --modes names '", mode, "' twice");
+        const auto [first, inserted] = seen.emplace(name, mode);
+        check(inserted, "precision_study: --modes names '", name, "' twice (as '", first->second, "' and '", mode,
+              "')");
       }
     } else {
       const int64_t number = check_train_value(flag, value);
@@ -223,7 +228,9 @@ Options parse(int argc, char** argv) {
 std::atomic<pid_t> g_child{0};
 std::atomic<const char*> g_temp{nullptr};
 static_assert(std::atomic<pid_t>::is_always_lock_free && std::atomic<const char*>::is_always_lock_free);
-constexpr int kStopSignals[] = {SIGINT, SIGTERM, SIGHUP};
+// SIGPIPE too: `precision_study | head` closes the pipe it prints to, and the write that finds it closed must
+// not leave the child and a temporary file behind.
+constexpr int kStopSignals[] = {SIGINT, SIGTERM, SIGHUP, SIGPIPE};
 
 // Async-signal-safe: only kill, waitpid, unlink, write and _exit.
 extern "C" void on_stop_signal(int sig) {

@@ -38,6 +38,7 @@
 #include <optional>
 #include <set>
 #include <sstream>
+#include <climits>
 #include <string>
 #include <vector>
 
@@ -148,16 +149,32 @@ Options parse(int argc, char** argv) {
   o.train.lr = 3e-3;
   o.train.min_lr = 3e-4;
   o.train.warmup = 20;
+  // The options that take a value (the switches are handled first, below).
+  static const std::set<std::string> kValueFlags = {
+      "--data", "--vocab-size", "--layers", "--heads", "--width", "--block", "--dropout", "--batch", "--steps",
+      "--lr", "--min-lr", "--warmup", "--optimizer", "--weight-decay", "--beta1", "--beta2", "--momentum",
+      "--schedule", "--grad-clip", "--seed", "--eval-every", "--save-every", "--stop-at", "--init", "--save",
+      "--resume", "--log-json", "--precision", "--device", "--amp-config", "--sample", "--tp", "--pp", "--dp",
+      "--zero", "--micro-batches", "--pp-schedule", "--bucket-mb", "--top-k", "--temperature"};
   for (int i = 1; i < argc; ++i) {
     const std::string flag = argv[i];
     if (flag == "--help" || flag == "-h") { usage(); std::exit(0); }
-    o.given.insert(flag);
+    // A second value would silently replace the first.
+    check(o.given.insert(flag).second, "train_gpt: ", flag, " is given twice (give each option once)");
     if (flag == "--sequential") { o.train.sequential = true; continue; }
     if (flag == "--eval-only") { o.eval_only = true; continue; }
     if (flag == "--no-final-eval") { o.final_eval = false; continue; }
+    if (!kValueFlags.count(flag)) {
+      usage();
+      fail("train_gpt: unknown option '", flag, "'");
+    }
     check(i + 1 < argc, "train_gpt: ", flag, " needs a value");
     const std::string value = argv[++i];
-    auto integer = [&](int64_t low) { return integer_argument("train_gpt", flag, value, low); };
+    // An empty value would read as "not given" (no file to save, no log) and be ignored.
+    check(!value.empty(), "train_gpt: ", flag, " needs a value, got ''");
+    auto integer = [&](int64_t low, int64_t high = INT64_MAX) {
+      return integer_argument("train_gpt", flag, value, low, high);
+    };
     auto real = [&]() { return number_argument("train_gpt", flag, value); };
     if (flag == "--data") o.data = value;
     else if (flag == "--vocab-size") o.vocab_size = integer(1);
@@ -190,13 +207,18 @@ Options parse(int argc, char** argv) {
     else if (flag == "--device") o.train.device = Device::parse(value);
     else if (flag == "--amp-config") o.amp_config_file = value;
     else if (flag == "--sample") o.sample = integer(0);
-    else if (flag == "--tp") o.parallel.tp = static_cast<int>(integer(1));
-    else if (flag == "--pp") o.parallel.pp = static_cast<int>(integer(1));
-    else if (flag == "--dp") o.parallel.dp = static_cast<int>(integer(1));
-    else if (flag == "--zero") o.parallel.zero = static_cast<int>(integer(0));
+    else if (flag == "--tp") o.parallel.tp = static_cast<int>(integer(1, INT32_MAX));
+    else if (flag == "--pp") o.parallel.pp = static_cast<int>(integer(1, INT32_MAX));
+    else if (flag == "--dp") o.parallel.dp = static_cast<int>(integer(1, INT32_MAX));
+    else if (flag == "--zero") o.parallel.zero = static_cast<int>(integer(0, INT32_MAX));
     else if (flag == "--micro-batches") o.parallel.micro_batches = integer(1);
     else if (flag == "--pp-schedule") o.parallel.pp_schedule = value;
-    else if (flag == "--bucket-mb") o.parallel.bucket_mb = real();
+    else if (flag == "--bucket-mb") {
+      o.parallel.bucket_mb = real();
+      // Converted to bytes as an int64 (and a bucket beyond any model's gradients means one bucket anyway).
+      check(o.parallel.bucket_mb <= 1048576, "train_gpt: --bucket-mb expects at most 1048576 (1 TiB), got '",
+            value, "'");
+    }
     else if (flag == "--top-k") o.top_k = integer(0);
     else if (flag == "--temperature") {
       char* end = nullptr;
@@ -204,10 +226,7 @@ Options parse(int argc, char** argv) {
       check(!value.empty() && end && *end == 0 && std::isfinite(o.temperature) && o.temperature > 0,
             "train_gpt: --temperature must be a number > 0 (and finite), got '", value, "'");
     }
-    else {
-      usage();
-      fail("train_gpt: unknown option ", flag);
-    }
+    else fail("train_gpt: option ", flag, " is listed but not read (a bug)");
   }
   check(!o.data.empty(), "train_gpt: --data FILE is required (a text file for characters, or .bin for uint16 tokens)");
   if (o.given.count("--amp-config") == 0) {
@@ -237,6 +256,13 @@ Options parse(int argc, char** argv) {
         "clip_grad ", exact_number_text(o.train.amp.naive.clip_grad), " (naive AMP clips at its clip_grad; "
         "give one of them)");
   check(o.init.empty() || o.resume.empty(), "train_gpt: --init and --resume exclude each other");
+  // Options that would be accepted and then do nothing.
+  if (o.eval_only)
+    for (const char* flag : {"--save", "--save-every", "--log-json", "--steps", "--stop-at"})
+      check(!o.given.count(flag), "train_gpt: --eval-only only evaluates: ", flag, " has nothing to act on");
+  for (const char* flag : {"--top-k", "--temperature"})
+    check(!o.given.count(flag) || o.given.count("--sample"), "train_gpt: ", flag, " shapes --sample's tokens: "
+          "give --sample N too");
   check(o.save_every == 0 || !o.save.empty(), "train_gpt: --save-every needs --save FILE");
   if (o.given.count("--min-lr") == 0 && o.train.min_lr > o.train.lr) o.train.min_lr = o.train.lr / 10;
   return o;
@@ -279,72 +305,128 @@ void print_sample(const Options& opt, GPT& model, const std::vector<uint8_t>& vo
   std::fflush(stdout);
 }
 
+// Whether two paths name the same file: the same inode when both exist, else the same resolved path.
+bool same_file(const std::string& a, const std::string& b) {
+  std::error_code error;
+  if (std::filesystem::exists(a, error) && std::filesystem::exists(b, error))
+    return std::filesystem::equivalent(a, b, error);
+  return std::filesystem::weakly_canonical(a, error) == std::filesystem::weakly_canonical(b, error);
+}
+
+// The files the run writes must not be the ones it reads, or each other (a log over the data, a checkpoint
+// over the log): those runs would end with exit code 0 and a file lost. --save onto --resume's or --init's
+// file is how a run continues in place, and stays allowed.
+void check_outputs(const Options& o) {
+  const std::pair<const char*, const std::string*> inputs[] = {
+      {"--data", &o.data}, {"--init", &o.init}, {"--resume", &o.resume}, {"--amp-config", &o.amp_config_file}};
+  for (const auto& [output, path] : {std::pair<const char*, const std::string*>{"--save", &o.save},
+                                     {"--log-json", &o.log_json}}) {
+    if (path->empty()) continue;
+    for (const auto& [input, other] : inputs) {
+      if (other->empty() || (std::string_view(output) == "--save" && (&o.init == other || &o.resume == other)))
+        continue;
+      check(!same_file(*path, *other), "train_gpt: ", output, " '", *path, "' is the ", input,
+            " file: the run would overwrite what it reads");
+    }
+  }
+  check(o.save.empty() || o.log_json.empty() || !same_file(o.save, o.log_json), "train_gpt: --save and "
+        "--log-json name the same file '", o.save, "'");
+  // save_safetensors replaces only a regular file: say so before the training, not after it.
+  std::error_code error;
+  const std::filesystem::file_status save_status = std::filesystem::status(o.save, error);
+  check(o.save.empty() || !std::filesystem::exists(save_status) || std::filesystem::is_regular_file(save_status),
+        "train_gpt: --save '", o.save, "' exists and is not a regular file (a checkpoint replaces only a regular "
+        "file)");
+}
+
+// Runs `body`, naming the file in an error it throws that does not name it already: the checks behind a load
+// know the entry at fault, not which of the command's files it came from.
+template <class F>
+auto naming_file(const char* flag, const std::string& file, F&& body) {
+  try {
+    return body();
+  } catch (const Error& error) {
+    if (std::string_view(error.what()).find(file) != std::string_view::npos) throw;
+    fail("train_gpt: ", flag, " '", file, "': ", error.what());
+  }
+}
+
 int run(int argc, char** argv) {
   Options opt = parse(argc, argv);
+  check_outputs(opt);
   const TokenData data = load_token_file(opt.data, opt.vocab_size);
+  check(!data.tokens.empty(), "train_gpt: --data '", opt.data, "' holds no tokens (an empty file?)");
 
   // The model shape comes from --init / --resume files when given; their model flags must then agree.
   if (!opt.init.empty() || !opt.resume.empty()) {
     const std::string file = opt.init.empty() ? opt.resume : opt.init;
-    const StateDict header = load_safetensors(file);
-    const GPTConfig file_config = GPTConfig::from_metadata(header.metadata);
-    // Before a model of the metadata's size is built: its tensors must be that model's parameters.
-    check_gpt_shapes(file_config, model_part(header).tensors, "train_gpt: '" + file + "'");
-    const std::pair<const char*, int64_t> shape[] = {{"--layers", file_config.n_layer},
-                                                     {"--heads", file_config.n_head},
-                                                     {"--width", file_config.n_embd},
-                                                     {"--block", file_config.block_size}};
-    const int64_t mine[] = {opt.model.n_layer, opt.model.n_head, opt.model.n_embd, opt.model.block_size};
-    for (int k = 0; k < 4; ++k)
-      check(opt.given.count(shape[k].first) == 0 || mine[k] == shape[k].second, "train_gpt: ", shape[k].first, " ",
-            mine[k], " differs from the ", shape[k].second, " in the loaded file");
-    const double dropout = opt.model.dropout;
-    opt.model = file_config;
-    if (opt.given.count("--dropout")) opt.model.dropout = dropout;
-    if (!opt.resume.empty()) {
-      // Training options come from the checkpoint (so the run continues exactly); --steps may extend it.
-      const int64_t steps = opt.train.steps;
-      const TrainOptions file_options = TrainOptions::from_metadata(header.metadata);
-      if (opt.amp_mode_from_checkpoint) opt.train.amp = amp_config_from_file(opt, file_options.amp.name());
-      const auto mine_meta = opt.train.to_metadata();
-      const auto file_meta = file_options.to_metadata();
-      static const std::pair<const char*, const char*> flags[] = {
-          {"--batch", "train.batch"}, {"--lr", "train.lr"}, {"--min-lr", "train.min_lr"},
-          {"--warmup", "train.warmup"}, {"--optimizer", "train.optimizer"},
-          {"--weight-decay", "train.weight_decay"}, {"--beta1", "train.beta1"}, {"--beta2", "train.beta2"},
-          {"--momentum", "train.momentum"}, {"--schedule", "train.schedule"}, {"--grad-clip", "train.grad_clip"},
-          {"--seed", "train.seed"}, {"--sequential", "train.sequential"}, {"--precision", "train.precision"},
-          {"--amp-config", "train.amp_config"}};
-      for (const auto& [flag, key] : flags)
-        check(opt.given.count(flag) == 0 || mine_meta.at(key) == file_meta.at(key) ||
-                  std::string_view(flag) == "--amp-config",  // compared option by option below
-              "train_gpt: ", flag, " ", mine_meta.at(key), " differs from the checkpoint's ",
-              file_meta.at(key),
-              " (a resumed run keeps the checkpoint's options)");
-      // --amp-config may change what is printed (verbose, verbosity, log_num_zeros_in_grad), nothing else.
-      if (opt.given.count("--amp-config")) {
-        const std::string differences =
-            opt.train.amp.training_differences(file_options.amp, "the checkpoint's");
-        check(differences.empty(), "train_gpt: --amp-config differs from the checkpoint's AMP options in ",
-              differences, "; a resumed run keeps the checkpoint's options (only verbose, verbosity "
-              "and log_num_zeros_in_grad may change)");
+    const char* file_flag = opt.init.empty() ? "--resume" : "--init";
+    naming_file(file_flag, file, [&] {
+      const StateDict header = load_safetensors(file);
+      const GPTConfig file_config = GPTConfig::from_metadata(header.metadata);
+      // Before a model of the metadata's size is built: its tensors must be that model's parameters.
+      check_gpt_shapes(file_config, model_part(header).tensors, "train_gpt: '" + file + "'");
+      const std::pair<const char*, int64_t> shape[] = {{"--layers", file_config.n_layer},
+                                                       {"--heads", file_config.n_head},
+                                                       {"--width", file_config.n_embd},
+                                                       {"--block", file_config.block_size}};
+      const int64_t mine[] = {opt.model.n_layer, opt.model.n_head, opt.model.n_embd, opt.model.block_size};
+      for (int k = 0; k < 4; ++k)
+        check(opt.given.count(shape[k].first) == 0 || mine[k] == shape[k].second, "train_gpt: ", shape[k].first, " ",
+              mine[k], " differs from the ", shape[k].second, " in the loaded file");
+      const double dropout = opt.model.dropout;
+      opt.model = file_config;
+      if (opt.given.count("--dropout")) opt.model.dropout = dropout;
+      if (!opt.resume.empty()) {
+        // Training options come from the checkpoint (so the run continues exactly); --steps may extend it.
+        const int64_t steps = opt.train.steps;
+        const TrainOptions file_options = TrainOptions::from_metadata(header.metadata);
+        if (opt.amp_mode_from_checkpoint) opt.train.amp = amp_config_from_file(opt, file_options.amp.name());
+        const auto mine_meta = opt.train.to_metadata();
+        const auto file_meta = file_options.to_metadata();
+        static const std::pair<const char*, const char*> flags[] = {
+            {"--batch", "train.batch"}, {"--lr", "train.lr"}, {"--min-lr", "train.min_lr"},
+            {"--warmup", "train.warmup"}, {"--optimizer", "train.optimizer"},
+            {"--weight-decay", "train.weight_decay"}, {"--beta1", "train.beta1"}, {"--beta2", "train.beta2"},
+            {"--momentum", "train.momentum"}, {"--schedule", "train.schedule"}, {"--grad-clip", "train.grad_clip"},
+            {"--seed", "train.seed"}, {"--sequential", "train.sequential"}, {"--precision", "train.precision"},
+            {"--amp-config", "train.amp_config"}};
+        for (const auto& [flag, key] : flags)
+          check(opt.given.count(flag) == 0 || mine_meta.at(key) == file_meta.at(key) ||
+                    std::string_view(flag) == "--amp-config",  // compared option by option below
+                "train_gpt: ", flag, " ", mine_meta.at(key), " differs from the checkpoint's ",
+                file_meta.at(key),
+                " (a resumed run keeps the checkpoint's options)");
+        // --amp-config may change what is printed (verbose, verbosity, log_num_zeros_in_grad), nothing else.
+        if (opt.given.count("--amp-config")) {
+          const std::string differences =
+              opt.train.amp.training_differences(file_options.amp, "the checkpoint's");
+          check(differences.empty(), "train_gpt: --amp-config differs from the checkpoint's AMP options in ",
+                differences, "; a resumed run keeps the checkpoint's options (only verbose, verbosity "
+                "and log_num_zeros_in_grad may change)");
+        }
+        const AmpConfig amp = opt.given.count("--amp-config") ? opt.train.amp : file_options.amp;
+        opt.train = file_options;
+        opt.train.amp = amp;
+        if (opt.given.count("--steps")) opt.train.steps = steps;
+        check(opt.given.count("--dropout") == 0 || dropout == file_config.dropout,
+              "train_gpt: --dropout differs from the checkpoint's ", file_config.dropout);
       }
-      const AmpConfig amp = opt.given.count("--amp-config") ? opt.train.amp : file_options.amp;
-      opt.train = file_options;
-      opt.train.amp = amp;
-      if (opt.given.count("--steps")) opt.train.steps = steps;
-      check(opt.given.count("--dropout") == 0 || dropout == file_config.dropout,
-            "train_gpt: --dropout differs from the checkpoint's ", file_config.dropout);
-    }
-    const std::vector<uint8_t> file_vocab = metadata_vocab(header.metadata, "train_gpt: '" + file + "'");
-    if (!data.vocab.empty() && header.metadata.count("vocab"))
-      check(file_vocab == data.vocab,
-            "train_gpt: the character vocabulary of '", opt.data, "' differs from the loaded file's");
+      const std::vector<uint8_t> file_vocab = metadata_vocab(header.metadata, "train_gpt: '" + file + "'");
+      if (!data.vocab.empty() && header.metadata.count("vocab"))
+        check(file_vocab == data.vocab,
+              "train_gpt: the character vocabulary of '", opt.data, "' differs from the loaded file's");
+    });
   } else {
     opt.model.vocab_size = data.vocab_size;
   }
   check(data.vocab_size <= opt.model.vocab_size, "train_gpt: the data uses ", data.vocab_size,
         " token ids but the model has vocab_size ", opt.model.vocab_size);
+  // A validation pass needs one window of block + 1 tokens: found out now, not after the training.
+  if (opt.eval_only || opt.final_eval || opt.eval_every > 0)
+    check(data.n_val() > opt.model.block_size, "train_gpt: the validation split of '", opt.data, "' (",
+          data.n_val(), " tokens, the last tenth) is shorter than block + 1 = ", opt.model.block_size + 1,
+          " (use a smaller --block, or --eval-every 0 --no-final-eval)");
 
   // One process, or one rank of a parallel job: the loop below sees either through Engine.
   const bool distributed = opt.distributed() || (under_mpi_launcher() && dist::init().size > 1);
@@ -367,12 +449,14 @@ int run(int argc, char** argv) {
     printer = world.rank == 0;
     parallel = std::make_unique<ParallelTrainer>(opt.model, opt.train, opt.parallel, data,
                                                  dist::Communicator::world());
-    if (!opt.init.empty()) parallel->load_weights(load_safetensors(opt.init));
-    if (!opt.resume.empty()) parallel->load_checkpoint(load_safetensors(opt.resume));
+    if (!opt.init.empty()) naming_file("--init", opt.init, [&] { parallel->load_weights(load_safetensors(opt.init)); });
+    if (!opt.resume.empty())
+      naming_file("--resume", opt.resume, [&] { parallel->load_checkpoint(load_safetensors(opt.resume)); });
   } else {
     single = std::make_unique<Trainer>(opt.model, opt.train, data);
-    if (!opt.init.empty()) single->load_weights(load_safetensors(opt.init));
-    if (!opt.resume.empty()) single->load_checkpoint(load_safetensors(opt.resume));
+    if (!opt.init.empty()) naming_file("--init", opt.init, [&] { single->load_weights(load_safetensors(opt.init)); });
+    if (!opt.resume.empty())
+      naming_file("--resume", opt.resume, [&] { single->load_checkpoint(load_safetensors(opt.resume)); });
   }
   auto position = [&]() { return single ? single->step() : parallel->step(); };
   auto evaluate = [&]() { return single ? single->evaluate() : parallel->evaluate(); };
@@ -497,6 +581,9 @@ int run(int argc, char** argv) {
       if (const int64_t kib = peak_rss_kib(); kib > 0) line.emplace_back("peak_rss_kib", kib);
       log << json::Value(line).dump() << '\n';
       log.flush();
+      // A full disk or a failing device: the log would stop mid-line with exit code 0.
+      check(log.good(), "train_gpt: cannot write --log-json file '", opt.log_json, "' at step ", step,
+            " (disk full?)");
     }
     if (print) {
       const std::string grad_norm = s.skipped ? "n/a (skipped)" : fixed_text(s.grad_norm, 3);

@@ -219,7 +219,11 @@ TrainOptions TrainOptions::from_metadata(const std::map<std::string, std::string
   o.sequential = sequential == "true";
   // Checkpoints from before the precision modes are fp32.
   if (m.count("train.amp_config")) o.amp = amp_config_entry(m, what);
-  o.validate();
+  try {
+    o.validate();
+  } catch (const Error& error) {  // its messages name the command-line flags of the options
+    fail(what, ": a saved training option (train.*) is invalid: ", error.what());
+  }
   return o;
 }
 
@@ -416,6 +420,20 @@ StateDict model_part(const StateDict& state) {
   return model;
 }
 
+namespace {
+
+// A file's floating tensor `t` in the dtype of the model's tensor of that name (`mine`: the model's state dict;
+// files hold fp32, one saved in 16 bits or f64 reads in the model's dtype); anything else unchanged, for
+// load_state_dict to accept or name.
+Tensor in_model_dtype(const StateDict& mine, const std::string& name, const Tensor& t) {
+  const auto found = mine.tensors.find(name);
+  if (found == mine.tensors.end() || !t.defined()) return t;
+  const DType want = found->second.dtype();
+  return is_floating(t.dtype()) && is_floating(want) && t.dtype() != want ? t.to(want) : t;
+}
+
+}  // namespace
+
 // The model part of `state` with each floating tensor in the dtype of the model's own tensor (files hold fp32).
 // Every value must be finite in that dtype (an f64 1e300 is inf in f32): one NaN weight makes every later step
 // a skipped one.
@@ -423,11 +441,9 @@ StateDict Trainer::model_part_in_model_dtypes(const StateDict& state, const char
   StateDict part = model_part(state);
   const StateDict mine = model_->state_dict();
   for (auto& [name, t] : part.tensors) {
-    const auto found = mine.tensors.find(name);
-    if (found == mine.tensors.end() || !t.defined()) continue;  // load_state_dict names it
+    if (!mine.tensors.count(name) || !t.defined()) continue;  // load_state_dict names it
     const Tensor original = t;
-    if (is_floating(t.dtype()) && is_floating(found->second.dtype()) && t.dtype() != found->second.dtype())
-      t = t.to(found->second.dtype());
+    t = in_model_dtype(mine, name, t);
     const std::string bad = first_bad_value(t);
     check(bad.empty(), what, ": tensor '", name, "' (", original.described(), ") is not finite",
           t.dtype() == original.dtype() ? "" : std::string(" in the model's ") + dtype_name(t.dtype()), ": ", bad);
@@ -614,11 +630,17 @@ int64_t default_start_token(const std::vector<uint8_t>& vocab) {
 std::unique_ptr<GPT> load_model_file(const std::string& path, std::vector<uint8_t>* vocab) {
   const StateDict state = load_safetensors(path);
   const GPTConfig config = GPTConfig::from_metadata(state.metadata);
-  const StateDict weights = model_part(state);
+  StateDict weights = model_part(state);
   const std::string what = "load_model_file: '" + path + "'";
   check_gpt_shapes(config, weights.tensors, what);  // before the model of the metadata's size is built
   const std::vector<uint8_t> file_vocab = metadata_vocab(state.metadata, what);
+  // A character vocabulary has one byte per token id (train_gpt writes both from the same text): a list of
+  // another length would leave sampled ids without a character, or characters without an id.
+  check(file_vocab.empty() || static_cast<int64_t>(file_vocab.size()) == config.vocab_size, what,
+        ": the metadata's vocab lists ", file_vocab.size(), " characters but vocab_size is ", config.vocab_size);
   auto model = std::make_unique<GPT>(config, 0);
+  const StateDict mine = model->state_dict();
+  for (auto& [name, t] : weights.tensors) t = in_model_dtype(mine, name, t);  // as --init reads them
   model->load_state_dict(weights);
   // A NaN (or a value beyond the model's dtype) would not fail: every sample would silently be garbage.
   for (const auto& [name, p] : model->named_parameters()) {
@@ -631,21 +653,25 @@ std::unique_ptr<GPT> load_model_file(const std::string& path, std::vector<uint8_
   return model;
 }
 
+// Both read the whole value as written, with std::from_chars: no leading space or '+', no hexadecimal, and a
+// value out of the type's range (1e999, or 1e-400, which would round to 0) is an error, not a clamp.
 int64_t integer_argument(const std::string& program, const std::string& flag, const std::string& value,
-                         int64_t low) {
-  char* end = nullptr;
-  errno = 0;
-  const long long v = std::strtoll(value.c_str(), &end, 10);
-  check(!value.empty() && end && *end == 0 && errno == 0 && v >= low, program, ": ", flag,
-        " expects an integer >= ", low, ", got '", value, "'");
-  return static_cast<int64_t>(v);
+                         int64_t low, int64_t high) {
+  int64_t v = 0;
+  const char* end = value.data() + value.size();
+  const auto [ptr, ec] = std::from_chars(value.data(), end, v);
+  check(!value.empty() && ec == std::errc() && ptr == end && v >= low && v <= high, program, ": ", flag,
+        " expects an integer in [", low, ", ", high, "], got '", value, "'");
+  return v;
 }
 
 double number_argument(const std::string& program, const std::string& flag, const std::string& value) {
-  char* end = nullptr;
-  const double v = std::strtod(value.c_str(), &end);
-  check(!value.empty() && end && *end == 0 && std::isfinite(v) && v >= 0, program, ": ", flag,
-        " expects a non-negative number, got '", value, "'");
+  double v = 0;
+  const char* end = value.data() + value.size();
+  const auto [ptr, ec] = std::from_chars(value.data(), end, v);
+  check(!value.empty() && ec == std::errc() && ptr == end && std::isfinite(v) && v >= 0, program, ": ", flag,
+        " expects a non-negative decimal number", ec == std::errc::result_out_of_range ? " (this one is out of the "
+        "range of a double: too large, or so small it would round to 0)" : "", ", got '", value, "'");
   return v;
 }
 

@@ -207,12 +207,12 @@ std::unique_ptr<GPT> load_model_file(const std::string& path, std::vector<uint8_
 
 // ---- the example programs' command lines and printed numbers ----
 
-// A flag's value as an integer >= low, else Error "<program>: <flag> expects an integer >= <low>, got
-// '<value>'" (empty, trailing characters or out of range included).
+// A flag's value as an integer in [low, high], else Error "<program>: <flag> expects an integer in [<low>,
+// <high>], got '<value>'" (empty, leading space, trailing characters or out of range included).
 int64_t integer_argument(const std::string& program, const std::string& flag, const std::string& value,
-                         int64_t low);
-// A flag's value as a finite number >= 0, else Error "<program>: <flag> expects a non-negative number, got
-// '<value>'".
+                         int64_t low, int64_t high = INT64_MAX);
+// A flag's value as a finite decimal number >= 0, else Error "<program>: <flag> expects a non-negative decimal
+// number, got '<value>'" (hexadecimal, leading space and a value that would round to 0 or overflow included).
 double number_argument(const std::string& program, const std::string& flag, const std::string& value);
 
 // x with `digits` decimals, or "nan", "inf", "-inf" when it is not finite (printf may write "-nan").

@@ -81,26 +81,19 @@ GPTConfig GPTConfig::from_metadata(const std::map<std::string, std::string>& met
   auto bad = [](const char* key, const std::string& value, const char* expected) {
     fail("GPTConfig: metadata '", key, "' = '", value, "' is not ", expected);
   };
+  // The whole text, as written (std::from_chars: no leading space or '+', unlike std::stoll), or an error.
   auto integer = [&](const char* key, int64_t& field) {
     if (const std::string* value = get(key)) {
-      size_t used = 0;
-      try {
-        field = std::stoll(*value, &used);
-      } catch (const std::exception&) {
-        used = 0;
-      }
-      if (used == 0 || used != value->size()) bad(key, *value, "an integer");
+      const char* end = value->data() + value->size();
+      const auto [ptr, ec] = std::from_chars(value->data(), end, field);
+      if (ec != std::errc() || ptr != end) bad(key, *value, "an integer");
     }
   };
   auto real = [&](const char* key, double& field) {
     if (const std::string* value = get(key)) {
-      size_t used = 0;
-      try {
-        field = std::stod(*value, &used);
-      } catch (const std::exception&) {
-        used = 0;
-      }
-      if (used == 0 || used != value->size()) bad(key, *value, "a number");
+      const char* end = value->data() + value->size();
+      const auto [ptr, ec] = std::from_chars(value->data(), end, field);
+      if (ec != std::errc() || ptr != end) bad(key, *value, "a number");
     }
   };
   auto boolean = [&](const char* key, bool& field) {
@@ -239,6 +232,15 @@ Tensor Block::forward(const Tensor& x) {
 
 GPT::GPT(const GPTConfig& config, uint64_t seed) : config_(config) {
   config.validate();
+  // The parameters, roughly (12 C^2 a layer, the embeddings; in double: the counts may not fit int64), bounded
+  // at 2^40 (4 TiB in fp32): a model beyond any machine fails here, not after minutes of allocating layers.
+  // (Not in validate(): check_gpt_shapes compares a file's config with its tensors whatever its size.)
+  const double C = static_cast<double>(config.n_embd);
+  const double parameters = static_cast<double>(config.n_layer) * 12 * C * C +
+                            (static_cast<double>(config.vocab_size) + static_cast<double>(config.block_size)) * C;
+  check(parameters < 0x1p40, "GPT: ", config.n_layer, " layers of width ", config.n_embd, " (vocab ",
+        config.vocab_size, ", block ", config.block_size, ") make about ", parameters,
+        " parameters, more than the 2^40 this engine builds");
   // Dropout streams: a distinct seed per layer, mixed from `seed` (weights are re-drawn by init_weights below).
   const uint64_t stream_base = mix_seed(seed, 0xD209);
   transformer = register_module("transformer", std::make_shared<Module>());

@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <filesystem>
 #include <cstdint>
 #include <initializer_list>
 #include <bit>
@@ -183,7 +184,21 @@ void save_safetensors(const std::string& path, const StateDict& state) {
   for (int i = 0; i < 8; ++i) length_bytes[i] = static_cast<unsigned char>(header_length >> (8 * i));
 
   // ---- write temp, fsync, rename ----
-  const std::string temp_path = path + ".tmp." + std::to_string(::getpid());
+  // The file replaced is the one `path` names: through a symbolic link, the file it points to (the link stays).
+  // Anything else that exists there (a device, a FIFO, a directory) is not replaced by a checkpoint.
+  std::string target = path;
+  struct stat info;
+  if (::lstat(path.c_str(), &info) == 0 && S_ISLNK(info.st_mode)) {
+    std::error_code error;
+    const std::filesystem::path resolved = std::filesystem::weakly_canonical(path, error);
+    check(!error, "save_safetensors: cannot resolve the symbolic link '", path, "': ", error.message());
+    target = resolved.string();
+  }
+  if (::stat(target.c_str(), &info) == 0)
+    check(S_ISREG(info.st_mode), "save_safetensors: '", path, "' exists and is not a regular file (",
+          S_ISDIR(info.st_mode) ? "a directory" : S_ISCHR(info.st_mode) || S_ISBLK(info.st_mode) ? "a device"
+          : S_ISFIFO(info.st_mode) ? "a FIFO" : "a special file", "); a checkpoint replaces only a regular file");
+  const std::string temp_path = target + ".tmp." + std::to_string(::getpid());
   auto io_error = [&](int error_number, const char* step) {
     fail("save_safetensors: cannot write '", path, "': ", system_error_text(error_number), " (", step, " '",
          temp_path, "')");
@@ -200,10 +215,10 @@ void save_safetensors(const std::string& path, const StateDict& state) {
   if (status != 0) io_error(status, "writing the temp file");
   if (::fsync(fd) != 0) io_error(errno, "syncing the temp file");
   if ((status = temp.close()) != 0) io_error(status, "closing the temp file");
-  if (::rename(temp_path.c_str(), path.c_str()) != 0) io_error(errno, "renaming the temp file");
+  if (::rename(temp_path.c_str(), target.c_str()) != 0) io_error(errno, "renaming the temp file");
   temp.commit();
   // Make the rename itself durable. Best effort: the data is already safely in place under its name.
-  const int directory = ::open(directory_of(path).c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  const int directory = ::open(directory_of(target).c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (directory >= 0) {
     ::fsync(directory);
     ::close(directory);
@@ -212,12 +227,16 @@ void save_safetensors(const std::string& path, const StateDict& state) {
 
 namespace {
 
+constexpr size_t kMaxRank = 64;  // dimensions of one tensor: a generous bound (models use 1 to 4)
+
 class Loader {
  public:
   explicit Loader(const std::string& path) : path_(path) {}
 
   StateDict load() {
-    const int fd = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
+    // O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer, forever; it is then refused as
+    // not a regular file. (On a regular file the flag changes nothing.)
+    const int fd = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
     if (fd < 0) problem("cannot open: ", system_error_text(errno));
     struct FdCloser {
       int fd;
@@ -250,6 +269,10 @@ class Loader {
     } catch (const Error& error) {
       problem("invalid JSON header (byte offsets count from the header's start, file byte 8): ",
               error.what());
+    } catch (const std::bad_alloc&) {
+      // The parsed values take tens of bytes each: a header of the allowed size but millions of tiny values
+      // can need gigabytes.
+      problem("out of memory parsing its ", header_length, "-byte JSON header");
     }
     if (!header.is_object())
       problem("the header is a JSON ", json::kind_name(header.kind()), ", not an object");
@@ -330,6 +353,7 @@ class Loader {
   uint64_t read_count(const json::Value& value, const char* field, const std::string& tensor) const {
     if (!value.is_integer() || value.as_integer() < 0)
       problem(field, " of tensor '", tensor, "' has the entry ", value.dump(),
+              value.is_number() ? " (written with a fraction or an exponent, or beyond int64)" : "",
               ", expected a non-negative integer");
     return static_cast<uint64_t>(value.as_integer());
   }
@@ -354,6 +378,11 @@ class Loader {
               "' (mixtape reads F32, F16, BF16, F64, I32 and I64)");
 
     if (!shape->is_array()) problem("shape of tensor '", name, "' is ", shape->dump(), ", expected an array");
+    // No model has tensors of more than a handful of dimensions: a longer shape (a hostile header's million
+    // 1s) is refused before it is copied, or printed into an error message of megabytes.
+    if (shape->as_array().size() > kMaxRank)
+      problem("shape of tensor '", name, "' has ", shape->as_array().size(), " dimensions, more than the ",
+              kMaxRank, " this reader accepts");
     Planned planned{name, *parsed_dtype, {}, 0, 0};
     // numel * itemsize, with overflow detected: a hostile shape must not wrap around to a small size. The
     // product of the non-zero extents must fit int64 even when some extent is 0, or the strides would not.

@@ -332,6 +332,41 @@ run_fails("--grad-clip beside a naive clip_grad" ${TRAIN_GPT} --data words.txt -
           --grad-clip 0.5 MENTIONS "--grad-clip 0.5" "clip_grad 5")
 run_fails("--save into a missing directory" ${TRAIN_GPT} --data words.txt ${tiny} --steps 2
           --save no/such/dir/x.safetensors MENTIONS "no/such/dir" "does not exist")
+# Outputs that would overwrite an input or each other, and values that would be dropped or cut: errors before
+# any training (the runs would otherwise exit 0 with a file lost or an option ignored).
+file(COPY_FILE ${WORK_DIR}/words.txt ${WORK_DIR}/words_copy.txt)
+run_fails("--log-json onto the data" ${TRAIN_GPT} --data words_copy.txt ${tiny} --steps 2 --log-json words_copy.txt
+          MENTIONS "--log-json 'words_copy.txt' is the --data file")
+run_fails("--save onto the data" ${TRAIN_GPT} --data words_copy.txt ${tiny} --steps 2 --save ./words_copy.txt
+          MENTIONS "--save './words_copy.txt' is the --data file")
+file(READ ${WORK_DIR}/words_copy.txt copy_after)
+if(NOT copy_after STREQUAL text)
+  check_failed("a refused --log-json/--save changed the data file")
+endif()
+run_fails("--save and --log-json alike" ${TRAIN_GPT} --data words.txt ${tiny} --steps 2 --save same.out
+          --log-json same.out MENTIONS "--save and --log-json name the same file")
+run_fails("--save onto a device" ${TRAIN_GPT} --data words.txt ${tiny} --steps 2 --save /dev/null
+          MENTIONS "--save '/dev/null' exists and is not a regular file")
+run_fails("a flag twice" ${TRAIN_GPT} --data words.txt --lr 0.1 --lr 0.2 MENTIONS "--lr is given twice")
+run_fails("an unknown option last" ${TRAIN_GPT} --data words.txt --bogus MENTIONS "unknown option '--bogus'")
+# An empty value (run_fails' argument list would drop the empty argument: execute_process keeps it).
+execute_process(COMMAND ${TRAIN_GPT} --data words.txt --save "" WORKING_DIRECTORY ${WORK_DIR}
+                RESULT_VARIABLE status ERROR_VARIABLE err OUTPUT_QUIET)
+if(status EQUAL 0 OR NOT err MATCHES "--save needs a value, got ''")
+  check_failed("an empty --save: exit ${status}, stderr '${err}' (expected an error naming --save)")
+endif()
+run_fails("--tp beyond int" ${TRAIN_GPT} --data words.txt --tp 4294967296
+          MENTIONS "--tp expects an integer in [1, 2147483647]" "'4294967296'")
+run_fails("--lr that rounds to 0" ${TRAIN_GPT} --data words.txt --lr 1e-400 MENTIONS "--lr" "round to 0" "'1e-400'")
+run_fails("--lr in hexadecimal" ${TRAIN_GPT} --data words.txt --lr 0x1p-8 MENTIONS "--lr" "decimal" "'0x1p-8'")
+run_fails("--eval-only --save" ${TRAIN_GPT} --data words.txt --eval-only --save e.safetensors
+          MENTIONS "--eval-only only evaluates: --save")
+run_fails("--top-k without --sample" ${TRAIN_GPT} --data words.txt --top-k 3 MENTIONS "--top-k" "--sample N")
+run_fails("a validation split shorter than a block" ${TRAIN_GPT} --data words.txt --layers 1 --heads 2 --width 32
+          --block 4000 --steps 1 MENTIONS "validation split of 'words.txt'" "block + 1 = 4001")
+file(WRITE ${WORK_DIR}/not_a_checkpoint.safetensors "0123456789abcdef")
+run_fails("--resume of a corrupt file" ${TRAIN_GPT} --data words.txt --resume not_a_checkpoint.safetensors
+          MENTIONS "not_a_checkpoint.safetensors" "header length")
 
 # The skipped-step count of the progress line is the run's since step 1: a resumed run continues it. At
 # 2^32, fp16_naive's first steps overflow (and are skipped: no gradient norm, null in the log).

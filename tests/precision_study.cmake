@@ -131,10 +131,18 @@ run_fails("unknown opt level" ${PRECISION_STUDY} --data words.txt --modes fp16_a
 run_fails("missing data" ${PRECISION_STUDY} --data no_such_file.txt --modes fp32 --out bad
           MENTIONS "no_such_file.txt")
 run_fails("unknown option" ${PRECISION_STUDY} --data words.txt --frobnicate 3 MENTIONS "--frobnicate")
+run_fails("a mode under two names" ${PRECISION_STUDY} --data words.txt --modes fp16_apex,fp16_apex:O1 --out bad
+          MENTIONS "names 'fp16_apex:O1' twice (as 'fp16_apex' and 'fp16_apex:O1')")
+# An empty --data (run_fails' argument list would drop the empty argument: execute_process keeps it).
+execute_process(COMMAND ${PRECISION_STUDY} --data "" --modes fp32 --out bad WORKING_DIRECTORY ${WORK_DIR}
+                RESULT_VARIABLE status ERROR_VARIABLE err OUTPUT_QUIET)
+if(status EQUAL 0 OR NOT err MATCHES "--data needs a file name")
+  check_failed("an empty --data: exit ${status}, stderr '${err}' (expected an error naming --data)")
+endif()
 run_fails("--precision is per mode" ${PRECISION_STUDY} --data words.txt --precision fp16 MENTIONS "--modes")
 # Pass-through values are checked before anything runs (--steps 0 would leave an empty log behind).
 run_fails("--steps 0" ${PRECISION_STUDY} --data words.txt --modes fp32 --steps 0 --out bad
-          MENTIONS "--steps expects an integer >= 1" "'0'")
+          MENTIONS "--steps expects an integer in" "'0'")
 run_fails("--steps -5" ${PRECISION_STUDY} --data words.txt --modes fp32 --steps -5 --out bad
           MENTIONS "--steps" "'-5'")
 run_fails("--lr x" ${PRECISION_STUDY} --data words.txt --modes fp32 --lr x --out bad MENTIONS "--lr" "'x'")

@@ -249,6 +249,10 @@ TEST(GPT, RejectsBadConfigurationsAndInputs) {
   EXPECT_ERROR_MENTIONS(config.validate(), "dropout");
   EXPECT_ERROR_MENTIONS(GPTConfig::from_metadata({{"norm", "batchnorm"}}), "norm", "batchnorm");
   EXPECT_ERROR_MENTIONS(GPTConfig::from_metadata({{"n_layer", "2x"}}), "n_layer", "2x");
+  // The whole text as written: std::stoll would have read " 16" and "+16" as 16.
+  for (const char* text : {" 16", "+16", "16 ", "0x10", ""})
+    EXPECT_ERROR_MENTIONS(GPTConfig::from_metadata({{"n_embd", text}}), "n_embd", "is not an integer");
+  EXPECT_ERROR_MENTIONS(GPTConfig::from_metadata({{"dropout", " 0.1"}}), "dropout", "is not a number");
 
   GPT model(tiny_config());
   EXPECT_ERROR_MENTIONS(model.forward(Tensor::zeros({1, 17}, DType::I64)), "GPT", "17", "block_size", "16");
@@ -264,6 +268,15 @@ TEST(GPT, ConfigRejectsANonFiniteNormEpsAndAWidthWhoseLayersOverflow) {
   // 8 * n_embd (a SwiGLU c_fc) must stay an int64.
   EXPECT_ERROR_MENTIONS(GPTConfig::from_metadata({{"n_embd", "4611686018427387904"}, {"n_head", "1"}}), "n_embd",
                         "2^60", "4611686018427387904");
+  // A model of more than 2^40 parameters is refused before its first layer is allocated (a config of 2^62
+  // layers used to allocate layer after layer until memory ran out).
+  GPTConfig huge = tiny_config();
+  huge.n_layer = int64_t{1} << 62;
+  EXPECT_ERROR_MENTIONS(GPT{huge}, "GPT", "4611686018427387904 layers of width 32", "2^40");
+  huge = tiny_config();
+  huge.n_embd = 100000000;
+  huge.n_head = 1;
+  EXPECT_ERROR_MENTIONS(GPT{huge}, "GPT", "layers of width 100000000", "2^40");
 }
 
 // The reference is the model itself: its named_parameters, in order, for every option that changes the list.

@@ -336,6 +336,13 @@ TEST_F(SafetensorsCorrupt, MissingFileOrDirectoryIsAnError) {
   EXPECT_ERROR_MENTIONS(load_safetensors(dir_.string()), dir_.string(), "not a regular file");
 }
 
+TEST_F(SafetensorsCorrupt, AFifoIsRefusedAtOnceNotWaitedOn) {
+  // Opening a FIFO for reading waits for a writer: the loader opens without waiting and refuses it.
+  const std::string fifo = path("fifo.safetensors");
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0) << std::strerror(errno);
+  EXPECT_ERROR_MENTIONS(load_safetensors(fifo), fifo, "not a regular file");
+}
+
 TEST_F(SafetensorsCorrupt, ShortFilesAndBadHeaderLengths) {
   expect_load_error("", "the file is 0 bytes, shorter than the 8-byte header length");
   expect_load_error(std::string("\x02\0\0\0", 4), "the file is 4 bytes");
@@ -384,7 +391,13 @@ TEST_F(SafetensorsCorrupt, ShapesMustBeNonNegativeIntegers) {
   const std::string tail = ",\"data_offsets\":[0,4]}";
   expect_entry_error("{\"dtype\":\"F32\",\"shape\":[-1]" + tail, 4, "shape of tensor 'x' has the entry -1");
   expect_entry_error("{\"dtype\":\"F32\",\"shape\":[1.5]" + tail, 4, "shape of tensor 'x' has the entry 1.5");
-  expect_entry_error("{\"dtype\":\"F32\",\"shape\":[1e0]" + tail, 4, "shape of tensor 'x' has the entry 1");
+  expect_entry_error("{\"dtype\":\"F32\",\"shape\":[1e0]" + tail, 4,
+                     "shape of tensor 'x' has the entry 1 (written with a fraction or an exponent");
+  // More dimensions than any tensor has (a hostile header's millions of 1s): refused before being copied.
+  std::string ones = "1";
+  for (int i = 0; i < 64; ++i) ones += ",1";
+  expect_entry_error("{\"dtype\":\"F32\",\"shape\":[" + ones + "]" + tail, 4,
+                     "shape of tensor 'x' has 65 dimensions, more than the 64 this reader accepts");
   expect_entry_error("{\"dtype\":\"F32\",\"shape\":[\"1\"]" + tail, 4,
                      "shape of tensor 'x' has the entry \"1\"");
   expect_entry_error("{\"dtype\":\"F32\",\"shape\":[null]" + tail, 4, "expected a non-negative integer");
@@ -519,6 +532,27 @@ TEST_F(Safetensors, SaveReplacesAnExistingFile) {
   ASSERT_EQ(back.tensors.size(), 1u);
   EXPECT_EQ(back.tensors.count("b"), 1u);
   EXPECT_EQ(directory_listing(), std::vector<std::string>{"ckpt.safetensors"});
+}
+
+TEST_F(Safetensors, SaveReplacesOnlyARegularFileAndWritesThroughASymbolicLink) {
+  StateDict state;
+  state.tensors["a"] = Tensor::ones({3});
+  // A directory (or a device, a FIFO) in the way is not replaced by a checkpoint.
+  const std::string directory = path("taken");
+  fs::create_directory(directory);
+  EXPECT_ERROR_MENTIONS(save_safetensors(directory, state), directory, "exists and is not a regular file",
+                        "a directory");
+  EXPECT_TRUE(fs::is_directory(directory));
+  EXPECT_ERROR_MENTIONS(save_safetensors("/dev/null", state), "'/dev/null' exists and is not a regular file",
+                        "a device");
+  // Through a link the file it points to is replaced, and the link stays a link.
+  const std::string target = path("real.safetensors"), link = path("latest.safetensors");
+  save_safetensors(target, StateDict{});
+  fs::create_symlink("real.safetensors", link);
+  save_safetensors(link, state);
+  EXPECT_TRUE(fs::is_symlink(link));
+  EXPECT_EQ(load_safetensors(target).tensors.count("a"), 1u);
+  EXPECT_EQ(directory_listing(), (std::vector<std::string>{"latest.safetensors", "real.safetensors", "taken"}));
 }
 
 TEST_F(Safetensors, SaveIntoAMissingDirectoryFailsNamingThePathAndReason) {

@@ -564,6 +564,20 @@ TEST(TrainGPT, LoadModelFileChecksTheTensorsAgainstTheConfigBeforeBuildingTheMod
                         "'transformer.wpe.weight' is [8,16]", "expects [8388608,16]");
   EXPECT_ERROR_MENTIONS(load_model_file(saved_with("norm_eps", "inf")), "norm_eps", "finite");
   EXPECT_ERROR_MENTIONS(load_model_file(saved_with("vocab", "[1, 2")), path, "metadata entry 'vocab'", "json");
+  // A character list shorter than vocab_size would leave sampled ids without a character (generate failed
+  // part-way through its output, depending on the seed).
+  EXPECT_ERROR_MENTIONS(load_model_file(saved_with("vocab", "[97, 98]")), path, "vocab lists 2 characters",
+                        "vocab_size is " + std::to_string(config.vocab_size));
+  // Weights saved in 16 bits read in the model's fp32, as train_gpt --init reads them.
+  {
+    StateDict half = weights;
+    for (auto& [name, t] : half.tensors) t = t.to(DType::F16);
+    save_safetensors(path, half);
+    const std::unique_ptr<GPT> model = load_model_file(path);
+    const Tensor wte = model->state_dict().tensors.at("transformer.wte.weight");
+    EXPECT_EQ(wte.dtype(), DType::F32);
+    EXPECT_EQ(wte.to_vector<double>(), half.tensors.at("transformer.wte.weight").to_vector<double>());
+  }
   // Weights that are not finite (generate would print garbage).
   for (const Tensor& bad : {Tensor::full({8, 16}, NAN), Tensor::full({8, 16}, INFINITY)}) {
     StateDict state = weights;
