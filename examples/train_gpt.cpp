@@ -263,6 +263,18 @@ Options parse(int argc, char** argv) {
   for (const char* flag : {"--top-k", "--temperature"})
     check(!o.given.count(flag) || o.given.count("--sample"), "train_gpt: ", flag, " shapes --sample's tokens: "
           "give --sample N too");
+  // Hyperparameters of another optimizer than the run's, a stop beyond the end. (With --resume the run's are the
+  // checkpoint's, and every given flag is compared with it in run().)
+  if (o.resume.empty()) {
+    const std::string& optimizer = o.train.optimizer;
+    check(!o.given.count("--momentum") || optimizer == "sgd", "train_gpt: --momentum is SGD's, and the optimizer "
+          "is ", optimizer, " (give --optimizer sgd, or leave --momentum out)");
+    for (const char* flag : {"--beta1", "--beta2"})
+      check(!o.given.count(flag) || optimizer != "sgd", "train_gpt: ", flag, " is Adam's and AdamW's, and the "
+            "optimizer is sgd");
+    check(o.stop_at < 0 || o.stop_at <= o.train.steps, "train_gpt: --stop-at ", o.stop_at, " is beyond --steps ",
+          o.train.steps);
+  }
   check(o.save_every == 0 || !o.save.empty(), "train_gpt: --save-every needs --save FILE");
   if (o.given.count("--min-lr") == 0 && o.train.min_lr > o.train.lr) o.train.min_lr = o.train.lr / 10;
   return o;

@@ -362,6 +362,12 @@ run_fails("--lr in hexadecimal" ${TRAIN_GPT} --data words.txt --lr 0x1p-8 MENTIO
 run_fails("--eval-only --save" ${TRAIN_GPT} --data words.txt --eval-only --save e.safetensors
           MENTIONS "--eval-only only evaluates: --save")
 run_fails("--top-k without --sample" ${TRAIN_GPT} --data words.txt --top-k 3 MENTIONS "--top-k" "--sample N")
+run_fails("--momentum with adamw" ${TRAIN_GPT} --data words.txt --momentum 0.9 MENTIONS "--momentum is SGD's"
+          "adamw")
+run_fails("--beta1 with sgd" ${TRAIN_GPT} --data words.txt --optimizer sgd --beta1 0.8
+          MENTIONS "--beta1 is Adam's and AdamW's")
+run_fails("--stop-at beyond --steps" ${TRAIN_GPT} --data words.txt --steps 2 --stop-at 10
+          MENTIONS "--stop-at 10 is beyond --steps 2")
 run_fails("a validation split shorter than a block" ${TRAIN_GPT} --data words.txt --layers 1 --heads 2 --width 32
           --block 4000 --steps 1 MENTIONS "validation split of 'words.txt'" "block + 1 = 4001")
 file(WRITE ${WORK_DIR}/not_a_checkpoint.safetensors "0123456789abcdef")
