@@ -343,12 +343,11 @@ void check_outputs(const Options& o) {
   }
   check(o.save.empty() || o.log_json.empty() || !same_file(o.save, o.log_json), "train_gpt: --save and "
         "--log-json name the same file '", o.save, "'");
-  // save_safetensors replaces only a regular file: say so before the training, not after it.
-  std::error_code error;
-  const std::filesystem::file_status save_status = std::filesystem::status(o.save, error);
-  check(o.save.empty() || !std::filesystem::exists(save_status) || std::filesystem::is_regular_file(save_status),
-        "train_gpt: --save '", o.save, "' exists and is not a regular file (a checkpoint replaces only a regular "
-        "file)");
+  // What save_safetensors would refuse, before the training rather than after it.
+  if (!o.save.empty()) {
+    const SaveTarget where = save_target(o.save);
+    check(where.problem.empty(), "train_gpt: --save '", o.save, "' ", where.problem);
+  }
 }
 
 // Runs `body`, naming the file in an error it throws that does not name it already: the checks behind a load

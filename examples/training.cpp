@@ -34,11 +34,9 @@ const std::string& entry(const std::map<std::string, std::string>& metadata, con
 
 template <class T>
 T parse_number(const std::string& text, const std::string& key, const char* what) {
-  T value{};
-  const auto result = std::from_chars(text.data(), text.data() + text.size(), value);
-  check(result.ec == std::errc() && result.ptr == text.data() + text.size(), what, ": metadata entry '", key,
-        "' = '", text, "' is not a valid number");
-  return value;
+  const std::optional<T> value = number_from_text<T>(text);
+  check(value.has_value(), what, ": metadata entry '", key, "' = '", text, "' is not a valid number");
+  return *value;
 }
 
 template <class T>
@@ -653,26 +651,23 @@ std::unique_ptr<GPT> load_model_file(const std::string& path, std::vector<uint8_
   return model;
 }
 
-// Both read the whole value as written, with std::from_chars: no leading space or '+', no hexadecimal, and a
-// value out of the type's range (1e999, or 1e-400, which would round to 0) is an error, not a clamp.
+// Both read the whole value as written (number_from_text): a value out of the type's range is an error, not a
+// clamp.
 int64_t integer_argument(const std::string& program, const std::string& flag, const std::string& value,
                          int64_t low, int64_t high) {
-  int64_t v = 0;
-  const char* end = value.data() + value.size();
-  const auto [ptr, ec] = std::from_chars(value.data(), end, v);
-  check(!value.empty() && ec == std::errc() && ptr == end && v >= low && v <= high, program, ": ", flag,
-        " expects an integer in [", low, ", ", high, "], got '", value, "'");
-  return v;
+  const std::optional<int64_t> v = number_from_text<int64_t>(value);
+  check(v && *v >= low && *v <= high, program, ": ", flag, " expects an integer in [", low, ", ", high, "], got '",
+        value, "'");
+  return *v;
 }
 
 double number_argument(const std::string& program, const std::string& flag, const std::string& value) {
-  double v = 0;
-  const char* end = value.data() + value.size();
-  const auto [ptr, ec] = std::from_chars(value.data(), end, v);
-  check(!value.empty() && ec == std::errc() && ptr == end && std::isfinite(v) && v >= 0, program, ": ", flag,
-        " expects a non-negative decimal number", ec == std::errc::result_out_of_range ? " (this one is out of the "
-        "range of a double: too large, or so small it would round to 0)" : "", ", got '", value, "'");
-  return v;
+  bool out_of_range = false;
+  const std::optional<double> v = number_from_text<double>(value, &out_of_range);
+  check(v && std::isfinite(*v) && *v >= 0, program, ": ", flag, " expects a non-negative decimal number",
+        out_of_range ? " (this one is out of the range of a double: too large, or so small it would round to 0)"
+                     : "", ", got '", value, "'");
+  return *v;
 }
 
 std::string fixed_text(double x, int digits) {

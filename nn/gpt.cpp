@@ -7,6 +7,7 @@
 #include <sstream>
 #include <string>
 
+#include "nn/state_dict.h"
 #include "tensor/autograd_node.h"
 #include "tensor/error.h"
 
@@ -81,19 +82,19 @@ GPTConfig GPTConfig::from_metadata(const std::map<std::string, std::string>& met
   auto bad = [](const char* key, const std::string& value, const char* expected) {
     fail("GPTConfig: metadata '", key, "' = '", value, "' is not ", expected);
   };
-  // The whole text, as written (std::from_chars: no leading space or '+', unlike std::stoll), or an error.
+  // The whole text, as written (number_from_text: no leading space or '+', unlike std::stoll), or an error.
   auto integer = [&](const char* key, int64_t& field) {
     if (const std::string* value = get(key)) {
-      const char* end = value->data() + value->size();
-      const auto [ptr, ec] = std::from_chars(value->data(), end, field);
-      if (ec != std::errc() || ptr != end) bad(key, *value, "an integer");
+      const std::optional<int64_t> read = number_from_text<int64_t>(*value);
+      if (!read) bad(key, *value, "an integer");
+      field = *read;
     }
   };
   auto real = [&](const char* key, double& field) {
     if (const std::string* value = get(key)) {
-      const char* end = value->data() + value->size();
-      const auto [ptr, ec] = std::from_chars(value->data(), end, field);
-      if (ec != std::errc() || ptr != end) bad(key, *value, "a number");
+      const std::optional<double> read = number_from_text<double>(*value);
+      if (!read) bad(key, *value, "a number");
+      field = *read;
     }
   };
   auto boolean = [&](const char* key, bool& field) {

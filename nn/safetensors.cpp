@@ -136,6 +136,25 @@ std::string directory_of(const std::string& path) {
 
 }  // namespace
 
+SaveTarget save_target(const std::string& path) {
+  SaveTarget where{path, ""};
+  struct stat info;
+  if (::lstat(path.c_str(), &info) == 0 && S_ISLNK(info.st_mode)) {
+    std::error_code error;
+    const std::filesystem::path resolved = std::filesystem::weakly_canonical(path, error);
+    if (error) return {path, "is a symbolic link that cannot be resolved: " + error.message()};
+    where.path = resolved.string();
+  }
+  if (::stat(where.path.c_str(), &info) == 0 && !S_ISREG(info.st_mode))
+    where.problem = std::string("exists and is not a regular file (") +
+                    (S_ISDIR(info.st_mode)                           ? "a directory"
+                     : S_ISCHR(info.st_mode) || S_ISBLK(info.st_mode) ? "a device"
+                     : S_ISFIFO(info.st_mode)                         ? "a FIFO"
+                                                                      : "a special file") +
+                    "); a checkpoint replaces only a regular file";
+  return where;
+}
+
 void save_safetensors(const std::string& path, const StateDict& state) {
   // ---- check everything and build the header before touching the file system ----
   std::vector<Entry> entries;
@@ -184,20 +203,9 @@ void save_safetensors(const std::string& path, const StateDict& state) {
   for (int i = 0; i < 8; ++i) length_bytes[i] = static_cast<unsigned char>(header_length >> (8 * i));
 
   // ---- write temp, fsync, rename ----
-  // The file replaced is the one `path` names: through a symbolic link, the file it points to (the link stays).
-  // Anything else that exists there (a device, a FIFO, a directory) is not replaced by a checkpoint.
-  std::string target = path;
-  struct stat info;
-  if (::lstat(path.c_str(), &info) == 0 && S_ISLNK(info.st_mode)) {
-    std::error_code error;
-    const std::filesystem::path resolved = std::filesystem::weakly_canonical(path, error);
-    check(!error, "save_safetensors: cannot resolve the symbolic link '", path, "': ", error.message());
-    target = resolved.string();
-  }
-  if (::stat(target.c_str(), &info) == 0)
-    check(S_ISREG(info.st_mode), "save_safetensors: '", path, "' exists and is not a regular file (",
-          S_ISDIR(info.st_mode) ? "a directory" : S_ISCHR(info.st_mode) || S_ISBLK(info.st_mode) ? "a device"
-          : S_ISFIFO(info.st_mode) ? "a FIFO" : "a special file", "); a checkpoint replaces only a regular file");
+  const SaveTarget where = save_target(path);
+  check(where.problem.empty(), "save_safetensors: '", path, "' ", where.problem);
+  const std::string& target = where.path;
   const std::string temp_path = target + ".tmp." + std::to_string(::getpid());
   auto io_error = [&](int error_number, const char* step) {
     fail("save_safetensors: cannot write '", path, "': ", system_error_text(error_number), " (", step, " '",

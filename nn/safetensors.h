@@ -16,6 +16,15 @@ namespace mixtape {
 // path and the system's reason. (A symlink at path is replaced by the new file, not written through.)
 void save_safetensors(const std::string& path, const StateDict& state);
 
+// Where save_safetensors(path) writes: the file `path` names, through a symbolic link the file it points to
+// (the link stays). `problem` says why no checkpoint may go there ("exists and is not a regular file (a
+// device); ..."), empty when it may; for callers that check before hours of work rather than after.
+struct SaveTarget {
+  std::string path;
+  std::string problem;
+};
+SaveTarget save_target(const std::string& path);
+
 // Reads the whole file in one pass, validating all of it first: a truncated, corrupt or unsupported file is
 // an Error naming the file and the problem, never a partial result. Reads F32, F16, BF16, F64, I32, I64.
 StateDict load_safetensors(const std::string& path);
