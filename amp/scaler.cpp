@@ -296,11 +296,32 @@ DynamicLossScaler::DynamicLossScaler(DynamicLossScalerOptions options)
   check_backoff(who, "backoff_factor", options.backoff_factor);
   check_at_least_one(who, "growth_interval", options.growth_interval);
   check_at_least_one(who, "hysteresis", options.hysteresis);
+  const auto in_rule = [&](const char* what, double value) {
+    if (!options.fp32_scale) return value;
+    const double rounded = static_cast<float>(value);
+    check(std::isfinite(rounded) && rounded > 0, who, ": ", what, " ", exact_number_text(value),
+          " is not a finite positive number in fp32, where Megatron-LM keeps its scale (fp32_scale)");
+    return rounded;
+  };
+  scale_ = in_rule("initial_scale", options.initial_scale);
+  min_scale_ = in_rule("min_scale", options.min_scale);
+  max_scale_ = in_rule("max_scale", options.max_scale);
+  growth_factor_ = in_rule("growth_factor", options.growth_factor);
+  backoff_factor_ = in_rule("backoff_factor", options.backoff_factor);
+  // A factor that rounds to 1 in fp32 would never change S: refused as the unrounded value would be.
+  check(growth_factor_ > 1, who, ": growth_factor ", exact_number_text(options.growth_factor),
+        " is 1 in fp32 (fp32_scale), expected > 1");
+  check(backoff_factor_ < 1, who, ": backoff_factor ", exact_number_text(options.backoff_factor),
+        " is 1 in fp32 (fp32_scale), expected < 1");
 }
 
-// Megatron-LM's DynamicGradScaler.update, rule for rule. Differences: Megatron has no max_scale (Colossal-AI
-// has, as min(S * growth, max_scale)); Megatron keeps S in fp32, we in double (equal for the powers of two
-// the defaults produce); Megatron lets the hysteresis tracker count on below 0, we stop it at 0 (every value
+double DynamicLossScaler::in_rule_dtype(double value) const {
+  return options_.fp32_scale ? static_cast<float>(value) : value;
+}
+
+// Megatron-LM's DynamicGradScaler.update, rule for rule, in fp32 as Megatron's tensors (fp32_scale; Apex's
+// rule in double). Differences: Megatron has no max_scale (Colossal-AI has, as min(S * growth, max_scale));
+// Megatron lets the hysteresis tracker count on below 0, we stop it at 0 (every value
 // <= 0 backs off alike, and it cannot wrap). Colossal-AI counts hysteresis up from 0 instead of down from
 // `hysteresis`: the same sequence of scales.
 void DynamicLossScaler::update(bool found_inf) {
@@ -309,14 +330,16 @@ void DynamicLossScaler::update(bool found_inf) {
     growth_tracker_ = 0;
     hysteresis_tracker_ = std::max<int64_t>(hysteresis_tracker_ - 1, 0);
     last_update_ = hysteresis_tracker_ == 0 ? Update::Backoff : Update::Overflow;
-    if (hysteresis_tracker_ == 0) scale_ = std::max(scale_ * options_.backoff_factor, options_.min_scale);
+    // Rounding after the bound is the same as before it (the bounds are values of the rule's dtype), and keeps
+    // an out-of-range double away from the conversion to fp32.
+    if (hysteresis_tracker_ == 0) scale_ = in_rule_dtype(std::max(scale_ * backoff_factor_, min_scale_));
   } else {
     growth_tracker_ += 1;
     last_update_ = Update::Clean;
     if (growth_tracker_ == options_.growth_interval) {
       growth_tracker_ = 0;
       hysteresis_tracker_ = options_.hysteresis;
-      scale_ = std::min(scale_ * options_.growth_factor, options_.max_scale);
+      scale_ = in_rule_dtype(std::min(scale_ * growth_factor_, max_scale_));
       last_update_ = Update::Growth;
     }
   }
@@ -363,20 +386,22 @@ void DynamicLossScaler::load_state_dict(const std::map<std::string, std::string>
   } else if (hysteresis < 0) {
     hysteresis = 0;  // the format without the rule let the tracker count on below 0: all such values act as 0
   }
-  const std::string max = exact_number_text(options_.max_scale);
+  // The bounds as the rule computes with them (fp32 with fp32_scale); a scale within them is rounded to the
+  // rule's dtype (a state of this version holds such a value already).
+  const std::string max = exact_number_text(max_scale_);
   if (options_.allow_initial_below_min) {
-    check(std::isfinite(scale) && scale > 0 && scale <= options_.max_scale, loader, ": entry \"scale\" is ",
-          exact_number_text(scale), ", expected a value in (0, max_scale ", max, "]");
+    check(std::isfinite(scale) && scale > 0 && scale <= max_scale_ && in_rule_dtype(scale) > 0, loader,
+          ": entry \"scale\" is ", exact_number_text(scale), ", expected a value in (0, max_scale ", max, "]",
+          options_.fp32_scale ? " in fp32" : "");
   } else {
-    check(scale >= options_.min_scale && scale <= options_.max_scale, loader, ": entry \"scale\" is ",
-          exact_number_text(scale), ", expected a value in [min_scale ",
-          exact_number_text(options_.min_scale), ", max_scale ", max, "]");
+    check(scale >= min_scale_ && scale <= max_scale_, loader, ": entry \"scale\" is ", exact_number_text(scale),
+          ", expected a value in [min_scale ", exact_number_text(min_scale_), ", max_scale ", max, "]");
   }
   check(growth >= 0 && growth < options_.growth_interval, loader, ": entry \"growth_tracker\" is ", growth,
         ", expected a value in [0, growth_interval ", options_.growth_interval, ")");
   check(hysteresis >= 0 && hysteresis <= options_.hysteresis, loader, ": entry \"hysteresis_tracker\" is ",
         hysteresis, ", expected a value in [0, hysteresis ", options_.hysteresis, "]");
-  scale_ = scale;
+  scale_ = in_rule_dtype(scale);
   growth_tracker_ = growth;
   hysteresis_tracker_ = hysteresis;
 }
@@ -408,6 +433,7 @@ DynamicLossScaler apex_dynamic_scaler(double init_scale, int64_t scale_window,
   options.growth_interval = scale_window;
   options.hysteresis = 1;  // Apex backs off on every overflow
   options.allow_initial_below_min = true;
+  options.fp32_scale = false;  // Apex's LossScaler keeps its scale in a Python float
   return DynamicLossScaler(options);
 }
 

@@ -115,6 +115,11 @@ struct DynamicLossScalerOptions {
   // Apex: min_scale only floors the backoff, so S may start below it (it grows from there until the first
   // overflow lifts it to min_scale). Otherwise initial_scale must lie in [min_scale, max_scale].
   bool allow_initial_below_min = false;
+  // Megatron-LM keeps S, min_scale and both factors in fp32 tensors (Colossal-AI S and its bounds, with the
+  // factors cast to fp32 by the multiplication): each is rounded to fp32 and every update is an fp32
+  // product, S = fp32(S * fp32(factor)). Apex keeps them in Python floats: double throughout (false). The
+  // two agree for the powers of two of the defaults; a factor such as 1.1 gives different sequences.
+  bool fp32_scale = true;
 };
 
 class DynamicLossScaler : public LossScaler {
@@ -150,6 +155,9 @@ class DynamicLossScaler : public LossScaler {
 
  private:
   DynamicLossScalerOptions options_;
+  double in_rule_dtype(double value) const;  // rounded to fp32 with fp32_scale, else itself
+  // The rule as update() computes with it: the options, rounded to fp32 where options_.fp32_scale says so.
+  double min_scale_, max_scale_, growth_factor_, backoff_factor_;
   int64_t growth_tracker_ = 0;
   int64_t hysteresis_tracker_;
   Update last_update_ = Update::None;

@@ -571,6 +571,47 @@ TEST(DynamicLossScaler, OverflowResetsTheGrowthCount) {
   EXPECT_EQ(scaler.hysteresis_tracker(), 2);
 }
 
+TEST(DynamicLossScaler, TheScaleAndTheRuleAreFp32ValuesAsInMegatronsTensors) {
+  // Megatron-LM holds S, min_scale, growth_factor and backoff_factor in fp32 tensors, so each update is an
+  // fp32 product of fp32 values. S0 = 24, growth 1.5, backoff 0.3 (fp32: 0.30000001192092896), interval 1,
+  // hysteresis 1:
+  //   O: 24 * 0.30000001192092896 = 7.200000286102295 (exact in fp32);
+  //   O: 7.200000286102295 * 0.30000001192092896 = 2.1600001716613804 -> fp32 2.1600000858306885;
+  //   C: 2.1600000858306885 * 1.5 = 3.2400001287460327 -> fp32 3.2400002479553223.
+  // In double the sequence would be 7.199999999999999, 2.1599999999999997, 3.2399999999999993, and PyTorch's
+  // GradScaler (a double factor, rounded after) gives 7.199999809265137, ...: three rules, three sequences.
+  // (Python: struct.unpack('f', struct.pack('f', x))[0] rounds a double to fp32.)
+  const DynamicLossScalerOptions options{.initial_scale = 24, .min_scale = 1, .max_scale = 1e6,
+                                         .growth_factor = 1.5, .backoff_factor = 0.3, .growth_interval = 1,
+                                         .hysteresis = 1};
+  DynamicLossScaler megatron(options);
+  EXPECT_EQ(run_pattern(megatron, "OOC"),
+            (std::vector<double>{7.200000286102295, 2.1600000858306885, 3.2400002479553223}));
+  // Apex's rule (a Python float) stays in double: 24 / 1.5 = 16 exactly, then 16 / 1.5 = 10.666666666666666.
+  DynamicLossScaler apex = apex_dynamic_scaler(24, 1, std::nullopt, 1e6, 1.5);
+  EXPECT_FALSE(apex.options().fp32_scale);
+  EXPECT_EQ(run_pattern(apex, "OO"), (std::vector<double>{16, 10.666666666666666}));
+  // The state round trip keeps the fp32 value; the initial scale and the bounds are rounded to fp32 too.
+  DynamicLossScaler reloaded(options);
+  reloaded.load_state_dict(megatron.state_dict());
+  EXPECT_EQ(reloaded.scale(), 3.2400002479553223);
+  EXPECT_EQ(DynamicLossScaler({.initial_scale = 0.1, .min_scale = 0.01}).scale(), 0.10000000149011612);
+  DynamicLossScaler floored({.initial_scale = 1, .min_scale = 0.1, .backoff_factor = 0.5, .hysteresis = 1});
+  EXPECT_EQ(run_pattern(floored, "OOOO"), (std::vector<double>{0.5, 0.25, 0.125, 0.10000000149011612}));
+  // What is not a finite positive fp32 value, or a factor that rounds to 1 there, is refused.
+  EXPECT_ERROR_MENTIONS(DynamicLossScaler({.initial_scale = 1e-46, .min_scale = 1e-50}), "DynamicLossScaler",
+                        "initial_scale 1e-46", "fp32");
+  EXPECT_ERROR_MENTIONS(DynamicLossScaler({.growth_factor = 1 + 1e-9}), "growth_factor 1.000000001",
+                        "is 1 in fp32");
+  EXPECT_ERROR_MENTIONS(DynamicLossScaler({.backoff_factor = 1 - 1e-9}), "backoff_factor 0.999999999",
+                        "is 1 in fp32");
+  DynamicLossScalerOptions in_double = options;
+  in_double.fp32_scale = false;
+  DynamicLossScaler double_rule(in_double);
+  EXPECT_EQ(run_pattern(double_rule, "OOC"),
+            (std::vector<double>{7.199999999999999, 2.1599999999999997, 3.2399999999999993}));
+}
+
 TEST(DynamicLossScaler, ScalesTheLoss) {
   DynamicLossScaler scaler({.initial_scale = 256, .min_scale = 1, .max_scale = 256});
   EXPECT_EQ(scaler.scale(Tensor::scalar(0.5)).item(), 128.0);
