@@ -1,10 +1,8 @@
 #include "amp/optimizer.h"
 
-#include <charconv>
 #include <cmath>
 #include <set>
 #include <span>
-#include <system_error>
 #include <utility>
 
 #include "autograd/autograd.h"
@@ -30,11 +28,10 @@ int64_t read_count(const std::map<std::string, std::string>& metadata, const std
   const auto found = metadata.find(key);
   check(found != metadata.end(), who, ": missing metadata entry '", key, "'");
   const std::string& text = found->second;
-  int64_t value = 0;
-  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
-  check(!text.empty() && ec == std::errc() && end == text.data() + text.size() && value >= 0, who,
-        ": metadata entry '", key, "' is '", text, "', expected a non-negative integer");
-  return value;
+  const std::optional<int64_t> value = number_from_text<int64_t>(text);
+  check(value.has_value() && *value >= 0, who, ": metadata entry '", key, "' is '", text,
+        "', expected a non-negative integer");
+  return *value;
 }
 
 }  // namespace
@@ -60,13 +57,11 @@ std::vector<std::map<std::string, std::string>> read_scaler_states(
     if (key.rfind("scaler.", 0) != 0) continue;
     const size_t dot = key.find('.', 7);
     const std::string index = key.substr(7, dot == std::string::npos ? std::string::npos : dot - 7);
-    size_t k = 0;
-    const auto [end, ec] = std::from_chars(index.data(), index.data() + index.size(), k);
-    check(dot != std::string::npos && dot + 1 < key.size() && !index.empty() && ec == std::errc() &&
-              end == index.data() + index.size() && k < scalers.size(),
+    const std::optional<size_t> k = number_from_text<size_t>(index);
+    check(dot != std::string::npos && dot + 1 < key.size() && k.has_value() && *k < scalers.size(),
           who, ": unexpected metadata entry '", key, "' (expected scaler.<k>.<entry> with k < ", scalers.size(),
           ")");
-    states[k][key.substr(dot + 1)] = value;
+    states[*k][key.substr(dot + 1)] = value;
   }
   for (size_t k = 0; k < scalers.size(); ++k) {
     const bool saves_state = !scalers[k]->state_dict().empty();  // a disabled GradScaler saves nothing
@@ -369,11 +364,11 @@ void MixedPrecisionOptimizer::load_state_dict(const StateDict& dict) {
       continue;
     }
     const std::string index = key.substr(7);
-    size_t i = 0;
-    const auto [end, ec] = std::from_chars(index.data(), index.data() + index.size(), i);
-    check(!index.empty() && ec == std::errc() && end == index.data() + index.size() &&
-              i < master_params_.size() && !master_params_[i].same(model_params_[i]),
+    const std::optional<size_t> parsed = number_from_text<size_t>(index);
+    check(parsed.has_value() && *parsed < master_params_.size() &&
+              !master_params_[*parsed].same(model_params_[*parsed]),
           who, ": unexpected tensor entry '", key, "' (parameter ", index, " has no separate fp32 master)");
+    const size_t i = *parsed;
     check(tensor.defined() && tensor.shape() == master_params_[i].shape() &&
               tensor.dtype() == master_params_[i].dtype(),
           who, ": tensor entry '", key, "' is ", tensor.described(), ", expected ", master_params_[i].described());

@@ -1,14 +1,14 @@
 #include "amp/scaler.h"
 
 #include <algorithm>
-#include <charconv>
 #include <cmath>
 #include <initializer_list>
 #include <limits>
+#include <optional>
 #include <string>
-#include <system_error>
 #include <vector>
 
+#include "nn/state_dict.h"
 #include "tensor/autograd_node.h"
 #include "tensor/ops.h"
 
@@ -26,20 +26,17 @@ const std::string& entry(const char* who, const State& state, const std::string&
 
 double read_number(const char* who, const State& state, const std::string& key) {
   const std::string& text = entry(who, state, key);
-  double value = 0;
-  const auto result = std::from_chars(text.data(), text.data() + text.size(), value);
-  check(result.ec == std::errc() && result.ptr == text.data() + text.size(), who,
-        ".load_state_dict: entry \"", key, "\" is \"", text, "\", expected a number");
-  return value;
+  const std::optional<double> value = number_from_text<double>(text);
+  check(value.has_value(), who, ".load_state_dict: entry \"", key, "\" is \"", text, "\", expected a number");
+  return *value;
 }
 
 int64_t read_integer(const char* who, const State& state, const std::string& key) {
   const std::string& text = entry(who, state, key);
-  int64_t value = 0;
-  const auto result = std::from_chars(text.data(), text.data() + text.size(), value);
-  check(result.ec == std::errc() && result.ptr == text.data() + text.size(), who,
-        ".load_state_dict: entry \"", key, "\" is \"", text, "\", expected an integer");
-  return value;
+  const std::optional<int64_t> value = number_from_text<int64_t>(text);
+  check(value.has_value(), who, ".load_state_dict: entry \"", key, "\" is \"", text,
+        "\", expected an integer");
+  return *value;
 }
 
 // The type first (a state of another scaler names its type, not its entries), then no entry beyond `known`.

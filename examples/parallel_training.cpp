@@ -1,12 +1,10 @@
 #include "examples/parallel_training.h"
 
 #include <algorithm>
-#include <charconv>
 #include <cmath>
 #include <cstring>
 #include <map>
 #include <optional>
-#include <system_error>
 
 #include "autograd/autograd.h"
 #include "dist/data_parallel.h"
@@ -631,9 +629,9 @@ void ParallelTrainer::Impl::load_named(const StateDict& state, bool with_optimiz
         rest = "state.%." + s->second;
       } else if (key.rfind("master.", 0) == 0) {
         const std::string index = key.substr(7);
-        const auto [end, ec] = std::from_chars(index.data(), index.data() + index.size(), i);
-        check(!index.empty() && ec == std::errc() && end == index.data() + index.size(), what,
-              ": optimizer entry '", key, "', expected master.<parameter index>");
+        const std::optional<size_t> parsed = number_from_text<size_t>(index);
+        check(parsed.has_value(), what, ": optimizer entry '", key, "', expected master.<parameter index>");
+        i = *parsed;
         rest = "master.%";
       } else {
         local.tensors[key] = t;

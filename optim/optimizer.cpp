@@ -148,11 +148,10 @@ double Optimizer::read_number(const std::map<std::string, std::string>& metadata
   const auto found = metadata.find(key);
   check(found != metadata.end(), name(), ".load_state_dict: missing metadata entry '", key, "'");
   const std::string& text = found->second;
-  double value = 0;
-  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
-  check(!text.empty() && ec == std::errc() && end == text.data() + text.size(), name(),
-        ".load_state_dict: metadata entry '", key, "' is '", text, "', expected a number");
-  return value;
+  const std::optional<double> value = number_from_text<double>(text);
+  check(value.has_value(), name(), ".load_state_dict: metadata entry '", key, "' is '", text,
+        "', expected a number");
+  return *value;
 }
 
 int64_t Optimizer::read_integer(const std::map<std::string, std::string>& metadata,
@@ -160,11 +159,10 @@ int64_t Optimizer::read_integer(const std::map<std::string, std::string>& metada
   const auto found = metadata.find(key);
   check(found != metadata.end(), name(), ".load_state_dict: missing metadata entry '", key, "'");
   const std::string& text = found->second;
-  int64_t value = 0;
-  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
-  check(!text.empty() && ec == std::errc() && end == text.data() + text.size() && value >= 0, name(),
-        ".load_state_dict: metadata entry '", key, "' is '", text, "', expected a non-negative integer");
-  return value;
+  const std::optional<int64_t> value = number_from_text<int64_t>(text);
+  check(value.has_value() && *value >= 0, name(), ".load_state_dict: metadata entry '", key, "' is '", text,
+        "', expected a non-negative integer");
+  return *value;
 }
 
 bool Optimizer::read_bool(const std::map<std::string, std::string>& metadata, const std::string& key) const {
