@@ -52,10 +52,8 @@ Options parse(int argc, char** argv) {
     else if (flag == "--top-k") o.top_k = integer(0);
     else if (flag == "--seed") o.seed = static_cast<uint64_t>(integer(0));
     else if (flag == "--temperature") {
-      char* end = nullptr;
-      o.temperature = std::strtod(value.c_str(), &end);
-      check(!value.empty() && end && *end == 0 && std::isfinite(o.temperature) && o.temperature > 0,
-            "generate: --temperature expects a number > 0, got '", value, "'");
+      o.temperature = number_argument("generate", flag, value);
+      check(o.temperature > 0, "generate: --temperature expects a number > 0, got '", value, "'");
     } else {
       usage();
       fail("generate: unknown option ", flag);

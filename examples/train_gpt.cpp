@@ -221,10 +221,8 @@ Options parse(int argc, char** argv) {
     }
     else if (flag == "--top-k") o.top_k = integer(0);
     else if (flag == "--temperature") {
-      char* end = nullptr;
-      o.temperature = std::strtod(value.c_str(), &end);
-      check(!value.empty() && end && *end == 0 && std::isfinite(o.temperature) && o.temperature > 0,
-            "train_gpt: --temperature must be a number > 0 (and finite), got '", value, "'");
+      o.temperature = real();
+      check(o.temperature > 0, "train_gpt: --temperature must be > 0, got '", value, "'");
     }
     else fail("train_gpt: option ", flag, " is listed but not read (a bug)");
   }
@@ -233,13 +231,7 @@ Options parse(int argc, char** argv) {
     o.train.amp = AmpConfig::parse(o.precision);
   } else {
     check(!o.amp_config_file.empty(), "train_gpt: --amp-config needs a file name, got ''");
-    check(!std::filesystem::is_directory(o.amp_config_file), "train_gpt: cannot read --amp-config file '",
-          o.amp_config_file, "': it is a directory");
-    std::ifstream file(o.amp_config_file, std::ios::binary);
-    check(file.good(), "train_gpt: cannot read --amp-config file '", o.amp_config_file, "'");
-    std::stringstream text;
-    text << file.rdbuf();
-    o.amp_config_text = text.str();
+    o.amp_config_text = read_input_file("train_gpt: --amp-config file", o.amp_config_file);
     const bool mode_given = o.given.count("--precision") || names_a_mode(o.amp_config_text);
     check(mode_given || !o.resume.empty(), "train_gpt: --amp-config file '", o.amp_config_file, "' names no "
           "mode: give --precision MODE, or \"mixed_precision\": \"MODE\" in the file");
@@ -535,6 +527,9 @@ int run(int argc, char** argv) {
           opt.save, "': the directory '", parent.string(), "' does not exist");
     check(!std::filesystem::is_directory(opt.save), "train_gpt: cannot write --save '", opt.save,
           "': it is a directory");
+    // A directory that takes no new file (read-only, /proc) failed only at the first save.
+    const SaveTarget where = save_target(opt.save, /*try_create=*/true);
+    check(where.problem.empty(), "train_gpt: --save '", opt.save, "' ", where.problem);
   }
 
   std::ofstream log;

@@ -67,19 +67,6 @@ constexpr int64_t kMaxTokensPerStep = int64_t{1} << 32;
 // A step count of a checkpoint: the schedule computes in double, and training must be able to go on counting.
 constexpr int64_t kMaxStep = int64_t{1} << 53;
 
-std::string read_file_bytes(const std::string& path) {
-  // A directory opens as a stream that reads nothing: it would be an empty data set.
-  std::error_code error;
-  check(!std::filesystem::is_directory(path, error), "train_gpt: data file '", path,
-        "' is a directory, expected a token file");
-  std::ifstream in(path, std::ios::binary);
-  check(in.good(), "train_gpt: cannot open data file '", path, "'");
-  std::ostringstream text;
-  text << in.rdbuf();
-  check(!in.bad(), "train_gpt: error reading '", path, "'");
-  return text.str();
-}
-
 bool ends_with(const std::string& s, const std::string& suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
@@ -87,6 +74,23 @@ bool ends_with(const std::string& s, const std::string& suffix) {
 }  // namespace
 
 // ---- data ----
+
+std::string read_input_file(const std::string& what, const std::string& path) {
+  namespace fs = std::filesystem;
+  std::error_code error;
+  const fs::file_type type = fs::status(path, error).type();  // through symbolic links
+  // A directory opens as a stream that reads nothing; a device may never end (/dev/zero, /dev/urandom).
+  check(type != fs::file_type::directory, what, " '", path, "' is a directory, expected a regular file");
+  check(type != fs::file_type::character && type != fs::file_type::block && type != fs::file_type::socket, what,
+        " '", path, "' is a ", type == fs::file_type::socket ? "socket" : "device",
+        ", expected a regular file (or a pipe)");
+  std::ifstream in(path, std::ios::binary);
+  check(in.good(), what, " '", path, "' cannot be opened", error ? " (" + error.message() + ")" : "");
+  std::ostringstream text;
+  text << in.rdbuf();
+  check(!in.bad(), what, " '", path, "': error reading it");
+  return text.str();
+}
 
 TokenData char_tokens(const std::string& text) {
   TokenData data;
@@ -107,7 +111,7 @@ TokenData char_tokens(const std::string& text) {
 TokenData load_token_file(const std::string& path, int64_t vocab_size) {
   // A name ending in .bin is nanoGPT's token format; any other file is text (fortune files, say, have no
   // extension at all).
-  const std::string bytes = read_file_bytes(path);
+  const std::string bytes = read_input_file("train_gpt: data file", path);
   if (ends_with(path, ".bin")) {
     check(vocab_size > 0 && vocab_size <= 65536, "train_gpt: a .bin data file ('", path,
           "') needs --vocab-size in [1, 65536], got ", vocab_size);
@@ -592,7 +596,6 @@ std::vector<int64_t> sample_tokens(GPT& model, std::vector<int64_t> ids, int64_t
     const std::vector<int64_t> window(ids.end() - T, ids.end());
     const Tensor logits = model.forward(Tensor::from_vector(window, {1, T}).to(device)).logits;  // [1, T, V]
     std::vector<double> z = logits.select(1, T - 1).select(0, 0).to_vector<double>();
-    for (double& v : z) v /= temperature;
     if (top_k > 0 && top_k < V) {
       // Every logit below the k-th largest is out; ties with the k-th all stay in.
       std::vector<double> sorted = z;
@@ -601,11 +604,13 @@ std::vector<int64_t> sample_tokens(GPT& model, std::vector<int64_t> ids, int64_t
       for (double& v : z)
         if (v < kth) v = -INFINITY;
     }
-    // softmax in double (unnormalised: exp(z - max), so the largest is exactly 1 and never 0), then the
-    // inverse CDF at a Philox uniform scaled by the total.
+    // softmax(z / temperature) in double, unnormalised: exp((z - max) / temperature), so the largest is
+    // exactly 1 and never 0, and a temperature as small as a denormal cannot overflow z / temperature to inf
+    // (it gives the argmax); then the inverse CDF at a Philox uniform scaled by the total. The top-k cut
+    // above is taken on the logits themselves, which dividing does not reorder.
     const double max = *std::max_element(z.begin(), z.end());
     double total = 0;
-    for (double& v : z) total += (v = std::exp(v - max));
+    for (double& v : z) total += (v = std::exp((v - max) / temperature));
     const auto bits = philox4x32(static_cast<uint64_t>(i), 0, seed);
     const double u = uniform_double_from_bits(bits[0], bits[1]) * total;
     double acc = 0;

@@ -53,6 +53,10 @@ TokenData char_tokens(const std::string& text);
 // *.bin -> little-endian uint16 ids, each checked < vocab_size (> 0 needed); any other file (.txt, or a name
 // without extension) -> char_tokens of its bytes.
 TokenData load_token_file(const std::string& path, int64_t vocab_size = 0);
+// All of a file given as an input (`what` names it in errors: "train_gpt: data file"). A regular file or a
+// pipe; a directory (which reads as empty) and a device or socket (/dev/zero never ends) are errors, as is a
+// failed read.
+std::string read_input_file(const std::string& what, const std::string& path);
 
 // "vocab" metadata <-> byte list.
 std::string vocab_to_metadata(const std::vector<uint8_t>& vocab);

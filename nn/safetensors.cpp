@@ -134,9 +134,12 @@ std::string directory_of(const std::string& path) {
   return path.substr(0, slash);
 }
 
+// Where save_safetensors writes before it renames.
+std::string temp_path_of(const std::string& target) { return target + ".tmp." + std::to_string(::getpid()); }
+
 }  // namespace
 
-SaveTarget save_target(const std::string& path) {
+SaveTarget save_target(const std::string& path, bool try_create) {
   SaveTarget where{path, ""};
   struct stat info;
   if (::lstat(path.c_str(), &info) == 0 && S_ISLNK(info.st_mode)) {
@@ -152,6 +155,18 @@ SaveTarget save_target(const std::string& path) {
                      : S_ISFIFO(info.st_mode)                         ? "a FIFO"
                                                                       : "a special file") +
                     "); a checkpoint replaces only a regular file";
+  if (where.problem.empty() && try_create) {
+    const std::string temp_path = temp_path_of(where.path);
+    // The name is save_safetensors' own, which it would truncate: one left by a crashed run may go.
+    const int fd = ::open(temp_path.c_str(), O_WRONLY | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0644);
+    if (fd < 0) {
+      where.problem = "cannot be written: cannot create a file there (" + system_error_text(errno) + ": '" +
+                      temp_path + "')";
+    } else {
+      ::close(fd);
+      ::unlink(temp_path.c_str());
+    }
+  }
   return where;
 }
 
@@ -206,7 +221,7 @@ void save_safetensors(const std::string& path, const StateDict& state) {
   const SaveTarget where = save_target(path);
   check(where.problem.empty(), "save_safetensors: '", path, "' ", where.problem);
   const std::string& target = where.path;
-  const std::string temp_path = target + ".tmp." + std::to_string(::getpid());
+  const std::string temp_path = temp_path_of(target);
   auto io_error = [&](int error_number, const char* step) {
     fail("save_safetensors: cannot write '", path, "': ", system_error_text(error_number), " (", step, " '",
          temp_path, "')");

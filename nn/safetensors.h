@@ -13,17 +13,21 @@ namespace mixtape {
 // without gaps) and the metadata. The header is padded with spaces so the data starts at a multiple of 8
 // bytes, as the reference writer does. Atomic: writes path + ".tmp.<pid>", fsyncs, renames over path; on
 // any failure the temp file is removed, an existing file at path is left as it was, and Error names the
-// path and the system's reason. (A symlink at path is replaced by the new file, not written through.)
+// path and the system's reason. A symbolic link at path is written through (the file it points to is
+// replaced, the link stays); only a regular file is replaced (a device, FIFO or directory is an Error).
 void save_safetensors(const std::string& path, const StateDict& state);
 
 // Where save_safetensors(path) writes: the file `path` names, through a symbolic link the file it points to
 // (the link stays). `problem` says why no checkpoint may go there ("exists and is not a regular file (a
-// device); ..."), empty when it may; for callers that check before hours of work rather than after.
+// device); ..."), empty when it may; for callers that check before hours of work rather than after. With
+// try_create it also creates and removes the temp file save_safetensors would write first, so a directory
+// that does not exist or takes no new file ("cannot create a file there: No such file or directory") is
+// found too.
 struct SaveTarget {
   std::string path;
   std::string problem;
 };
-SaveTarget save_target(const std::string& path);
+SaveTarget save_target(const std::string& path, bool try_create = false);
 
 // Reads the whole file in one pass, validating all of it first: a truncated, corrupt or unsupported file is
 // an Error naming the file and the problem, never a partial result. Reads F32, F16, BF16, F64, I32, I64.

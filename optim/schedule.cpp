@@ -43,7 +43,12 @@ double WarmupCosineLR::lr_at(int64_t step) const {
   const double it = static_cast<double>(step);
   const double warmup_iters = static_cast<double>(warmup_iters_);
   const double lr_decay_iters = static_cast<double>(lr_decay_iters_);
-  if (step < warmup_iters_) return learning_rate_ * (it + 1) / (warmup_iters + 1);
+  if (step < warmup_iters_) {
+    // nanoGPT's order; a rate so large (> DBL_MAX / warmup_iters) that the product overflows is divided first,
+    // which gives the same value within an ulp instead of inf (the value itself is below learning_rate).
+    const double lr = learning_rate_ * (it + 1) / (warmup_iters + 1);
+    return std::isfinite(lr) ? lr : learning_rate_ * ((it + 1) / (warmup_iters + 1));
+  }
   if (step > lr_decay_iters_ || lr_decay_iters_ == warmup_iters_) return min_lr_;
   const double decay_ratio = (it - warmup_iters) / (lr_decay_iters - warmup_iters);
   const double coeff = 0.5 * (1.0 + std::cos(std::numbers::pi * decay_ratio));

@@ -158,6 +158,13 @@ run_fails("--temperature 0" ${TRAIN_GPT} --data words.txt --temperature 0
           MENTIONS "--temperature" "> 0" "'0'")
 run_fails("--temperature nan" ${TRAIN_GPT} --data words.txt --temperature nan
           MENTIONS "--temperature" "'nan'")
+# A device as an input file never ends (/dev/zero was read until memory ran out).
+run_fails("--amp-config /dev/zero" ${TRAIN_GPT} --data words.txt --amp-config /dev/zero
+          MENTIONS "--amp-config file '/dev/zero' is a device")
+run_fails("--data /dev/zero" ${TRAIN_GPT} --data /dev/zero MENTIONS "data file '/dev/zero' is a device")
+# Read as decimal text, as every other number (strtod took hexadecimal and a leading space).
+run_fails("--temperature hexadecimal" ${TRAIN_GPT} --data words.txt --temperature 0x1p-1
+          MENTIONS "--temperature" "decimal" "'0x1p-1'")
 run_fails("--top-k -1" ${TRAIN_GPT} --data words.txt --top-k -1 MENTIONS "--top-k" "'-1'")
 run_fails("--sample x" ${TRAIN_GPT} --data words.txt --sample x MENTIONS "--sample" "'x'")
 run_fails("--vocab-size with .txt" ${TRAIN_GPT} --data words.txt --vocab-size 50
@@ -197,7 +204,9 @@ endif()
 run_fails("prompt byte outside the vocabulary" ${GENERATE} --model words.safetensors --prompt "the Zebra"
           MENTIONS "byte 90" "'Z'" "vocabulary")
 run_fails("generate --temperature 0" ${GENERATE} --model words.safetensors --temperature 0
-          MENTIONS "--temperature")
+          MENTIONS "--temperature" "> 0" "'0'")
+run_fails("generate --temperature with a leading space" ${GENERATE} --model words.safetensors --temperature " 0.5"
+          MENTIONS "--temperature" "decimal" "' 0.5'")
 
 # ================================================================ token ids (.bin)
 # A period of 50: t_j = 17 j mod 50 (17 is coprime to 50, so every id 0..49 once per period), repeated 40
@@ -291,7 +300,8 @@ if(out MATCHES "\\| zeros ")
   check_failed("a run without log_num_zeros_in_grad printed a zero count: ${out}")
 endif()
 run(out ${GENERATE} --model amp.safetensors --tokens 5)
-file(WRITE ${WORK_DIR}/zeros.json "{\"mixed_precision\": \"fp16_naive\", \"initial_scale\": 1024, \"log_num_zeros_in_grad\": true}")
+file(WRITE ${WORK_DIR}/zeros.json
+     "{\"mixed_precision\": \"fp16_naive\", \"initial_scale\": 1024, \"log_num_zeros_in_grad\": true}")
 run(out ${TRAIN_GPT} --data words.txt ${tiny} --steps 2 --eval-every 0 --amp-config zeros.json
     --log-json zeros.jsonl)
 if(NOT out MATCHES "step     2/2 [^\n]*\\| zeros [0-9]+")
@@ -347,6 +357,11 @@ run_fails("--save and --log-json alike" ${TRAIN_GPT} --data words.txt ${tiny} --
           --log-json same.out MENTIONS "--save and --log-json name the same file")
 run_fails("--save onto a device" ${TRAIN_GPT} --data words.txt ${tiny} --steps 2 --save /dev/null
           MENTIONS "--save '/dev/null' exists and is not a regular file")
+# A regular file in a directory that takes no new file: refused before training, not at the first save.
+if(EXISTS /proc/version)
+  run_fails("--save into /proc" ${TRAIN_GPT} --data words.txt ${tiny} --steps 2 --save /proc/version
+            MENTIONS "--save '/proc/version' cannot be written: cannot create a file there")
+endif()
 run_fails("a flag twice" ${TRAIN_GPT} --data words.txt --lr 0.1 --lr 0.2 MENTIONS "--lr is given twice")
 run_fails("an unknown option last" ${TRAIN_GPT} --data words.txt --bogus MENTIONS "unknown option '--bogus'")
 # An empty value (run_fails' argument list would drop the empty argument: execute_process keeps it).

@@ -764,6 +764,18 @@ TEST(WarmupCosineLR, EqualWarmUpAndDecayEndDropsStraightToTheFloor) {
   EXPECT_EQ(schedule.lr_at(4), 0.1);
 }
 
+TEST(WarmupCosineLR, AHugeRateWarmsUpWithoutOverflowing) {
+  // nanoGPT's lr * (it + 1) overflows for lr = 1e308 at it = 1: the warm-up value itself, 1e308 * 2 / 11, is
+  // finite and is what the schedule returns (train_gpt --lr 1e308 failed at step 2 in set_lr).
+  const WarmupCosineLR schedule(1e308, 0.0, 10, 100);
+  for (int64_t step = 0; step <= 10; ++step) {
+    const double expected = 1e308 * (static_cast<double>(step + 1) / 11);
+    EXPECT_TRUE(std::isfinite(schedule.lr_at(step))) << "step " << step;
+    EXPECT_NEAR(schedule.lr_at(step), expected, expected * 1e-15) << "step " << step;
+  }
+  EXPECT_EQ(schedule.lr_at(10), 1e308);
+}
+
 TEST(WarmupCosineLR, RejectsBadArguments) {
   EXPECT_ERROR_MENTIONS(WarmupCosineLR(1.0, 0.1, 10, 5), "WarmupCosineLR", "warmup_iters (10)",
                         "lr_decay_iters (5)");

@@ -395,6 +395,31 @@ TEST(TrainGPT, SampleWithTopKOneIsGreedyArgmaxWhateverTheSeed) {
           << "seed " << seed << ", temperature " << temperature;
 }
 
+TEST(TrainGPT, SampleAtAVanishingTemperatureIsGreedyAndAtAHugeOneIsAValidToken) {
+  // z / temperature overflowed to inf for a temperature near the smallest double, and inf - inf made every
+  // probability NaN: the sampler returned the last token of the vocabulary. The limit is the argmax.
+  TrainedModel m;
+  GPT& model = m.model();
+  model.eval();
+  const std::vector<int64_t> prompt(m.data.tokens.begin(), m.data.tokens.begin() + 5);
+  const std::vector<double> z = last_logits(model, prompt);
+  const int64_t argmax = std::max_element(z.begin(), z.end()) - z.begin();
+  ASSERT_NE(argmax, m.data.vocab_size - 1);  // else the old failure would pass unnoticed
+  for (uint64_t seed : {1u, 2u, 3u})
+    for (double temperature : {1e-310, 1e-300, 1e-30})
+      EXPECT_EQ(sample_tokens(model, prompt, 1, temperature, 0, seed)[0], argmax)
+          << "seed " << seed << ", temperature " << temperature;
+  // A huge temperature is uniform over the vocabulary: every draw is some token, and they vary.
+  std::set<int64_t> drawn;
+  for (uint64_t seed = 0; seed < 16; ++seed) {
+    const int64_t t = sample_tokens(model, prompt, 1, 1e308, 0, seed)[0];
+    EXPECT_GE(t, 0);
+    EXPECT_LT(t, m.data.vocab_size);
+    drawn.insert(t);
+  }
+  EXPECT_GE(drawn.size(), 4u);
+}
+
 TEST(TrainGPT, SampleIsReproducibleForASeedAndDiffersAcrossSeeds) {
   TrainedModel m;
   const int64_t newline = default_start_token(m.data.vocab);
@@ -725,7 +750,12 @@ TEST(TrainGPT, MissingOrMalformedMetadataIsAnErrorNamingTheEntry) {
   EXPECT_EQ(b.step(), 0);
 }
 
-TEST(TrainGPT, ADirectoryIsNotATokenFile) {
+TEST(TrainGPT, ADirectoryOrADeviceIsNotATokenFile) {
   const std::string directory = std::filesystem::temp_directory_path().string();
   EXPECT_ERROR_MENTIONS(load_token_file(directory), "'" + directory + "'", "is a directory");
+  // /dev/zero never ends: it was read until memory ran out. /dev/null read as an empty data set.
+  EXPECT_ERROR_MENTIONS(load_token_file("/dev/zero"), "train_gpt: data file '/dev/zero' is a device",
+                        "expected a regular file (or a pipe)");
+  EXPECT_ERROR_MENTIONS(load_token_file("/dev/null"), "'/dev/null' is a device");
+  EXPECT_ERROR_MENTIONS(load_token_file("/no/such/file"), "'/no/such/file' cannot be opened");
 }
