@@ -268,6 +268,11 @@ Options parse(int argc, char** argv) {
           o.train.steps);
   }
   check(o.save_every == 0 || !o.save.empty(), "train_gpt: --save-every needs --save FILE");
+  // The model's checks in the flags' names (GPTConfig's name its fields: "n_embd (16) must be divisible by
+  // n_head (3)"). With --init/--resume the shape is the file's, and given shape flags must equal it.
+  check(o.model.dropout < 1, "train_gpt: --dropout must be in [0, 1), got ", exact_number_text(o.model.dropout));
+  check(!o.init.empty() || !o.resume.empty() || o.model.n_embd % o.model.n_head == 0, "train_gpt: --width ",
+        o.model.n_embd, " must be divisible by --heads ", o.model.n_head, " (each head takes width / heads)");
   if (o.given.count("--min-lr") == 0 && o.train.min_lr > o.train.lr) o.train.min_lr = o.train.lr / 10;
   return o;
 }

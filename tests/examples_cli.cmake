@@ -162,6 +162,10 @@ run_fails("--temperature nan" ${TRAIN_GPT} --data words.txt --temperature nan
 run_fails("--amp-config /dev/zero" ${TRAIN_GPT} --data words.txt --amp-config /dev/zero
           MENTIONS "--amp-config file '/dev/zero' is a device")
 run_fails("--data /dev/zero" ${TRAIN_GPT} --data /dev/zero MENTIONS "data file '/dev/zero' is a device")
+# The model's flags are named as flags, not as GPTConfig's fields.
+run_fails("--width not divisible by --heads" ${TRAIN_GPT} --data words.txt --heads 3 --width 16
+          MENTIONS "--width 16 must be divisible by --heads 3")
+run_fails("--dropout 1" ${TRAIN_GPT} --data words.txt --dropout 1 MENTIONS "--dropout must be in [0, 1), got 1")
 # Read as decimal text, as every other number (strtod took hexadecimal and a leading space).
 run_fails("--temperature hexadecimal" ${TRAIN_GPT} --data words.txt --temperature 0x1p-1
           MENTIONS "--temperature" "decimal" "'0x1p-1'")

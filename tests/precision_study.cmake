@@ -170,7 +170,7 @@ file(MAKE_DIRECTORY ${WORK_DIR}/failing)
 file(WRITE ${WORK_DIR}/failing/results.md "an earlier study\n")
 run_fails("failing child" ${PRECISION_STUDY} --data words.txt --modes fp32 --layers 1 --heads 3 --width 32
           --block 32 --steps 2 --out failing
-          MENTIONS "train_gpt --precision fp32 failed" "divisible by n_head" "the mode failed"
+          MENTIONS "train_gpt --precision fp32 failed" "--width 32 must be divisible by --heads 3" "the mode failed"
                    "nothing was written")
 file(READ ${WORK_DIR}/failing/results.md md)
 file(GLOB written RELATIVE ${WORK_DIR}/failing ${WORK_DIR}/failing/*)
