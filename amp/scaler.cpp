@@ -67,6 +67,14 @@ void check_at_least_one(const std::string& who, const std::string& what, int64_t
   check(value >= 1, who, ": ", what, " must be >= 1, got ", value);
 }
 
+// `value` rounded to fp32, or inf where it lies beyond fp32's range (converting such a double to float is
+// undefined behaviour in C++, whatever IEEE arithmetic would give).
+double fp32_or_inf(double value) {
+  if (std::isnan(value)) return value;
+  if (std::abs(value) > std::numeric_limits<float>::max()) return value > 0 ? INFINITY : -INFINITY;
+  return static_cast<float>(value);
+}
+
 // A scale bound as printed: Apex's rule without min_loss_scale floors at the smallest positive double
 // (apex_dynamic_scaler), which is "none" to the user.
 std::string bound_text(double value) {
@@ -115,7 +123,7 @@ namespace {
 // S * factor in double and rounds it to fp32 (_amp_update_scale_), so a factor that is not a power of two
 // gives PyTorch's sequence bit for bit.
 double fp32_scale(const char* who, const char* what, double scale) {
-  const double rounded = static_cast<float>(scale);
+  const double rounded = fp32_or_inf(scale);
   check(std::isfinite(rounded) && rounded > 0, who, ": ", what, " ", exact_number_text(scale),
         " is not a finite positive number in fp32, where PyTorch's GradScaler keeps its scale");
   return rounded;
@@ -145,7 +153,7 @@ void GradScaler::unscale(Optimizer& optimizer) {
     check(it->second.stage != Stage::Stepped, "GradScaler.unscale: unscale() is being called after step()");
   }
   // 1/S in double, then rounded to fp32: PyTorch's scale.double().reciprocal().float().
-  const double inv_scale = static_cast<float>(1.0 / scale_);
+  const double inv_scale = fp32_or_inf(1.0 / scale_);
   check(std::isfinite(inv_scale), "GradScaler.unscale: the scale is ", exact_number_text(scale_),
         ", too small to unscale by: 1/scale overflows fp32 (repeated overflows backed it off; look for ",
         "inf/NaN gradients)");
@@ -217,7 +225,7 @@ void GradScaler::update(bool found_inf) {
     growth_tracker_ = 0;
   } else if (++growth_tracker_ == options_.growth_interval) {
     // PyTorch keeps a grown S only if it is finite in fp32.
-    const double grown = static_cast<float>(scale_ * options_.growth_factor);
+    const double grown = fp32_or_inf(scale_ * options_.growth_factor);
     if (std::isfinite(grown)) scale_ = grown;
     growth_tracker_ = 0;
   }
@@ -295,7 +303,7 @@ DynamicLossScaler::DynamicLossScaler(DynamicLossScalerOptions options)
   check_at_least_one(who, "hysteresis", options.hysteresis);
   const auto in_rule = [&](const char* what, double value) {
     if (!options.fp32_scale) return value;
-    const double rounded = static_cast<float>(value);
+    const double rounded = fp32_or_inf(value);
     check(std::isfinite(rounded) && rounded > 0, who, ": ", what, " ", exact_number_text(value),
           " is not a finite positive number in fp32, where Megatron-LM keeps its scale (fp32_scale)");
     return rounded;
@@ -313,7 +321,7 @@ DynamicLossScaler::DynamicLossScaler(DynamicLossScalerOptions options)
 }
 
 double DynamicLossScaler::in_rule_dtype(double value) const {
-  return options_.fp32_scale ? static_cast<float>(value) : value;
+  return options_.fp32_scale ? fp32_or_inf(value) : value;
 }
 
 // Megatron-LM's DynamicGradScaler.update, rule for rule, in fp32 as Megatron's tensors (fp32_scale; Apex's

@@ -1,6 +1,7 @@
 // Front ends of the automatic-mixed-precision ops (see tensor/ops.h).
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <vector>
 
 #include "tensor/backend.h"
@@ -24,6 +25,14 @@ bool unscale_and_check_finite(const std::vector<Tensor>& grads, double inv_scale
     if (group == per_device.end()) per_device.push_back({g});
     else group->push_back(g);
   }
+  // f32, f16 and bf16 gradients are multiplied in fp32: an inv_scale beyond its range (1 / a scale below
+  // 2^-128) would be converted to fp32 undefinedly.
+  const bool in_fp32 = std::any_of(per_device.begin(), per_device.end(), [](const std::vector<Tensor>& group) {
+    return std::any_of(group.begin(), group.end(), [](const Tensor& g) { return g.dtype() != DType::F64; });
+  });
+  check(!in_fp32 || std::abs(inv_scale) <= std::numeric_limits<float>::max(),
+        "unscale_and_check_finite: inv_scale ", inv_scale, " is beyond fp32's range, in which f32, f16 and bf16 "
+        "gradients are unscaled (the loss scale is below 2^-128)");
   // Every device is unscaled, whatever another found (PyTorch's found_inf_per_device, then any of them).
   bool found_inf = false;
   for (const std::vector<Tensor>& group : per_device) {

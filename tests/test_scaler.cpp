@@ -130,6 +130,13 @@ TEST(UnscaleAndCheckFinite, RejectsIntegerNonContiguousAndNonFiniteInvScale) {
   EXPECT_ERROR_MENTIONS(unscale_and_check_finite({strided}, 0.5), "unscale_and_check_finite", "contiguous");
   EXPECT_ERROR_MENTIONS(unscale_and_check_finite({Tensor::zeros({2})}, kInf), "unscale_and_check_finite",
                         "inv_scale", "inf");
+  // Finite in double, beyond fp32, where f32/f16/bf16 gradients are unscaled; f64 ones are unscaled in double.
+  for (DType dtype : {DType::F32, DType::F16, DType::BF16})
+    EXPECT_ERROR_MENTIONS(unscale_and_check_finite({Tensor::zeros({2}, dtype)}, 1e39), "unscale_and_check_finite",
+                          "inv_scale 1e+39", "beyond fp32's range");
+  const Tensor f64 = Tensor::full({2}, 1e-30, DType::F64);
+  EXPECT_FALSE(unscale_and_check_finite({f64}, 1e39));
+  EXPECT_EQ(f64.to_vector<double>()[0], 1e-30 * 1e39);
 }
 
 // ---------------------------------------------------------------------------------------------- GradScaler
