@@ -338,6 +338,7 @@ void AmpConfig::validate() const {
             a.opt_level, " here has the static loss_scale ", number_text(a.loss_scale),
             " (got min_loss_scale ", number_text(a.min_loss_scale), ", max_loss_scale ",
             number_text(a.max_loss_scale), ")");
+      with_context(who + ": the static loss_scale", [&] { StaticLossScaler check_scale(*a.loss_scale); });
     } else {
       with_context(who + ": the dynamic loss scaler of min_loss_scale " + number_text(a.min_loss_scale) +
                        " and max_loss_scale " + number_text(a.max_loss_scale),

@@ -1,6 +1,8 @@
 #include "amp/optimizer.h"
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
 #include <set>
 #include <span>
 #include <utility>
@@ -205,7 +207,8 @@ void MixedPrecisionOptimizer::fold_pending_grads() {
             "expected its gradients to carry a known loss scale");
     return;
   }
-  const double inv_scale = 1.0 / scalers_[static_cast<size_t>(pending_loss_)]->scale();
+  const double scale = scalers_[static_cast<size_t>(pending_loss_)]->scale();
+  const double inv_scale = 1.0 / scale;
   // Private contiguous buffers in the accumulation dtype (a 16-bit gradient is widened exactly; an f32/f64
   // one is cloned, since the model's gradient may alias another tensor or be a broadcast view, unless it is
   // the buffer backward made and nothing else holds it), then one fused pass unscales all of them and
@@ -222,6 +225,15 @@ void MixedPrecisionOptimizer::fold_pending_grads() {
       unscaled[i] = is_private_buffer(grad, 2) ? grad : grad.clone();
     }
   }
+  // 1/S beyond fp32 (S <= 2^-128): the scaler has backed off at step after step of inf/NaN gradients. PyTorch
+  // and Megatron-LM unscale by inf there and skip every step from then on, silently; this says so once.
+  const bool in_fp32 = std::any_of(unscaled.begin(), unscaled.end(),
+                                   [](const Tensor& g) { return g.defined() && g.dtype() != DType::F64; });
+  check(!in_fp32 || inv_scale <= std::numeric_limits<float>::max(), kWho, ": the loss scale ",
+        exact_number_text(scale), scalers_.size() > 1 ? " of loss " + std::to_string(pending_loss_) : "",
+        " is 2^-128 or below, too small to unscale by in fp32 (1/scale overflows): the scaler has backed off ",
+        "at step after step of inf/NaN gradients, so the run has diverged (look for an inf/NaN loss; try a lower ",
+        "learning rate)");
   const bool found_inf = unscale_and_check_finite(unscaled, inv_scale);
   if (found_inf) found_inf_[static_cast<size_t>(pending_loss_)] = true;
   for (size_t i = 0; i < model_params_.size(); ++i) {

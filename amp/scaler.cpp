@@ -67,12 +67,15 @@ void check_at_least_one(const std::string& who, const std::string& what, int64_t
   check(value >= 1, who, ": ", what, " must be >= 1, got ", value);
 }
 
-// `value` rounded to fp32, or inf where it lies beyond fp32's range (converting such a double to float is
-// undefined behaviour in C++, whatever IEEE arithmetic would give).
+// `value` rounded to fp32 as IEEE rounds it (to nearest, ties to even), spelled out beyond FLT_MAX, where a
+// double-to-float conversion is not to be relied on: from the midpoint of FLT_MAX and 2^128 on, inf; below
+// it, FLT_MAX (3.4028235e38, FLT_MAX's usual printed form, is such a value).
 double fp32_or_inf(double value) {
-  if (std::isnan(value)) return value;
-  if (std::abs(value) > std::numeric_limits<float>::max()) return value > 0 ? INFINITY : -INFINITY;
-  return static_cast<float>(value);
+  const double magnitude = std::abs(value);
+  if (magnitude >= 0x1p128 - 0x1p103) return std::copysign(INFINITY, value);
+  if (magnitude > std::numeric_limits<float>::max())
+    return std::copysign(static_cast<double>(std::numeric_limits<float>::max()), value);
+  return static_cast<float>(value);  // NaN stays NaN
 }
 
 // A scale bound as printed: Apex's rule without min_loss_scale floors at the smallest positive double
@@ -374,7 +377,7 @@ void DynamicLossScaler::load_state_dict(const std::map<std::string, std::string>
   check_type_and_entries(who, state,
                          {"type", "scale", "growth_tracker", "hysteresis_tracker", "min_scale", "max_scale",
                           "growth_factor", "backoff_factor", "growth_interval", "hysteresis"});
-  const double scale = read_number(who, state, "scale");
+  const double saved_scale = read_number(who, state, "scale");
   const int64_t growth = read_integer(who, state, "growth_tracker");
   int64_t hysteresis = read_integer(who, state, "hysteresis_tracker");
   const bool has_rule =
@@ -391,22 +394,24 @@ void DynamicLossScaler::load_state_dict(const std::map<std::string, std::string>
   } else if (hysteresis < 0) {
     hysteresis = 0;  // the format without the rule let the tracker count on below 0: all such values act as 0
   }
-  // The bounds as the rule computes with them (fp32 with fp32_scale); a scale within them is rounded to the
-  // rule's dtype (a state of this version holds such a value already).
+  // The saved scale in the rule's dtype first (a state of this version holds such a value already; one saved
+  // by the double rule, before fp32_scale, may not), then against the bounds as the rule computes with them.
+  const double scale = in_rule_dtype(saved_scale);
   const std::string max = exact_number_text(max_scale_);
   if (options_.allow_initial_below_min) {
-    check(std::isfinite(scale) && scale > 0 && scale <= max_scale_ && in_rule_dtype(scale) > 0, loader,
-          ": entry \"scale\" is ", exact_number_text(scale), ", expected a value in (0, max_scale ", max, "]",
+    check(std::isfinite(scale) && scale > 0 && scale <= max_scale_, loader, ": entry \"scale\" is ",
+          exact_number_text(saved_scale), ", expected a value in (0, max_scale ", max, "]",
           options_.fp32_scale ? " in fp32" : "");
   } else {
-    check(scale >= min_scale_ && scale <= max_scale_, loader, ": entry \"scale\" is ", exact_number_text(scale),
-          ", expected a value in [min_scale ", exact_number_text(min_scale_), ", max_scale ", max, "]");
+    check(scale >= min_scale_ && scale <= max_scale_, loader, ": entry \"scale\" is ",
+          exact_number_text(saved_scale), ", expected a value in [min_scale ", exact_number_text(min_scale_),
+          ", max_scale ", max, "]");
   }
   check(growth >= 0 && growth < options_.growth_interval, loader, ": entry \"growth_tracker\" is ", growth,
         ", expected a value in [0, growth_interval ", options_.growth_interval, ")");
   check(hysteresis >= 0 && hysteresis <= options_.hysteresis, loader, ": entry \"hysteresis_tracker\" is ",
         hysteresis, ", expected a value in [0, hysteresis ", options_.hysteresis, "]");
-  scale_ = in_rule_dtype(scale);
+  scale_ = scale;
   growth_tracker_ = growth;
   hysteresis_tracker_ = hysteresis;
 }
@@ -424,6 +429,11 @@ DynamicLossScaler apex_dynamic_scaler(double init_scale, int64_t scale_window,
   check_scale(who, "init_scale", init_scale);
   check_at_least_one(who, "scale_window", scale_window);
   check_scale(who, "max_loss_scale", max_loss_scale);
+  // The scale is Apex's Python float, but the loss is multiplied by it in fp32: beyond fp32's range the scale
+  // would be inf there (every step skipped until it backs off).
+  check(std::isfinite(fp32_or_inf(max_loss_scale)), who, ": max_loss_scale ", exact_number_text(max_loss_scale),
+        " is beyond fp32's range (the loss is multiplied by the scale in fp32), expected at most ",
+        exact_number_text(std::numeric_limits<float>::max()));
   if (min_loss_scale) {
     check_scale(who, "min_loss_scale", *min_loss_scale);
     check(*min_loss_scale <= max_loss_scale, who, ": min_loss_scale ", exact_number_text(*min_loss_scale),
@@ -446,6 +456,11 @@ DynamicLossScaler apex_dynamic_scaler(double init_scale, int64_t scale_window,
 
 StaticLossScaler::StaticLossScaler(double scale) : LossScaler(scale) {
   check_scale("StaticLossScaler", "scale", scale);
+  // Losses are scaled in fp32 (a 16-bit loss in its own dtype): a scale that is inf there would make every
+  // gradient inf and every step a skipped one (Apex, given loss_scale=1e39, runs so without a word).
+  check(std::isfinite(fp32_or_inf(scale)), "StaticLossScaler: scale ", exact_number_text(scale),
+        " is beyond fp32's range (the loss is multiplied by it in fp32), expected at most ",
+        exact_number_text(std::numeric_limits<float>::max()));
 }
 
 std::map<std::string, std::string> StaticLossScaler::state_dict() const {

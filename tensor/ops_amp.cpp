@@ -1,7 +1,9 @@
 // Front ends of the automatic-mixed-precision ops (see tensor/ops.h).
 #include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <limits>
+#include <string_view>
 #include <vector>
 
 #include "tensor/backend.h"
@@ -30,9 +32,12 @@ bool unscale_and_check_finite(const std::vector<Tensor>& grads, double inv_scale
   const bool in_fp32 = std::any_of(per_device.begin(), per_device.end(), [](const std::vector<Tensor>& group) {
     return std::any_of(group.begin(), group.end(), [](const Tensor& g) { return g.dtype() != DType::F64; });
   });
-  check(!in_fp32 || std::abs(inv_scale) <= std::numeric_limits<float>::max(),
-        "unscale_and_check_finite: inv_scale ", inv_scale, " is beyond fp32's range, in which f32, f16 and bf16 "
-        "gradients are unscaled (the loss scale is below 2^-128)");
+  if (in_fp32 && std::abs(inv_scale) > std::numeric_limits<float>::max()) {
+    char text[32];
+    const auto written = std::to_chars(text, text + sizeof text, inv_scale);  // exact: not FLT_MAX's 6 digits
+    fail("unscale_and_check_finite: inv_scale ", std::string_view(text, written.ptr - text), " is beyond fp32's "
+         "range, in which f32, f16 and bf16 gradients are unscaled (the loss scale is 2^-128 or below)");
+  }
   // Every device is unscaled, whatever another found (PyTorch's found_inf_per_device, then any of them).
   bool found_inf = false;
   for (const std::vector<Tensor>& group : per_device) {

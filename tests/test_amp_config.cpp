@@ -112,6 +112,11 @@ TEST(AmpConfig, ApexRefusesWhatApexRefuses) {
   EXPECT_ERROR_MENTIONS(AmpConfig::from_json(R"({"loss_scale":"static"})", "fp16_apex:O2"), "loss_scale",
                         "dynamic");
   EXPECT_ERROR_MENTIONS(AmpConfig::from_json(R"({"loss_scale":0})", "fp16_apex:O2"), "loss_scale");
+  // Beyond fp32, where the loss is multiplied by it: every step would be skipped (Apex runs so silently).
+  EXPECT_ERROR_MENTIONS(AmpConfig::from_json(R"({"loss_scale":1e39})", "fp16_apex:O2"), "static loss_scale",
+                        "beyond fp32's range");
+  EXPECT_ERROR_MENTIONS(AmpConfig::from_json(R"({"max_loss_scale":1e300})", "fp16_apex:O2"), "max_loss_scale",
+                        "beyond fp32's range");
   EXPECT_ERROR_MENTIONS(AmpConfig::from_json(R"({"num_losses":0})", "fp16_apex:O2"), "num_losses");
   EXPECT_ERROR_MENTIONS(AmpConfig::from_json(R"({"verbosity":3})", "fp16_apex:O2"), "verbosity");
   EXPECT_ERROR_MENTIONS(AmpConfig::from_json(R"({"min_loss_scale":1e9})", "fp16_apex:O2"), "min_loss_scale",

@@ -209,6 +209,19 @@ TEST(MixedPrecisionSkippedStep, LeavesParametersMastersAndAdamStateBitExactAndBa
 
 // ----------------------------------------------------------------------------------------------- unscale
 
+TEST(MixedPrecisionUnscale, AScaleTooSmallToUnscaleInFp32IsAnErrorSayingTheRunDiverged) {
+  // S = 2^-130: 1/S = 2^130 is beyond fp32, where f32/f16/bf16 gradients are unscaled. PyTorch unscales by
+  // inf and skips every step from there on without a word; a scaler only gets there after backing off at
+  // step after step of overflows, so this is an error that says the run diverged. Nothing changes.
+  for (DType dtype : {DType::F32, DType::F16}) {
+    Tensor p = leaf({1, 1}, dtype);
+    MixedPrecisionOptimizer opt(std::make_unique<SGD>(std::vector<Tensor>{p}, 0.1), static_scaler(0x1p-130));
+    opt.backward(linear_loss(p, {1, 1}));
+    EXPECT_ERROR_MENTIONS(opt.step(), "the loss scale 7.346839692639297e-40", "2^-128 or below", "diverged");
+    EXPECT_EQ(values(p), (std::vector<double>{1, 1}));
+  }
+}
+
 TEST(MixedPrecisionUnscale, MasterGradientsAreModelGradientsDividedByTheScale) {
   constexpr double kScale = 1024;
   Tensor h = leaf({0.5, -1, 2, 0.25}, DType::F16);

@@ -181,6 +181,14 @@ TEST(GradScaler, TheScaleIsAnFp32ValueUpdatedAsPyTorchsKernelDoes) {
   // The initial scale is rounded to fp32 too (torch.full((), init_scale, dtype=torch.float32)).
   EXPECT_EQ(GradScaler({.init_scale = 0.1}).scale(), 0.10000000149011612);
   EXPECT_ERROR_MENTIONS(GradScaler({.init_scale = 1e39}), "init_scale", "1e+39", "fp32");
+  // At fp32's top: 3.4028235e38 (FLT_MAX as usually printed, above it by less than half an ulp) rounds to
+  // FLT_MAX = 3.4028234663852886e38; from the midpoint 2^128 - 2^103 = 3.4028235677973366e38 on, to inf.
+  EXPECT_EQ(GradScaler({.init_scale = 3.4028235e38}).scale(), 3.4028234663852886e38);
+  EXPECT_ERROR_MENTIONS(GradScaler({.init_scale = 3.4028235677973366e38}), "init_scale", "fp32");
+  // A growth that lands just above FLT_MAX rounds to it and is kept, as PyTorch's fp32 product would be.
+  GradScaler top({.init_scale = 0x1p127, .growth_factor = 1.9999999, .growth_interval = 1});
+  top.update(false);
+  EXPECT_EQ(top.scale(), 3.4028234663852886e38);
 }
 
 // PyTorch's load_state_dict leaves what unscale_() recorded: the gradients already unscaled are not
@@ -533,8 +541,9 @@ TEST(LossScaler, ErrorsPrintValuesExactly) {
       DynamicLossScaler({.initial_scale = 1.0000001, .min_scale = 1.0000001, .max_scale = 1}),
       "min_scale 1.0000001", "max_scale 1");
   auto state = DynamicLossScaler().state_dict();
-  state["scale"] = "4294967296.5";
-  EXPECT_ERROR_MENTIONS(DynamicLossScaler().load_state_dict(state), "4294967296.5");
+  // (4294967296.5 would round to the fp32 max_scale 2^32 and load; 2^32 + 512.5 rounds to 2^32 + 512, above it.)
+  state["scale"] = "4294967808.5";
+  EXPECT_ERROR_MENTIONS(DynamicLossScaler().load_state_dict(state), "4294967808.5");
 }
 
 // --------------------------------------------------------------------------------------- DynamicLossScaler
@@ -602,6 +611,16 @@ TEST(DynamicLossScaler, TheScaleAndTheRuleAreFp32ValuesAsInMegatronsTensors) {
   DynamicLossScaler reloaded(options);
   reloaded.load_state_dict(megatron.state_dict());
   EXPECT_EQ(reloaded.scale(), 3.2400002479553223);
+  // A state of the double rule (before fp32_scale) loads under bounds that fp32 rounds: its scale is rounded
+  // first (0.1 -> 0.10000000149011612, the rounded min_scale itself; 3000000001 -> 3e9 = max_scale in fp32).
+  DynamicLossScaler at_min({.initial_scale = 1, .min_scale = 0.1});
+  at_min.load_state_dict(with_entry(DynamicLossScaler({.initial_scale = 1, .min_scale = 0.1}).state_dict(),
+                                    "scale", "0.1"));
+  EXPECT_EQ(at_min.scale(), 0.10000000149011612);
+  DynamicLossScaler at_max({.initial_scale = 1, .max_scale = 3000000001});
+  at_max.load_state_dict(with_entry(DynamicLossScaler({.initial_scale = 1, .max_scale = 3000000001}).state_dict(),
+                                    "scale", "3000000001"));
+  EXPECT_EQ(at_max.scale(), 3e9);
   EXPECT_EQ(DynamicLossScaler({.initial_scale = 0.1, .min_scale = 0.01}).scale(), 0.10000000149011612);
   DynamicLossScaler floored({.initial_scale = 1, .min_scale = 0.1, .backoff_factor = 0.5, .hysteresis = 1});
   EXPECT_EQ(run_pattern(floored, "OOOO"), (std::vector<double>{0.5, 0.25, 0.125, 0.10000000149011612}));
@@ -862,6 +881,11 @@ TEST(StaticLossScaler, LoadStateDictOnlyConfirmsTheConfiguredScale) {
 TEST(StaticLossScaler, RejectsAnInvalidScale) {
   EXPECT_ERROR_MENTIONS(StaticLossScaler(0), "StaticLossScaler", "scale", "0");
   EXPECT_ERROR_MENTIONS(StaticLossScaler(-kInf), "scale", "-inf");
+  // Beyond fp32, where the loss is multiplied by it (FLT_MAX itself is fine).
+  EXPECT_ERROR_MENTIONS(StaticLossScaler(1e39), "StaticLossScaler: scale 1e+39 is beyond fp32's range");
+  EXPECT_EQ(StaticLossScaler(3.4028234663852886e38).scale(), 3.4028234663852886e38);
+  EXPECT_ERROR_MENTIONS(apex_dynamic_scaler(16, 2, std::nullopt, 1e300), "max_loss_scale 1e+300",
+                        "beyond fp32's range");
 }
 
 TEST(LossScaler, LoadStateDictRejectsUnknownEntries) {
