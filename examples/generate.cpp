@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <iostream>
+#include <set>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -39,11 +40,25 @@ void usage() {
 
 Options parse(int argc, char** argv) {
   Options o;
+  std::set<std::string> given;
   for (int i = 1; i < argc; ++i) {
     const std::string flag = argv[i];
     if (flag == "--help" || flag == "-h") { usage(); std::exit(0); }
+    static const std::set<std::string> known = {"--model",  "--init",  "--checkpoint", "--prompt",     "--device",
+                                                "--tokens", "--top-k", "--seed",       "--temperature"};
+    if (!known.count(flag)) {
+      usage();
+      fail("generate: unknown option '", flag, "'");
+    }
     check(i + 1 < argc, "generate: ", flag, " needs a value");
     const std::string value = argv[++i];
+    // Each option once (the last one silently won), and with a value (an empty --prompt is the default one).
+    // --init and --checkpoint are other names of --model.
+    const bool is_model = flag == "--model" || flag == "--init" || flag == "--checkpoint";
+    check(given.insert(is_model ? "--model" : flag).second, "generate: ", flag,
+          is_model ? " names the model a second time (--model, --init and --checkpoint are one option)"
+                   : " is given twice (give each option once)");
+    check(!value.empty() || flag == "--prompt", "generate: ", flag, " needs a value, got ''");
     auto integer = [&](int64_t low) { return integer_argument("generate", flag, value, low); };
     if (flag == "--model" || flag == "--init" || flag == "--checkpoint") o.model = value;
     else if (flag == "--prompt") o.prompt = value;
@@ -55,8 +70,7 @@ Options parse(int argc, char** argv) {
       o.temperature = number_argument("generate", flag, value);
       check(o.temperature > 0, "generate: --temperature expects a number > 0, got '", value, "'");
     } else {
-      usage();
-      fail("generate: unknown option ", flag);
+      fail("generate: option ", flag, " is listed but not read (a bug)");
     }
   }
   check(!o.model.empty(), "generate: --model FILE is required (a train_gpt checkpoint or weights file)");

@@ -646,6 +646,14 @@ int run(int argc, char** argv) {
   check(access(train_gpt.c_str(), X_OK) == 0, "precision_study: cannot find the train_gpt executable next to "
         "this one (looked for ", train_gpt.string(), "); build it: cmake --build build --target train_gpt");
   const fs::path out = opt.out;
+  // The study's files (and their temporary names) must not be its data: a table or a mode's log written over
+  // the corpus left exit code 0 and the corpus lost, and a later mode trained on the earlier one's log.
+  std::vector<fs::path> outputs = {out / "results.md", out / "results.csv", out / "precision_study.png"};
+  for (const std::string& mode : opt.modes) outputs.push_back(out / (file_stem(mode) + ".jsonl"));
+  for (const fs::path& output : outputs)
+    for (const std::string& file : {output.string(), output.string() + ".tmp"})
+      check(!same_file(opt.data, file), "precision_study: --data '", opt.data, "' is '", file,
+            "', a file the study writes (--out '", out.string(), "'): it would overwrite what it trains on");
   std::error_code ec;
   const bool created_out = fs::create_directories(out, ec);
   check(!ec && fs::is_directory(out), "precision_study: cannot create --out directory '", out.string(), "'",

@@ -228,7 +228,11 @@ Options parse(int argc, char** argv) {
   }
   check(!o.data.empty(), "train_gpt: --data FILE is required (a text file for characters, or .bin for uint16 tokens)");
   if (o.given.count("--amp-config") == 0) {
-    o.train.amp = AmpConfig::parse(o.precision);
+    try {
+      o.train.amp = AmpConfig::parse(o.precision);
+    } catch (const Error& error) {
+      fail("train_gpt: --precision '", o.precision, "': ", error.what());
+    }
   } else {
     check(!o.amp_config_file.empty(), "train_gpt: --amp-config needs a file name, got ''");
     o.amp_config_text = read_input_file("train_gpt: --amp-config file", o.amp_config_file);
@@ -250,8 +254,20 @@ Options parse(int argc, char** argv) {
   check(o.init.empty() || o.resume.empty(), "train_gpt: --init and --resume exclude each other");
   // Options that would be accepted and then do nothing.
   if (o.eval_only)
-    for (const char* flag : {"--save", "--save-every", "--log-json", "--steps", "--stop-at"})
+    for (const char* flag : {"--save", "--save-every", "--log-json", "--steps", "--stop-at", "--lr", "--min-lr",
+                             "--warmup", "--optimizer", "--weight-decay", "--beta1", "--beta2", "--momentum",
+                             "--schedule", "--grad-clip", "--eval-every", "--no-final-eval", "--sequential",
+                             "--dropout", "--micro-batches"})
       check(!o.given.count(flag), "train_gpt: --eval-only only evaluates: ", flag, " has nothing to act on");
+  // The constant schedule has no warm-up and no floor: the rate is --lr at every step (--warmup 0 and
+  // --min-lr equal to --lr say just that, and stay allowed).
+  if (o.train.schedule == "constant") {
+    check(!o.given.count("--warmup") || o.train.warmup == 0, "train_gpt: --warmup ", o.train.warmup, " shapes the "
+          "cosine schedule; --schedule constant keeps --lr at every step");
+    check(!o.given.count("--min-lr") || o.train.min_lr == o.train.lr, "train_gpt: --min-lr ",
+          exact_number_text(o.train.min_lr), " shapes the cosine schedule; --schedule constant keeps --lr at "
+          "every step");
+  }
   for (const char* flag : {"--top-k", "--temperature"})
     check(!o.given.count(flag) || o.given.count("--sample"), "train_gpt: ", flag, " shapes --sample's tokens: "
           "give --sample N too");
@@ -314,14 +330,6 @@ void print_sample(const Options& opt, GPT& model, const std::vector<uint8_t>& vo
   std::fflush(stdout);
 }
 
-// Whether two paths name the same file: the same inode when both exist, else the same resolved path.
-bool same_file(const std::string& a, const std::string& b) {
-  std::error_code error;
-  if (std::filesystem::exists(a, error) && std::filesystem::exists(b, error))
-    return std::filesystem::equivalent(a, b, error);
-  return std::filesystem::weakly_canonical(a, error) == std::filesystem::weakly_canonical(b, error);
-}
-
 // The files the run writes must not be the ones it reads, or each other (a log over the data, a checkpoint
 // over the log): those runs would end with exit code 0 and a file lost. --save onto --resume's or --init's
 // file is how a run continues in place, and stays allowed.
@@ -354,8 +362,10 @@ auto naming_file(const char* flag, const std::string& file, F&& body) {
   try {
     return body();
   } catch (const Error& error) {
-    if (std::string_view(error.what()).find(file) != std::string_view::npos) throw;
-    fail("train_gpt: ", flag, " '", file, "': ", error.what());
+    std::string_view message = error.what();
+    if (message.find(file) != std::string_view::npos) throw;
+    if (message.starts_with("train_gpt: ")) message.remove_prefix(11);  // said once, in front
+    fail("train_gpt: ", flag, " '", file, "': ", message);
   }
 }
 
@@ -424,12 +434,21 @@ int run(int argc, char** argv) {
       if (!data.vocab.empty() && header.metadata.count("vocab"))
         check(file_vocab == data.vocab,
               "train_gpt: the character vocabulary of '", opt.data, "' differs from the loaded file's");
+      // Text data is its bytes' vocabulary: a model of another size (a token model, without a character
+      // vocabulary) would be saved with a vocabulary list that does not match it, which generate refuses,
+      // and --sample would draw ids that are no byte of the text.
+      check(data.vocab.empty() || opt.model.vocab_size == data.vocab_size, "train_gpt: '", opt.data,
+            "' is text of ", data.vocab_size, " distinct bytes (its vocabulary), but the model of '", file,
+            "' has vocab_size ", opt.model.vocab_size, " and no character vocabulary of that text: give it data "
+            "in its own tokens (a .bin file with --vocab-size ", opt.model.vocab_size, ")");
     });
   } else {
     opt.model.vocab_size = data.vocab_size;
   }
-  check(data.vocab_size <= opt.model.vocab_size, "train_gpt: the data uses ", data.vocab_size,
-        " token ids but the model has vocab_size ", opt.model.vocab_size);
+  // Only a loaded model can be smaller than the data (a new one is made to its size).
+  check(data.vocab_size <= opt.model.vocab_size, "train_gpt: the data uses ", data.vocab_size, " token ids",
+        data.vocab.empty() ? " (--vocab-size)" : "", " but the model of '", opt.init.empty() ? opt.resume : opt.init,
+        "' has vocab_size ", opt.model.vocab_size);
   // A validation pass needs one window of block + 1 tokens: found out now, not after the training.
   if (opt.eval_only || opt.final_eval || opt.eval_every > 0)
     check(data.n_val() > opt.model.block_size, "train_gpt: the validation split of '", opt.data, "' (",
@@ -524,6 +543,17 @@ int run(int argc, char** argv) {
                   "larger --steps to go on)\n",
                   static_cast<long long>(position()), static_cast<long long>(opt.train.steps));
     std::fflush(stdout);
+  }
+  // --stop-at against a resumed run (parse() checked a fresh one): within its steps (the checkpoint's, unless
+  // --steps is given), and not before the step it resumes at (it trained nothing and rewrote the checkpoint).
+  if (opt.stop_at >= 0 && !opt.resume.empty()) {
+    check(opt.stop_at <= opt.train.steps, "train_gpt: --stop-at ", opt.stop_at, " is beyond the run's ",
+          opt.train.steps, " steps (", opt.given.count("--steps") ? "--steps" : "the checkpoint's --steps", ")");
+    check(opt.stop_at >= position(), "train_gpt: --stop-at ", opt.stop_at, " is before step ", position(),
+          ", where --resume '", opt.resume, "' continues: there is nothing to train up to it");
+    if (printer && opt.stop_at == position() && position() < opt.train.steps)
+      std::printf("train_gpt: nothing to train: the checkpoint is at step %lld, --stop-at's step\n",
+                  static_cast<long long>(position()));
   }
   // A checkpoint that cannot be written is reported now, not after the training it was meant to keep.
   if (printer && !opt.save.empty()) {

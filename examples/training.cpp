@@ -75,6 +75,17 @@ bool ends_with(const std::string& s, const std::string& suffix) {
 
 // ---- data ----
 
+bool same_file(const std::string& a, const std::string& b) {
+  namespace fs = std::filesystem;
+  std::error_code error;
+  if (fs::exists(a, error) && fs::exists(b, error)) return fs::equivalent(a, b, error);
+  const auto resolved = [](const std::string& path) {
+    std::error_code ignored;
+    return fs::weakly_canonical(write_destination(path), ignored);
+  };
+  return resolved(a) == resolved(b);
+}
+
 std::string read_input_file(const std::string& what, const std::string& path) {
   namespace fs = std::filesystem;
   std::error_code error;
@@ -504,9 +515,15 @@ int64_t validate_checkpoint(const StateDict& state, const GPTConfig& config, con
   for (const auto& [key, value] : state.metadata)
     if (key.rfind("optimizer.state.", 0) == 0 && ends_with(key, ".step")) {
       const int64_t count = parse_number<int64_t>(value, key, what);
-      check(count >= 1 && count <= kMaxStep, what, ": metadata entry '", key, "' is ", count,
-            ", expected a step count in [1, 2^53]");
+      check(count >= 1 && count <= step, what, ": metadata entry '", key, "' is ", count,
+            ", expected a step count in [1, step ", step, "] (the optimizer steps once per training step at most)");
     }
+  // Skipped steps are steps too: more of them than steps is a file that was edited or mixed up.
+  if (const auto found = state.metadata.find("optimizer.amp.skipped_steps"); found != state.metadata.end()) {
+    const int64_t skipped = parse_number<int64_t>(found->second, found->first, what);
+    check(skipped >= 0 && skipped <= step, what, ": metadata entry '", found->first, "' is ", skipped,
+          ", expected a count in [0, step ", step, "]");
+  }
   return step;
 }
 
@@ -589,8 +606,11 @@ std::vector<int64_t> sample_tokens(GPT& model, std::vector<int64_t> ids, int64_t
   EvalModeGuard eval_mode(model);
   const Device device = model.parameters().front().device();  // the prompt goes where the model is
   std::vector<int64_t> out;
-  out.reserve(static_cast<size_t>(n));
-  ids.reserve(ids.size() + static_cast<size_t>(n));
+  // Room for the tokens up to a bound: a count far beyond what will ever be drawn (--sample 10^11) would
+  // otherwise fail here with bad_alloc instead of drawing.
+  const size_t room = static_cast<size_t>(std::min<int64_t>(n, int64_t{1} << 20));
+  out.reserve(room);
+  ids.reserve(ids.size() + room);
   for (int64_t i = 0; i < n; ++i) {
     const int64_t T = std::min<int64_t>(static_cast<int64_t>(ids.size()), config.block_size);
     const std::vector<int64_t> window(ids.end() - T, ids.end());

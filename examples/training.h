@@ -57,6 +57,9 @@ TokenData load_token_file(const std::string& path, int64_t vocab_size = 0);
 // pipe; a directory (which reads as empty) and a device or socket (/dev/zero never ends) are errors, as is a
 // failed read.
 std::string read_input_file(const std::string& what, const std::string& path);
+// Whether a write to `a` or `b` would land in the other: the same inode when both exist, else the same path
+// once symbolic links are followed (a dangling one too: a write creates its target) and made canonical.
+bool same_file(const std::string& a, const std::string& b);
 
 // "vocab" metadata <-> byte list.
 std::string vocab_to_metadata(const std::vector<uint8_t>& vocab);

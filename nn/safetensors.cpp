@@ -139,14 +139,26 @@ std::string temp_path_of(const std::string& target) { return target + ".tmp." + 
 
 }  // namespace
 
+std::string write_destination(const std::string& path) {
+  namespace fs = std::filesystem;
+  fs::path p = path;
+  for (int hops = 0; hops <= 40; ++hops) {  // Linux's limit (ELOOP) is 40 links
+    std::error_code error;
+    if (!fs::is_symlink(fs::symlink_status(p, error))) return p.string();
+    const fs::path target = fs::read_symlink(p, error);
+    check(!error, "'", path, "' is a symbolic link that cannot be read: ", error.message());
+    p = target.is_absolute() ? target : p.parent_path() / target;
+  }
+  fail("'", path, "' is a symbolic link that leads through more than 40 links (a loop?)");
+}
+
 SaveTarget save_target(const std::string& path, bool try_create) {
   SaveTarget where{path, ""};
   struct stat info;
-  if (::lstat(path.c_str(), &info) == 0 && S_ISLNK(info.st_mode)) {
-    std::error_code error;
-    const std::filesystem::path resolved = std::filesystem::weakly_canonical(path, error);
-    if (error) return {path, "is a symbolic link that cannot be resolved: " + error.message()};
-    where.path = resolved.string();
+  try {
+    where.path = write_destination(path);
+  } catch (const Error& error) {
+    return {path, std::string("cannot be resolved: ") + error.what()};
   }
   if (::stat(where.path.c_str(), &info) == 0 && !S_ISREG(info.st_mode))
     where.problem = std::string("exists and is not a regular file (") +

@@ -23,6 +23,12 @@ void save_safetensors(const std::string& path, const StateDict& state);
 // try_create it also creates and removes the temp file save_safetensors would write first, so a directory
 // that does not exist or takes no new file ("cannot create a file there: No such file or directory") is
 // found too.
+// The file a write to `path` lands in: `path` itself unless it is a symbolic link, else the file the link
+// names, followed link by link (a relative target read from the link's directory) whether or not that file
+// exists yet (std::filesystem::weakly_canonical stops at such a dangling link, where open() would create
+// its target). Error for a link that cannot be read or a chain of more than 40.
+std::string write_destination(const std::string& path);
+
 struct SaveTarget {
   std::string path;
   std::string problem;

@@ -207,6 +207,12 @@ if(NOT p MATCHES "^the cat" OR NOT n EQUAL 18)  # the prompt, 10 characters, a n
 endif()
 run_fails("prompt byte outside the vocabulary" ${GENERATE} --model words.safetensors --prompt "the Zebra"
           MENTIONS "byte 90" "'Z'" "vocabulary")
+run_fails("generate: an unknown option last" ${GENERATE} --model words.safetensors --bogus
+          MENTIONS "unknown option '--bogus'")
+run_fails("generate: an option twice" ${GENERATE} --model words.safetensors --tokens 5 --tokens 6
+          MENTIONS "--tokens is given twice")
+run_fails("generate: two models" ${GENERATE} --model words.safetensors --init words.safetensors
+          MENTIONS "--init names the model a second time")
 run_fails("generate --temperature 0" ${GENERATE} --model words.safetensors --temperature 0
           MENTIONS "--temperature" "> 0" "'0'")
 run_fails("generate --temperature with a leading space" ${GENERATE} --model words.safetensors --temperature " 0.5"
@@ -277,6 +283,10 @@ run_fails(".bin token >= --vocab-size" ${TRAIN_GPT} --data pattern.bin --vocab-s
 execute_process(COMMAND ${PRINTF} "\\001\\000\\002" OUTPUT_FILE ${WORK_DIR}/odd.bin)
 run_fails(".bin with an odd byte count" ${TRAIN_GPT} --data odd.bin --vocab-size 50
           MENTIONS "odd.bin" "odd byte count (3)")
+# A token model (no character vocabulary, vocab_size 50) on text of 15 bytes: its checkpoint would list 15
+# characters for 50 ids (generate refuses it), and --sample would draw ids that are no byte of the text.
+run_fails("a token model on text" ${TRAIN_GPT} --data words.txt --init pattern.safetensors --steps 2
+          MENTIONS "'words.txt' is text of 15 distinct bytes" "has vocab_size 50")
 
 # ================================================================ precision modes (--precision, --amp-config)
 # Every mode trains (the progress line names the mode, shows the loss scale), a JSON file sets a mode's
@@ -323,7 +333,7 @@ run(out ${TRAIN_GPT} --data words.txt --resume amp.safetensors --steps 6 --eval-
 if(NOT out MATCHES "resumed at step 4" OR NOT out MATCHES "precision fp16_naive")
   check_failed("resuming an fp16_naive checkpoint: ${out}")
 endif()
-run_fails("unknown mode" ${TRAIN_GPT} --data words.txt --precision fp8 MENTIONS "fp8" "fp16_naive")
+run_fails("unknown mode" ${TRAIN_GPT} --data words.txt --precision fp8 MENTIONS "--precision 'fp8'" "fp16_naive")
 run_fails("unknown opt level" ${TRAIN_GPT} --data words.txt --precision fp16_apex:O5
           MENTIONS "O5" "opt_level")
 file(WRITE ${WORK_DIR}/bad.json "{\"hysteresis\": 0}")
@@ -361,6 +371,14 @@ run_fails("--save and --log-json alike" ${TRAIN_GPT} --data words.txt ${tiny} --
           --log-json same.out MENTIONS "--save and --log-json name the same file")
 run_fails("--save onto a device" ${TRAIN_GPT} --data words.txt ${tiny} --steps 2 --save /dev/null
           MENTIONS "--save '/dev/null' exists and is not a regular file")
+# Through a dangling link: --save onto a link to the --log-json file (not written yet) would put the
+# checkpoint over the log; a link into a missing directory would replace the link. Both refused up front.
+file(CREATE_LINK lg.jsonl ${WORK_DIR}/to_log.safetensors SYMBOLIC)
+run_fails("--save through a link onto --log-json" ${TRAIN_GPT} --data words.txt ${tiny} --steps 2
+          --save to_log.safetensors --log-json lg.jsonl MENTIONS "--save and --log-json name the same file")
+file(CREATE_LINK no/such/dir/x.safetensors ${WORK_DIR}/nowhere.safetensors SYMBOLIC)
+run_fails("--save through a link into a missing directory" ${TRAIN_GPT} --data words.txt ${tiny} --steps 2
+          --save nowhere.safetensors MENTIONS "--save 'nowhere.safetensors' cannot be written")
 # A regular file in a directory that takes no new file: refused before training, not at the first save.
 if(EXISTS /proc/version)
   run_fails("--save into /proc" ${TRAIN_GPT} --data words.txt ${tiny} --steps 2 --save /proc/version
@@ -380,6 +398,10 @@ run_fails("--lr that rounds to 0" ${TRAIN_GPT} --data words.txt --lr 1e-400 MENT
 run_fails("--lr in hexadecimal" ${TRAIN_GPT} --data words.txt --lr 0x1p-8 MENTIONS "--lr" "decimal" "'0x1p-8'")
 run_fails("--eval-only --save" ${TRAIN_GPT} --data words.txt --eval-only --save e.safetensors
           MENTIONS "--eval-only only evaluates: --save")
+run_fails("--eval-only --lr" ${TRAIN_GPT} --data words.txt --eval-only --lr 5
+          MENTIONS "--eval-only only evaluates: --lr has nothing to act on")
+run_fails("--schedule constant --warmup" ${TRAIN_GPT} --data words.txt --schedule constant --warmup 5
+          MENTIONS "--warmup 5 shapes the cosine schedule")
 run_fails("--top-k without --sample" ${TRAIN_GPT} --data words.txt --top-k 3 MENTIONS "--top-k" "--sample N")
 run_fails("--momentum with adamw" ${TRAIN_GPT} --data words.txt --momentum 0.9 MENTIONS "--momentum is SGD's"
           "adamw")
@@ -426,6 +448,12 @@ run(out ${TRAIN_GPT} --data words.txt --resume naive3.safetensors --steps 3)
 if(NOT out MATCHES "nothing to train: the checkpoint is at step 3 and --steps is 3")
   check_failed("resuming at the final step should say there is nothing to train: ${out}")
 endif()
+# --stop-at on a resumed run: before its step (it trained nothing, rewrote the checkpoint, said nothing) and
+# beyond the checkpoint's --steps (6) are errors.
+run_fails("--stop-at before the resumed step" ${TRAIN_GPT} --data words.txt --resume naive3.safetensors --stop-at 1
+          --save naive3.safetensors MENTIONS "--stop-at 1 is before step 3")
+run_fails("--stop-at beyond a resumed run's steps" ${TRAIN_GPT} --data words.txt --resume naive3.safetensors
+          --stop-at 9 MENTIONS "--stop-at 9 is beyond the run's 6 steps (the checkpoint's --steps)")
 
 # A loss that overflows is said once and logged as null (JSON has no NaN); the run goes on.
 run(out ${TRAIN_GPT} --data words.txt ${tiny} --steps 4 --eval-every 0 --precision fp16 --lr 1e6 --warmup 0

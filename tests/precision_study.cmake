@@ -133,6 +133,25 @@ run_fails("missing data" ${PRECISION_STUDY} --data no_such_file.txt --modes fp32
 run_fails("unknown option" ${PRECISION_STUDY} --data words.txt --frobnicate 3 MENTIONS "--frobnicate")
 run_fails("a mode under two names" ${PRECISION_STUDY} --data words.txt --modes fp16_apex,fp16_apex:O1 --out bad
           MENTIONS "names 'fp16_apex:O1' twice (as 'fp16_apex' and 'fp16_apex:O1')")
+# The data among the files the study writes (a table, a mode's log, their temporary names, through a link):
+# refused before anything runs, the data left as it was (it was overwritten, with exit code 0).
+file(MAKE_DIRECTORY ${WORK_DIR}/inside)
+file(COPY_FILE ${WORK_DIR}/words.txt ${WORK_DIR}/inside/results.csv)
+file(COPY_FILE ${WORK_DIR}/words.txt ${WORK_DIR}/inside/bf16.jsonl.tmp)
+file(CREATE_LINK bf16.jsonl ${WORK_DIR}/inside/link.txt SYMBOLIC)
+run_fails("data is a table of the study" ${PRECISION_STUDY} --data inside/results.csv --modes fp32 ${tiny}
+          --out inside MENTIONS "--data 'inside/results.csv' is 'inside/results.csv', a file the study writes")
+run_fails("data is a mode's temporary log" ${PRECISION_STUDY} --data inside/bf16.jsonl.tmp --modes fp32,bf16
+          ${tiny} --out inside MENTIONS "is 'inside/bf16.jsonl.tmp', a file the study writes")
+file(COPY_FILE ${WORK_DIR}/words.txt ${WORK_DIR}/inside/bf16.jsonl)
+run_fails("data links to a mode's log" ${PRECISION_STUDY} --data inside/link.txt --modes bf16 ${tiny}
+          --out inside MENTIONS "is 'inside/bf16.jsonl', a file the study writes")
+foreach(file results.csv bf16.jsonl.tmp bf16.jsonl)
+  file(READ ${WORK_DIR}/inside/${file} after)
+  if(NOT after STREQUAL text)
+    check_failed("a refused study changed its data file inside/${file}")
+  endif()
+endforeach()
 # An empty --data (run_fails' argument list would drop the empty argument: execute_process keeps it).
 execute_process(COMMAND ${PRECISION_STUDY} --data "" --modes fp32 --out bad WORKING_DIRECTORY ${WORK_DIR}
                 RESULT_VARIABLE status ERROR_VARIABLE err OUTPUT_QUIET)

@@ -555,6 +555,36 @@ TEST_F(Safetensors, SaveReplacesOnlyARegularFileAndWritesThroughASymbolicLink) {
   EXPECT_EQ(directory_listing(), (std::vector<std::string>{"latest.safetensors", "real.safetensors", "taken"}));
 }
 
+TEST_F(Safetensors, SaveWritesThroughADanglingLinkAndAChainOfLinks) {
+  StateDict state;
+  state.tensors["a"] = Tensor::ones({3});
+  // A link whose target does not exist yet: the target is created (weakly_canonical stopped at the link,
+  // and the checkpoint replaced it with a regular file), the link stays.
+  fs::create_directory(path("dir"));
+  const std::string dangling = path("dangling.safetensors");
+  fs::create_symlink("dir/new.safetensors", dangling);
+  EXPECT_EQ(write_destination(dangling), path("dir/new.safetensors"));
+  save_safetensors(dangling, state);
+  EXPECT_TRUE(fs::is_symlink(dangling));
+  EXPECT_EQ(load_safetensors(path("dir/new.safetensors")).tensors.count("a"), 1u);
+  // A link to a link (relative targets are read from each link's own directory).
+  const std::string chain = path("dir/chain.safetensors");
+  fs::create_symlink("../dangling.safetensors", chain);
+  EXPECT_EQ(fs::weakly_canonical(write_destination(chain)), fs::weakly_canonical(path("dir/new.safetensors")));
+  // A dangling link into a directory that does not exist: the probe finds it before any write.
+  const std::string nowhere = path("nowhere.safetensors");
+  fs::create_symlink("no/such/dir/x.safetensors", nowhere);
+  const SaveTarget target = save_target(nowhere, /*try_create=*/true);
+  EXPECT_NE(target.problem.find("cannot create a file there"), std::string::npos) << target.problem;
+  EXPECT_NE(target.problem.find("No such file or directory"), std::string::npos) << target.problem;
+  // A loop of links is an error naming the path, not a hang.
+  const std::string loop_a = path("loop_a"), loop_b = path("loop_b");
+  fs::create_symlink("loop_b", loop_a);
+  fs::create_symlink("loop_a", loop_b);
+  EXPECT_ERROR_MENTIONS(write_destination(loop_a), loop_a, "more than 40 links");
+  EXPECT_ERROR_MENTIONS(save_safetensors(loop_a, state), loop_a, "cannot be resolved");
+}
+
 TEST_F(Safetensors, SaveIntoAMissingDirectoryFailsNamingThePathAndReason) {
   const std::string file = path("no/such/dir/ckpt.safetensors");
   StateDict state;

@@ -493,6 +493,19 @@ TEST(TrainGPT, SampleRunsInEvalModeAndRestoresTheModelsMode) {
   EXPECT_TRUE(model.is_training());
 }
 
+TEST(TrainGPT, SampleOfAHugeCountDrawsRatherThanFailingToReserveIt) {
+  // --sample / generate --tokens of 2^62 failed at once with "vector::reserve" (10^11: bad_alloc), naming
+  // nothing; the sampler now draws, here until the callback stops it at the third token.
+  TrainedModel m;
+  int drawn = 0;
+  EXPECT_ERROR_MENTIONS(sample_tokens(m.model(), {0}, int64_t{1} << 62, 1.0, 0, 3,
+                                      [&](int64_t) {
+                                        if (++drawn == 3) fail("stop");
+                                      }),
+                        "stop");
+  EXPECT_EQ(drawn, 3);
+}
+
 TEST(TrainGPT, SampleRejectsBadArgumentsNamingThem) {
   const TokenData data = char_tokens(sample_text());
   GPT model(tiny_config(data.vocab_size, 0), 1);
@@ -697,7 +710,12 @@ TEST(TrainGPT, ACheckpointWithNonFiniteOrImpossibleValuesIsRejectedAndChangesNot
           {changed([](StateDict& s) { s.tensors.at("optimizer.state.1.exp_avg").fill_(INFINITY); }),
            {"tensor 'optimizer.state.1.exp_avg'", "not finite", "inf"}},
           {changed([](StateDict& s) { s.metadata.at("optimizer.state.0.step") = "9223372036854775807"; }),
-           {"'optimizer.state.0.step' is 9223372036854775807", "[1, 2^53]"}},
+           {"'optimizer.state.0.step' is 9223372036854775807", "[1, step 1]"}},
+          // The optimizer steps once per training step at most; skipped steps are steps too.
+          {changed([](StateDict& s) { s.metadata.at("optimizer.state.0.step") = "2"; }),
+           {"'optimizer.state.0.step' is 2", "[1, step 1]"}},
+          {changed([](StateDict& s) { s.metadata.at("optimizer.amp.skipped_steps") = "99"; }),
+           {"'optimizer.amp.skipped_steps' is 99", "[0, step 1]"}},
           {changed([](StateDict& s) { s.metadata.at("step") = "9223372036854775807"; }),
            {"step 9223372036854775807", "[0, 2^53]"}},
           {changed([](StateDict& s) { s.metadata.at("data.position") = "7"; }),
