@@ -355,6 +355,16 @@ void check_outputs(const Options& o) {
   }
 }
 
+// Options of parallelism that would have nothing to act on in the run's layout, known only once the job's
+// size has given --dp its default (the ranks tp x pp leave over).
+void check_parallel_flags(const Options& o, int dp) {
+  check(!o.given.count("--pp-schedule") || o.parallel.pp > 1, "train_gpt: --pp-schedule orders a pipeline's "
+        "micro-batches, and this run has one stage (give --pp N > 1, or leave --pp-schedule out)");
+  check(!o.given.count("--bucket-mb") || (dp > 1 && !o.parallel.zero), "train_gpt: --bucket-mb sizes the "
+        "buckets data parallelism averages gradients in, and this run ",
+        dp > 1 ? "shards them with ZeRO-1 instead" : "has one data-parallel rank", " (leave --bucket-mb out)");
+}
+
 // Runs `body`, naming the file in an error it throws that does not name it already: the checks behind a load
 // know the entry at fault, not which of the command's files it came from.
 template <class F>
@@ -468,6 +478,7 @@ int run(int argc, char** argv) {
             " = ", model_parallel, " does not divide the job's ", world.size, " processes");
       opt.parallel.dp = world.size / model_parallel;
     }
+    check_parallel_flags(opt, opt.parallel.dp);
     // --device cuda: this rank's own GPU (Device::cuda says so when there is none: no silent CPU fallback).
     if (opt.train.device.is_cuda()) {
       const int count = cuda_device_count();
@@ -480,6 +491,7 @@ int run(int argc, char** argv) {
     if (!opt.resume.empty())
       naming_file("--resume", opt.resume, [&] { parallel->load_checkpoint(load_safetensors(opt.resume)); });
   } else {
+    check_parallel_flags(opt, 1);
     single = std::make_unique<Trainer>(opt.model, opt.train, data);
     if (!opt.init.empty()) naming_file("--init", opt.init, [&] { single->load_weights(load_safetensors(opt.init)); });
     if (!opt.resume.empty())

@@ -400,6 +400,11 @@ run_fails("--eval-only --save" ${TRAIN_GPT} --data words.txt --eval-only --save 
           MENTIONS "--eval-only only evaluates: --save")
 run_fails("--eval-only --lr" ${TRAIN_GPT} --data words.txt --eval-only --lr 5
           MENTIONS "--eval-only only evaluates: --lr has nothing to act on")
+# Parallel options with nothing to act on in one process (one stage, one data-parallel rank).
+run_fails("--pp-schedule in one process" ${TRAIN_GPT} --data words.txt --pp-schedule gpipe
+          MENTIONS "--pp-schedule orders a pipeline's micro-batches, and this run has one stage")
+run_fails("--bucket-mb in one process" ${TRAIN_GPT} --data words.txt --bucket-mb 5
+          MENTIONS "--bucket-mb sizes the buckets" "has one data-parallel rank")
 run_fails("--schedule constant --warmup" ${TRAIN_GPT} --data words.txt --schedule constant --warmup 5
           MENTIONS "--warmup 5 shapes the cosine schedule")
 run_fails("--top-k without --sample" ${TRAIN_GPT} --data words.txt --top-k 3 MENTIONS "--top-k" "--sample N")
