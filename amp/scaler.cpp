@@ -125,10 +125,12 @@ namespace {
 // PyTorch keeps S in an fp32 tensor: the initial scale is rounded to fp32, and every update computes
 // S * factor in double and rounds it to fp32 (_amp_update_scale_), so a factor that is not a power of two
 // gives PyTorch's sequence bit for bit.
-double fp32_scale(const char* who, const char* what, double scale) {
+// `keeper` names whose fp32 the value is kept in, for the error.
+double fp32_scale(const char* who, const char* what, double scale,
+                  const char* keeper = "PyTorch's GradScaler keeps its scale") {
   const double rounded = fp32_or_inf(scale);
   check(std::isfinite(rounded) && rounded > 0, who, ": ", what, " ", exact_number_text(scale),
-        " is not a finite positive number in fp32, where PyTorch's GradScaler keeps its scale");
+        " is not a finite positive number in fp32, where ", keeper);
   return rounded;
 }
 
@@ -305,11 +307,7 @@ DynamicLossScaler::DynamicLossScaler(DynamicLossScalerOptions options)
   check_at_least_one(who, "growth_interval", options.growth_interval);
   check_at_least_one(who, "hysteresis", options.hysteresis);
   const auto in_rule = [&](const char* what, double value) {
-    if (!options.fp32_scale) return value;
-    const double rounded = fp32_or_inf(value);
-    check(std::isfinite(rounded) && rounded > 0, who, ": ", what, " ", exact_number_text(value),
-          " is not a finite positive number in fp32, where Megatron-LM keeps its scale (fp32_scale)");
-    return rounded;
+    return options.fp32_scale ? fp32_scale(who, what, value, "Megatron-LM keeps its scale (fp32_scale)") : value;
   };
   scale_ = in_rule("initial_scale", options.initial_scale);
   min_scale_ = in_rule("min_scale", options.min_scale);

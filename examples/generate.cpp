@@ -60,7 +60,7 @@ Options parse(int argc, char** argv) {
                    : " is given twice (give each option once)");
     check(!value.empty() || flag == "--prompt", "generate: ", flag, " needs a value, got ''");
     auto integer = [&](int64_t low) { return integer_argument("generate", flag, value, low); };
-    if (flag == "--model" || flag == "--init" || flag == "--checkpoint") o.model = value;
+    if (is_model) o.model = value;
     else if (flag == "--prompt") o.prompt = value;
     else if (flag == "--device") o.device = Device::parse(value);
     else if (flag == "--tokens") o.tokens = integer(0);

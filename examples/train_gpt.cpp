@@ -572,8 +572,6 @@ int run(int argc, char** argv) {
     const std::filesystem::path parent = std::filesystem::path(opt.save).parent_path();
     check(parent.empty() || std::filesystem::is_directory(parent), "train_gpt: cannot write --save '",
           opt.save, "': the directory '", parent.string(), "' does not exist");
-    check(!std::filesystem::is_directory(opt.save), "train_gpt: cannot write --save '", opt.save,
-          "': it is a directory");
     // A directory that takes no new file (read-only, /proc) failed only at the first save.
     const SaveTarget where = save_target(opt.save, /*try_create=*/true);
     check(where.problem.empty(), "train_gpt: --save '", opt.save, "' ", where.problem);

@@ -17,18 +17,18 @@ namespace mixtape {
 // replaced, the link stays); only a regular file is replaced (a device, FIFO or directory is an Error).
 void save_safetensors(const std::string& path, const StateDict& state);
 
-// Where save_safetensors(path) writes: the file `path` names, through a symbolic link the file it points to
-// (the link stays). `problem` says why no checkpoint may go there ("exists and is not a regular file (a
-// device); ..."), empty when it may; for callers that check before hours of work rather than after. With
-// try_create it also creates and removes the temp file save_safetensors would write first, so a directory
-// that does not exist or takes no new file ("cannot create a file there: No such file or directory") is
-// found too.
 // The file a write to `path` lands in: `path` itself unless it is a symbolic link, else the file the link
 // names, followed link by link (a relative target read from the link's directory) whether or not that file
 // exists yet (std::filesystem::weakly_canonical stops at such a dangling link, where open() would create
 // its target). Error for a link that cannot be read or a chain of more than 40.
 std::string write_destination(const std::string& path);
 
+// Where save_safetensors(path) writes: the file `path` names, through a symbolic link the file it points to
+// (the link stays). `problem` says why no checkpoint may go there ("exists and is not a regular file (a
+// device); ..."), empty when it may; for callers that check before hours of work rather than after. With
+// try_create it also creates and removes the temp file save_safetensors would write first, so a directory
+// that does not exist or takes no new file ("cannot create a file there: No such file or directory") is
+// found too.
 struct SaveTarget {
   std::string path;
   std::string problem;
