@@ -74,6 +74,7 @@
 #include "nn/json.h"
 #include "tensor/backend.h"
 #include "tensor/cpu/cpu_backend.h"
+#include "tensor/cpu/gemm16.h"
 #include "tensor/precision.h"
 
 using namespace mixtape;
@@ -412,6 +413,19 @@ void compare(int rounds, int steps, bool with_pytorch, bool phases, bool gemms) 
               static_cast<long long>(kModel.width), static_cast<long long>(kModel.block),
               static_cast<long long>(kModel.batch), static_cast<long long>(kModel.vocab),
               static_cast<long long>(kModel.tokens_per_step()), omp_get_max_threads(), rounds, steps);
+  {  // how mixtape multiplies in bf16 here (tensor/cpu/matmul.cpp, "bf16 products")
+    const double rate = cpu::bf16_dot_rate();
+    char measured[96] = "";
+    if (rate > 0)
+      std::snprintf(measured, sizeof(measured), "; this core's bf16 dot product runs at %.2fx its f32 FMA rate",
+                    rate);
+    std::printf("mixtape bf16 products: %s%s (MIXTAPE_BF16_GEMM=onednn|f32 picks a route)\n",
+                cpu::bf16_gemm() == cpu::Bf16Gemm::Onednn ? "oneDNN's bf16 GEMM"
+                : cpu::gemm16_isa() != cpu::Gemm16Isa::None
+                    ? "f32 FMAs (gemm16, else the f32 GEMM)"
+                    : "f32 FMAs (the f32 GEMM)",
+                measured);
+  }
   // Why a PyTorch verdict would not measure what its target means ("" where it does).
   std::string unfair_fp32, unfair_bf16;
   if (!version.empty()) {

@@ -3,7 +3,9 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <initializer_list>
 #include <limits>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -69,6 +71,21 @@ Tensor reference_matmul(const Tensor& a, const Tensor& b) {
   return Tensor::from_vector(out, shape, DType::F64);
 }
 
+// The bf16 routes (mixtape::testing::bf16_gemm_routes) for bf16; for another dtype only the route now, which
+// does not concern it.
+std::vector<cpu::Bf16Gemm> bf16_routes_for(DType dtype) {
+  if (dtype == DType::BF16) return mixtape::testing::bf16_gemm_routes();
+  return {cpu::bf16_gemm()};
+}
+
+// Each dtype with each of its routes.
+std::vector<std::pair<DType, cpu::Bf16Gemm>> dtypes_and_routes(std::initializer_list<DType> dtypes) {
+  std::vector<std::pair<DType, cpu::Bf16Gemm>> out;
+  for (DType dtype : dtypes)
+    for (cpu::Bf16Gemm route : bf16_routes_for(dtype)) out.emplace_back(dtype, route);
+  return out;
+}
+
 // Fraction of elements of a 16-bit result that equal the correctly rounded reference exactly.
 double exact_fraction(const Tensor& actual, const Tensor& reference) {
   const std::vector<double> got = actual.to_vector<double>(), want = reference.to_vector<double>();
@@ -123,15 +140,21 @@ TEST(Matmul, LowPrecisionIsWithinOneUlpOfRoundedExactProduct) {
   // of bf16 (2^-9) or f16 (2^-12), so the stored value is the correctly rounded one unless the exact value
   // lies within that distance of a rounding boundary, where it may land on the neighbour: at most 1 ulp.
   // Rounding in the accumulator instead (a 16-bit sum) would be tens of ulps off at these K.
+  // bf16 on each route this CPU has (oneDNN's bf16 GEMM, f32 FMAs).
   for (DType dtype : {DType::BF16, DType::F16}) {
-    for (auto [M, K, N] : {std::tuple{17, 64, 23}, std::tuple{96, 1024, 80}}) {
-      const Tensor a = Tensor::rand({M, K}, 7, dtype), b = Tensor::rand({K, N}, 8, dtype);
-      const Tensor out = matmul(a, b);
-      ASSERT_EQ(out.dtype(), dtype);
-      const Tensor reference = reference_matmul(a, b);
-      EXPECT_TRUE(within_ulp(out, reference, 1)) << dtype_name(dtype) << " K=" << K;
-      // Most elements are exactly the correctly rounded value (a test that a 1-ulp bound alone cannot make).
-      EXPECT_GT(exact_fraction(out, reference), 0.9) << dtype_name(dtype) << " K=" << K;
+    for (cpu::Bf16Gemm route : bf16_routes_for(dtype)) {
+      const mixtape::testing::Bf16GemmSetting setting(route);
+      for (auto [M, K, N] : {std::tuple{17, 64, 23}, std::tuple{96, 1024, 80}}) {
+        const Tensor a = Tensor::rand({M, K}, 7, dtype), b = Tensor::rand({K, N}, 8, dtype);
+        const Tensor out = matmul(a, b);
+        ASSERT_EQ(out.dtype(), dtype);
+        const Tensor reference = reference_matmul(a, b);
+        EXPECT_TRUE(within_ulp(out, reference, 1)) << dtype_name(dtype) << " K=" << K << " "
+                                                    << cpu::bf16_gemm_name(route);
+        // Most elements are exactly the correctly rounded value (a test that a 1-ulp bound alone cannot make).
+        EXPECT_GT(exact_fraction(out, reference), 0.9) << dtype_name(dtype) << " K=" << K << " "
+                                                       << cpu::bf16_gemm_name(route);
+      }
     }
   }
 }
@@ -298,7 +321,9 @@ TEST(Matmul, SharedMatrixOverBatchIsOneLinearLayer) {
 }
 
 TEST(Matmul, TransposedAndStridedOperandsGiveTheSameResult) {
-  for (DType dtype : {DType::F32, DType::BF16, DType::F16, DType::F64}) {
+  for (const auto& [dtype, route] : dtypes_and_routes({DType::F32, DType::BF16, DType::F16, DType::F64})) {
+    const mixtape::testing::Bf16GemmSetting setting(route);
+    SCOPED_TRACE(std::string("bf16 route ") + cpu::bf16_gemm_name(route));
     const Tensor at = Tensor::rand({40, 24}, 15, dtype), bt = Tensor::rand({36, 40}, 16, dtype);
     const Tensor a = at.mT(), b = bt.mT();  // [24, 40] and [40, 36], column-major
     EXPECT_TRUE(matches_reference(matmul(a, b), reference_matmul(a, b))) << dtype_name(dtype);
@@ -554,8 +579,12 @@ TEST(LinearGrad, EqualsTheTwoProductsBitForBitInEveryDtype) {
     // f16 widens unless it has a GEMM of its own: bf16 pairs on AMX (MatmulF16.*), or gemm16 (Gemm16.*).
     EXPECT_EQ(backend_of(Tensor::zeros({1}, DType::F16)).matmul_widens(DType::F16),
               !cpu::f16_matmul_splits() && route == cpu::Gemm16Isa::None);
-    for (DType dtype : {DType::F32, DType::BF16, DType::F16, DType::F64}) {
-      SCOPED_TRACE(dtype_name(dtype));
+    for (const auto& [dtype, bf16_route] : dtypes_and_routes({DType::F32, DType::BF16, DType::F16, DType::F64})) {
+      const mixtape::testing::Bf16GemmSetting bf16_setting(bf16_route);
+      SCOPED_TRACE(std::string(dtype_name(dtype)) + ", bf16 route " + cpu::bf16_gemm_name(bf16_route));
+      // bf16 widens where it takes the f32 route without gemm16.
+      EXPECT_EQ(backend_of(Tensor::zeros({1}, DType::BF16)).matmul_widens(DType::BF16),
+                bf16_route == cpu::Bf16Gemm::F32 && route == cpu::Gemm16Isa::None);
       Tensor x = Tensor::randn({3, 17, 64}, 80, dtype), w = Tensor::randn({40, 64}, 81, dtype);
       const Tensor g = Tensor::randn({3, 17, 40}, 82, dtype);
       x.requires_grad_();
@@ -575,10 +604,11 @@ TEST(LinearGrad, EqualsTheTwoProductsBitForBitInEveryDtype) {
 TEST(MatmulGrad, EqualsTheTwoProductsBitForBitInEveryDtype) {
   for (cpu::Gemm16Isa route : mixtape::testing::gemm16_routes()) {
     const mixtape::testing::Gemm16Setting setting(route);
-    for (DType dtype : {DType::F32, DType::BF16, DType::F16}) {
+    for (const auto& [dtype, bf16_route] : dtypes_and_routes({DType::F32, DType::BF16, DType::F16})) {
+      const mixtape::testing::Bf16GemmSetting bf16_setting(bf16_route);
       for (const Shape& w_shape : {Shape{64, 40}, Shape{1, 64, 40}}) {
         SCOPED_TRACE(std::string("gemm16 ") + cpu::gemm16_isa_name(route) + " " + dtype_name(dtype) +
-                     shape_str(w_shape));
+                     shape_str(w_shape) + ", bf16 route " + cpu::bf16_gemm_name(bf16_route));
         Tensor x = Tensor::randn({3, 17, 64}, 83, dtype), w = Tensor::randn(w_shape, 84, dtype);
         const Tensor g = Tensor::randn({3, 17, 40}, 85, dtype);
         x.requires_grad_();

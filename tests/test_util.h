@@ -24,6 +24,23 @@ struct Gemm16Setting {
   cpu::Gemm16Isa saved;
 };
 
+// The route of bf16 products a scope asks for (tensor/cpu/matmul.cpp, "bf16 products").
+struct Bf16GemmSetting {
+  explicit Bf16GemmSetting(cpu::Bf16Gemm route) : saved(cpu::set_bf16_gemm(route)) {}
+  ~Bf16GemmSetting() { cpu::set_bf16_gemm(saved); }
+  Bf16GemmSetting(const Bf16GemmSetting&) = delete;
+  Bf16GemmSetting& operator=(const Bf16GemmSetting&) = delete;
+  cpu::Bf16Gemm saved;
+};
+
+// The routes of bf16 products this CPU has: oneDNN's bf16 GEMM where oneDNN has one, and f32 FMAs.
+inline std::vector<cpu::Bf16Gemm> bf16_gemm_routes() {
+  std::vector<cpu::Bf16Gemm> routes;
+  if (cpu::onednn_has_bf16_gemm()) routes.push_back(cpu::Bf16Gemm::Onednn);
+  routes.push_back(cpu::Bf16Gemm::F32);
+  return routes;
+}
+
 // The routes of 16-bit products this build has: gemm16's kernels, widest first, then None.
 inline std::vector<cpu::Gemm16Isa> gemm16_routes() {
   std::vector<cpu::Gemm16Isa> routes = cpu::gemm16_kernels();

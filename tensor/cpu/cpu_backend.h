@@ -123,4 +123,25 @@ bool set_f16_matmul_split_enabled(bool enabled);
 // or through f32, and bf16 has no arithmetic of its own here (PyTorch's bf16 autocast has no fast path either).
 bool onednn_has_bf16_gemm();
 
+// How bf16 products run (matmul.cpp, "bf16 products"): on oneDNN's bf16 GEMM (the CPU's bf16 dot product or
+// AMX), or on f32 FMAs (gemm16 where the geometry allows, else the f32 GEMM) like f16. Both multiply exactly
+// and sum in f32, then round once; the order of the sum differs.
+enum class Bf16Gemm { Onednn, F32 };
+const char* bf16_gemm_name(Bf16Gemm route);  // "onednn", "f32"
+
+// The route now: MIXTAPE_BF16_GEMM's (read on first use), else automatic_bf16_gemm for this CPU.
+Bf16Gemm bf16_gemm();
+// For tests and comparisons: makes every later bf16 product take `route`; returns the previous one. Onednn
+// where oneDNN has no bf16 GEMM is "not supported".
+Bf16Gemm set_bf16_gemm(Bf16Gemm route);
+// MIXTAPE_BF16_GEMM's value as a route: null, empty or "auto" give the automatic choice; "onednn" where oneDNN
+// has no bf16 GEMM, or an unknown name, is an error.
+Bf16Gemm bf16_gemm_from_env(const char* value);
+// The automatic choice: F32 without a oneDNN bf16 GEMM; Onednn on AMX or where the rate is unknown (<= 0);
+// otherwise F32 where the bf16 dot product's rate is below 0.75 of the f32 FMA rate.
+Bf16Gemm automatic_bf16_gemm(bool onednn_has_bf16, bool amx, double dot_rate);
+// This core's multiply-adds per second in bf16 dot products (vdpbf16ps) over those in f32 FMAs, measured once
+// in register-only loops; 0 where the build or CPU has no AVX512-BF16.
+double bf16_dot_rate();
+
 }  // namespace mixtape::cpu

@@ -2,8 +2,9 @@
 // (oneDNN 2.6 has no f16 matmul on these CPUs) on a CPU with AMX as bf16 products of each value's two bf16
 // parts (see "f16 as bf16 parts" below), on other CPUs with AVX2 or AVX-512 by gemm16 (tensor/cpu/gemm16.cpp:
 // own code, the 16-bit data read and written in place) where the geometry is unbatched, and otherwise through
-// f32 (as bf16 is where oneDNN has no bf16 GEMM for the CPU); and a plain loop for f64, which only serves
-// references and gradcheck.
+// f32; bf16 takes the f16 route (gemm16, else f32) where oneDNN has no bf16 GEMM for the CPU or where the
+// CPU's bf16 dot product is slower than its f32 FMAs (see "bf16 products" below); and a plain loop for f64,
+// which only serves references and gradcheck.
 //
 // The kernel receives a [..., M, K], b [..., K, N] with out's batch dims already broadcast (stride 0) and a
 // contiguous out. Before reaching oneDNN the geometry is simplified (simplify_matmul in
@@ -404,11 +405,12 @@ bool pack_transposed_bf16_a(const MatmulGeometry& g) {
 // are left alone. bench_ops' matmul_f32/At_256x2048x1024 row tracks it. No bias (it would have to join
 // out^T's rows); AVX-512 CPUs were not measured (pack_transposed_a is false there).
 // For bf16 (pack_transposed_bf16_a): a product with A transposed, B row-major and M > N.
-bool transpose_wide_product(const MatmulGeometry& g, bool bias, DType dtype) {
+// `widen`: a bf16 product goes through f32 (it is then judged as an f32 one).
+bool transpose_wide_product(const MatmulGeometry& g, bool bias, DType dtype, bool widen) {
   auto transposed = [](const MatrixLayout& m) { return MatrixLayout{m.batch, m.col_stride, m.row_stride}; };
   const MatmulGeometry swapped{g.batch, g.N, g.K, g.M, transposed(g.b), transposed(g.a), transposed(g.out)};
   if (bias) return false;
-  if (dtype == DType::BF16)
+  if (dtype == DType::BF16 && !widen)
     return g.M > g.N && transposed_layout(g.a) && pack_transposed_bf16_a(swapped);
   return g.M > 128 && g.K >= 512 && pack_transposed_a(swapped);
 }
@@ -429,12 +431,12 @@ bool try_split_plan(const MatmulGeometry& g, bool bias, Plan& plan) {
   return true;
 }
 
-Plan make_plan(const MatmulGeometry& g, DType dtype, bool bias, bool tf32, bool split) {
+Plan make_plan(const MatmulGeometry& g, DType dtype, bool bias, bool tf32, bool split, bool widen) {
   Plan split_plan;
   if (split && try_split_plan(g, bias, split_plan)) return split_plan;
-  // f16 goes through f32; bf16 does too where this CPU has no fast bf16 matmul.
+  // f16 goes through f32; bf16 does too where oneDNN has no bf16 matmul for this CPU, or when told to.
   std::vector<std::pair<DType, bool>> attempts;  // (compute dtype, via_f32)
-  if (dtype != DType::F16) attempts.push_back({dtype, false});
+  if (dtype != DType::F16 && !(dtype == DType::BF16 && widen)) attempts.push_back({dtype, false});
   if (dtype != DType::F32) attempts.push_back({DType::F32, true});
   // Try the cheapest packing first: own strides, then compact copies, then fully materialised copies.
   const std::pair<Packing, Packing> packings[] = {{Packing::None, Packing::None},
@@ -484,12 +486,14 @@ struct KeyHash {
 
 // The plan for a geometry, built on first use. Plans are never evicted individually (a model has a handful
 // of shapes); the cache is cleared if it ever grows past kMaxPlans (shapes that change every step).
-// `split`: an f16 product may take the bf16-parts route.
-std::shared_ptr<const Plan> plan_for(const MatmulGeometry& g, DType dtype, bool bias, bool tf32, bool split) {
+// `split`: an f16 product may take the bf16-parts route; `widen`: a bf16 product goes through f32 even where
+// oneDNN has a bf16 GEMM.
+std::shared_ptr<const Plan> plan_for(const MatmulGeometry& g, DType dtype, bool bias, bool tf32, bool split,
+                                     bool widen) {
   static std::mutex mutex;
   static std::unordered_map<std::vector<int64_t>, std::shared_ptr<const Plan>, KeyHash> plans;
   constexpr size_t kMaxPlans = 4096;
-  std::vector<int64_t> key = {static_cast<int64_t>(dtype), bias, tf32, split, g.M, g.K, g.N};
+  std::vector<int64_t> key = {static_cast<int64_t>(dtype), bias, tf32, split, widen, g.M, g.K, g.N};
   for (const MatrixLayout* m : {&g.a, &g.b, &g.out}) {
     key.push_back(m->row_stride);
     key.push_back(m->col_stride);
@@ -502,7 +506,7 @@ std::shared_ptr<const Plan> plan_for(const MatmulGeometry& g, DType dtype, bool 
   auto it = plans.find(key);
   if (it != plans.end()) return it->second;
   if (plans.size() >= kMaxPlans) plans.clear();  // callers in flight keep their plan alive
-  auto plan = std::make_shared<const Plan>(make_plan(g, dtype, bias, tf32, split));
+  auto plan = std::make_shared<const Plan>(make_plan(g, dtype, bias, tf32, split, widen));
   plans.emplace(std::move(key), plan);
   return plan;
 }
@@ -580,19 +584,130 @@ bool own_gemm16(const MatmulGeometry& g, const Tensor& a, const Tensor& b, const
   return true;
 }
 
-// Whether oneDNN multiplies bf16 through f32 on this CPU (it has no bf16 GEMM for it): what the plan of a
-// small product chooses.
-bool bf16_through_f32() {
-  static const bool through_f32 = [] {
+// ---- bf16 products: oneDNN's bf16 GEMM or f32 FMAs ------------------------------------------------------
+//
+// oneDNN's bf16 GEMM runs on the CPU's bf16 dot-product instruction (vdpbf16ps: 32 products a register, summed
+// in pairs into 16 f32 accumulators) or on AMX tiles. Where that instruction is fast (AMD's Zen 4 and Zen 5:
+// their bf16 GEMMs ran at about twice their f32 ones) it is the route; but on an Intel Xeon whose AMX is not
+// exposed (family 6 model 207, a KVM guest) vdpbf16ps retires about one every two cycles against two f32
+// FMAs a cycle: half the f32 rate, measured 0.48x-0.50x by bf16_dot_rate, and oneDNN's bf16 GEMMs ran at
+// 165 GFLOP/s there against 321 in f32 (bench_ops' 2048x256x768 rows). There bf16 products take the f16 route instead: gemm16,
+// else through the f32 GEMM. Both keep the contract of a bf16 product: the products of bf16 values are exact
+// in f32, summed in f32, rounded to bf16 once (only the order of the sum differs from oneDNN's).
+//
+// The choice is made once per process: MIXTAPE_BF16_GEMM (auto, onednn or f32) when set, else automatic: f32
+// where oneDNN has no bf16 GEMM, oneDNN's where it runs on AMX, else f32 where the measured dot-product rate
+// is below kSlowBf16Dot of the FMA rate. The measurement times two register-only loops (no memory traffic)
+// back to back, best of several rounds, and the rates it separates are 4x apart (0.5 against ~2), so noise on a
+// shared machine does not flip it; a run that must keep its bits across machines names the route.
+
+constexpr double kSlowBf16Dot = 0.75;
+
+// Whether oneDNN has a bf16 GEMM for this CPU: what the plan of a small product chooses.
+bool onednn_bf16_gemm_exists() {
+  static const bool exists = [] {
     const Tensor a = Tensor::zeros({16, 16}, DType::BF16);
-    return plan_for(simplify_matmul(a, a, a), DType::BF16, false, false, false)->via_f32;
+    return !plan_for(simplify_matmul(a, a, a), DType::BF16, false, false, false, false)->via_f32;
   }();
-  return through_f32;
+  return exists;
 }
+
+#if defined(__AVX512BF16__)
+// Seconds for `rounds` passes over 12 independent accumulators (enough chains to hide either instruction's
+// latency on current cores), each updated by `step`. Registers only.
+template <class Step>
+__attribute__((noinline)) double time_chains(int64_t rounds, Step step, float& sink) {
+  // Named variables, not an array, so that the compiler keeps every accumulator in a register.
+  __m512 c0 = _mm512_set1_ps(0.0f), c1 = _mm512_set1_ps(0.1f), c2 = _mm512_set1_ps(0.2f),
+         c3 = _mm512_set1_ps(0.3f), c4 = _mm512_set1_ps(0.4f), c5 = _mm512_set1_ps(0.5f),
+         c6 = _mm512_set1_ps(0.6f), c7 = _mm512_set1_ps(0.7f), c8 = _mm512_set1_ps(0.8f),
+         c9 = _mm512_set1_ps(0.9f), c10 = _mm512_set1_ps(1.0f), c11 = _mm512_set1_ps(1.1f);
+  const double start = omp_get_wtime();
+  for (int64_t r = 0; r < rounds; ++r) {
+    c0 = step(c0), c1 = step(c1), c2 = step(c2), c3 = step(c3), c4 = step(c4), c5 = step(c5);
+    c6 = step(c6), c7 = step(c7), c8 = step(c8), c9 = step(c9), c10 = step(c10), c11 = step(c11);
+  }
+  const double seconds = omp_get_wtime() - start;
+  const __m512 sum = _mm512_add_ps(
+      _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(c0, c1), _mm512_add_ps(c2, c3)),
+                    _mm512_add_ps(_mm512_add_ps(c4, c5), _mm512_add_ps(c6, c7))),
+      _mm512_add_ps(_mm512_add_ps(c8, c9), _mm512_add_ps(c10, c11)));
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, sum);
+  for (float lane : lanes) sink += lane;
+  return seconds;
+}
+#endif
 
 }  // namespace
 
-bool onednn_has_bf16_gemm() { return !bf16_through_f32(); }
+double bf16_dot_rate() {
+#if defined(__AVX512BF16__)
+  static const double rate = [] {
+    if (!__builtin_cpu_supports("avx512bf16")) return 0.0;
+    const __m512 x = _mm512_set1_ps(1.0001f), y = _mm512_set1_ps(0.9999f);
+    const __m512bh xb = _mm512_cvtne2ps_pbh(x, x), yb = _mm512_cvtne2ps_pbh(y, y);
+    auto fma = [&](__m512 c) { return _mm512_fmadd_ps(x, y, c); };
+    auto dot = [&](__m512 c) { return _mm512_dpbf16_ps(c, xb, yb); };
+    constexpr int64_t kRounds = 20000;  // 240,000 instructions: ~0.05 ms of FMAs, ~0.2 ms of dot products
+    float sink = 0;
+    double fma_s = 1e30, dot_s = 1e30;
+    time_chains(kRounds, fma, sink);  // wakes the vector unit up
+    for (int i = 0; i < 5; ++i) {
+      fma_s = std::min(fma_s, time_chains(kRounds, fma, sink));
+      dot_s = std::min(dot_s, time_chains(kRounds, dot, sink));
+    }
+    if (!(sink == sink)) return 0.0;  // keeps the loops' results alive
+    // An FMA is 16 multiply-adds, a dot product 32.
+    return (32.0 / dot_s) / (16.0 / fma_s);
+  }();
+  return rate;
+#else
+  return 0.0;
+#endif
+}
+
+Bf16Gemm automatic_bf16_gemm(bool onednn_has_bf16, bool amx, double dot_rate) {
+  if (!onednn_has_bf16) return Bf16Gemm::F32;
+  if (amx || dot_rate <= 0) return Bf16Gemm::Onednn;  // AMX tiles; or a rate this build cannot measure
+  return dot_rate < kSlowBf16Dot ? Bf16Gemm::F32 : Bf16Gemm::Onednn;
+}
+
+const char* bf16_gemm_name(Bf16Gemm route) { return route == Bf16Gemm::Onednn ? "onednn" : "f32"; }
+
+Bf16Gemm bf16_gemm_from_env(const char* value) {
+  const std::string v = value == nullptr ? "" : value;
+  if (v.empty() || v == "auto")
+    return automatic_bf16_gemm(onednn_bf16_gemm_exists(), onednn_has(dnnl::cpu_isa::avx512_core_amx),
+                               bf16_dot_rate());
+  if (v == "f32") return Bf16Gemm::F32;
+  if (v != "onednn") fail("MIXTAPE_BF16_GEMM=", v, ": expected auto, onednn or f32");
+  if (!onednn_bf16_gemm_exists())
+    fail("MIXTAPE_BF16_GEMM=onednn: not supported: oneDNN has no bf16 GEMM for this CPU");
+  return Bf16Gemm::Onednn;
+}
+
+namespace {
+
+std::atomic<Bf16Gemm>& chosen_bf16_gemm() {
+  static std::atomic<Bf16Gemm> route{bf16_gemm_from_env(std::getenv("MIXTAPE_BF16_GEMM"))};
+  return route;
+}
+
+// Whether bf16 products go through f32 FMAs now (gemm16, else the f32 GEMM).
+bool bf16_through_f32() { return chosen_bf16_gemm().load(std::memory_order_relaxed) == Bf16Gemm::F32; }
+
+}  // namespace
+
+bool onednn_has_bf16_gemm() { return onednn_bf16_gemm_exists(); }
+
+Bf16Gemm bf16_gemm() { return chosen_bf16_gemm().load(std::memory_order_relaxed); }
+
+Bf16Gemm set_bf16_gemm(Bf16Gemm route) {
+  if (route == Bf16Gemm::Onednn && !onednn_bf16_gemm_exists())
+    fail("set_bf16_gemm(onednn): not supported: oneDNN has no bf16 GEMM for this CPU");
+  return chosen_bf16_gemm().exchange(route);
+}
 
 bool f16_matmul_splits() {
   return split_enabled.load(std::memory_order_relaxed) && onednn_has(dnnl::cpu_isa::avx512_core_amx);
@@ -635,7 +750,8 @@ void CpuBackend::matmul(const Tensor& a, const Tensor& b, const Tensor& out, con
   // 16-bit products without a oneDNN GEMM of their own: gemm16, where the geometry allows.
   if (a.dtype() == DType::F16 && !f16_matmul_splits() && own_gemm16<Half>(g, a, b, bias, out)) return;
   if (a.dtype() == DType::BF16 && bf16_through_f32() && own_gemm16<BFloat16>(g, a, b, bias, out)) return;
-  if (transpose_wide_product(g, has_bias, a.dtype())) {  // out^T = B^T A^T, then out^T transposed into out
+  const bool widen = a.dtype() == DType::BF16 && bf16_through_f32();
+  if (transpose_wide_product(g, has_bias, a.dtype(), widen)) {  // out^T = B^T A^T, then out^T transposed into out
     const Tensor b_t = make_view(b, {g.N, g.K}, {g.b.col_stride, g.b.row_stride}, b.offset());
     const Tensor a_t = make_view(a, {g.K, g.M}, {g.a.col_stride, g.a.row_stride}, a.offset());
     const Tensor out_t = Tensor::empty({g.N, g.M}, out.dtype(), out.device());
@@ -647,10 +763,10 @@ void CpuBackend::matmul(const Tensor& a, const Tensor& b, const Tensor& out, con
 
   const bool tf32 = a.dtype() == DType::F32 && allow_tf32();
   const bool split = a.dtype() == DType::F16 && f16_matmul_splits();
-  std::shared_ptr<const Plan> shared_plan = plan_for(g, a.dtype(), has_bias, tf32, split);
+  std::shared_ptr<const Plan> shared_plan = plan_for(g, a.dtype(), has_bias, tf32, split, widen);
   if (shared_plan->split) {
     if (split_matmul(*shared_plan, g, a, b, bias, out)) return;
-    shared_plan = plan_for(g, a.dtype(), has_bias, tf32, false);  // a non-finite input: the f32 route
+    shared_plan = plan_for(g, a.dtype(), has_bias, tf32, false, widen);  // a non-finite input: the f32 route
   }
   const Plan& plan = *shared_plan;
   const DType compute = plan.via_f32 ? DType::F32 : a.dtype();
@@ -674,7 +790,7 @@ void CpuBackend::matmul(const Tensor& a, const Tensor& b, const Tensor& out, con
 
 bool CpuBackend::matmul_widens(DType dtype) const {
   // f16: gemm16 reads it in place, the bf16-parts route splits it; otherwise its GEMM is the f32 one. bf16
-  // widens where oneDNN has no bf16 GEMM for this CPU and gemm16 does not run.
+  // widens where it takes the f32 route (bf16_gemm) and gemm16 does not run.
   const bool own = gemm16_isa() != Gemm16Isa::None;
   if (dtype == DType::F16) return !f16_matmul_splits() && !own;
   return dtype == DType::BF16 && bf16_through_f32() && !own;
