@@ -320,8 +320,9 @@ void print_gemms(bool with_pytorch) {
   print_logged_row(pytorch, p);
   if (!mixtape.why.empty()) return;
   if (m.matmul.calls == 0) {
-    // No AVX512-BF16 (or AMX): mixtape's bf16 products run in its own kernel (tensor/cpu/gemm16.cpp), which
-    // oneDNN's log does not see, so there is no G to subtract.
+    // bf16 on the f32 route (no AVX512-BF16, or a slow bf16 dot product: cpu::bf16_gemm): mixtape's bf16
+    // products run in its own kernel (tensor/cpu/gemm16.cpp), which oneDNN's log does not see, so there is no
+    // G to subtract.
     std::printf("mixtape's bf16 GEMMs do not run in oneDNN on this CPU (its own kernel, tensor/cpu/gemm16.cpp): "
                 "no GEMM time to split off\n");
   } else if (pytorch.why.empty()) {

@@ -590,8 +590,8 @@ bool own_gemm16(const MatmulGeometry& g, const Tensor& a, const Tensor& b, const
 // in pairs into 16 f32 accumulators) or on AMX tiles. Where that instruction is fast (AMD's Zen 4 and Zen 5:
 // their bf16 GEMMs ran at about twice their f32 ones) it is the route; but on an Intel Xeon whose AMX is not
 // exposed (family 6 model 207, a KVM guest) vdpbf16ps retires about one every two cycles against two f32
-// FMAs a cycle: half the f32 rate, measured 0.48x-0.50x by bf16_dot_rate, and oneDNN's bf16 GEMMs ran at
-// 165 GFLOP/s there against 321 in f32 (bench_ops' 2048x256x768 rows). There bf16 products take the f16 route instead: gemm16,
+// FMAs a cycle: half the f32 rate (bf16_dot_rate: 0.49-0.50), and oneDNN's bf16 GEMMs ran at 166 GFLOP/s
+// there against 321 in f32 (bench_ops' 2048x256x768 rows). There bf16 products take the f16 route instead: gemm16,
 // else through the f32 GEMM. Both keep the contract of a bf16 product: the products of bf16 values are exact
 // in f32, summed in f32, rounded to bf16 once (only the order of the sum differs from oneDNN's).
 //
