@@ -323,8 +323,8 @@ void print_gemms(bool with_pytorch) {
     // bf16 on the f32 route (no AVX512-BF16, or a slow bf16 dot product: cpu::bf16_gemm): mixtape's bf16
     // products run in its own kernel (tensor/cpu/gemm16.cpp), which oneDNN's log does not see, so there is no
     // G to subtract.
-    std::printf("mixtape's bf16 GEMMs do not run in oneDNN on this CPU (its own kernel, tensor/cpu/gemm16.cpp): "
-                "no GEMM time to split off\n");
+    std::printf("mixtape's bf16 GEMMs do not run in oneDNN in this run (the f32 route: its own kernel, "
+                "tensor/cpu/gemm16.cpp): no GEMM time to split off\n");
   } else if (pytorch.why.empty()) {
     const double budget = pytorch.step_ms / kTargetBf16, gemm_ms = m.matmul.ms + m.batched.ms;
     if (budget < gemm_ms)
@@ -420,12 +420,12 @@ void compare(int rounds, int steps, bool with_pytorch, bool phases, bool gemms) 
     if (rate > 0)
       std::snprintf(measured, sizeof(measured), "; this core's bf16 dot product runs at %.2fx its f32 FMA rate",
                     rate);
-    std::printf("mixtape bf16 products: %s%s (MIXTAPE_BF16_GEMM=onednn|f32 picks a route)\n",
+    std::printf("mixtape bf16 products: %s%s%s\n",
                 cpu::bf16_gemm() == cpu::Bf16Gemm::Onednn ? "oneDNN's bf16 GEMM"
                 : cpu::gemm16_isa() != cpu::Gemm16Isa::None
                     ? "f32 FMAs (gemm16, else the f32 GEMM)"
                     : "f32 FMAs (the f32 GEMM)",
-                measured);
+                measured, cpu::onednn_has_bf16_gemm() ? " (MIXTAPE_BF16_GEMM=onednn|f32 picks a route)" : "");
   }
   // Why a PyTorch verdict would not measure what its target means ("" where it does).
   std::string unfair_fp32, unfair_bf16;

@@ -4,7 +4,6 @@
 #include <omp.h>
 
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <random>
@@ -230,73 +229,6 @@ TEST(Gemm16, MatmulAndLinearRunOnItWhereTheCpuHasNoGemmOfItsOwn) {
   if (!cpu::f16_matmul_splits()) check_matmul_and_linear<Half>();
   const mixtape::testing::Bf16GemmSetting f32_route(cpu::Bf16Gemm::F32);
   check_matmul_and_linear<BFloat16>();
-}
-
-// Where oneDNN has a bf16 GEMM it sums in its own order (in pairs, then blocks of K): the same random product
-// is not gemm16's in-order sum everywhere, so the route switch is seen to act.
-TEST(Gemm16, TheOnednnRouteOfBf16IsAnotherSum) {
-  if (!cpu::onednn_has_bf16_gemm()) GTEST_SKIP() << "oneDNN has no bf16 GEMM for this CPU";
-  const Tensor a = Tensor::randn({64, 512}, 41, DType::BF16), b = Tensor::randn({512, 64}, 42, DType::BF16);
-  std::vector<double> onednn, f32;
-  {
-    const mixtape::testing::Bf16GemmSetting route(cpu::Bf16Gemm::Onednn);
-    onednn = matmul(a, b).to_vector<double>();
-  }
-  {
-    const mixtape::testing::Bf16GemmSetting route(cpu::Bf16Gemm::F32);
-    f32 = matmul(a, b).to_vector<double>();
-  }
-  size_t differ = 0;
-  for (size_t i = 0; i < f32.size(); ++i) differ += onednn[i] != f32[i];
-  EXPECT_GT(differ, 0u) << "oneDNN's bf16 GEMM and the f32 route gave the same bits in all " << f32.size()
-                        << " outputs";
-}
-
-TEST(Bf16Gemm, TheAutomaticRouteFollowsTheDotProductRate) {
-  using cpu::Bf16Gemm;
-  // No oneDNN bf16 GEMM: f32 whatever the rate.
-  EXPECT_EQ(cpu::automatic_bf16_gemm(false, false, 2.0), Bf16Gemm::F32);
-  EXPECT_EQ(cpu::automatic_bf16_gemm(false, true, 2.0), Bf16Gemm::F32);
-  // AMX: oneDNN's tiles, whatever the dot product does.
-  EXPECT_EQ(cpu::automatic_bf16_gemm(true, true, 0.5), Bf16Gemm::Onednn);
-  // A rate this build cannot measure keeps oneDNN's GEMM.
-  EXPECT_EQ(cpu::automatic_bf16_gemm(true, false, 0.0), Bf16Gemm::Onednn);
-  // The Xeon without AMX measured 0.48-0.50; AMD's Zen 4 and Zen 5 run bf16 GEMMs at ~2x f32. The bound: 0.75.
-  EXPECT_EQ(cpu::automatic_bf16_gemm(true, false, 0.49), Bf16Gemm::F32);
-  EXPECT_EQ(cpu::automatic_bf16_gemm(true, false, 0.7499), Bf16Gemm::F32);
-  EXPECT_EQ(cpu::automatic_bf16_gemm(true, false, 0.75), Bf16Gemm::Onednn);
-  EXPECT_EQ(cpu::automatic_bf16_gemm(true, false, 2.0), Bf16Gemm::Onednn);
-}
-
-TEST(Bf16Gemm, TheDotProductRateIsMeasuredWhereTheCpuHasTheInstruction) {
-  const double rate = cpu::bf16_dot_rate();
-  if (!__builtin_cpu_supports("avx512bf16")) {
-    EXPECT_EQ(rate, 0.0);
-    return;
-  }
-  if (rate == 0.0) GTEST_SKIP() << "the library was built without AVX512-BF16 (MIXTAPE_MARCH)";
-  // One instruction per cycle or every few cycles against two FMAs per cycle: within (0.1, 10) of the FMA rate.
-  EXPECT_GT(rate, 0.1);
-  EXPECT_LT(rate, 10.0);
-  EXPECT_EQ(cpu::bf16_dot_rate(), rate) << "measured once per process";
-}
-
-TEST(Bf16Gemm, TheEnvironmentVariableNamesARouteThisCpuHas) {
-  using cpu::Bf16Gemm;
-  EXPECT_EQ(cpu::bf16_gemm_from_env(nullptr), cpu::bf16_gemm_from_env("auto"));
-  EXPECT_EQ(cpu::bf16_gemm_from_env(""), cpu::bf16_gemm_from_env("auto"));
-  if (std::getenv("MIXTAPE_BF16_GEMM") == nullptr) {
-    EXPECT_EQ(cpu::bf16_gemm(), cpu::bf16_gemm_from_env("auto"));
-  }
-  EXPECT_EQ(cpu::bf16_gemm_from_env("f32"), Bf16Gemm::F32);
-  EXPECT_ERROR_MENTIONS(cpu::bf16_gemm_from_env("F32"), "MIXTAPE_BF16_GEMM=F32", "expected auto, onednn or f32");
-  if (cpu::onednn_has_bf16_gemm()) {
-    EXPECT_EQ(cpu::bf16_gemm_from_env("onednn"), Bf16Gemm::Onednn);
-  } else {
-    EXPECT_ERROR_MENTIONS(cpu::bf16_gemm_from_env("onednn"), "MIXTAPE_BF16_GEMM=onednn", "not supported",
-                          "no bf16 GEMM");
-    EXPECT_ERROR_MENTIONS(cpu::set_bf16_gemm(Bf16Gemm::Onednn), "set_bf16_gemm(onednn)", "not supported");
-  }
 }
 
 TEST(Gemm16, RefusesWhatItCannotReadOrRun) {

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <initializer_list>
 #include <limits>
 #include <string>
@@ -621,6 +622,88 @@ TEST(MatmulGrad, EqualsTheTwoProductsBitForBitInEveryDtype) {
                                 ? matmul(x.detach().reshape({-1, 64}).mT(), g.reshape({-1, 40}))
                                 : sum(per_batch, {0}, true);
         EXPECT_EQ(w.grad().to_vector<double>(), want.to_vector<double>());
+      }
+    }
+  }
+}
+
+TEST(Bf16Gemm, TheAutomaticRouteFollowsTheDotProductRate) {
+  using cpu::Bf16Gemm;
+  // No oneDNN bf16 GEMM: f32 whatever the rate.
+  EXPECT_EQ(cpu::automatic_bf16_gemm(false, false, 2.0), Bf16Gemm::F32);
+  EXPECT_EQ(cpu::automatic_bf16_gemm(false, true, 2.0), Bf16Gemm::F32);
+  // AMX: oneDNN's tiles, whatever the dot product does.
+  EXPECT_EQ(cpu::automatic_bf16_gemm(true, true, 0.5), Bf16Gemm::Onednn);
+  // A rate this build cannot measure keeps oneDNN's GEMM.
+  EXPECT_EQ(cpu::automatic_bf16_gemm(true, false, 0.0), Bf16Gemm::Onednn);
+  // The Xeon without AMX measured 0.48-0.50; AMD's Zen 4 and Zen 5 run bf16 GEMMs at ~2x f32. The bound: 0.75.
+  EXPECT_EQ(cpu::automatic_bf16_gemm(true, false, 0.49), Bf16Gemm::F32);
+  EXPECT_EQ(cpu::automatic_bf16_gemm(true, false, 0.7499), Bf16Gemm::F32);
+  EXPECT_EQ(cpu::automatic_bf16_gemm(true, false, 0.75), Bf16Gemm::Onednn);
+  EXPECT_EQ(cpu::automatic_bf16_gemm(true, false, 2.0), Bf16Gemm::Onednn);
+}
+
+TEST(Bf16Gemm, TheDotProductRateIsMeasuredWhereTheCpuHasTheInstruction) {
+  const double rate = cpu::bf16_dot_rate();
+  if (!__builtin_cpu_supports("avx512bf16")) {
+    EXPECT_EQ(rate, 0.0);
+    return;
+  }
+  if (rate == 0.0) GTEST_SKIP() << "the library was built without AVX512-BF16 (MIXTAPE_MARCH)";
+  // One instruction per cycle or every few cycles against two FMAs per cycle: within (0.1, 10) of the FMA rate.
+  EXPECT_GT(rate, 0.1);
+  EXPECT_LT(rate, 10.0);
+  EXPECT_EQ(cpu::bf16_dot_rate(), rate) << "measured once per process";
+}
+
+TEST(Bf16Gemm, TheEnvironmentVariableNamesARouteThisCpuHas) {
+  using cpu::Bf16Gemm;
+  EXPECT_EQ(cpu::bf16_gemm_from_env(nullptr), cpu::bf16_gemm_from_env("auto"));
+  EXPECT_EQ(cpu::bf16_gemm_from_env(""), cpu::bf16_gemm_from_env("auto"));
+  if (std::getenv("MIXTAPE_BF16_GEMM") == nullptr) {
+    EXPECT_EQ(cpu::bf16_gemm(), cpu::bf16_gemm_from_env("auto"));
+  }
+  EXPECT_EQ(cpu::bf16_gemm_from_env("f32"), Bf16Gemm::F32);
+  EXPECT_ERROR_MENTIONS(cpu::bf16_gemm_from_env("F32"), "MIXTAPE_BF16_GEMM=F32", "expected auto, onednn or f32");
+  if (cpu::onednn_has_bf16_gemm()) {
+    EXPECT_EQ(cpu::bf16_gemm_from_env("onednn"), Bf16Gemm::Onednn);
+  } else {
+    EXPECT_ERROR_MENTIONS(cpu::bf16_gemm_from_env("onednn"), "MIXTAPE_BF16_GEMM=onednn", "not supported",
+                          "no bf16 GEMM");
+    EXPECT_ERROR_MENTIONS(cpu::set_bf16_gemm(Bf16Gemm::Onednn), "set_bf16_gemm(onednn)", "not supported");
+  }
+}
+
+// vdpbf16ps and AMX's tdpbf16ps treat subnormal inputs as zero (Intel's SDM); f32 FMAs keep them. So a product
+// of bf16 subnormals shows which route ran: 32 products 2^-130 * 1 sum to 2^-125 exactly on f32 FMAs, to 0 on
+// the dot product. Unbatched (gemm16 on the f32 route, where the build has it) and batched (a oneDNN plan: the
+// f32 GEMM on widened operands, or the bf16 GEMM), each route asked for first and second, so that a plan cached
+// under one route is never served to the other.
+TEST(Bf16Gemm, SubnormalInputsShowWhichRouteRan) {
+  const double tiny = std::ldexp(1.0, -130), sum = std::ldexp(1.0, -125);
+  auto filled = [](double value, const Shape& shape) {
+    int64_t n = 1;
+    for (int64_t d : shape) n *= d;
+    return Tensor::from_vector(std::vector<double>(static_cast<size_t>(n), value), shape, DType::BF16);
+  };
+  const Tensor a = filled(tiny, {4, 32}), b = filled(1.0, {32, 16});
+  const Tensor a3 = filled(tiny, {2, 4, 32}), b3 = filled(1.0, {2, 32, 16});
+  ASSERT_EQ(a.to_vector<double>()[0], tiny) << "bf16 holds 2^-130 as a subnormal";
+  const bool flushes = __builtin_cpu_supports("avx512bf16") && cpu::onednn_has_bf16_gemm();
+  std::vector<std::vector<cpu::Bf16Gemm>> orders = {{cpu::Bf16Gemm::F32}};
+  if (cpu::onednn_has_bf16_gemm())
+    orders = {{cpu::Bf16Gemm::Onednn, cpu::Bf16Gemm::F32}, {cpu::Bf16Gemm::F32, cpu::Bf16Gemm::Onednn}};
+  for (const auto& order : orders) {
+    for (cpu::Bf16Gemm route : order) {
+      const mixtape::testing::Bf16GemmSetting setting(route);
+      SCOPED_TRACE(cpu::bf16_gemm_name(route));
+      for (const auto& [x, y] : {std::pair{a, b}, std::pair{a3, b3}}) {
+        const std::vector<double> out = matmul(x, y).to_vector<double>();
+        if (route == cpu::Bf16Gemm::F32) {
+          EXPECT_EQ(out, std::vector<double>(out.size(), sum)) << shape_str(x.shape());
+        } else if (flushes) {
+          EXPECT_EQ(out, std::vector<double>(out.size(), 0.0)) << shape_str(x.shape());
+        }
       }
     }
   }

@@ -590,7 +590,7 @@ bool own_gemm16(const MatmulGeometry& g, const Tensor& a, const Tensor& b, const
 // in pairs into 16 f32 accumulators) or on AMX tiles. Where that instruction is fast (AMD's Zen 4 and Zen 5:
 // their bf16 GEMMs ran at about twice their f32 ones) it is the route; but on an Intel Xeon whose AMX is not
 // exposed (family 6 model 207, a KVM guest) vdpbf16ps retires about one every two cycles against two f32
-// FMAs a cycle: half the f32 rate (bf16_dot_rate: 0.49-0.50), and oneDNN's bf16 GEMMs ran at 166 GFLOP/s
+// FMAs a cycle: half the f32 rate (bf16_dot_rate: 0.48-0.50), and oneDNN's bf16 GEMMs ran at 166 GFLOP/s
 // there against 321 in f32 (bench_ops' 2048x256x768 rows). There bf16 products take the f16 route instead: gemm16,
 // else through the f32 GEMM. Both keep the contract of a bf16 product: the products of bf16 values are exact
 // in f32, summed in f32, rounded to bf16 once (only the order of the sum differs from oneDNN's).
@@ -598,8 +598,11 @@ bool own_gemm16(const MatmulGeometry& g, const Tensor& a, const Tensor& b, const
 // The choice is made once per process: MIXTAPE_BF16_GEMM (auto, onednn or f32) when set, else automatic: f32
 // where oneDNN has no bf16 GEMM, oneDNN's where it runs on AMX, else f32 where the measured dot-product rate
 // is below kSlowBf16Dot of the FMA rate. The measurement times two register-only loops (no memory traffic)
-// back to back, best of several rounds, and the rates it separates are 4x apart (0.5 against ~2), so noise on a
-// shared machine does not flip it; a run that must keep its bits across machines names the route.
+// back to back, best of several rounds (~1.3 ms, once), and the classes it separates are far apart (0.42-0.50
+// on the Xeon; the AMD cores' bf16 GEMMs ran at ~2x their f32 ones, though bf16_dot_rate itself was not run
+// there), so noise on a shared machine does not flip it. A build without AVX512-BF16 code (MIXTAPE_MARCH other
+// than such a CPU) cannot measure and keeps oneDNN's route. A run that must keep its bits across machines, or
+// across the processes of one job, names the route.
 
 constexpr double kSlowBf16Dot = 0.75;
 
@@ -627,6 +630,10 @@ __attribute__((noinline)) double time_chains(int64_t rounds, Step step, float& s
     c0 = step(c0), c1 = step(c1), c2 = step(c2), c3 = step(c3), c4 = step(c4), c5 = step(c5);
     c6 = step(c6), c7 = step(c7), c8 = step(c8), c9 = step(c9), c10 = step(c10), c11 = step(c11);
   }
+  // The accumulators live in registers only: this tells the compiler they are needed here, so that it cannot
+  // move the loop past the second clock reading.
+  asm volatile("" : "+v"(c0), "+v"(c1), "+v"(c2), "+v"(c3), "+v"(c4), "+v"(c5), "+v"(c6), "+v"(c7), "+v"(c8),
+               "+v"(c9), "+v"(c10), "+v"(c11));
   const double seconds = omp_get_wtime() - start;
   const __m512 sum = _mm512_add_ps(
       _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(c0, c1), _mm512_add_ps(c2, c3)),
@@ -677,9 +684,11 @@ const char* bf16_gemm_name(Bf16Gemm route) { return route == Bf16Gemm::Onednn ? 
 
 Bf16Gemm bf16_gemm_from_env(const char* value) {
   const std::string v = value == nullptr ? "" : value;
-  if (v.empty() || v == "auto")
-    return automatic_bf16_gemm(onednn_bf16_gemm_exists(), onednn_has(dnnl::cpu_isa::avx512_core_amx),
-                               bf16_dot_rate());
+  if (v.empty() || v == "auto") {
+    const bool exists = onednn_bf16_gemm_exists(), amx = onednn_has(dnnl::cpu_isa::avx512_core_amx);
+    // The rate is measured only where it decides.
+    return automatic_bf16_gemm(exists, amx, exists && !amx ? bf16_dot_rate() : 0.0);
+  }
   if (v == "f32") return Bf16Gemm::F32;
   if (v != "onednn") fail("MIXTAPE_BF16_GEMM=", v, ": expected auto, onednn or f32");
   if (!onednn_bf16_gemm_exists())
@@ -747,10 +756,11 @@ void CpuBackend::matmul(const Tensor& a, const Tensor& b, const Tensor& out, con
   }
   check(a.dtype() == DType::F32 || is_low_precision(a.dtype()), "cpu matmul: dtype ", dtype_name(a.dtype()),
         " is not supported (expected f32, f16, bf16 or f64)");
-  // 16-bit products without a oneDNN GEMM of their own: gemm16, where the geometry allows.
-  if (a.dtype() == DType::F16 && !f16_matmul_splits() && own_gemm16<Half>(g, a, b, bias, out)) return;
-  if (a.dtype() == DType::BF16 && bf16_through_f32() && own_gemm16<BFloat16>(g, a, b, bias, out)) return;
+  // 16-bit products without a oneDNN GEMM of their own: gemm16, where the geometry allows. The bf16 route is
+  // read once, so that a set_bf16_gemm on another thread cannot split one product between routes.
   const bool widen = a.dtype() == DType::BF16 && bf16_through_f32();
+  if (a.dtype() == DType::F16 && !f16_matmul_splits() && own_gemm16<Half>(g, a, b, bias, out)) return;
+  if (widen && own_gemm16<BFloat16>(g, a, b, bias, out)) return;
   if (transpose_wide_product(g, has_bias, a.dtype(), widen)) {  // out^T = B^T A^T, then out^T transposed into out
     const Tensor b_t = make_view(b, {g.N, g.K}, {g.b.col_stride, g.b.row_stride}, b.offset());
     const Tensor a_t = make_view(a, {g.K, g.M}, {g.a.col_stride, g.a.row_stride}, a.offset());
