@@ -6,6 +6,7 @@
 
 #include "tensor/backend.h"
 #include "tensor/device.h"
+#include "test_util.h"
 
 #define MIXTAPE_REQUIRE_CUDA()                                                                          \
   do {                                                                                                  \
@@ -18,13 +19,7 @@ namespace mixtape::testing {
 inline Device cuda0() { return Device::cuda(0); }
 
 // Makes `kernel` serve CUDA attention for a scope, restoring the previous choice after.
-struct CudaAttentionKernelScope {
-  explicit CudaAttentionKernelScope(CudaAttentionKernel kernel) : saved(set_cuda_attention_kernel(kernel)) {}
-  ~CudaAttentionKernelScope() { set_cuda_attention_kernel(saved); }
-  CudaAttentionKernelScope(const CudaAttentionKernelScope&) = delete;
-  CudaAttentionKernelScope& operator=(const CudaAttentionKernelScope&) = delete;
-  CudaAttentionKernel saved;
-};
+using CudaAttentionKernelScope = ScopedChoice<CudaAttentionKernel, set_cuda_attention_kernel>;
 
 // The SIMT kernels (fp32 p and ds) serve every CUDA attention call for a scope, 16-bit ones included.
 struct SimtCudaAttention : CudaAttentionKernelScope {

@@ -14,24 +14,23 @@
 
 namespace mixtape::testing {
 
-// The gemm16 kernel a scope asks for (Gemm16Isa::None: 16-bit products go through the f32 GEMM), so that a
-// test runs on each route this build has.
-struct Gemm16Setting {
-  explicit Gemm16Setting(cpu::Gemm16Isa isa) : saved(cpu::set_gemm16_isa(isa)) {}
-  ~Gemm16Setting() { cpu::set_gemm16_isa(saved); }
-  Gemm16Setting(const Gemm16Setting&) = delete;
-  Gemm16Setting& operator=(const Gemm16Setting&) = delete;
-  cpu::Gemm16Isa saved;
+// A process-wide kernel choice made for a scope and restored after it: kSet makes the choice and returns the
+// previous one.
+template <class Choice, Choice (*kSet)(Choice)>
+struct ScopedChoice {
+  explicit ScopedChoice(Choice choice) : saved(kSet(choice)) {}
+  ~ScopedChoice() { kSet(saved); }
+  ScopedChoice(const ScopedChoice&) = delete;
+  ScopedChoice& operator=(const ScopedChoice&) = delete;
+  Choice saved;
 };
 
+// The gemm16 kernel a scope asks for (Gemm16Isa::None: 16-bit products go through the f32 GEMM), so that a
+// test runs on each route this build has.
+using Gemm16Setting = ScopedChoice<cpu::Gemm16Isa, cpu::set_gemm16_isa>;
+
 // The route of bf16 products a scope asks for (tensor/cpu/matmul.cpp, "bf16 products").
-struct Bf16GemmSetting {
-  explicit Bf16GemmSetting(cpu::Bf16Gemm route) : saved(cpu::set_bf16_gemm(route)) {}
-  ~Bf16GemmSetting() { cpu::set_bf16_gemm(saved); }
-  Bf16GemmSetting(const Bf16GemmSetting&) = delete;
-  Bf16GemmSetting& operator=(const Bf16GemmSetting&) = delete;
-  cpu::Bf16Gemm saved;
-};
+using Bf16GemmSetting = ScopedChoice<cpu::Bf16Gemm, cpu::set_bf16_gemm>;
 
 // The routes of bf16 products this CPU has: oneDNN's bf16 GEMM where oneDNN has one, and f32 FMAs.
 inline std::vector<cpu::Bf16Gemm> bf16_gemm_routes() {
@@ -145,13 +144,7 @@ inline ::testing::AssertionResult all_close(const Tensor& actual, const Tensor& 
   } while (0)
 
 // Makes `kernel` serve the CPU's bf16 attention for a scope, restoring the previous choice after.
-struct Bf16AttentionKernelScope {
-  explicit Bf16AttentionKernelScope(cpu::Bf16AttentionKernel kernel) : saved(cpu::set_bf16_attention_kernel(kernel)) {}
-  ~Bf16AttentionKernelScope() { cpu::set_bf16_attention_kernel(saved); }
-  Bf16AttentionKernelScope(const Bf16AttentionKernelScope&) = delete;
-  Bf16AttentionKernelScope& operator=(const Bf16AttentionKernelScope&) = delete;
-  cpu::Bf16AttentionKernel saved;
-};
+using Bf16AttentionKernelScope = ScopedChoice<cpu::Bf16AttentionKernel, cpu::set_bf16_attention_kernel>;
 
 // The portable kernel serves bf16 for a scope, also on a CPU with AMX or AVX512-BF16.
 struct PortableAttention : Bf16AttentionKernelScope {
