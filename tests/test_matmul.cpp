@@ -72,18 +72,15 @@ Tensor reference_matmul(const Tensor& a, const Tensor& b) {
   return Tensor::from_vector(out, shape, DType::F64);
 }
 
-// The bf16 routes (mixtape::testing::bf16_gemm_routes) for bf16; for another dtype only the route now, which
-// does not concern it.
-std::vector<cpu::Bf16Gemm> bf16_routes_for(DType dtype) {
-  if (dtype == DType::BF16) return mixtape::testing::bf16_gemm_routes();
-  return {cpu::bf16_gemm()};
-}
-
-// Each dtype with each of its routes.
+// Each dtype with each bf16 route: bf16 with every route this CPU has (mixtape::testing::bf16_gemm_routes),
+// another dtype with the route now, which does not concern it.
 std::vector<std::pair<DType, cpu::Bf16Gemm>> dtypes_and_routes(std::initializer_list<DType> dtypes) {
   std::vector<std::pair<DType, cpu::Bf16Gemm>> out;
-  for (DType dtype : dtypes)
-    for (cpu::Bf16Gemm route : bf16_routes_for(dtype)) out.emplace_back(dtype, route);
+  for (DType dtype : dtypes) {
+    const std::vector<cpu::Bf16Gemm> routes =
+        dtype == DType::BF16 ? mixtape::testing::bf16_gemm_routes() : std::vector{cpu::bf16_gemm()};
+    for (cpu::Bf16Gemm route : routes) out.emplace_back(dtype, route);
+  }
   return out;
 }
 
@@ -142,20 +139,18 @@ TEST(Matmul, LowPrecisionIsWithinOneUlpOfRoundedExactProduct) {
   // lies within that distance of a rounding boundary, where it may land on the neighbour: at most 1 ulp.
   // Rounding in the accumulator instead (a 16-bit sum) would be tens of ulps off at these K.
   // bf16 on each route this CPU has (oneDNN's bf16 GEMM, f32 FMAs).
-  for (DType dtype : {DType::BF16, DType::F16}) {
-    for (cpu::Bf16Gemm route : bf16_routes_for(dtype)) {
-      const mixtape::testing::Bf16GemmSetting setting(route);
-      for (auto [M, K, N] : {std::tuple{17, 64, 23}, std::tuple{96, 1024, 80}}) {
-        const Tensor a = Tensor::rand({M, K}, 7, dtype), b = Tensor::rand({K, N}, 8, dtype);
-        const Tensor out = matmul(a, b);
-        ASSERT_EQ(out.dtype(), dtype);
-        const Tensor reference = reference_matmul(a, b);
-        EXPECT_TRUE(within_ulp(out, reference, 1)) << dtype_name(dtype) << " K=" << K << " "
-                                                    << cpu::bf16_gemm_name(route);
-        // Most elements are exactly the correctly rounded value (a test that a 1-ulp bound alone cannot make).
-        EXPECT_GT(exact_fraction(out, reference), 0.9) << dtype_name(dtype) << " K=" << K << " "
-                                                       << cpu::bf16_gemm_name(route);
-      }
+  for (const auto& [dtype, route] : dtypes_and_routes({DType::BF16, DType::F16})) {
+    const mixtape::testing::Bf16GemmSetting setting(route);
+    for (auto [M, K, N] : {std::tuple{17, 64, 23}, std::tuple{96, 1024, 80}}) {
+      const Tensor a = Tensor::rand({M, K}, 7, dtype), b = Tensor::rand({K, N}, 8, dtype);
+      const Tensor out = matmul(a, b);
+      ASSERT_EQ(out.dtype(), dtype);
+      const Tensor reference = reference_matmul(a, b);
+      EXPECT_TRUE(within_ulp(out, reference, 1)) << dtype_name(dtype) << " K=" << K << " "
+                                                  << cpu::bf16_gemm_name(route);
+      // Most elements are exactly the correctly rounded value (a test that a 1-ulp bound alone cannot make).
+      EXPECT_GT(exact_fraction(out, reference), 0.9) << dtype_name(dtype) << " K=" << K << " "
+                                                     << cpu::bf16_gemm_name(route);
     }
   }
 }
@@ -681,13 +676,8 @@ TEST(Bf16Gemm, TheEnvironmentVariableNamesARouteThisCpuHas) {
 // under one route is never served to the other.
 TEST(Bf16Gemm, SubnormalInputsShowWhichRouteRan) {
   const double tiny = std::ldexp(1.0, -130), sum = std::ldexp(1.0, -125);
-  auto filled = [](double value, const Shape& shape) {
-    int64_t n = 1;
-    for (int64_t d : shape) n *= d;
-    return Tensor::from_vector(std::vector<double>(static_cast<size_t>(n), value), shape, DType::BF16);
-  };
-  const Tensor a = filled(tiny, {4, 32}), b = filled(1.0, {32, 16});
-  const Tensor a3 = filled(tiny, {2, 4, 32}), b3 = filled(1.0, {2, 32, 16});
+  const Tensor a = Tensor::full({4, 32}, tiny, DType::BF16), b = Tensor::full({32, 16}, 1.0, DType::BF16);
+  const Tensor a3 = Tensor::full({2, 4, 32}, tiny, DType::BF16), b3 = Tensor::full({2, 32, 16}, 1.0, DType::BF16);
   ASSERT_EQ(a.to_vector<double>()[0], tiny) << "bf16 holds 2^-130 as a subnormal";
   const bool flushes = __builtin_cpu_supports("avx512bf16") && cpu::onednn_has_bf16_gemm();
   std::vector<std::vector<cpu::Bf16Gemm>> orders = {{cpu::Bf16Gemm::F32}};

@@ -606,15 +606,6 @@ bool own_gemm16(const MatmulGeometry& g, const Tensor& a, const Tensor& b, const
 
 constexpr double kSlowBf16Dot = 0.75;
 
-// Whether oneDNN has a bf16 GEMM for this CPU: what the plan of a small product chooses.
-bool onednn_bf16_gemm_exists() {
-  static const bool exists = [] {
-    const Tensor a = Tensor::zeros({16, 16}, DType::BF16);
-    return !plan_for(simplify_matmul(a, a, a), DType::BF16, false, false, false, false)->via_f32;
-  }();
-  return exists;
-}
-
 #if defined(__AVX512BF16__)
 // Seconds for `rounds` passes over 12 independent accumulators (enough chains to hide either instruction's
 // latency on current cores), each updated by `step`. Registers only.
@@ -647,6 +638,15 @@ __attribute__((noinline)) double time_chains(int64_t rounds, Step step, float& s
 #endif
 
 }  // namespace
+
+// What the plan of a small product chooses.
+bool onednn_has_bf16_gemm() {
+  static const bool exists = [] {
+    const Tensor a = Tensor::zeros({16, 16}, DType::BF16);
+    return !plan_for(simplify_matmul(a, a, a), DType::BF16, false, false, false, false)->via_f32;
+  }();
+  return exists;
+}
 
 double bf16_dot_rate() {
 #if defined(__AVX512BF16__)
@@ -685,13 +685,13 @@ const char* bf16_gemm_name(Bf16Gemm route) { return route == Bf16Gemm::Onednn ? 
 Bf16Gemm bf16_gemm_from_env(const char* value) {
   const std::string v = value == nullptr ? "" : value;
   if (v.empty() || v == "auto") {
-    const bool exists = onednn_bf16_gemm_exists(), amx = onednn_has(dnnl::cpu_isa::avx512_core_amx);
+    const bool exists = onednn_has_bf16_gemm(), amx = onednn_has(dnnl::cpu_isa::avx512_core_amx);
     // The rate is measured only where it decides.
     return automatic_bf16_gemm(exists, amx, exists && !amx ? bf16_dot_rate() : 0.0);
   }
   if (v == "f32") return Bf16Gemm::F32;
   if (v != "onednn") fail("MIXTAPE_BF16_GEMM=", v, ": expected auto, onednn or f32");
-  if (!onednn_bf16_gemm_exists())
+  if (!onednn_has_bf16_gemm())
     fail("MIXTAPE_BF16_GEMM=onednn: not supported: oneDNN has no bf16 GEMM for this CPU");
   return Bf16Gemm::Onednn;
 }
@@ -703,17 +703,12 @@ std::atomic<Bf16Gemm>& chosen_bf16_gemm() {
   return route;
 }
 
-// Whether bf16 products go through f32 FMAs now (gemm16, else the f32 GEMM).
-bool bf16_through_f32() { return chosen_bf16_gemm().load(std::memory_order_relaxed) == Bf16Gemm::F32; }
-
 }  // namespace
-
-bool onednn_has_bf16_gemm() { return onednn_bf16_gemm_exists(); }
 
 Bf16Gemm bf16_gemm() { return chosen_bf16_gemm().load(std::memory_order_relaxed); }
 
 Bf16Gemm set_bf16_gemm(Bf16Gemm route) {
-  if (route == Bf16Gemm::Onednn && !onednn_bf16_gemm_exists())
+  if (route == Bf16Gemm::Onednn && !onednn_has_bf16_gemm())
     fail("set_bf16_gemm(onednn): not supported: oneDNN has no bf16 GEMM for this CPU");
   return chosen_bf16_gemm().exchange(route);
 }
@@ -758,7 +753,7 @@ void CpuBackend::matmul(const Tensor& a, const Tensor& b, const Tensor& out, con
         " is not supported (expected f32, f16, bf16 or f64)");
   // 16-bit products without a oneDNN GEMM of their own: gemm16, where the geometry allows. The bf16 route is
   // read once, so that a set_bf16_gemm on another thread cannot split one product between routes.
-  const bool widen = a.dtype() == DType::BF16 && bf16_through_f32();
+  const bool widen = a.dtype() == DType::BF16 && bf16_gemm() == Bf16Gemm::F32;
   if (a.dtype() == DType::F16 && !f16_matmul_splits() && own_gemm16<Half>(g, a, b, bias, out)) return;
   if (widen && own_gemm16<BFloat16>(g, a, b, bias, out)) return;
   if (transpose_wide_product(g, has_bias, a.dtype(), widen)) {  // out^T = B^T A^T, then out^T transposed into out
@@ -803,7 +798,7 @@ bool CpuBackend::matmul_widens(DType dtype) const {
   // widens where it takes the f32 route (bf16_gemm) and gemm16 does not run.
   const bool own = gemm16_isa() != Gemm16Isa::None;
   if (dtype == DType::F16) return !f16_matmul_splits() && !own;
-  return dtype == DType::BF16 && bf16_through_f32() && !own;
+  return dtype == DType::BF16 && bf16_gemm() == Bf16Gemm::F32 && !own;
 }
 
 }  // namespace mixtape::cpu
