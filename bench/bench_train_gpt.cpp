@@ -73,6 +73,7 @@
 #include "examples/training.h"
 #include "nn/json.h"
 #include "tensor/backend.h"
+#include "tensor/cpu/attention_bf16.h"
 #include "tensor/cpu/cpu_backend.h"
 #include "tensor/cpu/gemm16.h"
 #include "tensor/precision.h"
@@ -426,6 +427,8 @@ void compare(int rounds, int steps, bool with_pytorch, bool phases, bool gemms) 
                     ? "f32 FMAs (gemm16, else the f32 GEMM)"
                     : "f32 FMAs (the f32 GEMM)",
                 measured, cpu::onednn_has_bf16_gemm() ? " (MIXTAPE_BF16_GEMM=onednn|f32 picks a route)" : "");
+    std::printf("mixtape bf16 attention: the %s kernel (tensor/cpu/attention_bf16.h)\n",
+                cpu::bf16_attention_kernel_name(cpu::bf16_attention_kernel()));
   }
   // Why a PyTorch verdict would not measure what its target means ("" where it does).
   std::string unfair_fp32, unfair_bf16;

@@ -291,12 +291,28 @@ const std::vector<Shape> kBf16Shapes = {{2, 3, 200, 64}, {1, 2, 33, 32}, {2, 1, 
 }  // namespace
 
 TEST(Bf16Attention, DefaultsToTheFastestKernelThisCpuHas) {
+  // AMX tiles where the CPU has them; else the AVX512-BF16 dot products, unless they run below 0.75 of the f32
+  // FMA rate (the Xeon without AMX: 0.48-0.50), where the portable kernel's f32 FMAs were faster.
   Bf16AttentionKernel fastest = Bf16AttentionKernel::Portable;
-  if (cpu::bf16_attention_kernel_available(Bf16AttentionKernel::Avx512Bf16))
+  if (cpu::bf16_attention_kernel_available(Bf16AttentionKernel::Avx512Bf16) && !(cpu::bf16_dot_rate() < 0.75))
     fastest = Bf16AttentionKernel::Avx512Bf16;
   if (cpu::bf16_attention_kernel_available(Bf16AttentionKernel::Amx)) fastest = Bf16AttentionKernel::Amx;
   EXPECT_EQ(cpu::bf16_attention_kernel(), fastest) << cpu::bf16_attention_kernel_name(cpu::bf16_attention_kernel());
   EXPECT_TRUE(cpu::bf16_attention_kernel_available(Bf16AttentionKernel::Portable));
+}
+
+TEST(Bf16Attention, TheAutomaticKernelFollowsTheDotProductRate) {
+  // AMX first, whatever the dot product does.
+  EXPECT_EQ(cpu::automatic_bf16_attention_kernel(true, true, 0.5), Bf16AttentionKernel::Amx);
+  EXPECT_EQ(cpu::automatic_bf16_attention_kernel(true, false, 0.0), Bf16AttentionKernel::Amx);
+  // The dot products at or above 0.75 of the FMA rate, or at a rate this build cannot measure.
+  EXPECT_EQ(cpu::automatic_bf16_attention_kernel(false, true, 2.0), Bf16AttentionKernel::Avx512Bf16);
+  EXPECT_EQ(cpu::automatic_bf16_attention_kernel(false, true, 0.75), Bf16AttentionKernel::Avx512Bf16);
+  EXPECT_EQ(cpu::automatic_bf16_attention_kernel(false, true, 0.0), Bf16AttentionKernel::Avx512Bf16);
+  // Below it, the portable kernel; and without either instruction.
+  EXPECT_EQ(cpu::automatic_bf16_attention_kernel(false, true, 0.7499), Bf16AttentionKernel::Portable);
+  EXPECT_EQ(cpu::automatic_bf16_attention_kernel(false, true, 0.49), Bf16AttentionKernel::Portable);
+  EXPECT_EQ(cpu::automatic_bf16_attention_kernel(false, false, 2.0), Bf16AttentionKernel::Portable);
 }
 
 TEST(Bf16Attention, RefusesAKernelThisCpuLacks) {

@@ -53,6 +53,7 @@
 #endif
 
 #include "tensor/cpu/attention_rows.h"
+#include "tensor/cpu/cpu_backend.h"
 #include "tensor/cpu/fast_math.h"
 #include "tensor/cpu/lane_sum.h"
 #include "tensor/cpu/scratch.h"
@@ -102,14 +103,21 @@ namespace {
 
 std::atomic<Bf16AttentionKernel>& selected_kernel() {
   static std::atomic<Bf16AttentionKernel> selected = [] {
-    for (Bf16AttentionKernel kernel : {Bf16AttentionKernel::Amx, Bf16AttentionKernel::Avx512Bf16})
-      if (bf16_attention_kernel_available(kernel)) return kernel;
-    return Bf16AttentionKernel::Portable;
+    const bool amx = bf16_attention_kernel_available(Bf16AttentionKernel::Amx);
+    const bool dot = bf16_attention_kernel_available(Bf16AttentionKernel::Avx512Bf16);
+    // The rate is measured only where it decides.
+    return automatic_bf16_attention_kernel(amx, dot, !amx && dot ? bf16_dot_rate() : 0.0);
   }();
   return selected;
 }
 
 }  // namespace
+
+Bf16AttentionKernel automatic_bf16_attention_kernel(bool amx, bool avx512_bf16, double dot_rate) {
+  if (amx) return Bf16AttentionKernel::Amx;
+  if (avx512_bf16 && !slow_bf16_dot(dot_rate)) return Bf16AttentionKernel::Avx512Bf16;
+  return Bf16AttentionKernel::Portable;
+}
 
 Bf16AttentionKernel bf16_attention_kernel() { return selected_kernel().load(std::memory_order_relaxed); }
 

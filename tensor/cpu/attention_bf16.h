@@ -20,9 +20,14 @@ const char* bf16_attention_kernel_name(Bf16AttentionKernel kernel);
 // Portable always can.
 bool bf16_attention_kernel_available(Bf16AttentionKernel kernel);
 
-// The kernel bf16 attention takes: by default the fastest one available (Amx, then Avx512Bf16, then
-// Portable), a choice made by the CPU alone, so a run is deterministic whatever its thread count.
+// The kernel bf16 attention takes: by default automatic_bf16_attention_kernel's choice for this CPU, made by
+// the CPU alone, so a run is deterministic whatever its thread count.
 Bf16AttentionKernel bf16_attention_kernel();
+
+// The automatic choice, from what is available and bf16_dot_rate(): Amx where available; else Avx512Bf16
+// where available, unless slow_bf16_dot(dot_rate) (a core whose dot product runs at half the f32 FMA rate ran
+// the attention's forward and backward faster on the portable kernel's f32 FMAs); else Portable.
+Bf16AttentionKernel automatic_bf16_attention_kernel(bool amx, bool avx512_bf16, double dot_rate);
 
 // Makes `kernel` serve every later call and returns the previous choice: tests use it to run each kernel on
 // a CPU that has several. An unavailable kernel is refused with a "not supported" Error.

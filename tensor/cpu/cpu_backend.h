@@ -137,8 +137,11 @@ Bf16Gemm set_bf16_gemm(Bf16Gemm route);
 // MIXTAPE_BF16_GEMM's value as a route: null, empty or "auto" give the automatic choice; "onednn" where oneDNN
 // has no bf16 GEMM, or an unknown name, is an error.
 Bf16Gemm bf16_gemm_from_env(const char* value);
+// Whether a bf16_dot_rate() value says the bf16 dot product is slow: measured (> 0) and below 0.75 of the f32
+// FMA rate. bf16 products (below) and bf16 attention (attention_bf16.h) leave it for f32 FMAs there.
+bool slow_bf16_dot(double dot_rate);
 // The automatic choice: F32 without a oneDNN bf16 GEMM; Onednn on AMX or where the rate is unknown (<= 0);
-// otherwise F32 where the bf16 dot product's rate is below 0.75 of the f32 FMA rate.
+// otherwise F32 where slow_bf16_dot(dot_rate).
 Bf16Gemm automatic_bf16_gemm(bool onednn_has_bf16, bool amx, double dot_rate);
 // This core's multiply-adds per second in bf16 dot products (vdpbf16ps) over those in f32 FMAs, measured once
 // in register-only loops; 0 where the build or CPU has no AVX512-BF16.

@@ -674,10 +674,12 @@ double bf16_dot_rate() {
 #endif
 }
 
+bool slow_bf16_dot(double dot_rate) { return dot_rate > 0 && dot_rate < kSlowBf16Dot; }
+
 Bf16Gemm automatic_bf16_gemm(bool onednn_has_bf16, bool amx, double dot_rate) {
   if (!onednn_has_bf16) return Bf16Gemm::F32;
-  if (amx || dot_rate <= 0) return Bf16Gemm::Onednn;  // AMX tiles; or a rate this build cannot measure
-  return dot_rate < kSlowBf16Dot ? Bf16Gemm::F32 : Bf16Gemm::Onednn;
+  if (amx) return Bf16Gemm::Onednn;  // AMX tiles
+  return slow_bf16_dot(dot_rate) ? Bf16Gemm::F32 : Bf16Gemm::Onednn;  // an unknown rate keeps oneDNN's
 }
 
 const char* bf16_gemm_name(Bf16Gemm route) { return route == Bf16Gemm::Onednn ? "onednn" : "f32"; }
