@@ -23,6 +23,7 @@
 
 #include <cmath>
 #include <functional>
+#include <limits>
 #include <numbers>
 #include <random>
 #include <sstream>
@@ -610,6 +611,53 @@ TEST(InPlace, AddBroadcastsConvertsAndScales) {
     EXPECT_EQ(got[i], static_cast<double>(static_cast<float>(BFloat16(expected))));
   }
   EXPECT_GT(dst.version(), before.version());
+}
+
+TEST(InPlace, AddInEveryDtypePairIsTheFloatSumRoundedOnce) {
+  // dst += alpha src for every pair of f32, f16 and bf16: d + alpha s in float, rounded to dst's dtype once.
+  // alpha is a power of two, so alpha s is exact whether or not the compiler fuses the multiply into the add.
+  // Contiguous runs with a 16-bit side go through float blocks of 256 (40 x 25 = 1000 elements: whole blocks
+  // and a tail); a dst stored transposed under a row-major src takes the element-by-element loop. Planted: inf,
+  // NaN, and a sum past f16's largest finite value (65504).
+  const Shape shape{40, 25};
+  for (DType dt : {DType::F32, DType::F16, DType::BF16}) {
+    for (DType st : {DType::F32, DType::F16, DType::BF16}) {
+      for (double alpha : {1.0, -0.5, 2.0}) {
+        SCOPED_TRACE(std::string(dtype_name(dt)) + " += " + std::to_string(alpha) + " x " + dtype_name(st));
+        std::vector<double> d = spread(shape, dt, 7).to_vector<double>(), s = spread(shape, st, 8).to_vector<double>();
+        d[3] = std::numeric_limits<double>::infinity();
+        s[500] = std::numeric_limits<double>::quiet_NaN();
+        d[999] = 60000.0;
+        s[999] = 40000.0;
+        const Tensor src = Tensor::from_vector(s, shape, st);
+        const std::vector<double> d_held = Tensor::from_vector(d, shape, dt).to_vector<double>();
+        const std::vector<double> s_held = src.to_vector<double>();
+        std::vector<double> want(d.size());
+        for (size_t i = 0; i < d.size(); ++i) {
+          const float sum = static_cast<float>(d_held[i]) + static_cast<float>(alpha) * static_cast<float>(s_held[i]);
+          want[i] = Tensor::from_vector(std::vector<float>{sum}, {1}, dt).to_vector<double>()[0];
+        }
+        Tensor contiguous = Tensor::from_vector(d, shape, dt);
+        contiguous.add_(src, alpha);
+        Tensor transposed = Tensor::from_vector(d, shape, dt).transpose(0, 1).contiguous().transpose(0, 1);
+        transposed.add_(src, alpha);
+        for (const Tensor* got : {&contiguous, &transposed}) {
+          const std::vector<double> g = got->to_vector<double>();
+          int wrong = 0;
+          for (size_t i = 0; i < g.size(); ++i) {
+            const bool same = std::isnan(want[i]) ? std::isnan(g[i]) : g[i] == want[i];
+            if (!same && ++wrong <= 3)
+              ADD_FAILURE() << (got == &contiguous ? "contiguous" : "transposed") << " [" << i << "]: " << g[i]
+                            << ", want " << want[i];
+          }
+          EXPECT_EQ(wrong, 0);
+        }
+        if (dt == DType::F16 && alpha > 0) {
+          EXPECT_TRUE(std::isinf(contiguous.to_vector<double>()[999]));
+        }
+      }
+    }
+  }
 }
 
 TEST(InPlace, MulKeepsTheScalarInDouble) {

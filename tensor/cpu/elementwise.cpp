@@ -539,6 +539,23 @@ void CpuBackend::add_inplace(const Tensor& dst, const Tensor& src, double alpha)
       loop.run([&](const std::array<int64_t, 2>& at, int64_t n) {
         T* d = pd + at[0];
         const S* s = ps + at[1];
+        if constexpr ((kSixteenBit<T> || kSixteenBit<S>) && std::is_same_v<C, float>) {
+          if (sd == 1 && ss == 1) {  // in float blocks, as map_binary_of: element by element it stayed scalar
+            alignas(64) float d_block[kBlock], s_block[kBlock], out_block[kSixteenBit<T> ? kBlock : 1];
+            for (int64_t j0 = 0; j0 < n; j0 += kBlock) {
+              const int64_t m = std::min(kBlock, n - j0);
+              const float* dv = as_floats(d + j0, d_block, m);
+              const float* sv = as_floats(s + j0, s_block, m);
+              if constexpr (kSixteenBit<T>) {
+                for (int64_t j = 0; j < m; ++j) out_block[j] = dv[j] + scale * sv[j];
+                narrow_block(out_block, d + j0, m);
+              } else {
+                for (int64_t j = 0; j < m; ++j) d[j0 + j] = dv[j] + scale * sv[j];
+              }
+            }
+            return;
+          }
+        }
         if (sd == 1 && ss == 1) {
           for (int64_t j = 0; j < n; ++j) d[j] = convert<T>(convert<C>(d[j]) + scale * convert<C>(s[j]));
         } else {
