@@ -59,7 +59,8 @@ inline void store8_from_float(Half* p, __m256 v) {
 inline void store8_from_float(BFloat16* p, __m256 v) {
   const __m256i bits = _mm256_castps_si256(v), high = _mm256_srli_epi32(bits, 16);
   const __m256i odd = _mm256_and_si256(high, _mm256_set1_epi32(1));
-  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7fff)), odd), 16);
+  const __m256i rounded =
+      _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7fff)), odd), 16);
   const __m256i quiet = _mm256_or_si256(high, _mm256_set1_epi32(0x40));
   const __m256i out = _mm256_blendv_epi8(rounded, quiet, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
   // Each 128-bit half packs its 4 values into its low 64 bits; the permute brings the two halves together.
