@@ -79,7 +79,8 @@ const float* as_floats(const T* src, float* buffer, int64_t n) {
 
 // out = f(a, b) elementwise, a, b already broadcast to out's shape; f computes in C. a, b and out have one
 // dtype, or (Backend::binary_reads_mixed) an f32 out takes f16/bf16 inputs as they are: widening is exact,
-// so out holds the bits f gives on an f32 copy of them. Contiguous runs with a 16-bit side compute in blocks
+// so out holds the bits f gives on an f32 copy of them; or (add_inplace) out is a itself and b has any float
+// dtype. Contiguous runs with a 16-bit side compute in blocks
 // of floats: 16-bit inputs widened a block at a time, a 16-bit out narrowed from the block.
 template <class TO, class TA, class TB, class C, class F>
 void map_binary_of(const Tensor& a, const Tensor& b, const Tensor& out, int64_t grain, F f) {
@@ -527,42 +528,14 @@ void CpuBackend::where(const Tensor& cond, const Tensor& a, const Tensor& b, con
 
 void CpuBackend::add_inplace(const Tensor& dst, const Tensor& src, double alpha) {
   check_same_shape("add_inplace", src, dst);
-  const StridedLoop<2> loop(dst.shape(), {dst.strides(), src.strides()});
+  // dst = dst + alpha src through map_binary_of, dst both an input and the output (each element is read
+  // before it is written), so 16-bit runs go through its float blocks.
   dispatch_float(dst.dtype(), "add_inplace", [&]<typename T>() {
     dispatch_float(src.dtype(), "add_inplace", [&]<typename S>() {
       // Compute in double when either side is f64, else in float (fp32 accumulation for 16-bit grads).
       using C = std::conditional_t<std::is_same_v<T, double> || std::is_same_v<S, double>, double, float>;
       const C scale = static_cast<C>(alpha);
-      T* pd = dst.data<T>();
-      const S* ps = src.data<S>();
-      const auto [sd, ss] = loop.inner_strides();
-      loop.run([&](const std::array<int64_t, 2>& at, int64_t n) {
-        T* d = pd + at[0];
-        const S* s = ps + at[1];
-        if constexpr ((kSixteenBit<T> || kSixteenBit<S>) && std::is_same_v<C, float>) {
-          if (sd == 1 && ss == 1) {  // in float blocks, as map_binary_of: element by element it stayed scalar
-            alignas(64) float d_block[kBlock], s_block[kBlock], out_block[kSixteenBit<T> ? kBlock : 1];
-            for (int64_t j0 = 0; j0 < n; j0 += kBlock) {
-              const int64_t m = std::min(kBlock, n - j0);
-              const float* dv = as_floats(d + j0, d_block, m);
-              const float* sv = as_floats(s + j0, s_block, m);
-              if constexpr (kSixteenBit<T>) {
-                for (int64_t j = 0; j < m; ++j) out_block[j] = dv[j] + scale * sv[j];
-                narrow_block(out_block, d + j0, m);
-              } else {
-                for (int64_t j = 0; j < m; ++j) d[j0 + j] = dv[j] + scale * sv[j];
-              }
-            }
-            return;
-          }
-        }
-        if (sd == 1 && ss == 1) {
-          for (int64_t j = 0; j < n; ++j) d[j] = convert<T>(convert<C>(d[j]) + scale * convert<C>(s[j]));
-        } else {
-          for (int64_t j = 0; j < n; ++j)
-            d[j * sd] = convert<T>(convert<C>(d[j * sd]) + scale * convert<C>(s[j * ss]));
-        }
-      });
+      map_binary_of<T, T, S, C>(dst, src, dst, kParallelGrain, [scale](C d, C s) { return d + scale * s; });
     });
   });
 }
