@@ -290,11 +290,12 @@ const std::vector<Shape> kBf16Shapes = {{2, 3, 200, 64}, {1, 2, 33, 32}, {2, 1, 
 
 }  // namespace
 
-TEST(Bf16Attention, DefaultsToTheFastestKernelThisCpuHas) {
-  // AMX tiles where the CPU has them; else the AVX512-BF16 dot products, unless they run below 0.75 of the f32
-  // FMA rate (the Xeon without AMX: 0.48-0.50), where the portable kernel's f32 FMAs were faster.
+TEST(Bf16Attention, DefaultsToTheFastestKernelForThisCpu) {
+  // AMX tiles where the CPU has them; else the AVX512-BF16 dot products, unless they are slow (below 0.75 of
+  // the f32 FMA rate: the Xeon without AMX, 0.48-0.50), where the portable kernel's f32 FMAs were faster.
   Bf16AttentionKernel fastest = Bf16AttentionKernel::Portable;
-  if (cpu::bf16_attention_kernel_available(Bf16AttentionKernel::Avx512Bf16) && !(cpu::bf16_dot_rate() < 0.75))
+  if (cpu::bf16_attention_kernel_available(Bf16AttentionKernel::Avx512Bf16) &&
+      !cpu::slow_bf16_dot(cpu::bf16_dot_rate()))
     fastest = Bf16AttentionKernel::Avx512Bf16;
   if (cpu::bf16_attention_kernel_available(Bf16AttentionKernel::Amx)) fastest = Bf16AttentionKernel::Amx;
   EXPECT_EQ(cpu::bf16_attention_kernel(), fastest) << cpu::bf16_attention_kernel_name(cpu::bf16_attention_kernel());

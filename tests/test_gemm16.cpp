@@ -165,7 +165,63 @@ void check_thread_counts(cpu::Gemm16Isa isa) {
   }
 }
 
+// A whole tile's outputs are rounded from the kernel's registers (a partial tile's through a buffer): one
+// 12 x 32 product with K = 1 (a whole tile for both kernels: one of AVX-512's, four of AVX2's 6 x 16), each
+// output a(m) b(n) + bias(n), with a, b and the bias chosen so that the float sums are ties (to even, up and
+// down), subnormal in T, round past T's largest value to inf, or are inf, NaN and signed zeros.
+template <class T>
+void check_rounding_of_whole_tiles(cpu::Gemm16Isa isa) {
+  constexpr bool kHalf = std::is_same_v<T, Half>;
+  constexpr int64_t M = 12, N = 32;
+  const int p = kHalf ? 11 : 8;                                  // significant bits of T
+  const float tiny = std::ldexp(1.0f, kHalf ? -24 : -133);        // T's smallest subnormal
+  const float largest = static_cast<float>(T::from_bits(kHalf ? 0x7bff : 0x7f7f));
+  const float half_ulp_1 = std::ldexp(1.0f, -p), half_ulp_max = std::ldexp(1.0f, (kHalf ? 15 : 127) - p);
+  const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
+  const std::vector<float> a = {1, 0.5f, -0.5f, 2, 0.75f, -1, 0.25f, 1.5f, 3, -0.75f, 0.125f, -2};
+  std::vector<float> b = {1, 1 + 2 * half_ulp_1, -1, 1, 3 * tiny, 5 * tiny, 7 * tiny, tiny, largest, largest,
+                          -largest, 0, -0.0f, -0.0f, inf, nan, 1, 4 * tiny};
+  std::vector<float> bias = {half_ulp_1, half_ulp_1, -half_ulp_1, 1.5f * half_ulp_1, 0, tiny, -tiny, 0,
+                             half_ulp_max, -half_ulp_max, -half_ulp_max, -0.0f, -0.0f, 0, -inf, 1, inf, -tiny};
+  const std::vector<float> fill_b = random_values<T>(N, 31), fill_bias = random_values<T>(N, 32);
+  for (int64_t n = static_cast<int64_t>(b.size()); n < N; ++n) {
+    b.push_back(fill_b[static_cast<size_t>(n)]);
+    bias.push_back(fill_bias[static_cast<size_t>(n)]);
+  }
+  for (float x : b) ASSERT_TRUE(std::isnan(x) || static_cast<float>(T(x)) == x) << x << " is not a " << name_of<T>();
+  for (float x : bias) ASSERT_TRUE(static_cast<float>(T(x)) == x) << x << " is not a " << name_of<T>();
+  std::vector<T> bias_t;
+  for (float x : bias) bias_t.push_back(T(x));
+  for (bool a_rows : {true, false}) {
+    SCOPED_TRACE(std::string(name_of<T>()) + " " + cpu::gemm16_isa_name(isa) + (a_rows ? " A rows" : " A columns"));
+    const Stored<T> sa = store<T>(a, M, 1, a_rows, 0), sb = store<T>(b, 1, N, true, 0);
+    std::vector<T> out(static_cast<size_t>(M * N));
+    cpu::gemm16(M, 1, N, sa.view, sb.view, bias_t.data(), out.data(), N);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = 0; n < N; ++n) {
+        const uint16_t got = out[static_cast<size_t>(m * N + n)].bits;
+        const uint16_t want = reference<T>(a, b, &bias, 1, N, m, n);
+        EXPECT_TRUE(same<T>(got, want)) << "out(" << m << ", " << n << ") = 0x" << std::hex << got << ", want 0x"
+                                        << want << std::dec << " (a " << a[m] << ", b " << b[n] << ", bias "
+                                        << bias[n] << ")";
+      }
+    // The planted cases hit what they aim at: a tie kept even, one rounded up to even, an overflow to inf.
+    EXPECT_EQ(static_cast<float>(out[0]), 1.0f);
+    EXPECT_EQ(static_cast<float>(out[1]), 1 + 4 * half_ulp_1);
+    EXPECT_TRUE(std::isinf(static_cast<float>(out[8])));
+  }
+}
+
 }  // namespace
+
+TEST(Gemm16, WholeTilesRoundTiesSubnormalsAndOverflowsAsConvertDoes) {
+  if (kernels().empty()) GTEST_SKIP() << "no AVX2 or AVX-512 here: 16-bit products go through the f32 GEMM";
+  for (cpu::Gemm16Isa isa : kernels()) {
+    const Gemm16Setting setting(isa);
+    check_rounding_of_whole_tiles<Half>(isa);
+    check_rounding_of_whole_tiles<BFloat16>(isa);
+  }
+}
 
 TEST(Gemm16, EveryOutputIsTheInOrderFloatSumRoundedOnce) {
   if (kernels().empty()) GTEST_SKIP() << "no AVX2 or AVX-512 here: 16-bit products go through the f32 GEMM";

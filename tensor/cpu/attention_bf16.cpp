@@ -8,9 +8,12 @@
 // with AMX (~2.4 TFLOP/s), and the portable kernel's fp32 register tiles (bench_ops' bf16 attention: ~160
 // GFLOP/s on the Zen 5, ~90 on the Xeon with AMX) became the largest item of the bf16 step after them. Same
 // inputs, outputs and layouts as the portable kernel; it is chosen by dtype, head dim and CPU only
-// (bf16_attention_kernel_for), never by thread count, so a run is deterministic. Not where the dot product is
-// slow (slow_bf16_dot: a Xeon without AMX, vdpbf16ps at half the f32 FMA rate): there the AVX512-BF16 engine
-// took 4.90-5.37 ms for the forward and backward of [16, 4, 128, 64], the portable kernel 3.99-4.37.
+// (bf16_attention_kernel_for), never by thread count, so a run is deterministic. The AVX512-BF16 engine is not
+// chosen where the CPU's dot product is slow (slow_bf16_dot, a rate measured once per process: a Xeon without
+// AMX, vdpbf16ps at half the f32 FMA rate), where it took 4.90-5.37 ms for the forward and backward of
+// [16, 4, 128, 64] and the portable kernel 3.99-4.37. The measured classes lie far from the bound (0.48-0.50
+// there; AMD's cores run bf16 GEMMs at ~2x f32), but a machine near it could choose either kernel, and the two
+// differ in numerics (p and ds rounded to bf16, or kept fp32): set_bf16_attention_kernel pins one.
 //
 // Method. A task is one (batch, head) slice. Its rows are first packed into per-thread buffers in the
 // layouts the block products read, T padded with zero rows to Tp, a multiple of the 64-row block:

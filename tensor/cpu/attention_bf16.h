@@ -20,8 +20,8 @@ const char* bf16_attention_kernel_name(Bf16AttentionKernel kernel);
 // Portable always can.
 bool bf16_attention_kernel_available(Bf16AttentionKernel kernel);
 
-// The kernel bf16 attention takes: by default automatic_bf16_attention_kernel's choice for this CPU, made by
-// the CPU alone, so a run is deterministic whatever its thread count.
+// The kernel bf16 attention takes: by default automatic_bf16_attention_kernel's choice for this CPU, made once
+// per process from its instructions and its measured bf16 dot-product rate, never from the thread count.
 Bf16AttentionKernel bf16_attention_kernel();
 
 // The automatic choice, from what is available and bf16_dot_rate(): Amx where available; else Avx512Bf16

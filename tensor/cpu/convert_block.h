@@ -5,7 +5,7 @@
 // without a scalar conversion per element.
 #include <cstdint>
 #include <type_traits>
-#if defined(__F16C__) || defined(__AVX512F__) || defined(__AVX2__)
+#if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -34,7 +34,6 @@ inline __m512 load16_as_float(const BFloat16* p) {
 // The inverse: a register of floats rounded into 16 consecutive values, each as convert<T> rounds it (nearest
 // even; bf16 by float_to_bf16_bits' integer rounding, NaN made quiet; not vcvtneps2bf16, which flushes
 // subnormals). Masked forms with all-ones masks again, for the same warnings.
-inline void store16_from_float(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 inline void store16_from_float(Half* p, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_maskz_cvtps_ph(0xFFFF, v, _MM_FROUND_TO_NEAREST_INT |
                                                                                          _MM_FROUND_NO_EXC));
@@ -52,7 +51,6 @@ inline void store16_from_float(BFloat16* p, __m512 v) {
 
 #if defined(__AVX2__) && defined(__F16C__)
 // 8 floats rounded into 8 consecutive values, as store16_from_float does 16.
-inline void store8_from_float(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
 inline void store8_from_float(Half* p, __m256 v) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }

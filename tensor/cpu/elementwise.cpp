@@ -80,8 +80,8 @@ const float* as_floats(const T* src, float* buffer, int64_t n) {
 // out = f(a, b) elementwise, a, b already broadcast to out's shape; f computes in C. a, b and out have one
 // dtype, or (Backend::binary_reads_mixed) an f32 out takes f16/bf16 inputs as they are: widening is exact,
 // so out holds the bits f gives on an f32 copy of them; or (add_inplace) out is a itself and b has any float
-// dtype. Contiguous runs with a 16-bit side compute in blocks
-// of floats: 16-bit inputs widened a block at a time, a 16-bit out narrowed from the block.
+// dtype. Contiguous runs with a 16-bit side compute in blocks of floats: 16-bit inputs widened a block at a
+// time, a 16-bit out narrowed from the block.
 template <class TO, class TA, class TB, class C, class F>
 void map_binary_of(const Tensor& a, const Tensor& b, const Tensor& out, int64_t grain, F f) {
   const TA* pa = a.data<TA>();
