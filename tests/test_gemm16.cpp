@@ -89,13 +89,16 @@ template <class T>
 void check_against_the_in_order_sum(cpu::Gemm16Isa isa) {
   // Shapes around both kernels' register tiles (one element, partial tiles on both sides, whole tiles,
   // several threads' shares), every layout of A and B with padded leading dims, with and without a bias, the
-  // output rows padded too: the padding must stay untouched. One variant plants inf and NaN, one overflows:
+  // output rows padded too: the padding must stay untouched. The last two have N > 256, where AVX-512 packs a
+  // row-major A with register transposes of 16 k's (K = 37: two blocks and a tail of 5; K = 5: the tail
+  // alone; M = 30 and 13: a last tile of 6 and 1 rows). One variant plants inf and NaN, one overflows:
   // a float sum above T's largest value rounds to inf only at the end (bf16: 3e38 twice).
   struct Shape3 {
     int64_t M, K, N;
   };
   const Shape3 shapes[] = {{1, 1, 1},       {5, 3, 7},       {12, 16, 32},   {13, 17, 33},
-                           {25, 40, 65},    {70, 300, 100},  {130, 257, 45}, {7, 9, 8}};
+                           {25, 40, 65},    {70, 300, 100},  {130, 257, 45}, {7, 9, 8},
+                           {30, 37, 290},   {13, 5, 300}};
   // big * big * 2 overflows T, one product does not; a value T holds exactly, as all inputs are.
   const float big = static_cast<float>(T(std::is_same_v<T, Half> ? 255.0f : 1.5e19f));
   uint32_t seed = 1;
@@ -147,11 +150,14 @@ void check_against_the_in_order_sum(cpu::Gemm16Isa isa) {
 template <class T>
 void check_thread_counts(cpu::Gemm16Isa isa) {
   // Threads split A's tiles (or, for a short A, B's slivers); each output is still one float sum in order of
-  // k, so the split must not show. Shapes: many tiles, fewer tiles than threads.
-  for (auto [M, K, N] : {std::tuple<int64_t, int64_t, int64_t>{300, 520, 200}, {5, 600, 700}}) {
-    SCOPED_TRACE(std::string(name_of<T>()) + " " + cpu::gemm16_isa_name(isa) + " M " + std::to_string(M));
+  // k, so the split must not show. Shapes: many tiles, fewer tiles than threads; A in either layout (a
+  // row-major one packed with AVX-512 where N > 256).
+  for (auto [M, K, N, a_rows] : {std::tuple<int64_t, int64_t, int64_t, bool>{300, 520, 200, false},
+                                 {5, 600, 700, false}, {300, 520, 300, true}, {5, 600, 700, true}}) {
+    SCOPED_TRACE(std::string(name_of<T>()) + " " + cpu::gemm16_isa_name(isa) + " M " + std::to_string(M) + " N " +
+                 std::to_string(N) + (a_rows ? " A rows" : " A columns"));
     const std::vector<float> a = random_values<T>(M * K, 11), b = random_values<T>(K * N, 12);
-    const Stored<T> sa = store<T>(a, M, K, false, 0), sb = store<T>(b, K, N, false, 1);
+    const Stored<T> sa = store<T>(a, M, K, a_rows, 0), sb = store<T>(b, K, N, false, 1);
     std::vector<std::vector<T>> outs;
     for (int threads : {1, 2, 3}) {
       const ThreadCount scope(threads);
