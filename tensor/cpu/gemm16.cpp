@@ -23,7 +23,8 @@
 //     AVX-512 also when A is row-major and B has at least kPackRowMajorAFrom slivers to amortise the register
 //     transposes over (pack_row_major_tile); else a row-major A is widened row-major.
 //   - Per k the kernel loads two vectors of B and broadcasts kMR values of A into 2 kMR FMAs. A last sliver
-//     of at most one vector's width takes a tile of one vector per row.
+//     of at most one vector's width takes a tile of one vector per row; one of at most kNarrow columns is
+//     multiplied with the vectors along A's rows instead (narrow_tiles), and makes a row-major A packed.
 #include "tensor/cpu/gemm16.h"
 
 #include <omp.h>
@@ -95,6 +96,8 @@ struct Avx512 {
   static V add(V a, V b) { return _mm512_add_ps(a, b); }
   static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
   template <class T> static void store_narrow(T* p, V v) { store16_from_float(p, v); }
+  // A packed tile's kMR values of one k, zero in the lanes past them.
+  static V load_rows(const float* p) { return _mm512_maskz_loadu_ps((1u << kMR) - 1, p); }
 };
 #endif
 
@@ -111,6 +114,7 @@ struct Avx2 {
   static V add(V a, V b) { return _mm256_add_ps(a, b); }
   static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
   template <class T> static void store_narrow(T* p, V v) { store8_from_float(p, v); }
+  static V load_rows(const float* p) { return _mm256_maskload_ps(p, _mm256_setr_epi32(-1, -1, -1, -1, -1, -1, 0, 0)); }
 };
 #endif
 
@@ -304,6 +308,55 @@ void run_tile(bool row_major_a, int64_t K, const float* a, int64_t lda, const fl
   tile<Isa, T, false, 1>(K, a, lda, sliver, nr, bias, rows, cols, out, ldo);
 }
 
+// The first kW <= kNarrow columns of a sliver (its only ones: B's last few columns) against up to kGroup
+// packed tiles of A (`rows` rows from `a`, tile g at a + g K kMR), with the vectors along A's rows: per k, one
+// load of each tile's kMR values and kW broadcasts of B into kGroup kW FMAs. The tile kernel would spend
+// kMR FMAs a k on each tile however narrow the sliver (the vocabulary head's 65th column: a fifth of its
+// product). The same sums (one FMA per k, in order of k, then the bias, one rounding), so the same bits.
+// Tiles past `rows` are read from the first one and their sums dropped, so every group is kGroup wide: the
+// kGroup chains of FMAs hide each other's latency.
+constexpr int kNarrow = 4, kGroup = 4;
+
+template <class Isa, class T, int kW>
+void narrow_tiles(int64_t K, const float* __restrict a, const float* __restrict sliver, int64_t nr,
+                  const float* __restrict bias, int rows, int cols, T* __restrict out, int64_t ldo) {
+  using V = typename Isa::V;
+  constexpr int kMR = Isa::kMR, kLanes = Isa::kLanes;
+  const float* tiles[kGroup];
+  for (int g = 0; g < kGroup; ++g) tiles[g] = g * kMR < rows ? a + g * K * kMR : a;
+  V c[kGroup][kW];
+  for (int g = 0; g < kGroup; ++g)
+    for (int j = 0; j < kW; ++j) c[g][j] = Isa::zero();
+  for (int64_t k = 0; k < K; ++k) {
+    V b[kW];
+    for (int j = 0; j < kW; ++j) b[j] = Isa::broadcast(sliver[k * nr + j]);
+    for (int g = 0; g < kGroup; ++g) {
+      const V x = Isa::load_rows(tiles[g] + k * kMR);
+      for (int j = 0; j < kW; ++j) c[g][j] = Isa::fma(x, b[j], c[g][j]);
+    }
+  }
+  alignas(64) float sums[kGroup][kW][kLanes];
+  for (int g = 0; g < kGroup; ++g)
+    for (int j = 0; j < kW; ++j) Isa::store(sums[g][j], Isa::add(c[g][j], Isa::broadcast(bias ? bias[j] : 0.0f)));
+  for (int r = 0; r < rows; ++r) {
+    float row[kW];
+    for (int j = 0; j < cols; ++j) row[j] = sums[r / kMR][j][r % kMR];
+    narrow_block(row, out + r * ldo, cols);
+  }
+}
+
+template <class Isa, class T>
+void run_narrow_tiles(int64_t K, const float* a, const float* sliver, const float* bias, int rows, int cols, T* out,
+                      int64_t ldo) {
+  constexpr int64_t nr = 2 * Isa::kLanes;
+  switch (cols) {
+    case 1: return narrow_tiles<Isa, T, 1>(K, a, sliver, nr, bias, rows, cols, out, ldo);
+    case 2: return narrow_tiles<Isa, T, 2>(K, a, sliver, nr, bias, rows, cols, out, ldo);
+    case 3: return narrow_tiles<Isa, T, 3>(K, a, sliver, nr, bias, rows, cols, out, ldo);
+    default: return narrow_tiles<Isa, T, kNarrow>(K, a, sliver, nr, bias, rows, cols, out, ldo);
+  }
+}
+
 // ---- the driver ---------------------------------------------------------------------------------------------
 
 template <class Isa, class T>
@@ -327,9 +380,14 @@ void run(int64_t M, int64_t K, int64_t N, const Matrix16<T>& a, const Matrix16<T
 
   // Each thread takes an even share of A's tiles (of B's slivers when A has fewer tiles than threads) and
   // widens its tiles a block at a time.
-  // The layout of the widened A block: row-major, or packed per tile.
-  const bool row_major_a =
-      a.col_stride == 1 && (Isa::kPackRowMajorAFrom == 0 || slivers < Isa::kPackRowMajorAFrom);
+  // The layout of the widened A block: row-major, or packed per tile. A row-major A is packed (where the
+  // Isa has the code) for many slivers, or where B's last sliver is narrow enough for narrow_tiles, which
+  // needs the packed layout: bench_ops' f16 2048x256x65 (the vocabulary head) went from 218 to 227 GFLOP/s
+  // with two threads, 113 to 119 with one (best iterations, alternated, three rounds), the packing then a
+  // quarter of its samples.
+  const bool narrow_tail = N % kNR != 0 && N % kNR <= kNarrow;
+  const bool row_major_a = a.col_stride == 1 && (Isa::kPackRowMajorAFrom == 0 ||
+                                                 (slivers < Isa::kPackRowMajorAFrom && !narrow_tail));
   const int64_t tiles = (M + kMR - 1) / kMR;
   const int64_t ld_row_major = row_major_ld(K);
   const int64_t tile_bytes = kMR * (row_major_a ? ld_row_major : K) * int64_t{sizeof(float)};
@@ -373,6 +431,13 @@ void run(int64_t M, int64_t K, int64_t N, const Matrix16<T>& a, const Matrix16<T
         const float* sliver = packed_b + s * K * kNR;
         const int cols = static_cast<int>(std::min<int64_t>(kNR, N - s * kNR));
         const float* bias_s = bias_f32 ? bias_f32 + s * kNR : nullptr;
+        if (!row_major_a && cols <= kNarrow) {
+          for (int64_t r0 = 0; r0 < rows; r0 += kGroup * kMR)
+            run_narrow_tiles<Isa>(K, block.data + r0 * K, sliver, bias_s,
+                                  static_cast<int>(std::min<int64_t>(kGroup * kMR, rows - r0)), cols,
+                                  out + (m0 + r0) * out_row_stride + s * kNR, out_row_stride);
+          continue;
+        }
         for (int64_t r0 = 0; r0 < rows; r0 += kMR) {
           const int tile_rows = static_cast<int>(std::min<int64_t>(kMR, rows - r0));
           T* dst = out + (m0 + r0) * out_row_stride + s * kNR;
