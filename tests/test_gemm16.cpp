@@ -87,14 +87,14 @@ struct ThreadCount {
 
 template <class T>
 void check_against_the_in_order_sum(cpu::Gemm16Isa isa) {
-  // Shapes around both kernels' register tiles (one element, partial tiles on both sides, whole tiles,
-  // several threads' shares), every layout of A and B with padded leading dims, with and without a bias, the
-  // output rows padded too: the padding must stay untouched. The last two have N > 256, where AVX-512 packs a
-  // row-major A with register transposes of 16 k's (K = 37: two blocks and a tail of 5; K = 5: the tail
-  // alone; M = 30 and 13: a last tile of 6 and 1 rows). N = 1, 33, 65, 100 and 290 end in a sliver of 1, 1,
-  // 1, 4 and 2 columns, multiplied with the vectors along A's rows (narrow_tiles), in groups of up to four
-  // tiles (M = 70 on AVX-512: 6 tiles, a group of 4 and one of 2). One variant plants inf and NaN, one overflows:
-  // a float sum above T's largest value rounds to inf only at the end (bf16: 3e38 twice).
+  // Shapes around both kernels' register tiles (one element, partial tiles on both sides, whole tiles, several
+  // threads' shares), every layout of A and B with padded leading dims, with and without a bias, the output rows
+  // padded too: the padding must stay untouched. The last two have N > 256, where AVX-512 packs a row-major A
+  // with register transposes of 16 k's (K = 37: two blocks and a tail of 5; K = 5: the tail alone; M = 30 and
+  // 13: a last tile of 6 and 1 rows). N = 1, 33, 65, 100 and 290 end in a sliver of 1, 1, 1, 4 and 2 columns,
+  // multiplied with the vectors along A's rows (narrow_tiles), in groups of up to four tiles (M = 70 on AVX-512:
+  // 6 tiles, a group of 4 and one of 2). One variant plants inf and NaN, one overflows: a float sum above T's
+  // largest value rounds to inf only at the end (bf16: 3e38 twice).
   struct Shape3 {
     int64_t M, K, N;
   };
