@@ -89,12 +89,10 @@ template <class T>
 void check_against_the_in_order_sum(cpu::Gemm16Isa isa) {
   // Shapes around both kernels' register tiles (one element, partial tiles on both sides, whole tiles, several
   // threads' shares), every layout of A and B with padded leading dims, with and without a bias, the output rows
-  // padded too: the padding must stay untouched. The last two have N > 256, where AVX-512 packs a row-major A
-  // with register transposes of 16 k's (K = 37: two blocks and a tail of 5; K = 5: the tail alone; M = 30 and
-  // 13: a last tile of 6 and 1 rows). N = 1, 33, 65, 100 and 290 end in a sliver of 1, 1, 1, 4 and 2 columns,
-  // multiplied with the vectors along A's rows (narrow_tiles), in groups of up to four tiles (M = 70 on AVX-512:
-  // 6 tiles, a group of 4 and one of 2). One variant plants inf and NaN, one overflows: a float sum above T's
-  // largest value rounds to inf only at the end (bf16: 3e38 twice).
+  // padded too: the padding must stay untouched. N = 1, 33, 65, 100 and 290 end in a sliver of 1, 1, 1, 4 and 2
+  // columns, which a transposed A multiplies with the vectors along its rows (narrow_tiles), in groups of up to
+  // four tiles (M = 70 on AVX-512: 6 tiles, a group of 4 and one of 2). One variant plants inf and NaN, one
+  // overflows: a float sum above T's largest value rounds to inf only at the end (bf16: 3e38 twice).
   struct Shape3 {
     int64_t M, K, N;
   };
@@ -152,8 +150,7 @@ void check_against_the_in_order_sum(cpu::Gemm16Isa isa) {
 template <class T>
 void check_thread_counts(cpu::Gemm16Isa isa) {
   // Threads split A's tiles (or, for a short A, B's slivers); each output is still one float sum in order of
-  // k, so the split must not show. Shapes: many tiles, fewer tiles than threads; A in either layout (a
-  // row-major one packed with AVX-512 where N > 256).
+  // k, so the split must not show. Shapes: many tiles, fewer tiles than threads; A in either layout.
   for (auto [M, K, N, a_rows] : {std::tuple<int64_t, int64_t, int64_t, bool>{300, 520, 200, false},
                                  {5, 600, 700, false}, {300, 520, 300, true}, {5, 600, 700, true}}) {
     SCOPED_TRACE(std::string(name_of<T>()) + " " + cpu::gemm16_isa_name(isa) + " M " + std::to_string(M) + " N " +

@@ -17,14 +17,12 @@
 //   - B is widened into slivers of kNR columns: sliver s holds b(k, kNR s + j) at [s][k][j], zero past N. A
 //     row-major B is widened a row at a time into every sliver; a transposed one (a linear layer's weight)
 //     goes through the register transposes of transpose.h.
-//   - Each thread takes an even share of A's tiles and widens them a block of ~kABlockBytes at a time, so the
-//     block stays in the core's L2 while every B sliver passes over it. An A with fewer tiles than threads
-//     splits the slivers instead. The block is packed per tile, k-major, when A is transposed, and with
-//     AVX-512 also when A is row-major and B has at least kPackRowMajorAFrom slivers to amortise the register
-//     transposes over (pack_row_major_tile); else a row-major A is widened row-major.
+//   - Each thread takes an even share of A's tiles and widens them a block of ~kABlockBytes at a time
+//     (row-major when A is; packed per tile, k-major, when A is transposed), so the block stays in the core's
+//     L2 while every B sliver passes over it. An A with fewer tiles than threads splits the slivers instead.
 //   - Per k the kernel loads two vectors of B and broadcasts kMR values of A into 2 kMR FMAs. A last sliver
-//     of at most one vector's width takes a tile of one vector per row; one of at most kNarrow columns is
-//     multiplied with the vectors along A's rows instead (narrow_tiles), and makes a row-major A packed.
+//     of at most one vector's width takes a tile of one vector per row; one of at most kNarrow columns against
+//     a packed A is multiplied with the vectors along A's rows instead (narrow_tiles).
 #include "tensor/cpu/gemm16.h"
 
 #include <omp.h>
@@ -87,8 +85,6 @@ struct Avx512 {
   using V = __m512;
   static constexpr int kLanes = 16, kMR = 12;
   static constexpr int64_t kABlockBytes = 768 << 10;  // the widened A block a thread keeps in L2
-  // A row-major A is packed from this many slivers of B (N > 256) on (pack_row_major_tile).
-  static constexpr int64_t kPackRowMajorAFrom = 9;
   static V zero() { return _mm512_setzero_ps(); }
   static V load(const float* p) { return _mm512_loadu_ps(p); }
   static V broadcast(float x) { return _mm512_set1_ps(x); }
@@ -106,7 +102,6 @@ struct Avx2 {
   using V = __m256;
   static constexpr int kLanes = 8, kMR = 6;
   static constexpr int64_t kABlockBytes = 384 << 10;  // AVX2 CPUs have 512 KiB L2 and less
-  static constexpr int64_t kPackRowMajorAFrom = 0;  // never: no packing code for it
   static V zero() { return _mm256_setzero_ps(); }
   static V load(const float* p) { return _mm256_loadu_ps(p); }
   static V broadcast(float x) { return _mm256_set1_ps(x); }
@@ -140,59 +135,7 @@ int64_t row_major_ld(int64_t K) {
   return ld;
 }
 
-#if defined(MIXTAPE_GEMM16_AVX512)
-// One AVX-512 tile of a row-major A (`rows` <= 12 rows from `src`, ld_src apart) widened into the packed
-// layout, dst[k * 12 + i] = a(i, k), zero for i >= rows: 16 k's of each row widened into a register, the
-// 16 x 16 block (rows past 12 zero) transposed in registers and its first 12 lanes stored.
-//
-// Why pack a row-major A: read in place, the kernel broadcasts from 12 rows at once and needs 12 pointers,
-// more than x86 has registers to spare; GCC kept two of them on the stack and in a vector register and
-// reloaded them every k. Packed, one pointer walks one stream. The transposes cost more than a plain
-// widening (the packing's share of a one-thread f16 2048x1024x256 product rose from 5% to 8% of the
-// samples under `perf`), which the faster kernel repays only where the block meets many slivers:
-// `bench_ops`' f16 rows with OMP_NUM_THREADS=1 on a Xeon without AMX, best iterations, packed against not
-// (alternated, three rounds each): N = 768 and 1024 158-161 against 150-153 GFLOP/s; N = 256 153 against
-// 155; N = 65 107 against 113. With two threads the same rows showed no difference beyond the noise (311-317
-// against 311-319), nor did the training step; the gain is the kernel's, where a core is not held back by
-// what it shares with the other.
-//
-// kRows: 12, or 0 for a tile's rows known only at run time (A's last tile); with a constant count the 16
-// rows stay in registers.
-template <int kRows, class T>
-void pack_row_major_rows(const T* src, int64_t ld_src, int rows, int64_t K, float* dst) {
-  constexpr int kMR = 12;
-  if constexpr (kRows != 0) rows = kRows;
-  const __mmask16 lanes = (1u << kMR) - 1;
-  __m512i block[16];
-  for (int i = 0; i < 16; ++i) block[i] = _mm512_setzero_si512();
-  int64_t k0 = 0;
-  for (; k0 + 16 <= K; k0 += 16) {
-#pragma GCC unroll 12
-    for (int i = 0; i < rows; ++i) block[i] = _mm512_castps_si512(load16_as_float(src + i * ld_src + k0));
-    transpose_16x16(block, dst + k0 * kMR, kMR, lanes);
-  }
-  if (k0 < K) {  // the last K % 16 k's, through zero-padded buffers
-    const int64_t n = K - k0;
-    alignas(64) T tail[16];
-    alignas(64) float out[16 * kMR];
-    for (int i = 0; i < rows; ++i) {
-      std::fill(tail, tail + 16, T{});
-      std::copy(src + i * ld_src + k0, src + i * ld_src + K, tail);
-      block[i] = _mm512_castps_si512(load16_as_float(tail));
-    }
-    transpose_16x16(block, out, kMR, lanes);
-    std::copy(out, out + n * kMR, dst + k0 * kMR);
-  }
-}
-
 template <class T>
-void pack_row_major_tile(const T* src, int64_t ld_src, int rows, int64_t K, float* dst) {
-  if (rows == 12) return pack_row_major_rows<12>(src, ld_src, rows, K, dst);
-  pack_row_major_rows<0>(src, ld_src, rows, K, dst);
-}
-#endif
-
-template <class Isa, class T>
 void widen_a_block(const Matrix16<T>& a, int64_t m0, int64_t rows, int64_t padded_rows, int64_t K, int mr,
                    const ABlock& block) {
   if (block.row_major) {
@@ -201,16 +144,6 @@ void widen_a_block(const Matrix16<T>& a, int64_t m0, int64_t rows, int64_t padde
     for (int64_t r = rows; r < padded_rows; ++r) std::memset(block.data + r * block.ld, 0, sizeof(float) * K);
     return;
   }
-#if defined(MIXTAPE_GEMM16_AVX512)
-  if constexpr (Isa::kPackRowMajorAFrom > 0) {
-    if (a.col_stride == 1) {
-      for (int64_t r0 = 0; r0 < padded_rows; r0 += mr)
-        pack_row_major_tile(a.data + (m0 + r0) * a.row_stride, a.row_stride,
-                            static_cast<int>(std::min<int64_t>(mr, rows - r0)), K, block.data + r0 * K);
-      return;
-    }
-  }
-#endif
   // a.row_stride == 1: at each k the block's rows are one contiguous run. kLines of them are widened whole
   // into `lines`, then dealt out tile by tile, so that each tile's part is written as one run (dealing out
   // each k on its own wrote 48 bytes to every tile in turn, K * 48 bytes apart: a fifth of the packing's
@@ -265,15 +198,38 @@ void tile(int64_t K, const float* __restrict a, int64_t lda, const float* __rest
   V c[kMR][kVecs];
   for (int r = 0; r < kMR; ++r)
     for (int v = 0; v < kVecs; ++v) c[r][v] = Isa::zero();
-  const float* rows_a[kMR];
-  for (int r = 0; r < kMR; ++r) rows_a[r] = kRowMajorA ? a + r * lda : a + r;
-  for (int64_t k = 0; k < K; ++k) {
-    V b[kVecs];
-    for (int v = 0; v < kVecs; ++v) b[v] = Isa::load(sliver + k * nr + kLanes * v);
+  if constexpr (kRowMajorA && kMR == 12) {
+    // A row-major A read in place, 12 rows at once. Twelve row pointers are more than x86 has registers to
+    // spare beside the loop's own: GCC kept one on the stack and one in a vector register and reloaded both
+    // every k (perf annotate; or not, as other code in this file changed). Four pointers (rows 0, 3, 6 and
+    // 9) and the row stride scaled by 1, 2, 4 or 8 in the address reach all twelve: row r = kBase[r] +
+    // kScale[r]. bench_ops' f16 rows that take this kernel, OMP_NUM_THREADS=1 on a Xeon without AMX, best
+    // iterations, alternated three times with the old loop: 149-159 GFLOP/s against 137-148 (oneDNN's f32
+    // GEMM 147-166 on the same shapes).
+    constexpr int kBase[12] = {0, 0, 0, 3, 0, 3, 6, 3, 0, 9, 6, 3};
+    constexpr int kScale[12] = {0, 1, 2, 0, 4, 2, 0, 4, 8, 0, 4, 8};
+    const float *p0 = a, *p3 = a + 3 * lda, *p6 = a + 6 * lda, *p9 = a + 9 * lda, *b_k = sliver;
+    for (int64_t k = 0; k < K; ++k, ++p0, ++p3, ++p6, ++p9, b_k += nr) {
+      V b[kVecs];
+      for (int v = 0; v < kVecs; ++v) b[v] = Isa::load(b_k + kLanes * v);
 #pragma GCC unroll 12
-    for (int r = 0; r < kMR; ++r) {
-      const V x = Isa::broadcast(kRowMajorA ? rows_a[r][k] : a[k * lda + r]);
-      for (int v = 0; v < kVecs; ++v) c[r][v] = Isa::fma(x, b[v], c[r][v]);
+      for (int r = 0; r < kMR; ++r) {
+        const float* base = kBase[r] == 0 ? p0 : kBase[r] == 3 ? p3 : kBase[r] == 6 ? p6 : p9;
+        const V x = Isa::broadcast(base[kScale[r] * lda]);
+        for (int v = 0; v < kVecs; ++v) c[r][v] = Isa::fma(x, b[v], c[r][v]);
+      }
+    }
+  } else {
+    const float* rows_a[kMR];
+    for (int r = 0; r < kMR; ++r) rows_a[r] = kRowMajorA ? a + r * lda : a + r;
+    for (int64_t k = 0; k < K; ++k) {
+      V b[kVecs];
+      for (int v = 0; v < kVecs; ++v) b[v] = Isa::load(sliver + k * nr + kLanes * v);
+#pragma GCC unroll 12
+      for (int r = 0; r < kMR; ++r) {
+        const V x = Isa::broadcast(kRowMajorA ? rows_a[r][k] : a[k * lda + r]);
+        for (int v = 0; v < kVecs; ++v) c[r][v] = Isa::fma(x, b[v], c[r][v]);
+      }
     }
   }
   V bias_v[kVecs];
@@ -310,11 +266,14 @@ void run_tile(bool row_major_a, int64_t K, const float* a, int64_t lda, const fl
 
 // The first kW <= kNarrow columns of a sliver (its only ones: B's last few columns) against up to kGroup
 // packed tiles of A (`rows` rows from `a`, tile g at a + g K kMR), with the vectors along A's rows: per k, one
-// load of each tile's kMR values and kW broadcasts of B into kGroup kW FMAs. The tile kernel would spend
-// kMR FMAs a k on each tile however narrow the sliver (the vocabulary head's 65th column: a fifth of its
-// product). The same sums (one FMA per k, in order of k, then the bias, one rounding), so the same bits.
-// Tiles past `rows` are read from the first one and their sums dropped, so every group is kGroup wide: the
-// kGroup chains of FMAs hide each other's latency.
+// load of each tile's kMR values and kW broadcasts of B into kGroup kW FMAs, where the tile kernel spends kMR
+// FMAs a k on each tile however narrow the sliver. The same sums (one FMA per k, in order of k, then the
+// bias, one rounding), so the same bits. Tiles past `rows` are read from the first one and their sums
+// dropped, so every group is kGroup wide: the kGroup chains of FMAs hide each other's latency.
+// A packed (transposed) A only: bench_ops with a temporary f16 At_256x2048x65 row, one thread, alternated
+// three times: 113 GFLOP/s against 101 with the one-vector tile (oneDNN's f32 GEMM: 112). A row-major A
+// would have to be packed for it, with register transposes that cost more than the narrow tail saves (tried
+// on the vocabulary head, 2048x256x65: 228 against 234 GFLOP/s with two threads).
 constexpr int kNarrow = 4, kGroup = 4;
 
 template <class Isa, class T, int kW>
@@ -380,14 +339,7 @@ void run(int64_t M, int64_t K, int64_t N, const Matrix16<T>& a, const Matrix16<T
 
   // Each thread takes an even share of A's tiles (of B's slivers when A has fewer tiles than threads) and
   // widens its tiles a block at a time.
-  // The layout of the widened A block: row-major, or packed per tile. A row-major A is packed (where the
-  // Isa has the code) for many slivers, or where B's last sliver is narrow enough for narrow_tiles, which
-  // needs the packed layout: bench_ops' f16 2048x256x65 (the vocabulary head) went from 218 to 227 GFLOP/s
-  // with two threads, 113 to 119 with one (best iterations, alternated, three rounds), the packing then a
-  // quarter of its samples.
-  const bool narrow_tail = N % kNR != 0 && N % kNR <= kNarrow;
-  const bool row_major_a = a.col_stride == 1 && (Isa::kPackRowMajorAFrom == 0 ||
-                                                 (slivers < Isa::kPackRowMajorAFrom && !narrow_tail));
+  const bool row_major_a = a.col_stride == 1;
   const int64_t tiles = (M + kMR - 1) / kMR;
   const int64_t ld_row_major = row_major_ld(K);
   const int64_t tile_bytes = kMR * (row_major_a ? ld_row_major : K) * int64_t{sizeof(float)};
@@ -396,7 +348,7 @@ void run(int64_t M, int64_t K, int64_t N, const Matrix16<T>& a, const Matrix16<T
   const int64_t tiles_per_block = std::clamp<int64_t>(Isa::kABlockBytes / tile_bytes, 1, share);
   const int64_t ld = row_major_a ? ld_row_major : kMR;
   const int64_t block_floats = tiles_per_block * tile_bytes / int64_t{sizeof(float)};
-  const int64_t line_floats = a.col_stride == 1 ? 0 : kLines * tiles_per_block * kMR;
+  const int64_t line_floats = row_major_a ? 0 : kLines * tiles_per_block * kMR;
   const ThreadScratch a_scratch(static_cast<size_t>(block_floats + line_floats + 32) * sizeof(float), parallel);
 
 #pragma omp parallel num_threads(threads) if (parallel)
@@ -426,7 +378,7 @@ void run(int64_t M, int64_t K, int64_t N, const Matrix16<T>& a, const Matrix16<T
       const int64_t m0 = t0 * kMR;
       const int64_t rows = std::min(std::min(t_end - t0, tiles_per_block) * kMR, M - m0);
       const int64_t padded = (rows + kMR - 1) / kMR * kMR;
-      widen_a_block<Isa>(a, m0, rows, padded, K, kMR, block);
+      widen_a_block(a, m0, rows, padded, K, kMR, block);
       for (int64_t s = s_begin; s < s_end; ++s) {
         const float* sliver = packed_b + s * K * kNR;
         const int cols = static_cast<int>(std::min<int64_t>(kNR, N - s * kNR));

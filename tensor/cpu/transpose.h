@@ -40,11 +40,11 @@ inline void transpose_8x8(const float* const rows[8], int64_t d, float* dst, int
 
 #if defined(__AVX512F__)
 // dst[c * ld + r] = rows[r][c] for r, c < 16: a 16 x 16 block of 32-bit lanes transposed in registers (lanes
-// are moved, never computed on). Only the lanes r of each destination row set in `lanes` are stored.
+// are moved, never computed on).
 // (The zero-masked forms of the intrinsics with all-ones masks throughout: GCC 12's plain ones warn of an
 // uninitialised value.)
 template <class Lane>
-inline void transpose_16x16(const __m512i (&rows)[16], Lane* dst, int64_t ld, __mmask16 lanes = 0xFFFF) {
+inline void transpose_16x16(const __m512i (&rows)[16], Lane* dst, int64_t ld) {
   static_assert(sizeof(Lane) == 4);
   __m512i t[16], u[16];
   for (int i = 0; i < 16; i += 2) {  // per 128-bit lane: (a0 b0 a1 b1), (a2 b2 a3 b3)
@@ -60,18 +60,13 @@ inline void transpose_16x16(const __m512i (&rows)[16], Lane* dst, int64_t ld, __
   // 128-bit lanes 0 and 2 (even) or 1 and 3 (odd) of a, then the same of b.
   auto even = [](__m512i a, __m512i b) { return _mm512_maskz_shuffle_i32x4(0xFFFF, a, b, 0x88); };
   auto odd = [](__m512i a, __m512i b) { return _mm512_maskz_shuffle_i32x4(0xFFFF, a, b, 0xDD); };
-  // (A plain store where every lane is stored, as before the mask was there.)
-  auto store = [lanes](Lane* p, __m512i v) {
-    if (lanes == 0xFFFF) _mm512_storeu_si512(p, v);
-    else _mm512_mask_storeu_epi32(p, lanes, v);
-  };
   for (int j = 0; j < 4; ++j) {  // the four 128-bit lanes of column 4k + j gathered from the row groups
     const __m512i v0 = even(u[j], u[4 + j]), v1 = odd(u[j], u[4 + j]);
     const __m512i w0 = even(u[8 + j], u[12 + j]), w1 = odd(u[8 + j], u[12 + j]);
-    store(dst + j * ld, even(v0, w0));
-    store(dst + (4 + j) * ld, even(v1, w1));
-    store(dst + (8 + j) * ld, odd(v0, w0));
-    store(dst + (12 + j) * ld, odd(v1, w1));
+    _mm512_storeu_si512(dst + j * ld, even(v0, w0));
+    _mm512_storeu_si512(dst + (4 + j) * ld, even(v1, w1));
+    _mm512_storeu_si512(dst + (8 + j) * ld, odd(v0, w0));
+    _mm512_storeu_si512(dst + (12 + j) * ld, odd(v1, w1));
   }
 }
 #endif
