@@ -89,16 +89,18 @@ template <class T>
 void check_against_the_in_order_sum(cpu::Gemm16Isa isa) {
   // Shapes around both kernels' register tiles (one element, partial tiles on both sides, whole tiles, several
   // threads' shares), every layout of A and B with padded leading dims, with and without a bias, the output rows
-  // padded too: the padding must stay untouched. N = 1, 33, 65, 100 and 290 end in a sliver of 1, 1, 1, 4 and 2
-  // columns, which a transposed A multiplies with the vectors along its rows (narrow_tiles), in groups of up to
-  // four tiles (M = 70 on AVX-512: 6 tiles, a group of 4 and one of 2). One variant plants inf and NaN, one
-  // overflows: a float sum above T's largest value rounds to inf only at the end (bf16: 3e38 twice).
+  // padded too: the padding must stay untouched. N = 1, 33, 65, 100, 290 and 35 end in a sliver of 1, 1, 1, 4, 2
+  // and 3 columns (on both kernels' slivers, 32 and 16 wide), which a transposed A multiplies with the vectors
+  // along its rows (narrow_tiles), in groups of up to four tiles: the small (one-thread) products of 13, 25, 30,
+  // 10 and 50 rows give AVX-512 groups of 2, 3, 3, 1 and 4 + 1 tiles, AVX2 3, 4 + 1, 4 + 1, 2 and 4 + 4 + 1,
+  // partial last tiles among them. One variant plants inf and NaN, one overflows: a float sum above T's largest
+  // value rounds to inf only at the end (bf16: 3e38 twice).
   struct Shape3 {
     int64_t M, K, N;
   };
   const Shape3 shapes[] = {{1, 1, 1},       {5, 3, 7},       {12, 16, 32},   {13, 17, 33},
                            {25, 40, 65},    {70, 300, 100},  {130, 257, 45}, {7, 9, 8},
-                           {30, 37, 290},   {13, 5, 300}};
+                           {30, 37, 290},   {10, 20, 35},    {50, 20, 35}};
   // big * big * 2 overflows T, one product does not; a value T holds exactly, as all inputs are.
   const float big = static_cast<float>(T(std::is_same_v<T, Half> ? 255.0f : 1.5e19f));
   uint32_t seed = 1;
@@ -150,9 +152,11 @@ void check_against_the_in_order_sum(cpu::Gemm16Isa isa) {
 template <class T>
 void check_thread_counts(cpu::Gemm16Isa isa) {
   // Threads split A's tiles (or, for a short A, B's slivers); each output is still one float sum in order of
-  // k, so the split must not show. Shapes: many tiles, fewer tiles than threads; A in either layout.
+  // k, so the split must not show. Shapes: many tiles, fewer tiles than threads; A in either layout; a last
+  // sliver of 4 columns (N = 196) for narrow_tiles.
   for (auto [M, K, N, a_rows] : {std::tuple<int64_t, int64_t, int64_t, bool>{300, 520, 200, false},
-                                 {5, 600, 700, false}, {300, 520, 300, true}, {5, 600, 700, true}}) {
+                                 {5, 600, 700, false}, {300, 520, 300, true}, {5, 600, 700, true},
+                                 {300, 520, 196, false}}) {
     SCOPED_TRACE(std::string(name_of<T>()) + " " + cpu::gemm16_isa_name(isa) + " M " + std::to_string(M) + " N " +
                  std::to_string(N) + (a_rows ? " A rows" : " A columns"));
     const std::vector<float> a = random_values<T>(M * K, 11), b = random_values<T>(K * N, 12);

@@ -109,7 +109,11 @@ struct Avx2 {
   static V add(V a, V b) { return _mm256_add_ps(a, b); }
   static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
   template <class T> static void store_narrow(T* p, V v) { store8_from_float(p, v); }
-  static V load_rows(const float* p) { return _mm256_maskload_ps(p, _mm256_setr_epi32(-1, -1, -1, -1, -1, -1, 0, 0)); }
+  // A packed tile's kMR values of one k, zero in the lanes past them.
+  static V load_rows(const float* p) {
+    static_assert(kMR == 6, "the mask below has kMR lanes set");
+    return _mm256_maskload_ps(p, _mm256_setr_epi32(-1, -1, -1, -1, -1, -1, 0, 0));
+  }
 };
 #endif
 
@@ -201,9 +205,9 @@ void tile(int64_t K, const float* __restrict a, int64_t lda, const float* __rest
   if constexpr (kRowMajorA && kMR == 12) {
     // A row-major A read in place, 12 rows at once. Twelve row pointers are more than x86 has registers to
     // spare beside the loop's own: GCC kept one on the stack and one in a vector register and reloaded both
-    // every k (perf annotate; or not, as other code in this file changed). Four pointers (rows 0, 3, 6 and
-    // 9) and the row stride scaled by 1, 2, 4 or 8 in the address reach all twelve: row r = kBase[r] +
-    // kScale[r]. bench_ops' f16 rows that take this kernel, OMP_NUM_THREADS=1 on a Xeon without AMX, best
+    // every k (perf annotate), or not, depending on unrelated edits elsewhere in this file. Four pointers
+    // (rows 0, 3, 6 and 9) and the row stride scaled by 1, 2, 4 or 8 in the address reach all twelve: row r
+    // = kBase[r] + kScale[r]. bench_ops' f16 rows that take this kernel, OMP_NUM_THREADS=1 on a Xeon without AMX, best
     // iterations, alternated three times with the old loop: 149-159 GFLOP/s against 137-148 (oneDNN's f32
     // GEMM 147-166 on the same shapes).
     constexpr int kBase[12] = {0, 0, 0, 3, 0, 3, 6, 3, 0, 9, 6, 3};
@@ -268,8 +272,9 @@ void run_tile(bool row_major_a, int64_t K, const float* a, int64_t lda, const fl
 // packed tiles of A (`rows` rows from `a`, tile g at a + g K kMR), with the vectors along A's rows: per k, one
 // load of each tile's kMR values and kW broadcasts of B into kGroup kW FMAs, where the tile kernel spends kMR
 // FMAs a k on each tile however narrow the sliver. The same sums (one FMA per k, in order of k, then the
-// bias, one rounding), so the same bits. Tiles past `rows` are read from the first one and their sums
-// dropped, so every group is kGroup wide: the kGroup chains of FMAs hide each other's latency.
+// bias, one rounding), so the same bits. The kGroup chains of FMAs hide each other's latency; tiles past
+// `rows` (a short last group) are read from the first one and their sums dropped, which keeps the loop's
+// shape fixed at the cost of some wasted FMAs there.
 // A packed (transposed) A only: bench_ops with a temporary f16 At_256x2048x65 row, one thread, alternated
 // three times: 113 GFLOP/s against 101 with the one-vector tile (oneDNN's f32 GEMM: 112). A row-major A
 // would have to be packed for it, with register transposes that cost more than the narrow tail saves (tried
@@ -278,7 +283,7 @@ constexpr int kNarrow = 4, kGroup = 4;
 
 template <class Isa, class T, int kW>
 void narrow_tiles(int64_t K, const float* __restrict a, const float* __restrict sliver, int64_t nr,
-                  const float* __restrict bias, int rows, int cols, T* __restrict out, int64_t ldo) {
+                  const float* __restrict bias, int rows, T* __restrict out, int64_t ldo) {
   using V = typename Isa::V;
   constexpr int kMR = Isa::kMR, kLanes = Isa::kLanes;
   const float* tiles[kGroup];
@@ -299,8 +304,8 @@ void narrow_tiles(int64_t K, const float* __restrict a, const float* __restrict 
     for (int j = 0; j < kW; ++j) Isa::store(sums[g][j], Isa::add(c[g][j], Isa::broadcast(bias ? bias[j] : 0.0f)));
   for (int r = 0; r < rows; ++r) {
     float row[kW];
-    for (int j = 0; j < cols; ++j) row[j] = sums[r / kMR][j][r % kMR];
-    narrow_block(row, out + r * ldo, cols);
+    for (int j = 0; j < kW; ++j) row[j] = sums[r / kMR][j][r % kMR];
+    narrow_block(row, out + r * ldo, kW);
   }
 }
 
@@ -308,11 +313,12 @@ template <class Isa, class T>
 void run_narrow_tiles(int64_t K, const float* a, const float* sliver, const float* bias, int rows, int cols, T* out,
                       int64_t ldo) {
   constexpr int64_t nr = 2 * Isa::kLanes;
-  switch (cols) {
-    case 1: return narrow_tiles<Isa, T, 1>(K, a, sliver, nr, bias, rows, cols, out, ldo);
-    case 2: return narrow_tiles<Isa, T, 2>(K, a, sliver, nr, bias, rows, cols, out, ldo);
-    case 3: return narrow_tiles<Isa, T, 3>(K, a, sliver, nr, bias, rows, cols, out, ldo);
-    default: return narrow_tiles<Isa, T, kNarrow>(K, a, sliver, nr, bias, rows, cols, out, ldo);
+  static_assert(kNarrow == 4);
+  switch (cols) {  // 1..kNarrow
+    case 1: return narrow_tiles<Isa, T, 1>(K, a, sliver, nr, bias, rows, out, ldo);
+    case 2: return narrow_tiles<Isa, T, 2>(K, a, sliver, nr, bias, rows, out, ldo);
+    case 3: return narrow_tiles<Isa, T, 3>(K, a, sliver, nr, bias, rows, out, ldo);
+    default: return narrow_tiles<Isa, T, 4>(K, a, sliver, nr, bias, rows, out, ldo);
   }
 }
 
