@@ -206,10 +206,10 @@ void tile(int64_t K, const float* __restrict a, int64_t lda, const float* __rest
     // A row-major A read in place, 12 rows at once. Twelve row pointers are more than x86 has registers to
     // spare beside the loop's own: GCC kept one on the stack and one in a vector register and reloaded both
     // every k (perf annotate), or not, depending on unrelated edits elsewhere in this file. Four pointers
-    // (rows 0, 3, 6 and 9) and the row stride scaled by 1, 2, 4 or 8 in the address reach all twelve: row r
-    // = kBase[r] + kScale[r]. bench_ops' f16 rows that take this kernel, OMP_NUM_THREADS=1 on a Xeon without AMX, best
-    // iterations, alternated three times with the old loop: 149-159 GFLOP/s against 137-148 (oneDNN's f32
-    // GEMM 147-166 on the same shapes).
+    // (rows 0, 3, 6 and 9) and the row stride scaled by 1, 2, 4 or 8 in the address reach all twelve: row
+    // r = kBase[r] + kScale[r]. bench_ops' f16 rows that take this kernel, OMP_NUM_THREADS=1 on a Xeon
+    // without AMX, best iterations, alternated three times with the old loop: 149-159 GFLOP/s against
+    // 137-148 (oneDNN's f32 GEMM 147-166 on the same shapes).
     constexpr int kBase[12] = {0, 0, 0, 3, 0, 3, 6, 3, 0, 9, 6, 3};
     constexpr int kScale[12] = {0, 1, 2, 0, 4, 2, 0, 4, 8, 0, 4, 8};
     const float *p0 = a, *p3 = a + 3 * lda, *p6 = a + 6 * lda, *p9 = a + 9 * lda, *b_k = sliver;
