@@ -103,7 +103,8 @@ const MatmulShape kMatmulShapes[] = {
     {256, 256, 256, "square"},         {1024, 1024, 1024, "square"},    {2048, 2048, 2048, "square"},
     {2048, 256, 768, "GPT qkv"},       {2048, 256, 1024, "GPT mlp up"}, {2048, 1024, 256, "GPT mlp down"},
     {2048, 256, 65, "GPT vocab head"},
-    {1024, 2048, 256, "GPT mlp down dW", true}, {256, 2048, 1024, "GPT mlp up dW", true},
+    {1024, 2048, 256, "GPT mlp up dW", true}, {256, 2048, 1024, "GPT mlp down dW", true},
+    {65, 2048, 256, "GPT vocab head dW", true},
     {2048, 256, 768, "GPT qkv fwd", false, true},  {2048, 256, 1024, "GPT mlp up fwd", false, true},
     {2048, 1024, 256, "GPT mlp down fwd", false, true},
 };

@@ -93,8 +93,10 @@ void check_against_the_in_order_sum(cpu::Gemm16Isa isa) {
   // and 3 columns (on both kernels' slivers, 32 and 16 wide), which a transposed A multiplies with the vectors
   // along its rows (narrow_tiles), in groups of up to four tiles: the small (one-thread) products of 13, 25, 30,
   // 10 and 50 rows give AVX-512 groups of 2, 3, 3, 1 and 4 + 1 tiles, AVX2 3, 4 + 1, 4 + 1, 2 and 4 + 4 + 1,
-  // partial last tiles among them. One variant plants inf and NaN, one overflows: a float sum above T's largest
-  // value rounds to inf only at the end (bf16: 3e38 twice).
+  // partial last tiles among them. Without a bias, a transposed A against a row-major B at least twice as wide
+  // as A is tall (5 x 7, 12 x 32, 13 x 33, 25 x 65, 30 x 290, 10 x 35) runs as the transposed product, B^T A^T
+  // transposed into out; its other layouts and its biased runs take the paths above. One variant plants inf and
+  // NaN, one overflows: a float sum above T's largest value rounds to inf only at the end (bf16: 3e38 twice).
   struct Shape3 {
     int64_t M, K, N;
   };
@@ -153,14 +155,16 @@ template <class T>
 void check_thread_counts(cpu::Gemm16Isa isa) {
   // Threads split A's tiles (or, for a short A, B's slivers); each output is still one float sum in order of
   // k, so the split must not show. Shapes: many tiles, fewer tiles than threads; A in either layout; a last
-  // sliver of 4 columns (N = 196) for narrow_tiles.
-  for (auto [M, K, N, a_rows] : {std::tuple<int64_t, int64_t, int64_t, bool>{300, 520, 200, false},
-                                 {5, 600, 700, false}, {300, 520, 300, true}, {5, 600, 700, true},
-                                 {300, 520, 196, false}}) {
+  // sliver of 4 columns (N = 196) for narrow_tiles; a transposed A against a wide row-major B (5 x 700), which
+  // runs as the transposed product (its 700 rows split among the threads).
+  for (auto [M, K, N, a_rows, b_rows] :
+       {std::tuple<int64_t, int64_t, int64_t, bool, bool>{300, 520, 200, false, false},
+        {5, 600, 700, false, false}, {300, 520, 300, true, false}, {5, 600, 700, true, false},
+        {300, 520, 196, false, false}, {5, 600, 700, false, true}}) {
     SCOPED_TRACE(std::string(name_of<T>()) + " " + cpu::gemm16_isa_name(isa) + " M " + std::to_string(M) + " N " +
-                 std::to_string(N) + (a_rows ? " A rows" : " A columns"));
+                 std::to_string(N) + (a_rows ? " A rows" : " A columns") + (b_rows ? ", B rows" : ", B columns"));
     const std::vector<float> a = random_values<T>(M * K, 11), b = random_values<T>(K * N, 12);
-    const Stored<T> sa = store<T>(a, M, K, a_rows, 0), sb = store<T>(b, K, N, false, 1);
+    const Stored<T> sa = store<T>(a, M, K, a_rows, 0), sb = store<T>(b, K, N, b_rows, 1);
     std::vector<std::vector<T>> outs;
     for (int threads : {1, 2, 3}) {
       const ThreadCount scope(threads);
