@@ -1,8 +1,8 @@
 #pragma once
-// Contiguous runs of 16-bit values widened to float and rounded back in one vectorised pass (F16C's
-// vcvtph2ps / vcvtps2ph 8 at a time for fp16, widening 16 at a time where AVX-512 is there; bf16 is a shift
-// the compiler vectorises). Same results as convert<> element by element (round to nearest even), just
-// without a scalar conversion per element.
+// Contiguous runs of 16-bit values widened to float and rounded back in one vectorised pass (fp16 by F16C's
+// vcvtph2ps / vcvtps2ph, bf16 by a shift and an integer rounding; 16 at a time with AVX-512, 8 with AVX2).
+// Same results as convert<> element by element (round to nearest even), just without a scalar conversion per
+// element.
 #include <cstdint>
 #include <type_traits>
 #if defined(__F16C__) || defined(__AVX512F__)
@@ -69,34 +69,31 @@ inline void store8_from_float(BFloat16* p, __m256 v) {
 
 template <class T>
 inline void widen_block(const T* src, float* dst, int64_t n) {
-#if defined(__F16C__)
-  if constexpr (std::is_same_v<T, Half>) {
-    int64_t j = 0;
+  int64_t j = 0;
 #if defined(__AVX512F__)
+  if constexpr (kSixteenBit<T>)
     for (; j + 16 <= n; j += 16) _mm512_storeu_ps(dst + j, load16_as_float(src + j));
 #endif
+#if defined(__F16C__)
+  if constexpr (std::is_same_v<T, Half>)
     for (; j + 8 <= n; j += 8)
       _mm256_storeu_ps(dst + j, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + j))));
-    for (; j < n; ++j) dst[j] = convert<float>(src[j]);
-    return;
-  }
 #endif
-  for (int64_t j = 0; j < n; ++j) dst[j] = convert<float>(src[j]);
+  for (; j < n; ++j) dst[j] = convert<float>(src[j]);
 }
 
 template <class T>
 inline void narrow_block(const float* src, T* dst, int64_t n) {
-#if defined(__F16C__)
-  if constexpr (std::is_same_v<T, Half>) {
-    int64_t j = 0;
-    for (; j + 8 <= n; j += 8)
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + j),
-                       _mm256_cvtps_ph(_mm256_loadu_ps(src + j), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    for (; j < n; ++j) dst[j] = convert<T>(src[j]);
-    return;
-  }
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  if constexpr (kSixteenBit<T>)
+    for (; j + 16 <= n; j += 16) store16_from_float(dst + j, _mm512_loadu_ps(src + j));
 #endif
-  for (int64_t j = 0; j < n; ++j) dst[j] = convert<T>(src[j]);
+#if defined(__AVX2__) && defined(__F16C__)
+  if constexpr (kSixteenBit<T>)
+    for (; j + 8 <= n; j += 8) store8_from_float(dst + j, _mm256_loadu_ps(src + j));
+#endif
+  for (; j < n; ++j) dst[j] = convert<T>(src[j]);
 }
 
 }  // namespace mixtape::cpu

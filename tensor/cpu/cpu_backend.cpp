@@ -109,12 +109,12 @@ void CpuBackend::copy(const Tensor& src, const Tensor& dst) {
       const auto body = [&](const std::array<int64_t, 2>& at, int64_t n) {
         To* o = out + at[0];
         const From* i = in + at[1];
-        // fp16 <-> f32 (autocast casts, matmul operands): vectorised F16C conversion, through a small
+        // fp16/bf16 <-> f32 (autocast casts, matmul operands): vectorised block conversion, through a small
         // gathered block when the source is strided (a transposed weight).
-        if constexpr (std::is_same_v<To, float> && std::is_same_v<From, Half>) {
+        if constexpr (std::is_same_v<To, float> && kSixteenBit<From>) {
           if (so == 1 && si == 1) return widen_block(i, o, n);
           if (so == 1) {
-            Half block[256];
+            From block[256];
             for (int64_t j0 = 0; j0 < n; j0 += 256) {
               const int64_t m = std::min<int64_t>(256, n - j0);
               for (int64_t j = 0; j < m; ++j) block[j] = i[(j0 + j) * si];
@@ -122,7 +122,7 @@ void CpuBackend::copy(const Tensor& src, const Tensor& dst) {
             }
             return;
           }
-        } else if constexpr (std::is_same_v<To, Half> && std::is_same_v<From, float>) {
+        } else if constexpr (kSixteenBit<To> && std::is_same_v<From, float>) {
           if (so == 1 && si == 1) return narrow_block(i, o, n);
         }
         if (so == 1 && si == 1) {
