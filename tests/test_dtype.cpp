@@ -578,10 +578,11 @@ TEST(Half, LibraryConversionsAgreeWithThePortableReferenceOnEveryValue) {
   EXPECT_EQ(bad, 0u);
 }
 
-// The same for bf16: the copy kernel's vectorised rounding (16 floats at a time with AVX-512, 8 with AVX2, the
-// rest one by one) against the integer reference, on every tie and its neighbours, the float subnormals, NaNs
-// and random floats; and the widening, a shift, on every bf16 pattern. Slices starting 3 elements in, of odd
-// length, reach the loops' 8- and 1-wide parts.
+// The same for bf16: the copy kernel's vectorised conversions (tensor/cpu/convert_block.h: 16 at a time with
+// AVX-512, then rounding 8 at a time with AVX2, the rest one by one) against the integer reference, on every
+// tie and its neighbours, the float subnormals, NaNs (signalling ones among them) and random floats, and the
+// widening (a shift, NaNs made quiet) on every bf16 pattern. Each conversion runs whole and in slices of 24
+// (16 + 8 values) and of 13 from an offset of 3, so that every value passes through each width of loop.
 TEST(BFloat16, LibraryConversionsAgreeWithTheReferenceOnEveryValue) {
   std::vector<float> floats;
   std::vector<uint16_t> want;
@@ -594,30 +595,41 @@ TEST(BFloat16, LibraryConversionsAgreeWithTheReferenceOnEveryValue) {
   for (uint32_t b = 0; b < 0x00800000u; b += 0x101u) add(b);
   std::mt19937 rng(43);
   for (int i = 0; i < 100000; ++i) add(static_cast<uint32_t>(rng()));
-  const Tensor all = Tensor::from_vector(floats, {static_cast<int64_t>(floats.size())});
+  const int64_t total = static_cast<int64_t>(floats.size());
+  const Tensor all = Tensor::from_vector(floats, {total});
+  // Converts all[start, end) for every slice of `width` (the last one shorter) after `offset`.
+  auto slices = [](int64_t size, int64_t offset, int64_t width, auto&& body) {
+    for (int64_t start = offset; start < size; start += width) body(start, std::min(size, start + width));
+  };
   size_t bad = 0;
-  for (int64_t start : {0, 3}) {
-    const int64_t n = static_cast<int64_t>(floats.size()) - start - (start ? 2 : 0);
-    const Tensor b = all.slice(0, start, start + n).to(DType::BF16).contiguous();
-    const uint16_t* bb = static_cast<const uint16_t*>(b.data_ptr());
-    for (int64_t i = 0; i < n; ++i) {
-      const size_t at = static_cast<size_t>(start + i);
-      if (bb[i] != want[at] && bad++ < 5)
-        ADD_FAILURE() << "float 0x" << std::hex << std::bit_cast<uint32_t>(floats[at]) << ": library 0x" << bb[i]
-                      << ", reference 0x" << want[at];
-    }
+  for (auto [offset, width] : {std::pair<int64_t, int64_t>{0, total}, {0, 24}, {3, 13}}) {
+    slices(total, offset, width, [&](int64_t start, int64_t end) {
+      const Tensor b = all.slice(0, start, end).to(DType::BF16).contiguous();
+      const uint16_t* bb = static_cast<const uint16_t*>(b.data_ptr());
+      for (int64_t i = start; i < end; ++i) {
+        const size_t at = static_cast<size_t>(i);
+        if (bb[i - start] != want[at] && bad++ < 5)
+          ADD_FAILURE() << "float 0x" << std::hex << std::bit_cast<uint32_t>(floats[at]) << ": library 0x"
+                        << bb[i - start] << ", reference 0x" << want[at] << " (slices of " << std::dec << width
+                        << ")";
+      }
+    });
   }
   Tensor every = Tensor::empty({65536}, DType::BF16, Device::cpu());
   uint16_t* eb = static_cast<uint16_t*>(every.data_ptr());
   for (uint32_t bits = 0; bits < 65536; ++bits) eb[bits] = static_cast<uint16_t>(bits);
-  for (int64_t start : {0, 3}) {
-    const int64_t n = 65536 - start - (start ? 3 : 0);
-    const std::vector<float> back = every.slice(0, start, start + n).to(DType::F32).to_vector<float>();
-    for (int64_t i = 0; i < n; ++i) {
-      const uint32_t bits = static_cast<uint32_t>(start + i);
-      if (std::bit_cast<uint32_t>(back[static_cast<size_t>(i)]) != bits << 16 && bad++ < 10)
-        ADD_FAILURE() << "bf16 0x" << std::hex << bits << ": library " << std::hexfloat << back[static_cast<size_t>(i)];
-    }
+  for (auto [offset, width] : {std::pair<int64_t, int64_t>{0, 65536}, {0, 24}, {3, 13}}) {
+    slices(65536, offset, width, [&](int64_t start, int64_t end) {
+      const std::vector<float> back = every.slice(0, start, end).to(DType::F32).to_vector<float>();
+      for (int64_t i = start; i < end; ++i) {
+        uint32_t expected = static_cast<uint32_t>(i) << 16;
+        if ((expected & 0x7fffffffu) > 0x7f800000u) expected |= 0x400000u;  // a NaN, made quiet
+        const uint32_t got = std::bit_cast<uint32_t>(back[static_cast<size_t>(i - start)]);
+        if (got != expected && bad++ < 10)
+          ADD_FAILURE() << "bf16 0x" << std::hex << i << ": library 0x" << got << ", want 0x" << expected
+                        << " (slices of " << std::dec << width << ")";
+      }
+    });
   }
   EXPECT_EQ(bad, 0u);
 }

@@ -93,10 +93,8 @@ void check_against_the_in_order_sum(cpu::Gemm16Isa isa) {
   // and 3 columns (on both kernels' slivers, 32 and 16 wide), which a transposed A multiplies with the vectors
   // along its rows (narrow_tiles), in groups of up to four tiles: the small (one-thread) products of 13, 25, 30,
   // 10 and 50 rows give AVX-512 groups of 2, 3, 3, 1 and 4 + 1 tiles, AVX2 3, 4 + 1, 4 + 1, 2 and 4 + 4 + 1,
-  // partial last tiles among them. Without a bias, a transposed A against a row-major B at least twice as wide
-  // as A is tall (5 x 7, 12 x 32, 13 x 33, 25 x 65, 30 x 290, 10 x 35) runs as the transposed product, B^T A^T
-  // transposed into out; its other layouts and its biased runs take the paths above. One variant plants inf and
-  // NaN, one overflows: a float sum above T's largest value rounds to inf only at the end (bf16: 3e38 twice).
+  // partial last tiles among them. One variant plants inf and NaN, one overflows: a float sum above T's largest
+  // value rounds to inf only at the end (bf16: 3e38 twice).
   struct Shape3 {
     int64_t M, K, N;
   };
@@ -155,8 +153,8 @@ template <class T>
 void check_thread_counts(cpu::Gemm16Isa isa) {
   // Threads split A's tiles (or, for a short A, B's slivers); each output is still one float sum in order of
   // k, so the split must not show. Shapes: many tiles, fewer tiles than threads; A in either layout; a last
-  // sliver of 4 columns (N = 196) for narrow_tiles; a transposed A against a wide row-major B (5 x 700), which
-  // runs as the transposed product (its 700 rows split among the threads).
+  // sliver of 4 columns (N = 196) for narrow_tiles; B column-major (widened sliver by sliver) and, once,
+  // row-major (row by row).
   for (auto [M, K, N, a_rows, b_rows] :
        {std::tuple<int64_t, int64_t, int64_t, bool, bool>{300, 520, 200, false, false},
         {5, 600, 700, false, false}, {300, 520, 300, true, false}, {5, 600, 700, true, false},
@@ -257,10 +255,12 @@ TEST(Gemm16, GivesTheSameBitsOnAnyThreadCount) {
 namespace {
 
 // An f16 (or bf16) matmul and linear layer give gemm16's bits, the in-order float sum, in every layout of
-// their operands, on each kernel, and the backward multiplies the 16-bit gradient in place.
+// their operands, on each kernel, and the backward multiplies the 16-bit gradient in place. With A transposed,
+// B row-major, no bias and N >= 2M (a weight gradient's shape), the AVX-512 kernel's products run as
+// out^T = B^T A^T transposed into out (tensor/cpu/matmul.cpp, transpose_wide_product): 24 x 100, on two
+// threads where there are two.
 template <class T>
-void check_matmul_and_linear() {
-  constexpr int64_t M = 40, K = 70, N = 50;
+void check_matmul_and_linear(int64_t M, int64_t K, int64_t N) {
   const DType dtype = std::is_same_v<T, Half> ? DType::F16 : DType::BF16;
   const std::vector<float> av = random_values<T>(M * K, 21), bv = random_values<T>(K * N, 22),
                            biasv = random_values<T>(N, 23);
@@ -268,7 +268,7 @@ void check_matmul_and_linear() {
     return Tensor::from_vector(std::vector<double>(v.begin(), v.end()), shape, dtype);
   };
   const Tensor a = tensor(av, {M, K}), b = tensor(bv, {K, N}), bias = tensor(biasv, {N});
-  std::vector<double> want(M * N), want_bias(M * N);
+  std::vector<double> want(static_cast<size_t>(M * N)), want_bias(static_cast<size_t>(M * N));
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t n = 0; n < N; ++n) {
       want[static_cast<size_t>(m * N + n)] = T::from_bits(reference<T>(av, bv, nullptr, K, N, m, n));
@@ -277,7 +277,8 @@ void check_matmul_and_linear() {
   }
   for (cpu::Gemm16Isa isa : kernels()) {
     const Gemm16Setting setting(isa);
-    SCOPED_TRACE(std::string(name_of<T>()) + " " + cpu::gemm16_isa_name(isa));
+    SCOPED_TRACE(std::string(name_of<T>()) + " " + cpu::gemm16_isa_name(isa) + " " + std::to_string(M) + "x" +
+                 std::to_string(K) + "x" + std::to_string(N));
     EXPECT_FALSE(backend_of(a).matmul_widens(dtype));
     for (const Tensor& x : {a, a.mT().contiguous().mT()}) {
       for (const Tensor& y : {b, b.mT().contiguous().mT()}) {
@@ -295,9 +296,11 @@ TEST(Gemm16, MatmulAndLinearRunOnItWhereTheCpuHasNoGemmOfItsOwn) {
   // oneDNN has no bf16 GEMM for the CPU (an AVX2 machine) or where the CPU's bf16 dot product is slow (a Xeon
   // without AMX), and which a test can ask for anywhere.
   if (kernels().empty()) GTEST_SKIP() << "no AVX2 or AVX-512 here: 16-bit products go through the f32 GEMM";
-  if (!cpu::f16_matmul_splits()) check_matmul_and_linear<Half>();
-  const mixtape::testing::Bf16GemmSetting f32_route(cpu::Bf16Gemm::F32);
-  check_matmul_and_linear<BFloat16>();
+  for (auto [M, K, N] : {std::tuple<int64_t, int64_t, int64_t>{40, 70, 50}, {24, 600, 100}}) {
+    if (!cpu::f16_matmul_splits()) check_matmul_and_linear<Half>(M, K, N);
+    const mixtape::testing::Bf16GemmSetting f32_route(cpu::Bf16Gemm::F32);
+    check_matmul_and_linear<BFloat16>(M, K, N);
+  }
 }
 
 TEST(Gemm16, RefusesWhatItCannotReadOrRun) {

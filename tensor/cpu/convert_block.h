@@ -1,8 +1,8 @@
 #pragma once
 // Contiguous runs of 16-bit values widened to float and rounded back in one vectorised pass (fp16 by F16C's
-// vcvtph2ps / vcvtps2ph, bf16 by a shift and an integer rounding; 16 at a time with AVX-512, 8 with AVX2).
-// Same results as convert<> element by element (round to nearest even), just without a scalar conversion per
-// element.
+// vcvtph2ps / vcvtps2ph, bf16 by a shift and an integer rounding): 16 at a time with AVX-512, then 8 at a time
+// (fp16 both ways with F16C, bf16 rounding with AVX2), the rest one by one. Same results as convert<> element
+// by element (round to nearest even; a NaN made quiet), just without a scalar conversion per element.
 #include <cstdint>
 #include <type_traits>
 #if defined(__F16C__) || defined(__AVX512F__)
@@ -71,8 +71,16 @@ template <class T>
 inline void widen_block(const T* src, float* dst, int64_t n) {
   int64_t j = 0;
 #if defined(__AVX512F__)
-  if constexpr (kSixteenBit<T>)
+  if constexpr (std::is_same_v<T, Half>)  // vcvtph2ps quiets a signalling NaN, as convert<float> does
     for (; j + 16 <= n; j += 16) _mm512_storeu_ps(dst + j, load16_as_float(src + j));
+  if constexpr (std::is_same_v<T, BFloat16>) {  // the shift keeps a signalling NaN; convert<float> quiets it
+    for (; j + 16 <= n; j += 16) {
+      const __m512 v = load16_as_float(src + j);
+      const __m512i quiet = _mm512_mask_or_epi32(_mm512_castps_si512(v), _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
+                                                 _mm512_castps_si512(v), _mm512_set1_epi32(0x400000));
+      _mm512_storeu_ps(dst + j, _mm512_castsi512_ps(quiet));
+    }
+  }
 #endif
 #if defined(__F16C__)
   if constexpr (std::is_same_v<T, Half>)
@@ -92,6 +100,11 @@ inline void narrow_block(const float* src, T* dst, int64_t n) {
 #if defined(__AVX2__) && defined(__F16C__)
   if constexpr (kSixteenBit<T>)
     for (; j + 8 <= n; j += 8) store8_from_float(dst + j, _mm256_loadu_ps(src + j));
+#elif defined(__F16C__)
+  if constexpr (std::is_same_v<T, Half>)
+    for (; j + 8 <= n; j += 8)
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + j),
+                       _mm256_cvtps_ph(_mm256_loadu_ps(src + j), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 #endif
   for (; j < n; ++j) dst[j] = convert<T>(src[j]);
 }

@@ -20,8 +20,6 @@
 //   - Each thread takes an even share of A's tiles and widens them a block of ~kABlockBytes at a time
 //     (row-major when A is; packed per tile, k-major, when A is transposed), so the block stays in the core's
 //     L2 while every B sliver passes over it. An A with fewer tiles than threads splits the slivers instead.
-//   - A transposed A against a row-major B at least twice as wide as A is tall runs as the transposed product
-//     (run_oriented), so the widened B is the smaller operand.
 //   - Per k the kernel loads two vectors of B and broadcasts kMR values of A into 2 kMR FMAs. A last sliver
 //     of at most one vector's width takes a tile of one vector per row; one of at most kNarrow columns against
 //     a packed A is multiplied with the vectors along A's rows instead (narrow_tiles).
@@ -409,29 +407,6 @@ void run(int64_t M, int64_t K, int64_t N, const Matrix16<T>& a, const Matrix16<T
   }
 }
 
-// A transposed A (a weight gradient's g^T) against a row-major B at least twice as wide as A is tall (the MLP's
-// down projection: g^T [256, 2048] times x [2048, 1024]) runs as its transpose, C^T = B^T A^T, into a scratch
-// C^T that is then transposed into out. The widened B the threads share is then [K, M], not [K, N]: 2 MiB
-// instead of 8 for the down projection, streamed from L3 once per A block. The sums are the same (each output
-// sums the same exact products in order of k), so the bits are too. Only without a bias: the kernel adds it
-// along its columns. bench_ops' best iterations, 2 threads, on a Xeon without AMX (A/B alternated three times):
-// f16 At_256x2048x1024 280 against 260 GFLOP/s, bf16 271 against 258, the vocabulary head's At_65x2048x256 (f16)
-// 192 against 172. The other way round (At_1024x2048x256) it loses, hence the factor of 2.
-template <class Isa, class T>
-void run_oriented(int64_t M, int64_t K, int64_t N, const Matrix16<T>& a, const Matrix16<T>& b, const T* bias,
-                  T* out, int64_t out_row_stride) {
-  const bool packed_a = a.col_stride != 1, row_major_b = b.col_stride == 1 && b.row_stride != 1;
-  if (bias != nullptr || !packed_a || !row_major_b || N < 2 * M) {
-    run<Isa>(M, K, N, a, b, bias, out, out_row_stride);
-    return;
-  }
-  const Matrix16<T> b_t{b.data, b.col_stride, b.row_stride};  // (n, k) = b(k, n): a transposed A
-  const Matrix16<T> a_t{a.data, a.col_stride, a.row_stride};  // (k, m) = a(m, k): a row-major B
-  const Tensor c_t = Tensor::empty({N, M}, std::is_same_v<T, Half> ? DType::F16 : DType::BF16);
-  run<Isa>(N, K, M, b_t, a_t, static_cast<const T*>(nullptr), c_t.data<T>(), M);
-  transpose16_into(c_t.data<T>(), M, M, N, out, out_row_stride);
-}
-
 }  // namespace
 
 const char* gemm16_isa_name(Gemm16Isa isa) {
@@ -484,10 +459,10 @@ void gemm16(int64_t M, int64_t K, int64_t N, const Matrix16<T>& a, const Matrix1
          a.col_stride, "; b strides ", b.row_stride, ", ", b.col_stride, ")");
   switch (gemm16_isa()) {
 #if defined(MIXTAPE_GEMM16_AVX512)
-    case Gemm16Isa::Avx512: return run_oriented<Avx512>(M, K, N, a, b, bias, out, out_row_stride);
+    case Gemm16Isa::Avx512: return run<Avx512>(M, K, N, a, b, bias, out, out_row_stride);
 #endif
 #if defined(MIXTAPE_GEMM16_AVX2)
-    case Gemm16Isa::Avx2: return run_oriented<Avx2>(M, K, N, a, b, bias, out, out_row_stride);
+    case Gemm16Isa::Avx2: return run<Avx2>(M, K, N, a, b, bias, out, out_row_stride);
 #endif
     default:
       fail("gemm16 (", name, "): not supported: ",

@@ -373,7 +373,8 @@ bool transposed_layout(const MatrixLayout& m) { return m.row_stride == 1 && m.co
 
 // Whether A (a transposed operand: unit row stride) is better packed row-major before an f32 GEMM. oneDNN
 // 2.6's AVX2 sgemm reads such an A up to 2x slower when the product is tall and narrow: a weight gradient
-// X^T dY of a layer with a wide input and a narrow output ([1024, 2048] x [2048, 256] in the GPT's MLP).
+// dY^T X of a layer with a narrow input and a wide output ([1024, 2048] x [2048, 256]: the GPT's MLP up
+// projection).
 // Measured on Zen 3 with the transposing copy included: M >= 512 with N <= 256 gains 1.04x-1.6x, wider
 // products gain nothing; bench_ops' matmul_f32 At_ rows track it. oneDNN's AVX-512 kernels were not
 // measured this way, so there A keeps its own strides.
@@ -398,18 +399,30 @@ bool pack_transposed_bf16_a(const MatmulGeometry& g) {
 // product is the tall, narrow one pack_transposed_a packs (B row-major, so B^T is read transposed), and
 // out^T is transposed into out by the tiled copy. By oneDNN's source, its AVX2 sgemm driver picks the
 // no-copy kernel for a product this narrow (1/M + 1/N >= 0.0038), which reads the wide B in place; the GPT's
-// MLP weight gradient X^T dY ([256, 2048] x [2048, 1024]) took 14.6 ms (~74 GFLOP/s) in the training step
-// (ONEDNN_VERBOSE) against 119-154 GFLOP/s for the other large GEMMs. Measured on Zen 3 (a scratch program
-// timing oneDNN primitives, 2 threads, packing and the final transpose included): M = 256 with N in
-// 512..2048 gains 1.04x-1.7x with A plain or transposed; M = 128 and M >= 384 were mixed (0.72x-1.47x) and
-// are left alone. bench_ops' matmul_f32/At_256x2048x1024 row tracks it. No bias (it would have to join
+// MLP down projection's weight gradient dY^T X ([256, 2048] x [2048, 1024]) took 14.6 ms (~74 GFLOP/s) in
+// the training step (ONEDNN_VERBOSE) against 119-154 GFLOP/s for the other large GEMMs. Measured on Zen 3 (a
+// scratch program timing oneDNN primitives, 2 threads, packing and the final transpose included): M = 256
+// with N in 512..2048 gains 1.04x-1.7x with A plain or transposed; M = 128 and M >= 384 were mixed (0.72x-1.47x)
+// and are left alone. bench_ops' matmul_f32/At_256x2048x1024 row tracks it. No bias (it would have to join
 // out^T's rows); AVX-512 CPUs were not measured (pack_transposed_a is false there).
 // For bf16 (pack_transposed_bf16_a): a product with A transposed, B row-major and M > N.
+// For a product gemm16 takes (`gemm16_route`, see gemm16_geometry), only its own rule: A transposed, B row-major
+// and N >= 2M, with the AVX-512 kernel. gemm16 widens B whole into f32 slivers that every A block streams; for
+// the MLP down projection's weight gradient g^T x ([256, 2048] x [2048, 1024]) that is 8 MiB, transposed it is
+// g's 2 MiB. bench_ops' best iterations, 2 threads, on a Xeon without AMX, A/B alternated: in a quiet hour (with
+// the transpose inside gemm16, best of 3) f16 At_256x2048x1024 280 against 260 GFLOP/s, bf16 271 against 258,
+// the vocabulary head's At_65x2048x256 (f16) 192 against 172; in a noisy one (as here, best of 5) 258 against
+// 257, 275 against 251 and 186 against 169. The other orientation, At_1024x2048x256, lost. Measured at N/M = 4
+// and 1/4 only; the threshold of 2 between them is a guess. AVX2 was not measured (its 16-bit transposing copy
+// has no register path). Same bits either way: each output sums the same exact products in order of k.
 // `widen`: a bf16 product goes through f32 (it is then judged as an f32 one).
-bool transpose_wide_product(const MatmulGeometry& g, bool bias, DType dtype, bool widen) {
+bool transpose_wide_product(const MatmulGeometry& g, bool bias, DType dtype, bool widen, bool gemm16_route) {
   auto transposed = [](const MatrixLayout& m) { return MatrixLayout{m.batch, m.col_stride, m.row_stride}; };
   const MatmulGeometry swapped{g.batch, g.N, g.K, g.M, transposed(g.b), transposed(g.a), transposed(g.out)};
   if (bias) return false;
+  if (gemm16_route)
+    return gemm16_isa() == Gemm16Isa::Avx512 && transposed_layout(g.a) && g.b.col_stride == 1 &&
+           g.b.row_stride != 1 && g.N >= 2 * g.M;
   if (dtype == DType::BF16 && !widen)
     return g.M > g.N && transposed_layout(g.a) && pack_transposed_bf16_a(swapped);
   return g.M > 128 && g.K >= 512 && pack_transposed_a(swapped);
@@ -571,17 +584,18 @@ bool split_matmul(const Plan& plan, const MatmulGeometry& g, const Tensor& a, co
   return true;
 }
 
-// An f16 or bf16 product by gemm16 (tensor/cpu/gemm16.cpp): unbatched, each operand with a unit stride along
-// one dim, rows of out contiguous. False (nothing written) for any other geometry, which then goes through
-// f32.
+// Whether gemm16 (tensor/cpu/gemm16.cpp) takes an f16 or bf16 product of this geometry: unbatched, each
+// operand with a unit stride along one dim, rows of out contiguous. Any other geometry goes through f32.
+bool gemm16_geometry(const MatmulGeometry& g) {
+  const auto unit = [](const MatrixLayout& m) { return m.row_stride == 1 || m.col_stride == 1; };
+  return gemm16_isa() != Gemm16Isa::None && g.batch.empty() && g.out.col_stride == 1 && unit(g.a) && unit(g.b);
+}
+
 template <class T>
-bool own_gemm16(const MatmulGeometry& g, const Tensor& a, const Tensor& b, const Tensor& bias, const Tensor& out) {
-  if (gemm16_isa() == Gemm16Isa::None || !g.batch.empty() || g.out.col_stride != 1) return false;
+void own_gemm16(const MatmulGeometry& g, const Tensor& a, const Tensor& b, const Tensor& bias, const Tensor& out) {
   const Matrix16<T> am{a.data<T>(), g.a.row_stride, g.a.col_stride};
   const Matrix16<T> bm{b.data<T>(), g.b.row_stride, g.b.col_stride};
-  if (!gemm16_takes(am, bm)) return false;
   gemm16(g.M, g.K, g.N, am, bm, bias.defined() ? bias.data<T>() : nullptr, out.data<T>(), g.out.row_stride);
-  return true;
 }
 
 // ---- bf16 products: oneDNN's bf16 GEMM or f32 FMAs ------------------------------------------------------
@@ -756,15 +770,20 @@ void CpuBackend::matmul(const Tensor& a, const Tensor& b, const Tensor& out, con
   // 16-bit products without a oneDNN GEMM of their own: gemm16, where the geometry allows. The bf16 route is
   // read once, so that a set_bf16_gemm on another thread cannot split one product between routes.
   const bool widen = a.dtype() == DType::BF16 && bf16_gemm() == Bf16Gemm::F32;
-  if (a.dtype() == DType::F16 && !f16_matmul_splits() && own_gemm16<Half>(g, a, b, bias, out)) return;
-  if (widen && own_gemm16<BFloat16>(g, a, b, bias, out)) return;
-  if (transpose_wide_product(g, has_bias, a.dtype(), widen)) {  // out^T = B^T A^T, then out^T transposed into out
+  const bool gemm16_route = ((a.dtype() == DType::F16 && !f16_matmul_splits()) || widen) && gemm16_geometry(g);
+  // out^T = B^T A^T, then out^T transposed into out (the product of B^T A^T takes the same route, untransposed)
+  if (transpose_wide_product(g, has_bias, a.dtype(), widen, gemm16_route)) {
     const Tensor b_t = make_view(b, {g.N, g.K}, {g.b.col_stride, g.b.row_stride}, b.offset());
     const Tensor a_t = make_view(a, {g.K, g.M}, {g.a.col_stride, g.a.row_stride}, a.offset());
     const Tensor out_t = Tensor::empty({g.N, g.M}, out.dtype(), out.device());
     matmul(b_t, a_t, out_t, Tensor());
     copy(make_view(out_t, {g.M, g.N}, {1, g.M}, 0),
          make_view(out, {g.M, g.N}, {g.out.row_stride, g.out.col_stride}, out.offset()));
+    return;
+  }
+  if (gemm16_route) {
+    if (a.dtype() == DType::F16) own_gemm16<Half>(g, a, b, bias, out);
+    else own_gemm16<BFloat16>(g, a, b, bias, out);
     return;
   }
 
