@@ -581,8 +581,8 @@ TEST(Half, LibraryConversionsAgreeWithThePortableReferenceOnEveryValue) {
 // The same for bf16: the copy kernel's vectorised conversions (tensor/cpu/convert_block.h: 16 at a time with
 // AVX-512, then rounding 8 at a time with AVX2, the rest one by one) against the integer reference, on every
 // tie and its neighbours, the float subnormals, NaNs (signalling ones among them) and random floats, and the
-// widening (a shift, NaNs made quiet) on every bf16 pattern. Each conversion runs whole and in slices of 24
-// (16 + 8 values) and of 13 from an offset of 3, so that every value passes through each width of loop.
+// widening (a shift, NaNs made quiet) on every bf16 pattern. Each conversion runs whole, in slices of 24 (16 + 8
+// values) from offsets 0, 8 and 16, and in slices of 7, so that every value passes through each width of loop.
 TEST(BFloat16, LibraryConversionsAgreeWithTheReferenceOnEveryValue) {
   std::vector<float> floats;
   std::vector<uint16_t> want;
@@ -597,12 +597,14 @@ TEST(BFloat16, LibraryConversionsAgreeWithTheReferenceOnEveryValue) {
   for (int i = 0; i < 100000; ++i) add(static_cast<uint32_t>(rng()));
   const int64_t total = static_cast<int64_t>(floats.size());
   const Tensor all = Tensor::from_vector(floats, {total});
-  // Converts all[start, end) for every slice of `width` (the last one shorter) after `offset`.
+  // Converts all[start, end) for every slice of `width` (the last one shorter) after `offset`, and the values
+  // before `offset` in slices of 8 (the offsets are multiples of 8: each value meets the 8-wide loop once).
   auto slices = [](int64_t size, int64_t offset, int64_t width, auto&& body) {
+    for (int64_t start = 0; start < offset; start += 8) body(start, std::min(offset, start + 8));
     for (int64_t start = offset; start < size; start += width) body(start, std::min(size, start + width));
   };
   size_t bad = 0;
-  for (auto [offset, width] : {std::pair<int64_t, int64_t>{0, total}, {0, 24}, {3, 13}}) {
+  for (auto [offset, width] : {std::pair<int64_t, int64_t>{0, total}, {0, 24}, {8, 24}, {16, 24}, {0, 7}}) {
     slices(total, offset, width, [&](int64_t start, int64_t end) {
       const Tensor b = all.slice(0, start, end).to(DType::BF16).contiguous();
       const uint16_t* bb = static_cast<const uint16_t*>(b.data_ptr());
@@ -618,7 +620,7 @@ TEST(BFloat16, LibraryConversionsAgreeWithTheReferenceOnEveryValue) {
   Tensor every = Tensor::empty({65536}, DType::BF16, Device::cpu());
   uint16_t* eb = static_cast<uint16_t*>(every.data_ptr());
   for (uint32_t bits = 0; bits < 65536; ++bits) eb[bits] = static_cast<uint16_t>(bits);
-  for (auto [offset, width] : {std::pair<int64_t, int64_t>{0, 65536}, {0, 24}, {3, 13}}) {
+  for (auto [offset, width] : {std::pair<int64_t, int64_t>{0, 65536}, {0, 24}, {8, 24}, {16, 24}, {0, 7}}) {
     slices(65536, offset, width, [&](int64_t start, int64_t end) {
       const std::vector<float> back = every.slice(0, start, end).to(DType::F32).to_vector<float>();
       for (int64_t i = start; i < end; ++i) {

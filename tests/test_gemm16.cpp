@@ -256,8 +256,8 @@ namespace {
 
 // An f16 (or bf16) matmul and linear layer give gemm16's bits, the in-order float sum, in every layout of
 // their operands, on each kernel, and the backward multiplies the 16-bit gradient in place. With A transposed,
-// B row-major, no bias and N >= 2M (a weight gradient's shape), the AVX-512 kernel's products run as
-// out^T = B^T A^T transposed into out (tensor/cpu/matmul.cpp, transpose_wide_product): 24 x 100, on two
+// B row-major, no bias and N >= 2M >= 128 (a weight gradient's shape), the AVX-512 kernel's products run as
+// out^T = B^T A^T transposed into out (tensor/cpu/matmul.cpp, transpose_wide_product): 64 x 130, on two
 // threads where there are two.
 template <class T>
 void check_matmul_and_linear(int64_t M, int64_t K, int64_t N) {
@@ -296,7 +296,7 @@ TEST(Gemm16, MatmulAndLinearRunOnItWhereTheCpuHasNoGemmOfItsOwn) {
   // oneDNN has no bf16 GEMM for the CPU (an AVX2 machine) or where the CPU's bf16 dot product is slow (a Xeon
   // without AMX), and which a test can ask for anywhere.
   if (kernels().empty()) GTEST_SKIP() << "no AVX2 or AVX-512 here: 16-bit products go through the f32 GEMM";
-  for (auto [M, K, N] : {std::tuple<int64_t, int64_t, int64_t>{40, 70, 50}, {24, 600, 100}}) {
+  for (auto [M, K, N] : {std::tuple<int64_t, int64_t, int64_t>{40, 70, 50}, {64, 300, 130}}) {
     if (!cpu::f16_matmul_splits()) check_matmul_and_linear<Half>(M, K, N);
     const mixtape::testing::Bf16GemmSetting f32_route(cpu::Bf16Gemm::F32);
     check_matmul_and_linear<BFloat16>(M, K, N);

@@ -49,11 +49,13 @@ inline void store16_from_float(BFloat16* p, __m512 v) {
 }
 #endif
 
-#if defined(__AVX2__) && defined(__F16C__)
-// 8 floats rounded into 8 consecutive values, as store16_from_float does 16.
+// 8 floats rounded into 8 consecutive values, as store16_from_float does 16 (fp16 needs F16C, bf16 AVX2 too).
+#if defined(__F16C__)
 inline void store8_from_float(Half* p, __m256 v) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
+#endif
+#if defined(__AVX2__) && defined(__F16C__)
 inline void store8_from_float(BFloat16* p, __m256 v) {
   const __m256i bits = _mm256_castps_si256(v), high = _mm256_srli_epi32(bits, 16);
   const __m256i odd = _mm256_and_si256(high, _mm256_set1_epi32(1));
@@ -97,14 +99,13 @@ inline void narrow_block(const float* src, T* dst, int64_t n) {
   if constexpr (kSixteenBit<T>)
     for (; j + 16 <= n; j += 16) store16_from_float(dst + j, _mm512_loadu_ps(src + j));
 #endif
-#if defined(__AVX2__) && defined(__F16C__)
-  if constexpr (kSixteenBit<T>)
-    for (; j + 8 <= n; j += 8) store8_from_float(dst + j, _mm256_loadu_ps(src + j));
-#elif defined(__F16C__)
+#if defined(__F16C__)
   if constexpr (std::is_same_v<T, Half>)
-    for (; j + 8 <= n; j += 8)
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + j),
-                       _mm256_cvtps_ph(_mm256_loadu_ps(src + j), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    for (; j + 8 <= n; j += 8) store8_from_float(dst + j, _mm256_loadu_ps(src + j));
+#endif
+#if defined(__AVX2__) && defined(__F16C__)
+  if constexpr (std::is_same_v<T, BFloat16>)
+    for (; j + 8 <= n; j += 8) store8_from_float(dst + j, _mm256_loadu_ps(src + j));
 #endif
   for (; j < n; ++j) dst[j] = convert<T>(src[j]);
 }

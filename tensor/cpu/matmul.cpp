@@ -407,13 +407,14 @@ bool pack_transposed_bf16_a(const MatmulGeometry& g) {
 // out^T's rows); AVX-512 CPUs were not measured (pack_transposed_a is false there).
 // For bf16 (pack_transposed_bf16_a): a product with A transposed, B row-major and M > N.
 // For a product gemm16 takes (`gemm16_route`, see gemm16_geometry), only its own rule: A transposed, B row-major
-// and N >= 2M, with the AVX-512 kernel. gemm16 widens B whole into f32 slivers that every A block streams; for
+// and N >= 2M >= 128, with the AVX-512 kernel. gemm16 widens B whole into f32 slivers that every A block streams; for
 // the MLP down projection's weight gradient g^T x ([256, 2048] x [2048, 1024]) that is 8 MiB, transposed it is
 // g's 2 MiB. bench_ops' best iterations, 2 threads, on a Xeon without AMX, A/B alternated: in a quiet hour (with
 // the transpose inside gemm16, best of 3) f16 At_256x2048x1024 280 against 260 GFLOP/s, bf16 271 against 258,
 // the vocabulary head's At_65x2048x256 (f16) 192 against 172; in a noisy one (as here, best of 5) 258 against
 // 257, 275 against 251 and 186 against 169. The other orientation, At_1024x2048x256, lost. Measured at N/M = 4
-// and 1/4 only; the threshold of 2 between them is a guess. AVX2 was not measured (its 16-bit transposing copy
+// and 1/4 only, M = 65 and 256: the threshold of 2 between them is a guess, and smaller products keep their
+// orientation. AVX2 was not measured (its 16-bit transposing copy
 // has no register path). Same bits either way: each output sums the same exact products in order of k.
 // `widen`: a bf16 product goes through f32 (it is then judged as an f32 one).
 bool transpose_wide_product(const MatmulGeometry& g, bool bias, DType dtype, bool widen, bool gemm16_route) {
@@ -422,7 +423,7 @@ bool transpose_wide_product(const MatmulGeometry& g, bool bias, DType dtype, boo
   if (bias) return false;
   if (gemm16_route)
     return gemm16_isa() == Gemm16Isa::Avx512 && transposed_layout(g.a) && g.b.col_stride == 1 &&
-           g.b.row_stride != 1 && g.N >= 2 * g.M;
+           g.b.row_stride != 1 && g.M >= 64 && g.N >= 2 * g.M;
   if (dtype == DType::BF16 && !widen)
     return g.M > g.N && transposed_layout(g.a) && pack_transposed_bf16_a(swapped);
   return g.M > 128 && g.K >= 512 && pack_transposed_a(swapped);
@@ -768,7 +769,8 @@ void CpuBackend::matmul(const Tensor& a, const Tensor& b, const Tensor& out, con
   check(a.dtype() == DType::F32 || is_low_precision(a.dtype()), "cpu matmul: dtype ", dtype_name(a.dtype()),
         " is not supported (expected f32, f16, bf16 or f64)");
   // 16-bit products without a oneDNN GEMM of their own: gemm16, where the geometry allows. The bf16 route is
-  // read once, so that a set_bf16_gemm on another thread cannot split one product between routes.
+  // read once per call, so that a set_bf16_gemm on another thread cannot split one product between routes (a
+  // transposed product's inner call reads it again; either route gives the whole product).
   const bool widen = a.dtype() == DType::BF16 && bf16_gemm() == Bf16Gemm::F32;
   const bool gemm16_route = ((a.dtype() == DType::F16 && !f16_matmul_splits()) || widen) && gemm16_geometry(g);
   // out^T = B^T A^T, then out^T transposed into out (the product of B^T A^T takes the same route, untransposed)
