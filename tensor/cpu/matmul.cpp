@@ -407,15 +407,15 @@ bool pack_transposed_bf16_a(const MatmulGeometry& g) {
 // out^T's rows); AVX-512 CPUs were not measured (pack_transposed_a is false there).
 // For bf16 (pack_transposed_bf16_a): a product with A transposed, B row-major and M > N.
 // For a product gemm16 takes (`gemm16_route`, see gemm16_geometry), only its own rule: A transposed, B row-major
-// and N >= 2M >= 128, with the AVX-512 kernel. gemm16 widens B whole into f32 slivers that every A block streams; for
-// the MLP down projection's weight gradient g^T x ([256, 2048] x [2048, 1024]) that is 8 MiB, transposed it is
-// g's 2 MiB. bench_ops' best iterations, 2 threads, on a Xeon without AMX, A/B alternated: in a quiet hour (with
-// the transpose inside gemm16, best of 3) f16 At_256x2048x1024 280 against 260 GFLOP/s, bf16 271 against 258,
-// the vocabulary head's At_65x2048x256 (f16) 192 against 172; in a noisy one (as here, best of 5) 258 against
-// 257, 275 against 251 and 186 against 169. The other orientation, At_1024x2048x256, lost. Measured at N/M = 4
-// and 1/4 only, M = 65 and 256: the threshold of 2 between them is a guess, and smaller products keep their
-// orientation. AVX2 was not measured (its 16-bit transposing copy
-// has no register path). Same bits either way: each output sums the same exact products in order of k.
+// and N >= 2M >= 128, with the AVX-512 kernel. gemm16 widens B whole into f32 slivers that every A block
+// streams; for the MLP down projection's weight gradient g^T x ([256, 2048] x [2048, 1024]) that is 8 MiB,
+// transposed it is g's 2 MiB. bench_ops' best iterations, 2 threads, on a Xeon without AMX, A/B alternated: in a
+// quiet hour (with the transpose inside gemm16, best of 3) f16 At_256x2048x1024 280 against 260 GFLOP/s, bf16
+// 271 against 258, the vocabulary head's At_65x2048x256 (f16) 192 against 172; in a noisy one (as here, best of
+// 5) 258 against 257, 275 against 251 and 186 against 169. The other orientation, At_1024x2048x256, lost.
+// Measured at N/M = 4 and 1/4 only, M = 65 and 256: the threshold of 2 between them is a guess, and smaller
+// products keep their orientation. AVX2 was not measured (its 16-bit transposing copy has no register path).
+// Same bits either way: each output sums the same exact products in order of k.
 // `widen`: a bf16 product goes through f32 (it is then judged as an f32 one).
 bool transpose_wide_product(const MatmulGeometry& g, bool bias, DType dtype, bool widen, bool gemm16_route) {
   auto transposed = [](const MatrixLayout& m) { return MatrixLayout{m.batch, m.col_stride, m.row_stride}; };
@@ -588,8 +588,9 @@ bool split_matmul(const Plan& plan, const MatmulGeometry& g, const Tensor& a, co
 // Whether gemm16 (tensor/cpu/gemm16.cpp) takes an f16 or bf16 product of this geometry: unbatched, each
 // operand with a unit stride along one dim, rows of out contiguous. Any other geometry goes through f32.
 bool gemm16_geometry(const MatmulGeometry& g) {
-  const auto unit = [](const MatrixLayout& m) { return m.row_stride == 1 || m.col_stride == 1; };
-  return gemm16_isa() != Gemm16Isa::None && g.batch.empty() && g.out.col_stride == 1 && unit(g.a) && unit(g.b);
+  const auto layout = [](const MatrixLayout& m) { return Matrix16<Half>{nullptr, m.row_stride, m.col_stride}; };
+  return gemm16_isa() != Gemm16Isa::None && g.batch.empty() && g.out.col_stride == 1 &&
+         gemm16_takes(layout(g.a), layout(g.b));
 }
 
 template <class T>
