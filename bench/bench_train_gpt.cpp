@@ -19,21 +19,26 @@
 // The PyTorch side is bench/pytorch_train_step.py (the same model as tests/pytorch_parity.py, torch threads =
 // this process's OpenMP threads), run as a child process, once in fp32 and once under bf16 autocast
 // (torch.autocast("cpu", dtype=torch.bfloat16) around forward + loss, no GradScaler: PyTorch's CPU AMP). The
-// comparison runs in rounds: the mixtape modes' steps of a round interleaved step by step (one step of every
-// mode, the first mode rotating, then again), then both PyTorch runs, so a burst of load from another process
-// on a shared machine hits every side; each side's figure is the median of all its timed steps (first steps of
-// each side excluded as warm-up), and the table also shows the best step. --blocked runs each mode's steps of
-// a round in one block instead (the order before 2026-11-29): two modes' medians then come from windows seconds
-// apart, and the mode-against-fp32 verdict below carries the machine's drift between them. A ratio "vs X" is
-// X's median ms/step / the row's median ms/step = the row's tokens/s / X's tokens/s (> 1: the row is faster).
+// comparison runs in rounds: the mixtape modes' steps of a round interleaved in cycles (one step of every
+// mode, the first mode rotating from cycle to cycle), then both PyTorch runs, so a burst of load from another
+// process on a shared machine hits every side; each side's figure is the median of all its timed steps (first
+// steps of each side excluded as warm-up), and the table also shows the best step. --blocked runs each mode's
+// steps of a round in one block instead (the order before 2026-11-29): two modes' medians then come from
+// windows seconds apart, and a mode-against-fp32 ratio carries the machine's drift between them. A ratio "vs X"
+// is X's median ms/step / the row's median ms/step = the row's tokens/s / X's tokens/s (> 1: the row is
+// faster). "paired vs mixtape fp32" is the median over the cycles c of fp32's step c / the row's step c: the
+// two steps of a pair ran within one cycle (a mode k places after fp32 in the run order runs k or n - k steps
+// from it, n sides in all), so load that comes and goes over seconds cancels out of it.
 //
 // Targets printed at the end: mixtape fp32 >= 3x PyTorch fp32 (issue 3), mixtape bf16 >= 1.5x PyTorch bf16
-// autocast, and every fp16/bf16 mode at least as fast as mixtape fp32 (the verdict names the slowest such
-// mode and the range of its ratio over the rounds, each round's median against fp32's in the same round).
+// autocast, and every fp16/bf16 mode at least as fast as mixtape fp32, judged on the paired ratio (the verdict
+// names the slowest such mode, with its ratio of medians and that ratio's range over the rounds, each round's
+// median against fp32's in the same round).
 //
-// --control adds a second fp32 trainer ("fp32 control", the same weights, batches and code as fp32) to the
-// mixtape sides and prints its ratio against fp32 the way the verdict above is taken: how far from 1.00 the
-// machine's noise alone moves that verdict in the same run.
+// --control adds a second fp32 trainer ("fp32 control": the same code, starting from the same weights) and
+// prints its paired ratio and ratio of medians against fp32: how far from 1.00 the machine's noise alone moves
+// them in the same run. It runs n / 2 places from fp32 in the run order, as far from it as any side can be, so
+// its pairs are no closer in time than any mode's.
 //
 // --phases adds a table after the comparison: for each mixtape mode the median forward, backward and
 // optimizer time of its timed steps (StepStats), and its forward and backward per op (a ForwardProfiler and a
@@ -396,15 +401,24 @@ void compare(int rounds, int steps, bool blocked, bool with_pytorch, bool phases
   Timed torch_fp32{"PyTorch fp32", {}}, torch_bf16{"PyTorch bf16 autocast", {}};
   std::string version, blas, why;
   for (const auto& side : sides()) side->step();  // warm-up
+  // The run order: the sides in --precision order, the control (the last side, when there is one) moved to the
+  // middle, n / 2 places from fp32 either way round the cycle.
+  const size_t n = sides().size();
+  std::vector<size_t> order(n);
+  for (size_t k = 0; k < n; ++k) order[k] = k;
+  if (n > 1 && sides().back()->name != sides().back()->mode) {
+    order.pop_back();
+    order.insert(order.begin() + static_cast<std::ptrdiff_t>(n / 2), n - 1);
+  }
+  size_t cycle = 0;
   for (int r = 0; r < rounds; ++r) {
-    const size_t n = sides().size();
     if (blocked) {
-      for (size_t k = 0; k < n; ++k)
+      for (size_t k : order)
         for (int i = 0; i < steps; ++i) mixtape[k].ms.push_back(sides()[k]->step_ms(phases));
-    } else {  // step i of the round: one step of every mode, from mode i mod n on
-      for (int i = 0; i < steps; ++i)
+    } else {  // a cycle: one step of every side, in the run order from place (cycle mod n) on
+      for (int i = 0; i < steps; ++i, ++cycle)
         for (size_t j = 0; j < n; ++j) {
-          const size_t k = (static_cast<size_t>(i) + j) % n;
+          const size_t k = order[(cycle + j) % n];
           mixtape[k].ms.push_back(sides()[k]->step_ms(phases));
         }
     }
@@ -479,8 +493,7 @@ void compare(int rounds, int steps, bool blocked, bool with_pytorch, bool phases
     std::snprintf(buffer, sizeof(buffer), "%.2fx", x);
     return std::string(buffer);
   };
-  // The median over the step cycles c of fp32's step c / the row's step c: with the modes interleaved, the two
-  // steps of a cycle ran back to back, so a burst of load mostly hits both or neither (a mixtape row only).
+  // The median over the step cycles c of fp32's step c / the row's step c (a mixtape row only; see the header).
   auto paired = [&](const Timed* t) -> double {
     if (!mixtape_fp32 || !t || t->ms.size() != mixtape_fp32->ms.size()) return NAN;
     std::vector<double> r;
@@ -537,8 +550,9 @@ void compare(int rounds, int steps, bool blocked, bool with_pytorch, bool phases
     return std::pair<double, double>{*low, *high};
   };
   if (mixtape_fp32) {
-    // The verdict takes the paired ratio (its column above): with --control, an identical fp32 side measured
-    // 0.996-1.006 that way on a noisy 2-core Xeon, against 0.97-1.04 as a ratio of medians (bench/MACHINES.md).
+    // The verdict takes the paired ratio (its column above): --control's identical fp32 side measured 0.987-1.008
+    // that way in three runs on a busy 2-core Xeon; as a ratio of medians it ranged 0.97-1.06 over twelve runs,
+    // interleaved or blocked (bench/MACHINES.md, "a fifth session").
     const size_t cycles = mixtape_fp32->ms.size();
     double lowest = NAN;
     size_t which = 0;
@@ -618,12 +632,10 @@ int main(int argc, char** argv) {
   }
   try {
     const std::vector<std::string> modes = precision.empty() ? kDefaultModes : split_modes(precision);
+    check(!control || std::count(modes.begin(), modes.end(), "fp32") == 1,
+          "--control needs fp32 in --precision (the control is a second fp32 side)");
     for (const std::string& mode : modes) sides().push_back(std::make_unique<Side>(mode));
-    if (control) {
-      check(std::count(modes.begin(), modes.end(), "fp32") == 1, "bench_train_gpt: --control needs fp32 in "
-            "--precision (the control is a second fp32 side)");
-      sides().push_back(std::make_unique<Side>("fp32", "fp32 control"));
-    }
+    if (control) sides().push_back(std::make_unique<Side>("fp32", "fp32 control"));
     set_allow_tf32(false);
     for (const auto& side : sides()) {
       const std::string label = side->name == side->mode ? side->mode : "fp32_control";

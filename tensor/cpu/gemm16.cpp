@@ -17,10 +17,10 @@
 //   - B is widened into slivers of kNR columns: sliver s holds b(k, kNR s + j) at [s][k][j], zero past N. A
 //     row-major B is widened a row at a time into every sliver; a transposed one (a linear layer's weight)
 //     goes through the register transposes of transpose.h.
-//   - Each thread takes an even share of A's tiles and widens them a block of ~kABlockBytes (and at least
-//     kMinBlockTiles tiles) at a time (row-major when A is; packed per tile, k-major, when A is transposed), so
-//     the block stays near the core while every B sliver passes over it. An A with fewer tiles than threads
-//     splits the slivers instead.
+//   - Each thread takes an even share of A's tiles and widens them a block of ~kABlockBytes (at least
+//     kMinBlockTiles tiles within kMaxBlockBytes) at a time (row-major when A is; packed per tile, k-major,
+//     when A is transposed), so the block stays near the core while every B sliver passes over it. An A with
+//     fewer tiles than threads splits the slivers instead.
 //   - Per k the kernel loads two vectors of B and broadcasts kMR values of A into 2 kMR FMAs. A last sliver
 //     of at most one vector's width takes a tile of one vector per row; one of at most kNarrow columns against
 //     a packed A is multiplied with the vectors along A's rows instead (narrow_tiles).
@@ -86,15 +86,15 @@ struct Avx512 {
   using V = __m512;
   static constexpr int kLanes = 16, kMR = 12;
   // The widened A block a thread keeps near while every B sliver passes over it: kABlockBytes, and at least
-  // kMinBlockTiles tiles (so 8 tiles, 96 rows, at the GPT's K of 256 and more). It was 768 KiB, 59 tiles at K =
-  // 256. On a 2-core Xeon without AMX (2 MiB L2 a core, KVM, busy neighbours), the two rules switched call by
-  // call in one process over the f16 step's twelve GEMM shapes (operands rotating over 8 sets): K = 256, 768
-  // and 1024 products 0.998-1.037x the old rule's speed (the median over 40 calls of the ratio of adjacent
-  // calls' times), the weight gradients 0.997-1.042x (8 tiles of K = 2048 under both rules: that spread is
-  // the harness's noise); the sum of the shapes' medians 0.1-1.3% lower in three runs. A small gain, at the
-  // noise; kept because it never lost in sum (bench/MACHINES.md, "a fifth session").
-  static constexpr int64_t kABlockBytes = 64 << 10;
-  static constexpr int64_t kMinBlockTiles = 8;
+  // kMinBlockTiles tiles as long as they fit in kMaxBlockBytes (so 8 tiles, 96 rows, at the GPT's K of 256 to
+  // 2048; past K = 2048 the old rule). It was 768 KiB, 60 tiles of a row-major A at K = 256. On a 2-core Xeon
+  // without AMX (2 MiB L2 a core, KVM, busy neighbours), the two rules switched call by call in one process
+  // over the f16 step's twelve GEMM shapes (operands rotating over 8 sets): K = 256, 768 and 1024 products
+  // 0.998-1.037x the old rule's speed (the median over 40 calls of the ratio of adjacent calls' times), the
+  // weight gradients 0.997-1.042x (8 tiles of K = 2048 under both rules: that spread is the harness's noise);
+  // the sum of the shapes' medians 0.1-1.3% lower in three runs. A small gain, at the noise; kept because it
+  // never lost in sum (bench/MACHINES.md, "a fifth session").
+  static constexpr int64_t kABlockBytes = 64 << 10, kMinBlockTiles = 8, kMaxBlockBytes = 768 << 10;
   static V zero() { return _mm512_setzero_ps(); }
   static V load(const float* p) { return _mm512_loadu_ps(p); }
   static V broadcast(float x) { return _mm512_set1_ps(x); }
@@ -111,8 +111,8 @@ struct Avx512 {
 struct Avx2 {
   using V = __m256;
   static constexpr int kLanes = 8, kMR = 6;
-  static constexpr int64_t kABlockBytes = 384 << 10;  // AVX2 CPUs have 512 KiB L2 and less
-  static constexpr int64_t kMinBlockTiles = 1;          // not measured: AVX2 keeps its byte rule alone
+  // AVX2 CPUs have 512 KiB L2 and less; not measured with a minimum of tiles, so the byte rule alone.
+  static constexpr int64_t kABlockBytes = 384 << 10, kMinBlockTiles = 1, kMaxBlockBytes = 384 << 10;
   static V zero() { return _mm256_setzero_ps(); }
   static V load(const float* p) { return _mm256_loadu_ps(p); }
   static V broadcast(float x) { return _mm256_set1_ps(x); }
@@ -362,8 +362,8 @@ void run(int64_t M, int64_t K, int64_t N, const Matrix16<T>& a, const Matrix16<T
   const int64_t tile_bytes = kMR * (row_major_a ? ld_row_major : K) * int64_t{sizeof(float)};
   const int64_t split_tiles = tiles >= threads ? threads : 1;
   const int64_t share = (tiles + split_tiles - 1) / split_tiles;
-  const int64_t tiles_per_block =
-      std::clamp<int64_t>(std::max(Isa::kABlockBytes / tile_bytes, Isa::kMinBlockTiles), 1, share);
+  const int64_t at_least = std::min(Isa::kMinBlockTiles, Isa::kMaxBlockBytes / tile_bytes);
+  const int64_t tiles_per_block = std::clamp<int64_t>(std::max(Isa::kABlockBytes / tile_bytes, at_least), 1, share);
   const int64_t ld = row_major_a ? ld_row_major : kMR;
   const int64_t block_floats = tiles_per_block * tile_bytes / int64_t{sizeof(float)};
   const int64_t line_floats = row_major_a ? 0 : kLines * tiles_per_block * kMR;
