@@ -550,8 +550,8 @@ void compare(int rounds, int steps, bool blocked, bool with_pytorch, bool phases
     return std::pair<double, double>{*low, *high};
   };
   if (mixtape_fp32) {
-    // The verdict takes the paired ratio (its column above): --control's identical fp32 side measured 0.987-1.008
-    // that way in three runs on a busy 2-core Xeon; as a ratio of medians it ranged 0.97-1.06 over twelve runs,
+    // The verdict takes the paired ratio (its column above): --control's identical fp32 side measured 0.987-1.011
+    // that way in six runs on a busy 2-core Xeon; as a ratio of medians it ranged 0.97-1.06 over sixteen runs,
     // interleaved or blocked (bench/MACHINES.md, "a fifth session").
     const size_t cycles = mixtape_fp32->ms.size();
     double lowest = NAN;
@@ -568,7 +568,7 @@ void compare(int rounds, int steps, bool blocked, bool with_pytorch, bool phases
       std::printf("fp16/bf16 modes vs mixtape fp32: n/a (no fp16/bf16 mode in --precision)\n");
     } else {
       const auto [low, high] = round_range(mixtape[which]);
-      std::printf("fp16/bf16 modes vs mixtape fp32, paired over %zu step cycles%s: lowest %.3f (%s; its ratio of "
+      std::printf("fp16/bf16 modes vs mixtape fp32, paired over %zu step cycles%s: lowest %.4f (%s; its ratio of "
                   "medians %.2f, %.2f-%.2f over the %d rounds) (target >= %.1f): %s\n",
                   cycles, blocked ? " (--blocked: a cycle's steps seconds apart)" : "", lowest,
                   sides()[which]->name.c_str(), ratio(mixtape_fp32, mixtape[which]), low, high, rounds,
@@ -577,7 +577,7 @@ void compare(int rounds, int steps, bool blocked, bool with_pytorch, bool phases
     for (size_t k = 0; k < mixtape.size(); ++k) {
       if (sides()[k]->name == sides()[k]->mode) continue;  // only the control has a name of its own
       const auto [low, high] = round_range(mixtape[k]);
-      std::printf("the noise alone (--control): fp32 / fp32 control paired %.3f (ratio of medians %.2f, %.2f-%.2f "
+      std::printf("the noise alone (--control): fp32 / fp32 control paired %.4f (ratio of medians %.2f, %.2f-%.2f "
                   "over the %d rounds)\n",
                   paired(&mixtape[k]), ratio(mixtape_fp32, mixtape[k]), low, high, rounds);
     }
