@@ -550,8 +550,8 @@ void compare(int rounds, int steps, bool blocked, bool with_pytorch, bool phases
     return std::pair<double, double>{*low, *high};
   };
   if (mixtape_fp32) {
-    // The verdict takes the paired ratio (its column above): --control's identical fp32 side measured 0.987-1.011
-    // that way in six runs on a busy 2-core Xeon; as a ratio of medians it ranged 0.97-1.06 over sixteen runs,
+    // The verdict takes the paired ratio (its column above): --control's identical fp32 side measured 0.987-1.023
+    // that way in nine runs on a 2-core Xeon; as a ratio of medians it ranged 0.97-1.06 over sixteen runs,
     // interleaved or blocked (bench/MACHINES.md, "a fifth session").
     const size_t cycles = mixtape_fp32->ms.size();
     double lowest = NAN;

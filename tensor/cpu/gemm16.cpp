@@ -89,11 +89,10 @@ struct Avx512 {
   // kMinBlockTiles tiles as long as they fit in kMaxBlockBytes (so 8 tiles, 96 rows, at the GPT's K of 256 to
   // 2048; past K = 2048 the old rule). It was 768 KiB, 60 tiles of a row-major A at K = 256. On a 2-core Xeon
   // without AMX (2 MiB L2 a core, KVM, busy neighbours), the two rules switched call by call in one process
-  // over the f16 step's twelve GEMM shapes (operands rotating over 8 sets): K = 256, 768 and 1024 products
-  // 0.998-1.037x the old rule's speed (the median over 40 calls of the ratio of adjacent calls' times), the
-  // weight gradients 0.997-1.042x (8 tiles of K = 2048 under both rules: that spread is the harness's noise);
-  // the sum of the shapes' medians 0.1-1.3% lower in three runs. A small gain, at the noise; kept because it
-  // never lost in sum (bench/MACHINES.md, "a fifth session").
+  // over the f16 step's twelve GEMM shapes, three runs: K = 256, 768 and 1024 products 0.998-1.037x the old
+  // rule's speed (the median of the ratio of adjacent calls' times), the weight gradients 0.989-1.042x (8 tiles
+  // of K = 2048 under both rules: that spread is the harness's noise); the sum of the shapes' medians 0.1-1.3%
+  // lower. A small gain, at the noise; kept because it never lost in sum (bench/MACHINES.md, "a fifth session").
   static constexpr int64_t kABlockBytes = 64 << 10, kMinBlockTiles = 8, kMaxBlockBytes = 768 << 10;
   static V zero() { return _mm512_setzero_ps(); }
   static V load(const float* p) { return _mm512_loadu_ps(p); }
