@@ -124,6 +124,7 @@ struct Side {
     trainer = bench::make_trainer(kModel, mode, 1e-3, Device::cpu(), bench_data());
     set_allow_tf32(false);  // building a tf32 trainer turned it on process-wide; step() sets it per mode
   }
+  bool is_control() const { return name != mode; }  // only the control has a name of its own
   StepStats step() {
     set_allow_tf32(mode == "tf32");
     return trainer->train_step();
@@ -406,7 +407,7 @@ void compare(int rounds, int steps, bool blocked, bool with_pytorch, bool phases
   const size_t n = sides().size();
   std::vector<size_t> order(n);
   for (size_t k = 0; k < n; ++k) order[k] = k;
-  if (n > 1 && sides().back()->name != sides().back()->mode) {
+  if (n > 1 && sides().back()->is_control()) {
     order.pop_back();
     order.insert(order.begin() + static_cast<std::ptrdiff_t>(n / 2), n - 1);
   }
@@ -507,8 +508,9 @@ void compare(int rounds, int steps, bool blocked, bool with_pytorch, bool phases
   auto row = [&](const Timed& t, bool ours) {
     if (t.ms.empty()) return;
     const double m = median(t.ms), b = *std::min_element(t.ms.begin(), t.ms.end());
+    const double p = ours ? paired(&t) : NAN;
     char pair[32] = "n/a";
-    if (ours && !std::isnan(paired(&t))) std::snprintf(pair, sizeof(pair), "%.3fx", paired(&t));
+    if (!std::isnan(p)) std::snprintf(pair, sizeof(pair), "%.3fx", p);
     std::printf("%-24s %10.1f %10.1f %12.0f %12.0f %14s %14s %12s %12s\n", t.name.c_str(), m, b, tokens / m * 1e3,
                 tokens / b * 1e3, cell(ratio(pt_fp32, t)).c_str(), cell(ratio(pt_bf16, t)).c_str(),
                 cell(ratio(mixtape_fp32, t)).c_str(), pair);
@@ -575,7 +577,7 @@ void compare(int rounds, int steps, bool blocked, bool with_pytorch, bool phases
                   kTargetLowVsFp32, verdict(lowest, kTargetLowVsFp32));
     }
     for (size_t k = 0; k < mixtape.size(); ++k) {
-      if (sides()[k]->name == sides()[k]->mode) continue;  // only the control has a name of its own
+      if (!sides()[k]->is_control()) continue;
       const auto [low, high] = round_range(mixtape[k]);
       std::printf("the noise alone (--control): fp32 / fp32 control paired %.4f (ratio of medians %.2f, %.2f-%.2f "
                   "over the %d rounds)\n",
@@ -638,7 +640,7 @@ int main(int argc, char** argv) {
     if (control) sides().push_back(std::make_unique<Side>("fp32", "fp32 control"));
     set_allow_tf32(false);
     for (const auto& side : sides()) {
-      const std::string label = side->name == side->mode ? side->mode : "fp32_control";
+      const std::string label = side->is_control() ? "fp32_control" : side->mode;
       benchmark::RegisterBenchmark(("train_step/gpt_4l_4h_w256_b128_bs16/mixtape_" + label).c_str(),
                                    BM_GPTTrainStep, side.get())
           ->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(3.0);
