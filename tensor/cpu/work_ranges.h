@@ -1,0 +1,111 @@
+#pragma once
+// Deals the indices [0, n) out to the threads of a parallel region, so that a thread the machine slows down
+// leaves no tail for the others to wait on.
+//
+// Each thread starts on its even share and takes it from the front a chunk at a time; a thread whose share
+// has run out takes the back half of the unstarted indices of the thread with the most left, and goes on
+// with those as its own (from which another may take in turn). Chunks shrink to half of what is left near
+// the end of a range, so that the chunk a thread is busy with when the others run dry is short.
+//
+// Why: gemm16 split A's tiles evenly between the threads, and on a 2-core KVM guest with busy neighbours the
+// two threads finished each product 10-15% of its time apart (timed per call inside the training step), the
+// early one idle until the late one was done; in a quiet hour 4-5%. A plain shared counter with shrinking
+// chunks (OpenMP's guided schedule) removes the wait too, but interleaves the threads' chunks and ends every
+// share in many one-tile chunks; this keeps each thread on its own rows until one runs dry (bench/MACHINES.md,
+// "a sixth session").
+//
+// Each range is one 64-bit word, [first, end) as two 32-bit halves, so that its owner (from the front) and a
+// thief (from the back) each take with one compare-and-swap. The indices are all the word guards: relaxed
+// ordering suffices, and the parallel region's closing barrier publishes what the chunks computed.
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+
+#include "tensor/error.h"
+
+namespace mixtape::cpu {
+
+class WorkRanges {
+ public:
+  // The indices [0, n) for up to `threads` threads; every range starts empty. Checked here, outside the
+  // parallel region (an exception must not leave one).
+  WorkRanges(int64_t n, int threads) : n_(n), threads_(threads) {
+    check(n >= 0 && n < (int64_t{1} << 31), "WorkRanges: ", n, " indices; expected 0 to 2^31 - 1");
+    check(threads >= 1, "WorkRanges: ", threads, " threads; expected at least 1");
+    ranges_ = std::make_unique<Range[]>(static_cast<size_t>(threads));
+  }
+
+  // Gives `thread` of a team of `team` its even share. Every thread of the team calls it before any calls
+  // next(): a barrier must lie between.
+  void start(int thread, int team) {
+    check(team >= 1 && team <= threads_ && thread >= 0 && thread < team, "WorkRanges::start: thread ", thread,
+          " of a team of ", team, "; room for ", threads_);
+    ranges_[thread].word.store(pack(n_ * thread / team, n_ * (thread + 1) / team), std::memory_order_relaxed);
+  }
+
+  // The next chunk [first, first + count) for `thread`, of at most `most` indices: from its own range, else
+  // taken from another's. False when no thread has any index left unstarted.
+  bool next(int thread, int64_t most, int64_t& first, int64_t& count) {
+    check(thread >= 0 && thread < threads_ && most >= 1, "WorkRanges::next: thread ", thread, " (room for ",
+          threads_, "), chunks of at most ", most, "; expected a thread in range and at least 1");
+    for (;;) {
+      if (take_front(ranges_[thread].word, most, first, count)) return true;
+      int victim = -1;
+      int64_t most_left = 0;
+      for (int t = 0; t < threads_; ++t) {
+        const int64_t left = size(ranges_[t].word.load(std::memory_order_relaxed));
+        if (t != thread && left > most_left) {
+          most_left = left;
+          victim = t;
+        }
+      }
+      if (victim < 0) return false;
+      int64_t begin = 0, taken = 0;
+      if (take_back_half(ranges_[victim].word, begin, taken))
+        ranges_[thread].word.store(pack(begin, begin + taken), std::memory_order_relaxed);
+    }
+  }
+
+ private:
+  struct alignas(64) Range {
+    std::atomic<uint64_t> word{0};
+  };
+
+  static uint64_t pack(int64_t first, int64_t end) {
+    return static_cast<uint64_t>(first) << 32 | static_cast<uint64_t>(end);
+  }
+  static int64_t first_of(uint64_t w) { return static_cast<int64_t>(w >> 32); }
+  static int64_t end_of(uint64_t w) { return static_cast<int64_t>(w & 0xffffffffu); }
+  static int64_t size(uint64_t w) { return std::max<int64_t>(end_of(w) - first_of(w), 0); }
+
+  // Up to `most` from the front, and no more than half (rounded up) of what is left.
+  static bool take_front(std::atomic<uint64_t>& word, int64_t most, int64_t& first, int64_t& count) {
+    uint64_t w = word.load(std::memory_order_relaxed);
+    do {
+      const int64_t left = size(w);
+      if (left == 0) return false;
+      first = first_of(w);
+      count = std::clamp<int64_t>((left + 1) / 2, 1, most);
+    } while (!word.compare_exchange_weak(w, pack(first + count, end_of(w)), std::memory_order_relaxed));
+    return true;
+  }
+
+  // The back half (rounded up) of what is left.
+  static bool take_back_half(std::atomic<uint64_t>& word, int64_t& first, int64_t& count) {
+    uint64_t w = word.load(std::memory_order_relaxed);
+    do {
+      const int64_t left = size(w);
+      if (left == 0) return false;
+      count = (left + 1) / 2;
+      first = end_of(w) - count;
+    } while (!word.compare_exchange_weak(w, pack(first_of(w), first), std::memory_order_relaxed));
+    return true;
+  }
+
+  int64_t n_;
+  int threads_;
+  std::unique_ptr<Range[]> ranges_;
+};
+
+}  // namespace mixtape::cpu
