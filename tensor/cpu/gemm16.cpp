@@ -21,7 +21,7 @@
 //     kMinBlockTiles tiles within kMaxBlockBytes) at a time (row-major when A is; packed per tile, k-major,
 //     when A is transposed), so the block stays near the core while every B sliver passes over it. A thread
 //     whose share runs out takes the back half of the other's unstarted tiles (work_ranges.h: with the even
-//     split, busy neighbours on a 2-core KVM guest kept one thread idle 10-15% of each product). An A with
+//     split, one thread sat idle 9-15% of each product on a 2-core KVM guest with neighbours). An A with
 //     fewer tiles than threads splits the slivers instead.
 //   - Per k the kernel loads two vectors of B and broadcasts kMR values of A into 2 kMR FMAs. A last sliver
 //     of at most one vector's width takes a tile of one vector per row; one of at most kNarrow columns against

@@ -614,10 +614,14 @@ void own_gemm16(const MatmulGeometry& g, const Tensor& a, const Tensor& b, const
 // The choice is made once per process: MIXTAPE_BF16_GEMM (auto, onednn or f32) when set, else automatic: f32
 // where oneDNN has no bf16 GEMM, oneDNN's where it runs on AMX, else f32 where the measured dot-product rate
 // is below kSlowBf16Dot of the FMA rate. The measurement times two register-only loops (no memory traffic)
-// back to back, best of several rounds (~1.3 ms, once), and the classes it separates are far apart (0.42-0.50
-// on the Xeon; the AMD cores' bf16 GEMMs ran at ~2x their f32 ones, though bf16_dot_rate itself was not run
-// there), so noise on a shared machine does not flip it. A build without AVX512-BF16 code (MIXTAPE_MARCH other
-// than such a CPU) cannot measure and keeps oneDNN's route. A run that must keep its bits across machines, or
+// back to back, best of 7 passes (~8 ms, once), and the classes it separates are far apart (0.44-0.52 on the
+// Xeon, under load too; the AMD cores' bf16 GEMMs ran at ~2x their f32 ones, though bf16_dot_rate itself was
+// not run there). The passes must be long: with 20,000 rounds (43 us of FMAs) and 5 passes, processes under
+// `perf record` beside a spinning thread and a busy neighbour measured up to 0.84 and 0.86 in two sets of 40
+// (4 of the 80 above 0.64; the worst one's FMA passes all ran 74-82 us), and one bench process chose oneDNN's
+// half-speed route; with 100,000 rounds and 7 passes, 40 such processes measured 0.435-0.516
+// (bench/MACHINES.md, "a sixth session"). A build without AVX512-BF16 code (MIXTAPE_MARCH other than such a
+// CPU) cannot measure and keeps oneDNN's route. A run that must keep its bits across machines, or
 // across the processes of one job, names the route.
 
 constexpr double kSlowBf16Dot = 0.75;
@@ -672,11 +676,11 @@ double bf16_dot_rate() {
     const __m512bh xb = _mm512_cvtne2ps_pbh(x, x), yb = _mm512_cvtne2ps_pbh(y, y);
     auto fma = [&](__m512 c) { return _mm512_fmadd_ps(x, y, c); };
     auto dot = [&](__m512 c) { return _mm512_dpbf16_ps(c, xb, yb); };
-    constexpr int64_t kRounds = 20000;  // 240,000 instructions: ~0.05 ms of FMAs, ~0.2 ms of dot products
+    constexpr int64_t kRounds = 100000;  // 1.2 M instructions: ~0.2 ms of FMAs, ~0.9 ms of dot products
     float sink = 0;
     double fma_s = 1e30, dot_s = 1e30;
     time_chains(kRounds, fma, sink);  // wakes the vector unit up
-    for (int i = 0; i < 5; ++i) {
+    for (int i = 0; i < 7; ++i) {
       fma_s = std::min(fma_s, time_chains(kRounds, fma, sink));
       dot_s = std::min(dot_s, time_chains(kRounds, dot, sink));
     }

@@ -7,12 +7,13 @@
 // with those as its own (from which another may take in turn). Chunks shrink to half of what is left near
 // the end of a range, so that the chunk a thread is busy with when the others run dry is short.
 //
-// Why: gemm16 split A's tiles evenly between the threads, and on a 2-core KVM guest with busy neighbours the
-// two threads finished each product 10-15% of its time apart (timed per call inside the training step), the
-// early one idle until the late one was done; in a quiet hour 4-5%. A plain shared counter with shrinking
-// chunks (OpenMP's guided schedule) removes the wait too, but interleaves the threads' chunks and ends every
-// share in many one-tile chunks; this keeps each thread on its own rows until one runs dry (bench/MACHINES.md,
-// "a sixth session").
+// Why: gemm16 split A's tiles evenly between the threads, and on a 2-core KVM guest the early thread sat idle
+// 9-15% of each product's time (a temporary timer per call inside the training step, four runs in quiet and
+// busy stretches); dealt out by a shared counter in shrinking chunks (OpenMP's guided schedule), 1.2% in three
+// runs of the same hour. This class and that counter measured alike (idle 5.3-5.7% against 5.0-5.4%,
+// alternated three times in a much busier hour); the counter interleaves the threads' chunks and ends in many
+// one-tile chunks, where this keeps each thread on its own rows until one runs dry (bench/MACHINES.md, "a
+// sixth session").
 //
 // Each range is one 64-bit word, [first, end) as two 32-bit halves, so that its owner (from the front) and a
 // thief (from the back) each take with one compare-and-swap. The indices are all the word guards: relaxed
