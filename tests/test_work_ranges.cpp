@@ -24,8 +24,8 @@ struct Chunk {
 // The chunks each thread of a `team` takes, in order; `stall(chunk, i)` runs as a thread takes its chunk i
 // (from 1).
 template <class Stall>
-std::vector<Chunk> deal(int team, int64_t n, int64_t most, Stall stall) {
-  WorkRanges ranges(n, team);
+std::vector<Chunk> deal(int team, int64_t n, int64_t most, int64_t least, Stall stall) {
+  WorkRanges ranges(n, team, most, least);
   std::vector<std::vector<Chunk>> taken(static_cast<size_t>(team));
 #pragma omp parallel num_threads(team)
   {
@@ -33,7 +33,7 @@ std::vector<Chunk> deal(int team, int64_t n, int64_t most, Stall stall) {
     ranges.start(thread, omp_get_num_threads());
 #pragma omp barrier
     int64_t first = 0, count = 0;
-    while (ranges.next(thread, most, first, count)) {
+    while (ranges.next(thread, first, count)) {
       taken[static_cast<size_t>(thread)].push_back({thread, first, count});
       stall(taken[static_cast<size_t>(thread)].back(), taken[static_cast<size_t>(thread)].size());
     }
@@ -63,7 +63,7 @@ TEST(WorkRanges, DealsEveryIndexExactlyOnceOnAnyTeam) {
     for (int64_t n : {0, 1, 5, 171, 1000}) {
       for (int64_t most : {1, 8}) {
         SCOPED_TRACE("team " + std::to_string(team) + ", n " + std::to_string(n) + ", most " + std::to_string(most));
-        expect_each_index_once(deal(team, n, most, [](const Chunk&, size_t) {}), n, most);
+        expect_each_index_once(deal(team, n, most, 1, [](const Chunk&, size_t) {}), n, most);
       }
     }
   }
@@ -72,7 +72,7 @@ TEST(WorkRanges, DealsEveryIndexExactlyOnceOnAnyTeam) {
 TEST(WorkRanges, OneThreadTakesItsShareFromTheFrontInChunksThatHalveAtTheEnd) {
   // 85 indices, at most 8: 8 while half of what is left (rounded up) is at least 8 (left 85, 77, .., 21),
   // then that half: 7 of 13, 3 of 6, 2 of 3, 1 of 1.
-  const std::vector<Chunk> chunks = deal(1, 85, 8, [](const Chunk&, size_t) {});
+  const std::vector<Chunk> chunks = deal(1, 85, 8, 1, [](const Chunk&, size_t) {});
   std::vector<int64_t> counts, firsts;
   for (const Chunk& c : chunks) {
     counts.push_back(c.count);
@@ -93,14 +93,26 @@ void wait_for(const std::atomic<bool>& flag) {
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
 }
 
+TEST(WorkRanges, ChunksShrinkNoFurtherThanLeast) {
+  // 11 indices, 4 to 8 a chunk: half of 11 is 6; half of the 5 left is 3, raised to 4; the 1 left after that.
+  // With least = most, whole chunks of 8 and the rest.
+  for (auto [least, want] : {std::pair<int64_t, std::vector<int64_t>>{4, {6, 4, 1}}, {8, {8, 3}}, {1, {6, 3, 1, 1}}}) {
+    std::vector<int64_t> counts;
+    for (const Chunk& c : deal(1, 11, 8, least, [](const Chunk&, size_t) {})) counts.push_back(c.count);
+    EXPECT_EQ(counts, want) << "least " << least;
+  }
+  for (int64_t least : {1, 3, 8}) expect_each_index_once(deal(3, 1000, 8, least, [](const Chunk&, size_t) {}), 1000, 8);
+}
+
 TEST(WorkRanges, AThreadThatRunsDryTakesTheBackHalfOfAnother) {
   // Two threads, 100 indices, chunks of at most 4: thread 0 owns [0, 50), thread 1 [50, 100). Thread 1 takes
   // [50, 54) and stalls there; thread 0 waits for that, runs through its share, and must then take the back
   // half of thread 1's unstarted [54, 100), [77, 100), and work through it from the front (4, 4, 4, 4, 4, 2, 1)
-  // before thread 1 moves again.
+  // before thread 1 moves again (the first of them straight from the steal, the rest from its own range).
+  if (omp_get_thread_limit() < 2) GTEST_SKIP() << "OMP_THREAD_LIMIT allows one thread";
   std::atomic<bool> one_started{false}, stolen{false};
   int64_t zero_past_50 = 0;
-  const std::vector<Chunk> chunks = deal(2, 100, 4, [&](const Chunk& c, size_t i) {
+  const std::vector<Chunk> chunks = deal(2, 100, 4, 1, [&](const Chunk& c, size_t i) {
     if (c.thread == 1 && i == 1) {
       one_started = true;
       wait_for(stolen);
@@ -125,15 +137,18 @@ TEST(WorkRanges, AThreadThatRunsDryTakesTheBackHalfOfAnother) {
 }
 
 TEST(WorkRanges, BadArgumentsAreErrors) {
-  WorkRanges ranges(10, 2);
+  WorkRanges ranges(10, 2, 4);
   EXPECT_THROW(ranges.start(2, 2), Error);
   EXPECT_THROW(ranges.start(0, 3), Error);
   int64_t first = 0, count = 0;
-  EXPECT_THROW(ranges.next(0, 0, first, count), Error);
-  EXPECT_THROW(ranges.next(5, 4, first, count), Error);
-  EXPECT_THROW(WorkRanges(10, 0), Error);
-  EXPECT_THROW(WorkRanges(int64_t{1} << 31, 2), Error);
-  EXPECT_THROW(WorkRanges(-1, 2), Error);
+  EXPECT_THROW(ranges.next(5, first, count), Error);
+  EXPECT_THROW(ranges.next(-1, first, count), Error);
+  EXPECT_THROW(WorkRanges(10, 0, 4), Error);
+  EXPECT_THROW(WorkRanges(int64_t{1} << 31, 2, 4), Error);
+  EXPECT_THROW(WorkRanges(-1, 2, 4), Error);
+  EXPECT_THROW(WorkRanges(10, 2, 0), Error);
+  EXPECT_THROW(WorkRanges(10, 2, 4, 5), Error);
+  EXPECT_THROW(WorkRanges(10, 2, 4, 0), Error);
 }
 
 }  // namespace

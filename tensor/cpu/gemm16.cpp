@@ -20,9 +20,9 @@
 //   - Each thread starts on an even share of A's tiles and widens them a block of ~kABlockBytes (at least
 //     kMinBlockTiles tiles within kMaxBlockBytes) at a time (row-major when A is; packed per tile, k-major,
 //     when A is transposed), so the block stays near the core while every B sliver passes over it. A thread
-//     whose share runs out takes the back half of the other's unstarted tiles (work_ranges.h: with the even
-//     split, one thread sat idle 9-15% of each product on a 2-core KVM guest with neighbours). An A with
-//     fewer tiles than threads splits the slivers instead.
+//     whose share runs out takes the back half of the unstarted tiles of the one with the most (work_ranges.h:
+//     with the even split, one thread sat idle 9-15% of each product on a 2-core KVM guest with neighbours).
+//     An A with fewer tiles than threads splits the slivers instead.
 //   - Per k the kernel loads two vectors of B and broadcasts kMR values of A into 2 kMR FMAs. A last sliver
 //     of at most one vector's width takes a tile of one vector per row; one of at most kNarrow columns against
 //     a packed A is multiplied with the vectors along A's rows instead (narrow_tiles).
@@ -356,8 +356,8 @@ void run(int64_t M, int64_t K, int64_t N, const Matrix16<T>& a, const Matrix16<T
     std::fill(bias_f32 + N, bias_f32 + slivers * kNR, 0.0f);
   }
 
-  // Each thread takes an even share of A's tiles (of B's slivers when A has fewer tiles than threads) and
-  // widens its tiles a block at a time.
+  // Each thread starts on an even share of A's tiles (WorkRanges; an even share of B's slivers when A has
+  // fewer tiles than threads) and widens its tiles a block at a time.
   const bool row_major_a = a.col_stride == 1;
   const int64_t tiles = (M + kMR - 1) / kMR;
   const int64_t ld_row_major = row_major_ld(K);
@@ -371,7 +371,12 @@ void run(int64_t M, int64_t K, int64_t N, const Matrix16<T>& a, const Matrix16<T
   const int64_t line_floats = row_major_a ? 0 : kLines * tiles_per_block * kMR;
   const ThreadScratch a_scratch(static_cast<size_t>(block_floats + line_floats + 32) * sizeof(float), parallel);
 
-  WorkRanges tile_ranges(tiles, threads);
+  // Each chunk streams all of B's slivers past its tiles again, so a share of fewer than four blocks is taken
+  // in whole blocks: halved, the 11 tiles a thread has of the vocabulary head's weight gradient (256 x 2048 x
+  // 65 transposed, K = 2048) went 6, 3, 1, 1 and the product ran ~8% slower (bench/MACHINES.md, "a sixth
+  // session"). The GPT's other products give each thread 85 or more tiles, and halve down to one.
+  const int64_t least = share >= 4 * tiles_per_block ? 1 : tiles_per_block;
+  WorkRanges tile_ranges(tiles, threads, tiles_per_block, least);
 #pragma omp parallel num_threads(threads) if (parallel)
   {
     // Each thread's share of A's tiles, set before the barrier that closes B's widening.
@@ -414,7 +419,7 @@ void run(int64_t M, int64_t K, int64_t N, const Matrix16<T>& a, const Matrix16<T
     };
     if (split_tiles > 1) {
       int64_t t0 = 0, count = 0;
-      while (tile_ranges.next(omp_get_thread_num(), tiles_per_block, t0, count)) multiply(t0, count, 0, slivers);
+      while (tile_ranges.next(omp_get_thread_num(), t0, count)) multiply(t0, count, 0, slivers);
     } else {
       const int64_t thread = omp_get_thread_num(), team = omp_get_num_threads();
       const int64_t s_begin = slivers * thread / team, s_end = slivers * (thread + 1) / team;

@@ -4,8 +4,10 @@
 //
 // Each thread starts on its even share and takes it from the front a chunk at a time; a thread whose share
 // has run out takes the back half of the unstarted indices of the thread with the most left, and goes on
-// with those as its own (from which another may take in turn). Chunks shrink to half of what is left near
-// the end of a range, so that the chunk a thread is busy with when the others run dry is short.
+// with those as its own (from which another may take in turn). Chunks of at most `most` shrink to half of what
+// is left near the end of a range, down to `least`, so that the chunk a thread is busy with when the others
+// run dry is short; a kernel whose every chunk has a cost of its own (gemm16 streams all of B per chunk) keeps
+// `least` at a whole block where that cost would show.
 //
 // Why: gemm16 split A's tiles evenly between the threads, and on a 2-core KVM guest the early thread sat idle
 // 9-15% of each product's time (a temporary timer per call inside the training step, four runs in quiet and
@@ -29,11 +31,15 @@ namespace mixtape::cpu {
 
 class WorkRanges {
  public:
-  // The indices [0, n) for up to `threads` threads; every range starts empty. Checked here, outside the
-  // parallel region (an exception must not leave one).
-  WorkRanges(int64_t n, int threads) : n_(n), threads_(threads) {
+  // The indices [0, n) for up to `threads` threads, in chunks of `least` to `most` (fewer where fewer are
+  // left); every range starts empty. Checked here, outside the parallel region (an exception must not leave
+  // one).
+  WorkRanges(int64_t n, int threads, int64_t most, int64_t least = 1)
+      : n_(n), threads_(threads), most_(most), least_(least) {
     check(n >= 0 && n < (int64_t{1} << 31), "WorkRanges: ", n, " indices; expected 0 to 2^31 - 1");
     check(threads >= 1, "WorkRanges: ", threads, " threads; expected at least 1");
+    check(least >= 1 && least <= most, "WorkRanges: chunks of ", least, " to ", most,
+          "; expected 1 <= least <= most");
     ranges_ = std::make_unique<Range[]>(static_cast<size_t>(threads));
   }
 
@@ -45,13 +51,14 @@ class WorkRanges {
     ranges_[thread].word.store(pack(n_ * thread / team, n_ * (thread + 1) / team), std::memory_order_relaxed);
   }
 
-  // The next chunk [first, first + count) for `thread`, of at most `most` indices: from its own range, else
-  // taken from another's. False when no thread has any index left unstarted.
-  bool next(int thread, int64_t most, int64_t& first, int64_t& count) {
-    check(thread >= 0 && thread < threads_ && most >= 1, "WorkRanges::next: thread ", thread, " (room for ",
-          threads_, "), chunks of at most ", most, "; expected a thread in range and at least 1");
+  // The next chunk [first, first + count) for `thread`: from its own range, else from the back half it takes
+  // of another's (the chunk comes straight from what was taken and the rest becomes this thread's range, so
+  // that no other thread can take it all away first). False when it finds none to take: any index not yet
+  // dealt is then held by a thread that will deal it to itself.
+  bool next(int thread, int64_t& first, int64_t& count) {
+    check(thread >= 0 && thread < threads_, "WorkRanges::next: thread ", thread, "; room for ", threads_);
     for (;;) {
-      if (take_front(ranges_[thread].word, most, first, count)) return true;
+      if (take_front(ranges_[thread].word, first, count)) return true;
       int victim = -1;
       int64_t most_left = 0;
       for (int t = 0; t < threads_; ++t) {
@@ -63,8 +70,11 @@ class WorkRanges {
       }
       if (victim < 0) return false;
       int64_t begin = 0, taken = 0;
-      if (take_back_half(ranges_[victim].word, begin, taken))
-        ranges_[thread].word.store(pack(begin, begin + taken), std::memory_order_relaxed);
+      if (!take_back_half(ranges_[victim].word, begin, taken)) continue;
+      first = begin;
+      count = chunk(taken);
+      ranges_[thread].word.store(pack(begin + count, begin + taken), std::memory_order_relaxed);
+      return true;
     }
   }
 
@@ -80,14 +90,19 @@ class WorkRanges {
   static int64_t end_of(uint64_t w) { return static_cast<int64_t>(w & 0xffffffffu); }
   static int64_t size(uint64_t w) { return std::max<int64_t>(end_of(w) - first_of(w), 0); }
 
-  // Up to `most` from the front, and no more than half (rounded up) of what is left.
-  static bool take_front(std::atomic<uint64_t>& word, int64_t most, int64_t& first, int64_t& count) {
+  // The chunk taken from a range with `left` indices: half of them (rounded up), within [least, most], and
+  // never more than are left.
+  int64_t chunk(int64_t left) const {
+    return std::clamp<int64_t>((left + 1) / 2, std::min(least_, left), std::min(most_, left));
+  }
+
+  bool take_front(std::atomic<uint64_t>& word, int64_t& first, int64_t& count) const {
     uint64_t w = word.load(std::memory_order_relaxed);
     do {
       const int64_t left = size(w);
       if (left == 0) return false;
       first = first_of(w);
-      count = std::clamp<int64_t>((left + 1) / 2, 1, most);
+      count = chunk(left);
     } while (!word.compare_exchange_weak(w, pack(first + count, end_of(w)), std::memory_order_relaxed));
     return true;
   }
@@ -106,6 +121,7 @@ class WorkRanges {
 
   int64_t n_;
   int threads_;
+  int64_t most_, least_;
   std::unique_ptr<Range[]> ranges_;
 };
 
