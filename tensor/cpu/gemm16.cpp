@@ -374,7 +374,7 @@ void run(int64_t M, int64_t K, int64_t N, const Matrix16<T>& a, const Matrix16<T
   // Each chunk streams all of B's slivers past its tiles again, so a share of fewer than four blocks is taken
   // in whole blocks: halved, the 11 tiles a thread has of the vocabulary head's weight gradient (256 x 2048 x
   // 65 transposed, K = 2048) went 6, 3, 1, 1 and the product ran ~8% slower (bench/MACHINES.md, "a sixth
-  // session"). The GPT's other products give each thread 85 or more tiles, and halve down to one.
+  // session"). The GPT's larger products give each thread 32 to 86 tiles, and halve down to one.
   const int64_t least = share >= 4 * tiles_per_block ? 1 : tiles_per_block;
   WorkRanges tile_ranges(tiles, threads, tiles_per_block, least);
 #pragma omp parallel num_threads(threads) if (parallel)
