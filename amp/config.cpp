@@ -5,7 +5,7 @@
 #include <map>
 #include <set>
 
-#include "nn/json.h"
+#include "io/json.h"
 #include "tensor/error.h"
 
 namespace mixtape {

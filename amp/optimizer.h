@@ -44,7 +44,7 @@
 
 #include "amp/process_group.h"
 #include "amp/scaler.h"
-#include "nn/state_dict.h"
+#include "io/state_dict.h"
 #include "optim/optimizer.h"
 #include "tensor/tensor.h"
 

@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "nn/state_dict.h"
+#include "io/state_dict.h"
 #include "tensor/autograd_node.h"
 #include "tensor/ops.h"
 

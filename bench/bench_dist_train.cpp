@@ -29,8 +29,8 @@
 
 #include "bench/bench_training.h"
 #include "dist/world.h"
-#include "examples/parallel_training.h"
-#include "nn/json.h"
+#include "train/parallel_training.h"
+#include "io/json.h"
 #include "tensor/error.h"
 
 using namespace mixtape;

@@ -71,8 +71,8 @@
 #include <vector>
 
 #include "bench/bench_training.h"
-#include "examples/training.h"
-#include "nn/json.h"
+#include "train/training.h"
+#include "io/json.h"
 #include "tensor/backend.h"
 #include "tensor/precision.h"
 #include "tensor/timer.h"

@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include "examples/training.h"
+#include "train/training.h"
 
 namespace mixtape::bench {
 

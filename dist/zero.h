@@ -60,7 +60,7 @@
 #include "amp/process_group.h"
 #include "amp/scaler.h"
 #include "dist/communicator.h"
-#include "nn/state_dict.h"
+#include "io/state_dict.h"
 #include "optim/optimizer.h"
 
 namespace mixtape::dist {

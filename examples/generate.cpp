@@ -5,7 +5,7 @@
 //
 // Each new token is drawn from softmax(logits / temperature) restricted to the top-k logits (k = 0: all),
 // with the uniform draw of token i a pure function of (seed, i) (Philox), so a run is reproducible; the
-// sampler is mixtape::sample_tokens (examples/training.h), which train_gpt --sample uses too.
+// sampler is mixtape::sample_tokens (train/training.h), which train_gpt --sample uses too.
 // Without a vocabulary (a .bin-trained model) the prompt and output are space-separated token ids.
 #include <algorithm>
 #include <cmath>
@@ -17,7 +17,7 @@
 #include <string>
 #include <vector>
 
-#include "examples/training.h"
+#include "train/training.h"
 
 using namespace mixtape;
 

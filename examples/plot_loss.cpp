@@ -6,7 +6,7 @@
 // curve does not lag), and the validation loss at the steps that evaluated (points), in nats per token,
 // against optimizer steps done (the log's 0-based step + 1). A resumed run appends to its log; where a
 // resume repeated steps of an interrupted run, the later lines replace the earlier ones. A non-finite loss
-// (null in the log) leaves a gap. The PNG (900 x 540) is drawn by examples/plot.h and written complete or
+// (null in the log) leaves a gap. The PNG (900 x 540) is drawn by train/plot.h and written complete or
 // not at all.
 #include <algorithm>
 #include <cmath>
@@ -18,9 +18,9 @@
 #include <string>
 #include <vector>
 
-#include "examples/plot.h"
-#include "examples/training.h"
-#include "nn/json.h"
+#include "train/plot.h"
+#include "train/training.h"
+#include "io/json.h"
 #include "tensor/error.h"
 
 using namespace mixtape;

@@ -28,7 +28,7 @@
 //       final loss scale   the scale of the last step's loss, exact (shortest round-trip text)
 //   <mode>.jsonl             train_gpt's per-step log, checked (a line per step) before its rename into place
 //   precision_study.png      two panels, a curve per mode: the training loss (trailing mean of 20 steps)
-//                            and the loss scale on a log2 axis, drawn by examples/plot.h (no outside tool)
+//                            and the loss scale on a log2 axis, drawn by train/plot.h (no outside tool)
 // The Markdown table is also printed at the end. Errors (unknown mode or option, a bad value, missing data or
 // train_gpt, a child failing) print "error: ..." and exit non-zero; a failing mode does not stop the others,
 // so the study reports what it can. When no mode succeeds nothing is written (no tables, no plot).
@@ -61,10 +61,10 @@
 #include <vector>
 
 #include "amp/config.h"
-#include "examples/plot.h"
-#include "examples/training.h"
-#include "nn/json.h"
-#include "nn/state_dict.h"
+#include "train/plot.h"
+#include "train/training.h"
+#include "io/json.h"
+#include "io/state_dict.h"
 #include "tensor/error.h"
 
 extern char** environ;

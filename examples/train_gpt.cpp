@@ -1,6 +1,6 @@
 // train_gpt: trains a GPT (nanoGPT's model) on a text file (character level; any name not ending in .bin) or
 // a .bin file of uint16 token ids, with checkpoints that resume bit for bit. The training core lives in
-// examples/training.h.
+// train/training.h.
 //
 //   train_gpt --data ../shared/data/tinyshakespeare.txt --steps 2000 --save ckpt.safetensors
 //   train_gpt --data ... --resume ckpt.safetensors --steps 4000 --save ckpt.safetensors
@@ -22,7 +22,7 @@
 // The progress line's tok/s and ETA come from the time spent in training steps only (evaluation and
 // checkpoint saves are left out); "elapsed" is wall-clock time since the first step of this run.
 //
-// Under mpirun it trains over processes (examples/parallel_training.h):
+// Under mpirun it trains over processes (train/parallel_training.h):
 //   mpirun -np 4 train_gpt --data ... --tp 2 --pp 2 [--micro-batches 4 --pp-schedule 1f1b|gpipe]
 //   mpirun -np 2 train_gpt --data ... --dp 2 [--zero 1]
 // --dp defaults to the processes left over by --tp x --pp. --batch stays the global batch, so a command line
@@ -43,11 +43,11 @@
 #include <vector>
 
 #include "dist/world.h"
-#include "examples/parallel_training.h"
-#include "examples/training.h"
-#include "nn/json.h"
-#include "nn/safetensors.h"
-#include "nn/state_dict.h"
+#include "train/parallel_training.h"
+#include "train/training.h"
+#include "io/json.h"
+#include "io/safetensors.h"
+#include "io/state_dict.h"
 #include "tensor/backend.h"
 
 using namespace mixtape;

@@ -19,7 +19,7 @@
 #include <vector>
 
 #include "autograd/autograd.h"
-#include "examples/training.h"
+#include "train/training.h"
 #include "tensor/ops.h"
 
 using namespace mixtape;

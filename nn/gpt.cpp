@@ -7,7 +7,7 @@
 #include <sstream>
 #include <string>
 
-#include "nn/state_dict.h"
+#include "io/state_dict.h"
 #include "tensor/autograd_node.h"
 #include "tensor/error.h"
 

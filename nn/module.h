@@ -14,7 +14,7 @@
 #include <utility>
 #include <vector>
 
-#include "nn/state_dict.h"
+#include "io/state_dict.h"
 #include "tensor/random.h"
 #include "tensor/tensor.h"
 

@@ -14,7 +14,7 @@
 // Devices: updates are the backend's fused multi-tensor kernels (Backend::adam_step / sgd_step), one call
 // per device for all the parameters there, so CPU and CUDA parameters update alike.
 //
-// state_dict layout (nn/state_dict.h; parameters are numbered 0, 1, ... in group order, as PyTorch does):
+// state_dict layout (io/state_dict.h; parameters are numbered 0, 1, ... in group order, as PyTorch does):
 //   metadata "type"                       the optimizer's name(): "SGD", "Adam", "AdamW"
 //            "param_groups"               the number of groups
 //            "param_groups.<g>.params"    the number of parameters in group g
@@ -31,7 +31,7 @@
 #include <string>
 #include <vector>
 
-#include "nn/state_dict.h"
+#include "io/state_dict.h"
 #include "tensor/tensor.h"
 
 namespace mixtape {

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Checks examples/plot.cpp's zlib streams and PNG files with an independent decoder (Python's zlib).
+"""Checks train/plot.cpp's zlib streams and PNG files with an independent decoder (Python's zlib).
 
   check_png.py zlib RAW_FILE ZLIB_FILE    ZLIB_FILE inflates to exactly the bytes of RAW_FILE
   check_png.py png PNG_FILE RAW_RGB_FILE  PNG_FILE is a valid 8-bit RGB PNG whose pixels are RAW_RGB_FILE's

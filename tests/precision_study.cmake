@@ -41,7 +41,7 @@ foreach(mode fp32 bf16)
   endif()
 endforeach()
 # The plot is a 1000 x 1000 PNG (its signature, then IHDR's width and height), drawn by precision_study itself
-# (examples/plot.h; its pixels and encoding are checked by the Plot* unit tests), and the output names it.
+# (train/plot.h; its pixels and encoding are checked by the Plot* unit tests), and the output names it.
 check_png_header(${WORK_DIR}/study/precision_study.png 1000 1000)
 if(NOT out MATCHES "\nwrote [^\n]*results.md, [^\n]*results.csv, [^\n]*precision_study.png\n")
   check_failed("the output does not name the files written:\n${out}")

@@ -10,8 +10,8 @@
 
 #include "autograd/autograd.h"
 #include "cuda_test_util.h"
-#include "examples/training.h"
-#include "nn/safetensors.h"
+#include "train/training.h"
+#include "io/safetensors.h"
 #include "tensor/backend.h"
 #include "tensor/ops.h"
 #include "tensor/timer.h"

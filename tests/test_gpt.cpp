@@ -10,7 +10,7 @@
 
 #include "autograd/autograd.h"
 #include "nn/gpt.h"
-#include "nn/safetensors.h"
+#include "io/safetensors.h"
 #include "tensor/autograd_node.h"
 #include "tensor/ops.h"
 #include "tests/test_util.h"

@@ -1,4 +1,4 @@
-// The PNG line charts of examples/plot.h. Checksums against published check values; zlib streams and PNG
+// The PNG line charts of train/plot.h. Checksums against published check values; zlib streams and PNG
 // files decoded by an independent decoder (Python's zlib, through tests/check_png.py); chart geometry read
 // back from the pixels; ticks against the properties the header promises; every documented error.
 #include <gtest/gtest.h>
@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include "examples/plot.h"
+#include "train/plot.h"
 #include "tensor/error.h"
 
 namespace mixtape::plot {

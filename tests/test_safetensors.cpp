@@ -16,8 +16,8 @@
 #include <string>
 #include <vector>
 
-#include "nn/json.h"
-#include "nn/safetensors.h"
+#include "io/json.h"
+#include "io/safetensors.h"
 #include "tests/test_util.h"
 
 namespace mixtape {

@@ -1,4 +1,4 @@
-// The GPT trainer's core (examples/training.h): batches, evaluation, and resumption that is bit-exact.
+// The GPT trainer's core (train/training.h): batches, evaluation, and resumption that is bit-exact.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -14,8 +14,8 @@
 #include <unistd.h>
 
 #include "autograd/autograd.h"
-#include "examples/training.h"
-#include "nn/safetensors.h"
+#include "train/training.h"
+#include "io/safetensors.h"
 #include "tensor/random.h"
 #include "test_util.h"
 

@@ -1,4 +1,4 @@
-// The GPT trainer over processes (examples/parallel_training.h) against the single-process Trainer: issue 6's
+// The GPT trainer over processes (train/parallel_training.h) against the single-process Trainer: issue 6's
 // matrix of layouts x precision modes (20 steps: losses, skipped steps, loss scale, final weights), an inf on one
 // tensor-parallel rank, layout-free checkpoints (TP2 x PP2 -> DP2 -> one process), evaluation, and the errors.
 //
@@ -15,9 +15,9 @@
 #include <vector>
 
 #include "dist/communicator.h"
-#include "examples/parallel_training.h"
-#include "examples/training.h"
-#include "nn/safetensors.h"
+#include "train/parallel_training.h"
+#include "train/training.h"
+#include "io/safetensors.h"
 #include "tensor/autograd_node.h"
 #include "tensor/ops.h"
 #include "../test_util.h"

@@ -1,5 +1,5 @@
 // Strict JSON: a recursive-descent reader over the raw bytes and a compact writer. See json.h for the rules.
-#include "nn/json.h"
+#include "io/json.h"
 
 #include <charconv>
 #include <cmath>

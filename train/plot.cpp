@@ -1,6 +1,6 @@
 // Line charts as PNG files: the raster (pixels, a bitmap font, clipped and dashed lines), the chart layout
 // (ranges, ticks, labels, legend) and the file format (PNG row filters, a deflate encoder, CRC-32, Adler-32).
-#include "examples/plot.h"
+#include "train/plot.h"
 
 #include <algorithm>
 #include <array>

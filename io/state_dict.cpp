@@ -1,4 +1,4 @@
-#include "nn/state_dict.h"
+#include "io/state_dict.h"
 
 #include <algorithm>
 #include <cmath>

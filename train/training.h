@@ -33,8 +33,8 @@
 #include "amp/booster.h"
 #include "amp/config.h"
 #include "nn/gpt.h"
-#include "nn/json.h"
-#include "nn/state_dict.h"
+#include "io/json.h"
+#include "io/state_dict.h"
 #include "optim/optimizer.h"
 #include "optim/schedule.h"
 
@@ -164,7 +164,7 @@ StateDict model_part(const StateDict& state);
 // The optimizer part of a training checkpoint, "optimizer." stripped from tensor names and metadata keys.
 StateDict optimizer_part(const StateDict& state);
 
-// ---- the pieces of a Trainer, shared with the parallel trainer (examples/parallel_training.h) ----
+// ---- the pieces of a Trainer, shared with the parallel trainer (train/parallel_training.h) ----
 
 // nanoGPT's two parameter groups: every parameter of >= 2 dims (matrices, embeddings) decays, biases and norm
 // weights do not. optimizer_order gives the parameter names in the optimizer's order (the decay group, then the

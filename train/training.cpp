@@ -1,4 +1,4 @@
-#include "examples/training.h"
+#include "train/training.h"
 
 #include <algorithm>
 #include <charconv>
@@ -13,8 +13,8 @@
 #include <system_error>
 
 #include "autograd/autograd.h"
-#include "nn/json.h"
-#include "nn/safetensors.h"
+#include "io/json.h"
+#include "io/safetensors.h"
 #include "optim/adam.h"
 #include "optim/sgd.h"
 #include "tensor/error.h"

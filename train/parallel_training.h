@@ -1,6 +1,6 @@
 #pragma once
 // The GPT trainer over a tp x pp x dp grid of processes (train_gpt under mpirun): the same training as the
-// single-process Trainer (examples/training.h) for the same options, at any layout.
+// single-process Trainer (train/training.h) for the same options, at any layout.
 //
 //   every rank      builds the full GPT from options.seed on the CPU (so all start from the same weights),
 //                   then keeps only its part: ParallelGPT over its tensor-parallel group (dist/tensor_parallel.h),
@@ -41,7 +41,7 @@
 
 #include "dist/communicator.h"
 #include "dist/groups.h"
-#include "examples/training.h"
+#include "train/training.h"
 
 namespace mixtape {
 
@@ -59,7 +59,7 @@ struct ParallelOptions {
   void validate(int world_size) const;
 };
 
-// The inputs and targets [batch, block] (i64) of step `step` (see examples/training.h for the rule).
+// The inputs and targets [batch, block] (i64) of step `step` (see train/training.h for the rule).
 std::pair<Tensor, Tensor> training_batch(const TokenData& data, const TrainOptions& options, int64_t block,
                                          uint64_t data_seed, int64_t step);
 
@@ -97,7 +97,7 @@ class ParallelTrainer {
   int64_t skipped_steps() const;
   double loss_scale() const;
 
-  struct Impl;  // examples/parallel_training.cpp
+  struct Impl;  // train/parallel_training.cpp
 
  private:
   std::unique_ptr<Impl> impl_;

@@ -5,7 +5,7 @@
 // the first data byte) and may hold "__metadata__", an object of string -> string.
 #include <string>
 
-#include "nn/state_dict.h"
+#include "io/state_dict.h"
 
 namespace mixtape {
 

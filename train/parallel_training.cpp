@@ -1,4 +1,4 @@
-#include "examples/parallel_training.h"
+#include "train/parallel_training.h"
 
 #include <algorithm>
 #include <cmath>
@@ -13,7 +13,7 @@
 #include "dist/tensor_parallel.h"
 #include "dist/tp_ops.h"
 #include "dist/zero.h"
-#include "nn/safetensors.h"
+#include "io/safetensors.h"
 #include "tensor/autograd_node.h"
 #include "tensor/error.h"
 #include "tensor/ops.h"

@@ -1,7 +1,7 @@
 // safetensors reading and writing. The reader trusts nothing in the file: the header is parsed strictly and
 // every entry is checked (dtype, shape, byte range, layout) before any tensor is allocated, so the memory
 // allocated is bounded by the file's own size and a bad file is an Error, never a crash or partial load.
-#include "nn/safetensors.h"
+#include "io/safetensors.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -17,7 +17,7 @@
 #include <optional>
 #include <vector>
 
-#include "nn/json.h"
+#include "io/json.h"
 #include "tensor/error.h"
 
 namespace mixtape {
