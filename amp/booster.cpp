@@ -84,7 +84,7 @@ BoostedParts Booster::boost_parts(Module& model, std::unique_ptr<Optimizer> opti
   print_verbose_ = options.print_verbose;
 
   // ---- the model ----
-  if (c.mixed_precision == "tf32") set_allow_tf32(true);
+  if (c.row().tf32_matmuls) set_allow_tf32(true);
   if (c.is_naive()) {
     NaiveAMPOptions naive;
     naive.dtype = low_name(*c.model_dtype());
@@ -92,7 +92,7 @@ BoostedParts Booster::boost_parts(Module& model, std::unique_ptr<Optimizer> opti
     naive.group = options.data_parallel_group;
     naive.fp32_modules = options.fp32_modules;
     naive_ = std::make_unique<NaiveAMPModel>(model, naive);
-  } else if (c.mixed_precision == "fp16_apex") {
+  } else if (c.family() == ModeFamily::Apex) {
     // Apex's _initialize: with a cast_model_type (O0's fp32 too) the model is cast, every floating input is
     // cast to it and every floating output to cast_model_outputs (fp32 if unset); without one, floating
     // outputs are cast to cast_model_outputs when it is set. Each cast happens even when it changes nothing
@@ -145,25 +145,33 @@ BoostedParts Booster::boost_parts(Module& model, std::unique_ptr<Optimizer> opti
   MixedPrecisionOptions mp;
   mp.group = options.model_parallel_group;
   mp.clip_grad = options.clip_grad;
-  if (c.mixed_precision == "fp16" || c.mixed_precision == "bf16") {
-    if (c.grad_scaler.enabled) scalers.push_back(std::make_unique<GradScaler>(c.grad_scaler));
-    else scalers.push_back(std::make_unique<StaticLossScaler>(1.0));
-  } else if (c.mixed_precision == "fp16_apex") {
-    const ApexProperties& a = c.apex;
-    mp.master_weights = a.master_weights;
-    for (int64_t i = 0; i < a.num_losses; ++i) {
-      if (a.loss_scale) {
-        scalers.push_back(std::make_unique<StaticLossScaler>(*a.loss_scale));
-      } else {
-        scalers.push_back(std::make_unique<DynamicLossScaler>(a.dynamic_scaler()));
+  switch (c.row().scaler) {
+    case ScalerKind::Static:
+      scalers.push_back(std::make_unique<StaticLossScaler>(1.0));
+      break;
+    case ScalerKind::GradScaler:
+      if (c.grad_scaler.enabled) scalers.push_back(std::make_unique<GradScaler>(c.grad_scaler));
+      else scalers.push_back(std::make_unique<StaticLossScaler>(1.0));
+      break;
+    case ScalerKind::Apex:
+      for (int64_t i = 0; i < c.apex.num_losses; ++i) {
+        if (c.apex.loss_scale) {
+          scalers.push_back(std::make_unique<StaticLossScaler>(*c.apex.loss_scale));
+        } else {
+          scalers.push_back(std::make_unique<DynamicLossScaler>(c.apex.dynamic_scaler()));
+        }
       }
-    }
-  } else if (c.is_naive()) {
-    scalers.push_back(std::make_unique<DynamicLossScaler>(c.naive.scaler));
+      break;
+    case ScalerKind::Hysteresis:
+      scalers.push_back(std::make_unique<DynamicLossScaler>(c.naive.scaler));
+      break;
+  }
+  // MixedPrecisionOptions::master_weights defaults to fp32 masters of every 16-bit parameter; Apex's property
+  // may turn them off (O3 steps the fp16 parameters themselves).
+  if (c.row().master_weights == MasterWeights::ByOptLevel) mp.master_weights = c.apex.master_weights;
+  if (c.is_naive()) {
     if (c.naive.clip_grad > 0) mp.clip_grad = c.naive.clip_grad;
     mp.log_num_zeros_in_grad = c.naive.log_num_zeros_in_grad;
-  } else {
-    scalers.push_back(std::make_unique<StaticLossScaler>(1.0));
   }
   return {std::move(optimizer), std::move(scalers), std::move(mp)};
 }
@@ -210,7 +218,7 @@ StepResult Booster::step(const std::function<StepResult()>& step,
     const bool updated = dynamic && dynamic->update_count() != updates_before[i];
     return updated ? dynamic->last_update() : Update::None;
   };
-  if (config_.mixed_precision == "fp16_apex" && config_.apex.verbosity > 0) {
+  if (config_.family() == ModeFamily::Apex && config_.apex.verbosity > 0) {
     for (size_t i = 0; i < scalers.size(); ++i) {
       const std::string scale = exact_number_text(scalers[i]->scale());
       const Update update = outcome(i);

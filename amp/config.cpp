@@ -12,9 +12,11 @@ namespace mixtape {
 
 namespace {
 
-std::string join(const std::vector<std::string>& items) {
+// The items of a list of strings (or string_views), joined by ", ".
+template <class Items>
+std::string join(const Items& items) {
   std::string out;
-  for (const auto& item : items) out += (out.empty() ? "" : ", ") + item;
+  for (const auto& item : items) (out += out.empty() ? "" : ", ") += item;
   return out;
 }
 
@@ -27,27 +29,6 @@ std::optional<DType> dtype_from_name(const std::string& who, const std::string& 
 
 const char* dtype_text(DType dtype) {
   return dtype == DType::F16 ? "fp16" : dtype == DType::BF16 ? "bf16" : "fp32";
-}
-
-// The options each mode accepts in JSON (besides "mixed_precision").
-const std::vector<std::string>& keys_of(const std::string& mode) {
-  static const std::map<std::string, std::vector<std::string>> keys = {
-      {"fp32", {}},
-      {"tf32", {}},
-      {"fp16", {"init_scale", "growth_factor", "backoff_factor", "growth_interval", "enabled"}},
-      {"bf16", {"init_scale", "growth_factor", "backoff_factor", "growth_interval", "enabled"}},
-      {"fp16_apex",
-       {"opt_level", "cast_model_type", "patch_torch_functions", "keep_batchnorm_fp32", "master_weights",
-        "loss_scale", "cast_model_outputs", "num_losses", "verbosity", "min_loss_scale", "max_loss_scale"}},
-      {"fp16_naive",
-       {"clip_grad", "log_num_zeros_in_grad", "initial_scale", "min_scale", "growth_factor", "backoff_factor",
-        "growth_interval", "hysteresis", "max_scale", "verbose", "output_to_fp32",
-        "accumulate_allreduce_grads_in_fp32"}},
-  };
-  const auto found = keys.find(mode == "bf16_naive" ? "fp16_naive" : mode);
-  check(found != keys.end(), "AmpConfig: unknown mixed_precision \"", mode, "\" (expected one of ",
-        join(AmpConfig::modes()), ")");
-  return found->second;
 }
 
 // Runs `build` (a scaler constructor, which validates its options); an Error it throws is rethrown with
@@ -112,24 +93,27 @@ ApexProperties ApexProperties::for_opt_level(const std::string& opt_level) {
 }
 
 const std::vector<std::string>& AmpConfig::modes() {
-  static const std::vector<std::string> names = {"fp32", "tf32", "fp16", "bf16", "fp16_apex", "fp16_naive",
-                                                 "bf16_naive"};
+  static const std::vector<std::string> names = precision_mode_names();
   return names;
 }
 
 AmpConfig AmpConfig::parse(std::string_view text) {
   AmpConfig config;
   const size_t colon = text.find(':');
-  config.mixed_precision = std::string(text.substr(0, colon));
-  keys_of(config.mixed_precision);  // unknown mode -> Error listing the modes
+  const std::string name(text.substr(0, colon));
+  const std::optional<PrecisionMode> mode = find_precision_mode(name);
+  check(mode.has_value(), "AmpConfig: unknown mixed_precision \"", name, "\" (expected one of ", join(modes()),
+        ")");
+  config.mode = *mode;
+  const bool apex = config.family() == ModeFamily::Apex;
   if (colon != std::string_view::npos) {
-    check(config.mixed_precision == "fp16_apex", "AmpConfig: \"", text, "\": only fp16_apex takes an ",
-          "opt level after a colon (fp16_apex:O0 .. fp16_apex:O3)");
+    check(apex, "AmpConfig: \"", text, "\": only fp16_apex takes an opt level after a colon (fp16_apex:O0 .. ",
+          "fp16_apex:O3)");
     config.apex = ApexProperties::for_opt_level(std::string(text.substr(colon + 1)));
-  } else if (config.mixed_precision == "fp16_apex") {
+  } else if (apex) {
     config.apex = ApexProperties::for_opt_level("O1");  // amp.initialize's default opt_level
   }
-  if (config.mixed_precision == "bf16") config.grad_scaler.enabled = false;
+  if (config.family() == ModeFamily::PytorchAmp) config.grad_scaler.enabled = config.row().scaler_enabled;
   config.validate();
   return config;
 }
@@ -149,9 +133,9 @@ AmpConfig AmpConfig::from_json(std::string_view text, std::optional<std::string_
     name = std::string(*mode);
   }
   AmpConfig config = parse(name);
-  const std::string& m = config.mixed_precision;
+  const std::string m(config.row().name);
   const std::string who = "AmpConfig " + m;
-  const std::vector<std::string>& allowed = keys_of(m);
+  const std::span<const std::string_view> allowed = config.row().option_keys;
   // Every key is an option of the mode before any value is read: {"opt_level": 5} for fp16 is an unknown
   // option, not a badly typed opt level.
   for (const auto& [key, value] : root.as_object()) {
@@ -194,14 +178,14 @@ AmpConfig AmpConfig::from_json(std::string_view text, std::optional<std::string_
   bool scale_bounds_given = false;  // min_loss_scale / max_loss_scale: checked against loss_scale at the end
   for (const auto& [key, value] : root.as_object()) {
     if (key == "mixed_precision") continue;
-    if (m == "fp16" || m == "bf16") {
+    if (config.family() == ModeFamily::PytorchAmp) {
       GradScalerOptions& g = config.grad_scaler;
       if (key == "init_scale") g.init_scale = number(value, key);
       else if (key == "growth_factor") g.growth_factor = number(value, key);
       else if (key == "backoff_factor") g.backoff_factor = number(value, key);
       else if (key == "growth_interval") g.growth_interval = integer(value, key);
       else if (key == "enabled") g.enabled = boolean(value, key);
-    } else if (m == "fp16_apex") {
+    } else if (config.family() == ModeFamily::Apex) {
       ApexProperties& a = config.apex;
       // amp.initialize applies only the properties that are not None: null keeps the opt level's value.
       if (key == "opt_level" || (value.is_null() && key != "num_losses" && key != "verbosity" &&
@@ -263,7 +247,7 @@ AmpConfig AmpConfig::from_json(std::string_view text, std::optional<std::string_
         a.max_loss_scale = number(value, key);
         scale_bounds_given = true;
       }
-    } else {  // naive
+    } else if (config.is_naive()) {
       NaiveAmpOptions& n = config.naive;
       if (key == "clip_grad") n.clip_grad = number(value, key);
       else if (key == "log_num_zeros_in_grad") n.log_num_zeros_in_grad = boolean(value, key);
@@ -289,90 +273,119 @@ AmpConfig AmpConfig::from_json(std::string_view text, std::optional<std::string_
   return config;
 }
 
+namespace {
+
+// Apex's properties against Apex's own refusals and ours (the table in amp/config.h).
+void validate_apex(const std::string& who, const ApexProperties& properties) {
+  const ApexProperties& a = properties;
+  ApexProperties::for_opt_level(a.opt_level);
+  // The dtypes the JSON form accepts: another one would be cast as if it were fp16 (or cast a loss to an
+  // integer), never what was asked for.
+  auto check_dtype = [&](const char* key, const std::optional<DType>& dtype) {
+    check(!dtype || *dtype == DType::F32 || *dtype == DType::F16 || *dtype == DType::BF16, who, ": ", key,
+          " must be fp32, fp16 or bf16 (or unset), got ", dtype_name(dtype.value_or(DType::F32)));
+  };
+  check_dtype("cast_model_type", a.cast_model_type);
+  check_dtype("cast_model_outputs", a.cast_model_outputs);
+  check(!(a.opt_level == "O1" && a.keep_batchnorm_fp32), who, ": with O1 the norm ops already run in fp32, "
+        "so keep_batchnorm_fp32 must be unset (Apex refuses it too)");
+  check(!(a.opt_level == "O1" && a.cast_model_type && *a.cast_model_type != DType::F32), who,
+        ": O1 keeps the model weights fp32: cast_model_type must be unset or \"fp32\", got \"",
+        dtype_text(a.cast_model_type.value_or(DType::F32)), "\"");
+  check(!(a.opt_level == "O0" && a.cast_model_type && *a.cast_model_type != DType::F32), who,
+        ": O0 is pure fp32: cast_model_type must be \"fp32\" (or unset), got \"",
+        dtype_text(a.cast_model_type.value_or(DType::F32)), "\"; use O2 or O3 to cast the model");
+  check(!a.patch_torch_functions || a.opt_level == "O1", who, ": patch_torch_functions is only for O1");
+  // Apex: "It doesn't make sense to use master_weights with O1". Elsewhere master_weights on an uncast
+  // model (O0, or O2 with cast_model_type false) is accepted and keeps nothing: the parameters are fp32.
+  check(!(a.master_weights && a.opt_level == "O1"), who, ": O1 keeps the model weights fp32, so "
+        "master_weights makes no sense there (Apex refuses it too); use O2 or O3 for fp32 master weights");
+  check(!a.loss_scale || (std::isfinite(*a.loss_scale) && *a.loss_scale > 0), who,
+        ": loss_scale must be \"dynamic\" or a finite number > 0, got ", a.loss_scale.value_or(0));
+  check(a.num_losses >= 1 && a.num_losses <= ApexProperties::kMaxNumLosses, who,
+        ": num_losses must be in [1, ", ApexProperties::kMaxNumLosses, "] (one loss scaler per loss), got ",
+        a.num_losses);
+  check(a.verbosity >= 0 && a.verbosity <= 2, who, ": verbosity must be 0 (silent), 1 (each skipped step) "
+        "or 2 (also each scale growth), got ", a.verbosity);
+  check(std::isfinite(a.max_loss_scale) && a.max_loss_scale > 0, who,
+        ": max_loss_scale must be finite and > 0, got ", a.max_loss_scale);
+  if (a.min_loss_scale)
+    check(std::isfinite(*a.min_loss_scale) && *a.min_loss_scale > 0 && *a.min_loss_scale <= a.max_loss_scale,
+          who, ": min_loss_scale must be in (0, max_loss_scale = ", a.max_loss_scale, "], got ",
+          *a.min_loss_scale);
+  if (a.loss_scale) {
+    check(!a.min_loss_scale && a.max_loss_scale == ApexProperties::kDefaultMaxLossScale, who,
+          ": min_loss_scale and max_loss_scale apply only with loss_scale \"dynamic\"; opt_level ",
+          a.opt_level, " here has the static loss_scale ", number_text(a.loss_scale),
+          " (got min_loss_scale ", number_text(a.min_loss_scale), ", max_loss_scale ",
+          number_text(a.max_loss_scale), ")");
+    with_context(who + ": the static loss_scale", [&] { StaticLossScaler check_scale(*a.loss_scale); });
+  } else {
+    with_context(who + ": the dynamic loss scaler of min_loss_scale " + number_text(a.min_loss_scale) +
+                     " and max_loss_scale " + number_text(a.max_loss_scale),
+                 [&] { a.dynamic_scaler(); });
+  }
+}
+
+}  // namespace
+
 void AmpConfig::validate() const {
-  keys_of(mixed_precision);
-  const std::string who = "AmpConfig " + mixed_precision;
-  if (mixed_precision == "fp16" || mixed_precision == "bf16") {
-    // Checked on or off: an invalid option is wrong whether or not the scaler runs (bf16 may switch it on).
-    with_context(who + " (GradScaler options)", [&] { GradScaler check_options(grad_scaler); });
-  } else if (mixed_precision == "fp16_apex") {
-    const ApexProperties& a = apex;
-    ApexProperties::for_opt_level(a.opt_level);
-    // The dtypes the JSON form accepts: another one would be cast as if it were fp16 (or cast a loss to an
-    // integer), never what was asked for.
-    auto check_dtype = [&](const char* key, const std::optional<DType>& dtype) {
-      check(!dtype || *dtype == DType::F32 || *dtype == DType::F16 || *dtype == DType::BF16, who, ": ", key,
-            " must be fp32, fp16 or bf16 (or unset), got ", dtype_name(dtype.value_or(DType::F32)));
-    };
-    check_dtype("cast_model_type", a.cast_model_type);
-    check_dtype("cast_model_outputs", a.cast_model_outputs);
-    check(!(a.opt_level == "O1" && a.keep_batchnorm_fp32), who, ": with O1 the norm ops already run in fp32, "
-          "so keep_batchnorm_fp32 must be unset (Apex refuses it too)");
-    check(!(a.opt_level == "O1" && a.cast_model_type && *a.cast_model_type != DType::F32), who,
-          ": O1 keeps the model weights fp32: cast_model_type must be unset or \"fp32\", got \"",
-          dtype_text(a.cast_model_type.value_or(DType::F32)), "\"");
-    check(!(a.opt_level == "O0" && a.cast_model_type && *a.cast_model_type != DType::F32), who,
-          ": O0 is pure fp32: cast_model_type must be \"fp32\" (or unset), got \"",
-          dtype_text(a.cast_model_type.value_or(DType::F32)), "\"; use O2 or O3 to cast the model");
-    check(!a.patch_torch_functions || a.opt_level == "O1", who, ": patch_torch_functions is only for O1");
-    // Apex: "It doesn't make sense to use master_weights with O1". Elsewhere master_weights on an uncast
-    // model (O0, or O2 with cast_model_type false) is accepted and keeps nothing: the parameters are fp32.
-    check(!(a.master_weights && a.opt_level == "O1"), who, ": O1 keeps the model weights fp32, so "
-          "master_weights makes no sense there (Apex refuses it too); use O2 or O3 for fp32 master weights");
-    check(!a.loss_scale || (std::isfinite(*a.loss_scale) && *a.loss_scale > 0), who,
-          ": loss_scale must be \"dynamic\" or a finite number > 0, got ", a.loss_scale.value_or(0));
-    check(a.num_losses >= 1 && a.num_losses <= ApexProperties::kMaxNumLosses, who,
-          ": num_losses must be in [1, ", ApexProperties::kMaxNumLosses, "] (one loss scaler per loss), got ",
-          a.num_losses);
-    check(a.verbosity >= 0 && a.verbosity <= 2, who, ": verbosity must be 0 (silent), 1 (each skipped step) "
-          "or 2 (also each scale growth), got ", a.verbosity);
-    check(std::isfinite(a.max_loss_scale) && a.max_loss_scale > 0, who,
-          ": max_loss_scale must be finite and > 0, got ", a.max_loss_scale);
-    if (a.min_loss_scale)
-      check(std::isfinite(*a.min_loss_scale) && *a.min_loss_scale > 0 && *a.min_loss_scale <= a.max_loss_scale,
-            who, ": min_loss_scale must be in (0, max_loss_scale = ", a.max_loss_scale, "], got ",
-            *a.min_loss_scale);
-    if (a.loss_scale) {
-      check(!a.min_loss_scale && a.max_loss_scale == ApexProperties::kDefaultMaxLossScale, who,
-            ": min_loss_scale and max_loss_scale apply only with loss_scale \"dynamic\"; opt_level ",
-            a.opt_level, " here has the static loss_scale ", number_text(a.loss_scale),
-            " (got min_loss_scale ", number_text(a.min_loss_scale), ", max_loss_scale ",
-            number_text(a.max_loss_scale), ")");
-      with_context(who + ": the static loss_scale", [&] { StaticLossScaler check_scale(*a.loss_scale); });
-    } else {
-      with_context(who + ": the dynamic loss scaler of min_loss_scale " + number_text(a.min_loss_scale) +
-                       " and max_loss_scale " + number_text(a.max_loss_scale),
-                   [&] { a.dynamic_scaler(); });
-    }
-  } else if (is_naive()) {
-    check(std::isfinite(naive.clip_grad) && naive.clip_grad >= 0, who,
-          ": clip_grad must be finite and >= 0 (0 = off), got ", naive.clip_grad);
-    with_context(who + " (loss scaler options)", [&] { DynamicLossScaler check_options(naive.scaler); });
+  check(static_cast<size_t>(mode) < kPrecisionModes.size(), "AmpConfig: unknown mixed_precision (PrecisionMode ",
+        static_cast<int>(mode), "; expected one of ", join(modes()), ")");
+  const std::string who = "AmpConfig " + std::string(row().name);
+  switch (family()) {
+    case ModeFamily::Plain:
+      break;
+    case ModeFamily::PytorchAmp:
+      // Checked on or off: an invalid option is wrong whether or not the scaler runs (bf16 may switch it on).
+      with_context(who + " (GradScaler options)", [&] { GradScaler check_options(grad_scaler); });
+      break;
+    case ModeFamily::Apex:
+      validate_apex(who, apex);
+      break;
+    case ModeFamily::Naive:
+      check(std::isfinite(naive.clip_grad) && naive.clip_grad >= 0, who,
+            ": clip_grad must be finite and >= 0 (0 = off), got ", naive.clip_grad);
+      with_context(who + " (loss scaler options)", [&] { DynamicLossScaler check_options(naive.scaler); });
+      break;
   }
 }
 
 std::string AmpConfig::name() const {
-  return mixed_precision == "fp16_apex" ? mixed_precision + ":" + apex.opt_level : mixed_precision;
+  const std::string mode_name(row().name);
+  return family() == ModeFamily::Apex ? mode_name + ":" + apex.opt_level : mode_name;
 }
 
 std::optional<DType> AmpConfig::autocast_dtype() const {
-  if (mixed_precision == "fp16") return DType::F16;
-  if (mixed_precision == "bf16") return DType::BF16;
-  if (mixed_precision == "fp16_apex" && apex.patch_torch_functions) return DType::F16;
+  switch (row().cast) {
+    case ModeCast::Autocast:
+      return row().compute_dtype;
+    case ModeCast::ByOptLevel:  // Apex's patch_torch_functions (O1) is autocast
+      return apex.patch_torch_functions ? std::optional(row().compute_dtype) : std::nullopt;
+    case ModeCast::None:
+    case ModeCast::WholeModel:
+      return std::nullopt;
+  }
   return std::nullopt;
 }
 
 std::optional<DType> AmpConfig::model_dtype() const {
-  if (mixed_precision == "fp16_naive") return DType::F16;
-  if (mixed_precision == "bf16_naive") return DType::BF16;
-  if (mixed_precision == "fp16_apex") return apex.cast_model_type;  // O0 with false too: Apex casts nothing
+  switch (row().cast) {
+    case ModeCast::WholeModel:
+      return row().compute_dtype;
+    case ModeCast::ByOptLevel:
+      return apex.cast_model_type;  // O0 with false too: Apex casts nothing
+    case ModeCast::None:
+    case ModeCast::Autocast:
+      return std::nullopt;
+  }
   return std::nullopt;
 }
 
 bool AmpConfig::fp32_grads() const {
   if (is_naive()) return naive.accumulate_allreduce_grads_in_fp32;
   const std::optional<DType> cast = model_dtype();
-  return mixed_precision == "fp16_apex" && apex.master_weights && cast && is_low_precision(*cast);
+  return family() == ModeFamily::Apex && apex.master_weights && cast && is_low_precision(*cast);
 }
 
 std::string AmpConfig::training_differences(const AmpConfig& other, std::string_view other_label) const {
@@ -400,16 +413,16 @@ std::string AmpConfig::training_differences(const AmpConfig& other, std::string_
 }
 
 std::string AmpConfig::to_json() const {
-  json::Value::Object o{{"mixed_precision", mixed_precision}};
+  json::Value::Object o{{"mixed_precision", std::string(row().name)}};
   o.reserve(16);
   auto num = [](double v) { return json::Value(v); };
-  if (mixed_precision == "fp16" || mixed_precision == "bf16") {
+  if (family() == ModeFamily::PytorchAmp) {
     o.emplace_back("init_scale", num(grad_scaler.init_scale));
     o.emplace_back("growth_factor", num(grad_scaler.growth_factor));
     o.emplace_back("backoff_factor", num(grad_scaler.backoff_factor));
     o.emplace_back("growth_interval", grad_scaler.growth_interval);
     o.emplace_back("enabled", grad_scaler.enabled);
-  } else if (mixed_precision == "fp16_apex") {
+  } else if (family() == ModeFamily::Apex) {
     const ApexProperties& a = apex;
     auto opt_dtype = [](const std::optional<DType>& d) { return d ? json::Value(dtype_text(*d)) : json::Value(); };
     o.emplace_back("opt_level", a.opt_level);

@@ -1,5 +1,6 @@
 #pragma once
-// AmpConfig: the precision modes users know, with their option names and defaults, checked at construction.
+// AmpConfig: a precision mode (a row of amp/precision_mode.h) with its options and their defaults, checked at
+// construction.
 //
 //   mixed_precision  what it is                                            options (defaults)
 //   "fp32"           plain fp32                                            —
@@ -61,6 +62,7 @@
 #include <string_view>
 #include <vector>
 
+#include "amp/precision_mode.h"
 #include "amp/scaler.h"
 #include "tensor/dtype.h"
 
@@ -98,12 +100,12 @@ struct NaiveAmpOptions {
 };
 
 struct AmpConfig {
-  std::string mixed_precision = "fp32";
+  PrecisionMode mode = PrecisionMode::Fp32;  // "mixed_precision" in JSON
   GradScalerOptions grad_scaler;  // "fp16" / "bf16" (bf16: enabled = false unless set)
   ApexProperties apex;            // "fp16_apex"
   NaiveAmpOptions naive;          // "fp16_naive" / "bf16_naive"
 
-  static const std::vector<std::string>& modes();  // every mode name, in the table's order
+  static const std::vector<std::string>& modes();  // every mode name (precision_mode_names())
   // "fp32", "bf16", "fp16_apex:O2", ...: the mode's defaults. Validated.
   static AmpConfig parse(std::string_view mode);
   // A JSON object as above. `mode`, when given (train_gpt --precision), is the mode if the object has no
@@ -119,12 +121,15 @@ struct AmpConfig {
   std::string training_differences(const AmpConfig& other,
                                    std::string_view other_label = "the other's") const;
 
+  const PrecisionModeRow& row() const { return mode_row(mode); }
+  ModeFamily family() const { return row().family; }
+
   // What the mode does, for Booster and the logs.
   std::optional<DType> autocast_dtype() const;  // F16/BF16 when ops are autocast (fp16, bf16, apex O1)
   std::optional<DType> model_dtype() const;     // the dtype parameters are cast to (naive, apex O2/O3, O0)
   // Whether boost() gives the 16-bit parameters fp32 gradients (see above).
   bool fp32_grads() const;
-  bool is_naive() const { return mixed_precision == "fp16_naive" || mixed_precision == "bf16_naive"; }
+  bool is_naive() const { return family() == ModeFamily::Naive; }
 };
 
 }  // namespace mixtape

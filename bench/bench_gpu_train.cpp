@@ -2,7 +2,7 @@
 // events (DeviceTimer), with MFU, peak memory, the GradScaler overhead and (with --pytorch) the same model in
 // PyTorch (bench/pytorch_gpu_train_step.py, run as a child process in the same job).
 //
-//   ./build/bench/bench_gpu_train                                  # GPT-2 small, modes fp32,tf32,bf16,fp16,fp16_naive
+//   ./build/bench/bench_gpu_train                                  # GPT-2 small, every mode but Apex's
 //   ./build/bench/bench_gpu_train --pytorch --json gpu_train.json  # plus PyTorch eager / torch.compile
 //   ./build/bench/bench_gpu_train --modes bf16,fp16 --warmup 5 --steps 50
 //   ./build/bench/bench_gpu_train --layers 2 --block 256 --batch 4 --steps 3 --modes fp32   # a quick check
@@ -89,9 +89,18 @@ constexpr double kScalerOverheadTarget = 0.03;  // fp16 + GradScaler at most 3 %
 constexpr int kMaxExtraWarmup = 200;            // loss-scaler back-off steps allowed beyond --warmup
 constexpr int kCleanSteps = 5;                  // ... until this many consecutive steps were not skipped
 
+// Every precision mode outside the Apex family (whose O1 is PyTorch's fp16 and whose O2 is fp16_naive with fp32
+// norm layers: nothing a GPU step time tells apart from those).
+std::vector<std::string> default_modes() {
+  std::vector<std::string> modes;
+  for (const PrecisionModeRow& row : kPrecisionModes)
+    if (row.family != ModeFamily::Apex) modes.emplace_back(row.name);
+  return modes;
+}
+
 struct Options {
   int64_t layers = 12, heads = 12, width = 768, block = 1024, vocab = 50304, batch = 16;
-  std::vector<std::string> modes = {"fp32", "tf32", "bf16", "fp16", "fp16_naive"};
+  std::vector<std::string> modes = default_modes();
   int warmup = 3, steps = 20, device = 0;
   bool cpu = false;  // --cpu: a functional check of this program on the CPU (tiny models), not a benchmark
   bool pytorch = false;
@@ -294,7 +303,8 @@ const Result* find_result(const std::vector<Result>& results, const std::string&
 
 // The PyTorch eager mode of the same precision as a mixtape mode ("" when there is none).
 std::string pytorch_counterpart(const std::string& mode) {
-  if (mode == "fp32" || mode == "tf32" || mode == "bf16" || mode == "fp16") return "PyTorch eager_" + mode;
+  const ModeFamily family = AmpConfig::parse(mode).family();
+  if (family == ModeFamily::Plain || family == ModeFamily::PytorchAmp) return "PyTorch eager_" + mode;
   return "";
 }
 
@@ -325,7 +335,7 @@ std::vector<std::string> split_list(const std::string& text, const char* what) {
 void usage() {
   std::fprintf(stderr,
                "usage: bench_gpu_train [--layers N] [--heads N] [--width N] [--block N] [--vocab N] [--batch N]\n"
-               "         [--modes fp32,tf32,bf16,fp16,fp16_naive] [--warmup N] [--steps N] [--device N]\n"
+               "         [--modes MODE,... (default: every mode but fp16_apex)] [--warmup N] [--steps N] [--device N]\n"
                "         [--peak-tflops X] [--json FILE] [--pytorch] [--pytorch-modes "
                "eager_fp32,eager_tf32,eager_bf16,eager_fp16,compile_bf16]\n"
                "         [--pytorch-attention sdpa|math] [--pytorch-adamw fused|foreach|single]\n"

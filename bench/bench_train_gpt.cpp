@@ -10,11 +10,11 @@
 // A step is what train_gpt does per step: forward, fused cross-entropy, backward, global gradient clipping
 // at norm 1, AdamW (weight decay 0.1 on matrices and embeddings), on a random batch (the Trainer's own
 // sampling over a random token stream: the cost of a step does not depend on the token values). Each mixtape
-// mode (--precision a,b,c; default fp32,tf32,fp16,bf16,fp16_apex:O2,fp16_naive,bf16_naive) is its own Trainer
+// mode (--precision a,b,c; default every mode of amp/precision_mode.h, Apex's at O2) is its own Trainer
 // with TrainOptions::amp = AmpConfig::parse(mode), so a step includes the mode's casts, loss scaling,
 // overflow check and master-weight update. tf32 is a process-wide switch (tensor/precision.h) that building
-// a tf32 trainer turns on: it is set to (mode == "tf32") before every step, so it never leaks into another
-// mode.
+// a tf32 trainer turns on: it is set to the mode's tf32_matmuls before every step, so it never leaks into
+// another mode.
 //
 // The PyTorch side is bench/pytorch_train_step.py (the same model as tests/pytorch_parity.py, torch threads =
 // this process's OpenMP threads), run as a child process, once in fp32 and once under bf16 autocast
@@ -101,8 +101,9 @@ constexpr double kTargetFp32 = 3.0;       // issue 3: mixtape fp32 >= 3x PyTorch
 constexpr double kTargetBf16 = 1.5;       // mixtape bf16 >= 1.5x PyTorch bf16 autocast tokens/s
 constexpr double kTargetLowVsFp32 = 1.0;  // every fp16/bf16 mode at least as fast as mixtape fp32
 
-const std::vector<std::string> kDefaultModes = {"fp32",         "tf32",       "fp16",      "bf16",
-                                                "fp16_apex:O2", "fp16_naive", "bf16_naive"};
+// Every precision mode, Apex's at O2 (fp16 model, fp32 norms and masters: the level Apex recommends).
+constexpr std::array<std::string_view, 1> kApexBenchLevel{"O2"};
+const std::vector<std::string> kDefaultModes = precision_mode_names(kApexBenchLevel);
 
 const bench::BenchModel kModel{.layers = 4, .heads = 4, .width = 256, .block = 128, .vocab = 65, .batch = 16};
 
@@ -126,7 +127,7 @@ struct Side {
   }
   bool is_control() const { return name != mode; }  // only the control has a name of its own
   StepStats step() {
-    set_allow_tf32(mode == "tf32");
+    set_allow_tf32(trainer->options().amp.row().tf32_matmuls);
     return trainer->train_step();
   }
   double step_ms(bool phases) {

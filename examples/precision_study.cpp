@@ -74,9 +74,8 @@ namespace fs = std::filesystem;
 
 namespace {
 
-const std::vector<std::string> kDefaultModes = {
-    "fp32",         "tf32",         "fp16",         "bf16",       "fp16_apex:O0",
-    "fp16_apex:O1", "fp16_apex:O2", "fp16_apex:O3", "fp16_naive", "bf16_naive"};
+// Every precision mode, Apex's at each opt level.
+const std::vector<std::string> kDefaultModes = precision_mode_names(kApexOptLevels);
 constexpr size_t kFinalTrainSteps = 10;  // final train loss = mean of the last 10 batch losses
 constexpr size_t kSmooth = 20;           // the plotted training loss: trailing mean of 20 steps
 
@@ -517,7 +516,7 @@ struct Row {
 std::vector<Row> table_rows(const std::vector<ModeResult>& results) {
   std::optional<double> reference;
   for (const ModeResult& r : results)
-    if (r.ok && r.mode == "fp32") reference = r.final_val_loss;
+    if (r.ok && AmpConfig::parse(r.mode).mode == PrecisionMode::Fp32) reference = r.final_val_loss;
   std::vector<Row> rows;
   for (const ModeResult& r : results) {
     if (!r.ok) continue;

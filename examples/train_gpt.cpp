@@ -97,7 +97,7 @@ void usage() {
       "  training:  --batch N --steps N --lr X --min-lr X --warmup N --optimizer sgd|adam|adamw\n"
       "             --weight-decay X --beta1 X --beta2 X --momentum X (sgd) --schedule constant|cosine\n"
       "             --grad-clip X (0 = off) --seed N --sequential\n"
-      "  precision: --precision fp32|tf32|fp16|bf16|fp16_apex[:O0..O3]|fp16_naive|bf16_naive (default fp32)\n"
+      "  precision: --precision " << precision_mode_list("|") << " (default fp32)\n"
       "             --amp-config FILE.json (the mode's options, e.g. {\"initial_scale\": 65536}; it may name\n"
       "             the mode as \"mixed_precision\")\n"
       "  device:    --device cpu|cuda|cuda:N (default cpu; checkpoints move freely between devices; under\n"
@@ -595,7 +595,7 @@ int run(int argc, char** argv) {
   const auto start = std::chrono::steady_clock::now();
   double train_seconds = 0;  // inside train_step only: the rate excludes evaluations and saves
   bool warned_non_finite = false;  // the first non-finite loss is explained once
-  const bool scaled = opt.train.amp.mixed_precision != "fp32" && opt.train.amp.mixed_precision != "tf32";
+  const bool scaled = opt.train.amp.family() != ModeFamily::Plain;
   while (position() < end) {
     const auto t0 = std::chrono::steady_clock::now();
     const StepStats s = single ? single->train_step() : parallel->train_step();

@@ -486,8 +486,8 @@ TEST(Booster, MisuseIsAnError) {
   GPT other(tiny_config(), 1);
   EXPECT_ERROR_MENTIONS(booster.boost(other, adamw_on(other, 1e-3)), "already");
   AmpConfig unknown;
-  unknown.mixed_precision = "fp64";
-  EXPECT_ERROR_MENTIONS(Booster{unknown}, "unknown mixed_precision", "fp64");
+  unknown.mode = PrecisionMode::Count;  // no row: a value cast from outside the enum's range
+  EXPECT_ERROR_MENTIONS(Booster{unknown}, "unknown mixed_precision", "fp16_naive");
 }
 
 // An optimizer that already stepped is refused in every mode, before the model changes: in the modes that

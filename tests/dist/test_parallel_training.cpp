@@ -65,7 +65,7 @@ GPTConfig tiny_config(double dropout = 0.0) {
 struct Mode {
   const char* name;
   AmpConfig amp;
-  bool exact() const { return amp.mixed_precision == "fp32"; }
+  bool exact() const { return amp.mode == PrecisionMode::Fp32; }
 };
 
 // Loss scales that never overflow naturally here (growth every 5 clean steps, from 1024): a rank's local

@@ -1,0 +1,128 @@
+#pragma once
+// The precision modes, as one table: every name users type (train_gpt --precision, AmpConfig::parse, the
+// "mixed_precision" key of a JSON config) is a row here, and everything that lists or tells modes apart —
+// AmpConfig's parsing, validation and to_json, Booster's composition, train_gpt --help, precision_study and
+// the benchmarks' mode lists — reads this table.
+//
+// A mode of an existing family is one row: the family's behaviour (its options, its scaler, how Booster
+// casts the model) is written once, in the `switch (family)` statements of amp/config.cpp and
+// amp/booster.cpp, which have no default case so that -Wswitch names every switch a new family must join.
+// The static_assert below makes this table fail to build until a new PrecisionMode has its row.
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "tensor/dtype.h"
+
+namespace mixtape {
+
+enum class PrecisionMode : uint8_t { Fp32, Tf32, Fp16, Bf16, Fp16Apex, Fp16Naive, Bf16Naive, Count };
+
+// The framework whose behaviour a mode reproduces: its options, its loss scaler and what it casts.
+enum class ModeFamily : uint8_t {
+  Plain,       // fp32 arithmetic (tf32: matmul inputs rounded to tf32); nothing cast, no loss scaling
+  PytorchAmp,  // torch.autocast + torch.amp.GradScaler; fp32 parameters
+  Apex,        // NVIDIA Apex amp.initialize, opt levels O0..O3 (ApexProperties in amp/config.h)
+  Naive,       // Colossal-AI / InternEvo naive AMP: the whole model in 16 bits, fp32 masters, hysteresis
+};
+
+// Where the mode's 16-bit dtype is used.
+enum class ModeCast : uint8_t {
+  None,        // nothing is cast (fp32, tf32)
+  Autocast,    // ops run under Autocast(compute_dtype); parameters stay fp32
+  WholeModel,  // the parameters are cast to compute_dtype (NaiveAMPModel)
+  ByOptLevel,  // Apex: O1 autocasts, O2/O3 cast the model, O0 casts it to fp32 (ApexProperties)
+};
+
+enum class MasterWeights : uint8_t {
+  None,        // the optimizer steps the parameters themselves (fp32 already, or Apex O3's fp16)
+  Fp32,        // fp32 master copies of the 16-bit parameters
+  ByOptLevel,  // Apex's master_weights property (O2: true)
+};
+
+enum class ScalerKind : uint8_t {
+  Static,       // a loss scale of 1 (nothing scaled; the step is still skipped on a non-finite gradient)
+  GradScaler,   // PyTorch's GradScaler (its `enabled` default is the row's scaler_enabled)
+  Apex,         // Apex's scaler: dynamic (2^16, x2 after 2000 clean steps) or a static loss_scale
+  Hysteresis,   // DynamicLossScaler with hysteresis (Megatron-LM / Colossal-AI)
+};
+
+// The options each family accepts in a JSON config, besides "mixed_precision", in to_json's order.
+inline constexpr std::array<std::string_view, 5> kGradScalerKeys{"init_scale", "growth_factor", "backoff_factor",
+                                                                 "growth_interval", "enabled"};
+inline constexpr std::array<std::string_view, 11> kApexKeys{
+    "opt_level",   "cast_model_type",    "patch_torch_functions", "keep_batchnorm_fp32",
+    "master_weights", "loss_scale",      "cast_model_outputs",    "num_losses",
+    "verbosity",   "min_loss_scale",     "max_loss_scale"};
+inline constexpr std::array<std::string_view, 12> kNaiveKeys{
+    "clip_grad", "log_num_zeros_in_grad", "initial_scale", "min_scale", "growth_factor",
+    "backoff_factor", "growth_interval", "hysteresis", "max_scale", "verbose", "output_to_fp32",
+    "accumulate_allreduce_grads_in_fp32"};
+
+struct PrecisionModeRow {
+  PrecisionMode mode;
+  std::string_view name;        // what users type; Apex's opt level follows a colon ("fp16_apex:O2")
+  ModeFamily family;
+  DType compute_dtype;          // the 16-bit dtype the mode computes in (F32 for the plain modes)
+  ModeCast cast;
+  MasterWeights master_weights;
+  ScalerKind scaler;
+  bool scaler_enabled;          // GradScaler's `enabled` default (PyTorch: on for fp16, off for bf16)
+  bool tf32_matmuls;            // set_allow_tf32(true), process-wide, when the model is boosted
+  std::span<const std::string_view> option_keys;
+  std::string_view summary;     // one line for --help and the docs
+};
+
+// THE precision-mode table, in PrecisionMode order (checked at compile time below).
+inline constexpr std::array<PrecisionModeRow, static_cast<size_t>(PrecisionMode::Count)> kPrecisionModes{{
+    {PrecisionMode::Fp32, "fp32", ModeFamily::Plain, DType::F32, ModeCast::None, MasterWeights::None,
+     ScalerKind::Static, false, false, {}, "plain fp32"},
+    {PrecisionMode::Tf32, "tf32", ModeFamily::Plain, DType::F32, ModeCast::None, MasterWeights::None,
+     ScalerKind::Static, false, true, {}, "fp32 storage, matmul inputs rounded to tf32"},
+    {PrecisionMode::Fp16, "fp16", ModeFamily::PytorchAmp, DType::F16, ModeCast::Autocast, MasterWeights::None,
+     ScalerKind::GradScaler, true, false, kGradScalerKeys, "PyTorch AMP: fp16 autocast + GradScaler"},
+    {PrecisionMode::Bf16, "bf16", ModeFamily::PytorchAmp, DType::BF16, ModeCast::Autocast, MasterWeights::None,
+     ScalerKind::GradScaler, false, false, kGradScalerKeys, "PyTorch AMP: bf16 autocast, no scaler"},
+    {PrecisionMode::Fp16Apex, "fp16_apex", ModeFamily::Apex, DType::F16, ModeCast::ByOptLevel,
+     MasterWeights::ByOptLevel, ScalerKind::Apex, true, false, kApexKeys,
+     "NVIDIA Apex amp, opt level O0..O3 after a colon (default O1)"},
+    {PrecisionMode::Fp16Naive, "fp16_naive", ModeFamily::Naive, DType::F16, ModeCast::WholeModel,
+     MasterWeights::Fp32, ScalerKind::Hysteresis, true, false, kNaiveKeys,
+     "Colossal-AI / InternEvo naive AMP: fp16 model, fp32 masters, hysteresis scaler"},
+    {PrecisionMode::Bf16Naive, "bf16_naive", ModeFamily::Naive, DType::BF16, ModeCast::WholeModel,
+     MasterWeights::Fp32, ScalerKind::Hysteresis, true, false, kNaiveKeys,
+     "Colossal-AI / InternEvo naive AMP: bf16 model, fp32 masters, hysteresis scaler"},
+}};
+
+constexpr bool precision_modes_in_order() {
+  for (size_t i = 0; i < kPrecisionModes.size(); ++i)
+    if (static_cast<size_t>(kPrecisionModes[i].mode) != i) return false;
+  return true;
+}
+static_assert(precision_modes_in_order(), "kPrecisionModes rows must follow PrecisionMode order");
+
+// Apex's opt levels: each is a mode name of its own where modes are listed ("fp16_apex:O2").
+inline constexpr std::array<std::string_view, 4> kApexOptLevels{"O0", "O1", "O2", "O3"};
+
+constexpr const PrecisionModeRow& mode_row(PrecisionMode mode) { return kPrecisionModes[static_cast<size_t>(mode)]; }
+
+// The row named `name` (no opt level), or nullopt.
+constexpr std::optional<PrecisionMode> find_precision_mode(std::string_view name) {
+  for (const PrecisionModeRow& row : kPrecisionModes)
+    if (row.name == name) return row.mode;
+  return std::nullopt;
+}
+
+// Every mode's name in table order, Apex's once per opt level in `apex_opt_levels` ({"O2"}:
+// "fp16_apex:O2"; kApexOptLevels: all four), or once without a level when `apex_opt_levels` is empty.
+std::vector<std::string> precision_mode_names(std::span<const std::string_view> apex_opt_levels = {});
+
+// The modes joined by `separator` for help texts: "fp32|tf32|fp16|bf16|fp16_apex[:O0..O3]|...".
+std::string precision_mode_list(std::string_view separator);
+
+}  // namespace mixtape
