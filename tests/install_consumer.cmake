@@ -14,7 +14,7 @@ run(${CMAKE_COMMAND} -S ${SOURCE_DIR}/tests/consumer -B ${WORK_DIR}/build -DCMAK
     -DCMAKE_BUILD_TYPE=Release)
 run(${CMAKE_COMMAND} --build ${WORK_DIR}/build)
 run(${WORK_DIR}/build/consumer)
-if(NOT last_output MATCHES "consumer: 7, vocab 3")
+if(NOT last_output MATCHES "consumer: 7, vocab 3, PNG")
   message(FATAL_ERROR "consumer printed: ${last_output}")
 endif()
 message(STATUS "consumer built against the installed package and printed: ${last_output}")

@@ -1,15 +1,18 @@
-// Line charts as PNG files: the raster (pixels, a bitmap font, clipped and dashed lines), the chart layout
-// (ranges, ticks, labels, legend) and the file format (PNG row filters, a deflate encoder, CRC-32, Adler-32).
+// Line charts as PNG files: the chart layout (ranges, ticks, labels, legend) is worked out here in pixels;
+// cairo strokes the lines, sets the text and encodes the PNG.
 #include "train/plot.h"
 
+#include <cairo.h>
+
 #include <algorithm>
-#include <array>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <limits>
+#include <memory>
+#include <numbers>
 #include <system_error>
 #include <utility>
 
@@ -69,231 +72,64 @@ void Image::set(int x, int y, Rgb c) {
   p[2] = c.b;
 }
 
-// ---- checksums -----------------------------------------------------------------------------------
-
-uint32_t crc32(const uint8_t* data, size_t size) {
-  // One table lookup per byte: entry n is the remainder of the byte n shifted through the 8 polynomial steps.
-  static const std::array<uint32_t, 256> table = [] {
-    std::array<uint32_t, 256> t{};
-    for (uint32_t n = 0; n < 256; ++n) {
-      uint32_t c = n;
-      for (int k = 0; k < 8; ++k) c = (c & 1) ? 0xEDB88320u ^ (c >> 1) : c >> 1;
-      t[n] = c;
-    }
-    return t;
-  }();
-  uint32_t c = 0xFFFFFFFFu;
-  for (size_t i = 0; i < size; ++i) c = table[(c ^ data[i]) & 0xFF] ^ (c >> 8);
-  return c ^ 0xFFFFFFFFu;
-}
-
-uint32_t adler32(const uint8_t* data, size_t size) {
-  // Two sums mod 65521 (the largest prime below 2^16). 5552 bytes is the longest run after which b cannot
-  // have overflowed 32 bits, so the (slow) modulo runs once per run instead of once per byte.
-  uint32_t a = 1, b = 0;
-  while (size > 0) {
-    const size_t n = std::min<size_t>(size, 5552);
-    for (size_t i = 0; i < n; ++i) {
-      a += data[i];
-      b += a;
-    }
-    a %= 65521;
-    b %= 65521;
-    data += n;
-    size -= n;
-  }
-  return (b << 16) | a;
-}
-
-// ---- deflate (RFC 1951) inside a zlib stream (RFC 1950) --------------------------------------------
+// ---- cairo ---------------------------------------------------------------------------------------
 
 namespace {
 
-// Deflate packs bits from the least significant end of each byte (RFC 1951 3.1.1).
-class BitWriter {
- public:
-  explicit BitWriter(std::string& out) : out_(out) {}
-  void put(uint32_t bits, int count) {
-    buffer_ |= static_cast<uint64_t>(bits) << count_;
-    count_ += count;
-    for (; count_ >= 8; count_ -= 8, buffer_ >>= 8) out_.push_back(static_cast<char>(buffer_ & 0xFF));
+using Surface = std::unique_ptr<cairo_surface_t, decltype(&cairo_surface_destroy)>;
+using Context = std::unique_ptr<cairo_t, decltype(&cairo_destroy)>;
+using FontOptions = std::unique_ptr<cairo_font_options_t, decltype(&cairo_font_options_destroy)>;
+
+void check_cairo(cairo_status_t status, const char* what) {
+  check(status == CAIRO_STATUS_SUCCESS, "plot: cairo cannot ", what, ": ", cairo_status_to_string(status));
+}
+
+// An RGB24 image surface: a pixel is a native-endian uint32_t 0x00RRGGBB, rows `stride` bytes apart.
+Surface rgb_surface(int width, int height) {
+  Surface surface(cairo_image_surface_create(CAIRO_FORMAT_RGB24, width, height), cairo_surface_destroy);
+  check_cairo(cairo_surface_status(surface.get()), "create an image");
+  return surface;
+}
+
+uint32_t* pixel_row(cairo_surface_t* surface, int y) {
+  return reinterpret_cast<uint32_t*>(cairo_image_surface_get_data(surface) +
+                                     static_cast<size_t>(y) * cairo_image_surface_get_stride(surface));
+}
+
+Image image_of(cairo_surface_t* surface) {
+  cairo_surface_flush(surface);
+  const int width = cairo_image_surface_get_width(surface), height = cairo_image_surface_get_height(surface);
+  Image image(width, height, Rgb{});
+  for (int y = 0; y < height; ++y) {
+    const uint32_t* row = pixel_row(surface, y);
+    for (int x = 0; x < width; ++x)
+      image.set(x, y, Rgb{uint8_t(row[x] >> 16), uint8_t(row[x] >> 8), uint8_t(row[x])});
   }
-  // Huffman codes are defined from their most significant bit, so they go in reversed.
-  void put_code(uint32_t code, int length) {
-    uint32_t reversed = 0;
-    for (int i = 0; i < length; ++i) reversed |= ((code >> i) & 1) << (length - 1 - i);
-    put(reversed, length);
+  return image;
+}
+
+Surface surface_of(const Image& image) {
+  Surface surface = rgb_surface(image.width(), image.height());
+  cairo_surface_flush(surface.get());
+  const uint8_t* rgb = image.rgb().data();
+  for (int y = 0; y < image.height(); ++y) {
+    uint32_t* row = pixel_row(surface.get(), y);
+    for (int x = 0; x < image.width(); ++x, rgb += 3) row[x] = uint32_t{rgb[0]} << 16 | rgb[1] << 8 | rgb[2];
   }
-  void flush() {
-    if (count_ > 0) put(0, 8 - count_);
-  }
-
- private:
-  std::string& out_;
-  uint64_t buffer_ = 0;
-  int count_ = 0;
-};
-
-// The fixed literal/length code (RFC 1951 3.2.6): literals 0-255, end of block 256, lengths 257-285.
-void put_symbol(BitWriter& bits, int symbol) {
-  if (symbol < 144) bits.put_code(0x30 + symbol, 8);
-  else if (symbol < 256) bits.put_code(0x190 + symbol - 144, 9);
-  else if (symbol < 280) bits.put_code(symbol - 256, 7);
-  else bits.put_code(0xC0 + symbol - 280, 8);
-}
-
-// Length codes 257-285 and distance codes 0-29: a base value plus that many extra bits (RFC 1951 3.2.5).
-constexpr std::array<int, 29> kLengthBase = {3,  4,  5,  6,  7,  8,  9,  10, 11,  13,  15,  17,  19,  23, 27,
-                                             31, 35, 43, 51, 59, 67, 83, 99, 115, 131, 163, 195, 227, 258};
-constexpr std::array<int, 29> kLengthExtra = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2,
-                                              2, 3, 3, 3, 3, 4, 4, 4, 4, 5, 5, 5, 5, 0};
-constexpr std::array<int, 30> kDistanceBase = {1,    2,    3,    4,    5,    7,    9,    13,    17,    25,
-                                               33,   49,   65,   97,   129,  193,  257,  385,   513,   769,
-                                               1025, 1537, 2049, 3073, 4097, 6145, 8193, 12289, 16385, 24577};
-constexpr std::array<int, 30> kDistanceExtra = {0, 0, 0, 0, 1, 1, 2, 2,  3,  3,  4,  4,  5,  5,  6,
-                                                6, 7, 7, 8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13};
-
-// A back reference: "copy `length` bytes from `distance` bytes back" (lengths 3-258, distances 1-32768).
-void put_match(BitWriter& bits, int length, int distance) {
-  // The code is the last one whose base is <= the value; its extra bits carry the rest. (258 has its own
-  // code, 285: the longest match must not be spelled as 227 + 31 with code 284.)
-  const auto l = std::ranges::upper_bound(kLengthBase, length) - kLengthBase.begin() - 1;
-  put_symbol(bits, 257 + static_cast<int>(l));
-  bits.put(length - kLengthBase[l], kLengthExtra[l]);
-  const auto d = std::ranges::upper_bound(kDistanceBase, distance) - kDistanceBase.begin() - 1;
-  bits.put_code(static_cast<uint32_t>(d), 5);  // the fixed distance code: 5 bits, the code's own number
-  bits.put(distance - kDistanceBase[d], kDistanceExtra[d]);
-}
-
-void put_u32_be(std::string& out, uint32_t v) {
-  for (int shift = 24; shift >= 0; shift -= 8) out.push_back(static_cast<char>((v >> shift) & 0xFF));
-}
-
-}  // namespace
-
-std::string zlib_compress(const uint8_t* data, size_t size) {
-  // CMF 0x78: deflate with a 32 KiB window. FLG 0x01: no dictionary, and CMF * 256 + FLG is a multiple of 31.
-  std::string out = {'\x78', '\x01'};
-  BitWriter bits(out);
-  bits.put(1, 1);  // BFINAL: one block holds everything (a fixed-code block has no size limit)
-  bits.put(1, 2);  // BTYPE 01: the fixed Huffman codes, so no code tables to build or send
-
-  // Greedy LZ77: at each position take the longest match among the last kMaxChain earlier positions whose
-  // first 3 bytes hash alike. Chains are linked through `previous`, indexed by position mod the window: an
-  // entry is overwritten only by a position a full window later, by when its chain is out of reach anyway.
-  constexpr int64_t kWindow = 32768, kMinMatch = 3, kMaxMatch = 258;
-  constexpr int kHashBits = 15, kMaxChain = 64;
-  const int64_t n = static_cast<int64_t>(size);
-  std::vector<int64_t> head(size_t{1} << kHashBits, -1), previous(kWindow, -1);
-  auto hash = [&](int64_t i) {
-    const uint32_t three = data[i] | data[i + 1] << 8 | data[i + 2] << 16;
-    return (three * 2654435761u) >> (32 - kHashBits);  // Knuth's multiplicative hash: top bits mix all three
-  };
-  auto insert = [&](int64_t i) {
-    if (i + kMinMatch > n) return;
-    const uint32_t h = hash(i);
-    previous[i % kWindow] = head[h];
-    head[h] = i;
-  };
-  for (int64_t i = 0; i < n;) {
-    int64_t best_length = 0, best_distance = 0;
-    if (i + kMinMatch <= n) {
-      const int64_t limit = std::min(kMaxMatch, n - i);
-      int64_t candidate = head[hash(i)];
-      for (int chain = 0; candidate >= 0 && i - candidate <= kWindow && chain < kMaxChain; ++chain) {
-        int64_t length = 0;  // may run past i: an overlapping copy (a run) is valid deflate
-        while (length < limit && data[candidate + length] == data[i + length]) ++length;
-        if (length > best_length) {
-          best_length = length;
-          best_distance = i - candidate;
-          if (length == limit) break;
-        }
-        candidate = previous[candidate % kWindow];
-      }
-    }
-    if (best_length >= kMinMatch) {
-      put_match(bits, static_cast<int>(best_length), static_cast<int>(best_distance));
-      for (int64_t k = 0; k < best_length; ++k) insert(i + k);
-      i += best_length;
-    } else {
-      put_symbol(bits, data[i]);
-      insert(i++);
-    }
-  }
-  put_symbol(bits, 256);  // end of block
-  bits.flush();
-  put_u32_be(out, adler32(data, size));
-  return out;
-}
-
-// ---- PNG (RFC 2083) ------------------------------------------------------------------------------
-
-namespace {
-
-void put_chunk(std::string& png, const char* type, const std::string& data) {
-  put_u32_be(png, static_cast<uint32_t>(data.size()));
-  const std::string body = type + data;  // the CRC covers the chunk type and its data
-  png += body;
-  put_u32_be(png, crc32(reinterpret_cast<const uint8_t*>(body.data()), body.size()));
-}
-
-// The predictor of filter 4: whichever of left, up, up-left is closest to left + up - up_left.
-int paeth(int left, int up, int up_left) {
-  const int p = left + up - up_left;
-  const int pa = std::abs(p - left), pb = std::abs(p - up), pc = std::abs(p - up_left);
-  if (pa <= pb && pa <= pc) return left;
-  return pb <= pc ? up : up_left;
+  cairo_surface_mark_dirty(surface.get());
+  return surface;
 }
 
 }  // namespace
 
 std::string encode_png(const Image& image) {
-  const size_t stride = static_cast<size_t>(image.width()) * 3;
-  const std::vector<uint8_t>& rgb = image.rgb();
-  // Each row goes out under the filter (None, Sub, Up, Average, Paeth) whose output bytes, read as signed,
-  // have the smallest absolute sum (RFC 2083's heuristic): small residuals make long runs of zeros for
-  // deflate, and on a chart's flat background Up turns most rows into nothing but zeros.
-  std::vector<uint8_t> filtered;
-  filtered.reserve(image.height() * (stride + 1));
-  const std::vector<uint8_t> zero_row(stride, 0);
-  std::array<std::vector<uint8_t>, 5> candidate;
-  for (auto& c : candidate) c.resize(stride);
-  for (int y = 0; y < image.height(); ++y) {
-    const uint8_t* row = &rgb[y * stride];
-    const uint8_t* up = y > 0 ? row - stride : zero_row.data();
-    int best = 0;
-    long best_sum = -1;
-    for (int filter = 0; filter < 5; ++filter) {
-      long sum = 0;
-      for (size_t i = 0; i < stride; ++i) {
-        const int a = i >= 3 ? row[i - 3] : 0, b = up[i], c = i >= 3 ? up[i - 3] : 0;
-        const int predicted = filter == 0   ? 0
-                              : filter == 1 ? a
-                              : filter == 2 ? b
-                              : filter == 3 ? (a + b) / 2
-                                            : paeth(a, b, c);
-        const uint8_t out = static_cast<uint8_t>(row[i] - predicted);
-        candidate[filter][i] = out;
-        sum += std::abs(static_cast<int8_t>(out));
-      }
-      if (best_sum < 0 || sum < best_sum) best = filter, best_sum = sum;
-    }
-    filtered.push_back(static_cast<uint8_t>(best));
-    filtered.insert(filtered.end(), candidate[best].begin(), candidate[best].end());
-  }
-  const std::string compressed = zlib_compress(filtered.data(), filtered.size());
-
-  std::string png = "\x89PNG\r\n\x1a\n";
-  std::string header;
-  put_u32_be(header, static_cast<uint32_t>(image.width()));
-  put_u32_be(header, static_cast<uint32_t>(image.height()));
-  header += {'\x08', '\x02', '\x00', '\x00', '\x00'};  // 8 bits, RGB; deflate, adaptive filters, no interlace
-  put_chunk(png, "IHDR", header);
-  // The stream may be split over any number of IDAT chunks; 64 KiB each keeps every chunk modest.
-  constexpr size_t kIdat = 65536;
-  for (size_t at = 0; at < compressed.size(); at += kIdat)
-    put_chunk(png, "IDAT", compressed.substr(at, kIdat));
-  put_chunk(png, "IEND", "");
+  const Surface surface = surface_of(image);
+  std::string png;
+  auto append = [](void* closure, const unsigned char* data, unsigned int length) {
+    static_cast<std::string*>(closure)->append(reinterpret_cast<const char*>(data), length);
+    return CAIRO_STATUS_SUCCESS;
+  };
+  check_cairo(cairo_surface_write_to_png_stream(surface.get(), append, &png), "encode a PNG");
   return png;
 }
 
@@ -325,146 +161,121 @@ void write_png(const Chart& chart, const std::filesystem::path& path) {
   }
 }
 
-// ---- text ----------------------------------------------------------------------------------------
+// ---- drawing -------------------------------------------------------------------------------------
 
 namespace {
-
-constexpr int kAdvance = 6;     // pixels from one character to the next: a 5-pixel glyph and a gap
-constexpr int kLineHeight = 10; // a line of text: 7 rows of capitals, 2 of descenders, 1 of space
-constexpr int kCapMiddle = 3;   // the row to centre on a tick: the middle of the capitals and digits
-
-// The glyphs of ASCII 32-126 ('#' ink, '.' paper), 16 characters to a band as they stand in the code chart.
-// Each is 5 columns wide and 9 rows tall: rows 0-6 hold capitals and digits (lower case from row 2), rows 7-8
-// the descenders of g j p q y and the tails of , ; ( ) [ ].
-constexpr const char* kFont[6][9] = {
-    {  //   ! " # $ % & ' ( ) * + , - . /
-     "..... ..#.. .#.#. .#.#. ..#.. ##... .##.. ..#.. ...#. .#... ..... ..... ..... ..... ..... ....#",
-     "..... ..#.. .#.#. .#.#. .#### ##..# #..#. ..#.. ..#.. ..#.. ..#.. ..#.. ..... ..... ..... ....#",
-     "..... ..#.. .#.#. ##### #.#.. ...#. #.#.. .#... .#... ...#. #.#.# ..#.. ..... ..... ..... ...#.",
-     "..... ..#.. ..... .#.#. .###. ..#.. .#... ..... .#... ...#. .###. ##### ..... ##### ..... ..#..",
-     "..... ..#.. ..... ##### ..#.# .#... #.#.# ..... .#... ...#. #.#.# ..#.. ..... ..... ..... .#...",
-     "..... ..... ..... .#.#. ####. #..## #..#. ..... .#... ...#. ..#.. ..#.. .##.. ..... .##.. #....",
-     "..... ..#.. ..... .#.#. ..#.. ...## .##.# ..... ..#.. ..#.. ..... ..... .##.. ..... .##.. #....",
-     "..... ..... ..... ..... ..... ..... ..... ..... ...#. .#... ..... ..... ..#.. ..... ..... .....",
-     "..... ..... ..... ..... ..... ..... ..... ..... ..... ..... ..... ..... .#... ..... ..... ....."
-    },
-    {  // 0 1 2 3 4 5 6 7 8 9 : ; < = > ?
-     ".###. ..#.. .###. ##### ...#. ##### ..##. ##### .###. .###. ..... ..... ...#. ..... .#... .###.",
-     "#...# .##.. #...# ...#. ..##. #.... .#... ....# #...# #...# .##.. .##.. ..#.. ..... ..#.. #...#",
-     "#..## ..#.. ....# ..#.. .#.#. ####. #.... ...#. #...# #...# .##.. .##.. .#... ##### ...#. ....#",
-     "#.#.# ..#.. ...#. ...#. #..#. ....# ####. ..#.. .###. .#### ..... ..... #.... ..... ....# ...#.",
-     "##..# ..#.. ..#.. ....# ##### ....# #...# .#... #...# ....# .##.. .##.. .#... ##### ...#. ..#..",
-     "#...# ..#.. .#... #...# ...#. #...# #...# .#... #...# ...#. .##.. .##.. ..#.. ..... ..#.. .....",
-     ".###. .###. ##### .###. ...#. .###. .###. .#... .###. .##.. ..... ..#.. ...#. ..... .#... ..#..",
-     "..... ..... ..... ..... ..... ..... ..... ..... ..... ..... ..... .#... ..... ..... ..... .....",
-     "..... ..... ..... ..... ..... ..... ..... ..... ..... ..... ..... ..... ..... ..... ..... ....."
-    },
-    {  // @ A B C D E F G H I J K L M N O
-     ".###. .###. ####. .###. ###.. ##### ##### .###. #...# .###. ..### #...# #.... #...# #...# .###.",
-     "#...# #...# #...# #...# #..#. #.... #.... #...# #...# ..#.. ...#. #..#. #.... ##.## #...# #...#",
-     "#.### #...# #...# #.... #...# #.... #.... #.... #...# ..#.. ...#. #.#.. #.... #.#.# ##..# #...#",
-     "#.#.# ##### ####. #.... #...# ####. ####. #.### ##### ..#.. ...#. ##... #.... #.#.# #.#.# #...#",
-     "#.### #...# #...# #.... #...# #.... #.... #...# #...# ..#.. ...#. #.#.. #.... #...# #..## #...#",
-     "#.... #...# #...# #...# #..#. #.... #.... #...# #...# ..#.. #..#. #..#. #.... #...# #...# #...#",
-     ".#### #...# ####. .###. ###.. ##### #.... .#### #...# .###. .##.. #...# ##### #...# #...# .###.",
-     "..... ..... ..... ..... ..... ..... ..... ..... ..... ..... ..... ..... ..... ..... ..... .....",
-     "..... ..... ..... ..... ..... ..... ..... ..... ..... ..... ..... ..... ..... ..... ..... ....."
-    },
-    {  // P Q R S T U V W X Y Z [ \ ] ^ _
-     "####. .###. ####. .#### ##### #...# #...# #...# #...# #...# ##### .###. #.... .###. ..#.. .....",
-     "#...# #...# #...# #.... ..#.. #...# #...# #...# #...# #...# ....# .#... #.... ...#. .#.#. .....",
-     "#...# #...# #...# #.... ..#.. #...# #...# #...# .#.#. .#.#. ...#. .#... .#... ...#. #...# .....",
-     "####. #...# ####. .###. ..#.. #...# #...# #.#.# ..#.. ..#.. ..#.. .#... ..#.. ...#. ..... .....",
-     "#.... #.#.# #.#.. ....# ..#.. #...# #...# #.#.# .#.#. ..#.. .#... .#... ...#. ...#. ..... .....",
-     "#.... #..#. #..#. ....# ..#.. #...# .#.#. #.#.# #...# ..#.. #.... .#... ....# ...#. ..... .....",
-     "#.... .##.# #...# ####. ..#.. .###. ..#.. .#.#. #...# ..#.. ##### .#... ....# ...#. ..... .....",
-     "..... ..... ..... ..... ..... ..... ..... ..... ..... ..... ..... .###. ..... .###. ..... #####",
-     "..... ..... ..... ..... ..... ..... ..... ..... ..... ..... ..... ..... ..... ..... ..... ....."
-    },
-    {  // ` a b c d e f g h i j k l m n o
-     ".#... ..... #.... ..... ....# ..... ..##. ..... #.... ..#.. ...#. #.... .##.. ..... ..... .....",
-     "..#.. ..... #.... ..... ....# ..... .#..# ..... #.... ..... ..... #.... ..#.. ..... ..... .....",
-     "..... .###. #.##. .###. .##.# .###. .#... .#### #.##. .##.. ..##. #..#. ..#.. ##.#. #.##. .###.",
-     "..... ....# ##..# #.... #..## #...# ###.. #...# ##..# ..#.. ...#. #.#.. ..#.. #.#.# ##..# #...#",
-     "..... .#### #...# #.... #...# ##### .#... #...# #...# ..#.. ...#. ##... ..#.. #.#.# #...# #...#",
-     "..... #...# #...# #...# #...# #.... .#... #...# #...# ..#.. ...#. #.#.. ..#.. #.#.# #...# #...#",
-     "..... .#### ####. .###. .#### .###. .#... .#### #...# .###. ...#. #..#. .###. #.#.# #...# .###.",
-     "..... ..... ..... ..... ..... ..... ..... ....# ..... ..... #..#. ..... ..... ..... ..... .....",
-     "..... ..... ..... ..... ..... ..... ..... .###. ..... ..... .##.. ..... ..... ..... ..... ....."
-    },
-    {  // p q r s t u v w x y z { | } ~
-     "..... ..... ..... ..... .#... ..... ..... ..... ..... ..... ..... ...## ..#.. ##... .....",
-     "..... ..... ..... ..... .#... ..... ..... ..... ..... ..... ..... ..#.. ..#.. ..#.. .....",
-     "####. .#### #.##. .#### ###.. #...# #...# #...# #...# #...# ##### ..#.. ..#.. ..#.. .#...",
-     "#...# #...# ##..# #.... .#... #...# #...# #...# .#.#. #...# ...#. .#... ..#.. ...#. #.#.#",
-     "#...# #...# #.... .###. .#... #...# #...# #.#.# ..#.. #...# ..#.. ..#.. ..#.. ..#.. ...#.",
-     "#...# #...# #.... ....# .#..# #..## .#.#. #.#.# .#.#. #...# .#... ..#.. ..#.. ..#.. .....",
-     "####. .#### #.... ####. ..##. .##.# ..#.. .#.#. #...# .#### ##### ...## ..#.. ##... .....",
-     "#.... ....# ..... ..... ..... ..... ..... ..... ..... ....# ..... ..... ..#.. ..... .....",
-     "#.... ....# ..... ..... ..... ..... ..... ..... ..... .###. ..... ..... ..... ..... ....."
-    },
-};
-
-bool ink(char c, int column, int row) {
-  int code = static_cast<unsigned char>(c);
-  if (code < 32 || code > 126) code = '?';
-  return kFont[(code - 32) / 16][row][(code - 32) % 16 * kAdvance + column] == '#';
-}
-
-int text_width(const std::string& text) {
-  return text.empty() ? 0 : static_cast<int>(text.size()) * kAdvance - 1;
-}
-
-// Draws `text` with its top left corner at (x, y). Rotated: turned a quarter counter-clockwise to read
-// upwards (a y-axis label), with (x, y) the bottom left corner of the turned text.
-void draw_text(Image& image, int x, int y, const std::string& text, Rgb colour, bool rotated = false) {
-  for (size_t i = 0; i < text.size(); ++i)
-    for (int row = 0; row < 9; ++row)
-      for (int column = 0; column < 5; ++column) {
-        if (!ink(text[i], column, row)) continue;
-        const int along = static_cast<int>(i) * kAdvance + column;
-        if (rotated) image.set(x + row, y - along, colour);
-        else image.set(x + along, y + row, colour);
-      }
-}
-
-void draw_text_centred(Image& image, int centre_x, int y, const std::string& text, Rgb colour) {
-  draw_text(image, centre_x - text_width(text) / 2, y, text, colour);
-}
-
-// ---- lines ---------------------------------------------------------------------------------------
 
 // A rectangle of pixels, edges included.
 struct Box {
   int left, top, right, bottom;
 };
 
-void fill(Image& image, const Box& clip, int x0, int y0, int x1, int y1, Rgb colour) {
-  for (int y = std::max(y0, clip.top); y <= std::min(y1, clip.bottom); ++y)
-    for (int x = std::max(x0, clip.left); x <= std::min(x1, clip.right); ++x) image.set(x, y, colour);
+void set_colour(cairo_t* cr, Rgb c) { cairo_set_source_rgb(cr, c.r / 255.0, c.g / 255.0, c.b / 255.0); }
+
+// Fills the pixels of `box` exactly: its edges lie on pixel boundaries, so nothing is blended.
+void fill_box(cairo_t* cr, const Box& box, Rgb colour) {
+  set_colour(cr, colour);
+  cairo_rectangle(cr, box.left, box.top, box.right - box.left + 1, box.bottom - box.top + 1);
+  cairo_fill(cr);
 }
 
-// Whether the pixel `position` pixels along a line is inked. Patterns 1-4 (dashed, dotted, dash-dot,
-// dash-dot-dot) alternate on and off runs of the lengths listed; 0 is solid.
-bool dash_on(int dash, long position) {
-  static const std::vector<int> patterns[5] = {{}, {12, 7}, {2, 5}, {12, 5, 2, 5}, {12, 4, 2, 4, 2, 4}};
-  const std::vector<int>& runs = patterns[dash];
-  long period = 0;
-  for (int run : runs) period += run;
-  if (period == 0) return true;
-  position %= period;
-  for (size_t i = 0; i < runs.size(); position -= runs[i], ++i)
-    if (position < runs[i]) return i % 2 == 0;
-  return true;
+// A 1-pixel dotted line from (x0, y0) to (x1, y1), one pixel on and two off from its start: the grid.
+void dotted_line(cairo_t* cr, double x0, double y0, double x1, double y1, Rgb colour) {
+  static const double dots[] = {1, 2};
+  set_colour(cr, colour);
+  cairo_set_line_width(cr, 1);
+  cairo_set_line_cap(cr, CAIRO_LINE_CAP_BUTT);
+  cairo_set_dash(cr, dots, 2, 0);
+  cairo_move_to(cr, x0, y0);
+  cairo_line_to(cr, x1, y1);
+  cairo_stroke(cr);
+  cairo_set_dash(cr, nullptr, 0, 0);
 }
 
-// How one series' polyline is drawn. `position` counts the pixels drawn so far, so the dash pattern runs on
-// from one segment to the next instead of restarting at every data point.
-struct Pen {
-  Rgb colour;
-  int width, dash;
-  long position = 0;
+// ---- text ----
+
+constexpr double kTextSize = 12;   // pixels to the em: tick labels, axis labels, the legend
+constexpr double kTitleSize = 13;  // panel titles, and (bold) the chart title
+
+// The text cairo is given: printable ASCII, any other byte as '?'. (cairo's toy text API takes UTF-8 only,
+// and a string that is not UTF-8 puts the context into an error state.)
+std::string printable(const std::string& text) {
+  std::string out = text;
+  for (char& c : out)
+    if (c < 32 || c > 126) c = '?';
+  return out;
+}
+
+// A font and the metrics the layout needs, in pixels.
+struct Font {
+  double size = kTextSize;
+  bool bold = false;
+  double ascent = 0;  // from the top of a line to its baseline
+  double line = 0;    // a line's height: ascent and descent
+  double digit = 0;   // a digit's height: a tick label centres on its tick by it
 };
+
+void use(cairo_t* cr, const Font& font) {
+  cairo_select_font_face(cr, "sans-serif", CAIRO_FONT_SLANT_NORMAL,
+                         font.bold ? CAIRO_FONT_WEIGHT_BOLD : CAIRO_FONT_WEIGHT_NORMAL);
+  cairo_set_font_size(cr, font.size);
+}
+
+Font measured(cairo_t* cr, double size, bool bold) {
+  Font font;
+  font.size = size, font.bold = bold;
+  use(cr, font);
+  cairo_font_extents_t e;
+  cairo_font_extents(cr, &e);
+  cairo_text_extents_t digit;
+  cairo_text_extents(cr, "0", &digit);
+  font.ascent = std::ceil(e.ascent), font.line = std::ceil(e.ascent + e.descent), font.digit = digit.height;
+  return font;
+}
+
+double text_width(cairo_t* cr, const Font& font, const std::string& text) {
+  use(cr, font);
+  cairo_text_extents_t e;
+  cairo_text_extents(cr, printable(text).c_str(), &e);
+  return e.x_advance;
+}
+
+// Sets `text` with the top of its line at `top` and its left end at x (or its centre, or its right end).
+enum class Align { left, centre, right };
+void draw_text(cairo_t* cr, const Font& font, double x, double top, const std::string& text, Align align) {
+  const double width = text_width(cr, font, text);
+  const double left = align == Align::left ? x : align == Align::centre ? x - width / 2 : x - width;
+  set_colour(cr, Rgb{});
+  cairo_move_to(cr, left, top + font.ascent);
+  cairo_show_text(cr, printable(text).c_str());
+}
+
+// Sets `text` turned a quarter counter-clockwise to read upwards (a y-axis label): the top of its line at
+// column `left`, centred on row `middle`.
+void draw_text_upwards(cairo_t* cr, const Font& font, double left, double middle, const std::string& text) {
+  const double width = text_width(cr, font, text);
+  cairo_save(cr);
+  cairo_translate(cr, left + font.ascent, middle + width / 2);
+  cairo_rotate(cr, -std::numbers::pi / 2);
+  set_colour(cr, Rgb{});
+  cairo_move_to(cr, 0, 0);
+  cairo_show_text(cr, printable(text).c_str());
+  cairo_restore(cr);
+}
+
+// ---- curves ----
+
+// Sets up cairo to stroke series s: its colour, width and dash pattern (1-4: dashed, dotted, dash-dot,
+// dash-dot-dot, as on and off lengths in pixels; 0: solid). Round joins keep a noisy curve's corners solid.
+void use_pen(cairo_t* cr, const Series& s) {
+  static const std::vector<double> patterns[5] = {{}, {12, 7}, {2, 5}, {12, 5, 2, 5}, {12, 4, 2, 4, 2, 4}};
+  const std::vector<double>& dashes = patterns[s.dash];
+  set_colour(cr, s.colour);
+  cairo_set_line_width(cr, s.line_width);
+  cairo_set_line_cap(cr, CAIRO_LINE_CAP_BUTT);
+  cairo_set_line_join(cr, CAIRO_LINE_JOIN_ROUND);
+  cairo_set_dash(cr, dashes.data(), static_cast<int>(dashes.size()), 0);
+}
 
 // Liang-Barsky: shortens the segment to its part inside `box`; false if no part is.
 bool clip_segment(double& x0, double& y0, double& x1, double& y1, const Box& box) {
@@ -483,30 +294,7 @@ bool clip_segment(double& x0, double& y0, double& x1, double& y1, const Box& box
     return false;
   x1 = x0 + t1 * dx, y1 = y0 + t1 * dy;
   x0 = x0 + t0 * dx, y0 = y0 + t0 * dy;
-  return true;
-}
-
-// Bresenham's line from (x0, y0) to (x1, y1), each pixel stamped with a pen.width square, inside `clip` only.
-// A segment that continues a polyline skips its first pixel, the last one of the segment before.
-void draw_segment(Image& image, const Box& clip, double x0, double y0, double x1, double y1, Pen& pen) {
-  // Cut far-away parts first (data far outside a fixed range), keeping a margin for the brush's reach.
-  const Box reach{clip.left - 4, clip.top - 4, clip.right + 4, clip.bottom + 4};
-  if (!clip_segment(x0, y0, x1, y1, reach)) return;
-  int x = static_cast<int>(std::lround(x0)), y = static_cast<int>(std::lround(y0));
-  const int x_end = static_cast<int>(std::lround(x1)), y_end = static_cast<int>(std::lround(y1));
-  const int dx = std::abs(x_end - x), dy = -std::abs(y_end - y);
-  const int step_x = x < x_end ? 1 : -1, step_y = y < y_end ? 1 : -1;
-  const int low = -(pen.width - 1) / 2, high = pen.width / 2;  // a 2-pixel brush: the pixel and the next
-  bool skip = pen.position > 0;
-  for (int error = dx + dy;;) {
-    if (!skip && dash_on(pen.dash, pen.position++))
-      fill(image, clip, x + low, y + low, x + high, y + high, pen.colour);
-    skip = false;
-    if (x == x_end && y == y_end) break;
-    const int twice = 2 * error;
-    if (twice >= dy) error += dy, x += step_x;
-    if (twice <= dx) error += dx, y += step_y;
-  }
+  return std::isfinite(x0) && std::isfinite(y0) && std::isfinite(x1) && std::isfinite(y1);
 }
 
 }  // namespace
@@ -627,8 +415,11 @@ constexpr Rgb kWhite{255, 255, 255}, kBlack{0, 0, 0}, kGrid{200, 200, 200};
 constexpr int kEdge = 8;           // the blank border around everything
 constexpr int kTickLength = 5;     // tick marks point into the plot area, as in gnuplot
 constexpr int kLegendSample = 28;  // the length of a legend entry's line sample
-constexpr int kLegendPitch = 14;   // from one legend entry to the next
+constexpr int kLegendGap = 4;      // between one legend entry's line and the next
 
+struct Fonts {
+  Font text, title, chart_title;
+};
 // Names for messages: a panel by its title, else its number; a series by its label, else its place.
 std::string panel_name(const Panel& panel, size_t index) {
   return panel.title.empty() ? std::to_string(index + 1) : "'" + panel.title + "'";
@@ -705,97 +496,169 @@ Axes make_axes(const Panel& panel, const std::string& name) {
   return axes;
 }
 
-// The series as polylines through its points, broken at the points that cannot be drawn, plus its markers.
-void draw_series(Image& image, const Box& frame, const Axes& axes, const Series& s, bool log2_y) {
-  Pen pen{s.colour, s.line_width, s.dash};
-  double last_x = 0, last_y = 0;
-  bool continues = false;
+// Pixel positions of values in axis units. A curve's point lies on its pixel's centre, so that a value at an
+// axis end is drawn along the frame; ticks and the grid keep to whole pixels.
+double column_of(const Box& frame, const Axis& x, double v) {
+  return frame.left + 0.5 + x.fraction(v) * (frame.right - frame.left);
+}
+double row_of(const Box& frame, const Axis& y, double v) {
+  return frame.bottom + 0.5 - y.fraction(v) * (frame.bottom - frame.top);
+}
+
+// The series' pixel positions: polylines through its points, broken at the points that cannot be drawn.
+// A point between two breaks has no segment to show it: it goes to `lone`.
+void trace_series(cairo_t* cr, const Box& frame, const Axes& axes, const Series& s, bool log2_y,
+                  std::vector<std::pair<double, double>>& points,
+                  std::vector<std::pair<double, double>>& lone) {
+  // Segments are cut to a margin around the frame before cairo sees them: its fixed-point coordinates cannot
+  // hold data far outside a fixed range.
+  const Box reach{frame.left - 8, frame.top - 8, frame.right + 9, frame.bottom + 9};
+  std::optional<std::pair<double, double>> last;  // the previous point; none after a break
+  bool joined = false;                            // the path's current point is `last`
+  int run = 0;                                    // points since the last break
+  auto end_run = [&] {
+    if (run == 1 && last->first > reach.left && last->first < reach.right && last->second > reach.top &&
+        last->second < reach.bottom)
+      lone.push_back(*last);
+    last.reset(), joined = false, run = 0;
+  };
   for (size_t i = 0; i < s.x.size(); ++i) {
     const auto p = point(s, i, log2_y);
-    const double x = p ? frame.left + axes.x.fraction(p->first) * (frame.right - frame.left) : NAN;
-    const double y = p ? frame.bottom - axes.y.fraction(p->second) * (frame.bottom - frame.top) : NAN;
+    const double x = p ? column_of(frame, axes.x, p->first) : NAN;
+    const double y = p ? row_of(frame, axes.y, p->second) : NAN;
     if (!std::isfinite(x) || !std::isfinite(y)) {
-      continues = false;
-      pen.position = 0;
+      end_run();
       continue;
     }
-    // A polyline's first point is a segment of its own, so a point between two gaps still shows.
-    if (s.line_width > 0)
-      draw_segment(image, frame, continues ? last_x : x, continues ? last_y : y, x, y, pen);
-    if (s.points && x > frame.left - 3 && x < frame.right + 3 && y > frame.top - 3 && y < frame.bottom + 3) {
-      const int cx = static_cast<int>(std::lround(x)), cy = static_cast<int>(std::lround(y));
-      fill(image, frame, cx - 2, cy - 2, cx + 2, cy + 2, s.colour);
+    if (last) {
+      double x0 = last->first, y0 = last->second, x1 = x, y1 = y;
+      if (clip_segment(x0, y0, x1, y1, reach)) {
+        if (!joined || x0 != last->first || y0 != last->second) cairo_move_to(cr, x0, y0);
+        cairo_line_to(cr, x1, y1);
+        joined = x1 == x && y1 == y;
+      } else {
+        joined = false;
+      }
     }
-    last_x = x, last_y = y;
-    continues = true;
+    last = {x, y};
+    ++run;
+    points.push_back(*last);
   }
+  end_run();
+}
+
+// The series' line and markers, inside the frame (edges included) only. Curves go over the frame: a curve
+// along an axis end (a loss scale of 1 at 2^0) stays visible.
+void draw_series(cairo_t* cr, const Box& frame, const Axes& axes, const Series& s, bool log2_y) {
+  cairo_save(cr);
+  cairo_rectangle(cr, frame.left, frame.top, frame.right - frame.left + 1, frame.bottom - frame.top + 1);
+  cairo_clip(cr);
+  std::vector<std::pair<double, double>> points, lone;
+  trace_series(cr, frame, axes, s, log2_y, points, lone);
+  if (s.line_width > 0) {
+    use_pen(cr, s);
+    cairo_stroke(cr);
+    const double half = s.line_width / 2.0;
+    for (const auto& [x, y] : lone) cairo_rectangle(cr, x - half, y - half, s.line_width, s.line_width);
+    cairo_fill(cr);
+  }
+  cairo_new_path(cr);
+  if (s.points)  // a 5x5 square on whole pixels around each point's pixel
+    for (const auto& [x, y] : points)
+      if (x >= frame.left - 2 && x < frame.right + 3 && y >= frame.top - 2 && y < frame.bottom + 3) {
+        const int cx = static_cast<int>(std::floor(x)), cy = static_cast<int>(std::floor(y));
+        fill_box(cr, {cx - 2, cy - 2, cx + 2, cy + 2}, s.colour);
+      }
+  cairo_restore(cr);
 }
 
 // Labels every `stride`-th tick, so that labels `size` pixels long (plus a gap) never touch: on a narrow plot
 // area the grid keeps every tick, the labels only as many as fit.
-int label_stride(const std::vector<double>& ticks, const Axis& axis, int length, int size) {
+int label_stride(const std::vector<double>& ticks, const Axis& axis, int length, double size) {
   if (ticks.size() < 2) return 1;
   const double spacing = std::abs(axis.fraction(ticks[1]) - axis.fraction(ticks[0])) * length;
   return spacing >= size + 6 ? 1 : static_cast<int>(std::ceil((size + 6) / std::max(spacing, 1.0)));
 }
 
-// One panel in the band of rows [band_top, band_bottom], its plot area spanning columns [left, right].
-void draw_panel(Image& image, const Panel& panel, const Axes& axes, int left, int right, int band_top,
-                int band_bottom) {
-  const int top = band_top + (panel.title.empty() ? 6 : kLineHeight + 8);
-  // Below the frame: the tick labels, the x label, a gap to the next panel.
-  const int below = 7 + kLineHeight + (panel.x_label.empty() ? 0 : 6 + kLineHeight) + 12;
-  const int bottom = std::max(top + 20, band_bottom - below);
-  const Box frame{left, top, right, bottom};
-  const int centre = (left + right) / 2;
-  if (!panel.title.empty()) draw_text_centred(image, centre, band_top, panel.title, kBlack);
-
-  // Grid, tick marks and tick labels. The grid is dotted and light so the curves stand out over it.
-  int widest = 0;
-  for (const std::string& label : axes.x.labels) widest = std::max(widest, text_width(label));
-  const int x_stride = label_stride(axes.x.ticks, axes.x, right - left, widest);
-  const int y_stride = label_stride(axes.y.ticks, axes.y, bottom - top, kLineHeight);
+// The dotted grid (light, so the curves stand out over it), the tick marks, the tick labels and the frame.
+void draw_axes(cairo_t* cr, const Font& font, const Box& f, const Axes& axes) {
+  double widest = 0;
+  for (const std::string& label : axes.x.labels) widest = std::max(widest, text_width(cr, font, label));
+  const int x_stride = label_stride(axes.x.ticks, axes.x, f.right - f.left, widest);
+  const int y_stride = label_stride(axes.y.ticks, axes.y, f.bottom - f.top, font.line);
   for (size_t i = 0; i < axes.x.ticks.size(); ++i) {
-    const int x = static_cast<int>(std::lround(left + axes.x.fraction(axes.x.ticks[i]) * (right - left)));
-    if (x > left && x < right)
-      for (int y = top + 3; y < bottom; y += 3) image.set(x, y, kGrid);
-    for (int k = 0; k < kTickLength; ++k) image.set(x, bottom - k, kBlack), image.set(x, top + k, kBlack);
-    if (i % x_stride == 0) draw_text_centred(image, x, bottom + 7, axes.x.labels[i], kBlack);
+    const int x = static_cast<int>(std::floor(column_of(f, axes.x, axes.x.ticks[i])));
+    if (x > f.left && x < f.right) dotted_line(cr, x + 0.5, f.top + 3, x + 0.5, f.bottom, kGrid);
+    fill_box(cr, {x, f.bottom - kTickLength + 1, x, f.bottom}, kBlack);
+    fill_box(cr, {x, f.top, x, f.top + kTickLength - 1}, kBlack);
+    if (i % x_stride == 0) draw_text(cr, font, x + 0.5, f.bottom + 7, axes.x.labels[i], Align::centre);
   }
   for (size_t i = 0; i < axes.y.ticks.size(); ++i) {
-    const int y = static_cast<int>(std::lround(bottom - axes.y.fraction(axes.y.ticks[i]) * (bottom - top)));
-    if (y > top && y < bottom)
-      for (int x = left + 3; x < right; x += 3) image.set(x, y, kGrid);
-    for (int k = 0; k < kTickLength; ++k) image.set(left + k, y, kBlack), image.set(right - k, y, kBlack);
-    const std::string& label = axes.y.labels[i];
-    if (i % y_stride == 0) draw_text(image, left - 6 - text_width(label), y - kCapMiddle, label, kBlack);
+    const int y = static_cast<int>(std::floor(row_of(f, axes.y, axes.y.ticks[i])));
+    if (y > f.top && y < f.bottom) dotted_line(cr, f.left + 3, y + 0.5, f.right, y + 0.5, kGrid);
+    fill_box(cr, {f.left, y, f.left + kTickLength - 1, y}, kBlack);
+    fill_box(cr, {f.right - kTickLength + 1, y, f.right, y}, kBlack);
+    const double label_top =
+        std::round(y + 0.5 + font.digit / 2) - font.ascent;  // digits centred on the tick
+    if (i % y_stride == 0) draw_text(cr, font, f.left - 6, label_top, axes.y.labels[i], Align::right);
   }
-  fill(image, frame, left, top, right, top, kBlack);
-  fill(image, frame, left, bottom, right, bottom, kBlack);
-  fill(image, frame, left, top, left, bottom, kBlack);
-  fill(image, frame, right, top, right, bottom, kBlack);
-  if (!panel.x_label.empty())
-    draw_text_centred(image, centre, bottom + 7 + kLineHeight + 6, panel.x_label, kBlack);
-  if (!panel.y_label.empty())
-    draw_text(image, kEdge, (top + bottom) / 2 + text_width(panel.y_label) / 2, panel.y_label, kBlack, true);
+  for (const Box& side : {Box{f.left, f.top, f.right, f.top}, Box{f.left, f.bottom, f.right, f.bottom},
+                          Box{f.left, f.top, f.left, f.bottom}, Box{f.right, f.top, f.right, f.bottom}})
+    fill_box(cr, side, kBlack);
+}
 
-  // Curves go over the frame: a curve along an axis end (a loss scale of 1 at 2^0) stays visible.
-  for (const Series& s : panel.series) draw_series(image, frame, axes, s, panel.log2_y);
-
-  // The legend: one row per labelled series, a line sample then the label, as many as the band has room for.
-  const Box anywhere{0, 0, image.width() - 1, image.height() - 1};
+// One row per labelled series from `top` down, a line sample then the label, as many as fit above `bottom`.
+void draw_legend(cairo_t* cr, const Font& font, const Panel& panel, int left, int top, int bottom) {
   int y = top + 2;
   for (const Series& s : panel.series) {
     if (s.label.empty()) continue;
-    if (y + kLineHeight > band_bottom) break;
-    const int x = right + 14, middle = y + kCapMiddle;
-    Pen pen{s.colour, s.line_width, s.dash};
-    if (s.line_width > 0) draw_segment(image, anywhere, x, middle, x + kLegendSample - 1, middle, pen);
-    const int dot = x + kLegendSample / 2;
-    if (s.points) fill(image, anywhere, dot - 2, middle - 2, dot + 2, middle + 2, s.colour);
-    draw_text(image, x + kLegendSample + 6, y, s.label, kBlack);
-    y += kLegendPitch;
+    if (y + font.line > bottom) break;
+    // The sample's middle row is the middle of the label's digits; an odd width centres on that row's middle.
+    const int middle = static_cast<int>(std::floor(y + font.ascent - font.digit / 2));
+    if (s.line_width > 0) {
+      const double centre = middle + (s.line_width % 2 ? 0.5 : 0.0);
+      use_pen(cr, s);
+      cairo_move_to(cr, left, centre);
+      cairo_line_to(cr, left + kLegendSample, centre);
+      cairo_stroke(cr);
+    }
+    const int dot = left + kLegendSample / 2;
+    if (s.points) fill_box(cr, {dot - 2, middle - 2, dot + 2, middle + 2}, s.colour);
+    draw_text(cr, font, left + kLegendSample + 6, y, s.label, Align::left);
+    y += static_cast<int>(font.line) + kLegendGap;
   }
+}
+
+// One panel in the band of rows [band_top, band_bottom], its plot area spanning columns [left, right].
+void draw_panel(cairo_t* cr, const Fonts& fonts, const Panel& panel, const Axes& axes, int left, int right,
+                int band_top, int band_bottom) {
+  const Font& text = fonts.text;
+  const int top = band_top + (panel.title.empty() ? 6 : static_cast<int>(fonts.title.line) + 8);
+  // Below the frame: the tick labels, the x label, a gap to the next panel.
+  const int below = 7 + static_cast<int>(text.line) + (panel.x_label.empty() ? 0 : 6 + int(text.line)) + 12;
+  const int bottom = std::max(top + 20, band_bottom - below);
+  const Box frame{left, top, right, bottom};
+  const double centre = (left + right + 1) / 2.0;
+  if (!panel.title.empty()) draw_text(cr, fonts.title, centre, band_top, panel.title, Align::centre);
+  draw_axes(cr, text, frame, axes);
+  if (!panel.x_label.empty())
+    draw_text(cr, text, centre, bottom + 7 + text.line + 6, panel.x_label, Align::centre);
+  if (!panel.y_label.empty()) draw_text_upwards(cr, text, kEdge, (top + bottom + 1) / 2.0, panel.y_label);
+  for (const Series& s : panel.series) draw_series(cr, frame, axes, s, panel.log2_y);
+  draw_legend(cr, text, panel, right + 14, top, band_bottom);
+}
+
+// The chart's fonts, set up in cr: unhinted metrics, so that a text's width is proportional to its size. A
+// chart title wider than the chart (precision_study's names every flag) is set smaller, to fit.
+Fonts chart_fonts(cairo_t* cr, const Chart& chart) {
+  const FontOptions options(cairo_font_options_create(), cairo_font_options_destroy);
+  cairo_font_options_set_hint_metrics(options.get(), CAIRO_HINT_METRICS_OFF);
+  cairo_set_font_options(cr, options.get());
+  Fonts fonts{measured(cr, kTextSize, false), measured(cr, kTitleSize, false),
+              measured(cr, kTitleSize, true)};
+  const double title_width = text_width(cr, fonts.chart_title, chart.title), room = chart.width - 2 * kEdge;
+  if (title_width > room) fonts.chart_title = measured(cr, kTitleSize * room / title_width, true);
+  return fonts;
 }
 
 }  // namespace
@@ -805,32 +668,41 @@ Image render(const Chart& chart) {
   std::vector<Axes> axes;
   for (size_t p = 0; p < chart.panels.size(); ++p)
     axes.push_back(make_axes(chart.panels[p], panel_name(chart.panels[p], p)));
+  const Surface surface = rgb_surface(chart.width, chart.height);
+  const Context context(cairo_create(surface.get()), cairo_destroy);
+  cairo_t* cr = context.get();
+  const Fonts fonts = chart_fonts(cr, chart);
 
   // Margins shared by all panels, so that their plot areas line up: the left one fits the widest y tick
   // label and the turned y label, the right one the longest legend label (or half an x tick label).
-  int widest_tick = 0, widest_legend = -1;
+  double widest_tick = 0, widest_legend = -1;
   bool y_label = false;
   for (size_t p = 0; p < chart.panels.size(); ++p) {
-    for (const std::string& label : axes[p].y.labels) widest_tick = std::max(widest_tick, text_width(label));
+    for (const std::string& label : axes[p].y.labels)
+      widest_tick = std::max(widest_tick, text_width(cr, fonts.text, label));
     for (const Series& s : chart.panels[p].series)
-      if (!s.label.empty()) widest_legend = std::max(widest_legend, text_width(s.label));
+      if (!s.label.empty()) widest_legend = std::max(widest_legend, text_width(cr, fonts.text, s.label));
     y_label = y_label || !chart.panels[p].y_label.empty();
   }
-  const int left = kEdge + (y_label ? kLineHeight + 8 : 0) + widest_tick + 6;
-  const int right_margin = widest_legend < 0 ? 24 : 14 + kLegendSample + 6 + widest_legend + kEdge;
+  const int left = kEdge + (y_label ? static_cast<int>(fonts.text.line) + 8 : 0) +
+                   static_cast<int>(std::ceil(widest_tick)) + 6;
+  const int right_margin =
+      widest_legend < 0 ? 24 : 14 + kLegendSample + 6 + static_cast<int>(std::ceil(widest_legend)) + kEdge;
   const int right = std::max(left + 20, chart.width - 1 - right_margin);
 
-  Image image(chart.width, chart.height, kWhite);
+  set_colour(cr, kWhite);
+  cairo_paint(cr);
   int top = kEdge;
   if (!chart.title.empty()) {
-    draw_text_centred(image, chart.width / 2, top, chart.title, kBlack);
-    top += kLineHeight + 10;
+    draw_text(cr, fonts.chart_title, chart.width / 2.0, top, chart.title, Align::centre);
+    top += static_cast<int>(fonts.chart_title.line) + 10;
   }
   const int n = static_cast<int>(chart.panels.size());
   const int band = (chart.height - kEdge - top) / n;
   for (int p = 0; p < n; ++p)
-    draw_panel(image, chart.panels[p], axes[p], left, right, top + p * band, top + (p + 1) * band - 1);
-  return image;
+    draw_panel(cr, fonts, chart.panels[p], axes[p], left, right, top + p * band, top + (p + 1) * band - 1);
+  check_cairo(cairo_status(cr), "draw the chart");
+  return image_of(surface.get());
 }
 
 }  // namespace mixtape::plot

@@ -1,11 +1,11 @@
 #pragma once
 
-// Line charts as PNG files, drawn without outside tools, for the example programs (precision_study's loss
-// curves and loss-scale trace, plot_loss's training curve). A chart is one or more panels stacked
-// vertically, each with its axes, tick labels, grid, title and a legend to the right of the plot area.
-// Text uses a built-in 6x10 bitmap font (printable ASCII; any other byte draws as '?'). The PNG is 8-bit
-// RGB, filtered and deflated here (LZ77 with fixed Huffman codes, RFC 1950/1951/2083): a 1000x1000 chart
-// takes tens of KiB. Nothing here needs a display or a library beyond the C++ standard library.
+// Line charts as PNG files, for the example programs (precision_study's loss curves and loss-scale trace,
+// plot_loss's training curve), drawn with cairo. A chart is one or more panels stacked vertically, each with
+// its axes, tick labels, grid, title and a legend to the right of the plot area. Curves are antialiased; the
+// frame, ticks, grid and point markers cover whole pixels in their exact colours. Text is cairo's "sans-serif"
+// face (fontconfig's choice, e.g. DejaVu Sans) in printable ASCII; any other byte draws as '?'. The PNG is
+// 8-bit RGB, as cairo writes it.
 
 #include <cstdint>
 #include <filesystem>
@@ -78,10 +78,6 @@ std::string encode_png(const Image& image);
 // render + encode_png, written to `path` complete or not at all (a temporary file beside it, then a rename).
 void write_png(const Chart& chart, const std::filesystem::path& path);
 
-// Building blocks, exposed for the tests.
-uint32_t crc32(const uint8_t* data, size_t size);             // as in PNG and zlib (the reflected 0xEDB88320)
-uint32_t adler32(const uint8_t* data, size_t size);           // as in zlib
-std::string zlib_compress(const uint8_t* data, size_t size);  // a zlib stream (RFC 1950) that inflates to data
 // The "nice" tick values covering [lo, hi] on a linear axis (see Panel), lo < hi.
 std::vector<double> nice_ticks(double lo, double hi);
 
