@@ -10,13 +10,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
-#include <iostream>
-#include <set>
+#include <memory>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "command_line.h"
 #include "train/training.h"
 
 using namespace mixtape;
@@ -33,57 +33,41 @@ struct Options {
   Device device = Device::cpu();
 };
 
-void usage() {
-  std::cout << "usage: generate --model FILE [--prompt TEXT] [--tokens N] [--temperature X] [--top-k K] [--seed N]\n"
-               "                [--device cpu|cuda|cuda:N]\n";
-}
-
-Options parse(int argc, char** argv) {
+// The options of the command line, or none when it asked for --help (printed).
+std::optional<Options> parse(int argc, char** argv) {
   Options o;
-  std::set<std::string> given;
-  for (int i = 1; i < argc; ++i) {
-    const std::string flag = argv[i];
-    if (flag == "--help" || flag == "-h") { usage(); std::exit(0); }
-    static const std::set<std::string> known = {"--model",  "--init",  "--checkpoint", "--prompt",     "--device",
-                                                "--tokens", "--top-k", "--seed",       "--temperature"};
-    if (!known.count(flag)) {
-      usage();
-      fail("generate: unknown option '", flag, "'");
-    }
-    check(i + 1 < argc, "generate: ", flag, " needs a value");
-    const std::string value = argv[++i];
-    // Each option once (the last one silently won), and with a value (an empty --prompt is the default one).
-    // --init and --checkpoint are other names of --model.
-    const bool is_model = flag == "--model" || flag == "--init" || flag == "--checkpoint";
-    check(given.insert(is_model ? "--model" : flag).second, "generate: ", flag,
-          is_model ? " names the model a second time (--model, --init and --checkpoint are one option)"
-                   : " is given twice (give each option once)");
-    check(!value.empty() || flag == "--prompt", "generate: ", flag, " needs a value, got ''");
-    auto integer = [&](int64_t low) { return integer_argument("generate", flag, value, low); };
-    if (is_model) o.model = value;
-    else if (flag == "--prompt") o.prompt = value;
-    else if (flag == "--device") o.device = Device::parse(value);
-    else if (flag == "--tokens") o.tokens = integer(0);
-    else if (flag == "--top-k") o.top_k = integer(0);
-    else if (flag == "--seed") o.seed = static_cast<uint64_t>(integer(0));
-    else if (flag == "--temperature") {
-      o.temperature = number_argument("generate", flag, value);
-      check(o.temperature > 0, "generate: --temperature expects a number > 0, got '", value, "'");
-    } else {
-      fail("generate: option ", flag, " is listed but not read (a bug)");
-    }
-  }
-  check(!o.model.empty(), "generate: --model FILE is required (a train_gpt checkpoint or weights file)");
+  cli::CommandLine cli("generate", "generate: samples text from a GPT saved by train_gpt (a training checkpoint "
+                       "or a weights file)");
+  // --init and --checkpoint are other names of --model.
+  cli.repeated_message = [](const CLI::Option& option, const std::string& written) {
+    return "generate: " + written +
+           (option.check_name("--model") ? " names the model a second time (--model, --init and --checkpoint are "
+                                           "one option)"
+                                         : " is given twice (give each option once)");
+  };
+  cli.required(cli.text("--model,--init,--checkpoint", o.model, "FILE", "a train_gpt checkpoint or weights file"),
+               "generate: --model FILE is required (a train_gpt checkpoint or weights file)");
+  // An empty --prompt is the default one.
+  cli.add("--prompt", [&o](const std::string& value) { o.prompt = value; }, "TEXT",
+          "the text to continue (space-separated token ids for a .bin-trained model; default: a newline, or "
+          "token 0)");
+  cli.integer("--tokens", o.tokens, 0, "tokens to generate (default 500)");
+  cli.add("--temperature", [&o](const std::string& value) {
+    o.temperature = number_argument("generate", "--temperature", value);
+    check(o.temperature > 0, "generate: --temperature expects a number > 0, got '", value, "'");
+  }, "X", "softmax temperature, > 0 (default 1)");
+  cli.integer("--top-k", o.top_k, 0, "sample from the K likeliest tokens (0 = all, the default)");
+  cli.integer("--seed", o.seed, 0, "the seed of the draws (default 1337)");
+  cli.add("--device", [&cli, &o](const std::string& value) {
+    o.device = Device::parse(cli.nonempty("--device", value));
+  }, "cpu|cuda|cuda:N", "where the model runs (default cpu)");
+  if (!cli.parse(argc, argv)) return std::nullopt;
   return o;
 }
 
-int run(int argc, char** argv) {
-  const Options opt = parse(argc, argv);
-  std::vector<uint8_t> vocab;
-  std::unique_ptr<GPT> model = load_model_file(opt.model, &vocab);
-  model->to(opt.device);
-  const GPTConfig& config = model->config();
-
+// The prompt as token ids: its bytes in the model's character vocabulary, or the ids it lists (without one);
+// an empty prompt starts from the default start token.
+std::vector<int64_t> prompt_ids(const Options& opt, const std::vector<uint8_t>& vocab, const GPTConfig& config) {
   std::vector<int64_t> ids;
   if (!vocab.empty()) {
     for (unsigned char c : opt.prompt) {
@@ -104,6 +88,17 @@ int run(int argc, char** argv) {
     check(in.eof(), "generate: without a character vocabulary, --prompt must be space-separated token ids");
     if (ids.empty()) ids.push_back(0);
   }
+  return ids;
+}
+
+int run(int argc, char** argv) {
+  const std::optional<Options> parsed = parse(argc, argv);
+  if (!parsed) return 0;  // --help
+  const Options& opt = *parsed;
+  std::vector<uint8_t> vocab;
+  std::unique_ptr<GPT> model = load_model_file(opt.model, &vocab);
+  model->to(opt.device);
+  const std::vector<int64_t> ids = prompt_ids(opt, vocab, model->config());
 
   if (!vocab.empty()) std::fwrite(opt.prompt.data(), 1, opt.prompt.size(), stdout);
   sample_tokens(*model, ids, opt.tokens, opt.temperature, opt.top_k, opt.seed, [&](int64_t next) {

@@ -12,12 +12,12 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
-#include <iostream>
 #include <map>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "command_line.h"
 #include "train/plot.h"
 #include "train/training.h"
 #include "io/json.h"
@@ -93,21 +93,33 @@ plot::Chart loss_chart(const std::map<int64_t, Point>& points, const std::string
   return plot::Chart{.width = 900, .height = 540, .title = title, .panels = {panel}};
 }
 
+struct Arguments {
+  std::string log, out, title = "train_gpt";
+};
+
+// The arguments of the command line, or none when it asked for --help (printed).
+std::optional<Arguments> parse(int argc, char** argv) {
+  Arguments a;
+  cli::CommandLine cli("plot_loss", "plot_loss: the training and validation loss of a train_gpt --log-json file "
+                       "as a PNG");
+  cli.help_on_unknown = false;
+  const std::string count = "plot_loss: expected LOG.jsonl OUT.png [TITLE] (see --help), got " +
+                            std::to_string(argc - 1) + " arguments";
+  cli.unknown_message = [&count](const std::string& arg) {
+    return arg.starts_with("-") ? "plot_loss: unknown option '" + arg + "'" : count;
+  };
+  cli.required(cli.app.add_option("log", a.log, "train_gpt's --log-json file")->type_name("LOG.jsonl"), count);
+  cli.required(cli.app.add_option("out", a.out, "the PNG to write (900 x 540)")->type_name("OUT.png"), count);
+  cli.app.add_option("title", a.title, "the chart's title (default train_gpt)")->type_name("TITLE");
+  if (!cli.parse(argc, argv)) return std::nullopt;
+  return a;
+}
+
 int run(int argc, char** argv) {
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "--help" || a == "-h") {
-      std::cout << "usage: plot_loss LOG.jsonl OUT.png [TITLE]\n"
-                   "  the training and validation loss of a train_gpt --log-json file as a PNG\n";
-      return 0;
-    }
-  }
-  check(argc == 3 || argc == 4, "plot_loss: expected LOG.jsonl OUT.png [TITLE] (see --help), got ",
-        argc - 1, " arguments");
-  const std::string log = argv[1], out = argv[2];
-  const std::string title = argc == 4 ? argv[3] : "train_gpt";
-  plot::write_png(loss_chart(read_log(log), title), out);
-  std::printf("plot_loss: wrote %s\n", out.c_str());
+  const std::optional<Arguments> a = parse(argc, argv);
+  if (!a) return 0;  // --help
+  plot::write_png(loss_chart(read_log(a->log), a->title), a->out);
+  std::printf("plot_loss: wrote %s\n", a->out.c_str());
   return 0;
 }
 

@@ -52,15 +52,15 @@
 #include <deque>
 #include <filesystem>
 #include <fstream>
-#include <iostream>
 #include <optional>
 #include <map>
-#include <set>
 #include <sstream>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "amp/config.h"
+#include "command_line.h"
 #include "train/plot.h"
 #include "train/training.h"
 #include "io/json.h"
@@ -81,12 +81,22 @@ constexpr size_t kSmooth = 20;           // the plotted training loss: trailing 
 
 // train_gpt flags passed through to every child, by the kind of value train_gpt's own parser accepts; the
 // value's form is checked here (before anything runs), its meaning (heads dividing width, ...) by train_gpt.
-const std::set<std::string> kPositiveIntegerFlags = {"--layers", "--heads", "--width", "--block", "--batch",
-                                                     "--steps", "--vocab-size"};
-const std::set<std::string> kCountFlags = {"--warmup", "--seed", "--eval-every"};  // integers >= 0
-const std::set<std::string> kRealFlags = {"--dropout", "--lr",    "--min-lr",   "--weight-decay",
-                                          "--beta1",   "--beta2", "--momentum", "--grad-clip"};  // reals >= 0
-const std::set<std::string> kTextFlags = {"--optimizer", "--schedule"};
+enum class TrainValue { PositiveInteger, Count, Real, Text };  // Count: an integer >= 0; Real: >= 0
+struct TrainFlag {
+  const char* name;
+  TrainValue value;
+};
+constexpr TrainFlag kTrainFlags[] = {
+    {"--layers", TrainValue::PositiveInteger}, {"--heads", TrainValue::PositiveInteger},
+    {"--width", TrainValue::PositiveInteger},  {"--block", TrainValue::PositiveInteger},
+    {"--batch", TrainValue::PositiveInteger},  {"--steps", TrainValue::PositiveInteger},
+    {"--eval-every", TrainValue::Count},       {"--lr", TrainValue::Real},
+    {"--min-lr", TrainValue::Real},            {"--warmup", TrainValue::Count},
+    {"--seed", TrainValue::Count},             {"--dropout", TrainValue::Real},
+    {"--optimizer", TrainValue::Text},         {"--weight-decay", TrainValue::Real},
+    {"--beta1", TrainValue::Real},             {"--beta2", TrainValue::Real},
+    {"--momentum", TrainValue::Real},          {"--schedule", TrainValue::Text},
+    {"--grad-clip", TrainValue::Real},         {"--vocab-size", TrainValue::PositiveInteger}};
 
 struct Options {
   std::string data;
@@ -102,21 +112,6 @@ struct Options {
   int64_t steps = 600;  // --steps: each log must have this many lines
   bool sequential = false;
 };
-
-void usage() {
-  std::cout <<
-      "usage: precision_study [--data FILE] [--modes a,b,c] [--out DIR] [train_gpt flags]\n"
-      "  --data FILE   training text (or .bin with --vocab-size); default: ../shared/data/\n"
-      "                tinyshakespeare.txt beside the source tree\n"
-      "  --modes LIST  comma-separated precision modes (default: all ten: fp32,tf32,fp16,bf16,\n"
-      "                fp16_apex:O0,fp16_apex:O1,fp16_apex:O2,fp16_apex:O3,fp16_naive,bf16_naive)\n"
-      "  --out DIR     output directory (default: <build>/precision_study): results.md, results.csv,\n"
-      "                <mode>.jsonl and precision_study.png (loss curves and loss scale per mode)\n"
-      "  passed to every train_gpt run (defaults): --layers 4 --heads 4 --width 128 --block 64 --batch 16\n"
-      "                --steps 600 (>= 1) --eval-every 200 --lr 2e-3 --min-lr 2e-4 --warmup 50 --seed 1337;\n"
-      "                also --dropout --optimizer --weight-decay --beta1 --beta2 --momentum --schedule\n"
-      "                --grad-clip --vocab-size --sequential\n";
-}
 
 // "1 mode", "3 modes"
 std::string count_text(size_t n, const std::string& noun) {
@@ -154,65 +149,110 @@ std::string default_data() {
 // The value of a pass-through flag, checked as train_gpt's parser checks it (the same functions: a bad value
 // is reported once, before any child runs, not by every child); --steps must be >= 1: a study needs a step to
 // compare. Returns the integer for integer flags.
-int64_t check_train_value(const std::string& flag, const std::string& value) {
-  if (kPositiveIntegerFlags.count(flag) || kCountFlags.count(flag))
-    return integer_argument("precision_study", flag, value, kPositiveIntegerFlags.count(flag) ? 1 : 0);
-  if (kRealFlags.count(flag)) {
-    number_argument("precision_study", flag, value);
-    return 0;
+int64_t check_train_value(const TrainFlag& flag, const std::string& value) {
+  switch (flag.value) {
+    case TrainValue::PositiveInteger: return integer_argument("precision_study", flag.name, value, 1);
+    case TrainValue::Count: return integer_argument("precision_study", flag.name, value, 0);
+    case TrainValue::Real: number_argument("precision_study", flag.name, value); return 0;
+    case TrainValue::Text: check(!value.empty(), "precision_study: ", flag.name, " needs a non-empty value"); return 0;
   }
-  check(!value.empty(), "precision_study: ", flag, " needs a non-empty value");
   return 0;
 }
 
-Options parse(int argc, char** argv) {
-  Options o;
-  std::set<std::string> given;
-  for (int i = 1; i < argc; ++i) {
-    const std::string flag = argv[i];
-    if (flag == "--help" || flag == "-h") { usage(); std::exit(0); }
-    if (flag == "--sequential") { o.sequential = true; continue; }
-    const bool train_flag = kPositiveIntegerFlags.count(flag) || kCountFlags.count(flag) ||
-                            kRealFlags.count(flag) || kTextFlags.count(flag);
-    check(flag == "--data" || flag == "--modes" || flag == "--out" || train_flag,
-          "precision_study: unknown option '", flag, "'",
-          flag == "--precision" || flag == "--amp-config" || flag == "--log-json"
-              ? " (set per mode by precision_study; choose the modes with --modes)"
-              : " (see --help)");
-    check(given.insert(flag).second, "precision_study: ", flag, " given twice");
-    check(i + 1 < argc, "precision_study: ", flag, " needs a value");
-    const std::string value = argv[++i];
-    if (flag == "--data") {
-      check(!value.empty(), "precision_study: --data needs a file name, got ''");
-      o.data = value;
-    } else if (flag == "--out") {
-      check(!value.empty(), "precision_study: --out needs a directory");
-      o.out = value;
-    } else if (flag == "--modes") {
-      o.modes = split(value, ',');
-      check(!o.modes.empty(), "precision_study: --modes needs at least one mode");
-      std::map<std::string, std::string> seen;  // canonical name -> as written
-      for (const std::string& mode : o.modes) {
-        check(!mode.empty(), "precision_study: --modes '", value, "' has an empty entry");
-        std::string name;  // canonical: "fp16_apex" is "fp16_apex:O1"
-        try {
-          name = AmpConfig::parse(mode).name();
-        } catch (const Error& e) {
-          fail("precision_study: --modes: unknown precision mode '", mode, "' (", e.what(), ")");
-        }
-        const auto [first, inserted] = seen.emplace(name, mode);
-        check(inserted, "precision_study: --modes names '", name, "' twice (as '", first->second, "' and '", mode,
-              "')");
-      }
-    } else {
-      const int64_t number = check_train_value(flag, value);
-      if (flag == "--steps") o.steps = number;
-      bool replaced = false;
-      for (auto& [f, v] : o.train)
-        if (f == flag) { v = value; replaced = true; }
-      if (!replaced) o.train.emplace_back(flag, value);
+// --modes: comma-separated modes that AmpConfig knows, none twice (under any of its names).
+std::vector<std::string> read_modes(const std::string& value) {
+  std::vector<std::string> modes = split(value, ',');
+  check(!modes.empty(), "precision_study: --modes needs at least one mode");
+  std::map<std::string, std::string> seen;  // canonical name -> as written
+  for (const std::string& mode : modes) {
+    check(!mode.empty(), "precision_study: --modes '", value, "' has an empty entry");
+    std::string name;  // canonical: "fp16_apex" is "fp16_apex:O1"
+    try {
+      name = AmpConfig::parse(mode).name();
+    } catch (const Error& e) {
+      fail("precision_study: --modes: unknown precision mode '", mode, "' (", e.what(), ")");
     }
+    const auto [first, inserted] = seen.emplace(name, mode);
+    check(inserted, "precision_study: --modes names '", name, "' twice (as '", first->second, "' and '", mode,
+          "')");
   }
+  return modes;
+}
+
+// The modes --modes takes by default, as its help lists them.
+std::string default_modes_help() {
+  std::string text;
+  for (const std::string& mode : kDefaultModes) text += (text.empty() ? "" : ",") + mode;
+  return text;
+}
+
+void add_study_options(cli::CommandLine& cli, Options& o) {
+  cli.add("--data", [&o](const std::string& value) {
+    check(!value.empty(), "precision_study: --data needs a file name, got ''");
+    o.data = value;
+  }, "FILE", "training text (or .bin with --vocab-size); default: ../shared/data/tinyshakespeare.txt beside "
+     "the source tree");
+  cli.add("--modes", [&o](const std::string& value) { o.modes = read_modes(value); }, "LIST",
+          "comma-separated precision modes (default: all ten: " + default_modes_help() + ")");
+  cli.add("--out", [&o](const std::string& value) {
+    check(!value.empty(), "precision_study: --out needs a directory");
+    o.out = value;
+  }, "DIR", "output directory (default: <build>/precision_study): results.md, results.csv, <mode>.jsonl and "
+     "precision_study.png (loss curves and loss scale per mode)");
+}
+
+// The pass-through flags, each value checked (and kept in `given`, by flag) as it is read.
+void add_train_options(cli::CommandLine& cli, Options& o, std::map<std::string, std::string>& given) {
+  cli.app.option_defaults()->group("passed to every train_gpt run");
+  for (const TrainFlag& flag : kTrainFlags) {
+    std::string help = "train_gpt's " + std::string(flag.name);
+    for (const auto& [name, value] : o.train)
+      if (name == flag.name) help += " (default " + value + ")";
+    if (std::string_view(flag.name) == "--steps") help += "; >= 1";
+    cli.add(flag.name, [&o, &given, flag](const std::string& value) {
+      const int64_t number = check_train_value(flag, value);
+      if (std::string_view(flag.name) == "--steps") o.steps = number;
+      given[flag.name] = value;
+    }, flag.value == TrainValue::Text ? "TEXT" : flag.value == TrainValue::Real ? "X" : "N", help);
+  }
+  cli.flag("--sequential", o.sequential, true, "train_gpt's --sequential");
+}
+
+// The child's train_gpt flags: the study's defaults in their order, each replaced by its given value, then the
+// other given flags in the order of the command line.
+void set_train_flags(Options& o, const CLI::App& app, std::map<std::string, std::string>& given) {
+  for (auto& [flag, value] : o.train)
+    if (const auto it = given.find(flag); it != given.end()) {
+      value = it->second;
+      given.erase(it);
+    }
+  for (const CLI::Option* option : app.parse_order())
+    if (const auto it = given.find(option->get_name()); it != given.end()) {
+      o.train.emplace_back(it->first, it->second);
+      given.erase(it);
+    }
+}
+
+// The options of the command line, or none when it asked for --help (printed).
+std::optional<Options> parse(int argc, char** argv) {
+  Options o;
+  cli::CommandLine cli("precision_study", "precision_study: one GPT, one data set, one seed, trained once under "
+                       "each precision mode (train_gpt, a process per mode), and a comparison");
+  cli.help_on_unknown = false;
+  cli.unknown_message = [](const std::string& arg) {
+    return "precision_study: unknown option '" + arg + "'" +
+           (arg == "--precision" || arg == "--amp-config" || arg == "--log-json"
+                ? " (set per mode by precision_study; choose the modes with --modes)"
+                : " (see --help)");
+  };
+  cli.repeated_message = [](const CLI::Option&, const std::string& written) {
+    return "precision_study: " + written + " given twice";
+  };
+  add_study_options(cli, o);
+  std::map<std::string, std::string> given;
+  add_train_options(cli, o, given);
+  if (!cli.parse(argc, argv)) return std::nullopt;
+  set_train_flags(o, cli.app, given);
   if (o.data.empty()) o.data = default_data();
   check(fs::is_regular_file(o.data), "precision_study: --data '", o.data, "' is not a readable file");
   if (o.out.empty()) o.out = (self_dir().parent_path() / "precision_study").string();
@@ -345,21 +385,16 @@ std::string describe_status(int status) {
   return "status " + std::to_string(status);
 }
 
-// Runs args[0] (a path) with its stdout and stderr into one pipe, so its lines keep their order; each line
-// goes to our stdout behind `prefix`, and the last 8 are kept for an error message. The child is g_child
-// while it runs, for the stop-signal handler.
-ChildResult run_child(const std::vector<std::string>& args, const std::string& prefix) {
-  int fds[2];
-  check(pipe2(fds, O_CLOEXEC) == 0, "precision_study: pipe failed: ", std::strerror(errno));
+// Starts args[0] (a path) with its stdout and stderr into `out` (a pipe's write end): 0 with its pid in `pid`,
+// or posix_spawn's error. The child is g_child from the moment it exists, for the stop-signal handler.
+int spawn_child(const std::vector<std::string>& args, int out, pid_t& pid) {
   posix_spawn_file_actions_t actions;
   posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_adddup2(&actions, fds[1], STDOUT_FILENO);  // dup2 clears O_CLOEXEC on the copy
-  posix_spawn_file_actions_adddup2(&actions, fds[1], STDERR_FILENO);
+  posix_spawn_file_actions_adddup2(&actions, out, STDOUT_FILENO);  // dup2 clears O_CLOEXEC on the copy
+  posix_spawn_file_actions_adddup2(&actions, out, STDERR_FILENO);
   std::vector<char*> argv;
   for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
   argv.push_back(nullptr);
-  pid_t pid = 0;
-  const auto t0 = std::chrono::steady_clock::now();
   int err = 0;
   {
     // A stop signal between the spawn and the store would leave the child running: it waits for the store.
@@ -374,23 +409,21 @@ ChildResult run_child(const std::vector<std::string>& args, const std::string& p
     if (err == 0) g_child.store(pid);
   }
   posix_spawn_file_actions_destroy(&actions);
-  close(fds[1]);
-  if (err != 0) {
-    close(fds[0]);
-    fail("precision_study: cannot start '", args[0], "': ", std::strerror(err));
-  }
+  return err;
+}
 
-  ChildResult result;
+// Each line read from `in` until its end goes to our stdout behind `prefix`; the last 8 are kept in `tail`.
+void stream_lines(int in, const std::string& prefix, std::deque<std::string>& tail) {
   std::string pending;
   auto emit = [&](const std::string& line) {
     std::printf("%s%s\n", prefix.c_str(), line.c_str());
     std::fflush(stdout);
-    result.tail.push_back(line);
-    if (result.tail.size() > 8) result.tail.pop_front();
+    tail.push_back(line);
+    if (tail.size() > 8) tail.pop_front();
   };
   char buffer[4096];
   for (;;) {
-    const ssize_t n = read(fds[0], buffer, sizeof(buffer));
+    const ssize_t n = read(in, buffer, sizeof(buffer));
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0) break;
     pending.append(buffer, static_cast<size_t>(n));
@@ -398,19 +431,42 @@ ChildResult run_child(const std::vector<std::string>& args, const std::string& p
       emit(pending.substr(0, nl));
   }
   if (!pending.empty()) emit(pending);
-  close(fds[0]);
+}
 
-  // Wait for its end without reaping it (the handler can still kill and reap it), then reap it and forget it
-  // with the stop signals blocked, so the handler never sees a reaped (possibly reused) pid.
+// The child's status (as from waitpid) once it ended. Waits for its end without reaping it (the handler can
+// still kill and reap it), then reaps it and forgets it with the stop signals blocked, so the handler never
+// sees a reaped (possibly reused) pid.
+int reap_child(pid_t pid, const std::string& path) {
   siginfo_t info{};
   while (waitid(P_PID, static_cast<id_t>(pid), &info, WEXITED | WNOWAIT) < 0 && errno == EINTR) {}
   pid_t waited;
+  int status = 0;
   {
     StopSignalsBlocked blocked;
-    while ((waited = waitpid(pid, &result.status, 0)) < 0 && errno == EINTR) {}
+    while ((waited = waitpid(pid, &status, 0)) < 0 && errno == EINTR) {}
     g_child.store(0);
   }
-  check(waited == pid, "precision_study: waitpid for '", args[0], "' failed: ", std::strerror(errno));
+  check(waited == pid, "precision_study: waitpid for '", path, "' failed: ", std::strerror(errno));
+  return status;
+}
+
+// Runs args[0] (a path) with its stdout and stderr into one pipe, so its lines keep their order; each line
+// goes to our stdout behind `prefix`, and the last 8 are kept for an error message.
+ChildResult run_child(const std::vector<std::string>& args, const std::string& prefix) {
+  int fds[2];
+  check(pipe2(fds, O_CLOEXEC) == 0, "precision_study: pipe failed: ", std::strerror(errno));
+  const auto t0 = std::chrono::steady_clock::now();
+  pid_t pid = 0;
+  const int err = spawn_child(args, fds[1], pid);
+  close(fds[1]);
+  if (err != 0) {
+    close(fds[0]);
+    fail("precision_study: cannot start '", args[0], "': ", std::strerror(err));
+  }
+  ChildResult result;
+  stream_lines(fds[0], prefix, result.tail);
+  close(fds[0]);
+  result.status = reap_child(pid, args[0]);
   result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return result;
 }
@@ -639,98 +695,80 @@ plot::Chart plot_chart(const std::vector<ModeResult>& results, const std::string
 
 // ---- main ----
 
-int run(int argc, char** argv) {
-  const Options opt = parse(argc, argv);
-  const fs::path train_gpt = self_dir() / "train_gpt";
-  check(access(train_gpt.c_str(), X_OK) == 0, "precision_study: cannot find the train_gpt executable next to "
-        "this one (looked for ", train_gpt.string(), "); build it: cmake --build build --target train_gpt");
+// The study's files (and their temporary names) must not be its data: a table or a mode's log written over
+// the corpus left exit code 0 and the corpus lost, and a later mode trained on the earlier one's log.
+void check_data_is_no_output(const Options& opt) {
   const fs::path out = opt.out;
-  // The study's files (and their temporary names) must not be its data: a table or a mode's log written over
-  // the corpus left exit code 0 and the corpus lost, and a later mode trained on the earlier one's log.
   std::vector<fs::path> outputs = {out / "results.md", out / "results.csv", out / "precision_study.png"};
   for (const std::string& mode : opt.modes) outputs.push_back(out / (file_stem(mode) + ".jsonl"));
   for (const fs::path& output : outputs)
     for (const std::string& file : {output.string(), output.string() + ".tmp"})
       check(!same_file(opt.data, file), "precision_study: --data '", opt.data, "' is '", file,
             "', a file the study writes (--out '", out.string(), "'): it would overwrite what it trains on");
-  std::error_code ec;
-  const bool created_out = fs::create_directories(out, ec);
-  check(!ec && fs::is_directory(out), "precision_study: cannot create --out directory '", out.string(), "'",
-        ec ? " (" + ec.message() + ")" : "");
-  install_stop_handlers();
+}
 
-  std::vector<std::string> common = {"--data", opt.data};
-  std::string flags_text;
+// The train_gpt arguments every mode shares, and their text for the output and results.md.
+struct ChildFlags {
+  std::vector<std::string> args;
+  std::string text;
+};
+
+ChildFlags child_flags(const Options& opt) {
+  ChildFlags flags{.args = {"--data", opt.data}, .text = ""};
   for (const auto& [flag, value] : opt.train) {
-    common.push_back(flag);
-    common.push_back(value);
-    flags_text += " " + flag + " " + value;
+    flags.args.push_back(flag);
+    flags.args.push_back(value);
+    flags.text += " " + flag + " " + value;
   }
-  if (opt.sequential) { common.push_back("--sequential"); flags_text += " --sequential"; }
+  if (opt.sequential) { flags.args.push_back("--sequential"); flags.text += " --sequential"; }
+  return flags;
+}
 
-  size_t prefix_width = 0;
-  for (const std::string& m : opt.modes) prefix_width = std::max(prefix_width, m.size() + 2);
-  std::printf("precision_study: %s, train_gpt --data %s%s\n  writing to %s\n",
-              count_text(opt.modes.size(), "mode").c_str(), opt.data.c_str(), flags_text.c_str(),
-              out.string().c_str());
+// Mode k of the study: train_gpt with its log in a temporary file, renamed into place once the run succeeded
+// and its log checks out. A failure is the result's error (the other modes still run).
+ModeResult run_mode(const Options& opt, const fs::path& train_gpt, const ChildFlags& flags, size_t k,
+                    size_t prefix_width) {
+  ModeResult r;
+  r.mode = opt.modes[k];
+  const fs::path log = fs::path(opt.out) / (file_stem(r.mode) + ".jsonl");
+  std::printf("\n=== [%zu/%zu] %s\n", k + 1, opt.modes.size(), r.mode.c_str());
   std::fflush(stdout);
-
-  std::vector<ModeResult> results;
-  for (size_t k = 0; k < opt.modes.size(); ++k) {
-    ModeResult r;
-    r.mode = opt.modes[k];
-    const fs::path log = out / (file_stem(r.mode) + ".jsonl");
-    std::printf("\n=== [%zu/%zu] %s\n", k + 1, opt.modes.size(), r.mode.c_str());
-    std::fflush(stdout);
-    std::string prefix = "[" + r.mode + "]";
-    prefix += std::string(prefix_width - prefix.size() + 1, ' ');
-    try {
-      TempFile log_tmp(log);  // renamed once the run succeeded and its log checks out; removed otherwise
-      std::vector<std::string> args = {train_gpt.string()};
-      args.insert(args.end(), common.begin(), common.end());
-      args.insert(args.end(), {"--precision", r.mode, "--log-json", log_tmp.path().string()});
-      const ChildResult child = run_child(args, prefix);
-      r.seconds = child.seconds;
-      if (child.status != 0) {
-        std::string last;
-        for (const std::string& l : child.tail) last += "\n    " + l;
-        fail("train_gpt --precision ", r.mode, " failed (", describe_status(child.status),
-             "); its last output:", last);
-      }
-      r.steps = read_log(log_tmp.path(), opt.steps);
-      log_tmp.rename_into_place();
-      summarise(r);
-      r.ok = true;
-      const std::string val = r.final_val_loss ? fixed_text(*r.final_val_loss, 4) : "none";
-      const std::string rss = r.peak_rss_mib ? fixed_text(*r.peak_rss_mib, 1) + " MiB" : "not in the log";
-      std::printf("%sdone in %.0f s: final val loss %s, median %.0f tok/s, peak RSS %s, %lld skipped\n",
-                  prefix.c_str(), r.seconds, val.c_str(), r.tokens_per_s, rss.c_str(),
-                  static_cast<long long>(r.skipped));
-    } catch (const std::exception& e) {
-      r.error = e.what();
-      std::printf("%sFAILED: %s\n", prefix.c_str(), r.error.c_str());  // the summary error follows on stderr
+  std::string prefix = "[" + r.mode + "]";
+  prefix += std::string(prefix_width - prefix.size() + 1, ' ');
+  try {
+    TempFile log_tmp(log);  // renamed once the run succeeded and its log checks out; removed otherwise
+    std::vector<std::string> args = {train_gpt.string()};
+    args.insert(args.end(), flags.args.begin(), flags.args.end());
+    args.insert(args.end(), {"--precision", r.mode, "--log-json", log_tmp.path().string()});
+    const ChildResult child = run_child(args, prefix);
+    r.seconds = child.seconds;
+    if (child.status != 0) {
+      std::string last;
+      for (const std::string& l : child.tail) last += "\n    " + l;
+      fail("train_gpt --precision ", r.mode, " failed (", describe_status(child.status),
+           "); its last output:", last);
     }
-    std::fflush(stdout);
-    results.push_back(std::move(r));
+    r.steps = read_log(log_tmp.path(), opt.steps);
+    log_tmp.rename_into_place();
+    summarise(r);
+    r.ok = true;
+    const std::string val = r.final_val_loss ? fixed_text(*r.final_val_loss, 4) : "none";
+    const std::string rss = r.peak_rss_mib ? fixed_text(*r.peak_rss_mib, 1) + " MiB" : "not in the log";
+    std::printf("%sdone in %.0f s: final val loss %s, median %.0f tok/s, peak RSS %s, %lld skipped\n",
+                prefix.c_str(), r.seconds, val.c_str(), r.tokens_per_s, rss.c_str(),
+                static_cast<long long>(r.skipped));
+  } catch (const std::exception& e) {
+    r.error = e.what();
+    std::printf("%sFAILED: %s\n", prefix.c_str(), r.error.c_str());  // the summary error follows on stderr
   }
+  std::fflush(stdout);
+  return r;
+}
 
-  std::vector<std::string> failed;
-  for (const ModeResult& r : results)
-    if (!r.ok) failed.push_back(r.mode + ": " + r.error);
-  std::string failed_list;
-  for (const std::string& f : failed) failed_list += "\n  " + f;
-  // Nothing to compare: the files of an earlier study stay as they were, not replaced by empty tables (and an
-  // --out directory made for this study goes again, if it is still empty).
-  if (failed.size() == results.size()) {
-    if (created_out && fs::is_empty(out, ec)) fs::remove(out, ec);
-    fail("precision_study: ", results.size() == 1 ? "the mode" : "all " + count_text(results.size(), "mode"),
-         " failed, so nothing was written to '", out.string(), "':", failed_list);
-  }
-  // The new tables replace an earlier study's: a failed mode's log of that study would sit beside them as if
-  // it were this one's.
-  for (const ModeResult& r : results)
-    if (!r.ok) fs::remove(out / (file_stem(r.mode) + ".jsonl"), ec);
-
+// results.md, results.csv and the plot of the modes that succeeded; the table is printed too.
+void write_results(const Options& opt, const std::vector<ModeResult>& results, const std::vector<std::string>& failed,
+                   const std::string& flags_text) {
+  const fs::path out = opt.out;
   const std::vector<Row> rows = table_rows(results);
   const std::string table = markdown_table(rows);
   const std::string notes =
@@ -753,9 +791,60 @@ int run(int argc, char** argv) {
 
   std::printf("\n%s%s\nwrote %s, %s, %s\n", table.c_str(), notes.c_str(), (out / "results.md").string().c_str(),
               (out / "results.csv").string().c_str(), png.string().c_str());
+}
+
+// The tables of the modes that succeeded, then an error naming the failed ones. When none succeeded nothing is
+// written: the files of an earlier study stay as they were, not replaced by empty tables (and an --out
+// directory made for this study goes again, if it is still empty).
+void finish_study(const Options& opt, const std::vector<ModeResult>& results, bool created_out,
+                  const std::string& flags_text) {
+  const fs::path out = opt.out;
+  std::vector<std::string> failed;
+  for (const ModeResult& r : results)
+    if (!r.ok) failed.push_back(r.mode + ": " + r.error);
+  std::string failed_list;
+  for (const std::string& f : failed) failed_list += "\n  " + f;
+  std::error_code ec;
+  if (failed.size() == results.size()) {
+    if (created_out && fs::is_empty(out, ec)) fs::remove(out, ec);
+    fail("precision_study: ", results.size() == 1 ? "the mode" : "all " + count_text(results.size(), "mode"),
+         " failed, so nothing was written to '", out.string(), "':", failed_list);
+  }
+  // The new tables replace an earlier study's: a failed mode's log of that study would sit beside them as if
+  // it were this one's.
+  for (const ModeResult& r : results)
+    if (!r.ok) fs::remove(out / (file_stem(r.mode) + ".jsonl"), ec);
+  write_results(opt, results, failed, flags_text);
   if (!failed.empty())
     fail("precision_study: ", failed.size(), " of ", count_text(results.size(), "mode"), " failed:",
          failed_list);
+}
+
+int run(int argc, char** argv) {
+  const std::optional<Options> parsed = parse(argc, argv);
+  if (!parsed) return 0;  // --help
+  const Options& opt = *parsed;
+  const fs::path train_gpt = self_dir() / "train_gpt";
+  check(access(train_gpt.c_str(), X_OK) == 0, "precision_study: cannot find the train_gpt executable next to "
+        "this one (looked for ", train_gpt.string(), "); build it: cmake --build build --target train_gpt");
+  check_data_is_no_output(opt);
+  const fs::path out = opt.out;
+  std::error_code ec;
+  const bool created_out = fs::create_directories(out, ec);
+  check(!ec && fs::is_directory(out), "precision_study: cannot create --out directory '", out.string(), "'",
+        ec ? " (" + ec.message() + ")" : "");
+  install_stop_handlers();
+
+  const ChildFlags flags = child_flags(opt);
+  size_t prefix_width = 0;
+  for (const std::string& m : opt.modes) prefix_width = std::max(prefix_width, m.size() + 2);
+  std::printf("precision_study: %s, train_gpt --data %s%s\n  writing to %s\n",
+              count_text(opt.modes.size(), "mode").c_str(), opt.data.c_str(), flags.text.c_str(),
+              out.string().c_str());
+  std::fflush(stdout);
+  std::vector<ModeResult> results;
+  for (size_t k = 0; k < opt.modes.size(); ++k) results.push_back(run_mode(opt, train_gpt, flags, k, prefix_width));
+  finish_study(opt, results, created_out, flags.text);
   return 0;
 }
 

@@ -29,19 +29,20 @@
 // means the same training at every layout, and checkpoints (one full file, written by rank 0) resume at any
 // layout. Rank 0 prints and logs; an error on any rank ends the whole job (MPI_Abort) with its message.
 #include <chrono>
+#include <climits>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <memory>
 #include <optional>
 #include <set>
-#include <sstream>
-#include <climits>
 #include <string>
 #include <vector>
 
+#include "command_line.h"
 #include "dist/world.h"
 #include "train/parallel_training.h"
 #include "train/training.h"
@@ -89,31 +90,6 @@ bool under_mpi_launcher() {
   return false;
 }
 
-void usage() {
-  std::cout <<
-      "usage: train_gpt --data FILE (text, or .bin: uint16 token ids) [options]\n"
-      "  data:      --vocab-size N (.bin only)\n"
-      "  model:     --layers N --heads N --width N --block N --dropout X\n"
-      "  training:  --batch N --steps N --lr X --min-lr X --warmup N --optimizer sgd|adam|adamw\n"
-      "             --weight-decay X --beta1 X --beta2 X --momentum X (sgd) --schedule constant|cosine\n"
-      "             --grad-clip X (0 = off) --seed N --sequential\n"
-      "  precision: --precision " << precision_mode_list("|") << " (default fp32)\n"
-      "             --amp-config FILE.json (the mode's options, e.g. {\"initial_scale\": 65536}; it may name\n"
-      "             the mode as \"mixed_precision\")\n"
-      "  device:    --device cpu|cuda|cuda:N (default cpu; checkpoints move freely between devices; under\n"
-      "             mpirun, cuda means each rank's own GPU: local rank mod GPU count)\n"
-      "  parallel (under mpirun -np N): --tp N (tensor parallel) --pp N (pipeline stages) --dp N (data\n"
-      "             parallel; default N / (tp x pp)) --zero 0|1 (ZeRO-1 over dp) --micro-batches N (per dp rank)\n"
-      "             --pp-schedule 1f1b|gpipe --bucket-mb X (dp gradient buckets, all-reduced during the backward;\n"
-      "             default 25, PyTorch DDP's); --batch is the global batch (divisible by dp x micro-batches)\n"
-      "  checkpoints: --init FILE --save FILE --save-every N --resume FILE --stop-at STEP\n"
-      "  output:    --eval-every N (0 = only at the end) --eval-only --log-json FILE (a JSON line per step)\n"
-      "             --no-final-eval (skip the validation pass of the last step unless --eval-every hits it)\n"
-      "  sampling:  --sample N (after training: a line \"sample:\", then N generated characters, or token\n"
-      "             ids for .bin data; 0 = off) --temperature X (> 0, default 0.8) --top-k K (0 = all,\n"
-      "             the default); seeded with --seed; the sampler is generate's\n";
-}
-
 // Whether a JSON config says its "mixed_precision" (or is not an object, or not JSON at all: those are
 // reported by AmpConfig::from_json).
 bool names_a_mode(const std::string& text) {
@@ -134,9 +110,11 @@ AmpConfig amp_config_from_file(const Options& o, std::optional<std::string_view>
   }
 }
 
-Options parse(int argc, char** argv) {
+// ---- the command line ----
+
+// The defaults: a model small enough for a quick CPU run (about 0.2 M parameters).
+Options default_options() {
   Options o;
-  // Default model: small enough for a quick CPU run (about 0.2 M parameters).
   o.model.n_layer = 2;
   o.model.n_head = 4;
   o.model.n_embd = 64;
@@ -149,116 +127,137 @@ Options parse(int argc, char** argv) {
   o.train.lr = 3e-3;
   o.train.min_lr = 3e-4;
   o.train.warmup = 20;
-  // The options that take a value (the switches are handled first, below).
-  static const std::set<std::string> kValueFlags = {
-      "--data", "--vocab-size", "--layers", "--heads", "--width", "--block", "--dropout", "--batch", "--steps",
-      "--lr", "--min-lr", "--warmup", "--optimizer", "--weight-decay", "--beta1", "--beta2", "--momentum",
-      "--schedule", "--grad-clip", "--seed", "--eval-every", "--save-every", "--stop-at", "--init", "--save",
-      "--resume", "--log-json", "--precision", "--device", "--amp-config", "--sample", "--tp", "--pp", "--dp",
-      "--zero", "--micro-batches", "--pp-schedule", "--bucket-mb", "--top-k", "--temperature"};
-  for (int i = 1; i < argc; ++i) {
-    const std::string flag = argv[i];
-    if (flag == "--help" || flag == "-h") { usage(); std::exit(0); }
-    // A second value would silently replace the first.
-    check(o.given.insert(flag).second, "train_gpt: ", flag, " is given twice (give each option once)");
-    if (flag == "--sequential") { o.train.sequential = true; continue; }
-    if (flag == "--eval-only") { o.eval_only = true; continue; }
-    if (flag == "--no-final-eval") { o.final_eval = false; continue; }
-    if (!kValueFlags.count(flag)) {
-      usage();
-      fail("train_gpt: unknown option '", flag, "'");
-    }
-    check(i + 1 < argc, "train_gpt: ", flag, " needs a value");
-    const std::string value = argv[++i];
-    // An empty value would read as "not given" (no file to save, no log) and be ignored.
-    check(!value.empty(), "train_gpt: ", flag, " needs a value, got ''");
-    auto integer = [&](int64_t low, int64_t high = INT64_MAX) {
-      return integer_argument("train_gpt", flag, value, low, high);
-    };
-    auto real = [&]() { return number_argument("train_gpt", flag, value); };
-    if (flag == "--data") o.data = value;
-    else if (flag == "--vocab-size") o.vocab_size = integer(1);
-    else if (flag == "--layers") o.model.n_layer = integer(1);
-    else if (flag == "--heads") o.model.n_head = integer(1);
-    else if (flag == "--width") o.model.n_embd = integer(1);
-    else if (flag == "--block") o.model.block_size = integer(1);
-    else if (flag == "--dropout") o.model.dropout = real();
-    else if (flag == "--batch") o.train.batch = integer(1);
-    else if (flag == "--steps") o.train.steps = integer(0);
-    else if (flag == "--lr") o.train.lr = real();
-    else if (flag == "--min-lr") o.train.min_lr = real();
-    else if (flag == "--warmup") o.train.warmup = integer(0);
-    else if (flag == "--optimizer") o.train.optimizer = value;
-    else if (flag == "--weight-decay") o.train.weight_decay = real();
-    else if (flag == "--beta1") o.train.beta1 = real();
-    else if (flag == "--beta2") o.train.beta2 = real();
-    else if (flag == "--momentum") o.train.momentum = real();
-    else if (flag == "--schedule") o.train.schedule = value;
-    else if (flag == "--grad-clip") o.train.grad_clip = real();
-    else if (flag == "--seed") o.train.seed = static_cast<uint64_t>(integer(0));
-    else if (flag == "--eval-every") o.eval_every = integer(0);
-    else if (flag == "--save-every") o.save_every = integer(0);
-    else if (flag == "--stop-at") o.stop_at = integer(0);
-    else if (flag == "--init") o.init = value;
-    else if (flag == "--save") o.save = value;
-    else if (flag == "--resume") o.resume = value;
-    else if (flag == "--log-json") o.log_json = value;
-    else if (flag == "--precision") o.precision = value;
-    else if (flag == "--device") o.train.device = Device::parse(value);
-    else if (flag == "--amp-config") o.amp_config_file = value;
-    else if (flag == "--sample") o.sample = integer(0);
-    else if (flag == "--tp") o.parallel.tp = static_cast<int>(integer(1, INT32_MAX));
-    else if (flag == "--pp") o.parallel.pp = static_cast<int>(integer(1, INT32_MAX));
-    else if (flag == "--dp") o.parallel.dp = static_cast<int>(integer(1, INT32_MAX));
-    else if (flag == "--zero") o.parallel.zero = static_cast<int>(integer(0, INT32_MAX));
-    else if (flag == "--micro-batches") o.parallel.micro_batches = integer(1);
-    else if (flag == "--pp-schedule") o.parallel.pp_schedule = value;
-    else if (flag == "--bucket-mb") {
-      o.parallel.bucket_mb = real();
-      // Converted to bytes as an int64 (and a bucket beyond any model's gradients means one bucket anyway).
-      check(o.parallel.bucket_mb <= 1048576, "train_gpt: --bucket-mb expects at most 1048576 (1 TiB), got '",
-            value, "'");
-    }
-    else if (flag == "--top-k") o.top_k = integer(0);
-    else if (flag == "--temperature") {
-      o.temperature = real();
-      check(o.temperature > 0, "train_gpt: --temperature must be > 0, got '", value, "'");
-    }
-    else fail("train_gpt: option ", flag, " is listed but not read (a bug)");
-  }
-  check(!o.data.empty(), "train_gpt: --data FILE is required (a text file for characters, or .bin for uint16 tokens)");
+  return o;
+}
+
+void add_data_and_model_options(cli::CommandLine& cli, Options& o) {
+  cli.app.option_defaults()->group("data and model");
+  cli.required(cli.text("--data", o.data, "FILE", "training text (characters), or .bin: uint16 token ids; the "
+                        "last tenth is the validation split"),
+               "train_gpt: --data FILE is required (a text file for characters, or .bin for uint16 tokens)");
+  cli.integer("--vocab-size", o.vocab_size, 1, "the token ids of .bin data (.bin only)");
+  cli.integer("--layers", o.model.n_layer, 1, "transformer blocks (default 2)");
+  cli.integer("--heads", o.model.n_head, 1, "attention heads, dividing --width (default 4)");
+  cli.integer("--width", o.model.n_embd, 1, "embedding width (default 64)");
+  cli.integer("--block", o.model.block_size, 1, "context length in tokens (default 64)");
+  cli.number("--dropout", o.model.dropout, "dropout probability in [0, 1) (default 0)");
+}
+
+void add_training_options(cli::CommandLine& cli, Options& o) {
+  cli.app.option_defaults()->group("training");
+  cli.integer("--batch", o.train.batch, 1, "sequences per step (default 16; the global batch under mpirun)");
+  cli.integer("--steps", o.train.steps, 0, "optimizer steps of the run (default 1000)");
+  cli.number("--lr", o.train.lr, "peak learning rate (default 3e-3)");
+  cli.number("--min-lr", o.train.min_lr, "the cosine schedule's floor (default 3e-4, and at most --lr / 10)");
+  cli.integer("--warmup", o.train.warmup, 0, "linear warm-up steps (default 20)");
+  cli.text("--optimizer", o.train.optimizer, "sgd|adam|adamw", "the optimizer (default adamw)");
+  cli.number("--weight-decay", o.train.weight_decay, "decoupled weight decay (default 0.1)");
+  cli.number("--beta1", o.train.beta1, "Adam's and AdamW's beta1 (default 0.9)");
+  cli.number("--beta2", o.train.beta2, "Adam's and AdamW's beta2 (default 0.99)");
+  cli.number("--momentum", o.train.momentum, "SGD's momentum (default 0.9)");
+  cli.text("--schedule", o.train.schedule, "constant|cosine", "the learning-rate schedule (default cosine)");
+  cli.number("--grad-clip", o.train.grad_clip, "gradient norm clip (0 = off; default 1)");
+  cli.integer("--seed", o.train.seed, 0, "the seed of the weights, the batches and --sample (default 1337)");
+  cli.flag("--sequential", o.train.sequential, true, "batches in order instead of drawn at random");
+}
+
+void add_precision_and_device_options(cli::CommandLine& cli, Options& o) {
+  cli.app.option_defaults()->group("precision and device");
+  cli.text("--precision", o.precision, precision_mode_list("|"), "the precision mode (default fp32)");
+  cli.text("--amp-config", o.amp_config_file, "FILE.json", "the mode's options, e.g. {\"initial_scale\": "
+           "65536}; it may name the mode as \"mixed_precision\"");
+  cli.add("--device", [&cli, &o](const std::string& value) {
+    o.train.device = Device::parse(cli.nonempty("--device", value));
+  }, "cpu|cuda|cuda:N", "default cpu; checkpoints move freely between devices; under mpirun, cuda means each "
+     "rank's own GPU: local rank mod GPU count");
+}
+
+void add_parallel_options(cli::CommandLine& cli, Options& o) {
+  cli.app.option_defaults()->group("parallel (under mpirun -np N; --batch is the global batch, divisible by "
+                                   "dp x micro-batches)");
+  cli.integer("--tp", o.parallel.tp, 1, "tensor-parallel ranks", INT32_MAX);
+  cli.integer("--pp", o.parallel.pp, 1, "pipeline stages", INT32_MAX);
+  cli.integer("--dp", o.parallel.dp, 1, "data-parallel ranks (default N / (tp x pp))", INT32_MAX);
+  cli.integer("--zero", o.parallel.zero, 0, "1: ZeRO-1 over dp (0 or 1)", INT32_MAX);
+  cli.integer("--micro-batches", o.parallel.micro_batches, 1, "micro-batches per dp rank");
+  cli.text("--pp-schedule", o.parallel.pp_schedule, "1f1b|gpipe", "the pipeline's order of micro-batches");
+  cli.add("--bucket-mb", [&o](const std::string& value) {
+    o.parallel.bucket_mb = number_argument("train_gpt", "--bucket-mb", value);
+    // Converted to bytes as an int64 (and a bucket beyond any model's gradients means one bucket anyway).
+    check(o.parallel.bucket_mb <= 1048576, "train_gpt: --bucket-mb expects at most 1048576 (1 TiB), got '",
+          value, "'");
+  }, "X", "dp gradient buckets in MiB, all-reduced during the backward (default 25, PyTorch DDP's)");
+}
+
+void add_run_options(cli::CommandLine& cli, Options& o) {
+  cli.app.option_defaults()->group("checkpoints and output");
+  cli.text("--init", o.init, "FILE", "start from this file's weights (its model shape)");
+  cli.text("--save", o.save, "FILE", "write a checkpoint at the end (and every --save-every steps)");
+  cli.integer("--save-every", o.save_every, 0, "steps between checkpoints (0 = only at the end)");
+  cli.text("--resume", o.resume, "FILE", "continue the checkpoint's run, with its options");
+  cli.integer("--stop-at", o.stop_at, 0, "stop after this step (a run to be resumed later)");
+  cli.integer("--eval-every", o.eval_every, 0, "steps between validation passes (0 = only at the end; "
+              "default 250)");
+  cli.flag("--eval-only", o.eval_only, true, "print \"val_loss <x>\" of the loaded model, train nothing");
+  cli.text("--log-json", o.log_json, "FILE", "a JSON line per step");
+  cli.flag("--no-final-eval", o.final_eval, false,
+           "skip the validation pass of the last step unless --eval-every hits it");
+  cli.app.option_defaults()->group("sampling (after training, seeded with --seed; the sampler is generate's)");
+  cli.integer("--sample", o.sample, 0, "a line \"sample:\", then N generated characters, or token ids for .bin "
+              "data (0 = off)");
+  cli.add("--temperature", [&o](const std::string& value) {
+    o.temperature = number_argument("train_gpt", "--temperature", value);
+    check(o.temperature > 0, "train_gpt: --temperature must be > 0, got '", value, "'");
+  }, "X", "sampling temperature, > 0 (default 0.8)");
+  cli.integer("--top-k", o.top_k, 0, "sample from the K likeliest tokens (0 = all, the default)");
+}
+
+// Options that would be accepted and then do nothing, and options that exclude each other.
+void add_relations(cli::CommandLine& cli) {
+  auto option = [&](const std::string& name) { return cli.app.get_option(name); };
+  cli.excludes(option("--init"), option("--resume"), "train_gpt: --init and --resume exclude each other");
+  for (const char* flag : {"--save", "--save-every", "--log-json", "--steps", "--stop-at", "--lr", "--min-lr",
+                           "--warmup", "--optimizer", "--weight-decay", "--beta1", "--beta2", "--momentum",
+                           "--schedule", "--grad-clip", "--eval-every", "--no-final-eval", "--sequential",
+                           "--dropout", "--micro-batches"})
+    cli.excludes(option("--eval-only"), option(flag),
+                 std::string("train_gpt: --eval-only only evaluates: ") + flag + " has nothing to act on");
+  for (const char* flag : {"--top-k", "--temperature"})
+    cli.needs(option(flag), option("--sample"),
+              std::string("train_gpt: ") + flag + " shapes --sample's tokens: give --sample N too");
+}
+
+// The precision mode and its options: --precision, or the --amp-config file (with --precision, or naming its
+// mode, or taking a resumed checkpoint's).
+void read_amp_options(Options& o) {
   if (o.given.count("--amp-config") == 0) {
     try {
       o.train.amp = AmpConfig::parse(o.precision);
     } catch (const Error& error) {
       fail("train_gpt: --precision '", o.precision, "': ", error.what());
     }
-  } else {
-    check(!o.amp_config_file.empty(), "train_gpt: --amp-config needs a file name, got ''");
-    o.amp_config_text = read_input_file("train_gpt: --amp-config file", o.amp_config_file);
-    const bool mode_given = o.given.count("--precision") || names_a_mode(o.amp_config_text);
-    check(mode_given || !o.resume.empty(), "train_gpt: --amp-config file '", o.amp_config_file, "' names no "
-          "mode: give --precision MODE, or \"mixed_precision\": \"MODE\" in the file");
-    o.amp_mode_from_checkpoint = !mode_given;
-    if (!o.amp_mode_from_checkpoint)
-      o.train.amp = amp_config_from_file(o, o.given.count("--precision")
-                                                ? std::optional<std::string_view>(o.precision)
-                                                : std::nullopt);
+    return;
   }
+  check(!o.amp_config_file.empty(), "train_gpt: --amp-config needs a file name, got ''");
+  o.amp_config_text = read_input_file("train_gpt: --amp-config file", o.amp_config_file);
+  const bool mode_given = o.given.count("--precision") || names_a_mode(o.amp_config_text);
+  check(mode_given || !o.resume.empty(), "train_gpt: --amp-config file '", o.amp_config_file, "' names no "
+        "mode: give --precision MODE, or \"mixed_precision\": \"MODE\" in the file");
+  o.amp_mode_from_checkpoint = !mode_given;
+  if (!o.amp_mode_from_checkpoint)
+    o.train.amp = amp_config_from_file(o, o.given.count("--precision")
+                                              ? std::optional<std::string_view>(o.precision)
+                                              : std::nullopt);
+}
+
+// The checks of values against each other (the presence-only ones are CLI11's, in add_relations).
+void check_combinations(const Options& o) {
   // Naive AMP's clip_grad replaces --grad-clip (Booster); both given and different would silently drop one.
   check(!(o.train.amp.is_naive() && o.train.amp.naive.clip_grad > 0 && o.given.count("--grad-clip") &&
           o.train.amp.naive.clip_grad != o.train.grad_clip),
         "train_gpt: --grad-clip ", exact_number_text(o.train.grad_clip), " conflicts with the --amp-config's "
         "clip_grad ", exact_number_text(o.train.amp.naive.clip_grad), " (naive AMP clips at its clip_grad; "
         "give one of them)");
-  check(o.init.empty() || o.resume.empty(), "train_gpt: --init and --resume exclude each other");
-  // Options that would be accepted and then do nothing.
-  if (o.eval_only)
-    for (const char* flag : {"--save", "--save-every", "--log-json", "--steps", "--stop-at", "--lr", "--min-lr",
-                             "--warmup", "--optimizer", "--weight-decay", "--beta1", "--beta2", "--momentum",
-                             "--schedule", "--grad-clip", "--eval-every", "--no-final-eval", "--sequential",
-                             "--dropout", "--micro-batches"})
-      check(!o.given.count(flag), "train_gpt: --eval-only only evaluates: ", flag, " has nothing to act on");
   // The constant schedule has no warm-up and no floor: the rate is --lr at every step (--warmup 0 and
   // --min-lr equal to --lr say just that, and stay allowed).
   if (o.train.schedule == "constant") {
@@ -268,9 +267,6 @@ Options parse(int argc, char** argv) {
           exact_number_text(o.train.min_lr), " shapes the cosine schedule; --schedule constant keeps --lr at "
           "every step");
   }
-  for (const char* flag : {"--top-k", "--temperature"})
-    check(!o.given.count(flag) || o.given.count("--sample"), "train_gpt: ", flag, " shapes --sample's tokens: "
-          "give --sample N too");
   // Hyperparameters of another optimizer than the run's, a stop beyond the end. (With --resume the run's are the
   // checkpoint's, and every given flag is compared with it in run().)
   if (o.resume.empty()) {
@@ -289,6 +285,23 @@ Options parse(int argc, char** argv) {
   check(o.model.dropout < 1, "train_gpt: --dropout must be in [0, 1), got ", exact_number_text(o.model.dropout));
   check(!o.init.empty() || !o.resume.empty() || o.model.n_embd % o.model.n_head == 0, "train_gpt: --width ",
         o.model.n_embd, " must be divisible by --heads ", o.model.n_head, " (each head takes width / heads)");
+}
+
+// The options of the command line, or none when it asked for --help (printed).
+std::optional<Options> parse(int argc, char** argv) {
+  Options o = default_options();
+  cli::CommandLine cli("train_gpt", "train_gpt: trains a GPT on a text file (characters) or a .bin file of "
+                       "uint16 token ids; checkpoints resume bit for bit; under mpirun it trains over processes");
+  add_data_and_model_options(cli, o);
+  add_training_options(cli, o);
+  add_precision_and_device_options(cli, o);
+  add_parallel_options(cli, o);
+  add_run_options(cli, o);
+  add_relations(cli);
+  if (!cli.parse(argc, argv)) return std::nullopt;
+  o.given = cli.given_names();
+  read_amp_options(o);
+  check_combinations(o);
   if (o.given.count("--min-lr") == 0 && o.train.min_lr > o.train.lr) o.train.min_lr = o.train.lr / 10;
   return o;
 }
@@ -379,82 +392,125 @@ auto naming_file(const char* flag, const std::string& file, F&& body) {
   }
 }
 
-int run(int argc, char** argv) {
-  Options opt = parse(argc, argv);
-  check_outputs(opt);
-  const TokenData data = load_token_file(opt.data, opt.vocab_size);
-  check(!data.tokens.empty(), "train_gpt: --data '", opt.data, "' holds no tokens (an empty file?)");
+// ---- the run ----
 
-  // The model shape comes from --init / --resume files when given; their model flags must then agree.
-  if (!opt.init.empty() || !opt.resume.empty()) {
-    const std::string file = opt.init.empty() ? opt.resume : opt.init;
-    const char* file_flag = opt.init.empty() ? "--resume" : "--init";
-    naming_file(file_flag, file, [&] {
-      const StateDict header = load_safetensors(file);
-      const GPTConfig file_config = GPTConfig::from_metadata(header.metadata);
-      // Before a model of the metadata's size is built: its tensors must be that model's parameters.
-      check_gpt_shapes(file_config, model_part(header).tensors, "train_gpt: '" + file + "'");
-      const std::pair<const char*, int64_t> shape[] = {{"--layers", file_config.n_layer},
-                                                       {"--heads", file_config.n_head},
-                                                       {"--width", file_config.n_embd},
-                                                       {"--block", file_config.block_size}};
-      const int64_t mine[] = {opt.model.n_layer, opt.model.n_head, opt.model.n_embd, opt.model.block_size};
-      for (int k = 0; k < 4; ++k)
-        check(opt.given.count(shape[k].first) == 0 || mine[k] == shape[k].second, "train_gpt: ", shape[k].first, " ",
-              mine[k], " differs from the ", shape[k].second, " in the loaded file");
-      const double dropout = opt.model.dropout;
-      opt.model = file_config;
-      if (opt.given.count("--dropout")) opt.model.dropout = dropout;
-      if (!opt.resume.empty()) {
-        // Training options come from the checkpoint (so the run continues exactly); --steps may extend it.
-        const int64_t steps = opt.train.steps;
-        const TrainOptions file_options = TrainOptions::from_metadata(header.metadata);
-        if (opt.amp_mode_from_checkpoint) opt.train.amp = amp_config_from_file(opt, file_options.amp.name());
-        const auto mine_meta = opt.train.to_metadata();
-        const auto file_meta = file_options.to_metadata();
-        static const std::pair<const char*, const char*> flags[] = {
-            {"--batch", "train.batch"}, {"--lr", "train.lr"}, {"--min-lr", "train.min_lr"},
-            {"--warmup", "train.warmup"}, {"--optimizer", "train.optimizer"},
-            {"--weight-decay", "train.weight_decay"}, {"--beta1", "train.beta1"}, {"--beta2", "train.beta2"},
-            {"--momentum", "train.momentum"}, {"--schedule", "train.schedule"}, {"--grad-clip", "train.grad_clip"},
-            {"--seed", "train.seed"}, {"--sequential", "train.sequential"}, {"--precision", "train.precision"},
-            {"--amp-config", "train.amp_config"}};
-        for (const auto& [flag, key] : flags)
-          check(opt.given.count(flag) == 0 || mine_meta.at(key) == file_meta.at(key) ||
-                    std::string_view(flag) == "--amp-config",  // compared option by option below
-                "train_gpt: ", flag, " ", mine_meta.at(key), " differs from the checkpoint's ",
-                file_meta.at(key),
-                " (a resumed run keeps the checkpoint's options)");
-        // --amp-config may change what is printed (verbose, verbosity, log_num_zeros_in_grad), nothing else.
-        if (opt.given.count("--amp-config")) {
-          const std::string differences =
-              opt.train.amp.training_differences(file_options.amp, "the checkpoint's");
-          check(differences.empty(), "train_gpt: --amp-config differs from the checkpoint's AMP options in ",
-                differences, "; a resumed run keeps the checkpoint's options (only verbose, verbosity "
-                "and log_num_zeros_in_grad may change)");
-        }
-        const AmpConfig amp = opt.given.count("--amp-config") ? opt.train.amp : file_options.amp;
-        opt.train = file_options;
-        opt.train.amp = amp;
-        if (opt.given.count("--steps")) opt.train.steps = steps;
-        check(opt.given.count("--dropout") == 0 || dropout == file_config.dropout,
-              "train_gpt: --dropout differs from the checkpoint's ", file_config.dropout);
-      }
-      const std::vector<uint8_t> file_vocab = metadata_vocab(header.metadata, "train_gpt: '" + file + "'");
-      if (!data.vocab.empty() && header.metadata.count("vocab"))
-        check(file_vocab == data.vocab,
-              "train_gpt: the character vocabulary of '", opt.data, "' differs from the loaded file's");
-      // Text data is its bytes' vocabulary: a model of another size (a token model, without a character
-      // vocabulary) would be saved with a vocabulary list that does not match it, which generate refuses,
-      // and --sample would draw ids that are no byte of the text.
-      check(data.vocab.empty() || opt.model.vocab_size == data.vocab_size, "train_gpt: '", opt.data,
-            "' is text of ", data.vocab_size, " distinct bytes (its vocabulary), but the model of '", file,
-            "' has vocab_size ", opt.model.vocab_size, " and no character vocabulary of that text: give it data "
-            "in its own tokens (a .bin file with --vocab-size ", opt.model.vocab_size, ")");
-    });
-  } else {
-    opt.model.vocab_size = data.vocab_size;
+// One process, or one rank of a parallel job: the run sees either through Engine.
+struct Engine {
+  std::unique_ptr<Trainer> single;
+  std::unique_ptr<ParallelTrainer> parallel;
+  bool printer = true;  // rank 0 prints, logs and samples
+
+  int64_t position() const { return single ? single->step() : parallel->step(); }
+  double evaluate() { return single ? single->evaluate() : parallel->evaluate(); }
+  StepStats train_step() { return single ? single->train_step() : parallel->train_step(); }
+  double loss_scale() { return single ? single->amp_optimizer().loss_scale() : parallel->loss_scale(); }
+  int64_t skipped_steps() { return single ? single->amp_optimizer().skipped_steps() : parallel->skipped_steps(); }
+  void load_weights(const StateDict& state) { single ? single->load_weights(state) : parallel->load_weights(state); }
+  void load_checkpoint(const StateDict& state) {
+    single ? single->load_checkpoint(state) : parallel->load_checkpoint(state);
   }
+  void save_checkpoint(const std::string& path) {
+    single ? single->save_checkpoint(path) : parallel->save_checkpoint(path);
+  }
+};
+
+TokenData load_data(const Options& opt) {
+  TokenData data = load_token_file(opt.data, opt.vocab_size);
+  check(!data.tokens.empty(), "train_gpt: --data '", opt.data, "' holds no tokens (an empty file?)");
+  return data;
+}
+
+// The shape flags given beside --init / --resume must equal the loaded file's shape.
+void check_shape_flags(const Options& opt, const GPTConfig& file_config) {
+  const std::pair<const char*, int64_t> shape[] = {{"--layers", file_config.n_layer},
+                                                   {"--heads", file_config.n_head},
+                                                   {"--width", file_config.n_embd},
+                                                   {"--block", file_config.block_size}};
+  const int64_t mine[] = {opt.model.n_layer, opt.model.n_head, opt.model.n_embd, opt.model.block_size};
+  for (int k = 0; k < 4; ++k)
+    check(opt.given.count(shape[k].first) == 0 || mine[k] == shape[k].second, "train_gpt: ", shape[k].first, " ",
+          mine[k], " differs from the ", shape[k].second, " in the loaded file");
+}
+
+// The training flags given beside --resume must equal the checkpoint's options (--amp-config: those that
+// change the training).
+void check_flags_match_checkpoint(const Options& opt, const TrainOptions& file_options) {
+  const auto mine_meta = opt.train.to_metadata();
+  const auto file_meta = file_options.to_metadata();
+  static const std::pair<const char*, const char*> flags[] = {
+      {"--batch", "train.batch"}, {"--lr", "train.lr"}, {"--min-lr", "train.min_lr"},
+      {"--warmup", "train.warmup"}, {"--optimizer", "train.optimizer"},
+      {"--weight-decay", "train.weight_decay"}, {"--beta1", "train.beta1"}, {"--beta2", "train.beta2"},
+      {"--momentum", "train.momentum"}, {"--schedule", "train.schedule"}, {"--grad-clip", "train.grad_clip"},
+      {"--seed", "train.seed"}, {"--sequential", "train.sequential"}, {"--precision", "train.precision"},
+      {"--amp-config", "train.amp_config"}};
+  for (const auto& [flag, key] : flags)
+    check(opt.given.count(flag) == 0 || mine_meta.at(key) == file_meta.at(key) ||
+              std::string_view(flag) == "--amp-config",  // compared option by option below
+          "train_gpt: ", flag, " ", mine_meta.at(key), " differs from the checkpoint's ",
+          file_meta.at(key),
+          " (a resumed run keeps the checkpoint's options)");
+  // --amp-config may change what is printed (verbose, verbosity, log_num_zeros_in_grad), nothing else.
+  if (opt.given.count("--amp-config")) {
+    const std::string differences =
+        opt.train.amp.training_differences(file_options.amp, "the checkpoint's");
+    check(differences.empty(), "train_gpt: --amp-config differs from the checkpoint's AMP options in ",
+          differences, "; a resumed run keeps the checkpoint's options (only verbose, verbosity "
+          "and log_num_zeros_in_grad may change)");
+  }
+}
+
+// Training options come from the checkpoint (so the run continues exactly); --steps may extend it.
+void adopt_checkpoint_options(Options& opt, const StateDict& header) {
+  const int64_t steps = opt.train.steps;
+  const TrainOptions file_options = TrainOptions::from_metadata(header.metadata);
+  if (opt.amp_mode_from_checkpoint) opt.train.amp = amp_config_from_file(opt, file_options.amp.name());
+  check_flags_match_checkpoint(opt, file_options);
+  const AmpConfig amp = opt.given.count("--amp-config") ? opt.train.amp : file_options.amp;
+  opt.train = file_options;
+  opt.train.amp = amp;
+  if (opt.given.count("--steps")) opt.train.steps = steps;
+}
+
+// The loaded file's character vocabulary against the data's.
+void check_vocabulary(const Options& opt, const TokenData& data, const StateDict& header, const std::string& file) {
+  const std::vector<uint8_t> file_vocab = metadata_vocab(header.metadata, "train_gpt: '" + file + "'");
+  if (!data.vocab.empty() && header.metadata.count("vocab"))
+    check(file_vocab == data.vocab,
+          "train_gpt: the character vocabulary of '", opt.data, "' differs from the loaded file's");
+  // Text data is its bytes' vocabulary: a model of another size (a token model, without a character
+  // vocabulary) would be saved with a vocabulary list that does not match it, which generate refuses,
+  // and --sample would draw ids that are no byte of the text.
+  check(data.vocab.empty() || opt.model.vocab_size == data.vocab_size, "train_gpt: '", opt.data,
+        "' is text of ", data.vocab_size, " distinct bytes (its vocabulary), but the model of '", file,
+        "' has vocab_size ", opt.model.vocab_size, " and no character vocabulary of that text: give it data "
+        "in its own tokens (a .bin file with --vocab-size ", opt.model.vocab_size, ")");
+}
+
+// The model shape comes from the --init / --resume file when given; its model flags must then agree.
+void adopt_loaded_file(Options& opt, const TokenData& data) {
+  const std::string file = opt.init.empty() ? opt.resume : opt.init;
+  const char* file_flag = opt.init.empty() ? "--resume" : "--init";
+  naming_file(file_flag, file, [&] {
+    const StateDict header = load_safetensors(file);
+    const GPTConfig file_config = GPTConfig::from_metadata(header.metadata);
+    // Before a model of the metadata's size is built: its tensors must be that model's parameters.
+    check_gpt_shapes(file_config, model_part(header).tensors, "train_gpt: '" + file + "'");
+    check_shape_flags(opt, file_config);
+    const double dropout = opt.model.dropout;
+    opt.model = file_config;
+    if (opt.given.count("--dropout")) opt.model.dropout = dropout;
+    if (!opt.resume.empty()) {
+      adopt_checkpoint_options(opt, header);
+      check(opt.given.count("--dropout") == 0 || dropout == file_config.dropout,
+            "train_gpt: --dropout differs from the checkpoint's ", file_config.dropout);
+    }
+    check_vocabulary(opt, data, header, file);
+  });
+}
+
+// The model's vocabulary and block against the data, before any training.
+void check_data_fits(const Options& opt, const TokenData& data) {
   // Only a loaded model can be smaller than the data (a new one is made to its size).
   check(data.vocab_size <= opt.model.vocab_size, "train_gpt: the data uses ", data.vocab_size, " token ids",
         data.vocab.empty() ? " (--vocab-size)" : "", " but the model of '", opt.init.empty() ? opt.resume : opt.init,
@@ -464,199 +520,255 @@ int run(int argc, char** argv) {
     check(data.n_val() > opt.model.block_size, "train_gpt: the validation split of '", opt.data, "' (",
           data.n_val(), " tokens, the last tenth) is shorter than block + 1 = ", opt.model.block_size + 1,
           " (use a smaller --block, or --eval-every 0 --no-final-eval)");
+}
 
-  // One process, or one rank of a parallel job: the loop below sees either through Engine.
+// This rank's place in a parallel job: --dp's default (the ranks tp x pp leave over) and its GPU.
+void place_on_world(Options& opt, const dist::World& world) {
+  if (!opt.given.count("--dp")) {
+    const int model_parallel = opt.parallel.tp * opt.parallel.pp;
+    check(world.size % model_parallel == 0, "train_gpt: --tp ", opt.parallel.tp, " x --pp ", opt.parallel.pp,
+          " = ", model_parallel, " does not divide the job's ", world.size, " processes");
+    opt.parallel.dp = world.size / model_parallel;
+  }
+  check_parallel_flags(opt, opt.parallel.dp);
+  // --device cuda: this rank's own GPU (Device::cuda says so when there is none: no silent CPU fallback).
+  if (opt.train.device.is_cuda()) {
+    const int count = cuda_device_count();
+    opt.train.device = Device::cuda(count > 0 ? world.local_rank % count : 0);
+  }
+}
+
+// The trainer of this process (or rank), with the --init or --resume file loaded.
+Engine make_engine(Options& opt, const TokenData& data) {
+  Engine engine;
   const bool distributed = opt.distributed() || (under_mpi_launcher() && dist::init().size > 1);
-  std::unique_ptr<Trainer> single;
-  std::unique_ptr<ParallelTrainer> parallel;
-  bool printer = true;  // rank 0 prints, logs and samples
   if (distributed) {
     const dist::World& world = dist::init();
-    if (!opt.given.count("--dp")) {
-      const int model_parallel = opt.parallel.tp * opt.parallel.pp;
-      check(world.size % model_parallel == 0, "train_gpt: --tp ", opt.parallel.tp, " x --pp ", opt.parallel.pp,
-            " = ", model_parallel, " does not divide the job's ", world.size, " processes");
-      opt.parallel.dp = world.size / model_parallel;
-    }
-    check_parallel_flags(opt, opt.parallel.dp);
-    // --device cuda: this rank's own GPU (Device::cuda says so when there is none: no silent CPU fallback).
-    if (opt.train.device.is_cuda()) {
-      const int count = cuda_device_count();
-      opt.train.device = Device::cuda(count > 0 ? world.local_rank % count : 0);
-    }
-    printer = world.rank == 0;
-    parallel = std::make_unique<ParallelTrainer>(opt.model, opt.train, opt.parallel, data,
-                                                 dist::Communicator::world());
-    if (!opt.init.empty()) naming_file("--init", opt.init, [&] { parallel->load_weights(load_safetensors(opt.init)); });
-    if (!opt.resume.empty())
-      naming_file("--resume", opt.resume, [&] { parallel->load_checkpoint(load_safetensors(opt.resume)); });
+    place_on_world(opt, world);
+    engine.printer = world.rank == 0;
+    engine.parallel = std::make_unique<ParallelTrainer>(opt.model, opt.train, opt.parallel, data,
+                                                        dist::Communicator::world());
   } else {
     check_parallel_flags(opt, 1);
-    single = std::make_unique<Trainer>(opt.model, opt.train, data);
-    if (!opt.init.empty()) naming_file("--init", opt.init, [&] { single->load_weights(load_safetensors(opt.init)); });
-    if (!opt.resume.empty())
-      naming_file("--resume", opt.resume, [&] { single->load_checkpoint(load_safetensors(opt.resume)); });
+    engine.single = std::make_unique<Trainer>(opt.model, opt.train, data);
   }
-  auto position = [&]() { return single ? single->step() : parallel->step(); };
-  auto evaluate = [&]() { return single ? single->evaluate() : parallel->evaluate(); };
-  auto sample = [&]() {
-    if (opt.sample <= 0) return;
-    if (single) return print_sample(opt, single->model(), data.vocab);
-    const StateDict weights = parallel->full_weights();  // collective; complete on rank 0
-    if (!printer) return;
-    GPT model(opt.model, 0);
-    model.load_state_dict(weights);
-    print_sample(opt, model, data.vocab);
-  };
+  if (!opt.init.empty()) naming_file("--init", opt.init, [&] { engine.load_weights(load_safetensors(opt.init)); });
+  if (!opt.resume.empty())
+    naming_file("--resume", opt.resume, [&] { engine.load_checkpoint(load_safetensors(opt.resume)); });
+  return engine;
+}
 
-  if (opt.eval_only) {
-    const double val_loss = evaluate();
-    if (printer) std::printf("val_loss %.6f\n", val_loss);
-    sample();
-    return 0;
-  }
+// After training: --sample's tokens (a parallel job gathers the full weights, complete on rank 0).
+void sample_after_training(const Options& opt, Engine& engine, const TokenData& data) {
+  if (opt.sample <= 0) return;
+  if (engine.single) return print_sample(opt, engine.single->model(), data.vocab);
+  const StateDict weights = engine.parallel->full_weights();  // collective; complete on rank 0
+  if (!engine.printer) return;
+  GPT model(opt.model, 0);
+  model.load_state_dict(weights);
+  print_sample(opt, model, data.vocab);
+}
 
-  if (printer) {
-    const GPTConfig& c = opt.model;
-    const GPT shape_only(c, 0);
-    std::string where = opt.train.device.is_cpu() ? "" : " | device " + opt.train.device.str();
-    if (parallel) {
-      // The sizes above 1, e.g. "4 processes: tp 2, pp 2 (1f1b), 4 micro-batches per dp rank" or "2 processes:
-      // dp 2, ZeRO-1" or "2 processes: dp 2 (25 MiB gradient buckets)".
-      const ParallelOptions& p = opt.parallel;
-      std::vector<std::string> parts;
-      if (p.tp > 1) parts.push_back("tp " + std::to_string(p.tp));
-      if (p.pp > 1) parts.push_back("pp " + std::to_string(p.pp) + " (" + p.pp_schedule + ")");
-      if (p.dp > 1 && !p.zero) {
-        char buckets[64];
-        std::snprintf(buckets, sizeof(buckets), " (%g MiB gradient buckets)", p.bucket_mb);
-        parts.push_back("dp " + std::to_string(p.dp) + buckets);
-      } else if (p.dp > 1) {
-        parts.push_back("dp " + std::to_string(p.dp));
-      }
-      if (p.zero) parts.push_back("ZeRO-1");
-      if (p.micro_batches > 1) parts.push_back(std::to_string(p.micro_batches) + " micro-batches per dp rank");
-      where += " | " + std::to_string(p.tp * p.pp * p.dp) + (p.tp * p.pp * p.dp == 1 ? " process" : " processes");
-      for (size_t i = 0; i < parts.size(); ++i) where += (i == 0 ? ": " : ", ") + parts[i];
-    }
-    std::printf("train_gpt: %s: %zu tokens (train %lld, val %lld), vocab %lld | model %lld layers, %lld heads, "
-                "width %lld, block %lld, dropout %g, %lld parameters | %s, lr %g -> %g (%s, warmup %lld), batch "
-                "%lld, %lld steps | precision %s%s\n",
-                opt.data.c_str(), data.tokens.size(), static_cast<long long>(data.n_train()),
-                static_cast<long long>(data.n_val()), static_cast<long long>(data.vocab_size),
-                static_cast<long long>(c.n_layer), static_cast<long long>(c.n_head), static_cast<long long>(c.n_embd),
-                static_cast<long long>(c.block_size), c.dropout, static_cast<long long>(shape_only.num_parameters()),
-                opt.train.optimizer.c_str(), opt.train.lr, opt.train.min_lr, opt.train.schedule.c_str(),
-                static_cast<long long>(opt.train.warmup), static_cast<long long>(opt.train.batch),
-                static_cast<long long>(opt.train.steps), opt.train.amp.name().c_str(), where.c_str());
-    if (position() > 0) std::printf("resumed at step %lld\n", static_cast<long long>(position()));
-    if (position() > 0 && position() >= opt.train.steps)
-      std::printf("train_gpt: nothing to train: the checkpoint is at step %lld and --steps is %lld (give a "
-                  "larger --steps to go on)\n",
-                  static_cast<long long>(position()), static_cast<long long>(opt.train.steps));
-    std::fflush(stdout);
+// The parallel layout for the header line: the sizes above 1, e.g. "4 processes: tp 2, pp 2 (1f1b), 4
+// micro-batches per dp rank" or "2 processes: dp 2, ZeRO-1" or "2 processes: dp 2 (25 MiB gradient buckets)".
+std::string layout_text(const ParallelOptions& p) {
+  std::vector<std::string> parts;
+  if (p.tp > 1) parts.push_back("tp " + std::to_string(p.tp));
+  if (p.pp > 1) parts.push_back("pp " + std::to_string(p.pp) + " (" + p.pp_schedule + ")");
+  if (p.dp > 1 && !p.zero) {
+    char buckets[64];
+    std::snprintf(buckets, sizeof(buckets), " (%g MiB gradient buckets)", p.bucket_mb);
+    parts.push_back("dp " + std::to_string(p.dp) + buckets);
+  } else if (p.dp > 1) {
+    parts.push_back("dp " + std::to_string(p.dp));
   }
-  // --stop-at against a resumed run (parse() checked a fresh one): within its steps (the checkpoint's, unless
-  // --steps is given), and not before the step it resumes at (it trained nothing and rewrote the checkpoint).
-  if (opt.stop_at >= 0 && !opt.resume.empty()) {
-    check(opt.stop_at <= opt.train.steps, "train_gpt: --stop-at ", opt.stop_at, " is beyond the run's ",
-          opt.train.steps, " steps (", opt.given.count("--steps") ? "--steps" : "the checkpoint's --steps", ")");
-    check(opt.stop_at >= position(), "train_gpt: --stop-at ", opt.stop_at, " is before step ", position(),
-          ", where --resume '", opt.resume, "' continues: there is nothing to train up to it");
-    if (printer && opt.stop_at == position() && position() < opt.train.steps)
-      std::printf("train_gpt: nothing to train: the checkpoint is at step %lld, --stop-at's step\n",
-                  static_cast<long long>(position()));
-  }
-  // A checkpoint that cannot be written is reported now, not after the training it was meant to keep.
-  if (printer && !opt.save.empty()) {
-    const std::filesystem::path parent = std::filesystem::path(opt.save).parent_path();
-    check(parent.empty() || std::filesystem::is_directory(parent), "train_gpt: cannot write --save '",
-          opt.save, "': the directory '", parent.string(), "' does not exist");
-    // A directory that takes no new file (read-only, /proc) failed only at the first save.
-    const SaveTarget where = save_target(opt.save, /*try_create=*/true);
-    check(where.problem.empty(), "train_gpt: --save '", opt.save, "' ", where.problem);
-  }
+  if (p.zero) parts.push_back("ZeRO-1");
+  if (p.micro_batches > 1) parts.push_back(std::to_string(p.micro_batches) + " micro-batches per dp rank");
+  std::string text = std::to_string(p.tp * p.pp * p.dp) + (p.tp * p.pp * p.dp == 1 ? " process" : " processes");
+  for (size_t i = 0; i < parts.size(); ++i) text += (i == 0 ? ": " : ", ") + parts[i];
+  return text;
+}
 
+// The header line (data, model, optimizer, precision, device and layout), and where a resumed run stands.
+void print_header(const Options& opt, const TokenData& data, const Engine& engine) {
+  const GPTConfig& c = opt.model;
+  const GPT shape_only(c, 0);
+  std::string where = opt.train.device.is_cpu() ? "" : " | device " + opt.train.device.str();
+  if (engine.parallel) where += " | " + layout_text(opt.parallel);
+  std::printf("train_gpt: %s: %zu tokens (train %lld, val %lld), vocab %lld | model %lld layers, %lld heads, "
+              "width %lld, block %lld, dropout %g, %lld parameters | %s, lr %g -> %g (%s, warmup %lld), batch "
+              "%lld, %lld steps | precision %s%s\n",
+              opt.data.c_str(), data.tokens.size(), static_cast<long long>(data.n_train()),
+              static_cast<long long>(data.n_val()), static_cast<long long>(data.vocab_size),
+              static_cast<long long>(c.n_layer), static_cast<long long>(c.n_head), static_cast<long long>(c.n_embd),
+              static_cast<long long>(c.block_size), c.dropout, static_cast<long long>(shape_only.num_parameters()),
+              opt.train.optimizer.c_str(), opt.train.lr, opt.train.min_lr, opt.train.schedule.c_str(),
+              static_cast<long long>(opt.train.warmup), static_cast<long long>(opt.train.batch),
+              static_cast<long long>(opt.train.steps), opt.train.amp.name().c_str(), where.c_str());
+  const int64_t position = engine.position();
+  if (position > 0) std::printf("resumed at step %lld\n", static_cast<long long>(position));
+  if (position > 0 && position >= opt.train.steps)
+    std::printf("train_gpt: nothing to train: the checkpoint is at step %lld and --steps is %lld (give a "
+                "larger --steps to go on)\n",
+                static_cast<long long>(position), static_cast<long long>(opt.train.steps));
+  std::fflush(stdout);
+}
+
+// --stop-at against a resumed run (parse() checked a fresh one): within its steps (the checkpoint's, unless
+// --steps is given), and not before the step it resumes at (it trained nothing and rewrote the checkpoint).
+void check_resumed_stop(const Options& opt, const Engine& engine) {
+  if (opt.stop_at < 0 || opt.resume.empty()) return;
+  const int64_t position = engine.position();
+  check(opt.stop_at <= opt.train.steps, "train_gpt: --stop-at ", opt.stop_at, " is beyond the run's ",
+        opt.train.steps, " steps (", opt.given.count("--steps") ? "--steps" : "the checkpoint's --steps", ")");
+  check(opt.stop_at >= position, "train_gpt: --stop-at ", opt.stop_at, " is before step ", position,
+        ", where --resume '", opt.resume, "' continues: there is nothing to train up to it");
+  if (engine.printer && opt.stop_at == position && position < opt.train.steps)
+    std::printf("train_gpt: nothing to train: the checkpoint is at step %lld, --stop-at's step\n",
+                static_cast<long long>(position));
+}
+
+// A checkpoint that cannot be written is reported now, not after the training it was meant to keep.
+void check_save_target(const Options& opt) {
+  if (opt.save.empty()) return;
+  const std::filesystem::path parent = std::filesystem::path(opt.save).parent_path();
+  check(parent.empty() || std::filesystem::is_directory(parent), "train_gpt: cannot write --save '",
+        opt.save, "': the directory '", parent.string(), "' does not exist");
+  // A directory that takes no new file (read-only, /proc) failed only at the first save.
+  const SaveTarget where = save_target(opt.save, /*try_create=*/true);
+  check(where.problem.empty(), "train_gpt: --save '", opt.save, "' ", where.problem);
+}
+
+// The --log-json file (rank 0's), appended to by a resumed run.
+std::ofstream open_log(const Options& opt, const Engine& engine) {
   std::ofstream log;
-  if (!opt.log_json.empty() && printer) {
-    log.open(opt.log_json, position() > 0 ? std::ios::app : std::ios::trunc);
+  if (!opt.log_json.empty() && engine.printer) {
+    log.open(opt.log_json, engine.position() > 0 ? std::ios::app : std::ios::trunc);
     check(log.good(), "train_gpt: cannot open --log-json file '", opt.log_json, "'");
   }
-  auto save = [&]() {
-    if (opt.save.empty()) return;
-    if (single) single->save_checkpoint(opt.save);
-    else parallel->save_checkpoint(opt.save);
-    if (printer) std::printf("saved %s at step %lld\n", opt.save.c_str(), static_cast<long long>(position()));
-  };
+  return log;
+}
 
+void save_run(const Options& opt, Engine& engine) {
+  if (opt.save.empty()) return;
+  engine.save_checkpoint(opt.save);
+  if (engine.printer)
+    std::printf("saved %s at step %lld\n", opt.save.c_str(), static_cast<long long>(engine.position()));
+}
+
+// What a step's log line and progress line report.
+struct StepReport {
+  StepStats stats;
+  int64_t step = 0;              // optimizer steps done, this one included
+  double step_tokens_per_s = 0;  // this step alone (the log's)
+  double tokens_per_s = 0;       // this run's training steps so far (the progress line's)
+  double elapsed = 0, eta = 0;   // seconds
+  bool evaluated = false;
+  double val_loss = NAN;  // after this step's update, when evaluated
+};
+
+// Whether the mode scales its loss: the progress line then shows the scale and the skipped steps.
+bool scales_loss(const AmpConfig& amp) { return amp.family() != ModeFamily::Plain; }
+
+void warn_non_finite_loss(const Options& opt, const StepStats& s) {
+  const AmpConfig& amp = opt.train.amp;
+  const bool fp16 = amp.autocast_dtype() == DType::F16 || amp.model_dtype() == DType::F16;
+  std::printf("train_gpt: warning: step %lld: the loss is %s: %s (try a lower --lr)\n",
+              static_cast<long long>(s.step + 1), fixed_text(s.loss, 4).c_str(),
+              fp16 ? "the forward pass overflowed fp16's range (65504) or training diverged"
+                   : "training diverged");
+}
+
+void write_log_line(std::ofstream& log, const Options& opt, const StepReport& r) {
+  const StepStats& s = r.stats;
+  json::Value::Object line{{"step", s.step}, {"loss", log_value(s.loss)}, {"lr", s.lr},
+                           {"grad_norm", s.skipped ? json::Value() : log_value(s.grad_norm)},
+                           {"tokens_per_s", r.step_tokens_per_s},
+                           {"loss_scale", s.loss_scale}, {"skipped", s.skipped}};
+  if (s.num_zeros >= 0) line.emplace_back("num_zeros", s.num_zeros);
+  if (r.evaluated) line.emplace_back("val_loss", log_value(r.val_loss));
+  if (const int64_t kib = peak_rss_kib(); kib > 0) line.emplace_back("peak_rss_kib", kib);
+  log << json::Value(line).dump() << '\n';
+  log.flush();
+  // A full disk or a failing device: the log would stop mid-line with exit code 0.
+  check(log.good(), "train_gpt: cannot write --log-json file '", opt.log_json, "' at step ", r.step,
+        " (disk full?)");
+}
+
+void print_progress(const Options& opt, Engine& engine, const StepReport& r) {
+  const StepStats& s = r.stats;
+  const std::string grad_norm = s.skipped ? "n/a (skipped)" : fixed_text(s.grad_norm, 3);
+  std::printf("step %5lld/%lld | loss %s | lr %.2e | grad norm %s | %.0f tok/s | %s elapsed | ETA %s",
+              static_cast<long long>(r.step), static_cast<long long>(opt.train.steps),
+              fixed_text(s.loss, 4).c_str(), s.lr, grad_norm.c_str(), r.tokens_per_s,
+              format_seconds(r.elapsed).c_str(), format_seconds(r.eta).c_str());
+  if (scales_loss(opt.train.amp))
+    std::printf(" | scale %s | skipped %lld", exact_number_text(engine.loss_scale()).c_str(),
+                static_cast<long long>(engine.skipped_steps()));
+  if (s.num_zeros >= 0) std::printf(" | zeros %lld", static_cast<long long>(s.num_zeros));
+  if (r.evaluated) std::printf(" | val loss %s", fixed_text(r.val_loss, 4).c_str());
+  std::printf("\n");
+  std::fflush(stdout);
+}
+
+// The training loop up to --steps (or --stop-at): each step, its evaluation when due (after its update), its
+// log line, its progress line, and a checkpoint when due.
+void train_loop(const Options& opt, Engine& engine, std::ofstream& log) {
   const int64_t end = opt.stop_at >= 0 ? std::min(opt.stop_at, opt.train.steps) : opt.train.steps;
-  const int64_t first = position();
+  const int64_t first = engine.position();
   const int64_t tokens_per_step = opt.train.batch * opt.model.block_size;
   const auto start = std::chrono::steady_clock::now();
   double train_seconds = 0;  // inside train_step only: the rate excludes evaluations and saves
   bool warned_non_finite = false;  // the first non-finite loss is explained once
-  const bool scaled = opt.train.amp.family() != ModeFamily::Plain;
-  while (position() < end) {
+  while (engine.position() < end) {
     const auto t0 = std::chrono::steady_clock::now();
-    const StepStats s = single ? single->train_step() : parallel->train_step();
+    StepReport r{.stats = engine.train_step()};
     const auto t1 = std::chrono::steady_clock::now();
     const double step_seconds = std::chrono::duration<double>(t1 - t0).count();
     train_seconds += step_seconds;
-    const double elapsed = std::chrono::duration<double>(t1 - start).count();
-    const int64_t step = position();
-    const int64_t done = step - first;
-    const double tokens_per_s = double(done * tokens_per_step) / train_seconds;
+    r.elapsed = std::chrono::duration<double>(t1 - start).count();
+    r.step = engine.position();
+    const int64_t done = r.step - first;
+    r.step_tokens_per_s = double(tokens_per_step) / step_seconds;
+    r.tokens_per_s = double(done * tokens_per_step) / train_seconds;
     // Remaining steps at the training step rate so far (future evaluations and saves are not included).
-    const double eta = train_seconds / double(done) * double(end - step);
-    const bool last = step == end;
-    const bool periodic = opt.eval_every > 0 && step % opt.eval_every == 0;
-    const bool eval = periodic || (last && opt.final_eval);
-    const bool print = printer && (last || eval || done == 1 || step % 10 == 0);
-    const double val_loss = eval ? evaluate() : NAN;  // after this step's update
-    if (printer && !warned_non_finite && !std::isfinite(s.loss)) {
+    r.eta = train_seconds / double(done) * double(end - r.step);
+    const bool last = r.step == end;
+    r.evaluated = (opt.eval_every > 0 && r.step % opt.eval_every == 0) || (last && opt.final_eval);
+    if (r.evaluated) r.val_loss = engine.evaluate();
+    if (engine.printer && !warned_non_finite && !std::isfinite(r.stats.loss)) {
       warned_non_finite = true;
-      const AmpConfig& amp = opt.train.amp;
-      const bool fp16 = amp.autocast_dtype() == DType::F16 || amp.model_dtype() == DType::F16;
-      std::printf("train_gpt: warning: step %lld: the loss is %s: %s (try a lower --lr)\n",
-                  static_cast<long long>(s.step + 1), fixed_text(s.loss, 4).c_str(),
-                  fp16 ? "the forward pass overflowed fp16's range (65504) or training diverged"
-                       : "training diverged");
+      warn_non_finite_loss(opt, r.stats);
     }
-    if (log.is_open()) {
-      json::Value::Object line{{"step", s.step}, {"loss", log_value(s.loss)}, {"lr", s.lr},
-                               {"grad_norm", s.skipped ? json::Value() : log_value(s.grad_norm)},
-                               {"tokens_per_s", double(tokens_per_step) / step_seconds},
-                               {"loss_scale", s.loss_scale}, {"skipped", s.skipped}};
-      if (s.num_zeros >= 0) line.emplace_back("num_zeros", s.num_zeros);
-      if (eval) line.emplace_back("val_loss", log_value(val_loss));
-      if (const int64_t kib = peak_rss_kib(); kib > 0) line.emplace_back("peak_rss_kib", kib);
-      log << json::Value(line).dump() << '\n';
-      log.flush();
-      // A full disk or a failing device: the log would stop mid-line with exit code 0.
-      check(log.good(), "train_gpt: cannot write --log-json file '", opt.log_json, "' at step ", step,
-            " (disk full?)");
-    }
-    if (print) {
-      const std::string grad_norm = s.skipped ? "n/a (skipped)" : fixed_text(s.grad_norm, 3);
-      std::printf("step %5lld/%lld | loss %s | lr %.2e | grad norm %s | %.0f tok/s | %s elapsed | ETA %s",
-                  static_cast<long long>(step), static_cast<long long>(opt.train.steps),
-                  fixed_text(s.loss, 4).c_str(), s.lr, grad_norm.c_str(), tokens_per_s,
-                  format_seconds(elapsed).c_str(), format_seconds(eta).c_str());
-      if (scaled) {
-        const double scale = single ? single->amp_optimizer().loss_scale() : parallel->loss_scale();
-        const int64_t skipped = single ? single->amp_optimizer().skipped_steps() : parallel->skipped_steps();
-        std::printf(" | scale %s | skipped %lld", exact_number_text(scale).c_str(),
-                    static_cast<long long>(skipped));
-      }
-      if (s.num_zeros >= 0) std::printf(" | zeros %lld", static_cast<long long>(s.num_zeros));
-      if (eval) std::printf(" | val loss %s", fixed_text(val_loss, 4).c_str());
-      std::printf("\n");
-      std::fflush(stdout);
-    }
-    if (opt.save_every > 0 && step % opt.save_every == 0 && !last) save();
+    if (log.is_open()) write_log_line(log, opt, r);
+    if (engine.printer && (last || r.evaluated || done == 1 || r.step % 10 == 0)) print_progress(opt, engine, r);
+    if (opt.save_every > 0 && r.step % opt.save_every == 0 && !last) save_run(opt, engine);
   }
-  save();
-  sample();
+}
+
+int run(int argc, char** argv) {
+  std::optional<Options> parsed = parse(argc, argv);
+  if (!parsed) return 0;  // --help
+  Options& opt = *parsed;
+  check_outputs(opt);
+  const TokenData data = load_data(opt);
+  if (!opt.init.empty() || !opt.resume.empty()) adopt_loaded_file(opt, data);
+  else opt.model.vocab_size = data.vocab_size;
+  check_data_fits(opt, data);
+  Engine engine = make_engine(opt, data);
+  if (opt.eval_only) {
+    const double val_loss = engine.evaluate();
+    if (engine.printer) std::printf("val_loss %.6f\n", val_loss);
+    sample_after_training(opt, engine, data);
+    return 0;
+  }
+  if (engine.printer) print_header(opt, data, engine);
+  check_resumed_stop(opt, engine);
+  if (engine.printer) check_save_target(opt);
+  std::ofstream log = open_log(opt, engine);
+  train_loop(opt, engine, log);
+  save_run(opt, engine);
+  sample_after_training(opt, engine, data);
   return 0;
 }
 

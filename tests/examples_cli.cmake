@@ -386,6 +386,39 @@ if(EXISTS /proc/version)
 endif()
 run_fails("a flag twice" ${TRAIN_GPT} --data words.txt --lr 0.1 --lr 0.2 MENTIONS "--lr is given twice")
 run_fails("an unknown option last" ${TRAIN_GPT} --data words.txt --bogus MENTIONS "unknown option '--bogus'")
+run_fails("a switch with a value" ${TRAIN_GPT} --data words.txt --eval-only=false
+          MENTIONS "unknown option '--eval-only=false'")
+run_fails("a value that does not read whole" ${TRAIN_GPT} --data words.txt --steps 10x
+          MENTIONS "--steps expects an integer" "'10x'")
+run_fails("an option without its value, last" ${TRAIN_GPT} --data words.txt --lr MENTIONS "train_gpt: --lr needs a value")
+run_fails("no --data" ${TRAIN_GPT} --steps 3 MENTIONS "--data FILE is required")
+run_fails("--init with --resume" ${TRAIN_GPT} --data words.txt --init words.safetensors --resume words.safetensors
+          MENTIONS "--init and --resume exclude each other")
+run_fails("--save-every without --save" ${TRAIN_GPT} --data words.txt --save-every 5
+          MENTIONS "--save-every needs --save FILE")
+run_fails("--temperature without --sample" ${TRAIN_GPT} --data words.txt --temperature 0.5
+          MENTIONS "--temperature shapes --sample's tokens: give --sample N too")
+# --help documents every option, and exits 0 without the required ones.
+run(help ${TRAIN_GPT} --help)
+foreach(option --data --vocab-size --layers --heads --width --block --dropout --batch --steps --lr --min-lr --warmup
+               --optimizer --weight-decay --beta1 --beta2 --momentum --schedule --grad-clip --seed --sequential
+               --precision --amp-config --device --tp --pp --dp --zero --micro-batches --pp-schedule --bucket-mb
+               --init --save --save-every --resume --stop-at --eval-every --eval-only --log-json --no-final-eval
+               --sample --temperature --top-k)
+  if(NOT help MATCHES "\n  ${option} ")
+    check_failed("train_gpt --help does not document ${option}:\n${help}")
+  endif()
+endforeach()
+run(help ${GENERATE} --help)
+foreach(option --model --init --checkpoint --prompt --tokens --temperature --top-k --seed --device)
+  if(NOT help MATCHES "[ ,]${option}[ ,]")
+    check_failed("generate --help does not document ${option}:\n${help}")
+  endif()
+endforeach()
+run(help ${PLOT_LOSS} -h)
+if(NOT help MATCHES "LOG.jsonl" OR NOT help MATCHES "OUT.png" OR NOT help MATCHES "TITLE")
+  check_failed("plot_loss --help does not document its arguments:\n${help}")
+endif()
 # An empty value (run_fails' argument list would drop the empty argument: execute_process keeps it).
 execute_process(COMMAND ${TRAIN_GPT} --data words.txt --save "" WORKING_DIRECTORY ${WORK_DIR}
                 RESULT_VARIABLE status ERROR_VARIABLE err OUTPUT_QUIET)

@@ -131,6 +131,15 @@ run_fails("unknown opt level" ${PRECISION_STUDY} --data words.txt --modes fp16_a
 run_fails("missing data" ${PRECISION_STUDY} --data no_such_file.txt --modes fp32 --out bad
           MENTIONS "no_such_file.txt")
 run_fails("unknown option" ${PRECISION_STUDY} --data words.txt --frobnicate 3 MENTIONS "--frobnicate")
+run_fails("an option twice" ${PRECISION_STUDY} --data words.txt --lr 1e-2 --lr 2e-2 MENTIONS "--lr given twice")
+run(help ${PRECISION_STUDY} --help)
+foreach(option --data --modes --out --layers --heads --width --block --batch --steps --eval-every --lr --min-lr
+               --warmup --seed --dropout --optimizer --weight-decay --beta1 --beta2 --momentum --schedule
+               --grad-clip --vocab-size --sequential)
+  if(NOT help MATCHES "\n  ${option} ")
+    check_failed("precision_study --help does not document ${option}:\n${help}")
+  endif()
+endforeach()
 run_fails("a mode under two names" ${PRECISION_STUDY} --data words.txt --modes fp16_apex,fp16_apex:O1 --out bad
           MENTIONS "names 'fp16_apex:O1' twice (as 'fp16_apex' and 'fp16_apex:O1')")
 # The data among the files the study writes (a table, a mode's log, their temporary names, through a link):

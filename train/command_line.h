@@ -1,0 +1,203 @@
+// The programs' command lines (train_gpt, generate, precision_study, plot_loss): CLI11 parses them (option
+// names, one value each, each option once, needs, excludes, required, --help), and mixtape's readers read
+// each value (integer_argument, number_argument: the whole text, in range). Every error is a mixtape::Error
+// in the program's own words, naming the option, so run_program reports it as "error: ..." with exit
+// status 1.
+//
+// The programs' words: a value a reader refuses throws from the option's callback, which CLI11 passes
+// through parse() unchanged (it catches only its own errors). A rule CLI11 enforces (needs, excludes,
+// required) carries the program's message, reported in place of CLI11's text; unknown and repeated options
+// are found after the parse (allow_extras keeps the unknown ones), before any other error, as a typo
+// explains the rest.
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+#include <functional>
+#include <iostream>
+#include <map>
+#include <set>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "tensor/error.h"
+#include "train/training.h"
+
+namespace mixtape::cli {
+
+class CommandLine {
+ public:
+  CommandLine(std::string program, const std::string& description)
+      : app(description, program), program_(std::move(program)) {
+    app.allow_extras();  // unknown options are reported by check_names, in the program's words
+    app.get_formatter()->column_width(34);
+  }
+
+  // The options' callbacks hold this object: it stays where it is made.
+  CommandLine(const CommandLine&) = delete;
+  CommandLine& operator=(const CommandLine&) = delete;
+
+  CLI::App app;
+
+  // "<program>: unknown option '<arg>'" unless set; the help is printed (stdout) before it when
+  // help_on_unknown.
+  std::function<std::string(const std::string& arg)> unknown_message;
+  bool help_on_unknown = true;
+  // "<program>: <name> is given twice (give each option once)" unless set; `written` is the name as the
+  // second use spelled it (an option may have several names).
+  std::function<std::string(const CLI::Option& option, const std::string& written)> repeated_message;
+
+  // An option of one value, read by `read` (which throws mixtape::Error naming the option when it refuses it).
+  CLI::Option* add(const std::string& name, std::function<void(const std::string&)> read, const std::string& type,
+                   const std::string& help) {
+    return app.add_option_function<std::string>(name, std::move(read), help)->type_name(type);
+  }
+  // A value that must not be empty (an empty one would read as "not given").
+  CLI::Option* text(const std::string& name, std::string& target, const std::string& type, const std::string& help) {
+    const std::string first = name.substr(0, name.find(','));  // "--model" of "--model,--init"
+    return add(name, [this, first, &target](const std::string& value) {
+      target = nonempty(written_name(first, value), value);
+    }, type, help);
+  }
+  const std::string& nonempty(const std::string& name, const std::string& value) const {
+    check(!value.empty(), program_, ": ", name, " needs a value, got ''");
+    return value;
+  }
+  // An integer in [low, high], as integer_argument reads it.
+  template <class Int>
+  CLI::Option* integer(const std::string& name, Int& target, int64_t low, const std::string& help,
+                       int64_t high = INT64_MAX) {
+    return add(name, [this, name, &target, low, high](const std::string& value) {
+      target = static_cast<Int>(integer_argument(program_, name, value, low, high));
+    }, "N", help);
+  }
+  // A finite decimal number >= 0, as number_argument reads it.
+  CLI::Option* number(const std::string& name, double& target, const std::string& help) {
+    return add(name, [this, name, &target](const std::string& value) {
+      target = number_argument(program_, name, value);
+    }, "X", help);
+  }
+  // A switch that sets `target` to `value` (no "=value" form).
+  CLI::Option* flag(const std::string& name, bool& target, bool value, const std::string& help) {
+    return app.add_flag_callback(name, [&target, value] { target = value; }, help)->disable_flag_override();
+  }
+
+  // CLI11's relations between options, with the program's message for the run that breaks them.
+  void needs(CLI::Option* option, CLI::Option* other, std::string message) {
+    option->needs(other);
+    rules_.push_back({Rule::Needs, option, other, std::move(message)});
+  }
+  void excludes(CLI::Option* option, CLI::Option* other, std::string message) {
+    option->excludes(other);
+    rules_.push_back({Rule::Excludes, option, other, std::move(message)});
+  }
+  void required(CLI::Option* option, std::string message) {
+    option->required();
+    rules_.push_back({Rule::Required, option, nullptr, std::move(message)});
+  }
+
+  // Parses the command line: false when it asked for --help (printed on stdout; the program ends with
+  // status 0), else true with every option read, or a mixtape::Error.
+  bool parse(int argc, char** argv) {
+    args_.assign(argv + 1, argv + argc);
+    try {
+      app.parse(argc, argv);
+    } catch (const CLI::CallForHelp&) {
+      std::cout << app.help();
+      return false;
+    } catch (const CLI::ParseError& error) {
+      check_names();
+      check_rules();
+      check_last_value();
+      fail(program_, ": ", error.what());
+    } catch (const Error&) {
+      check_names();
+      throw;
+    }
+    check_names();
+    return true;
+  }
+
+  // Whether the command line gives the option.
+  bool given(const std::string& name) const { return app.count(name) > 0; }
+
+  // The names ("--lr") of the options on the command line.
+  std::set<std::string> given_names() const {
+    std::set<std::string> names;
+    for (const CLI::Option* option : app.get_options())
+      if (option->count() > 0)
+        for (const std::string& name : option->get_lnames()) names.insert("--" + name);
+    return names;
+  }
+
+  const std::string& program() const { return program_; }
+
+ private:
+  struct Rule {
+    enum Kind { Needs, Excludes, Required } kind;
+    CLI::Option* option;
+    CLI::Option* other;
+    std::string message;
+  };
+
+  // The name the option `name` is written with before `value` ("--init" of "--init FILE" for
+  // "--model,--init"), or `name`.
+  std::string written_name(const std::string& name, const std::string& value) const {
+    const CLI::Option* option = app.get_option_no_throw(name);
+    for (size_t i = 0; i + 1 < args_.size(); ++i)
+      if (args_[i + 1] == value && args_[i].starts_with("--") && option->check_name(args_[i])) return args_[i];
+    return name;
+  }
+
+  // Unknown options (the first one), then repeated ones (the first second use), in the program's words. A
+  // switch with a value ("--eval-only=false") is no option either.
+  void check_names() const {
+    const std::vector<std::string> extras = app.remaining();
+    for (const std::string& arg : args_) {
+      const CLI::Option* option = arg.starts_with("--") ? app.get_option_no_throw(arg.substr(0, arg.find('=')))
+                                                        : nullptr;
+      const bool switch_with_value = option && option->get_expected_max() == 0 && arg.find('=') != arg.npos;
+      if (!switch_with_value && std::find(extras.begin(), extras.end(), arg) == extras.end()) continue;
+      if (help_on_unknown) std::cout << app.help();
+      fail(unknown_message ? unknown_message(arg) : program_ + ": unknown option '" + arg + "'");
+    }
+    std::map<const CLI::Option*, int> uses;
+    for (const std::string& arg : args_) {
+      const std::string name = arg.substr(0, arg.find('='));
+      const CLI::Option* option = name.starts_with("--") ? app.get_option_no_throw(name) : nullptr;
+      // count() > 1: a value that merely looks like a name ("--data --lr") is no use of that option.
+      if (option == nullptr || option->count() < 2 || ++uses[option] < 2) continue;
+      fail(repeated_message ? repeated_message(*option, name)
+                            : program_ + ": " + name + " is given twice (give each option once)");
+    }
+  }
+
+  void check_rules() const {
+    for (const Rule& rule : rules_) {
+      const bool broken = rule.kind == Rule::Required ? rule.option->count() == 0
+                          : rule.kind == Rule::Needs  ? rule.option->count() > 0 && rule.other->count() == 0
+                                                      : rule.option->count() > 0 && rule.other->count() > 0;
+      check(!broken, rule.message);
+    }
+  }
+
+  // An option at the end of the line, without its value (CLI11 takes the next argument as the value
+  // whatever it looks like, so only the last one can lack it).
+  void check_last_value() const {
+    if (args_.empty()) return;
+    const CLI::Option* option = app.get_option_no_throw(args_.back());
+    check(option == nullptr || option->get_items_expected_min() == 0 || !args_.back().starts_with("--"),
+          program_, ": ", args_.back(), " needs a value");
+  }
+
+  std::string program_;
+  std::vector<std::string> args_;
+  std::vector<Rule> rules_;
+};
+
+}  // namespace mixtape::cli
