@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include "command_line.h"
+#include "train/command_line.h"
 #include "train/training.h"
 
 using namespace mixtape;

@@ -17,7 +17,7 @@
 #include <string>
 #include <vector>
 
-#include "command_line.h"
+#include "train/command_line.h"
 #include "train/plot.h"
 #include "train/training.h"
 #include "io/json.h"

@@ -60,7 +60,7 @@
 #include <vector>
 
 #include "amp/config.h"
-#include "command_line.h"
+#include "train/command_line.h"
 #include "train/plot.h"
 #include "train/training.h"
 #include "io/json.h"

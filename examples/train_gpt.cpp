@@ -42,7 +42,7 @@
 #include <string>
 #include <vector>
 
-#include "command_line.h"
+#include "train/command_line.h"
 #include "dist/world.h"
 #include "train/parallel_training.h"
 #include "train/training.h"
