@@ -24,16 +24,19 @@ Json parse(std::string_view text);
 
 // Compact text (no spaces), non-ASCII written as raw UTF-8, like Python's json.dumps(ensure_ascii=False,
 // separators=(",", ":")) and serde_json. Doubles are written with 17 significant digits ("%.17g": they read
-// back as the same double); a non-finite double or a string that is not UTF-8 is an Error.
+// back as the same double); a non-finite double or a string that is not UTF-8 is an Error. The text is part
+// of file formats: Json::dump writes doubles in another form ("0.1", "1.0" where this writes
+// "0.10000000000000001", "1"), so mixtape writes JSON through this function only.
 std::string dump(const Json& value);
 
-// "null", "bool", "integer" (int64 and uint64), "number" (double), "string", "array", "object".
+// "null", "bool", "integer" (an int64, or a uint64 within int64's range), "number" (a double, or a uint64
+// past int64, as parse reads one), "string", "array", "object".
 const char* kind_name(const Json& value);
 
 // Checked access: Error "json: expected <kind>, got <kind>" on the wrong kind.
 bool as_bool(const Json& value);
-int64_t as_integer(const Json& value);  // a uint64 past int64 is out of range, an Error too
-double as_number(const Json& value);    // integers convert
+int64_t as_integer(const Json& value);
+double as_number(const Json& value);  // integers convert
 const std::string& as_string(const Json& value);
 const Json::array_t& as_array(const Json& value);
 const Json::object_t& as_object(const Json& value);

@@ -150,8 +150,12 @@ TEST(Json, RejectsMalformedTextNamingTheProblemAndByteOffset) {
 }
 
 TEST(Json, LimitsNestingDepthInsteadOfOverflowingTheStack) {
-  EXPECT_NO_THROW(json::parse(std::string(200, '[') + std::string(200, ']')));
-  EXPECT_ERROR_MENTIONS(json::parse(std::string(100000, '[')), "nesting deeper than 256");
+  EXPECT_NO_THROW(json::parse(std::string(256, '[') + std::string(256, ']')));
+  EXPECT_ERROR_MENTIONS(json::parse(std::string(100000, '[')), "json: nesting deeper than 256 levels at byte 256");
+  // Objects count as levels too; the error names the first bracket past the limit.
+  EXPECT_ERROR_MENTIONS(json::parse(std::string(256, '[') + "{\"a\":1}" + std::string(256, ']')),
+                        "nesting deeper than 256 levels at byte 256");
+  EXPECT_ERROR_MENTIONS(json::parse("{\"a\": " + std::string(300, '[')), "nesting deeper than 256 levels at byte 261");
 }
 
 TEST(Json, WriterEscapesAndRoundTrips) {
