@@ -119,12 +119,12 @@ AmpConfig AmpConfig::parse(std::string_view text) {
 }
 
 AmpConfig AmpConfig::from_json(std::string_view text, std::optional<std::string_view> mode) {
-  const json::Value root = json::parse(text);
-  check(root.is_object(), "AmpConfig: the JSON config must be an object, got ", json::kind_name(root.kind()));
+  const Json root = json::parse(text);
+  check(root.is_object(), "AmpConfig: the JSON config must be an object, got ", json::kind_name(root));
   std::string name;
-  if (const json::Value* given = root.find("mixed_precision")) {
-    check(given->is_string(), "AmpConfig: mixed_precision must be a string, got ", json::kind_name(given->kind()));
-    name = given->as_string();
+  if (const Json* given = json::find(root, "mixed_precision")) {
+    check(given->is_string(), "AmpConfig: mixed_precision must be a string, got ", json::kind_name(*given));
+    name = json::as_string(*given);
     check(!mode || *mode == name || mode->substr(0, mode->find(':')) == name, "AmpConfig: the config says "
           "mixed_precision \"", name, "\" but \"", *mode, "\" was asked for");
     if (mode) name = std::string(*mode);  // keeps the opt level of "fp16_apex:O2"
@@ -138,7 +138,7 @@ AmpConfig AmpConfig::from_json(std::string_view text, std::optional<std::string_
   const std::span<const std::string_view> allowed = config.row().option_keys;
   // Every key is an option of the mode before any value is read: {"opt_level": 5} for fp16 is an unknown
   // option, not a badly typed opt level.
-  for (const auto& [key, value] : root.as_object()) {
+  for (const auto& [key, value] : json::as_object(root)) {
     if (key == "mixed_precision") continue;
     bool known = false;
     for (const auto& k : allowed) known = known || k == key;
@@ -146,37 +146,37 @@ AmpConfig AmpConfig::from_json(std::string_view text, std::optional<std::string_
           allowed.empty() ? std::string("no options") : join(allowed), ")");
   }
   // The opt level may come from "fp16_apex:O2" or from the object; the object's wins if both agree.
-  if (const json::Value* level = root.find("opt_level")) {
+  if (const Json* level = json::find(root, "opt_level")) {
     check(level->is_string(), who, ": opt_level must be a string like \"O2\", got ",
-          json::kind_name(level->kind()));
-    const std::string& opt_level = level->as_string();
+          json::kind_name(*level));
+    const std::string& opt_level = json::as_string(*level);
     check(name.find(':') == std::string::npos || name.substr(name.find(':') + 1) == opt_level, who,
           ": opt_level \"", opt_level, "\" differs from the mode \"", name, "\"");
     config.apex = ApexProperties::for_opt_level(opt_level);
   }
 
-  auto number = [&](const json::Value& v, const std::string& key) {
-    check(v.is_integer() || v.is_number(), who, ": ", key, " must be a number, got ", json::kind_name(v.kind()));
-    return v.as_number();
+  auto number = [&](const Json& v, const std::string& key) {
+    check(v.is_number(), who, ": ", key, " must be a number, got ", json::kind_name(v));
+    return json::as_number(v);
   };
-  auto integer = [&](const json::Value& v, const std::string& key) {
-    if (v.is_number() && std::floor(v.as_number()) == v.as_number() && std::abs(v.as_number()) < 9.0e18)
-      return static_cast<int64_t>(v.as_number());  // 1e3 written as a float
-    check(v.is_integer(), who, ": ", key, " must be an integer, got ", json::kind_name(v.kind()));
-    return v.as_integer();
+  auto integer = [&](const Json& v, const std::string& key) {
+    if (v.is_number_float() && std::floor(v.get<double>()) == v.get<double>() && std::abs(v.get<double>()) < 9.0e18)
+      return static_cast<int64_t>(v.get<double>());  // 1e3 written as a float
+    check(v.is_number_integer(), who, ": ", key, " must be an integer, got ", json::kind_name(v));
+    return json::as_integer(v);
   };
-  auto boolean = [&](const json::Value& v, const std::string& key) {
-    check(v.is_bool(), who, ": ", key, " must be true or false, got ", json::kind_name(v.kind()));
-    return v.as_bool();
+  auto boolean = [&](const Json& v, const std::string& key) {
+    check(v.is_boolean(), who, ": ", key, " must be true or false, got ", json::kind_name(v));
+    return json::as_bool(v);
   };
-  auto dtype = [&](const json::Value& v, const std::string& key) -> DType {
+  auto dtype = [&](const Json& v, const std::string& key) -> DType {
     check(v.is_string(), who, ": ", key, " must be \"fp32\", \"fp16\", \"bf16\" or null, got ",
-          json::kind_name(v.kind()));
-    return *dtype_from_name(who, key, v.as_string());
+          json::kind_name(v));
+    return *dtype_from_name(who, key, json::as_string(v));
   };
 
   bool scale_bounds_given = false;  // min_loss_scale / max_loss_scale: checked against loss_scale at the end
-  for (const auto& [key, value] : root.as_object()) {
+  for (const auto& [key, value] : json::as_object(root)) {
     if (key == "mixed_precision") continue;
     if (config.family() == ModeFamily::PytorchAmp) {
       GradScalerOptions& g = config.grad_scaler;
@@ -193,8 +193,8 @@ AmpConfig AmpConfig::from_json(std::string_view text, std::optional<std::string_
         continue;
       const bool o1 = a.opt_level == "O1";
       if (key == "cast_model_type") {
-        if (value.is_bool()) {  // Apex's False: the model is not cast
-          check(!value.as_bool(), who, ": cast_model_type must be \"fp32\", \"fp16\", \"bf16\", false or "
+        if (value.is_boolean()) {  // Apex's False: the model is not cast
+          check(!json::as_bool(value), who, ": cast_model_type must be \"fp32\", \"fp16\", \"bf16\", false or "
                 "null, got true");
           a.cast_model_type.reset();
         } else {
@@ -203,7 +203,7 @@ AmpConfig AmpConfig::from_json(std::string_view text, std::optional<std::string_
         // Apex's Properties.__setattr__ (warn_or_err raises without hard_override).
         check(!o1 || a.cast_model_type.value_or(DType::F32) == DType::F32, who, ": O1 inserts casts around "
               "ops rather than casting the model weights, so with O1 the weights must stay fp32: "
-              "cast_model_type must be unset or \"fp32\", got \"", value.is_string() ? value.as_string() : "",
+              "cast_model_type must be unset or \"fp32\", got \"", value.is_string() ? json::as_string(value) : "",
               "\"; use O2 or O3 to cast the model");
       } else if (key == "patch_torch_functions") {
         a.patch_torch_functions = boolean(value, key);
@@ -213,10 +213,10 @@ AmpConfig AmpConfig::from_json(std::string_view text, std::optional<std::string_
         check(!o1, who, ": with O1 the norm ops already run in fp32, so keep_batchnorm_fp32 must be unset "
               "(null)");
         if (value.is_string()) {  // Apex accepts the strings "True"/"False" too
-          check(value.as_string() == "True" || value.as_string() == "False", who,
+          check(json::as_string(value) == "True" || json::as_string(value) == "False", who,
                 ": keep_batchnorm_fp32 must be true, false, \"True\", \"False\" or null, got \"",
-                value.as_string(), "\"");
-          a.keep_batchnorm_fp32 = value.as_string() == "True";
+                json::as_string(value), "\"");
+          a.keep_batchnorm_fp32 = json::as_string(value) == "True";
         } else {
           a.keep_batchnorm_fp32 = boolean(value, key);
         }
@@ -227,9 +227,9 @@ AmpConfig AmpConfig::from_json(std::string_view text, std::optional<std::string_
       } else if (key == "loss_scale") {
         if (value.is_string()) {
           // "dynamic", or a number in a string: Apex converts any other value with float().
-          const std::optional<double> parsed = number_from_text(value.as_string());
-          check(value.as_string() == "dynamic" || parsed, who, ": loss_scale must be a number, a numeric "
-                "string like \"128.0\" or \"dynamic\", got \"", value.as_string(), "\"");
+          const std::optional<double> parsed = number_from_text(json::as_string(value));
+          check(json::as_string(value) == "dynamic" || parsed, who, ": loss_scale must be a number, a numeric "
+                "string like \"128.0\" or \"dynamic\", got \"", json::as_string(value), "\"");
           a.loss_scale = parsed;
         } else {
           a.loss_scale = number(value, key);
@@ -394,74 +394,73 @@ std::string AmpConfig::training_differences(const AmpConfig& other, std::string_
   // Another mode (or Apex opt level) is one difference, not a list of options that one side lacks.
   const std::string label(other_label);
   if (name() != other.name()) return "mode " + name() + " (" + label + " " + other.name() + ")";
-  const json::Value mine = json::parse(to_json()), theirs = json::parse(other.to_json());
+  const Json mine = json::parse(to_json()), theirs = json::parse(other.to_json());
   std::vector<std::string> keys;  // mine, then those only the other has (an option one side writes alone)
-  for (const auto& [key, value] : mine.as_object()) keys.push_back(key);
-  for (const auto& [key, value] : theirs.as_object())
-    if (!mine.find(key)) keys.push_back(key);
+  for (const auto& [key, value] : json::as_object(mine)) keys.push_back(key);
+  for (const auto& [key, value] : json::as_object(theirs))
+    if (!json::find(mine, key)) keys.push_back(key);
   // The modes are the same here, so "not an option" names it once for both sides.
-  auto text = [&](const json::Value* value) {
-    return value ? value->dump() : "(not an option of " + name() + ")";
+  auto text = [&](const Json* value) {
+    return value ? json::dump(*value) : "(not an option of " + name() + ")";
   };
   std::vector<std::string> differences;
   for (const std::string& key : keys) {
-    const json::Value *a = mine.find(key), *b = theirs.find(key);
-    if (printing.count(key) || (a && b && a->dump() == b->dump())) continue;
+    const Json *a = json::find(mine, key), *b = json::find(theirs, key);
+    if (printing.count(key) || (a && b && json::dump(*a) == json::dump(*b))) continue;
     differences.push_back(key + " " + text(a) + " (" + label + " " + text(b) + ")");
   }
   return join(differences);
 }
 
 std::string AmpConfig::to_json() const {
-  json::Value::Object o{{"mixed_precision", std::string(row().name)}};
-  o.reserve(16);
-  auto num = [](double v) { return json::Value(v); };
+  Json o = Json::object({{"mixed_precision", std::string(row().name)}});
+  auto num = [](double v) { return Json(v); };
   if (family() == ModeFamily::PytorchAmp) {
-    o.emplace_back("init_scale", num(grad_scaler.init_scale));
-    o.emplace_back("growth_factor", num(grad_scaler.growth_factor));
-    o.emplace_back("backoff_factor", num(grad_scaler.backoff_factor));
-    o.emplace_back("growth_interval", grad_scaler.growth_interval);
-    o.emplace_back("enabled", grad_scaler.enabled);
+    o.emplace("init_scale", num(grad_scaler.init_scale));
+    o.emplace("growth_factor", num(grad_scaler.growth_factor));
+    o.emplace("backoff_factor", num(grad_scaler.backoff_factor));
+    o.emplace("growth_interval", grad_scaler.growth_interval);
+    o.emplace("enabled", grad_scaler.enabled);
   } else if (family() == ModeFamily::Apex) {
     const ApexProperties& a = apex;
-    auto opt_dtype = [](const std::optional<DType>& d) { return d ? json::Value(dtype_text(*d)) : json::Value(); };
-    o.emplace_back("opt_level", a.opt_level);
+    auto opt_dtype = [](const std::optional<DType>& d) { return d ? Json(dtype_text(*d)) : Json(); };
+    o.emplace("opt_level", a.opt_level);
     // null reads back as "the opt level's value", so an unset property that the opt level sets is written
     // as Apex's False (the same behaviour: no cast, no fp32 norms).
     const ApexProperties level = ApexProperties::for_opt_level(a.opt_level);
     if (a.opt_level != "O1") {
-      o.emplace_back("cast_model_type", a.cast_model_type ? json::Value(dtype_text(*a.cast_model_type))
-                                        : level.cast_model_type ? json::Value(false) : json::Value());
-      o.emplace_back("keep_batchnorm_fp32", a.keep_batchnorm_fp32 ? json::Value(*a.keep_batchnorm_fp32)
-                                            : level.keep_batchnorm_fp32 ? json::Value(false) : json::Value());
-      o.emplace_back("master_weights", a.master_weights);
+      o.emplace("cast_model_type", a.cast_model_type ? Json(dtype_text(*a.cast_model_type))
+                                        : level.cast_model_type ? Json(false) : Json());
+      o.emplace("keep_batchnorm_fp32", a.keep_batchnorm_fp32 ? Json(*a.keep_batchnorm_fp32)
+                                            : level.keep_batchnorm_fp32 ? Json(false) : Json());
+      o.emplace("master_weights", a.master_weights);
     } else if (a.cast_model_type) {
-      o.emplace_back("cast_model_type", dtype_text(*a.cast_model_type));  // "fp32", the one O1 allows
+      o.emplace("cast_model_type", dtype_text(*a.cast_model_type));  // "fp32", the one O1 allows
     }
-    o.emplace_back("patch_torch_functions", a.patch_torch_functions);
-    o.emplace_back("loss_scale", a.loss_scale ? num(*a.loss_scale) : json::Value("dynamic"));
-    o.emplace_back("cast_model_outputs", opt_dtype(a.cast_model_outputs));
-    o.emplace_back("num_losses", a.num_losses);
-    o.emplace_back("verbosity", a.verbosity);
+    o.emplace("patch_torch_functions", a.patch_torch_functions);
+    o.emplace("loss_scale", a.loss_scale ? num(*a.loss_scale) : Json("dynamic"));
+    o.emplace("cast_model_outputs", opt_dtype(a.cast_model_outputs));
+    o.emplace("num_losses", a.num_losses);
+    o.emplace("verbosity", a.verbosity);
     if (!a.loss_scale) {  // the bounds of dynamic scaling; an error with a static scale
-      o.emplace_back("min_loss_scale", a.min_loss_scale ? num(*a.min_loss_scale) : json::Value());
-      o.emplace_back("max_loss_scale", num(a.max_loss_scale));
+      o.emplace("min_loss_scale", a.min_loss_scale ? num(*a.min_loss_scale) : Json());
+      o.emplace("max_loss_scale", num(a.max_loss_scale));
     }
   } else if (is_naive()) {
-    o.emplace_back("clip_grad", num(naive.clip_grad));
-    o.emplace_back("log_num_zeros_in_grad", naive.log_num_zeros_in_grad);
-    o.emplace_back("initial_scale", num(naive.scaler.initial_scale));
-    o.emplace_back("min_scale", num(naive.scaler.min_scale));
-    o.emplace_back("growth_factor", num(naive.scaler.growth_factor));
-    o.emplace_back("backoff_factor", num(naive.scaler.backoff_factor));
-    o.emplace_back("growth_interval", naive.scaler.growth_interval);
-    o.emplace_back("hysteresis", naive.scaler.hysteresis);
-    o.emplace_back("max_scale", num(naive.scaler.max_scale));
-    o.emplace_back("verbose", naive.verbose);
-    o.emplace_back("output_to_fp32", naive.output_to_fp32);
-    o.emplace_back("accumulate_allreduce_grads_in_fp32", naive.accumulate_allreduce_grads_in_fp32);
+    o.emplace("clip_grad", num(naive.clip_grad));
+    o.emplace("log_num_zeros_in_grad", naive.log_num_zeros_in_grad);
+    o.emplace("initial_scale", num(naive.scaler.initial_scale));
+    o.emplace("min_scale", num(naive.scaler.min_scale));
+    o.emplace("growth_factor", num(naive.scaler.growth_factor));
+    o.emplace("backoff_factor", num(naive.scaler.backoff_factor));
+    o.emplace("growth_interval", naive.scaler.growth_interval);
+    o.emplace("hysteresis", naive.scaler.hysteresis);
+    o.emplace("max_scale", num(naive.scaler.max_scale));
+    o.emplace("verbose", naive.verbose);
+    o.emplace("output_to_fp32", naive.output_to_fp32);
+    o.emplace("accumulate_allreduce_grads_in_fp32", naive.accumulate_allreduce_grads_in_fp32);
   }
-  return json::Value(std::move(o)).dump();
+  return json::dump(o);
 }
 
 }  // namespace mixtape

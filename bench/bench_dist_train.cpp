@@ -164,19 +164,19 @@ int run(int argc, char** argv) {
   std::printf("  speedup: DP %d / one process with %d threads = %.2f\n", N, N, speedup);
   std::printf("  overlap: DP %d / DP %d with one bucket = %.3f\n", N, N, overlap_gain);
   if (!args.json.empty()) {
-    json::Value::Object o{{"ranks", int64_t{N}},
-                          {"precision", args.precision},
-                          {"tokens_per_s_one_process_1_thread", tps1},
-                          {"tokens_per_s_one_process_n_threads", tpsN},
-                          {"tokens_per_s_dp", tpsdp},
-                          {"bucket_mb", args.bucket_mb},
-                          {"buckets_all_reduced_during_backward", overlapped},
-                          {"tokens_per_s_dp_one_bucket", tpsone},
-                          {"overlap_gain", overlap_gain},
-                          {"scaling_efficiency", efficiency},
-                          {"speedup_vs_one_process_n_threads", speedup}};
+    const Json o = Json::object({{"ranks", int64_t{N}},
+                                {"precision", args.precision},
+                                {"tokens_per_s_one_process_1_thread", tps1},
+                                {"tokens_per_s_one_process_n_threads", tpsN},
+                                {"tokens_per_s_dp", tpsdp},
+                                {"bucket_mb", args.bucket_mb},
+                                {"buckets_all_reduced_during_backward", overlapped},
+                                {"tokens_per_s_dp_one_bucket", tpsone},
+                                {"overlap_gain", overlap_gain},
+                                {"scaling_efficiency", efficiency},
+                                {"speedup_vs_one_process_n_threads", speedup}});
     std::ofstream out(args.json);
-    out << json::Value(o).dump() << '\n';
+    out << json::dump(o) << '\n';
     check(out.good(), "bench_dist_train: cannot write '", args.json, "'");
   }
   return 0;

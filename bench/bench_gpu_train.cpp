@@ -258,21 +258,21 @@ std::vector<Result> run_pytorch(const Options& o, std::string& version, std::str
   while (std::getline(lines, line)) {
     if (line.empty() || line[0] != '{') continue;
     try {
-      const json::Value v = json::parse(line);
+      const Json v = json::parse(line);
       Result r;
-      const json::Value* mode = v.find("mode");
+      const Json* mode = json::find(v, "mode");
       check(mode != nullptr, "no \"mode\" key");
-      r.mode = mode->as_string();
+      r.mode = json::as_string(*mode);
       r.name = "PyTorch " + r.mode;
-      if (const json::Value* t = v.find("torch")) version = t->as_string();
-      if (const json::Value* e = v.find("error")) {
-        r.error = e->as_string();
+      if (const Json* t = json::find(v, "torch")) version = json::as_string(*t);
+      if (const Json* e = json::find(v, "error")) {
+        r.error = json::as_string(*e);
       } else {
-        const json::Value* step_ms = v.find("step_ms");
+        const Json* step_ms = json::find(v, "step_ms");
         check(step_ms != nullptr, "no \"step_ms\" key");
-        for (const json::Value& t : step_ms->as_array()) r.ms.push_back(t.as_number());
-        if (const json::Value* p = v.find("peak_bytes")) r.peak_bytes = p->as_number();
-        if (const json::Value* k = v.find("skipped_steps")) r.skipped = int64_t(k->as_number());
+        for (const Json& t : json::as_array(*step_ms)) r.ms.push_back(json::as_number(t));
+        if (const Json* p = json::find(v, "peak_bytes")) r.peak_bytes = json::as_number(*p);
+        if (const Json* k = json::find(v, "skipped_steps")) r.skipped = int64_t(json::as_number(*k));
       }
       const std::string m = r.mode;
       r.peak_class = m.find("fp32") != std::string::npos   ? PeakClass::Fp32
@@ -280,8 +280,8 @@ std::vector<Result> run_pytorch(const Options& o, std::string& version, std::str
                                                            : PeakClass::Half;
       std::string detail;
       for (const char* key : {"attention", "adamw", "grad_scaler"})
-        if (const json::Value* d = v.find(key))
-          detail += std::string(detail.empty() ? "" : ", ") + key + " " + d->dump();
+        if (const Json* d = json::find(v, key))
+          detail += std::string(detail.empty() ? "" : ", ") + key + " " + json::dump(*d);
       r.detail = detail;
       results.push_back(std::move(r));
     } catch (const std::exception& e) {
@@ -316,7 +316,7 @@ std::string cell(double x, const char* format) {
 }
 
 // JSON has no NaN: an unknown figure is null.
-json::Value number(double x) { return std::isnan(x) ? json::Value() : json::Value(x); }
+Json number(double x) { return std::isnan(x) ? Json() : Json(x); }
 
 std::vector<std::string> split_list(const std::string& text, const char* what) {
   std::vector<std::string> items;
@@ -440,11 +440,11 @@ int run(int argc, char** argv) {
               "peak", "peak mem", "vs PyTorch");
   std::printf("%-26s %9s %9s %11s %7s %9s %8s %9s %10s\n", "", "ms/step", "ms/step", "(median)", "", "nanoGPT",
               "dtype", "GiB", "same prec.");
-  json::Value::Array json_rows;
+  Json json_rows = Json::array();
   for (const Result& r : results) {
     if (!r.error.empty() || r.ms.empty()) {
       std::printf("%-26s error: %s\n", r.name.c_str(), r.error.substr(0, 200).c_str());
-      json_rows.push_back(json::Value::Object{{"name", r.name}, {"mode", r.mode}, {"error", r.error}});
+      json_rows.push_back(Json::object({{"name", r.name}, {"mode", r.mode}, {"error", r.error}}));
       continue;
     }
     const double m = median(r.ms), b = best(r.ms);
@@ -462,13 +462,13 @@ int run(int argc, char** argv) {
       std::printf("%-26s   (loss scaler: %lld extra warm-up steps, %lld of %d timed steps skipped)\n", "",
                   (long long)r.extra_warmup, (long long)r.skipped, o.steps);
     if (!r.detail.empty()) std::printf("%-26s   (%s)\n", "", r.detail.c_str());
-    json::Value::Array step_ms;
+    Json step_ms = Json::array();
     for (double t : r.ms) step_ms.push_back(t);
-    json_rows.push_back(json::Value::Object{
+    json_rows.push_back(Json::object({
         {"name", r.name}, {"mode", r.mode}, {"median_ms", m}, {"best_ms", b}, {"tokens_per_s", tokens / m * 1e3},
         {"mfu", number(mfu)}, {"mfu_nanogpt", number(mfu_nanogpt)}, {"peak_dtype", to_string(r.peak_class)},
         {"peak_allocated_bytes", number(r.peak_bytes)},
-        {"skipped_steps", r.skipped}, {"extra_warmup_steps", r.extra_warmup}, {"step_ms", step_ms}});
+        {"skipped_steps", r.skipped}, {"extra_warmup_steps", r.extra_warmup}, {"step_ms", step_ms}}));
   }
   std::printf("(vs PyTorch same prec. = the PyTorch eager run of the same precision's median / this row's: "
               "> 1 means mixtape is faster)\n");
@@ -476,14 +476,14 @@ int run(int argc, char** argv) {
 
   // ---- the summary lines
   std::printf("\n");
-  json::Value::Object summary;
+  Json summary = Json::object();
   const Result* fp16 = find_result(results, "mixtape fp16");
   const Result* bf16 = find_result(results, "mixtape bf16");
   if (fp16 && bf16) {
     const double overhead = median(fp16->ms) / median(bf16->ms) - 1;
     std::printf("fp16 (GradScaler) vs bf16 (no scaler): %+.1f%% step time (target <= +%.0f%%): %s\n",
                 overhead * 100, kScalerOverheadTarget * 100, overhead <= kScalerOverheadTarget ? "met" : "NOT met");
-    summary.push_back({"fp16_vs_bf16_overhead", overhead});
+    summary.emplace("fp16_vs_bf16_overhead", overhead);
   } else {
     std::printf("fp16 (GradScaler) vs bf16 (no scaler): n/a (needs fp16 and bf16 in --modes, both run)\n");
   }
@@ -493,7 +493,7 @@ int run(int argc, char** argv) {
       const double x = median(t->ms) / median(bf16->ms);
       std::printf("mixtape bf16 vs %s autocast: %.2fx tokens/s (%s)\n", other, x,
                   x >= 1 ? "mixtape faster" : "PyTorch faster");
-      summary.push_back({std::string("mixtape_bf16_vs_") + (other + 8), x});
+      summary.emplace(std::string("mixtape_bf16_vs_") + (other + 8), x);
     } else if (o.pytorch) {
       std::printf("mixtape bf16 vs %s autocast: n/a (one side did not run)\n", other);
     }
@@ -501,26 +501,25 @@ int run(int argc, char** argv) {
   if (!o.pytorch) std::printf("(--pytorch adds PyTorch eager and torch.compile to the comparison)\n");
 
   if (!o.json_path.empty()) {
-    json::Value::Object config{{"layers", o.layers}, {"heads", o.heads}, {"width", o.width}, {"block", o.block},
-                               {"vocab", o.vocab}, {"batch", o.batch}, {"warmup", int64_t{o.warmup}},
-                               {"steps", int64_t{o.steps}}};
-    const json::Value doc = json::Value::Object{
+    const Json config = Json::object({{"layers", o.layers}, {"heads", o.heads}, {"width", o.width},
+                                      {"block", o.block}, {"vocab", o.vocab}, {"batch", o.batch},
+                                      {"warmup", int64_t{o.warmup}}, {"steps", int64_t{o.steps}}});
+    const Json doc = Json::object({
         {"device", device_name},
         {"config", config},
         {"non_embedding_params", non_embedding_params(o)},
         {"flops_per_step", flops},
         {"flops_per_step_nanogpt", flops_nanogpt},
         {"flops_formula", "6*N*B*T + 6*L*B*T^2*C (N without wpe; causal attention counted half)"},
-        {"peak_tflops", json::Value::Object{
-                            {"fp16_bf16", number(peak_tflops(o, peaks, PeakClass::Half))},
-                            {"tf32", number(peak_tflops(o, peaks, PeakClass::Tf32))},
-                            {"fp32", number(peak_tflops(o, peaks, PeakClass::Fp32))}}},
+        {"peak_tflops", Json::object({{"fp16_bf16", number(peak_tflops(o, peaks, PeakClass::Half))},
+                                      {"tf32", number(peak_tflops(o, peaks, PeakClass::Tf32))},
+                                      {"fp32", number(peak_tflops(o, peaks, PeakClass::Fp32))}})},
         {"torch", version},
         {"results", json_rows},
-        {"summary", summary}};
+        {"summary", summary}});
     std::ofstream out(o.json_path);
     check(bool(out), "bench_gpu_train: cannot write ", o.json_path);
-    out << doc.dump() << "\n";
+    out << json::dump(doc) << "\n";
     std::printf("wrote %s\n", o.json_path.c_str());
   }
   return 0;

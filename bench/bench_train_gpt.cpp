@@ -208,13 +208,13 @@ struct PytorchOutput {
 PytorchOutput read_pytorch_output(const std::string& out) {
   const size_t start = out.rfind('{');
   check(start != std::string::npos, "no JSON line");
-  const json::Value v = json::parse(std::string_view(out).substr(start));
-  const json::Value* torch_version = v.find("torch");
-  const json::Value* step_ms = v.find("step_ms");
+  const Json v = json::parse(std::string_view(out).substr(start));
+  const Json* torch_version = json::find(v, "torch");
+  const Json* step_ms = json::find(v, "step_ms");
   check(torch_version && step_ms, "no \"torch\" or \"step_ms\" key");
-  const json::Value* blas_path = v.find("blas");
-  PytorchOutput result{torch_version->as_string(), blas_path ? blas_path->as_string() : "", {}};
-  for (const json::Value& t : step_ms->as_array()) result.step_ms.push_back(t.as_number());
+  const Json* blas_path = json::find(v, "blas");
+  PytorchOutput result{json::as_string(*torch_version), blas_path ? json::as_string(*blas_path) : "", {}};
+  for (const Json& t : json::as_array(*step_ms)) result.step_ms.push_back(json::as_number(t));
   return result;
 }
 

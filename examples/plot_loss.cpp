@@ -44,14 +44,14 @@ std::map<int64_t, Point> read_log(const std::string& path) {
   for (int64_t number = 1; std::getline(in, line); ++number) {
     if (line.empty()) continue;
     try {
-      const json::Value v = json::parse(line);
-      const json::Value* step = v.find("step");
-      check(step && step->is_integer() && step->as_integer() >= 0, "no \"step\" (an integer >= 0)");
-      check(v.find("loss") != nullptr, "no \"loss\"");
-      const int64_t s = step->as_integer();
+      const Json v = json::parse(line);
+      const Json* step = json::find(v, "step");
+      check(step && step->is_number_integer() && step->get<int64_t>() >= 0, "no \"step\" (an integer >= 0)");
+      check(json::find(v, "loss") != nullptr, "no \"loss\"");
+      const int64_t s = json::as_integer(*step);
       points.erase(points.lower_bound(s), points.end());
-      Point p{.loss = log_number(v.find("loss"))};
-      if (const json::Value* val = v.find("val_loss")) p.val_loss = log_number(val);
+      Point p{.loss = log_number(json::find(v, "loss"))};
+      if (const Json* val = json::find(v, "val_loss")) p.val_loss = log_number(val);
       points[s] = p;
     } catch (const Error& e) {
       fail("plot_loss: ", path, " line ", number, ": ", e.what(), " (is it a train_gpt --log-json file?)");

@@ -502,22 +502,22 @@ std::vector<StepLog> read_log(const fs::path& path, int64_t expected_steps) {
   for (int64_t number = 1; std::getline(in, line); ++number) {
     if (line.empty()) continue;
     try {
-      const json::Value v = json::parse(line);
+      const Json v = json::parse(line);
       StepLog s;
-      const json::Value* step = v.find("step");
+      const Json* step = json::find(v, "step");
       check(step != nullptr, "no \"step\"");
-      s.step = step->as_integer();
+      s.step = json::as_integer(*step);
       check(s.step == static_cast<int64_t>(steps.size()), "step ", s.step, ", expected ", steps.size());
-      s.loss = log_number(v.find("loss"));
-      s.loss_scale = log_number(v.find("loss_scale"));
-      s.tokens_per_s = log_number(v.find("tokens_per_s"));
-      const json::Value* val_loss = v.find("val_loss");
+      s.loss = log_number(json::find(v, "loss"));
+      s.loss_scale = log_number(json::find(v, "loss_scale"));
+      s.tokens_per_s = log_number(json::find(v, "tokens_per_s"));
+      const Json* val_loss = json::find(v, "val_loss");
       s.evaluated = val_loss != nullptr;
       s.val_loss = log_number(val_loss);
-      const json::Value* skipped = v.find("skipped");
-      s.skipped = skipped && skipped->as_bool();
-      if (const json::Value* rss = v.find("peak_rss_kib"); rss && !rss->is_null()) {
-        s.peak_rss_kib = rss->as_integer();
+      const Json* skipped = json::find(v, "skipped");
+      s.skipped = skipped && json::as_bool(*skipped);
+      if (const Json* rss = json::find(v, "peak_rss_kib"); rss && !rss->is_null()) {
+        s.peak_rss_kib = json::as_integer(*rss);
         check(*s.peak_rss_kib > 0, "peak_rss_kib ", *s.peak_rss_kib, " is not a positive size");
       }
       steps.push_back(s);

@@ -94,8 +94,8 @@ bool under_mpi_launcher() {
 // reported by AmpConfig::from_json).
 bool names_a_mode(const std::string& text) {
   try {
-    const json::Value value = json::parse(text);
-    return !value.is_object() || value.find("mixed_precision") != nullptr;
+    const Json value = json::parse(text);
+    return !value.is_object() || json::find(value, "mixed_precision") != nullptr;
   } catch (const Error&) {
     return true;
   }
@@ -681,14 +681,14 @@ void warn_non_finite_loss(const Options& opt, const StepStats& s) {
 
 void write_log_line(std::ofstream& log, const Options& opt, const StepReport& r) {
   const StepStats& s = r.stats;
-  json::Value::Object line{{"step", s.step}, {"loss", log_value(s.loss)}, {"lr", s.lr},
-                           {"grad_norm", s.skipped ? json::Value() : log_value(s.grad_norm)},
-                           {"tokens_per_s", r.step_tokens_per_s},
-                           {"loss_scale", s.loss_scale}, {"skipped", s.skipped}};
-  if (s.num_zeros >= 0) line.emplace_back("num_zeros", s.num_zeros);
-  if (r.evaluated) line.emplace_back("val_loss", log_value(r.val_loss));
-  if (const int64_t kib = peak_rss_kib(); kib > 0) line.emplace_back("peak_rss_kib", kib);
-  log << json::Value(line).dump() << '\n';
+  Json line = Json::object({{"step", s.step}, {"loss", log_value(s.loss)}, {"lr", s.lr},
+                            {"grad_norm", s.skipped ? Json() : log_value(s.grad_norm)},
+                            {"tokens_per_s", r.step_tokens_per_s},
+                            {"loss_scale", s.loss_scale}, {"skipped", s.skipped}});
+  if (s.num_zeros >= 0) line.emplace("num_zeros", s.num_zeros);
+  if (r.evaluated) line.emplace("val_loss", log_value(r.val_loss));
+  if (const int64_t kib = peak_rss_kib(); kib > 0) line.emplace("peak_rss_kib", kib);
+  log << json::dump(line) << '\n';
   log.flush();
   // A full disk or a failing device: the log would stop mid-line with exit code 0.
   check(log.good(), "train_gpt: cannot write --log-json file '", opt.log_json, "' at step ", r.step,

@@ -1,10 +1,16 @@
-// Strict JSON: a recursive-descent reader over the raw bytes and a compact writer. See json.h for the rules.
+// Strict JSON over nlohmann::json: its SAX parser reads the text into an ordered_json while a builder adds
+// what RFC 8259 leaves open (duplicate keys, depth, leading zeros, number range) and turns nlohmann's
+// parse errors into mixtape's messages, located by where the text stands when the parser fails. The writer
+// walks the value itself so that numbers keep mixtape's format; strings are escaped by nlohmann.
 #include "io/json.h"
 
 #include <charconv>
 #include <cmath>
 #include <cstdio>
+#include <iterator>
 #include <unordered_set>
+#include <utility>
+#include <vector>
 
 #include "tensor/error.h"
 
@@ -12,48 +18,36 @@ namespace mixtape::json {
 
 namespace {
 
-constexpr int kMaxDepth = 256;
+constexpr size_t kMaxDepth = 256;
 
-// Length of the well-formed UTF-8 sequence starting at text[pos], or 0 if there is none (RFC 3629 table 3:
-// no overlong forms, no UTF-16 surrogates D800..DFFF, nothing above U+10FFFF).
+// Length of the well-formed UTF-8 sequence a lead byte starts (0 for a byte that starts none), and the
+// allowed range of its second byte (RFC 3629 table 3: no overlong forms, no UTF-16 surrogates D800..DFFF,
+// nothing above U+10FFFF).
+size_t utf8_lead_length(unsigned char lead, unsigned char& low, unsigned char& high) {
+  low = 0x80, high = 0xBF;
+  if (lead < 0x80) return 1;
+  if (lead >= 0xC2 && lead <= 0xDF) return 2;
+  if (lead == 0xE0) return low = 0xA0, 3;
+  if (lead >= 0xE1 && lead <= 0xEC) return 3;
+  if (lead == 0xED) return high = 0x9F, 3;
+  if (lead >= 0xEE && lead <= 0xEF) return 3;
+  if (lead == 0xF0) return low = 0x90, 4;
+  if (lead >= 0xF1 && lead <= 0xF3) return 4;
+  if (lead == 0xF4) return high = 0x8F, 4;
+  return 0;
+}
+
+// Length of the well-formed UTF-8 sequence starting at text[pos], or 0 if there is none.
 size_t utf8_sequence_length(std::string_view text, size_t pos) {
   auto byte = [&](size_t i) { return static_cast<unsigned char>(text[i]); };
-  const unsigned char lead = byte(pos);
-  if (lead < 0x80) return 1;
-  size_t length = 0;
-  unsigned char low = 0x80, high = 0xBF;  // the allowed range of the second byte
-  if (lead >= 0xC2 && lead <= 0xDF) length = 2;
-  else if (lead == 0xE0) length = 3, low = 0xA0;
-  else if (lead >= 0xE1 && lead <= 0xEC) length = 3;
-  else if (lead == 0xED) length = 3, high = 0x9F;
-  else if (lead >= 0xEE && lead <= 0xEF) length = 3;
-  else if (lead == 0xF0) length = 4, low = 0x90;
-  else if (lead >= 0xF1 && lead <= 0xF3) length = 4;
-  else if (lead == 0xF4) length = 4, high = 0x8F;
-  else return 0;
+  unsigned char low, high;
+  const size_t length = utf8_lead_length(byte(pos), low, high);
+  if (length <= 1) return length;
   if (pos + length > text.size()) return 0;
   if (byte(pos + 1) < low || byte(pos + 1) > high) return 0;
   for (size_t i = 2; i < length; ++i)
     if (byte(pos + i) < 0x80 || byte(pos + i) > 0xBF) return 0;
   return length;
-}
-
-void append_utf8(std::string& out, uint32_t code_point) {
-  if (code_point < 0x80) {
-    out += static_cast<char>(code_point);
-  } else if (code_point < 0x800) {
-    out += static_cast<char>(0xC0 | (code_point >> 6));
-    out += static_cast<char>(0x80 | (code_point & 0x3F));
-  } else if (code_point < 0x10000) {
-    out += static_cast<char>(0xE0 | (code_point >> 12));
-    out += static_cast<char>(0x80 | ((code_point >> 6) & 0x3F));
-    out += static_cast<char>(0x80 | (code_point & 0x3F));
-  } else {
-    out += static_cast<char>(0xF0 | (code_point >> 18));
-    out += static_cast<char>(0x80 | ((code_point >> 12) & 0x3F));
-    out += static_cast<char>(0x80 | ((code_point >> 6) & 0x3F));
-    out += static_cast<char>(0x80 | (code_point & 0x3F));
-  }
 }
 
 std::string describe_byte(unsigned char c) {
@@ -63,245 +57,303 @@ std::string describe_byte(unsigned char c) {
   return buffer;
 }
 
-class Parser {
- public:
-  explicit Parser(std::string_view text) : text_(text) {}
+template <class... Parts>
+[[noreturn]] void parse_fail(size_t at, const Parts&... parts) {
+  fail("json: ", parts..., " at byte ", at);
+}
 
-  Value parse_document() {
-    skip_whitespace();
-    Value value = parse_value(0);
-    skip_whitespace();
-    if (pos_ != text_.size()) error(pos_, "unexpected ", describe_byte(peek()), " after the value");
-    return value;
+// How far nlohmann's lexer has read: `pulled` is one past the last byte it took, `at_end` whether it has
+// asked for a byte past the text. The lexer reads no byte beyond a string, literal or bracket, and exactly
+// one beyond a number (which it puts back), unless the text ends.
+struct Progress {
+  const char* pulled;
+  bool at_end = false;
+};
+
+// The text as nlohmann reads it, reporting each byte it takes into a Progress.
+class TrackedIterator {
+ public:
+  using iterator_category = std::forward_iterator_tag;
+  using value_type = char;
+  using difference_type = std::ptrdiff_t;
+  using pointer = const char*;
+  using reference = const char&;
+
+  TrackedIterator(const char* at, Progress* progress) : at_(at), progress_(progress) {}
+  reference operator*() const { return *at_; }
+  TrackedIterator& operator++() {
+    progress_->pulled = ++at_;
+    return *this;
+  }
+  TrackedIterator operator++(int) {
+    TrackedIterator before = *this;
+    ++*this;
+    return before;
+  }
+  bool operator==(const TrackedIterator& other) const {
+    const bool equal = at_ == other.at_;
+    progress_->at_end = progress_->at_end || equal;
+    return equal;
+  }
+  bool operator!=(const TrackedIterator& other) const { return !(*this == other); }
+
+ private:
+  const char* at_;
+  Progress* progress_;
+};
+
+// What the grammar allows at the end of what the builder has seen; a parse error is described by it and the
+// first byte after it (past one ',' or ':' the grammar allows there, which nlohmann reads without an event).
+enum class Expect { Value, ValueOrClose, Key, KeyOrClose, Colon, AfterValue };
+
+class Builder {
+ public:
+  Builder(std::string_view text, const Progress& progress) : text_(text), progress_(progress) {}
+
+  Json take() { return std::move(root_); }
+
+  void expect_end() const {
+    const size_t pos = skip_whitespace(end_);
+    if (pos < text_.size())
+      parse_fail(pos, "unexpected ", describe_byte(static_cast<unsigned char>(text_[pos])), " after the value");
+  }
+
+  bool null() { return add(nullptr, pulled()); }
+  bool boolean(bool value) { return add(value, pulled()); }
+  bool number_integer(int64_t value) { return add(value, integer_end()); }
+  bool number_unsigned(uint64_t value) {
+    // Past int64 an integer is a double, as when it is written with an exponent.
+    const size_t end = integer_end();
+    if (value <= static_cast<uint64_t>(INT64_MAX)) return add(static_cast<int64_t>(value), end);
+    return add(static_cast<double>(value), end);
+  }
+  bool number_float(double, const std::string& token) {
+    const size_t end = number_end();
+    // from_chars, unlike nlohmann's strtod, reports an underflow to zero (1e-400) as out of range.
+    double value = 0;
+    const auto [last, status] = std::from_chars(token.data(), token.data() + token.size(), value);
+    if (status != std::errc() || last != token.data() + token.size())
+      parse_fail(end - token.size(), "number out of range");
+    return add(value, end);
+  }
+  bool string(std::string& value) { return add(std::move(value), pulled()); }
+  bool binary(Json::binary_t&) { return false; }  // JSON text has no binary values
+
+  bool start_object(size_t) { return open(Json::object(), Expect::KeyOrClose); }
+  bool start_array(size_t) { return open(Json::array(), Expect::ValueOrClose); }
+  bool end_object() { return close(); }
+  bool end_array() { return close(); }
+
+  bool key(std::string& key) {
+    end_ = pulled();
+    if (!open_.back().keys.insert(key).second) parse_fail(key_start(end_), "duplicate key ", quote(key));
+    key_ = std::move(key);
+    expect_ = Expect::Colon;
+    return true;
+  }
+
+  bool parse_error(size_t read, const std::string&, const nlohmann::detail::exception& error) {
+    describe(read, error);
   }
 
  private:
-  template <class... Parts>
-  [[noreturn]] void error(size_t at, const Parts&... parts) {
-    fail("json: ", parts..., " at byte ", at);
+  struct Open {
+    Json* value;
+    std::unordered_set<std::string> keys;  // of an object
+  };
+
+  size_t pulled() const { return static_cast<size_t>(progress_.pulled - text_.data()); }
+  size_t number_end() const { return progress_.at_end ? text_.size() : pulled() - 1; }
+
+  // A JSON integer never has a leading zero: nlohmann ends the number "0" (or "-0") where a digit follows.
+  size_t integer_end() const {
+    const size_t end = number_end();
+    if (end < text_.size() && text_[end] >= '0' && text_[end] <= '9')
+      parse_fail(end >= 2 && text_[end - 2] == '-' ? end - 2 : end - 1, "leading zero in number");
+    return end;
   }
 
-  bool at_end() const { return pos_ >= text_.size(); }
-  unsigned char peek() const { return static_cast<unsigned char>(text_[pos_]); }
-
-  void skip_whitespace() {
-    while (!at_end() && (peek() == ' ' || peek() == '\t' || peek() == '\n' || peek() == '\r')) ++pos_;
-  }
-
-  void expect_more(const char* what) {
-    if (at_end()) error(pos_, "unexpected end of input, expected ", what);
-  }
-
-  Value parse_value(int depth) {
-    expect_more("a value");
-    switch (peek()) {
-      case '{': return parse_object(depth);
-      case '[': return parse_array(depth);
-      case '"': return Value(parse_string());
-      case 't': parse_literal("true"); return Value(true);
-      case 'f': parse_literal("false"); return Value(false);
-      case 'n': parse_literal("null"); return Value(nullptr);
-      default:
-        if (peek() == '-' || (peek() >= '0' && peek() <= '9')) return parse_number();
-        error(pos_, "unexpected ", describe_byte(peek()), ", expected a value");
-    }
-  }
-
-  void parse_literal(std::string_view literal) {
-    if (text_.substr(pos_, literal.size()) != literal)
-      error(pos_, "invalid literal, expected '", literal, "'");
-    pos_ += literal.size();
-  }
-
-  void enter(int depth) {
-    if (depth >= kMaxDepth) error(pos_, "nesting deeper than ", kMaxDepth, " levels");
-  }
-
-  Value parse_array(int depth) {
-    enter(depth);
-    ++pos_;  // '['
-    Value::Array items;
-    skip_whitespace();
-    expect_more("a value or ']'");
-    if (peek() == ']') {
-      ++pos_;
-      return Value(std::move(items));
-    }
+  // The opening quote of the key that ends before `end`: the last '"' not escaped by a backslash.
+  size_t key_start(size_t end) const {
+    size_t quote = end - 1;
     while (true) {
-      skip_whitespace();
-      items.push_back(parse_value(depth + 1));
-      skip_whitespace();
-      expect_more("',' or ']'");
-      if (peek() == ']') {
-        ++pos_;
-        return Value(std::move(items));
-      }
-      if (peek() != ',') error(pos_, "unexpected ", describe_byte(peek()), " in array, expected ',' or ']'");
-      ++pos_;
+      quote = text_.rfind('"', quote - 1);
+      size_t backslashes = 0;
+      while (text_[quote - 1 - backslashes] == '\\') ++backslashes;
+      if (backslashes % 2 == 0) return quote;
     }
   }
 
-  Value parse_object(int depth) {
-    enter(depth);
-    ++pos_;  // '{'
-    Value::Object members;
-    std::unordered_set<std::string> keys;
-    skip_whitespace();
-    expect_more("a key or '}'");
-    if (peek() == '}') {
-      ++pos_;
-      return Value(std::move(members));
+  Json* place(Json value) {
+    if (open_.empty()) {
+      root_ = std::move(value);
+      return &root_;
     }
-    while (true) {
-      skip_whitespace();
-      expect_more("a key");
-      if (peek() != '"')
-        error(pos_, "unexpected ", describe_byte(peek()), " in object, expected a string key");
-      const size_t key_start = pos_;
-      std::string key = parse_string();
-      if (!keys.insert(key).second) error(key_start, "duplicate key ", quote(key));
-      skip_whitespace();
-      expect_more("':'");
-      if (peek() != ':') error(pos_, "unexpected ", describe_byte(peek()), " after object key, expected ':'");
-      ++pos_;
-      skip_whitespace();
-      Value value = parse_value(depth + 1);
-      members.emplace_back(std::move(key), std::move(value));
-      skip_whitespace();
-      expect_more("',' or '}'");
-      if (peek() == '}') {
-        ++pos_;
-        return Value(std::move(members));
-      }
-      if (peek() != ',') error(pos_, "unexpected ", describe_byte(peek()), " in object, expected ',' or '}'");
-      ++pos_;
+    Json& parent = *open_.back().value;
+    if (parent.is_array()) {
+      parent.get_ref<Json::array_t&>().push_back(std::move(value));
+      return &parent.back();
     }
+    // Appended without ordered_map's search for the key (quadratic in the members): keys are unique here.
+    Json::object_t::Container& members = parent.get_ref<Json::object_t&>();
+    members.emplace_back(std::move(key_), std::move(value));
+    return &members.back().second;
   }
 
-  uint32_t parse_hex4() {
-    uint32_t value = 0;
-    for (int i = 0; i < 4; ++i) {
-      expect_more("a hex digit");
-      const unsigned char c = peek();
-      uint32_t digit;
-      if (c >= '0' && c <= '9') digit = c - '0';
-      else if (c >= 'a' && c <= 'f') digit = c - 'a' + 10;
-      else if (c >= 'A' && c <= 'F') digit = c - 'A' + 10;
-      else error(pos_, "invalid hex digit ", describe_byte(c), " in \\u escape");
-      value = value * 16 + digit;
-      ++pos_;
-    }
-    return value;
+  bool add(Json value, size_t end) {
+    place(std::move(value));
+    end_ = end;
+    expect_ = Expect::AfterValue;
+    return true;
   }
 
-  std::string parse_string() {
-    ++pos_;  // opening quote
-    std::string out;
-    while (true) {
-      expect_more("'\"' to close the string");
-      const unsigned char c = peek();
-      if (c == '"') {
-        ++pos_;
-        return out;
-      }
-      if (c < 0x20) error(pos_, "unescaped control character ", describe_byte(c), " in string");
-      if (c == '\\') {
-        const size_t escape_start = pos_;
-        ++pos_;
-        expect_more("an escape character");
-        const unsigned char e = peek();
-        ++pos_;
-        switch (e) {
-          case '"': out += '"'; break;
-          case '\\': out += '\\'; break;
-          case '/': out += '/'; break;
-          case 'b': out += '\b'; break;
-          case 'f': out += '\f'; break;
-          case 'n': out += '\n'; break;
-          case 'r': out += '\r'; break;
-          case 't': out += '\t'; break;
-          case 'u': {
-            uint32_t code_point = parse_hex4();
-            if (code_point >= 0xDC00 && code_point <= 0xDFFF)
-              error(escape_start, "lone low surrogate \\u", text_.substr(escape_start + 2, 4), " in string");
-            if (code_point >= 0xD800 && code_point <= 0xDBFF) {
-              // A high surrogate must be followed by an escaped low surrogate; together they encode
-              // U+10000 + (high - D800) * 0x400 + (low - DC00).
-              if (text_.substr(pos_, 2) != "\\u")
-                error(escape_start, "high surrogate \\u", text_.substr(escape_start + 2, 4),
-                      " not followed by a low surrogate");
-              pos_ += 2;
-              const uint32_t low = parse_hex4();
-              if (low < 0xDC00 || low > 0xDFFF)
-                error(escape_start, "high surrogate \\u", text_.substr(escape_start + 2, 4),
-                      " not followed by a low surrogate");
-              code_point = 0x10000 + ((code_point - 0xD800) << 10) + (low - 0xDC00);
-            }
-            append_utf8(out, code_point);
-            break;
-          }
-          default: error(escape_start, "invalid escape '\\", static_cast<char>(e), "' in string");
-        }
-        continue;
-      }
-      const size_t length = utf8_sequence_length(text_, pos_);
-      if (length == 0) error(pos_, "invalid UTF-8 (", describe_byte(c), ") in string");
-      out.append(text_.substr(pos_, length));
-      pos_ += length;
-    }
+  bool open(Json container, Expect next) {
+    if (open_.size() >= kMaxDepth) parse_fail(pulled() - 1, "nesting deeper than ", kMaxDepth, " levels");
+    open_.push_back({place(std::move(container)), {}});
+    end_ = pulled();
+    expect_ = next;
+    return true;
   }
 
-  Value parse_number() {
-    const size_t start = pos_;
-    auto digit = [&] { return !at_end() && peek() >= '0' && peek() <= '9'; };
-    if (peek() == '-') ++pos_;
-    if (!digit()) error(pos_, "expected a digit in number");
-    if (peek() == '0') {
-      ++pos_;
-      if (digit()) error(start, "leading zero in number");
-    } else {
-      while (digit()) ++pos_;
+  bool close() {
+    open_.pop_back();
+    end_ = pulled();
+    expect_ = Expect::AfterValue;
+    return true;
+  }
+
+  size_t skip_whitespace(size_t pos) const {
+    const auto space = [](char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; };
+    while (pos < text_.size() && space(text_[pos])) ++pos;
+    return pos;
+  }
+
+  // The parser stopped having read `read` bytes (counting one for the end of the text).
+  [[noreturn]] void describe(size_t read, const nlohmann::detail::exception& error) const {
+    const bool in_array = !open_.empty() && open_.back().value->is_array();
+    Expect expect = expect_;
+    size_t pos = skip_whitespace(end_);
+    const auto at = [&](char c) { return pos < text_.size() && text_[pos] == c; };
+    if (expect == Expect::AfterValue && !open_.empty() && at(',')) {
+      pos = skip_whitespace(pos + 1);
+      expect = in_array ? Expect::Value : Expect::Key;
+    } else if (expect == Expect::Colon && at(':')) {
+      pos = skip_whitespace(pos + 1);
+      expect = Expect::Value;
     }
-    bool integral = true;
-    if (!at_end() && peek() == '.') {
-      integral = false;
-      ++pos_;
-      if (!digit()) error(pos_, "expected a digit after '.' in number");
-      while (digit()) ++pos_;
+    if (pos >= text_.size()) {
+      const char* wanted[] = {"a value", "a value or ']'", "a key", "a key or '}'", "':'",
+                              in_array ? "',' or ']'" : "',' or '}'"};
+      parse_fail(pos, "unexpected end of input, expected ", wanted[static_cast<int>(expect)]);
     }
-    if (!at_end() && (peek() == 'e' || peek() == 'E')) {
-      integral = false;
-      ++pos_;
-      if (!at_end() && (peek() == '+' || peek() == '-')) ++pos_;
-      if (!digit()) error(pos_, "expected a digit in the exponent of number");
-      while (digit()) ++pos_;
+    const char c = text_[pos];
+    const std::string got = describe_byte(static_cast<unsigned char>(c));
+    switch (expect) {
+      case Expect::Value:
+      case Expect::ValueOrClose:
+        if (c == '"') describe_string(read - 1, error);
+        if (c == '-' || (c >= '0' && c <= '9')) describe_number(pos, read - 1, error);
+        if (c == 't') parse_fail(pos, "invalid literal, expected 'true'");
+        if (c == 'f') parse_fail(pos, "invalid literal, expected 'false'");
+        if (c == 'n') parse_fail(pos, "invalid literal, expected 'null'");
+        parse_fail(pos, "unexpected ", got, ", expected a value");
+      case Expect::Key:
+      case Expect::KeyOrClose:
+        if (c == '"') describe_string(read - 1, error);
+        parse_fail(pos, "unexpected ", got, " in object, expected a string key");
+      case Expect::Colon: parse_fail(pos, "unexpected ", got, " after object key, expected ':'");
+      case Expect::AfterValue:
+        if (open_.empty()) parse_fail(pos, "unexpected ", got, " after the value");
+        if (in_array) parse_fail(pos, "unexpected ", got, " in array, expected ',' or ']'");
+        parse_fail(pos, "unexpected ", got, " in object, expected ',' or '}'");
     }
-    const char* first = text_.data() + start;
-    const char* last = text_.data() + pos_;
-    if (integral) {
-      int64_t value = 0;
-      const auto [end, status] = std::from_chars(first, last, value);
-      if (status == std::errc() && end == last) return Value(value);
-      // Out of int64 range: kept as a (rounded) Number, so a caller asking for an integer gets a clear error.
+    parse_fail(pos, error.what());
+  }
+
+  // An error inside a string; nlohmann stopped at the byte `stop` (the text's size for its end).
+  [[noreturn]] void describe_string(size_t stop, const nlohmann::detail::exception& error) const {
+    const std::string_view message = error.what();
+    const auto says = [&](std::string_view what) { return message.find(what) != std::string_view::npos; };
+    const bool end = stop >= text_.size();
+    if (says("missing closing quote")) parse_fail(stop, "unexpected end of input, expected '\"' to close the string");
+    if (says("control character"))
+      parse_fail(stop, "unescaped control character ", describe_byte(static_cast<unsigned char>(text_[stop])), " in string");
+    if (says("forbidden character after backslash")) {
+      if (end) parse_fail(stop, "unexpected end of input, expected an escape character");
+      parse_fail(stop - 1, "invalid escape '\\", text_[stop], "' in string");
     }
-    double value = 0;
-    const auto [end, status] = std::from_chars(first, last, value);
-    if (status == std::errc::result_out_of_range) error(start, "number out of range");
-    if (status != std::errc() || end != last) error(start, "invalid number");
-    return Value(value);
+    if (says("must be followed by 4 hex digits")) {
+      if (end) parse_fail(stop, "unexpected end of input, expected a hex digit");
+      parse_fail(stop, "invalid hex digit ", describe_byte(static_cast<unsigned char>(text_[stop])), " in \\u escape");
+    }
+    if (says("must follow U+D800..U+DBFF"))  // stop is the last hex digit of the escape
+      parse_fail(stop - 5, "lone low surrogate \\u", text_.substr(stop - 3, 4), " in string");
+    if (says("must be followed by U+DC00..U+DFFF")) {
+      // nlohmann stopped at the last hex digit of an escape that is no low surrogate, at the byte after
+      // the high surrogate's escape, or at the byte after a '\' that follows it.
+      const size_t high = stop >= 11 && text_[stop - 5] == '\\' ? stop - 11 : text_[stop - 1] == '\\' ? stop - 7
+                                                                                                       : stop - 6;
+      parse_fail(high, "high surrogate \\u", text_.substr(high + 2, 4), " not followed by a low surrogate");
+    }
+    if (says("ill-formed UTF-8 byte")) {
+      const size_t lead = utf8_lead_before(stop);
+      parse_fail(lead, "invalid UTF-8 (", describe_byte(static_cast<unsigned char>(text_[lead])), ") in string");
+    }
+    parse_fail(stop, error.what());
+  }
+
+  // The start of the UTF-8 sequence that fails at `stop`: the lead byte at most 3 bytes back whose sequence
+  // would reach `stop`, or stop itself (a byte that starts no sequence).
+  size_t utf8_lead_before(size_t stop) const {
+    for (size_t back = 1; back <= 3 && back <= stop; ++back) {
+      const unsigned char byte = static_cast<unsigned char>(text_[stop - back]);
+      if (byte >= 0x80 && byte <= 0xBF) continue;  // a continuation byte
+      unsigned char low, high;
+      return utf8_lead_length(byte, low, high) > back ? stop - back : stop;
+    }
+    return stop;
+  }
+
+  // An error inside the number that starts at `start`; nlohmann stopped at the byte `stop`.
+  [[noreturn]] void describe_number(size_t start, size_t stop, const nlohmann::detail::exception& error) const {
+    const std::string_view message = error.what();
+    const auto says = [&](std::string_view what) { return message.find(what) != std::string_view::npos; };
+    if (says("expected digit after '-'")) parse_fail(stop, "expected a digit in number");
+    if (says("expected digit after '.'")) parse_fail(stop, "expected a digit after '.' in number");
+    if (says("after exponent")) parse_fail(stop, "expected a digit in the exponent of number");
+    if (error.id == 406) parse_fail(start, "number out of range");  // an overflow to infinity
+    parse_fail(stop, error.what());
   }
 
   std::string_view text_;
-  size_t pos_ = 0;
+  const Progress& progress_;
+  Json root_;
+  std::vector<Open> open_;  // the arrays and objects being read, outermost first
+  std::string key_;         // of the object member whose value comes next
+  size_t end_ = 0;          // one past the last byte of what the builder has seen
+  Expect expect_ = Expect::Value;
 };
 
-void dump_to(const Value& value, std::string& out) {
-  switch (value.kind()) {
-    case Value::Kind::Null: out += "null"; break;
-    case Value::Kind::Bool: out += value.as_bool() ? "true" : "false"; break;
-    case Value::Kind::Integer: out += std::to_string(value.as_integer()); break;
-    case Value::Kind::Number: {
-      const double number = value.as_number();
+// nlohmann escapes '"', '\\' and control characters as mixtape's format has them (\n, \u001f, ...) and
+// copies other UTF-8 as it is; invalid UTF-8 is refused first, with the byte that starts no sequence.
+void check_utf8(std::string_view text) {
+  for (size_t pos = 0; pos < text.size();) {
+    const size_t length = utf8_sequence_length(text, pos);
+    if (length == 0)
+      fail("json: string is not valid UTF-8 (", describe_byte(static_cast<unsigned char>(text[pos])), " at byte ",
+           pos, ")");
+    pos += length;
+  }
+}
+
+void dump_to(const Json& value, std::string& out) {
+  switch (value.type()) {
+    case Json::value_t::null: out += "null"; break;
+    case Json::value_t::boolean: out += value.get<bool>() ? "true" : "false"; break;
+    case Json::value_t::number_integer: out += std::to_string(value.get<int64_t>()); break;
+    case Json::value_t::number_unsigned: out += std::to_string(value.get<uint64_t>()); break;
+    case Json::value_t::number_float: {
+      const double number = value.get<double>();
       check(std::isfinite(number), "json: cannot write the non-finite number ", number);
       char buffer[32];
       // 17 significant digits: reads back as the same double.
@@ -309,11 +361,14 @@ void dump_to(const Value& value, std::string& out) {
       out += buffer;
       break;
     }
-    case Value::Kind::String: out += quote(value.as_string()); break;
-    case Value::Kind::Array: {
+    case Json::value_t::string:
+      check_utf8(value.get_ref<const std::string&>());
+      out += value.dump();
+      break;
+    case Json::value_t::array: {
       out += '[';
       bool first = true;
-      for (const Value& item : value.as_array()) {
+      for (const Json& item : value.get_ref<const Json::array_t&>()) {
         if (!first) out += ',';
         first = false;
         dump_to(item, out);
@@ -321,10 +376,10 @@ void dump_to(const Value& value, std::string& out) {
       out += ']';
       break;
     }
-    case Value::Kind::Object: {
+    case Json::value_t::object: {
       out += '{';
       bool first = true;
-      for (const auto& [key, member] : value.as_object()) {
+      for (const auto& [key, member] : value.get_ref<const Json::object_t&>()) {
         if (!first) out += ',';
         first = false;
         out += quote(key);
@@ -334,77 +389,87 @@ void dump_to(const Value& value, std::string& out) {
       out += '}';
       break;
     }
+    default: fail("json: cannot write a JSON ", kind_name(value));
   }
+}
+
+[[noreturn]] void wrong_kind(const char* expected, const Json& got) {
+  fail("json: expected ", expected, ", got ", kind_name(got));
 }
 
 }  // namespace
 
-const char* kind_name(Value::Kind kind) {
-  switch (kind) {
-    case Value::Kind::Null: return "null";
-    case Value::Kind::Bool: return "bool";
-    case Value::Kind::Integer: return "integer";
-    case Value::Kind::Number: return "number";
-    case Value::Kind::String: return "string";
-    case Value::Kind::Array: return "array";
-    case Value::Kind::Object: return "object";
+Json parse(std::string_view text) {
+  Progress progress{text.data()};
+  Builder builder(text, progress);
+  // nlohmann skips a UTF-8 byte order mark; strict JSON has none (and its first byte starts no value).
+  if (!text.empty() && static_cast<unsigned char>(text[0]) == 0xEF)
+    parse_fail(0, "unexpected ", describe_byte(0xEF), ", expected a value");
+  Json::sax_parse(TrackedIterator(text.data(), &progress), TrackedIterator(text.data() + text.size(), &progress),
+                  &builder);
+  // nlohmann ends the text at a NUL byte outside strings.
+  builder.expect_end();
+  return builder.take();
+}
+
+std::string dump(const Json& value) {
+  std::string out;
+  dump_to(value, out);
+  return out;
+}
+
+const char* kind_name(const Json& value) {
+  switch (value.type()) {
+    case Json::value_t::null: return "null";
+    case Json::value_t::boolean: return "bool";
+    case Json::value_t::number_integer: return "integer";
+    case Json::value_t::number_unsigned:
+      return value.get<uint64_t>() <= static_cast<uint64_t>(INT64_MAX) ? "integer" : "number";
+    case Json::value_t::number_float: return "number";
+    case Json::value_t::string: return "string";
+    case Json::value_t::array: return "array";
+    case Json::value_t::object: return "object";
+    case Json::value_t::binary: return "binary";
+    case Json::value_t::discarded: return "discarded";
   }
   return "?";
 }
 
-namespace {
-[[noreturn]] void wrong_kind(Value::Kind expected, Value::Kind got) {
-  fail("json: expected ", kind_name(expected), ", got ", kind_name(got));
-}
-}  // namespace
-
-bool Value::as_bool() const {
-  if (!is_bool()) wrong_kind(Kind::Bool, kind());
-  return std::get<bool>(data_);
-}
-int64_t Value::as_integer() const {
-  if (!is_integer()) wrong_kind(Kind::Integer, kind());
-  return std::get<int64_t>(data_);
-}
-double Value::as_number() const {
-  if (is_integer()) return static_cast<double>(std::get<int64_t>(data_));
-  if (!is_number()) wrong_kind(Kind::Number, kind());
-  return std::get<double>(data_);
-}
-const std::string& Value::as_string() const {
-  if (!is_string()) wrong_kind(Kind::String, kind());
-  return std::get<std::string>(data_);
-}
-const Value::Array& Value::as_array() const {
-  if (!is_array()) wrong_kind(Kind::Array, kind());
-  return std::get<Array>(data_);
-}
-const Value::Object& Value::as_object() const {
-  if (!is_object()) wrong_kind(Kind::Object, kind());
-  return std::get<Object>(data_);
-}
-Value::Array& Value::as_array() {
-  if (!is_array()) wrong_kind(Kind::Array, kind());
-  return std::get<Array>(data_);
-}
-Value::Object& Value::as_object() {
-  if (!is_object()) wrong_kind(Kind::Object, kind());
-  return std::get<Object>(data_);
+bool as_bool(const Json& value) {
+  if (!value.is_boolean()) wrong_kind("bool", value);
+  return value.get<bool>();
 }
 
-const Value* Value::find(std::string_view key) const {
-  for (const auto& [name, value] : as_object())
+int64_t as_integer(const Json& value) {
+  if (std::string_view(kind_name(value)) != "integer") wrong_kind("integer", value);
+  return value.get<int64_t>();
+}
+
+double as_number(const Json& value) {
+  if (!value.is_number()) wrong_kind("number", value);
+  return value.get<double>();
+}
+
+const std::string& as_string(const Json& value) {
+  if (!value.is_string()) wrong_kind("string", value);
+  return value.get_ref<const std::string&>();
+}
+
+const Json::array_t& as_array(const Json& value) {
+  if (!value.is_array()) wrong_kind("array", value);
+  return value.get_ref<const Json::array_t&>();
+}
+
+const Json::object_t& as_object(const Json& value) {
+  if (!value.is_object()) wrong_kind("object", value);
+  return value.get_ref<const Json::object_t&>();
+}
+
+const Json* find(const Json& object, std::string_view key) {
+  for (const auto& [name, value] : as_object(object))
     if (name == key) return &value;
   return nullptr;
 }
-
-std::string Value::dump() const {
-  std::string out;
-  dump_to(*this, out);
-  return out;
-}
-
-Value parse(std::string_view text) { return Parser(text).parse_document(); }
 
 bool is_valid_utf8(std::string_view text) {
   for (size_t pos = 0; pos < text.size();) {
@@ -416,37 +481,8 @@ bool is_valid_utf8(std::string_view text) {
 }
 
 std::string quote(std::string_view text) {
-  std::string out = "\"";
-  for (size_t pos = 0; pos < text.size();) {
-    const unsigned char c = static_cast<unsigned char>(text[pos]);
-    if (c >= 0x80) {
-      const size_t length = utf8_sequence_length(text, pos);
-      if (length == 0) fail("json: string is not valid UTF-8 (", describe_byte(c), " at byte ", pos, ")");
-      out.append(text.substr(pos, length));
-      pos += length;
-      continue;
-    }
-    switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\b': out += "\\b"; break;
-      case '\f': out += "\\f"; break;
-      case '\n': out += "\\n"; break;
-      case '\r': out += "\\r"; break;
-      case '\t': out += "\\t"; break;
-      default:
-        if (c < 0x20) {
-          char buffer[8];
-          std::snprintf(buffer, sizeof buffer, "\\u%04x", c);
-          out += buffer;
-        } else {
-          out += static_cast<char>(c);
-        }
-    }
-    ++pos;
-  }
-  out += '"';
-  return out;
+  check_utf8(text);
+  return Json(std::string(text)).dump();
 }
 
 }  // namespace mixtape::json

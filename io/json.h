@@ -1,69 +1,47 @@
 #pragma once
-// A small strict JSON (RFC 8259) reader and writer: enough for safetensors headers and checkpoint metadata.
-// Strict means: no comments, no trailing commas, no leading zeros, no control characters or invalid UTF-8
-// in strings, no lone surrogates, no duplicate object keys, nothing after the value but whitespace. Every
-// error is a mixtape::Error "json: <problem> at byte <offset>", offset counted from the start of the text.
+// JSON for safetensors headers, checkpoint metadata and logs: nlohmann::ordered_json values (members keep the
+// order they were written or added in, so writers control the layout on disk), with a strict reader and a
+// writer whose text is part of mixtape's file formats.
+//
+// Strict means (RFC 8259): no comments, no byte order mark, no trailing commas, no leading zeros, no
+// control characters or invalid UTF-8 in strings, no lone surrogates, no duplicate object keys, no nesting
+// deeper than 256 levels, nothing after the value but whitespace. Every reader error is a mixtape::Error
+// "json: <problem> at byte <offset>", offset counted from the start of the text.
 #include <cstdint>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <string_view>
-#include <utility>
-#include <variant>
-#include <vector>
 
-namespace mixtape::json {
+namespace mixtape {
 
-class Value {
- public:
-  enum class Kind { Null, Bool, Integer, Number, String, Array, Object };
-  using Array = std::vector<Value>;
-  // Members keep the order they had in the text (or were added in): writers control the layout on disk.
-  using Object = std::vector<std::pair<std::string, Value>>;
+using Json = nlohmann::ordered_json;
 
-  Value() = default;  // null
-  Value(std::nullptr_t) {}
-  Value(bool value) : data_(value) {}
-  Value(int value) : data_(int64_t{value}) {}
-  Value(int64_t value) : data_(value) {}
-  Value(double value) : data_(value) {}
-  Value(const char* value) : data_(std::string(value)) {}
-  Value(std::string value) : data_(std::move(value)) {}
-  Value(Array value) : data_(std::move(value)) {}
-  Value(Object value) : data_(std::move(value)) {}
+namespace json {
 
-  Kind kind() const { return static_cast<Kind>(data_.index()); }
-  bool is_null() const { return kind() == Kind::Null; }
-  bool is_bool() const { return kind() == Kind::Bool; }
-  bool is_integer() const { return kind() == Kind::Integer; }  // a number written without fraction/exponent
-  bool is_number() const { return kind() == Kind::Number; }  // any other number (or an integer past int64)
-  bool is_string() const { return kind() == Kind::String; }
-  bool is_array() const { return kind() == Kind::Array; }
-  bool is_object() const { return kind() == Kind::Object; }
+// Parses one JSON value. Numbers without fraction or exponent that fit int64 are integers (int64), other
+// numbers are doubles (so a count past int64 is not an integer, and callers wanting a count reject it).
+Json parse(std::string_view text);
 
-  // Accessors throw Error "json: expected <kind>, got <kind>" on the wrong kind.
-  bool as_bool() const;
-  int64_t as_integer() const;
-  double as_number() const;  // integers convert
-  const std::string& as_string() const;
-  const Array& as_array() const;
-  const Object& as_object() const;
-  Array& as_array();
-  Object& as_object();
+// Compact text (no spaces), non-ASCII written as raw UTF-8, like Python's json.dumps(ensure_ascii=False,
+// separators=(",", ":")) and serde_json. Doubles are written with 17 significant digits ("%.17g": they read
+// back as the same double); a non-finite double or a string that is not UTF-8 is an Error. The text is part
+// of file formats: Json::dump writes doubles in another form ("0.1", "1.0" where this writes
+// "0.10000000000000001", "1"), so mixtape writes JSON through this function only.
+std::string dump(const Json& value);
 
-  const Value* find(std::string_view key) const;  // objects only; null when absent
+// "null", "bool", "integer" (an int64, or a uint64 within int64's range), "number" (a double, or a uint64
+// past int64, as parse reads one), "string", "array", "object".
+const char* kind_name(const Json& value);
 
-  // Compact text (no spaces), non-ASCII written as raw UTF-8, like Python's json.dumps(ensure_ascii=False,
-  // separators=(",", ":")) and serde_json.
-  std::string dump() const;
+// Checked access: Error "json: expected <kind>, got <kind>" on the wrong kind.
+bool as_bool(const Json& value);
+int64_t as_integer(const Json& value);
+double as_number(const Json& value);  // integers convert
+const std::string& as_string(const Json& value);
+const Json::array_t& as_array(const Json& value);
+const Json::object_t& as_object(const Json& value);
 
- private:
-  std::variant<std::nullptr_t, bool, int64_t, double, std::string, Array, Object> data_;
-};
-
-const char* kind_name(Value::Kind kind);  // "null", "bool", "integer", "number", "string", "array", "object"
-
-// Parses one JSON value. Nesting deeper than 256 levels is an error (so hostile input cannot overflow the
-// stack). Numbers without fraction or exponent that fit int64 are Integer, other numbers are Number.
-Value parse(std::string_view text);
+const Json* find(const Json& object, std::string_view key);  // objects only; null when absent
 
 // The JSON string literal for text, quotes included. Throws Error if text is not valid UTF-8.
 std::string quote(std::string_view text);
@@ -71,4 +49,5 @@ std::string quote(std::string_view text);
 // True when text is well-formed UTF-8 (no overlongs, no surrogates, nothing past U+10FFFF).
 bool is_valid_utf8(std::string_view text);
 
-}  // namespace mixtape::json
+}  // namespace json
+}  // namespace mixtape

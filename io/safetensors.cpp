@@ -199,29 +199,34 @@ void save_safetensors(const std::string& path, const StateDict& state) {
     return layout_rank(a.tensor.dtype()) < layout_rank(b.tensor.dtype());
   });
 
-  json::Value::Object header;
+  // Members are appended as they are: tensor names are unique and differ from "__metadata__", so the search
+  // for an existing key that ordered_json's insertion makes (quadratic in the tensors) is skipped.
+  Json header = Json::object();
+  auto append = [](Json& object, const std::string& key, Json value) {
+    Json::object_t::Container& members = object.get_ref<Json::object_t&>();
+    members.emplace_back(key, std::move(value));
+  };
   if (!state.metadata.empty()) {
-    json::Value::Object metadata;
+    Json metadata = Json::object();
     for (const auto& [key, value] : state.metadata) {
       check(json::is_valid_utf8(key) && json::is_valid_utf8(value), "save_safetensors: '", path,
             "': metadata entry is not valid UTF-8");
-      metadata.emplace_back(key, json::Value(value));
+      append(metadata, key, value);
     }
-    header.emplace_back("__metadata__", json::Value(std::move(metadata)));
+    append(header, "__metadata__", std::move(metadata));
   }
   uint64_t offset = 0;
   for (const Entry& entry : entries) {
-    json::Value::Array shape;
-    for (int64_t size : entry.tensor.shape()) shape.emplace_back(size);
-    json::Value::Array offsets{json::Value(static_cast<int64_t>(offset)),
-                               json::Value(static_cast<int64_t>(offset + entry.bytes))};
-    header.emplace_back(entry.name, json::Value(json::Value::Object{
-                                        {"dtype", json::Value(safetensors_dtype_name(entry.tensor.dtype()))},
-                                        {"shape", json::Value(std::move(shape))},
-                                        {"data_offsets", json::Value(std::move(offsets))}}));
+    Json shape = Json::array();
+    for (int64_t size : entry.tensor.shape()) shape.push_back(size);
+    const Json offsets = Json::array({static_cast<int64_t>(offset), static_cast<int64_t>(offset + entry.bytes)});
+    append(header, entry.name,
+           Json::object({{"dtype", safetensors_dtype_name(entry.tensor.dtype())},
+                         {"shape", std::move(shape)},
+                         {"data_offsets", offsets}}));
     offset += entry.bytes;
   }
-  std::string header_text = json::Value(std::move(header)).dump();
+  std::string header_text = json::dump(header);
   // Spaces are JSON whitespace: padding the header to a multiple of 8 aligns the data region for mmap
   // readers.
   header_text.append((8 - header_text.size() % 8) % 8, ' ');
@@ -298,7 +303,7 @@ class Loader {
     // ---- the header ----
     std::string header_text(header_length, '\0');
     read_exactly(fd, header_text.data(), header_length, "the header");
-    json::Value header;
+    Json header;
     try {
       header = json::parse(header_text);
     } catch (const Error& error) {
@@ -310,11 +315,11 @@ class Loader {
       problem("out of memory parsing its ", header_length, "-byte JSON header");
     }
     if (!header.is_object())
-      problem("the header is a JSON ", json::kind_name(header.kind()), ", not an object");
+      problem("the header is a JSON ", json::kind_name(header), ", not an object");
 
     StateDict state;
     std::vector<Planned> plan;
-    for (const auto& [name, entry] : header.as_object()) {
+    for (const auto& [name, entry] : json::as_object(header)) {
       if (name == "__metadata__") {
         read_metadata(entry, state);
       } else {
@@ -373,57 +378,58 @@ class Loader {
     if (status != 0) problem("cannot read ", what, ": ", system_error_text(status));
   }
 
-  void read_metadata(const json::Value& metadata, StateDict& state) const {
+  void read_metadata(const Json& metadata, StateDict& state) const {
     if (!metadata.is_object())
-      problem("__metadata__ is a JSON ", json::kind_name(metadata.kind()), ", expected an object of strings");
-    for (const auto& [key, value] : metadata.as_object()) {
+      problem("__metadata__ is a JSON ", json::kind_name(metadata), ", expected an object of strings");
+    for (const auto& [key, value] : json::as_object(metadata)) {
       if (!value.is_string())
-        problem("__metadata__ value of '", key, "' is a JSON ", json::kind_name(value.kind()),
-                " (", value.dump(), "), expected a string");
-      state.metadata.emplace(key, value.as_string());
+        problem("__metadata__ value of '", key, "' is a JSON ", json::kind_name(value),
+                " (", json::dump(value), "), expected a string");
+      state.metadata.emplace(key, json::as_string(value));
     }
   }
 
   // A non-negative integer, or an error naming the field and the tensor.
-  uint64_t read_count(const json::Value& value, const char* field, const std::string& tensor) const {
-    if (!value.is_integer() || value.as_integer() < 0)
-      problem(field, " of tensor '", tensor, "' has the entry ", value.dump(),
-              value.is_number() ? " (written with a fraction or an exponent, or beyond int64)" : "",
+  uint64_t read_count(const Json& value, const char* field, const std::string& tensor) const {
+    if (!value.is_number_integer() || json::as_integer(value) < 0)
+      problem(field, " of tensor '", tensor, "' has the entry ", json::dump(value),
+              value.is_number_float() ? " (written with a fraction or an exponent, or beyond int64)" : "",
               ", expected a non-negative integer");
-    return static_cast<uint64_t>(value.as_integer());
+    return static_cast<uint64_t>(json::as_integer(value));
   }
 
-  Planned plan_tensor(const std::string& name, const json::Value& entry) const {
+  Planned plan_tensor(const std::string& name, const Json& entry) const {
     if (!entry.is_object())
-      problem("header entry of tensor '", name, "' is a JSON ", json::kind_name(entry.kind()),
+      problem("header entry of tensor '", name, "' is a JSON ", json::kind_name(entry),
               ", expected an object with dtype, shape and data_offsets");
-    const json::Value* dtype = entry.find("dtype");
-    const json::Value* shape = entry.find("shape");
-    const json::Value* offsets = entry.find("data_offsets");
-    using Field = std::pair<const char*, const json::Value*>;
+    const Json* dtype = json::find(entry, "dtype");
+    const Json* shape = json::find(entry, "shape");
+    const Json* offsets = json::find(entry, "data_offsets");
+    using Field = std::pair<const char*, const Json*>;
     for (auto [field, value] : std::initializer_list<Field>{{"dtype", dtype}, {"shape", shape},
                                                             {"data_offsets", offsets}})
       if (value == nullptr) problem("header entry of tensor '", name, "' lacks \"", field, "\"");
 
     if (!dtype->is_string())
-      problem("dtype of tensor '", name, "' is ", dtype->dump(), ", expected a string");
-    const std::optional<DType> parsed_dtype = dtype_from_safetensors(dtype->as_string());
+      problem("dtype of tensor '", name, "' is ", json::dump(*dtype), ", expected a string");
+    const std::optional<DType> parsed_dtype = dtype_from_safetensors(json::as_string(*dtype));
     if (!parsed_dtype)
-      problem("not supported: dtype ", dtype->as_string(), " in tensor '", name,
+      problem("not supported: dtype ", json::as_string(*dtype), " in tensor '", name,
               "' (mixtape reads F32, F16, BF16, F64, I32 and I64)");
 
-    if (!shape->is_array()) problem("shape of tensor '", name, "' is ", shape->dump(), ", expected an array");
+    if (!shape->is_array())
+      problem("shape of tensor '", name, "' is ", json::dump(*shape), ", expected an array");
     // No model has tensors of more than a handful of dimensions: a longer shape (a hostile header's million
     // 1s) is refused before it is copied, or printed into an error message of megabytes.
-    if (shape->as_array().size() > kMaxRank)
-      problem("shape of tensor '", name, "' has ", shape->as_array().size(), " dimensions, more than the ",
+    if (shape->size() > kMaxRank)
+      problem("shape of tensor '", name, "' has ", shape->size(), " dimensions, more than the ",
               kMaxRank, " this reader accepts");
     Planned planned{name, *parsed_dtype, {}, 0, 0};
     // numel * itemsize, with overflow detected: a hostile shape must not wrap around to a small size. The
     // product of the non-zero extents must fit int64 even when some extent is 0, or the strides would not.
     uint64_t nonzero_product = 1;
     bool has_zero = false, overflow = false;
-    for (const json::Value& size : shape->as_array()) {
+    for (const Json& size : *shape) {
       const uint64_t extent = read_count(size, "shape", name);
       if (extent == 0) has_zero = true;
       else overflow = overflow || __builtin_mul_overflow(nonzero_product, extent, &nonzero_product);
@@ -433,19 +439,20 @@ class Loader {
     if (!has_zero)
       overflow = overflow || __builtin_mul_overflow(nonzero_product, dtype_size(*parsed_dtype), &bytes);
     if (overflow || nonzero_product > static_cast<uint64_t>(INT64_MAX))
-      problem("shape ", shape->dump(), " of tensor '", name,
+      problem("shape ", json::dump(*shape), " of tensor '", name,
               "' is too large (more than 2^63 elements or bytes)");
 
-    if (!offsets->is_array() || offsets->as_array().size() != 2)
-      problem("data_offsets of tensor '", name, "' is ", offsets->dump(), ", expected [begin, end]");
-    planned.begin = read_count(offsets->as_array()[0], "data_offsets", name);
-    planned.end = read_count(offsets->as_array()[1], "data_offsets", name);
+    if (!offsets->is_array() || offsets->size() != 2)
+      problem("data_offsets of tensor '", name, "' is ", json::dump(*offsets), ", expected [begin, end]");
+    planned.begin = read_count((*offsets)[0], "data_offsets", name);
+    planned.end = read_count((*offsets)[1], "data_offsets", name);
     if (planned.end < planned.begin)
       problem("data_offsets [", planned.begin, ", ", planned.end, "] of tensor '", name,
               "' end before they begin");
     if (planned.end - planned.begin != bytes)
       problem("tensor '", name, "' has data_offsets [", planned.begin, ", ", planned.end, "] (",
-              planned.end - planned.begin, " bytes) but ", dtype->as_string(), " ", shape_str(planned.shape),
+              planned.end - planned.begin, " bytes) but ", json::as_string(*dtype), " ",
+              shape_str(planned.shape),
               " needs ", bytes, " bytes");
     return planned;
   }

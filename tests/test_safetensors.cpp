@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -28,49 +29,65 @@ namespace fs = std::filesystem;
 // ============================================================================ JSON
 
 TEST(Json, ParsesNestedObjectsArraysNumbersAndLiterals) {
-  const json::Value value =
+  const Json value =
       json::parse(" {\"a\": [1, -2, 3.5, true, false, null, {\"b\": []}], \"c\": {}, \"d\": \"x\"} \n");
   ASSERT_TRUE(value.is_object());
-  const auto& members = value.as_object();
+  const auto& members = json::as_object(value);
   ASSERT_EQ(members.size(), 3u);
-  EXPECT_EQ(members[0].first, "a");  // order kept as written
-  EXPECT_EQ(members[1].first, "c");
-  EXPECT_EQ(members[2].first, "d");
-  const auto& a = value.find("a")->as_array();
+  EXPECT_EQ(members.begin()[0].first, "a");  // order kept as written
+  EXPECT_EQ(members.begin()[1].first, "c");
+  EXPECT_EQ(members.begin()[2].first, "d");
+  const auto& a = json::as_array(*json::find(value, "a"));
   ASSERT_EQ(a.size(), 7u);
-  EXPECT_EQ(a[0].as_integer(), 1);
-  EXPECT_EQ(a[1].as_integer(), -2);
-  EXPECT_TRUE(a[2].is_number());
-  EXPECT_EQ(a[2].as_number(), 3.5);
-  EXPECT_TRUE(a[3].as_bool());
-  EXPECT_FALSE(a[4].as_bool());
+  EXPECT_EQ(json::as_integer(a[0]), 1);
+  EXPECT_EQ(json::as_integer(a[1]), -2);
+  EXPECT_STREQ(json::kind_name(a[2]), "number");
+  EXPECT_EQ(json::as_number(a[2]), 3.5);
+  EXPECT_TRUE(json::as_bool(a[3]));
+  EXPECT_FALSE(json::as_bool(a[4]));
   EXPECT_TRUE(a[5].is_null());
-  EXPECT_TRUE(a[6].find("b")->as_array().empty());
-  EXPECT_TRUE(value.find("c")->as_object().empty());
-  EXPECT_EQ(value.find("d")->as_string(), "x");
-  EXPECT_EQ(value.find("missing"), nullptr);
-  EXPECT_ERROR_MENTIONS(value.find("d")->as_integer(), "expected integer", "got string");
+  EXPECT_TRUE(json::as_array(*json::find(a[6], "b")).empty());
+  EXPECT_TRUE(json::as_object(*json::find(value, "c")).empty());
+  EXPECT_EQ(json::as_string(*json::find(value, "d")), "x");
+  EXPECT_EQ(json::find(value, "missing"), nullptr);
+  EXPECT_ERROR_MENTIONS(json::as_integer(*json::find(value, "d")), "expected integer", "got string");
+  EXPECT_ERROR_MENTIONS(json::as_number(a[3]), "expected number", "got bool");
+  EXPECT_ERROR_MENTIONS(json::find(a[0], "x"), "expected object", "got integer");
+}
+
+TEST(Json, NamesEachKind) {
+  const Json value = json::parse(R"([null, true, 1, 1.5, "s", [], {}])");
+  std::vector<std::string> kinds;
+  for (const Json& item : json::as_array(value)) kinds.push_back(json::kind_name(item));
+  EXPECT_EQ(kinds, (std::vector<std::string>{"null", "bool", "integer", "number", "string", "array", "object"}));
+  // Built in code: an unsigned count is an integer while it fits int64.
+  EXPECT_STREQ(json::kind_name(Json(uint64_t{7})), "integer");
+  EXPECT_EQ(json::as_integer(Json(uint64_t{7})), 7);
+  EXPECT_STREQ(json::kind_name(Json(uint64_t{1} << 63)), "number");
+  EXPECT_ERROR_MENTIONS(json::as_integer(Json(uint64_t{1} << 63)), "expected integer", "got number");
 }
 
 TEST(Json, IntegersFitInt64AndOtherNumbersAreDoubles) {
-  EXPECT_EQ(json::parse("9223372036854775807").as_integer(), INT64_MAX);
-  EXPECT_EQ(json::parse("-9223372036854775808").as_integer(), INT64_MIN);
-  EXPECT_EQ(json::parse("-0").as_integer(), 0);
+  EXPECT_EQ(json::as_integer(json::parse("9223372036854775807")), INT64_MAX);
+  EXPECT_EQ(json::as_integer(json::parse("-9223372036854775808")), INT64_MIN);
+  EXPECT_EQ(json::as_integer(json::parse("-0")), 0);
   // One past int64: still a number, but not an integer, so callers wanting a count reject it.
-  EXPECT_TRUE(json::parse("9223372036854775808").is_number());
-  EXPECT_EQ(json::parse("1e3").as_number(), 1000.0);
-  EXPECT_TRUE(json::parse("1e3").is_number());
-  EXPECT_EQ(json::parse("-1.25E-2").as_number(), -0.0125);
-  EXPECT_ERROR_MENTIONS(json::parse("1e400"), "out of range", "at byte 0");
+  EXPECT_STREQ(json::kind_name(json::parse("9223372036854775808")), "number");
+  EXPECT_STREQ(json::kind_name(json::parse("-9223372036854775809")), "number");
+  EXPECT_EQ(json::as_number(json::parse("1e3")), 1000.0);
+  EXPECT_STREQ(json::kind_name(json::parse("1e3")), "number");
+  EXPECT_EQ(json::as_number(json::parse("-1.25E-2")), -0.0125);
+  EXPECT_ERROR_MENTIONS(json::parse("1e400"), "number out of range at byte 0");
+  EXPECT_ERROR_MENTIONS(json::parse("[1e-400]"), "number out of range at byte 1");  // underflow to zero
 }
 
 TEST(Json, DecodesEveryEscapeIncludingSurrogatePairs) {
   const std::string text = R"("\" \\ \/ \b \f \n \r \t \u0041 \u00e9 \u20AC \ud83d\ude00 \uD834\uDD1E")";
   const std::string expected =
       "\" \\ / \b \f \n \r \t A \xC3\xA9 \xE2\x82\xAC \xF0\x9F\x98\x80 \xF0\x9D\x84\x9E";
-  EXPECT_EQ(json::parse(text).as_string(), expected);
+  EXPECT_EQ(json::as_string(json::parse(text)), expected);
   // Raw UTF-8 passes through unchanged.
-  EXPECT_EQ(json::parse("\"caf\xC3\xA9 \xF0\x9F\x98\x80\"").as_string(), "caf\xC3\xA9 \xF0\x9F\x98\x80");
+  EXPECT_EQ(json::as_string(json::parse("\"caf\xC3\xA9 \xF0\x9F\x98\x80\"")), "caf\xC3\xA9 \xF0\x9F\x98\x80");
 }
 
 TEST(Json, RejectsMalformedTextNamingTheProblemAndByteOffset) {
@@ -106,6 +123,25 @@ TEST(Json, RejectsMalformedTextNamingTheProblemAndByteOffset) {
       {"\"\xE2\x82\"", "invalid UTF-8", 1},          // truncated sequence
       {"{\"k\":1,\"k\":2}", "duplicate key \"k\"", 7},
       {"[{\"a\":{\"a\":1,\"a\":2}}]", "duplicate key \"a\"", 13},
+      {"{\"\\u00e9\":1,\"\xC3\xA9\":2}", "duplicate key \"\xC3\xA9\"", 12},  // the same key, escaped or not
+      {"{\"a\\\"\":1,\"a\\\"\":2}", "duplicate key \"a\\\"\"", 9},
+      {"[", "unexpected end of input, expected a value or ']'", 1},
+      {"[1,", "unexpected end of input, expected a value", 3},
+      {"[1", "unexpected end of input, expected ',' or ']'", 2},
+      {"{", "unexpected end of input, expected a key or '}'", 1},
+      {"{\"a\":1,", "unexpected end of input, expected a key", 7},
+      {"{\"a\"", "unexpected end of input, expected ':'", 4},
+      {"{\"a\":1", "unexpected end of input, expected ',' or '}'", 6},
+      {"\"\\", "unexpected end of input, expected an escape character", 2},
+      {"\"\\u12", "unexpected end of input, expected a hex digit", 5},
+      {"\"\\ud800\\u00zz\"", "invalid hex digit 'z' in \\u escape", 11},
+      {"\"\\uD800\\uDBFF\"", "high surrogate \\uD800 not followed by a low surrogate", 1},
+      {"-01", "leading zero in number", 0},
+      {"[1 true]", "unexpected 't' in array, expected ',' or ']'", 3},
+      {"{\"a\":tru}", "invalid literal, expected 'true'", 5},
+      {"/* c */ 1", "unexpected '/', expected a value", 0},
+      {"\xEF\xBB\xBF{}", "unexpected byte 0xef, expected a value", 0},  // no byte order mark
+      {std::string("{}\0", 3), "unexpected byte 0x00 after the value", 2},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.text);
@@ -114,26 +150,39 @@ TEST(Json, RejectsMalformedTextNamingTheProblemAndByteOffset) {
 }
 
 TEST(Json, LimitsNestingDepthInsteadOfOverflowingTheStack) {
-  EXPECT_NO_THROW(json::parse(std::string(200, '[') + std::string(200, ']')));
-  EXPECT_ERROR_MENTIONS(json::parse(std::string(100000, '[')), "nesting deeper than 256");
+  EXPECT_NO_THROW(json::parse(std::string(256, '[') + std::string(256, ']')));
+  EXPECT_ERROR_MENTIONS(json::parse(std::string(100000, '[')), "json: nesting deeper than 256 levels at byte 256");
+  // Objects count as levels too; the error names the first bracket past the limit.
+  EXPECT_ERROR_MENTIONS(json::parse(std::string(256, '[') + "{\"a\":1}" + std::string(256, ']')),
+                        "nesting deeper than 256 levels at byte 256");
+  EXPECT_ERROR_MENTIONS(json::parse("{\"a\": " + std::string(300, '[')), "nesting deeper than 256 levels at byte 261");
 }
 
 TEST(Json, WriterEscapesAndRoundTrips) {
-  EXPECT_EQ(json::quote("a\"b\\c\n\t\x01\x1f/\xC3\xA9"), "\"a\\\"b\\\\c\\n\\t\\u0001\\u001f/\xC3\xA9\"");
-  EXPECT_ERROR_MENTIONS(json::quote("ok\xFF"), "not valid UTF-8", "at byte 2");
-  json::Value::Object object;
-  object.emplace_back("s", json::Value("x\"\n\xF0\x9F\x98\x80"));
-  object.emplace_back("i", json::Value(int64_t{-42}));
-  object.emplace_back("d", json::Value(0.1));
-  object.emplace_back("a", json::Value(json::Value::Array{json::Value(true), json::Value(nullptr)}));
-  const std::string text = json::Value(object).dump();
-  EXPECT_EQ(text,
-            "{\"s\":\"x\\\"\\n\xF0\x9F\x98\x80\",\"i\":-42,\"d\":0.10000000000000001,\"a\":[true,null]}");
-  const json::Value back = json::parse(text);
-  EXPECT_EQ(back.find("s")->as_string(), "x\"\n\xF0\x9F\x98\x80");
-  EXPECT_EQ(back.find("i")->as_integer(), -42);
-  EXPECT_EQ(back.find("d")->as_number(), 0.1);  // 17 digits read back as the same double
-  EXPECT_EQ(back.dump(), text);
+  EXPECT_EQ(json::quote("a\"b\\c\n\t\x01\x1f/\xC3\xA9\x7f"), "\"a\\\"b\\\\c\\n\\t\\u0001\\u001f/\xC3\xA9\x7f\"");
+  EXPECT_ERROR_MENTIONS(json::quote("ok\xFF"), "json: string is not valid UTF-8 (byte 0xff at byte 2)");
+  EXPECT_ERROR_MENTIONS(json::dump(Json("\xE2\x82")), "not valid UTF-8 (byte 0xe2 at byte 0)");
+  Json object = Json::object();
+  object["s"] = "x\"\n\xF0\x9F\x98\x80";
+  object["i"] = int64_t{-42};
+  object["d"] = 0.1;
+  object["a"] = Json::array({true, nullptr});
+  object["e"] = Json::object();
+  const std::string text = json::dump(object);
+  EXPECT_EQ(text, "{\"s\":\"x\\\"\\n\xF0\x9F\x98\x80\",\"i\":-42,\"d\":0.10000000000000001,\"a\":[true,null],"
+                  "\"e\":{}}");
+  const Json back = json::parse(text);
+  EXPECT_EQ(json::as_string(*json::find(back, "s")), "x\"\n\xF0\x9F\x98\x80");
+  EXPECT_EQ(json::as_integer(*json::find(back, "i")), -42);
+  EXPECT_EQ(json::as_number(*json::find(back, "d")), 0.1);  // 17 digits read back as the same double
+  EXPECT_EQ(json::dump(back), text);
+}
+
+TEST(Json, WritesNumbersWithSeventeenDigitsAndRefusesNonFiniteOnes) {
+  EXPECT_EQ(json::dump(Json::array({1.0, -0.0, 1e300, 5e-324, 0.5, int64_t{7}, uint64_t{1} << 63, -3})),
+            "[1,-0,1.0000000000000001e+300,4.9406564584124654e-324,0.5,7,9223372036854775808,-3]");
+  EXPECT_ERROR_MENTIONS(json::dump(Json::array({NAN})), "json: cannot write the non-finite number nan");
+  EXPECT_ERROR_MENTIONS(json::dump(Json(-INFINITY)), "json: cannot write the non-finite number -inf");
 }
 
 // ============================================================================ safetensors helpers

@@ -145,9 +145,9 @@ TokenData load_token_file(const std::string& path, int64_t vocab_size) {
 }
 
 std::string vocab_to_metadata(const std::vector<uint8_t>& vocab) {
-  json::Value::Array values;
-  for (uint8_t b : vocab) values.emplace_back(int64_t{b});
-  return json::Value(std::move(values)).dump();
+  Json values = Json::array();
+  for (uint8_t b : vocab) values.push_back(int64_t{b});
+  return json::dump(values);
 }
 
 std::vector<uint8_t> metadata_vocab(const std::map<std::string, std::string>& metadata, const std::string& what) {
@@ -157,10 +157,10 @@ std::vector<uint8_t> metadata_vocab(const std::map<std::string, std::string>& me
 }
 
 std::vector<uint8_t> vocab_from_metadata(const std::string& text) {
-  const json::Value value = json::parse(text);
+  const Json value = json::parse(text);
   std::vector<uint8_t> vocab;
-  for (const json::Value& v : value.as_array()) {
-    const int64_t b = v.as_integer();
+  for (const Json& v : json::as_array(value)) {
+    const int64_t b = json::as_integer(v);
     check(b >= 0 && b < 256, "vocab metadata: entry ", b, " is not a byte value");
     vocab.push_back(static_cast<uint8_t>(b));
   }
@@ -703,11 +703,11 @@ std::string fixed_text(double x, int digits) {
   return buffer;
 }
 
-json::Value log_value(double x) { return std::isfinite(x) ? json::Value(x) : json::Value(); }
+Json log_value(double x) { return std::isfinite(x) ? Json(x) : Json(); }
 
-double log_number(const json::Value* value) {
+double log_number(const Json* value) {
   if (!value || value->is_null()) return NAN;
-  return value->as_number();
+  return json::as_number(*value);
 }
 
 int run_program(int (*run)(int, char**), int argc, char** argv) {

@@ -231,7 +231,7 @@ int run_program(int (*run)(int, char**), int argc, char** argv);
 
 // Numbers in train_gpt's --log-json lines. JSON has no NaN or infinity, so a non-finite number is written as
 // null (log_value) and read back as NaN, as is an absent key (log_number).
-json::Value log_value(double x);
-double log_number(const json::Value* value);
+Json log_value(double x);
+double log_number(const Json* value);
 
 }  // namespace mixtape
