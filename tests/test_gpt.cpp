@@ -269,7 +269,7 @@ TEST(GPT, ConfigRejectsANonFiniteNormEpsAndAWidthWhoseLayersOverflow) {
   EXPECT_ERROR_MENTIONS(GPTConfig::from_metadata({{"n_embd", "4611686018427387904"}, {"n_head", "1"}}), "n_embd",
                         "2^60", "4611686018427387904");
   // A model of more than 2^40 parameters is refused before its first layer is allocated (a config of 2^62
-  // layers used to allocate layer after layer until memory ran out).
+  // layers would otherwise allocate layer after layer until memory ran out).
   GPTConfig huge = tiny_config();
   huge.n_layer = int64_t{1} << 62;
   EXPECT_ERROR_MENTIONS(GPT{huge}, "GPT", "4611686018427387904 layers of width 32", "2^40");

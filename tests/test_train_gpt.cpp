@@ -751,7 +751,8 @@ TEST(TrainGPT, MissingOrMalformedMetadataIsAnErrorNamingTheEntry) {
   a.train_step();
   const StateDict good = a.checkpoint();
   Trainer b(config, options, data);
-  // The entry used to be read with map::at while the message was built: std::out_of_range.
+  // Each entry is looked up before the message is built: a missing one is an Error naming it, never
+  // std::out_of_range.
   for (const char* key : {"n_layer", "norm_eps", "train.lr", "train.sequential", "train.amp_config"}) {
     StateDict state = good;
     state.metadata.erase(key);

@@ -1,4 +1,4 @@
-# train_gpt under mpirun end to end (issue 6): a run started at TP2 x PP2 is saved, resumed at DP2 + ZeRO-1
+# train_gpt under mpirun end to end: a run started at TP2 x PP2 is saved, resumed at DP2 + ZeRO-1
 # and on one process, and both end where the uninterrupted one-process run ends; rank 0 alone prints; an error
 # on one rank ends the whole job with its message instead of leaving the others waiting.
 # Run as: cmake -DTRAIN_GPT=<exe> -DMPIEXEC=<mpiexec> -DWORK_DIR=<scratch dir> -P train_gpt_mpi.cmake

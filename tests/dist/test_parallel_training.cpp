@@ -1,4 +1,4 @@
-// The GPT trainer over processes (train/parallel_training.h) against the single-process Trainer: issue 6's
+// The GPT trainer over processes (train/parallel_training.h) against the single-process Trainer: the
 // matrix of layouts x precision modes (20 steps: losses, skipped steps, loss scale, final weights), an inf on one
 // tensor-parallel rank, layout-free checkpoints (TP2 x PP2 -> DP2 -> one process), evaluation, and the errors.
 //
@@ -247,8 +247,8 @@ void expect_same_training(const Outcome& got, const Outcome& want, const Mode& m
 
 }  // namespace
 
-// Issue 6's matrix. fp32: losses and weights within 1e-5 (relative, 1e-6 absolute near zero); the 16-bit modes:
-// losses within 1e-2 and each weight tensor within 5e-2 of its norm (see expect_same_weights; the largest seen is
+// The matrix of layouts x modes. fp32: losses and weights within 1e-5 (relative, 1e-6 absolute near zero); the
+// 16-bit modes: losses within 1e-2 and each weight tensor within 5e-2 of its norm (see expect_same_weights; the largest seen is
 // 2.5e-2, a bias at TP2 in bf16, whose row-parallel partial products are rounded to bf16 before the all-reduce, as
 // in Megatron-LM), and in every mode the same skipped step (the planted inf, on one rank only) and the same loss
 // scale at every step.
