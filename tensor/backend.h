@@ -6,7 +6,7 @@
 // checks them (shapes, dtypes, layouts: tensor/kernel_contract.cpp) and then calls the device's protected
 // `*_kernel`. So every backend sees only arguments that keep the contract, and a CPU or CUDA kernel re-checks
 // only what is specific to it (a grid limit, a head dim it has no kernel for). Entry points with nothing to
-// check (fill, the multi-tensor updates) are the virtuals themselves.
+// check (fill, mul_scalar_inplace, the AMP and multi-tensor updates) are the virtuals themselves.
 //
 // Conventions for every kernel:
 // - inputs may be arbitrarily strided views (stride 0 for broadcast dims); outputs are freshly allocated
