@@ -37,8 +37,8 @@
 //                       threads: y = x erfc(-x/sqrt2)/2, dx = g (erfc(-x/sqrt2)/2 + x e^(-x^2/2)/sqrt(2 pi)).
 //                       rate = elements per second. glibc's erfcf is accurate but does not vectorise; the
 //                       row shows what the vectorised double erfc (tensor/cpu/fast_math.h) gains, and would
-//                       show a kernel that silently stopped vectorising (as it did on AVX2 machines before
-//                       the library was built with -fno-trapping-math).
+//                       show a kernel that silently stopped vectorising (GCC needs -fno-trapping-math to
+//                       if-convert such selects on AVX2).
 // Memory-bound rows compare bandwidths (SetBytesProcessed with the bytes defined above); the memcpy baseline
 // is split across the OpenMP threads, as mixtape's kernels are.
 //

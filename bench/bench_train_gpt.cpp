@@ -23,7 +23,7 @@
 // mode, the first mode rotating from cycle to cycle), then both PyTorch runs, so a burst of load from another
 // process on a shared machine hits every side; each side's figure is the median of all its timed steps (first
 // steps of each side excluded as warm-up), and the table also shows the best step. --blocked runs each mode's
-// steps of a round in one block instead (the order before 2026-11-29): two modes' medians then come from
+// steps of a round in one block instead: two modes' medians then come from
 // windows seconds apart, and a mode-against-fp32 ratio carries the machine's drift between them. A ratio "vs X"
 // is X's median ms/step / the row's median ms/step = the row's tokens/s / X's tokens/s (> 1: the row is
 // faster). "paired vs mixtape fp32" is the median over the cycles c of fp32's step c / the row's step c: the
@@ -553,9 +553,8 @@ void compare(int rounds, int steps, bool blocked, bool with_pytorch, bool phases
     return std::pair<double, double>{*low, *high};
   };
   if (mixtape_fp32) {
-    // The verdict takes the paired ratio (its column above): --control's identical fp32 side measured 0.987-1.023
-    // that way in nine runs on a 2-core Xeon; as a ratio of medians it ranged 0.97-1.06 over sixteen runs,
-    // interleaved or blocked (bench/MACHINES.md, "a fifth session").
+    // The verdict takes the paired ratio (its column above): on a shared machine it spreads far less than a
+    // ratio of medians does (--control's identical fp32 side read both ways: bench/MACHINES.md).
     const size_t cycles = mixtape_fp32->ms.size();
     double lowest = NAN;
     size_t which = 0;

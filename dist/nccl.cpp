@@ -16,7 +16,7 @@
 #include <nccl.h>
 #include <unistd.h>
 
-#include "tensor/cuda/cuda_backend.h"
+#include "tensor/cuda/stream.h"
 #endif
 
 namespace mixtape::dist::nccl {
@@ -119,9 +119,9 @@ Comm::Comm(const UniqueId& id, int nranks, int rank, int device, std::string lab
     : device_(device), label_(std::move(label)) {
   ncclUniqueId nid;
   std::memcpy(nid.internal, id.data(), kUniqueIdBytes);
-  // The device must be current for ncclCommInitRank; stream() makes it so (and keeps the backend's record of
-  // the current device right, which a bare cudaSetDevice would not).
-  cuda::backend(device_).stream();
+  // The device must be current for ncclCommInitRank; device_stream() makes it so (and keeps the backend's
+  // record of the current device right, which a bare cudaSetDevice would not).
+  cuda::device_stream(device_);
   ncclComm_t comm = nullptr;
   MIXTAPE_NCCL_CHECK(ncclCommInitRank(&comm, nranks, nid, rank), label_);
   comm_ = comm;
@@ -142,7 +142,7 @@ void Comm::release() {
   // Exit or teardown: failures are ignored (the driver may be shutting down); our queued work is waited for
   // first, so the abort cancels nothing of a well-formed program.
   try {
-    (void)cudaStreamSynchronize(cuda::backend(device_).stream());  // stream() makes the device current
+    (void)cudaStreamSynchronize(cuda::device_stream(device_));  // device_stream() makes the device current
     if (side_) (void)cudaStreamSynchronize(static_cast<cudaStream_t>(side_));
   } catch (...) {
   }
@@ -157,14 +157,14 @@ void Comm::after_async() {
   cudaEvent_t mark = nullptr;
   MIXTAPE_NCCL_CUDA_CHECK(cudaEventCreateWithFlags(&mark, cudaEventDisableTiming));
   MIXTAPE_NCCL_CUDA_CHECK(cudaEventRecord(mark, static_cast<cudaStream_t>(side_)));
-  MIXTAPE_NCCL_CUDA_CHECK(cudaStreamWaitEvent(cuda::backend(device_).stream(), mark, 0));
+  MIXTAPE_NCCL_CUDA_CHECK(cudaStreamWaitEvent(cuda::device_stream(device_), mark, 0));
   MIXTAPE_NCCL_CUDA_CHECK(cudaEventDestroy(mark));  // released once recorded work completes
   side_busy_ = false;
 }
 
 void* Comm::all_reduce_async(const Tensor& tensor, Reduction op) {
   check_tensor(tensor, "all_reduce_async");
-  const cudaStream_t stream = cuda::backend(device_).stream();
+  const cudaStream_t stream = cuda::device_stream(device_);
   if (!side_) {
     cudaStream_t side = nullptr;
     MIXTAPE_NCCL_CUDA_CHECK(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
@@ -189,7 +189,7 @@ void* Comm::all_reduce_async(const Tensor& tensor, Reduction op) {
 }
 
 bool Comm::event_done(void* event, int device) {
-  cuda::backend(device).stream();  // makes the device current
+  cuda::device_stream(device);  // makes the device current
   const cudaError_t state = cudaEventQuery(static_cast<cudaEvent_t>(event));
   if (state == cudaErrorNotReady) return false;
   MIXTAPE_NCCL_CUDA_CHECK(state);
@@ -198,7 +198,7 @@ bool Comm::event_done(void* event, int device) {
 
 void Comm::wait_event(void* event, int device) {
   const auto e = static_cast<cudaEvent_t>(event);
-  const cudaError_t waited = cudaStreamWaitEvent(cuda::backend(device).stream(), e, 0);
+  const cudaError_t waited = cudaStreamWaitEvent(cuda::device_stream(device), e, 0);
   (void)cudaEventDestroy(e);
   MIXTAPE_NCCL_CUDA_CHECK(waited);
 }
@@ -214,7 +214,7 @@ void Comm::all_reduce(const Tensor& tensor, Reduction op) {
   check_tensor(tensor, "all_reduce");
   if (tensor.numel() == 0) return;
   after_async();
-  const cudaStream_t stream = cuda::backend(device_).stream();
+  const cudaStream_t stream = cuda::device_stream(device_);
   MIXTAPE_NCCL_CHECK(ncclAllReduce(tensor.data_ptr(), tensor.data_ptr(), static_cast<size_t>(tensor.numel()),
                                    nccl_type(tensor.dtype()), nccl_op(op), static_cast<ncclComm_t>(comm_), stream),
                      label_);
@@ -225,7 +225,7 @@ void Comm::all_gather(const Tensor& input, const Tensor& output) {
   check_tensor(output, "all_gather");
   if (input.numel() == 0) return;
   after_async();
-  const cudaStream_t stream = cuda::backend(device_).stream();
+  const cudaStream_t stream = cuda::device_stream(device_);
   MIXTAPE_NCCL_CHECK(ncclAllGather(input.data_ptr(), output.data_ptr(), static_cast<size_t>(input.numel()),
                                    nccl_type(input.dtype()), static_cast<ncclComm_t>(comm_), stream),
                      label_);
@@ -236,7 +236,7 @@ void Comm::reduce_scatter(const Tensor& input, const Tensor& output, Reduction o
   check_tensor(output, "reduce_scatter");
   if (output.numel() == 0) return;
   after_async();
-  const cudaStream_t stream = cuda::backend(device_).stream();
+  const cudaStream_t stream = cuda::device_stream(device_);
   // recvcount: the elements each rank receives (input holds nranks * recvcount).
   MIXTAPE_NCCL_CHECK(ncclReduceScatter(input.data_ptr(), output.data_ptr(), static_cast<size_t>(output.numel()),
                                        nccl_type(input.dtype()), nccl_op(op), static_cast<ncclComm_t>(comm_),
@@ -248,7 +248,7 @@ void Comm::broadcast(const Tensor& tensor, int root) {
   check_tensor(tensor, "broadcast");
   if (tensor.numel() == 0) return;
   after_async();
-  const cudaStream_t stream = cuda::backend(device_).stream();
+  const cudaStream_t stream = cuda::device_stream(device_);
   MIXTAPE_NCCL_CHECK(ncclBroadcast(tensor.data_ptr(), tensor.data_ptr(), static_cast<size_t>(tensor.numel()),
                                    nccl_type(tensor.dtype()), root, static_cast<ncclComm_t>(comm_), stream),
                      label_);
@@ -258,7 +258,7 @@ void Comm::send(const Tensor& tensor, int peer) {
   check_tensor(tensor, "send");
   if (tensor.numel() == 0) return;
   after_async();
-  const cudaStream_t stream = cuda::backend(device_).stream();
+  const cudaStream_t stream = cuda::device_stream(device_);
   MIXTAPE_NCCL_CHECK(ncclSend(tensor.data_ptr(), static_cast<size_t>(tensor.numel()), nccl_type(tensor.dtype()),
                               peer, static_cast<ncclComm_t>(comm_), stream),
                      label_);
@@ -268,7 +268,7 @@ void Comm::recv(const Tensor& tensor, int peer) {
   check_tensor(tensor, "recv");
   if (tensor.numel() == 0) return;
   after_async();
-  const cudaStream_t stream = cuda::backend(device_).stream();
+  const cudaStream_t stream = cuda::device_stream(device_);
   MIXTAPE_NCCL_CHECK(ncclRecv(tensor.data_ptr(), static_cast<size_t>(tensor.numel()), nccl_type(tensor.dtype()),
                               peer, static_cast<ncclComm_t>(comm_), stream),
                      label_);

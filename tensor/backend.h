@@ -2,6 +2,12 @@
 // The kernels a device must provide. Backends implement kernels only: no autograd, no autocast, no shape
 // policy. The op front ends (tensor/ops*.cpp) check arguments, allocate outputs and call these.
 //
+// One kernel contract: each kernel entry point below with arguments to check is public and non-virtual; it
+// checks them (shapes, dtypes, layouts: tensor/kernel_contract.cpp) and then calls the device's protected
+// `*_kernel`. So every backend sees only arguments that keep the contract, and a CPU or CUDA kernel re-checks
+// only what is specific to it (a grid limit, a head dim it has no kernel for). Entry points with nothing to
+// check (fill, mul_scalar_inplace, the AMP and multi-tensor updates) are the virtuals themselves.
+//
 // Conventions for every kernel:
 // - inputs may be arbitrarily strided views (stride 0 for broadcast dims); outputs are freshly allocated
 //   and contiguous unless a kernel says otherwise;
@@ -12,13 +18,10 @@
 #include <vector>
 
 #include "tensor/tensor.h"
+#include "tensor/unary_ops.h"
 
 namespace mixtape {
 
-enum class UnaryOp {
-  Neg, Exp, Log, Sqrt, Rsqrt, Tanh, Sigmoid, Relu, GeluErf, GeluTanh, Silu, Abs,
-  PowScalar,  // x ^ scalar
-};
 // Eq: 1 where a == b, else 0 (IEEE equality: inf equals inf, NaN equals nothing); no op records it, it only
 // builds masks inside backward functions (max/min's ties). Not offered by binary_scalar.
 enum class BinaryOp { Add, Sub, Mul, Div, Pow, Eq };
@@ -61,31 +64,32 @@ class Backend {
   virtual void empty_cache() = 0;  // gives cached blocks back to the system
 
   // dst[i] = src[i] converted to dst's dtype (any strides on both sides, same shape).
-  virtual void copy(const Tensor& src, const Tensor& dst) = 0;
+  void copy(const Tensor& src, const Tensor& dst);
   virtual void fill(const Tensor& dst, double value) = 0;
   // dst (contiguous) [i] = start + i * step
-  virtual void arange(const Tensor& dst, double start, double step) = 0;
+  void arange(const Tensor& dst, double start, double step);
   // Philox-based draws on a contiguous dst: element i uses counter (offset + i) under key seed.
-  virtual void uniform(const Tensor& dst, uint64_t seed, uint64_t offset, double low, double high) = 0;
-  virtual void normal(const Tensor& dst, uint64_t seed, uint64_t offset, double mean, double std) = 0;
-  virtual void randint(const Tensor& dst, uint64_t seed, uint64_t offset, int64_t low, int64_t high) = 0;
+  void uniform(const Tensor& dst, uint64_t seed, uint64_t offset, double low, double high);
+  void normal(const Tensor& dst, uint64_t seed, uint64_t offset, double mean, double std);
+  void randint(const Tensor& dst, uint64_t seed, uint64_t offset, int64_t low, int64_t high);
 
   // Elementwise; x/a/b are already broadcast to out's shape. `scalar` is the exponent for PowScalar.
-  virtual void unary(UnaryOp op, const Tensor& x, const Tensor& out, double scalar) = 0;
-  // grad_x = grad_out * d op(x) / dx; y = op(x) is passed for ops whose derivative uses it.
-  virtual void unary_backward(UnaryOp op, const Tensor& x, const Tensor& y, const Tensor& grad_out,
-                              const Tensor& grad_x, double scalar) = 0;
+  void unary(UnaryOp op, const Tensor& x, const Tensor& out, double scalar);
+  // grad_x = grad_out * d op(x) / dx. The derivative reads x or y = op(x), as kUnaryOps says (unary_ops.h);
+  // the other of the two may be undefined.
+  void unary_backward(UnaryOp op, const Tensor& x, const Tensor& y, const Tensor& grad_out, const Tensor& grad_x,
+                      double scalar);
   // a and b have out's dtype, or, where binary_reads_mixed says so, their own (each converted as it is read).
-  virtual void binary(BinaryOp op, const Tensor& a, const Tensor& b, const Tensor& out) = 0;
+  void binary(BinaryOp op, const Tensor& a, const Tensor& b, const Tensor& out);
   // Whether binary(op, a, b, out) takes a and b in these dtypes for an `out` of the wider one: the promoting
   // ops (add, sub, mul, div) then read a narrower input in place instead of copying it to the wider dtype.
   virtual bool binary_reads_mixed(DType, DType, DType) const { return false; }
   // out = a op scalar, or scalar op a when scalar_first. The scalar stays in double until the op runs.
-  virtual void binary_scalar(BinaryOp op, const Tensor& a, double scalar, bool scalar_first, const Tensor& out) = 0;
+  void binary_scalar(BinaryOp op, const Tensor& a, double scalar, bool scalar_first, const Tensor& out);
   // out = cond ? a : b, with cond a bool-like tensor (nonzero = true) of any dtype.
-  virtual void where(const Tensor& cond, const Tensor& a, const Tensor& b, const Tensor& out) = 0;
+  void where(const Tensor& cond, const Tensor& a, const Tensor& b, const Tensor& out);
   // dst += alpha * src (in place, src broadcast to dst)
-  virtual void add_inplace(const Tensor& dst, const Tensor& src, double alpha) = 0;
+  void add_inplace(const Tensor& dst, const Tensor& src, double alpha);
   virtual void mul_scalar_inplace(const Tensor& dst, double value) = 0;
   // AMP: multiplies each contiguous floating tensor of `grads` in place by inv_scale (in fp32, f64 for f64,
   // rounded once) and returns whether any element was non-finite before or after the multiply. One pass.
@@ -105,65 +109,113 @@ class Backend {
   virtual int64_t count_zeros(const std::vector<Tensor>& tensors) = 0;
 
   // Reduces x over `dims` (sorted, unique) into out, which has x's shape with those dims set to 1.
-  virtual void reduce(ReduceOp op, const Tensor& x, const std::vector<int64_t>& dims, const Tensor& out) = 0;
+  void reduce(ReduceOp op, const Tensor& x, const std::vector<int64_t>& dims, const Tensor& out);
   // Variance over dims with `correction` (0: population, 1: Bessel); two-pass for accuracy.
-  virtual void var(const Tensor& x, const std::vector<int64_t>& dims, int64_t correction, const Tensor& out) = 0;
-  virtual void softmax(const Tensor& x, int64_t dim, bool log, const Tensor& out) = 0;
+  void var(const Tensor& x, const std::vector<int64_t>& dims, int64_t correction, const Tensor& out);
+  void softmax(const Tensor& x, int64_t dim, bool log, const Tensor& out);
   // grad_x from y = softmax(x) (or log_softmax when log).
-  virtual void softmax_backward(const Tensor& y, const Tensor& grad_y, int64_t dim, bool log,
-                                const Tensor& grad_x) = 0;
+  void softmax_backward(const Tensor& y, const Tensor& grad_y, int64_t dim, bool log, const Tensor& grad_x);
 
   // out[..., M, N] = a[..., M, K] @ b[..., K, N] (+ bias[N]); batch dims are already broadcast (may have
   // stride 0). bias (contiguous [N], a's dtype) may be undefined; when given it is added to the accumulator
   // before the single rounding into out (a linear layer's epilogue).
-  virtual void matmul(const Tensor& a, const Tensor& b, const Tensor& out, const Tensor& bias) = 0;
+  void matmul(const Tensor& a, const Tensor& b, const Tensor& out, const Tensor& bias);
   // Whether matmul on this dtype widens its operands to f32 and rounds the f32 product (no GEMM of that dtype
   // here, as for f16 on a CPU): a caller that feeds one operand to several products then widens it once.
   virtual bool matmul_widens(DType) const { return false; }
 
   // Normalisation over the last dim of x [N, C] (contiguous). mean/rstd are f32 [N] (f64 when x is f64, so
-  // the reference dtype keeps full precision); weight/bias [C] may be undefined. rms_norm has no mean.
-  virtual void layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps,
-                          const Tensor& out, const Tensor& mean, const Tensor& rstd) = 0;
-  // grad_weight / grad_bias may be undefined (not needed).
-  virtual void layer_norm_backward(const Tensor& grad_out, const Tensor& x, const Tensor& weight,
-                                   const Tensor& mean, const Tensor& rstd, const Tensor& grad_x,
-                                   const Tensor& grad_weight, const Tensor& grad_bias) = 0;
-  virtual void rms_norm(const Tensor& x, const Tensor& weight, double eps, const Tensor& out,
-                        const Tensor& rstd) = 0;
-  virtual void rms_norm_backward(const Tensor& grad_out, const Tensor& x, const Tensor& weight,
-                                 const Tensor& rstd, const Tensor& grad_x, const Tensor& grad_weight) = 0;
+  // the reference dtype keeps full precision: stats_dtype); weight/bias [C] may be undefined. rms_norm has
+  // no mean.
+  void layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps, const Tensor& out,
+                  const Tensor& mean, const Tensor& rstd);
+  // grad_x / grad_weight / grad_bias may be undefined (not needed); mean and rstd are required.
+  void layer_norm_backward(const Tensor& grad_out, const Tensor& x, const Tensor& weight, const Tensor& mean,
+                           const Tensor& rstd, const Tensor& grad_x, const Tensor& grad_weight,
+                           const Tensor& grad_bias);
+  void rms_norm(const Tensor& x, const Tensor& weight, double eps, const Tensor& out, const Tensor& rstd);
+  void rms_norm_backward(const Tensor& grad_out, const Tensor& x, const Tensor& weight, const Tensor& rstd,
+                         const Tensor& grad_x, const Tensor& grad_weight);
 
   // out[i, :] = weight[indices[i], :]; indices i32/i64 (already range-checked by the front end).
-  virtual void embedding(const Tensor& weight, const Tensor& indices, const Tensor& out) = 0;
+  void embedding(const Tensor& weight, const Tensor& indices, const Tensor& out);
   // grad_weight (zeroed by the caller) [indices[i], :] += grad_out[i, :], deterministic order.
-  virtual void embedding_backward(const Tensor& grad_out, const Tensor& indices, const Tensor& grad_weight) = 0;
+  void embedding_backward(const Tensor& grad_out, const Tensor& indices, const Tensor& grad_weight);
 
   // Dropout: keep element i iff uniform(seed, offset + i) >= p; out = keep ? x / (1 - p) : 0. The draw is
   // counter-based, so backward is the same call on grad_out (no mask is stored) and CPU and GPU agree.
-  virtual void dropout(const Tensor& x, double p, uint64_t seed, uint64_t offset, const Tensor& out) = 0;
+  void dropout(const Tensor& x, double p, uint64_t seed, uint64_t offset, const Tensor& out);
 
   // Cross-entropy over rows of logits [N, V] (contiguous) with targets i32/i64 [N], each in [0, V) or
   // ignore_index (range-checked by the front end). loss (0-d; f32, or f64 for f64 logits) = mean over the
   // counted rows of lse_i - logits[i, target_i], 0 when none counts; lse (f32 [N], f64 for f64) is saved.
-  virtual void softmax_cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore_index,
-                                     const Tensor& loss, const Tensor& lse) = 0;
+  void softmax_cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore_index, const Tensor& loss,
+                             const Tensor& lse);
   // grad_logits [N, V] (logits' dtype) = (softmax(logits) - onehot(target)) * grad_loss / count, recomputed
   // from logits and lse straight into grad_logits; ignored rows get 0. grad_loss is 0-d, loss's dtype.
-  virtual void softmax_cross_entropy_backward(const Tensor& grad_loss, const Tensor& logits, const Tensor& targets,
-                                              const Tensor& lse, int64_t ignore_index, const Tensor& grad_logits) = 0;
+  void softmax_cross_entropy_backward(const Tensor& grad_loss, const Tensor& logits, const Tensor& targets,
+                                      const Tensor& lse, int64_t ignore_index, const Tensor& grad_logits);
   // Causal attention over q, k, v, out [B, H, T, D]: out_i = sum_{j <= i} softmax_j(scale q_i.k_j) v_j.
   // Every [B, H, T, D] operand here needs only its last dim contiguous (B, H, T strides are free: e.g. the
   // thirds of a fused qkv [B, T, 3C] seen as heads); outputs are written through their strides and must not
   // overlap. lse [B, H, T] (f32, f64 for f64; contiguous) gets each query row's log-sum-exp of scores;
   // memory O(B*H*T*D).
-  virtual void causal_attention(const Tensor& q, const Tensor& k, const Tensor& v, double scale, const Tensor& out,
-                                const Tensor& lse) = 0;
+  void causal_attention(const Tensor& q, const Tensor& k, const Tensor& v, double scale, const Tensor& out,
+                        const Tensor& lse);
   // grad_q/k/v [B, H, T, D] (strided as above) from grad_out, the forward's out and lse; probabilities
   // recomputed.
-  virtual void causal_attention_backward(const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v,
-                                         const Tensor& out, const Tensor& lse, double scale, const Tensor& grad_q,
-                                         const Tensor& grad_k, const Tensor& grad_v) = 0;
+  void causal_attention_backward(const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v,
+                                 const Tensor& out, const Tensor& lse, double scale, const Tensor& grad_q,
+                                 const Tensor& grad_k, const Tensor& grad_v);
+
+ protected:
+  // The device's kernels, called only by the entry points above once the arguments keep the contract.
+  virtual void copy_kernel(const Tensor& src, const Tensor& dst) = 0;
+  virtual void arange_kernel(const Tensor& dst, double start, double step) = 0;
+  virtual void uniform_kernel(const Tensor& dst, uint64_t seed, uint64_t offset, double low, double high) = 0;
+  virtual void normal_kernel(const Tensor& dst, uint64_t seed, uint64_t offset, double mean, double std) = 0;
+  virtual void randint_kernel(const Tensor& dst, uint64_t seed, uint64_t offset, int64_t low, int64_t high) = 0;
+  virtual void unary_kernel(UnaryOp op, const Tensor& x, const Tensor& out, double scalar) = 0;
+  // `in` is x or y, whichever the op's derivative reads (already checked to be defined).
+  virtual void unary_backward_kernel(UnaryOp op, const Tensor& in, const Tensor& grad_out, const Tensor& grad_x,
+                                     double scalar) = 0;
+  virtual void binary_kernel(BinaryOp op, const Tensor& a, const Tensor& b, const Tensor& out) = 0;
+  virtual void binary_scalar_kernel(BinaryOp op, const Tensor& a, double scalar, bool scalar_first,
+                                    const Tensor& out) = 0;
+  virtual void where_kernel(const Tensor& cond, const Tensor& a, const Tensor& b, const Tensor& out) = 0;
+  virtual void add_inplace_kernel(const Tensor& dst, const Tensor& src, double alpha) = 0;
+  virtual void reduce_kernel(ReduceOp op, const Tensor& x, const std::vector<int64_t>& dims, const Tensor& out) = 0;
+  virtual void var_kernel(const Tensor& x, const std::vector<int64_t>& dims, int64_t correction,
+                          const Tensor& out) = 0;
+  virtual void softmax_kernel(const Tensor& x, int64_t dim, bool log, const Tensor& out) = 0;
+  virtual void softmax_backward_kernel(const Tensor& y, const Tensor& grad_y, int64_t dim, bool log,
+                                       const Tensor& grad_x) = 0;
+  // Called only when out has elements (an empty product has nothing to write).
+  virtual void matmul_kernel(const Tensor& a, const Tensor& b, const Tensor& out, const Tensor& bias) = 0;
+  virtual void layer_norm_kernel(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps,
+                                 const Tensor& out, const Tensor& mean, const Tensor& rstd) = 0;
+  virtual void layer_norm_backward_kernel(const Tensor& grad_out, const Tensor& x, const Tensor& weight,
+                                          const Tensor& mean, const Tensor& rstd, const Tensor& grad_x,
+                                          const Tensor& grad_weight, const Tensor& grad_bias) = 0;
+  virtual void rms_norm_kernel(const Tensor& x, const Tensor& weight, double eps, const Tensor& out,
+                               const Tensor& rstd) = 0;
+  virtual void rms_norm_backward_kernel(const Tensor& grad_out, const Tensor& x, const Tensor& weight,
+                                        const Tensor& rstd, const Tensor& grad_x, const Tensor& grad_weight) = 0;
+  virtual void embedding_kernel(const Tensor& weight, const Tensor& indices, const Tensor& out) = 0;
+  virtual void embedding_backward_kernel(const Tensor& grad_out, const Tensor& indices,
+                                         const Tensor& grad_weight) = 0;
+  virtual void dropout_kernel(const Tensor& x, double p, uint64_t seed, uint64_t offset, const Tensor& out) = 0;
+  virtual void softmax_cross_entropy_kernel(const Tensor& logits, const Tensor& targets, int64_t ignore_index,
+                                            const Tensor& loss, const Tensor& lse) = 0;
+  virtual void softmax_cross_entropy_backward_kernel(const Tensor& grad_loss, const Tensor& logits,
+                                                     const Tensor& targets, const Tensor& lse, int64_t ignore_index,
+                                                     const Tensor& grad_logits) = 0;
+  virtual void causal_attention_kernel(const Tensor& q, const Tensor& k, const Tensor& v, double scale,
+                                       const Tensor& out, const Tensor& lse) = 0;
+  virtual void causal_attention_backward_kernel(const Tensor& grad_out, const Tensor& q, const Tensor& k,
+                                                const Tensor& v, const Tensor& out, const Tensor& lse, double scale,
+                                                const Tensor& grad_q, const Tensor& grad_k,
+                                                const Tensor& grad_v) = 0;
 };
 
 // Copies the bytes of contiguous src into contiguous dst (same dtype and numel) on another device; returns

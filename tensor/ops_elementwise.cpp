@@ -74,13 +74,26 @@ Tensor unary_grad(UnaryOp op, const Tensor& x, const Tensor& y, const Tensor& g,
   return grad;
 }
 
-// Ops whose derivative the backward kernel computes from the output y = op(x) instead of from x.
-bool derivative_from_output(UnaryOp op) {
-  return op == UnaryOp::Exp || op == UnaryOp::Sqrt || op == UnaryOp::Rsqrt || op == UnaryOp::Tanh ||
-         op == UnaryOp::Sigmoid;
+// A unary op with an autocast class has the name of its kAutocastTable row.
+constexpr bool same_text(const char* a, const char* b) {
+  while (*a != '\0' && *a == *b) ++a, ++b;
+  return *a == *b;
 }
+constexpr bool unary_autocast_names_agree() {
+  for (const UnaryOpTraits& row : kUnaryOps)
+    if (row.autocast != kNoAutocast &&
+        !same_text(row.name, kAutocastTable[static_cast<size_t>(row.autocast)].name))
+      return false;
+  return true;
+}
+static_assert(unary_autocast_names_agree(), "kUnaryOps and kAutocastTable name an op differently");
 
-Tensor unary_op(UnaryOp op, const char* name, const Tensor& x, double scalar = 0) {
+// Every unary front end: its name, what its backward saves and its autocast class come from kUnaryOps.
+Tensor unary_op(UnaryOp op, const Tensor& x, double scalar = 0) {
+  const UnaryOpTraits& traits = unary_traits(op);
+  if (traits.autocast != kNoAutocast)
+    if (const auto cast = autocast_inputs(traits.autocast, x)) [[unlikely]] return unary_op(op, (*cast)[0], scalar);
+  const char* name = traits.name;
   check_floating(name, x);
   Tensor out = Tensor::empty(x.shape(), x.dtype(), x.device());
   backend_of(x).unary(op, x, out, scalar);
@@ -286,36 +299,23 @@ Tensor div(double a, const Tensor& b) {
 }
 
 // d(x^p)/dx = p x^(p-1), and 0 for p == 0.
-Tensor pow(const Tensor& a, double exponent) {
-  if (const auto cast = autocast_inputs(AutocastOp::Pow, a)) [[unlikely]] return pow((*cast)[0], exponent);
-  return unary_op(UnaryOp::PowScalar, "pow", a, exponent);
-}
+Tensor pow(const Tensor& a, double exponent) { return unary_op(UnaryOp::PowScalar, a, exponent); }
 
 // ---- unary -----------------------------------------------------------------------------------------------
 
-Tensor neg(const Tensor& x) { return unary_op(UnaryOp::Neg, "neg", x); }
-Tensor exp(const Tensor& x) {
-  if (const auto cast = autocast_inputs(AutocastOp::Exp, x)) [[unlikely]] return exp((*cast)[0]);
-  return unary_op(UnaryOp::Exp, "exp", x);
-}
-Tensor log(const Tensor& x) {
-  if (const auto cast = autocast_inputs(AutocastOp::Log, x)) [[unlikely]] return log((*cast)[0]);
-  return unary_op(UnaryOp::Log, "log", x);
-}
-Tensor sqrt(const Tensor& x) { return unary_op(UnaryOp::Sqrt, "sqrt", x); }
-Tensor rsqrt(const Tensor& x) {
-  if (const auto cast = autocast_inputs(AutocastOp::Rsqrt, x)) [[unlikely]] return rsqrt((*cast)[0]);
-  return unary_op(UnaryOp::Rsqrt, "rsqrt", x);
-}
-Tensor tanh(const Tensor& x) { return unary_op(UnaryOp::Tanh, "tanh", x); }
-Tensor sigmoid(const Tensor& x) { return unary_op(UnaryOp::Sigmoid, "sigmoid", x); }
-Tensor relu(const Tensor& x) { return unary_op(UnaryOp::Relu, "relu", x); }  // relu'(0) = 0
+Tensor neg(const Tensor& x) { return unary_op(UnaryOp::Neg, x); }
+Tensor exp(const Tensor& x) { return unary_op(UnaryOp::Exp, x); }
+Tensor log(const Tensor& x) { return unary_op(UnaryOp::Log, x); }
+Tensor sqrt(const Tensor& x) { return unary_op(UnaryOp::Sqrt, x); }
+Tensor rsqrt(const Tensor& x) { return unary_op(UnaryOp::Rsqrt, x); }
+Tensor tanh(const Tensor& x) { return unary_op(UnaryOp::Tanh, x); }
+Tensor sigmoid(const Tensor& x) { return unary_op(UnaryOp::Sigmoid, x); }
+Tensor relu(const Tensor& x) { return unary_op(UnaryOp::Relu, x); }  // relu'(0) = 0
 Tensor gelu(const Tensor& x, GeluApproximation approximation) {
-  return approximation == GeluApproximation::Tanh ? unary_op(UnaryOp::GeluTanh, "gelu", x)
-                                                  : unary_op(UnaryOp::GeluErf, "gelu", x);
+  return unary_op(approximation == GeluApproximation::Tanh ? UnaryOp::GeluTanh : UnaryOp::GeluErf, x);
 }
-Tensor silu(const Tensor& x) { return unary_op(UnaryOp::Silu, "silu", x); }
-Tensor abs(const Tensor& x) { return unary_op(UnaryOp::Abs, "abs", x); }  // abs'(0) = 0
+Tensor silu(const Tensor& x) { return unary_op(UnaryOp::Silu, x); }
+Tensor abs(const Tensor& x) { return unary_op(UnaryOp::Abs, x); }  // abs'(0) = 0
 
 // ---- selection -------------------------------------------------------------------------------------------
 

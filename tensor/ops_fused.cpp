@@ -9,14 +9,12 @@
 #include "tensor/autocast_state.h"
 #include "tensor/autograd_node.h"
 #include "tensor/backend.h"
+#include "tensor/kernel_contract.h"
 #include "tensor/ops.h"
 
 namespace mixtape {
 
 namespace {
-
-// Per-row statistics (lse) and the loss: f32, or f64 for f64 inputs so the reference dtype keeps its digits.
-DType stats_dtype(DType dtype) { return dtype == DType::F64 ? DType::F64 : DType::F32; }
 
 // Every counted target must address a class: the kernels index without checking.
 void check_targets_in_range(const Tensor& flat_targets, int64_t V, int64_t ignore_index,

@@ -5,6 +5,7 @@
 #include "tensor/autocast_state.h"
 #include "tensor/autograd_node.h"
 #include "tensor/backend.h"
+#include "tensor/kernel_contract.h"
 #include "tensor/ops.h"
 
 namespace mixtape {
@@ -30,9 +31,6 @@ void check_norm_input(const char* op, const Tensor& x, double eps) {
   check(std::isfinite(eps) && eps >= 0, op, ": eps must be finite and >= 0, got ", eps);
 }
 
-// mean / rstd: f32, or f64 for f64 inputs so the reference dtype's backward keeps full precision.
-DType stats_dtype(const Tensor& x) { return x.dtype() == DType::F64 ? DType::F64 : DType::F32; }
-
 Shape leading_shape(const Tensor& x) { return Shape(x.shape().begin(), x.shape().end() - 1); }
 
 // x as contiguous [N, C] rows, without autograd history (the fused op records its own node).
@@ -52,8 +50,8 @@ LayerNormResult layer_norm(const Tensor& x, const Tensor& weight, const Tensor& 
   const Tensor rows = as_rows(x);
   const int64_t N = rows.shape()[0], C = rows.shape()[1];
   Tensor out = Tensor::empty({N, C}, x.dtype(), x.device());
-  const Tensor mean = Tensor::empty({N}, stats_dtype(x), x.device());
-  const Tensor rstd = Tensor::empty({N}, stats_dtype(x), x.device());
+  const Tensor mean = Tensor::empty({N}, stats_dtype(x.dtype()), x.device());
+  const Tensor rstd = Tensor::empty({N}, stats_dtype(x.dtype()), x.device());
   const Tensor wd = w.defined() ? w.detach() : w, bd = b.defined() ? b.detach() : b;
   backend_of(x).layer_norm(rows, wd, bd, eps, out, mean, rstd);
   out = out.view(x.shape());
@@ -83,7 +81,7 @@ RMSNormResult rms_norm(const Tensor& x, const Tensor& weight, double eps) {
   const Tensor rows = as_rows(x);
   const int64_t N = rows.shape()[0], C = rows.shape()[1];
   Tensor out = Tensor::empty({N, C}, x.dtype(), x.device());
-  const Tensor rstd = Tensor::empty({N}, stats_dtype(x), x.device());
+  const Tensor rstd = Tensor::empty({N}, stats_dtype(x.dtype()), x.device());
   const Tensor wd = w.defined() ? w.detach() : w;
   backend_of(x).rms_norm(rows, wd, eps, out, rstd);
   out = out.view(x.shape());

@@ -247,30 +247,6 @@ void load_transposed(const T* __restrict src, int64_t ld_src, int64_t cols, int6
   transpose_into(src, ld_src, D, cols, dst, ld);
 }
 
-inline DType stats_dtype(DType x) { return x == DType::F64 ? DType::F64 : DType::F32; }
-
-// A [B, H, T, D] operand: the given shape and dtype, the head dim contiguous (any other strides). The
-// message is only built on failure (this runs per layer per step).
-void check_bhtd(const char* op, const char* name, const Tensor& t, const Shape& shape, DType dtype) {
-  // An empty tensor (or D = 1) has no layout to get wrong.
-  const bool ok = t.defined() && t.shape() == shape && t.dtype() == dtype &&
-                  (t.stride(3) == 1 || t.size(3) == 1 || t.numel() == 0);
-  if (!ok) [[unlikely]]
-    fail(op, ": ", name, " must be ", dtype_name(dtype), shape_str(shape),
-         " [B, H, T, D] with the head dim D contiguous (stride 1; B, H, T may have any strides), got ",
-         t.defined() ? t.description() : std::string("undefined"), " with strides ",
-         t.defined() ? shape_str(t.strides()) : std::string("[]"));
-}
-
-// lse and delta: contiguous [B, H, T] statistics.
-void check_stats(const char* op, const Tensor& lse, const Shape& shape, DType dtype) {
-  const bool ok = lse.defined() && lse.shape() == shape && lse.dtype() == dtype &&
-                  (lse.is_contiguous() || lse.numel() == 0);
-  if (!ok) [[unlikely]]
-    fail(op, ": lse must be contiguous ", dtype_name(dtype), shape_str(shape), ", got ",
-         lse.defined() ? lse.description() : std::string("undefined"));
-}
-
 // Run a loop in parallel only when it has enough work to pay for waking the threads.
 inline bool worth_parallel(int64_t tasks, int64_t BH, int64_t T, int64_t D) {
   return tasks > 1 && BH * T * T * D >= (int64_t{1} << 20);
@@ -285,17 +261,10 @@ inline int64_t visible_keys(int64_t i, int64_t j0, int64_t cols) {
 
 // ---- forward ---------------------------------------------------------------------------------------------
 
-void CpuBackend::causal_attention(const Tensor& q, const Tensor& k, const Tensor& v, double scale,
-                                  const Tensor& out, const Tensor& lse) {
+void CpuBackend::causal_attention_kernel(const Tensor& q, const Tensor& k, const Tensor& v, double scale,
+                                         const Tensor& out, const Tensor& lse) {
   const char* op = "causal_attention";
-  if (!q.defined() || q.dim() != 4) [[unlikely]]
-    fail(op, ": q must be [B, H, T, D], got ", q.defined() ? q.description() : std::string("undefined"));
   const int64_t B = q.shape()[0], H = q.shape()[1], T = q.shape()[2], D = q.shape()[3];
-  check_bhtd(op, "q", q, q.shape(), q.dtype());
-  check_bhtd(op, "k", k, q.shape(), q.dtype());
-  check_bhtd(op, "v", v, q.shape(), q.dtype());
-  check_bhtd(op, "out", out, q.shape(), q.dtype());
-  check_stats(op, lse, {B, H, T}, stats_dtype(q.dtype()));
   // bf16 on a CPU with AMX or AVX512-BF16: tensor/cpu/attention_bf16.cpp
   if (const Bf16AttentionKernel kernel = bf16_attention_kernel_for(q.dtype(), D);
       kernel != Bf16AttentionKernel::Portable) {
@@ -394,24 +363,11 @@ void CpuBackend::causal_attention(const Tensor& q, const Tensor& k, const Tensor
 
 // ---- backward --------------------------------------------------------------------------------------------
 
-void CpuBackend::causal_attention_backward(const Tensor& grad_out, const Tensor& q, const Tensor& k,
-                                           const Tensor& v, const Tensor& out, const Tensor& lse,
-                                           double scale, const Tensor& grad_q, const Tensor& grad_k,
-                                           const Tensor& grad_v) {
+void CpuBackend::causal_attention_backward_kernel(const Tensor& grad_out, const Tensor& q, const Tensor& k,
+                                                  const Tensor& v, const Tensor& out, const Tensor& lse, double scale,
+                                                  const Tensor& grad_q, const Tensor& grad_k, const Tensor& grad_v) {
   const char* op = "causal_attention_backward";
-  if (!q.defined() || q.dim() != 4) [[unlikely]]
-    fail(op, ": q must be [B, H, T, D], got ", q.defined() ? q.description() : std::string("undefined"));
   const int64_t B = q.shape()[0], H = q.shape()[1], T = q.shape()[2], D = q.shape()[3];
-  for (const auto& [name, t] : {std::pair<const char*, const Tensor&>{"grad_out", grad_out},
-                                {"q", q},
-                                {"k", k},
-                                {"v", v},
-                                {"out", out},
-                                {"grad_q", grad_q},
-                                {"grad_k", grad_k},
-                                {"grad_v", grad_v}})
-    check_bhtd(op, name, t, q.shape(), q.dtype());
-  check_stats(op, lse, {B, H, T}, stats_dtype(q.dtype()));
   if (const Bf16AttentionKernel kernel = bf16_attention_kernel_for(q.dtype(), D);
       kernel != Bf16AttentionKernel::Portable) {
     bf16_causal_attention_backward(kernel, grad_out, q, k, v, out, lse, scale, grad_q, grad_k, grad_v);

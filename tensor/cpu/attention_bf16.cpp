@@ -4,16 +4,14 @@
 // summed in fp32; the softmax and its gradient in fp32 vectors in between. Both engines read the same packed
 // operands (below) and run the same loops; only the block product differs (Tiles, DotProducts).
 //
-// Why: bf16 GEMMs run at ~2x the fp32 rate with AVX512-BF16 (oneDNN, ~950 GFLOP/s on 2 Zen 5 cores) and ~6x
-// with AMX (~2.4 TFLOP/s), and the portable kernel's fp32 register tiles (bench_ops' bf16 attention: ~160
-// GFLOP/s on the Zen 5, ~90 on the Xeon with AMX) became the largest item of the bf16 step after them. Same
+// Why: bf16 products run several times faster than fp32 ones on AVX512-BF16 and AMX, so once the GEMMs of
+// the bf16 step use them, the portable kernel's fp32 register tiles would be the step's largest item. Same
 // inputs, outputs and layouts as the portable kernel; it is chosen by dtype, head dim and CPU only
 // (bf16_attention_kernel_for), never by thread count, so a run is deterministic. The AVX512-BF16 engine is not
 // chosen where the CPU's dot product is slow (slow_bf16_dot, a rate measured once per process: a Xeon without
-// AMX, vdpbf16ps at half the f32 FMA rate), where it took 4.90-5.37 ms for the forward and backward of
-// [16, 4, 128, 64] and the portable kernel 3.99-4.37. The measured classes lie far from the bound (0.48-0.50
-// there; AMD's cores run bf16 GEMMs at ~2x f32), but a machine near it could choose either kernel, and the two
-// differ in numerics (p and ds rounded to bf16, or kept fp32): set_bf16_attention_kernel pins one.
+// AMX, vdpbf16ps at half the f32 FMA rate), where the portable kernel is the faster. A machine near the bound
+// could choose either kernel, and the two differ in numerics (p and ds rounded to bf16, or kept fp32):
+// set_bf16_attention_kernel pins one. The rates and timings behind this are in bench/MACHINES.md.
 //
 // Method. A task is one (batch, head) slice. Its rows are first packed into per-thread buffers in the
 // layouts the block products read, T padded with zero rows to Tp, a multiple of the 64-row block:
@@ -31,7 +29,7 @@
 // with dk^T and dv^T stored transposed (and dk, dq scaled) once per key block, dq once per head.
 // Both skip the masked upper right quadrant of each diagonal block (the top 32 query rows never see the right
 // 32 keys): each product runs per half block over the rows or keys that are not masked (17% fewer products at
-// T = 128; bench_ops' bf16 attention row went from 1.48-1.57 to 1.34-1.43 ms on the Zen 5).
+// T = 128; bench_ops' bf16 attention row, bench/MACHINES.md).
 // Numerics: the scores and every sum are fp32, as in the portable kernel; the difference is the rounding of
 // p and ds to bf16 before their products (relative 2^-9 each, the rounding FlashAttention does on a GPU). The
 // two engines sum the same exact products in different orders, so their last bits may differ.

@@ -1,4 +1,5 @@
 #pragma once
+// Public: bench/ and tests read and set the kernel that serves bf16 attention (bf16_attention_kernel, its name).
 // bf16 causal attention on the CPU's bf16 product instructions, beside the portable kernel of
 // tensor/cpu/attention.cpp: AMX tiles (16 x 32 bf16 by 32 x 16 products into fp32 tile registers: Intel Xeon
 // since Sapphire Rapids) or AVX512-BF16 dot products (16 fp32 lanes, each += the product of a bf16 pair: AMD

@@ -11,6 +11,7 @@
 
 #include "tensor/cpu/strided.h"
 #include "tensor/cpu/transpose.h"
+#include "tensor/largest_below.h"
 #include "tensor/random.h"
 
 namespace mixtape {
@@ -97,9 +98,7 @@ void CachingAllocator::empty_cache() {
 
 // ---- copy, fill, arange --------------------------------------------------------------------------------
 
-void CpuBackend::copy(const Tensor& src, const Tensor& dst) {
-  check(src.shape() == dst.shape(), "copy: source ", src.described(), " and destination ", dst.described(),
-        " differ in shape");
+void CpuBackend::copy_kernel(const Tensor& src, const Tensor& dst) {
   const StridedLoop<2> loop(dst.shape(), {dst.strides(), src.strides()});
   dispatch_all(dst.dtype(), "copy", [&]<typename To>() {
     dispatch_all(src.dtype(), "copy", [&]<typename From>() {
@@ -162,8 +161,7 @@ void CpuBackend::fill(const Tensor& dst, double value) {
   });
 }
 
-void CpuBackend::arange(const Tensor& dst, double start, double step) {
-  check(dst.is_contiguous(), "arange: destination must be contiguous");
+void CpuBackend::arange_kernel(const Tensor& dst, double start, double step) {
   dispatch_all(dst.dtype(), "arange", [&]<typename T>() {
     T* out = dst.data<T>();
     const int64_t n = dst.numel();
@@ -179,7 +177,6 @@ namespace {
 
 template <class Draw>
 void philox_fill(const Tensor& dst, const char* op, Draw&& draw) {
-  check(dst.is_contiguous(), op, ": destination must be contiguous");
   const StridedLoop<1> loop(dst.shape(), {dst.strides()});
   dispatch_all(dst.dtype(), op, [&]<typename T>() {
     T* out = dst.data<T>();
@@ -189,27 +186,9 @@ void philox_fill(const Tensor& dst, const char* op, Draw&& draw) {
   });
 }
 
-// The largest value of T strictly below `bound` (keeps a rounded uniform draw out of its upper end).
-template <class T>
-T largest_below(double bound) {
-  if constexpr (std::is_integral_v<T>) {
-    return static_cast<T>(std::ceil(bound) - 1);
-  } else {
-    const T nearest = convert<T>(bound);
-    if (static_cast<double>(nearest) < bound) return nearest;
-    if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) {
-      return std::nextafter(nearest, -std::numeric_limits<T>::infinity());
-    } else {  // f16/bf16 sign-magnitude bits: one step toward -Inf
-      const uint16_t bits = nearest.bits;
-      const bool negative = bits & 0x8000u, zero = (bits & 0x7fffu) == 0;
-      return T::from_bits(static_cast<uint16_t>(zero ? 0x8001u : negative ? bits + 1 : bits - 1));
-    }
-  }
-}
-
 }  // namespace
 
-void CpuBackend::uniform(const Tensor& dst, uint64_t seed, uint64_t offset, double low, double high) {
+void CpuBackend::uniform_kernel(const Tensor& dst, uint64_t seed, uint64_t offset, double low, double high) {
   philox_fill(dst, "uniform", [&]<typename T>(int64_t i) -> T {
     const auto r = philox4x32(offset + static_cast<uint64_t>(i), 0, seed);
     const double u = std::is_same_v<T, double> ? uniform_double_from_bits(r[0], r[1])
@@ -221,7 +200,7 @@ void CpuBackend::uniform(const Tensor& dst, uint64_t seed, uint64_t offset, doub
   });
 }
 
-void CpuBackend::normal(const Tensor& dst, uint64_t seed, uint64_t offset, double mean, double std) {
+void CpuBackend::normal_kernel(const Tensor& dst, uint64_t seed, uint64_t offset, double mean, double std) {
   philox_fill(dst, "normal", [&]<typename T>(int64_t i) {
     const auto r = philox4x32(offset + static_cast<uint64_t>(i), 0, seed);
     // Box-Muller on two uniforms in (0, 1]: the first is shifted off 0 so log() stays finite.
@@ -232,7 +211,7 @@ void CpuBackend::normal(const Tensor& dst, uint64_t seed, uint64_t offset, doubl
   });
 }
 
-void CpuBackend::randint(const Tensor& dst, uint64_t seed, uint64_t offset, int64_t low, int64_t high) {
+void CpuBackend::randint_kernel(const Tensor& dst, uint64_t seed, uint64_t offset, int64_t low, int64_t high) {
   // In uint64 arithmetic: high - low and low + pick overflow int64 for ranges wider than 2^63.
   const uint64_t range = static_cast<uint64_t>(high) - static_cast<uint64_t>(low);
   philox_fill(dst, "randint", [&]<typename T>(int64_t i) {

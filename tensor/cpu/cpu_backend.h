@@ -1,4 +1,6 @@
 #pragma once
+// Public: bench/ and tests read the CPU's routes and allocator here (bf16_gemm, f16_matmul_splits,
+// caching_allocator); everything else reaches the CPU backend through tensor/backend.h.
 // The CPU backend: oneDNN for matmul, hand-written OpenMP kernels for the rest. Its member functions are
 // defined across tensor/cpu/*.cpp, one file per kernel family.
 #include <cstddef>
@@ -41,6 +43,11 @@ class CpuBackend final : public Backend {
   MemoryStats memory_stats() override;
   void reset_peak_memory_stats() override;
   void empty_cache() override { allocator_.empty_cache(); }
+  CachingAllocator& caching_allocator() { return allocator_; }
+  void fill(const Tensor& dst, double value) override;
+  // elementwise.cpp
+  void mul_scalar_inplace(const Tensor& dst, double value) override;
+  bool binary_reads_mixed(DType a, DType b, DType out) const override;
   // amp.cpp
   bool unscale_and_check_finite(const std::vector<Tensor>& grads, double inv_scale) override;
   // optim.cpp
@@ -48,63 +55,60 @@ class CpuBackend final : public Backend {
   void sgd_step(const std::vector<SgdUpdate>& updates, double momentum, double dampening, bool nesterov) override;
   double sum_of_squares(const std::vector<Tensor>& tensors) override;
   int64_t count_zeros(const std::vector<Tensor>& tensors) override;
-  CachingAllocator& caching_allocator() { return allocator_; }
-
-  void copy(const Tensor& src, const Tensor& dst) override;
-  void fill(const Tensor& dst, double value) override;
-  void arange(const Tensor& dst, double start, double step) override;
-  void uniform(const Tensor& dst, uint64_t seed, uint64_t offset, double low, double high) override;
-  void normal(const Tensor& dst, uint64_t seed, uint64_t offset, double mean, double std) override;
-  void randint(const Tensor& dst, uint64_t seed, uint64_t offset, int64_t low, int64_t high) override;
-
-  // elementwise.cpp
-  void unary(UnaryOp op, const Tensor& x, const Tensor& out, double scalar) override;
-  void unary_backward(UnaryOp op, const Tensor& x, const Tensor& y, const Tensor& grad_out, const Tensor& grad_x,
-                      double scalar) override;
-  void binary(BinaryOp op, const Tensor& a, const Tensor& b, const Tensor& out) override;
-  void binary_scalar(BinaryOp op, const Tensor& a, double scalar, bool scalar_first, const Tensor& out) override;
-  void where(const Tensor& cond, const Tensor& a, const Tensor& b, const Tensor& out) override;
-  void add_inplace(const Tensor& dst, const Tensor& src, double alpha) override;
-  void mul_scalar_inplace(const Tensor& dst, double value) override;
-
-  // reduce.cpp
-  void reduce(ReduceOp op, const Tensor& x, const std::vector<int64_t>& dims, const Tensor& out) override;
-  void var(const Tensor& x, const std::vector<int64_t>& dims, int64_t correction, const Tensor& out) override;
-  void softmax(const Tensor& x, int64_t dim, bool log, const Tensor& out) override;
-  void softmax_backward(const Tensor& y, const Tensor& grad_y, int64_t dim, bool log, const Tensor& grad_x) override;
-
   // matmul.cpp
-  void matmul(const Tensor& a, const Tensor& b, const Tensor& out, const Tensor& bias) override;
   bool matmul_widens(DType dtype) const override;
-  bool binary_reads_mixed(DType a, DType b, DType out) const override;
 
+ protected:
+  // The kernels behind Backend's checked entry points (tensor/backend.h).
+  // cpu_backend.cpp
+  void copy_kernel(const Tensor& src, const Tensor& dst) override;
+  void arange_kernel(const Tensor& dst, double start, double step) override;
+  void uniform_kernel(const Tensor& dst, uint64_t seed, uint64_t offset, double low, double high) override;
+  void normal_kernel(const Tensor& dst, uint64_t seed, uint64_t offset, double mean, double std) override;
+  void randint_kernel(const Tensor& dst, uint64_t seed, uint64_t offset, int64_t low, int64_t high) override;
+  // elementwise.cpp
+  void unary_kernel(UnaryOp op, const Tensor& x, const Tensor& out, double scalar) override;
+  void unary_backward_kernel(UnaryOp op, const Tensor& in, const Tensor& grad_out, const Tensor& grad_x,
+                             double scalar) override;
+  void binary_kernel(BinaryOp op, const Tensor& a, const Tensor& b, const Tensor& out) override;
+  void binary_scalar_kernel(BinaryOp op, const Tensor& a, double scalar, bool scalar_first,
+                            const Tensor& out) override;
+  void where_kernel(const Tensor& cond, const Tensor& a, const Tensor& b, const Tensor& out) override;
+  void add_inplace_kernel(const Tensor& dst, const Tensor& src, double alpha) override;
+  // reduce.cpp
+  void reduce_kernel(ReduceOp op, const Tensor& x, const std::vector<int64_t>& dims, const Tensor& out) override;
+  void var_kernel(const Tensor& x, const std::vector<int64_t>& dims, int64_t correction, const Tensor& out) override;
+  void softmax_kernel(const Tensor& x, int64_t dim, bool log, const Tensor& out) override;
+  void softmax_backward_kernel(const Tensor& y, const Tensor& grad_y, int64_t dim, bool log,
+                               const Tensor& grad_x) override;
+  // matmul.cpp
+  void matmul_kernel(const Tensor& a, const Tensor& b, const Tensor& out, const Tensor& bias) override;
   // norm.cpp
-  void layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps, const Tensor& out,
-                  const Tensor& mean, const Tensor& rstd) override;
-  void layer_norm_backward(const Tensor& grad_out, const Tensor& x, const Tensor& weight, const Tensor& mean,
-                           const Tensor& rstd, const Tensor& grad_x, const Tensor& grad_weight,
-                           const Tensor& grad_bias) override;
-  void rms_norm(const Tensor& x, const Tensor& weight, double eps, const Tensor& out, const Tensor& rstd) override;
-  void rms_norm_backward(const Tensor& grad_out, const Tensor& x, const Tensor& weight, const Tensor& rstd,
-                         const Tensor& grad_x, const Tensor& grad_weight) override;
-  void dropout(const Tensor& x, double p, uint64_t seed, uint64_t offset, const Tensor& out) override;
-
+  void layer_norm_kernel(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps, const Tensor& out,
+                         const Tensor& mean, const Tensor& rstd) override;
+  void layer_norm_backward_kernel(const Tensor& grad_out, const Tensor& x, const Tensor& weight, const Tensor& mean,
+                                  const Tensor& rstd, const Tensor& grad_x, const Tensor& grad_weight,
+                                  const Tensor& grad_bias) override;
+  void rms_norm_kernel(const Tensor& x, const Tensor& weight, double eps, const Tensor& out,
+                       const Tensor& rstd) override;
+  void rms_norm_backward_kernel(const Tensor& grad_out, const Tensor& x, const Tensor& weight, const Tensor& rstd,
+                                const Tensor& grad_x, const Tensor& grad_weight) override;
+  void dropout_kernel(const Tensor& x, double p, uint64_t seed, uint64_t offset, const Tensor& out) override;
   // index.cpp
-  void embedding(const Tensor& weight, const Tensor& indices, const Tensor& out) override;
-  void embedding_backward(const Tensor& grad_out, const Tensor& indices, const Tensor& grad_weight) override;
-
+  void embedding_kernel(const Tensor& weight, const Tensor& indices, const Tensor& out) override;
+  void embedding_backward_kernel(const Tensor& grad_out, const Tensor& indices, const Tensor& grad_weight) override;
   // cross_entropy.cpp
-  void softmax_cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore_index, const Tensor& loss,
-                             const Tensor& lse) override;
-  void softmax_cross_entropy_backward(const Tensor& grad_loss, const Tensor& logits, const Tensor& targets,
-                                      const Tensor& lse, int64_t ignore_index, const Tensor& grad_logits) override;
-
+  void softmax_cross_entropy_kernel(const Tensor& logits, const Tensor& targets, int64_t ignore_index,
+                                    const Tensor& loss, const Tensor& lse) override;
+  void softmax_cross_entropy_backward_kernel(const Tensor& grad_loss, const Tensor& logits, const Tensor& targets,
+                                             const Tensor& lse, int64_t ignore_index,
+                                             const Tensor& grad_logits) override;
   // attention.cpp
-  void causal_attention(const Tensor& q, const Tensor& k, const Tensor& v, double scale, const Tensor& out,
-                        const Tensor& lse) override;
-  void causal_attention_backward(const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v,
-                                 const Tensor& out, const Tensor& lse, double scale, const Tensor& grad_q,
-                                 const Tensor& grad_k, const Tensor& grad_v) override;
+  void causal_attention_kernel(const Tensor& q, const Tensor& k, const Tensor& v, double scale, const Tensor& out,
+                               const Tensor& lse) override;
+  void causal_attention_backward_kernel(const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v,
+                                        const Tensor& out, const Tensor& lse, double scale, const Tensor& grad_q,
+                                        const Tensor& grad_k, const Tensor& grad_v) override;
 
  private:
   CachingAllocator allocator_;

@@ -25,21 +25,7 @@ namespace mixtape::cpu {
 
 namespace {
 
-inline DType stats_dtype(DType logits) { return logits == DType::F64 ? DType::F64 : DType::F32; }
-
 inline bool parallel_rows(int64_t N, int64_t V) { return N > 1 && N * V >= 2 * kParallelGrain; }
-
-void check_tensor(const char* op, const char* name, const Tensor& t, const Shape& shape, DType dtype) {
-  // An empty tensor has no layout to get wrong (and is_contiguous() says no for some empty shapes).
-  check(t.defined() && t.shape() == shape && (t.is_contiguous() || t.numel() == 0) && t.dtype() == dtype, op,
-        ": ", name, " must be contiguous ", dtype_name(dtype), shape_text(shape), ", got ", t.described());
-}
-
-void check_targets(const char* op, const Tensor& targets, int64_t N) {
-  check(targets.defined() && targets.dim() == 1 && targets.shape()[0] == N && targets.is_contiguous() &&
-            (targets.dtype() == DType::I32 || targets.dtype() == DType::I64),
-        op, ": targets must be contiguous i32/i64 [", N, "], got ", targets.described());
-}
 
 template <class I>
 int64_t counted_rows(const I* targets, int64_t N, int64_t ignore_index) {
@@ -97,15 +83,10 @@ struct AccRows {
 
 }  // namespace
 
-void CpuBackend::softmax_cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore_index,
-                                       const Tensor& loss, const Tensor& lse) {
+void CpuBackend::softmax_cross_entropy_kernel(const Tensor& logits, const Tensor& targets, int64_t ignore_index,
+                                              const Tensor& loss, const Tensor& lse) {
   const char* op = "softmax_cross_entropy";
-  check(logits.dim() == 2, op, ": logits must be [N, V], got ", logits.described());
   const int64_t N = logits.shape()[0], V = logits.shape()[1];
-  check_tensor(op, "logits", logits, {N, V}, logits.dtype());
-  check_targets(op, targets, N);
-  check_tensor(op, "loss", loss, {}, stats_dtype(logits.dtype()));
-  check_tensor(op, "lse", lse, {N}, stats_dtype(logits.dtype()));
   dispatch_float(logits.dtype(), op, [&]<typename T>() {
     using A = acc_t<T>;
     dispatch_index(targets.dtype(), op, [&]<typename I>() {
@@ -136,17 +117,11 @@ void CpuBackend::softmax_cross_entropy(const Tensor& logits, const Tensor& targe
   });
 }
 
-void CpuBackend::softmax_cross_entropy_backward(const Tensor& grad_loss, const Tensor& logits,
-                                                const Tensor& targets, const Tensor& lse,
-                                                int64_t ignore_index, const Tensor& grad_logits) {
+void CpuBackend::softmax_cross_entropy_backward_kernel(const Tensor& grad_loss, const Tensor& logits,
+                                                       const Tensor& targets, const Tensor& lse, int64_t ignore_index,
+                                                       const Tensor& grad_logits) {
   const char* op = "softmax_cross_entropy_backward";
-  check(logits.dim() == 2, op, ": logits must be [N, V], got ", logits.described());
   const int64_t N = logits.shape()[0], V = logits.shape()[1];
-  check_tensor(op, "logits", logits, {N, V}, logits.dtype());
-  check_targets(op, targets, N);
-  check_tensor(op, "grad_loss", grad_loss, {}, stats_dtype(logits.dtype()));
-  check_tensor(op, "lse", lse, {N}, stats_dtype(logits.dtype()));
-  check_tensor(op, "grad_logits", grad_logits, {N, V}, logits.dtype());
   dispatch_float(logits.dtype(), op, [&]<typename T>() {
     using A = acc_t<T>;
     dispatch_index(targets.dtype(), op, [&]<typename I>() {

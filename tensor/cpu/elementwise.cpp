@@ -26,10 +26,6 @@ namespace {
 // a memory-bound add.
 constexpr int64_t kTranscendentalGrain = 4096;
 
-void check_same_shape(const char* op, const Tensor& a, const Tensor& b) {
-  check(a.shape() == b.shape(), op, ": ", a.described(), " and ", b.described(), " differ in shape");
-}
-
 // 16-bit operands of a contiguous run are widened into a float block, f runs over floats (a loop the
 // compiler vectorises, as for f32), and the block is rounded back once: converting element by element
 // inside f's loop keeps it scalar, which made fp16 GELU 3x slower than f32's.
@@ -308,8 +304,11 @@ void map_derivative_table(const Tensor& x, const Tensor& grad_out, const Tensor&
 
 // ---- unary -----------------------------------------------------------------------------------------------
 
-void CpuBackend::unary(UnaryOp op, const Tensor& x, const Tensor& out, double scalar) {
-  check_same_shape("unary", x, out);
+// The switches below have a case for every row of kUnaryOps (tensor/unary_ops.h), forward and backward; a new
+// op fails to build here until it has its kernels.
+static_assert(static_cast<int>(UnaryOp::Count) == 13, "a new UnaryOp needs its unary and unary_backward cases");
+
+void CpuBackend::unary_kernel(UnaryOp op, const Tensor& x, const Tensor& out, double scalar) {
   dispatch_float(out.dtype(), "unary", [&]<typename T>() {
     using A = acc_t<T>;
     const int64_t heavy = kTranscendentalGrain, light = kParallelGrain;
@@ -341,21 +340,15 @@ void CpuBackend::unary(UnaryOp op, const Tensor& x, const Tensor& out, double sc
       case UnaryOp::GeluTanh: return map_unary<T, A>(x, out, heavy, [](A v) { return gelu_tanh_of(v); });
       case UnaryOp::PowScalar:  // the exponent stays in double, so pow runs in double for every dtype
         return map_unary<T, double>(x, out, heavy, [scalar](double v) { return pow_scalar(v, scalar); });
+      case UnaryOp::Count: break;  // not an op
     }
     fail("unary: unknown op ", static_cast<int>(op));
   });
 }
 
-// grad_x = grad_out * op'(x). The derivative reads x, or y = op(x) for the ops whose derivative is cheapest
-// in terms of the output (exp, sqrt, rsqrt, tanh, sigmoid); the other of the two may be undefined.
-void CpuBackend::unary_backward(UnaryOp op, const Tensor& x, const Tensor& y, const Tensor& grad_out,
-                                const Tensor& grad_x, double scalar) {
-  const bool from_output = op == UnaryOp::Exp || op == UnaryOp::Sqrt || op == UnaryOp::Rsqrt ||
-                           op == UnaryOp::Tanh || op == UnaryOp::Sigmoid;
-  const Tensor& in = from_output ? y : x;
-  check(in.defined(), "unary_backward: the op needs its ", from_output ? "output" : "input", " but got none");
-  check_same_shape("unary_backward", in, grad_x);
-  check_same_shape("unary_backward", grad_out, grad_x);
+// grad_x = grad_out * op'(v), v = `in`: x, or y = op(x) where kUnaryOps says the derivative reads the output.
+void CpuBackend::unary_backward_kernel(UnaryOp op, const Tensor& in, const Tensor& grad_out, const Tensor& grad_x,
+                                       double scalar) {
   dispatch_float(grad_x.dtype(), "unary_backward", [&]<typename T>() {
     using A = acc_t<T>;
     const int64_t heavy = kTranscendentalGrain, light = kParallelGrain;
@@ -393,6 +386,7 @@ void CpuBackend::unary_backward(UnaryOp op, const Tensor& x, const Tensor& y, co
         return map_binary<T, double>(in, grad_out, grad_x, heavy, [scalar](double v, double g) {
           return g * pow_scalar_derivative(v, scalar);
         });
+      case UnaryOp::Count: break;  // not an op
     }
     fail("unary_backward: unknown op ", static_cast<int>(op));
   });
@@ -438,9 +432,7 @@ bool CpuBackend::binary_reads_mixed(DType a, DType b, DType out) const {
   return out == DType::F32 && reads_as_float(a) && reads_as_float(b);
 }
 
-void CpuBackend::binary(BinaryOp op, const Tensor& a, const Tensor& b, const Tensor& out) {
-  check_same_shape("binary", a, out);
-  check_same_shape("binary", b, out);
+void CpuBackend::binary_kernel(BinaryOp op, const Tensor& a, const Tensor& b, const Tensor& out) {
   if (a.dtype() != out.dtype() || b.dtype() != out.dtype()) {
     check(binary_reads_mixed(a.dtype(), b.dtype(), out.dtype()), "binary: inputs ", a.described(), " and ",
           b.described(), " for output ", out.described(),
@@ -466,9 +458,8 @@ void CpuBackend::binary(BinaryOp op, const Tensor& a, const Tensor& b, const Ten
   });
 }
 
-void CpuBackend::binary_scalar(BinaryOp op, const Tensor& a, double scalar, bool scalar_first,
-                               const Tensor& out) {
-  check_same_shape("binary_scalar", a, out);
+void CpuBackend::binary_scalar_kernel(BinaryOp op, const Tensor& a, double scalar, bool scalar_first,
+                                      const Tensor& out) {
   dispatch_float(out.dtype(), "binary_scalar", [&]<typename T>() {
     // Computed in double so the scalar is not rounded first: a * 0.1 is the product with 0.1 as a double,
     // rounded once to T (for f32 the double result is correctly rounded to float: 53 >= 2 * 24 + 2).
@@ -495,10 +486,7 @@ void CpuBackend::binary_scalar(BinaryOp op, const Tensor& a, double scalar, bool
 
 // ---- where -----------------------------------------------------------------------------------------------
 
-void CpuBackend::where(const Tensor& cond, const Tensor& a, const Tensor& b, const Tensor& out) {
-  check_same_shape("where", cond, out);
-  check_same_shape("where", a, out);
-  check_same_shape("where", b, out);
+void CpuBackend::where_kernel(const Tensor& cond, const Tensor& a, const Tensor& b, const Tensor& out) {
   const StridedLoop<4> loop(out.shape(), {out.strides(), cond.strides(), a.strides(), b.strides()});
   dispatch_all(cond.dtype(), "where", [&]<typename Cond>() {
     dispatch_all(out.dtype(), "where", [&]<typename T>() {
@@ -526,8 +514,7 @@ void CpuBackend::where(const Tensor& cond, const Tensor& a, const Tensor& b, con
 
 // ---- in place --------------------------------------------------------------------------------------------
 
-void CpuBackend::add_inplace(const Tensor& dst, const Tensor& src, double alpha) {
-  check_same_shape("add_inplace", src, dst);
+void CpuBackend::add_inplace_kernel(const Tensor& dst, const Tensor& src, double alpha) {
   // dst = dst + alpha src through map_binary_of, dst both an input and the output (each element is read
   // before it is written), so 16-bit runs go through its float blocks.
   dispatch_float(dst.dtype(), "add_inplace", [&]<typename T>() {

@@ -1,12 +1,11 @@
 // A GEMM on fp16 or bf16 operands for CPUs without arithmetic in that format.
 //
 // Why by hand: oneDNN 2.6 (the version Debian 12 ships) has no fp16 GEMM on a CPU without AVX512-FP16, and no
-// bf16 GEMM on one without AVX512-BF16 (AVX2 machines, older AVX-512 ones), and no library here has one. So a
-// 16-bit product used to be three passes: both operands widened to f32 copies, oneDNN's f32 GEMM, and its f32
-// result rounded into the 16-bit output. Those copies come from and go to memory; in the fp16 training step
-// on a Zen 5 they took about a tenth of the step (README, "On a Zen 5"), and the fp16 modes ran slower than
-// fp32. Here the widening is the GEMM's own packing, done a cache-sized block at a time, and the rounding is
-// the kernel's epilogue: the 16-bit data is read once and written once.
+// bf16 GEMM on one without AVX512-BF16 (AVX2 machines, older AVX-512 ones), and no library here has one.
+// Through oneDNN a 16-bit product is three passes: both operands widened to f32 copies, the f32 GEMM, and its
+// f32 result rounded into the 16-bit output; those copies go to and come from memory, so the fp16 modes would
+// run slower than fp32. Here the widening is the GEMM's own packing, done a cache-sized block at a time, and
+// the rounding is the kernel's epilogue: the 16-bit data is read once and written once.
 //
 // The numbers are the f32 GEMM's: fp16 and bf16 values have at most 11 significant bits, so every product is
 // exact in float, and each output element sums its K products in float, in order of k, then adds the bias and
@@ -90,12 +89,8 @@ struct Avx512 {
   static constexpr int kLanes = 16, kMR = 12;
   // The widened A block a thread keeps near while every B sliver passes over it: kABlockBytes, and at least
   // kMinBlockTiles tiles as long as they fit in kMaxBlockBytes (so 8 tiles, 96 rows, at the GPT's K of 256 to
-  // 2048; past K = 2048 the old rule). It was 768 KiB, 60 tiles of a row-major A at K = 256. On a 2-core Xeon
-  // without AMX (2 MiB L2 a core, KVM, busy neighbours), the two rules switched call by call in one process
-  // over the f16 step's twelve GEMM shapes, three runs: K = 256, 768 and 1024 products 0.998-1.037x the old
-  // rule's speed (the median of the ratio of adjacent calls' times), the weight gradients 0.989-1.042x (8 tiles
-  // of K = 2048 under both rules: that spread is the harness's noise); the sum of the shapes' medians 0.1-1.3%
-  // lower. A small gain, at the noise; kept because it never lost in sum (bench/MACHINES.md, "a fifth session").
+  // 2048; past K = 2048 the byte bound alone). The bounds are tuned, not derived: timings of the f16 step's
+  // GEMM shapes under this rule and under a single 768 KiB bound are in bench/MACHINES.md.
   static constexpr int64_t kABlockBytes = 64 << 10, kMinBlockTiles = 8, kMaxBlockBytes = 768 << 10;
   static V zero() { return _mm512_setzero_ps(); }
   static V load(const float* p) { return _mm512_loadu_ps(p); }
@@ -113,7 +108,7 @@ struct Avx512 {
 struct Avx2 {
   using V = __m256;
   static constexpr int kLanes = 8, kMR = 6;
-  // AVX2 CPUs have 512 KiB L2 and less; not measured with a minimum of tiles, so the byte rule alone.
+  // AVX2 CPUs have 512 KiB L2 and less: the byte rule alone (no minimum of tiles has been timed there).
   static constexpr int64_t kABlockBytes = 384 << 10, kMinBlockTiles = 1, kMaxBlockBytes = 384 << 10;
   static V zero() { return _mm256_setzero_ps(); }
   static V load(const float* p) { return _mm256_loadu_ps(p); }
@@ -220,9 +215,8 @@ void tile(int64_t K, const float* __restrict a, int64_t lda, const float* __rest
     // spare beside the loop's own: GCC kept one on the stack and one in a vector register and reloaded both
     // every k (perf annotate), or not, depending on unrelated edits elsewhere in this file. Four pointers
     // (rows 0, 3, 6 and 9) and the row stride scaled by 1, 2, 4 or 8 in the address reach all twelve: row
-    // r = kBase[r] + kScale[r]. bench_ops' f16 rows that take this kernel, OMP_NUM_THREADS=1 on a Xeon
-    // without AMX, best iterations, alternated three times with the old loop: 149-159 GFLOP/s against
-    // 137-148 (oneDNN's f32 GEMM 147-166 on the same shapes).
+    // r = kBase[r] + kScale[r], so no row pointer is reloaded inside the k loop (bench_ops' f16 rows that take
+    // this kernel; timings in bench/MACHINES.md).
     constexpr int kBase[12] = {0, 0, 0, 3, 0, 3, 6, 3, 0, 9, 6, 3};
     constexpr int kScale[12] = {0, 1, 2, 0, 4, 2, 0, 4, 8, 0, 4, 8};
     const float *p0 = a, *p3 = a + 3 * lda, *p6 = a + 6 * lda, *p9 = a + 9 * lda, *b_k = sliver;
@@ -288,10 +282,8 @@ void run_tile(bool row_major_a, int64_t K, const float* a, int64_t lda, const fl
 // bias, one rounding), so the same bits. The kGroup chains of FMAs hide each other's latency; tiles past
 // `rows` (a short last group) are read from the first one and their sums dropped, which keeps the loop's
 // shape fixed at the cost of some wasted FMAs there.
-// A packed (transposed) A only: bench_ops with a temporary f16 At_256x2048x65 row, one thread, alternated
-// three times: 113 GFLOP/s against 101 with the one-vector tile (oneDNN's f32 GEMM: 112). A row-major A
-// would have to be packed for it, with register transposes that cost more than the narrow tail saves (tried
-// on the vocabulary head, 2048x256x65: 228 against 234 GFLOP/s with two threads).
+// A packed (transposed) A only: a row-major A would have to be packed for it, with register transposes that
+// cost more than the narrow tail saves (the vocabulary head's 2048x256x65 lost with them; bench/MACHINES.md).
 constexpr int kNarrow = 4, kGroup = 4;
 
 template <class Isa, class T, int kW>

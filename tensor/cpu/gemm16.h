@@ -1,4 +1,5 @@
 #pragma once
+// Public: bench/ and tests read which ISA serves gemm16 (gemm16_isa) and call gemm16 directly against references.
 // A GEMM on fp16 or bf16 operands for CPUs without arithmetic in that format: the 16-bit values widened to
 // float block by block inside the GEMM, float FMAs, the result rounded back in the kernel's epilogue. See
 // gemm16.cpp for why and how.

@@ -13,13 +13,7 @@ namespace mixtape::cpu {
 
 // out[i, :] = weight[indices[i], :]. A row gather: rows are copied as bytes when the weight's rows are
 // contiguous, element by element otherwise (a transposed, tied weight).
-void CpuBackend::embedding(const Tensor& weight, const Tensor& indices, const Tensor& out) {
-  const bool ok = indices.dim() == 1 && indices.is_contiguous() && out.dim() == 2 && out.is_contiguous() &&
-                  out.size(0) == indices.numel() && out.size(1) == weight.size(1) &&
-                  out.dtype() == weight.dtype();
-  if (!ok)
-    fail("cpu embedding: expected indices [n] and a contiguous out [n, C], got weight ", weight.description(),
-         ", indices ", indices.description(), ", out ", out.description());
+void CpuBackend::embedding_kernel(const Tensor& weight, const Tensor& indices, const Tensor& out) {
   const int64_t n = out.size(0), C = out.size(1);
   const int64_t row_stride = weight.stride(0), col_stride = weight.stride(1);
   const bool parallel = n * C >= kParallelGrain && n > 1;
@@ -47,16 +41,7 @@ void CpuBackend::embedding(const Tensor& weight, const Tensor& indices, const Te
 // ascending positions), and each row is summed by one thread in that fixed order. The sum runs in acc_t
 // (fp32 for 16-bit grads, so a token repeated thousands of times does not lose its small contributions) and
 // is rounded once into grad_weight.
-void CpuBackend::embedding_backward(const Tensor& grad_out, const Tensor& indices,
-                                    const Tensor& grad_weight) {
-  const bool ok = indices.dim() == 1 && indices.is_contiguous() && grad_out.dim() == 2 &&
-                  grad_out.is_contiguous() && grad_out.size(0) == indices.numel() && grad_weight.dim() == 2 &&
-                  grad_weight.is_contiguous() && grad_out.size(1) == grad_weight.size(1) &&
-                  grad_out.dtype() == grad_weight.dtype();
-  if (!ok)
-    fail("cpu embedding_backward: expected a contiguous grad_out [n, C], indices [n] and a contiguous "
-         "grad_weight [V, C], got ", grad_out.description(), ", ", indices.description(), ", ",
-         grad_weight.description());
+void CpuBackend::embedding_backward_kernel(const Tensor& grad_out, const Tensor& indices, const Tensor& grad_weight) {
   const int64_t n = grad_out.size(0), C = grad_out.size(1);
   if (n == 0 || C == 0) return;
 

@@ -114,8 +114,8 @@ void matmul_f64(const MatmulGeometry& g, const double* a, const double* b, const
 // ---- f16 as bf16 parts -------------------------------------------------------------------------------------
 //
 // oneDNN 2.6 has no f16 matmul, and f16 through f32 is slower than f32 itself (the operand copies come on top
-// of the same f32 GEMM). On a CPU with AMX, whose bf16 products run about 6x the f32 ones (bench_ops: 2.2-2.6
-// against 0.36-0.43 TFLOP/s on the GPT's shapes), an f16 product is computed from bf16 parts instead, the
+// of the same f32 GEMM). On a CPU with AMX, whose bf16 products run several times faster than the f32 ones
+// (bench_ops, bench/MACHINES.md), an f16 product is computed from bf16 parts instead, the
 // scheme PyTorch's float32_matmul_precision("high") calls bf16x3:
 //   An f16 value x (11 significant bits) is hi + lo exactly, hi = x rounded to bf16 (8 bits, nearest even)
 //   and lo = x - hi: a multiple of x's last bit no larger than half of hi's, so 3 bits at most, exact in bf16
@@ -128,8 +128,8 @@ void matmul_f64(const MatmulGeometry& g, const double* a, const double* b, const
 // So each product carries a relative error of at most 2^-16 (1/32 of f16's unit roundoff, 2^-11), in all
 // at most 2^-16 sum_k |a_k b_k|: below the worst-case error of the f32 sum itself once K >= 86 (K 2^-24 of
 // the same sum), and of random sign. Everything else is the f32 route's: f32 sums, one rounding, a bias
-// joining the f32 sum. The 4-term exact sum was measured too and lost to the f32 route (bench_train_gpt's
-// fp16 step at 0.85x-0.89x of fp32 against 0.92x-1.00x through f32 and 1.09x-1.15x with 3 terms).
+// joining the f32 sum. The exact 4-term sum costs more than the f32 route saves (bench_train_gpt's fp16 step
+// under each: bench/MACHINES.md), so the 3-term sum is the split.
 // set_f16_matmul_split_enabled(false) restores the f32 route, with its exact products, in this process.
 // A non-finite input would break the identity (inf = inf + NaN, and inf * 0 appears in terms where the
 // product of the values has none): the split finds it and the product takes the f32 route instead.
@@ -374,10 +374,9 @@ bool transposed_layout(const MatrixLayout& m) { return m.row_stride == 1 && m.co
 // Whether A (a transposed operand: unit row stride) is better packed row-major before an f32 GEMM. oneDNN
 // 2.6's AVX2 sgemm reads such an A up to 2x slower when the product is tall and narrow: a weight gradient
 // dY^T X of a layer with a narrow input and a wide output ([1024, 2048] x [2048, 256]: the GPT's MLP up
-// projection).
-// Measured on Zen 3 with the transposing copy included: M >= 512 with N <= 256 gains 1.04x-1.6x, wider
-// products gain nothing; bench_ops' matmul_f32 At_ rows track it. oneDNN's AVX-512 kernels were not
-// measured this way, so there A keeps its own strides.
+// projection). The bounds (M >= 512, N <= 256: the products that gain with the transposing copy included)
+// come from bench_ops' matmul_f32 At_ rows on AVX2 (bench/MACHINES.md); oneDNN's AVX-512 kernels keep A's own
+// strides.
 bool pack_transposed_a(const MatmulGeometry& g) {
   return !onednn_has(dnnl::cpu_isa::avx512_core) && g.batch.empty() && transposed_layout(g.a) && g.M >= 512 &&
          g.N <= 256;
@@ -386,10 +385,8 @@ bool pack_transposed_a(const MatmulGeometry& g) {
 // The same for a bf16 product on oneDNN's AVX512-BF16 kernels (a CPU without AMX), whose brgemm reads a
 // transposed A through copies of its own: the weight gradients dY^T X of a linear layer, K = the tokens of a
 // batch. A is copied row-major (the 16-bit tiled transpose) when M <= N; a product with M > N is computed
-// transposed instead (transpose_wide_product), so that the operand copied is always the narrower side. On a
-// Zen 5 (2 threads, a scratch program timing oneDNN primitives, operands in cache) the GPT's four weight
-// gradients ran at 883-940 GFLOP/s with A transposed against 980-987 row-major; in the training step, whose
-// operands come from memory, at 720-865 GFLOP/s (ONEDNN_VERBOSE). AMX kernels were not measured.
+// transposed instead (transpose_wide_product), so that the operand copied is always the narrower side. AMX
+// kernels read A as it is. Timings of the GPT's weight gradients both ways: bench/MACHINES.md.
 bool pack_transposed_bf16_a(const MatmulGeometry& g) {
   return onednn_has(dnnl::cpu_isa::avx512_core_bf16) && !onednn_has(dnnl::cpu_isa::avx512_core_amx) &&
          g.batch.empty() && transposed_layout(g.a) && g.K >= 1024 && g.M <= g.N;
@@ -398,23 +395,19 @@ bool pack_transposed_bf16_a(const MatmulGeometry& g) {
 // Whether a short, wide product is better computed transposed: out^T = B^T A^T, when that transposed
 // product is the tall, narrow one pack_transposed_a packs (B row-major, so B^T is read transposed), and
 // out^T is transposed into out by the tiled copy. By oneDNN's source, its AVX2 sgemm driver picks the
-// no-copy kernel for a product this narrow (1/M + 1/N >= 0.0038), which reads the wide B in place; the GPT's
-// MLP down projection's weight gradient dY^T X ([256, 2048] x [2048, 1024]) took 14.6 ms (~74 GFLOP/s) in
-// the training step (ONEDNN_VERBOSE) against 119-154 GFLOP/s for the other large GEMMs. Measured on Zen 3 (a
-// scratch program timing oneDNN primitives, 2 threads, packing and the final transpose included): M = 256
-// with N in 512..2048 gains 1.04x-1.7x with A plain or transposed; M = 128 and M >= 384 were mixed (0.72x-1.47x)
-// and are left alone. bench_ops' matmul_f32/At_256x2048x1024 row tracks it. No bias (it would have to join
-// out^T's rows); AVX-512 CPUs were not measured (pack_transposed_a is false there).
+// no-copy kernel for a product this narrow (1/M + 1/N >= 0.0038), which reads the wide B in place and runs
+// far below the other large GEMMs on the GPT's MLP down projection's weight gradient dY^T X ([256, 2048] x
+// [2048, 1024]). On AVX2 the rule takes M = 256 with N in 512..2048, where the transposed product gains with
+// packing and the final transpose included; other M are left alone (bench_ops' matmul_f32/At_256x2048x1024
+// row, timings in bench/MACHINES.md). No bias (it would have to join out^T's rows); AVX-512 CPUs keep the
+// orientation (pack_transposed_a is false there).
 // For bf16 (pack_transposed_bf16_a): a product with A transposed, B row-major and M > N.
 // For a product gemm16 takes (`gemm16_route`, see gemm16_geometry), only its own rule: A transposed, B row-major
 // and N >= 2M >= 128, with the AVX-512 kernel. gemm16 widens B whole into f32 slivers that every A block
 // streams; for the MLP down projection's weight gradient g^T x ([256, 2048] x [2048, 1024]) that is 8 MiB,
-// transposed it is g's 2 MiB. bench_ops' best iterations, 2 threads, on a Xeon without AMX, A/B alternated: in a
-// quiet hour (with the transpose inside gemm16, best of 3) f16 At_256x2048x1024 280 against 260 GFLOP/s, bf16
-// 271 against 258, the vocabulary head's At_65x2048x256 (f16) 192 against 172; in a noisy one (as here, best of
-// 5) 258 against 257, 275 against 251 and 186 against 169. The other orientation, At_1024x2048x256, lost.
-// Measured at N/M = 4 and 1/4 only, M = 65 and 256: the threshold of 2 between them is a guess, and smaller
-// products keep their orientation. AVX2 was not measured (its 16-bit transposing copy has no register path).
+// transposed it is g's 2 MiB. The rule rests on N/M = 4 (gains) and 1/4 (loses) at M = 65 and 256 (bench_ops'
+// At_ rows, bench/MACHINES.md): the threshold of 2 between them is a guess, and smaller products keep their
+// orientation. AVX2 keeps it too (its 16-bit transposing copy has no register path).
 // Same bits either way: each output sums the same exact products in order of k.
 // `widen`: a bf16 product goes through f32 (it is then judged as an f32 one).
 bool transpose_wide_product(const MatmulGeometry& g, bool bias, DType dtype, bool widen, bool gemm16_route) {
@@ -603,26 +596,20 @@ void own_gemm16(const MatmulGeometry& g, const Tensor& a, const Tensor& b, const
 // ---- bf16 products: oneDNN's bf16 GEMM or f32 FMAs ------------------------------------------------------
 //
 // oneDNN's bf16 GEMM runs on the CPU's bf16 dot-product instruction (vdpbf16ps: 32 products a register, summed
-// in pairs into 16 f32 accumulators) or on AMX tiles. Where that instruction is fast (AMD's Zen 4 and Zen 5:
-// their bf16 GEMMs ran at about twice their f32 ones) it is the route; but on an Intel Xeon whose AMX is not
-// exposed (family 6 model 207, a KVM guest) vdpbf16ps retires about one every two cycles against two f32
-// FMAs a cycle: half the f32 rate (bf16_dot_rate: 0.48-0.50), and oneDNN's bf16 GEMMs ran at 166 GFLOP/s
-// there against 321 in f32 (bench_ops' 2048x256x768 rows). There bf16 products take the f16 route instead: gemm16,
-// else through the f32 GEMM. Both keep the contract of a bf16 product: the products of bf16 values are exact
-// in f32, summed in f32, rounded to bf16 once (only the order of the sum differs from oneDNN's).
+// in pairs into 16 f32 accumulators) or on AMX tiles. Where that instruction is fast it is the route; where it
+// retires at about half the f32 FMA rate (an Intel Xeon whose AMX is not exposed, such as a KVM guest), bf16
+// products take the f16 route instead: gemm16, else through the f32 GEMM. Both keep the contract of a bf16
+// product: the products of bf16 values are exact in f32, summed in f32, rounded to bf16 once (only the order
+// of the sum differs from oneDNN's).
 //
 // The choice is made once per process: MIXTAPE_BF16_GEMM (auto, onednn or f32) when set, else automatic: f32
 // where oneDNN has no bf16 GEMM, oneDNN's where it runs on AMX, else f32 where the measured dot-product rate
 // is below kSlowBf16Dot of the FMA rate. The measurement times two register-only loops (no memory traffic)
-// back to back, best of 7 passes (~8 ms, once), and the classes it separates are far apart (0.44-0.52 on the
-// Xeon, under load too; the AMD cores' bf16 GEMMs ran at ~2x their f32 ones, though bf16_dot_rate itself was
-// not run there). The passes must be long: with 20,000 rounds (43 us of FMAs) and 5 passes, processes under
-// `perf record` beside a spinning thread and a busy neighbour measured up to 0.84 and 0.86 in two sets of 40
-// (4 of the 80 above 0.64; the worst one's FMA passes all ran 74-82 us), and one bench process chose oneDNN's
-// half-speed route; with 100,000 rounds and 7 passes, 40 such processes measured 0.435-0.516
-// (bench/MACHINES.md, "a sixth session"). A build without AVX512-BF16 code (MIXTAPE_MARCH other than such a
-// CPU) cannot measure and keeps oneDNN's route. A run that must keep its bits across machines, or
-// across the processes of one job, names the route.
+// back to back, best of 7 passes of 100,000 rounds (~8 ms, once): passes that long keep a busy neighbour
+// from lifting a slow CPU's rate past the bound, and the classes it separates lie far on either side of it.
+// The rates and GEMM speeds behind these choices are in bench/MACHINES.md. A build without AVX512-BF16 code
+// (MIXTAPE_MARCH other than such a CPU) cannot measure and keeps oneDNN's route. A run that must keep its bits
+// across machines, or across the processes of one job, names the route.
 
 constexpr double kSlowBf16Dot = 0.75;
 
@@ -739,22 +726,32 @@ bool f16_matmul_splits() {
   return split_enabled.load(std::memory_order_relaxed) && onednn_has(dnnl::cpu_isa::avx512_core_amx);
 }
 
+namespace {
+
+// The one route chooser of 16-bit products, read by matmul (with the product's geometry) and matmul_widens.
+// f16: on its bf16 parts where f16_matmul_splits, else gemm16. bf16: oneDNN's bf16 GEMM, or like f16 where
+// bf16_gemm() is F32. gemm16 takes a product where its geometry allows (gemm16_geometry); any other product
+// of a dtype without a GEMM of its own is computed through f32.
+struct Route16 {
+  bool f16_split = false;     // f16 as exact sums of bf16 products (oneDNN on AMX)
+  bool bf16_via_f32 = false;  // bf16 on f32 FMAs (gemm16 or the f32 GEMM), not oneDNN's bf16 GEMM
+  bool wants_gemm16 = false;  // gemm16 where the geometry allows, else through f32
+};
+
+Route16 route16_for(DType dtype) {
+  Route16 route;
+  route.f16_split = dtype == DType::F16 && f16_matmul_splits();
+  route.bf16_via_f32 = dtype == DType::BF16 && bf16_gemm() == Bf16Gemm::F32;
+  route.wants_gemm16 = (dtype == DType::F16 && !route.f16_split) || route.bf16_via_f32;
+  return route;
+}
+
+}  // namespace
+
 bool set_f16_matmul_split_enabled(bool enabled) { return split_enabled.exchange(enabled); }
 
-void CpuBackend::matmul(const Tensor& a, const Tensor& b, const Tensor& out, const Tensor& bias) {
-  // Messages are formatted only on failure (check() would format its arguments on every call).
-  if (a.dim() < 2 || a.dim() != b.dim() || a.dim() != out.dim())
-    fail("cpu matmul: operands ", a.description(), " x ", b.description(), " -> ", out.description(),
-         " must have the same number (>= 2) of dims");
-  if (a.dtype() != b.dtype() || a.dtype() != out.dtype())
-    fail("cpu matmul: dtypes differ: ", a.description(), " x ", b.description(), " -> ", out.description());
+void CpuBackend::matmul_kernel(const Tensor& a, const Tensor& b, const Tensor& out, const Tensor& bias) {
   const bool has_bias = bias.defined();
-  if (has_bias && (bias.dim() != 1 || bias.size(0) != out.size(-1) || bias.dtype() != out.dtype() ||
-                   !bias.is_contiguous()))
-    fail("cpu matmul: bias ", bias.description(), " must be a contiguous ", dtype_name(out.dtype()), "[",
-         out.size(-1), "] for output ", out.description());
-  if (out.numel() == 0) return;
-  if (!out.is_contiguous()) fail("cpu matmul: output ", out.description(), " must be contiguous");
   if (a.size(-1) == 0) {  // an empty sum: out = bias (or 0) in every row
     if (has_bias) {
       Strides rows(static_cast<size_t>(out.dim()), 0);
@@ -773,11 +770,12 @@ void CpuBackend::matmul(const Tensor& a, const Tensor& b, const Tensor& out, con
   }
   check(a.dtype() == DType::F32 || is_low_precision(a.dtype()), "cpu matmul: dtype ", dtype_name(a.dtype()),
         " is not supported (expected f32, f16, bf16 or f64)");
-  // 16-bit products without a oneDNN GEMM of their own: gemm16, where the geometry allows. The bf16 route is
-  // read once per call, so that a set_bf16_gemm on another thread cannot split one product between routes (a
-  // transposed product's inner call reads it again; either route gives the whole product).
-  const bool widen = a.dtype() == DType::BF16 && bf16_gemm() == Bf16Gemm::F32;
-  const bool gemm16_route = ((a.dtype() == DType::F16 && !f16_matmul_splits()) || widen) && gemm16_geometry(g);
+  // The routes are read once per call, so that a set_bf16_gemm or set_f16_matmul_split_enabled on another
+  // thread cannot split one product between routes (a transposed product's inner call reads them again;
+  // either route gives the whole product).
+  const Route16 route = route16_for(a.dtype());
+  const bool widen = route.bf16_via_f32;
+  const bool gemm16_route = route.wants_gemm16 && gemm16_geometry(g);
   // out^T = B^T A^T, then out^T transposed into out (the product of B^T A^T takes the same route, untransposed)
   if (transpose_wide_product(g, has_bias, a.dtype(), widen, gemm16_route)) {
     const Tensor b_t = make_view(b, {g.N, g.K}, {g.b.col_stride, g.b.row_stride}, b.offset());
@@ -795,7 +793,7 @@ void CpuBackend::matmul(const Tensor& a, const Tensor& b, const Tensor& out, con
   }
 
   const bool tf32 = a.dtype() == DType::F32 && allow_tf32();
-  const bool split = a.dtype() == DType::F16 && f16_matmul_splits();
+  const bool split = route.f16_split;
   std::shared_ptr<const Plan> shared_plan = plan_for(g, a.dtype(), has_bias, tf32, split, widen);
   if (shared_plan->split) {
     if (split_matmul(*shared_plan, g, a, b, bias, out)) return;
@@ -821,12 +819,10 @@ void CpuBackend::matmul(const Tensor& a, const Tensor& b, const Tensor& out, con
   if (plan.via_f32) copy(out_f32, out);
 }
 
+// A 16-bit product that wants gemm16 widens to f32 where this CPU has no gemm16 (its geometry decides the
+// rest per call, and a caller cannot know it ahead).
 bool CpuBackend::matmul_widens(DType dtype) const {
-  // f16: gemm16 reads it in place, the bf16-parts route splits it; otherwise its GEMM is the f32 one. bf16
-  // widens where it takes the f32 route (bf16_gemm) and gemm16 does not run.
-  const bool own = gemm16_isa() != Gemm16Isa::None;
-  if (dtype == DType::F16) return !f16_matmul_splits() && !own;
-  return dtype == DType::BF16 && bf16_gemm() == Bf16Gemm::F32 && !own;
+  return route16_for(dtype).wants_gemm16 && gemm16_isa() == Gemm16Isa::None;
 }
 
 }  // namespace mixtape::cpu

@@ -27,10 +27,8 @@ namespace {
 // converted once per call, so the row loops below have no 16-bit conversion of it.
 // This array, the backward's per-block partial sums and the per-thread rows (ThreadScratch) come from the
 // caching allocator: 64-byte aligned, and no heap growing and trimming between calls. In std::vectors (16-byte
-// aligned) most of their 64-byte loads and stores straddled two cache lines: layer_norm's backward of a bf16
-// [2048, 256] took 185-186 us (medians) so and 83-86 us aligned (two Zen 5 cores, a scratch program calling the
-// kernel), the fp16_naive step's norms 0.94 + 1.24 ms (forward + backward, `bench_train_gpt --phases`) against
-// 0.74 + 0.89. The values are the same either way.
+// aligned) most of their 64-byte loads and stores would straddle two cache lines, which costs the bf16
+// backward about twice its time. The values are the same either way.
 template <class T, class A = acc_t<T>>
 Tensor values_or(const Tensor& t, int64_t C, A missing) {
   Tensor values = Tensor::empty({C}, dtype_of<A>::value);
@@ -137,24 +135,7 @@ inline int64_t rows_per_block(int64_t N) {
   return std::max<int64_t>(16, (N + kMaxRowBlocks - 1) / kMaxRowBlocks);
 }
 
-// mean / rstd are stored in f32, or in f64 for f64 inputs (the reference dtype keeps full precision). Either
-// way it is the accumulation type acc_t<T>.
-inline DType stats_dtype(DType x) { return x == DType::F64 ? DType::F64 : DType::F32; }
-
 inline bool parallel_rows(int64_t N, int64_t C) { return N > 1 && N * C >= 2 * kParallelGrain; }
-
-void check_rows(const char* op, const char* name, const Tensor& t, int64_t N, int64_t C, DType dtype) {
-  check(t.defined() && t.dim() == 2 && t.shape()[0] == N && t.shape()[1] == C && t.is_contiguous() &&
-            t.dtype() == dtype,
-        op, ": ", name, " must be contiguous ", dtype_name(dtype), "[", N, ",", C, "], got ",
-        t.described());
-}
-
-void check_vector(const char* op, const char* name, const Tensor& t, int64_t n, DType dtype) {
-  if (!t.defined()) return;
-  check(t.dim() == 1 && t.shape()[0] == n && t.is_contiguous() && t.dtype() == dtype, op, ": ", name,
-        " must be contiguous ", dtype_name(dtype), "[", n, "], got ", t.described());
-}
 
 // Sums the per-block partials [blocks, C] into dest[C], pairwise over blocks (a tree of whole rows, so the
 // inner loop runs along C), rounding once. Overwrites `partial`.
@@ -173,16 +154,9 @@ void combine_partials(A* partial, int64_t blocks, int64_t C, T* dest) {
 
 // ---- layer_norm ------------------------------------------------------------------------------------------
 
-void CpuBackend::layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps,
-                            const Tensor& out, const Tensor& mean, const Tensor& rstd) {
-  check(x.dim() == 2, "layer_norm: x must be [N, C], got ", x.described());
+void CpuBackend::layer_norm_kernel(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps,
+                                   const Tensor& out, const Tensor& mean, const Tensor& rstd) {
   const int64_t N = x.shape()[0], C = x.shape()[1];
-  check_rows("layer_norm", "x", x, N, C, x.dtype());
-  check_rows("layer_norm", "out", out, N, C, x.dtype());
-  check_vector("layer_norm", "weight", weight, C, x.dtype());
-  check_vector("layer_norm", "bias", bias, C, x.dtype());
-  check_vector("layer_norm", "mean", mean, N, stats_dtype(x.dtype()));
-  check_vector("layer_norm", "rstd", rstd, N, stats_dtype(x.dtype()));
   dispatch_float(x.dtype(), "layer_norm", [&]<typename T>() {
     using A = acc_t<T>;
     const T* xp = x.data<T>();
@@ -226,19 +200,10 @@ void CpuBackend::layer_norm(const Tensor& x, const Tensor& weight, const Tensor&
   });
 }
 
-void CpuBackend::layer_norm_backward(const Tensor& grad_out, const Tensor& x, const Tensor& weight,
-                                     const Tensor& mean, const Tensor& rstd, const Tensor& grad_x,
-                                     const Tensor& grad_weight, const Tensor& grad_bias) {
-  check(x.dim() == 2, "layer_norm_backward: x must be [N, C], got ", x.described());
+void CpuBackend::layer_norm_backward_kernel(const Tensor& grad_out, const Tensor& x, const Tensor& weight,
+                                            const Tensor& mean, const Tensor& rstd, const Tensor& grad_x,
+                                            const Tensor& grad_weight, const Tensor& grad_bias) {
   const int64_t N = x.shape()[0], C = x.shape()[1];
-  check_rows("layer_norm_backward", "x", x, N, C, x.dtype());
-  check_rows("layer_norm_backward", "grad_out", grad_out, N, C, x.dtype());
-  check_vector("layer_norm_backward", "weight", weight, C, x.dtype());
-  check_vector("layer_norm_backward", "mean", mean, N, stats_dtype(x.dtype()));
-  check_vector("layer_norm_backward", "rstd", rstd, N, stats_dtype(x.dtype()));
-  if (grad_x.defined()) check_rows("layer_norm_backward", "grad_x", grad_x, N, C, x.dtype());
-  check_vector("layer_norm_backward", "grad_weight", grad_weight, C, x.dtype());
-  check_vector("layer_norm_backward", "grad_bias", grad_bias, C, x.dtype());
   dispatch_float(x.dtype(), "layer_norm_backward", [&]<typename T>() {
     using A = acc_t<T>;
     const T* xp = x.data<T>();
@@ -280,14 +245,9 @@ void CpuBackend::layer_norm_backward(const Tensor& grad_out, const Tensor& x, co
 
 // ---- rms_norm --------------------------------------------------------------------------------------------
 
-void CpuBackend::rms_norm(const Tensor& x, const Tensor& weight, double eps, const Tensor& out,
-                          const Tensor& rstd) {
-  check(x.dim() == 2, "rms_norm: x must be [N, C], got ", x.described());
+void CpuBackend::rms_norm_kernel(const Tensor& x, const Tensor& weight, double eps, const Tensor& out,
+                                 const Tensor& rstd) {
   const int64_t N = x.shape()[0], C = x.shape()[1];
-  check_rows("rms_norm", "x", x, N, C, x.dtype());
-  check_rows("rms_norm", "out", out, N, C, x.dtype());
-  check_vector("rms_norm", "weight", weight, C, x.dtype());
-  check_vector("rms_norm", "rstd", rstd, N, stats_dtype(x.dtype()));
   dispatch_float(x.dtype(), "rms_norm", [&]<typename T>() {
     using A = acc_t<T>;
     const T* xp = x.data<T>();
@@ -318,16 +278,9 @@ void CpuBackend::rms_norm(const Tensor& x, const Tensor& weight, double eps, con
   });
 }
 
-void CpuBackend::rms_norm_backward(const Tensor& grad_out, const Tensor& x, const Tensor& weight,
-                                   const Tensor& rstd, const Tensor& grad_x, const Tensor& grad_weight) {
-  check(x.dim() == 2, "rms_norm_backward: x must be [N, C], got ", x.described());
+void CpuBackend::rms_norm_backward_kernel(const Tensor& grad_out, const Tensor& x, const Tensor& weight,
+                                          const Tensor& rstd, const Tensor& grad_x, const Tensor& grad_weight) {
   const int64_t N = x.shape()[0], C = x.shape()[1];
-  check_rows("rms_norm_backward", "x", x, N, C, x.dtype());
-  check_rows("rms_norm_backward", "grad_out", grad_out, N, C, x.dtype());
-  check_vector("rms_norm_backward", "weight", weight, C, x.dtype());
-  check_vector("rms_norm_backward", "rstd", rstd, N, stats_dtype(x.dtype()));
-  if (grad_x.defined()) check_rows("rms_norm_backward", "grad_x", grad_x, N, C, x.dtype());
-  check_vector("rms_norm_backward", "grad_weight", grad_weight, C, x.dtype());
   dispatch_float(x.dtype(), "rms_norm_backward", [&]<typename T>() {
     using A = acc_t<T>;
     const T* xp = x.data<T>();
@@ -362,10 +315,7 @@ void CpuBackend::rms_norm_backward(const Tensor& grad_out, const Tensor& x, cons
 
 // ---- dropout ---------------------------------------------------------------------------------------------
 
-void CpuBackend::dropout(const Tensor& x, double p, uint64_t seed, uint64_t offset, const Tensor& out) {
-  check(x.shape() == out.shape() && x.dtype() == out.dtype() && out.is_contiguous(), "dropout: output ",
-        out.described(), " must be contiguous with the shape and dtype of ", x.described());
-  check(p >= 0 && p < 1, "dropout: p must be in [0, 1), got ", p);
+void CpuBackend::dropout_kernel(const Tensor& x, double p, uint64_t seed, uint64_t offset, const Tensor& out) {
   // Element i (row-major index) is kept iff u_i >= p with u_i = uniform(philox(offset + i, key = seed)[0]);
   // kept elements are scaled by 1 / (1 - p) so the expectation is unchanged. The draw depends only on
   // (seed, offset + i): the same on any thread count, and backward recomputes the same mask.

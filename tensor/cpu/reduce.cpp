@@ -111,7 +111,6 @@ A combine_pairwise(const A* p, int64_t n, int64_t stride, const Rule& rule) {
                       combine_pairwise(p + half * stride, n - half, stride, rule));
 }
 
-
 constexpr int64_t kRowChunk = 8192;    // reduced elements per partial result in row mode
 constexpr int64_t kColumnChunk = 128;  // reduced rows per partial result in column mode
 constexpr int64_t kColumnBlock = 256;  // outputs accumulated side by side in column mode
@@ -268,22 +267,9 @@ void reduce_into(const T* x, const ReduceGeometry& g, const Rule& rule, A* resul
     reduce_rows<T, A>(x, g, rule, result);
 }
 
-void check_reduce_output(const char* op, const Tensor& x, const std::vector<int64_t>& dims,
-                         const Tensor& out) {
-  Shape expected = x.shape();
-  for (int64_t d : dims) {
-    check(d >= 0 && d < x.dim(), op, ": dim ", d, " out of range for ", x.described());
-    expected[static_cast<size_t>(d)] = 1;
-  }
-  check(out.shape() == expected && out.is_contiguous() && out.dtype() == x.dtype(), op, ": output ",
-        out.described(), " must be contiguous ", dtype_name(x.dtype()), shape_text(expected), " for input ",
-        x.described());
-}
-
 }  // namespace
 
-void CpuBackend::reduce(ReduceOp op, const Tensor& x, const std::vector<int64_t>& dims, const Tensor& out) {
-  check_reduce_output("reduce", x, dims, out);
+void CpuBackend::reduce_kernel(ReduceOp op, const Tensor& x, const std::vector<int64_t>& dims, const Tensor& out) {
   const ReduceGeometry g = reduce_geometry(x, dims);
   dispatch_float(x.dtype(), "reduce", [&]<typename T>() {
     using A = acc_t<T>;
@@ -309,9 +295,7 @@ void CpuBackend::reduce(ReduceOp op, const Tensor& x, const std::vector<int64_t>
   });
 }
 
-void CpuBackend::var(const Tensor& x, const std::vector<int64_t>& dims, int64_t correction,
-                     const Tensor& out) {
-  check_reduce_output("var", x, dims, out);
+void CpuBackend::var_kernel(const Tensor& x, const std::vector<int64_t>& dims, int64_t correction, const Tensor& out) {
   const ReduceGeometry g = reduce_geometry(x, dims);
   dispatch_float(x.dtype(), "var", [&]<typename T>() {
     using A = acc_t<T>;
@@ -364,16 +348,9 @@ struct SoftmaxRows {
   bool parallel() const { return count > 1 && count * length >= 2 * kParallelGrain; }
 };
 
-void check_same_shape(const char* op, const Tensor& a, const Tensor& b) {
-  check(a.shape() == b.shape() && a.dtype() == b.dtype(), op, ": ", a.described(), " and ", b.described(),
-        " must have the same shape and dtype");
-}
-
 }  // namespace
 
-void CpuBackend::softmax(const Tensor& x, int64_t dim, bool log, const Tensor& out) {
-  check_same_shape("softmax", x, out);
-  check(dim >= 0 && dim < x.dim(), "softmax: dim ", dim, " out of range for ", x.described());
+void CpuBackend::softmax_kernel(const Tensor& x, int64_t dim, bool log, const Tensor& out) {
   const SoftmaxRows rows({&x, &out}, dim);
   const int64_t n = rows.length, sx = rows.row_strides[0], so = rows.row_strides[1];
   dispatch_float(x.dtype(), "softmax", [&]<typename T>() {
@@ -413,11 +390,8 @@ void CpuBackend::softmax(const Tensor& x, int64_t dim, bool log, const Tensor& o
   });
 }
 
-void CpuBackend::softmax_backward(const Tensor& y, const Tensor& grad_y, int64_t dim, bool log,
-                                  const Tensor& grad_x) {
-  check_same_shape("softmax_backward", y, grad_y);
-  check_same_shape("softmax_backward", y, grad_x);
-  check(dim >= 0 && dim < y.dim(), "softmax_backward: dim ", dim, " out of range for ", y.described());
+void CpuBackend::softmax_backward_kernel(const Tensor& y, const Tensor& grad_y, int64_t dim, bool log,
+                                         const Tensor& grad_x) {
   const SoftmaxRows rows({&y, &grad_y, &grad_x}, dim);
   const int64_t n = rows.length, sy = rows.row_strides[0], sg = rows.row_strides[1], sd = rows.row_strides[2];
   dispatch_float(y.dtype(), "softmax_backward", [&]<typename T>() {

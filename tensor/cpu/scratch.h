@@ -3,9 +3,9 @@
 //
 // Why not a std::vector per thread: glibc serves a few hundred KiB from the top of the heap and, on free, trims
 // the top back to the OS, so every call of the kernel faulted its scratch pages in again (zeroed by the
-// kernel, then zeroed again by the vector). In the bf16 training step on the Zen 5 that was ~80 brk calls a
-// step (strace) and 1-6% of the step's time (A/B runs). The caching allocator hands the same block back call
-// after call, its stats count it, and nothing is initialised that the kernel overwrites anyway.
+// kernel, then zeroed again by the vector): dozens of brk calls a training step. The caching allocator hands
+// the same block back call after call, its stats count it, and nothing is initialised that the kernel
+// overwrites anyway.
 #include <omp.h>
 
 #include <cstddef>

@@ -93,9 +93,8 @@ class StridedLoop {
   // + c * inner_strides()[k]. The tiles are split across threads.
   // A tile is 16 rows (one 16 x 16 register transpose of tensor/cpu/transpose.h tall, two 8 x 8 ones) by 256
   // inner elements: it writes 16 runs of 1 KiB (in f32) and reads 256 runs of 64 bytes, one cache line each.
-  // bench_ops' transpose row ([2048, 1024] f32) on the Zen 5: ~74 GB/s, against ~43 with the 64 x 64 tiles
-  // of before and 35-55 for oneDNN's reorder; 16 x 128 to 16 x 1024 all ran at 72-75, 32 rows at 53-56, 8 at
-  // ~21 (below the AVX-512 transpose's height).
+  // 16 rows: the AVX-512 transpose's height (fewer waste it, more ran slower); any width from 128 to 1024 runs
+  // alike (bench_ops' transpose row, bench/MACHINES.md).
   template <class Tile>
   void run_tiled(Tile&& tile, int64_t grain = kParallelGrain) const {
     constexpr int64_t kTileRows = 16, kTileCols = 256;

@@ -9,13 +9,10 @@
 // run dry is short; a kernel whose every chunk has a cost of its own (gemm16 streams all of B per chunk) keeps
 // `least` at a whole block where that cost would show.
 //
-// Why: gemm16 split A's tiles evenly between the threads, and on a 2-core KVM guest the early thread sat idle
-// 9-15% of each product's time (a temporary timer per call inside the training step, four runs in quiet and
-// busy stretches); dealt out by a shared counter in shrinking chunks (OpenMP's guided schedule), 1.2% in three
-// runs of the same hour. This class and that counter measured alike (idle 5.3-5.7% against 5.0-5.4%,
-// alternated three times in a much busier hour); the counter interleaves the threads' chunks and ends in many
-// one-tile chunks, where this keeps each thread on its own rows until one runs dry (bench/MACHINES.md, "a
-// sixth session").
+// Why: with even static shares a thread that the machine slows down (a busy neighbour on a virtual machine)
+// leaves the others idle at the end of every product. A shared counter of shrinking chunks (OpenMP's guided
+// schedule) balances as well, but interleaves the threads' chunks and ends in many one-tile chunks; this keeps
+// each thread on its own rows until one runs dry. The idle times of the three schemes are in bench/MACHINES.md.
 //
 // Each range is one 64-bit word, [first, end) as two 32-bit halves, so that its owner (from the front) and a
 // thief (from the back) each take with one compare-and-swap. The indices are all the word guards: relaxed

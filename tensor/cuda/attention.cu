@@ -36,6 +36,7 @@
 
 #include "tensor/cuda/common.cuh"
 #include "tensor/cuda/cuda_backend.h"
+#include "tensor/kernel_contract.h"
 
 namespace mixtape::cuda {
 
@@ -833,27 +834,6 @@ void dispatch_exact_head_dim(int64_t D, Fn&& fn) {
 
 // ---- host side -------------------------------------------------------------------------------------------
 
-DType stats_dtype(DType x) { return x == DType::F64 ? DType::F64 : DType::F32; }
-
-// The CPU kernel's layout checks: [B, H, T, D] of the given shape and dtype with the head dim contiguous.
-void check_bhtd(const char* op, const char* name, const Tensor& t, const Shape& shape, DType dtype) {
-  const bool ok = t.defined() && t.shape() == shape && t.dtype() == dtype &&
-                  (t.stride(3) == 1 || t.size(3) == 1 || t.numel() == 0);
-  if (!ok) [[unlikely]]
-    fail(op, ": ", name, " must be ", dtype_name(dtype), shape_str(shape),
-         " [B, H, T, D] with the head dim D contiguous (stride 1; B, H, T may have any strides), got ",
-         t.defined() ? t.description() : std::string("undefined"), " with strides ",
-         t.defined() ? shape_str(t.strides()) : std::string("[]"));
-}
-
-void check_stats(const char* op, const Tensor& lse, const Shape& shape, DType dtype) {
-  const bool ok = lse.defined() && lse.shape() == shape && lse.dtype() == dtype &&
-                  (lse.is_contiguous() || lse.numel() == 0);
-  if (!ok) [[unlikely]]
-    fail(op, ": lse must be contiguous ", dtype_name(dtype), shape_str(shape), ", got ",
-         lse.defined() ? lse.description() : std::string("undefined"));
-}
-
 // The grid of a per-(head, 64-row tile) kernel: heads along x (up to 2^31 - 1), tiles along y.
 dim3 tile_grid(const char* op, int64_t BH, int64_t T) {
   const int64_t tiles = (T + kRowsPerBlock - 1) / kRowsPerBlock;
@@ -886,17 +866,10 @@ void dispatch_head_dim(const char* op, int64_t D, Fn&& fn) {
 
 }  // namespace
 
-void CudaBackend::causal_attention(const Tensor& q, const Tensor& k, const Tensor& v, double scale,
-                                   const Tensor& out, const Tensor& lse) {
+void CudaBackend::causal_attention_kernel(const Tensor& q, const Tensor& k, const Tensor& v, double scale,
+                                          const Tensor& out, const Tensor& lse) {
   const char* op = "causal_attention";
-  if (!q.defined() || q.dim() != 4) [[unlikely]]
-    fail(op, ": q must be [B, H, T, D], got ", q.defined() ? q.description() : std::string("undefined"));
   const int64_t B = q.shape()[0], H = q.shape()[1], T = q.shape()[2], D = q.shape()[3];
-  check_bhtd(op, "q", q, q.shape(), q.dtype());
-  check_bhtd(op, "k", k, q.shape(), q.dtype());
-  check_bhtd(op, "v", v, q.shape(), q.dtype());
-  check_bhtd(op, "out", out, q.shape(), q.dtype());
-  check_stats(op, lse, {B, H, T}, stats_dtype(q.dtype()));
   if (q.numel() == 0) return;  // nothing to compute (no rows, or no heads)
   const int64_t BH = B * H;
   const dim3 grid = tile_grid(op, BH, T);
@@ -926,22 +899,11 @@ void CudaBackend::causal_attention(const Tensor& q, const Tensor& k, const Tenso
   });
 }
 
-void CudaBackend::causal_attention_backward(const Tensor& grad_out, const Tensor& q, const Tensor& k,
-                                            const Tensor& v, const Tensor& out, const Tensor& lse, double scale,
-                                            const Tensor& grad_q, const Tensor& grad_k, const Tensor& grad_v) {
+void CudaBackend::causal_attention_backward_kernel(const Tensor& grad_out, const Tensor& q, const Tensor& k,
+                                                   const Tensor& v, const Tensor& out, const Tensor& lse, double scale,
+                                                   const Tensor& grad_q, const Tensor& grad_k, const Tensor& grad_v) {
   const char* op = "causal_attention_backward";
-  if (!q.defined() || q.dim() != 4) [[unlikely]]
-    fail(op, ": q must be [B, H, T, D], got ", q.defined() ? q.description() : std::string("undefined"));
   const int64_t B = q.shape()[0], H = q.shape()[1], T = q.shape()[2], D = q.shape()[3];
-  check_bhtd(op, "grad_out", grad_out, q.shape(), q.dtype());
-  check_bhtd(op, "q", q, q.shape(), q.dtype());
-  check_bhtd(op, "k", k, q.shape(), q.dtype());
-  check_bhtd(op, "v", v, q.shape(), q.dtype());
-  check_bhtd(op, "out", out, q.shape(), q.dtype());
-  check_bhtd(op, "grad_q", grad_q, q.shape(), q.dtype());
-  check_bhtd(op, "grad_k", grad_k, q.shape(), q.dtype());
-  check_bhtd(op, "grad_v", grad_v, q.shape(), q.dtype());
-  check_stats(op, lse, {B, H, T}, stats_dtype(q.dtype()));
   if (q.numel() == 0) return;
   const int64_t BH = B * H;
   const dim3 grid = tile_grid(op, BH, T);

@@ -140,30 +140,12 @@ __global__ void cross_entropy_backward_kernel(const device_acc_t<D>* __restrict_
   }
 }
 
-DType stats_dtype(DType logits) { return logits == DType::F64 ? DType::F64 : DType::F32; }
-
-void check_tensor(const char* op, const char* name, const Tensor& t, const Shape& shape, DType dtype) {
-  check(t.defined() && t.shape() == shape && (t.is_contiguous() || t.numel() == 0) && t.dtype() == dtype, op,
-        ": ", name, " must be contiguous ", dtype_name(dtype), shape_text(shape), ", got ", t.described());
-}
-
-void check_targets(const char* op, const Tensor& targets, int64_t N) {
-  check(targets.defined() && targets.dim() == 1 && targets.shape()[0] == N && targets.is_contiguous() &&
-            (targets.dtype() == DType::I32 || targets.dtype() == DType::I64),
-        op, ": targets must be contiguous i32/i64 [", N, "], got ", targets.described());
-}
-
 }  // namespace
 
-void CudaBackend::softmax_cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore_index,
-                                        const Tensor& loss, const Tensor& lse) {
+void CudaBackend::softmax_cross_entropy_kernel(const Tensor& logits, const Tensor& targets, int64_t ignore_index,
+                                               const Tensor& loss, const Tensor& lse) {
   const char* op = "softmax_cross_entropy";
-  check(logits.dim() == 2, op, ": logits must be [N, V], got ", logits.described());
   const int64_t N = logits.shape()[0], V = logits.shape()[1];
-  check_tensor(op, "logits", logits, {N, V}, logits.dtype());
-  check_targets(op, targets, N);
-  check_tensor(op, "loss", loss, {}, stats_dtype(logits.dtype()));
-  check_tensor(op, "lse", lse, {N}, stats_dtype(logits.dtype()));
   cudaStream_t s = stream();
   dispatch_float(logits.dtype(), op, [&]<typename T>() {
     using D = device_t<T>;
@@ -186,17 +168,11 @@ void CudaBackend::softmax_cross_entropy(const Tensor& logits, const Tensor& targ
   });
 }
 
-void CudaBackend::softmax_cross_entropy_backward(const Tensor& grad_loss, const Tensor& logits,
-                                                 const Tensor& targets, const Tensor& lse, int64_t ignore_index,
-                                                 const Tensor& grad_logits) {
+void CudaBackend::softmax_cross_entropy_backward_kernel(const Tensor& grad_loss, const Tensor& logits,
+                                                        const Tensor& targets, const Tensor& lse, int64_t ignore_index,
+                                                        const Tensor& grad_logits) {
   const char* op = "softmax_cross_entropy_backward";
-  check(logits.dim() == 2, op, ": logits must be [N, V], got ", logits.described());
   const int64_t N = logits.shape()[0], V = logits.shape()[1];
-  check_tensor(op, "logits", logits, {N, V}, logits.dtype());
-  check_targets(op, targets, N);
-  check_tensor(op, "grad_loss", grad_loss, {}, stats_dtype(logits.dtype()));
-  check_tensor(op, "lse", lse, {N}, stats_dtype(logits.dtype()));
-  check_tensor(op, "grad_logits", grad_logits, {N, V}, logits.dtype());
   if (N == 0 || V == 0) return;
   cudaStream_t s = stream();
   Tensor count = Tensor::empty({1}, DType::I64, logits.device());

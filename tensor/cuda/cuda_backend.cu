@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "tensor/cuda/common.cuh"
+#include "tensor/cuda/stream.h"
 #include "tensor/device.h"
 
 namespace mixtape {
@@ -110,6 +111,8 @@ CudaBackend& backend(int index) {
   if (!slot) slot = std::make_unique<CudaBackend>(device.index);
   return *slot;
 }
+
+cudaStream_t device_stream(int index) { return backend(index).stream(); }
 
 // ---- backend ---------------------------------------------------------------------------------------------
 

@@ -28,6 +28,7 @@
 
 #include "tensor/cuda/common.cuh"
 #include "tensor/cuda/cuda_backend.h"
+#include "tensor/largest_below.h"
 #include "tensor/random.h"
 
 namespace mixtape::cuda {
@@ -157,8 +158,7 @@ __device__ __noinline__ A gelu_erf_of(A x) {
 // x Phi(x) and its derivative Phi(x) + x phi(x), phi = e^(-x^2/2) / sqrt(2 pi), evaluated in A itself: the f64
 // derivative (as the CPU's template), and both for f16/bf16 storage in float (erfcf and expf are within a few
 // float ulps of the double evaluation, far under the one rounding to 16 bits that follows; the double erfc
-// made GPT-2's GELU compute-bound on an H100: 0.32 ms forward and 0.42 ms backward per layer at
-// 16 x 1024 x 3072 in bf16, against ~0.03 ms of memory traffic).
+// would make a 16-bit GELU compute-bound, about ten times the time of its memory traffic).
 template <class A>
 __device__ __forceinline__ A gelu_erf_in(A x) {
   return A(0.5) * x * math_erfc(-x * A(kSqrt2 / 2));
@@ -557,28 +557,6 @@ struct ArangeDraw {
   __device__ D operator()(int64_t i) const { return convert_to<D>(start + static_cast<double>(i) * step); }
 };
 
-// The largest value of T strictly below `bound` (cpu_backend.cpp's largest_below, on the host types).
-template <class T>
-T largest_below(double bound) {
-  if constexpr (std::is_integral_v<T>) {
-    return static_cast<T>(std::ceil(bound) - 1);
-  } else {
-    const T nearest = convert<T>(bound);
-    if (static_cast<double>(nearest) < bound) return nearest;
-    if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) {
-      return std::nextafter(nearest, -std::numeric_limits<T>::infinity());
-    } else {  // f16/bf16 sign-magnitude bits: one step toward -Inf
-      const uint16_t bits = nearest.bits;
-      const bool negative = bits & 0x8000u, zero = (bits & 0x7fffu) == 0;
-      return T::from_bits(static_cast<uint16_t>(zero ? 0x8001u : negative ? bits + 1 : bits - 1));
-    }
-  }
-}
-
-void check_same_shape(const char* op, const Tensor& a, const Tensor& b) {
-  check(a.shape() == b.shape(), op, ": ", a.described(), " and ", b.described(), " differ in shape");
-}
-
 template <class D, class C, class Op>
 void run_unary(cudaStream_t stream, const char* what, const Tensor& x, const Tensor& out, Op op) {
   launch<2>(stream, what, {&out, &x}, MapUnary<D, C, Op>{ptr<D>(out), ptr<const D>(x), op});
@@ -599,9 +577,7 @@ void run_generate(cudaStream_t stream, const char* what, const Tensor& dst, cons
 
 // ---- copy, fill, arange -----------------------------------------------------------------------------------
 
-void CudaBackend::copy(const Tensor& src, const Tensor& dst) {
-  check(src.shape() == dst.shape(), "copy: source ", src.described(), " and destination ", dst.described(),
-        " differ in shape");
+void CudaBackend::copy_kernel(const Tensor& src, const Tensor& dst) {
   if (src.dtype() == dst.dtype() && src.is_contiguous() && dst.is_contiguous()) {
     const size_t nbytes = static_cast<size_t>(dst.numel()) * dtype_size(dst.dtype());
     if (nbytes == 0 || src.data_ptr() == dst.data_ptr()) return;
@@ -627,8 +603,7 @@ void CudaBackend::fill(const Tensor& dst, double value) {
   });
 }
 
-void CudaBackend::arange(const Tensor& dst, double start, double step) {
-  check(dst.is_contiguous(), "arange: destination must be contiguous");
+void CudaBackend::arange_kernel(const Tensor& dst, double start, double step) {
   const cudaStream_t s = stream();
   dispatch_all(dst.dtype(), "arange", [&]<typename T>() {
     run_generate(s, "arange", dst, ArangeDraw<device_t<T>>{start, step});
@@ -637,8 +612,7 @@ void CudaBackend::arange(const Tensor& dst, double start, double step) {
 
 // ---- random -----------------------------------------------------------------------------------------------
 
-void CudaBackend::uniform(const Tensor& dst, uint64_t seed, uint64_t offset, double low, double high) {
-  check(dst.is_contiguous(), "uniform: destination must be contiguous");
+void CudaBackend::uniform_kernel(const Tensor& dst, uint64_t seed, uint64_t offset, double low, double high) {
   const cudaStream_t s = stream();
   dispatch_all(dst.dtype(), "uniform", [&]<typename T>() {
     using D = device_t<T>;
@@ -646,16 +620,14 @@ void CudaBackend::uniform(const Tensor& dst, uint64_t seed, uint64_t offset, dou
   });
 }
 
-void CudaBackend::normal(const Tensor& dst, uint64_t seed, uint64_t offset, double mean, double std) {
-  check(dst.is_contiguous(), "normal: destination must be contiguous");
+void CudaBackend::normal_kernel(const Tensor& dst, uint64_t seed, uint64_t offset, double mean, double std) {
   const cudaStream_t s = stream();
   dispatch_all(dst.dtype(), "normal", [&]<typename T>() {
     run_generate(s, "normal", dst, NormalDraw<device_t<T>>{seed, offset, mean, std});
   });
 }
 
-void CudaBackend::randint(const Tensor& dst, uint64_t seed, uint64_t offset, int64_t low, int64_t high) {
-  check(dst.is_contiguous(), "randint: destination must be contiguous");
+void CudaBackend::randint_kernel(const Tensor& dst, uint64_t seed, uint64_t offset, int64_t low, int64_t high) {
   const uint64_t range = static_cast<uint64_t>(high) - static_cast<uint64_t>(low);
   const cudaStream_t s = stream();
   dispatch_all(dst.dtype(), "randint", [&]<typename T>() {
@@ -665,8 +637,11 @@ void CudaBackend::randint(const Tensor& dst, uint64_t seed, uint64_t offset, int
 
 // ---- unary ------------------------------------------------------------------------------------------------
 
-void CudaBackend::unary(UnaryOp op, const Tensor& x, const Tensor& out, double scalar) {
-  check_same_shape("unary", x, out);
+// The switches below have a case for every row of kUnaryOps (tensor/unary_ops.h), forward and backward; a new
+// op fails to build here until it has its kernels.
+static_assert(static_cast<int>(UnaryOp::Count) == 13, "a new UnaryOp needs its unary and unary_backward cases");
+
+void CudaBackend::unary_kernel(UnaryOp op, const Tensor& x, const Tensor& out, double scalar) {
   const cudaStream_t s = stream();
   dispatch_float(out.dtype(), "unary", [&]<typename T>() {
     using D = device_t<T>;
@@ -688,20 +663,15 @@ void CudaBackend::unary(UnaryOp op, const Tensor& x, const Tensor& out, double s
         else return run(GeluErfOp{});
       case UnaryOp::GeluTanh: return run(GeluTanhOp{});
       case UnaryOp::PowScalar: return run_unary<D, double>(s, "unary", x, out, PowScalarOp{scalar});
+      case UnaryOp::Count: break;  // not an op
     }
     fail("unary: unknown op ", static_cast<int>(op));
   });
 }
 
-// grad_x = grad_out * op'(v), v = x, or y = op(x) for the ops whose derivative is cheapest from the output.
-void CudaBackend::unary_backward(UnaryOp op, const Tensor& x, const Tensor& y, const Tensor& grad_out,
-                                 const Tensor& grad_x, double scalar) {
-  const bool from_output = op == UnaryOp::Exp || op == UnaryOp::Sqrt || op == UnaryOp::Rsqrt ||
-                           op == UnaryOp::Tanh || op == UnaryOp::Sigmoid;
-  const Tensor& in = from_output ? y : x;
-  check(in.defined(), "unary_backward: the op needs its ", from_output ? "output" : "input", " but got none");
-  check_same_shape("unary_backward", in, grad_x);
-  check_same_shape("unary_backward", grad_out, grad_x);
+// grad_x = grad_out * op'(v), v = `in`: x, or y = op(x) where kUnaryOps says the derivative reads the output.
+void CudaBackend::unary_backward_kernel(UnaryOp op, const Tensor& in, const Tensor& grad_out, const Tensor& grad_x,
+                                        double scalar) {
   const cudaStream_t s = stream();
   dispatch_float(grad_x.dtype(), "unary_backward", [&]<typename T>() {
     using D = device_t<T>;
@@ -724,6 +694,7 @@ void CudaBackend::unary_backward(UnaryOp op, const Tensor& x, const Tensor& y, c
       case UnaryOp::GeluTanh: return run(GeluTanhGrad{});
       case UnaryOp::PowScalar:
         return run_binary<D, double>(s, "unary_backward", in, grad_out, grad_x, PowScalarGrad{scalar});
+      case UnaryOp::Count: break;  // not an op
     }
     fail("unary_backward: unknown op ", static_cast<int>(op));
   });
@@ -731,9 +702,7 @@ void CudaBackend::unary_backward(UnaryOp op, const Tensor& x, const Tensor& y, c
 
 // ---- binary -----------------------------------------------------------------------------------------------
 
-void CudaBackend::binary(BinaryOp op, const Tensor& a, const Tensor& b, const Tensor& out) {
-  check_same_shape("binary", a, out);
-  check_same_shape("binary", b, out);
+void CudaBackend::binary_kernel(BinaryOp op, const Tensor& a, const Tensor& b, const Tensor& out) {
   const cudaStream_t s = stream();
   dispatch_float(out.dtype(), "binary", [&]<typename T>() {
     using D = device_t<T>;
@@ -751,8 +720,8 @@ void CudaBackend::binary(BinaryOp op, const Tensor& a, const Tensor& b, const Te
   });
 }
 
-void CudaBackend::binary_scalar(BinaryOp op, const Tensor& a, double scalar, bool scalar_first, const Tensor& out) {
-  check_same_shape("binary_scalar", a, out);
+void CudaBackend::binary_scalar_kernel(BinaryOp op, const Tensor& a, double scalar, bool scalar_first,
+                                       const Tensor& out) {
   const cudaStream_t s = stream();
   dispatch_float(out.dtype(), "binary_scalar", [&]<typename T>() {
     using D = device_t<T>;
@@ -771,12 +740,7 @@ void CudaBackend::binary_scalar(BinaryOp op, const Tensor& a, double scalar, boo
 
 // ---- where ------------------------------------------------------------------------------------------------
 
-void CudaBackend::where(const Tensor& cond, const Tensor& a, const Tensor& b, const Tensor& out) {
-  check_same_shape("where", cond, out);
-  check_same_shape("where", a, out);
-  check_same_shape("where", b, out);
-  check(a.dtype() == out.dtype() && b.dtype() == out.dtype(), "where: ", a.described(), " and ",
-        b.described(), " must have the dtype of ", out.described());
+void CudaBackend::where_kernel(const Tensor& cond, const Tensor& a, const Tensor& b, const Tensor& out) {
   const cudaStream_t s = stream();
   dispatch_all(cond.dtype(), "where", [&]<typename Cond>() {
     dispatch_all(out.dtype(), "where", [&]<typename T>() {
@@ -794,8 +758,7 @@ void CudaBackend::where(const Tensor& cond, const Tensor& a, const Tensor& b, co
 
 // ---- in place ---------------------------------------------------------------------------------------------
 
-void CudaBackend::add_inplace(const Tensor& dst, const Tensor& src, double alpha) {
-  check_same_shape("add_inplace", src, dst);
+void CudaBackend::add_inplace_kernel(const Tensor& dst, const Tensor& src, double alpha) {
   const cudaStream_t s = stream();
   dispatch_float(dst.dtype(), "add_inplace", [&]<typename T>() {
     dispatch_float(src.dtype(), "add_inplace", [&]<typename S>() {
@@ -815,10 +778,7 @@ void CudaBackend::mul_scalar_inplace(const Tensor& dst, double value) {
 
 // ---- dropout ----------------------------------------------------------------------------------------------
 
-void CudaBackend::dropout(const Tensor& x, double p, uint64_t seed, uint64_t offset, const Tensor& out) {
-  check(x.shape() == out.shape() && x.dtype() == out.dtype() && out.is_contiguous(), "dropout: output ",
-        out.described(), " must be contiguous with the shape and dtype of ", x.described());
-  check(p >= 0 && p < 1, "dropout: p must be in [0, 1), got ", p);
+void CudaBackend::dropout_kernel(const Tensor& x, double p, uint64_t seed, uint64_t offset, const Tensor& out) {
   // u is a multiple of 2^-24, so u >= p iff u >= the smallest multiple of 2^-24 that is >= p (exact in float).
   const float threshold = static_cast<float>(std::ceil(p * 0x1p24) * 0x1p-24);
   const cudaStream_t s = stream();

@@ -71,7 +71,7 @@ __global__ void sort_pairs_init_kernel(const I* __restrict__ index, uint32_t* __
 // Block (k, column tile): when sorted position k starts a run of equal keys, thread c of the tile sums column
 // c of grad_weight's row and of the run's grad_out rows, in run order, and stores the sum rounded once.
 template <class D>
-__global__ void embedding_backward_kernel(const D* __restrict__ grad_out, const uint32_t* __restrict__ keys,
+__global__ void embedding_backward_rows_kernel(const D* __restrict__ grad_out, const uint32_t* __restrict__ keys,
                                           const int32_t* __restrict__ positions, D* __restrict__ grad_weight,
                                           int64_t n, int64_t C) {
   using A = device_acc_t<D>;
@@ -96,13 +96,7 @@ int key_bits(int64_t V) {
 
 }  // namespace
 
-void CudaBackend::embedding(const Tensor& weight, const Tensor& indices, const Tensor& out) {
-  const bool ok = indices.dim() == 1 && indices.is_contiguous() && out.dim() == 2 && out.is_contiguous() &&
-                  weight.dim() == 2 && out.size(0) == indices.numel() && out.size(1) == weight.size(1) &&
-                  out.dtype() == weight.dtype();
-  if (!ok)
-    fail("cuda embedding: expected indices [n] and a contiguous out [n, C], got weight ", weight.description(),
-         ", indices ", indices.description(), ", out ", out.description());
+void CudaBackend::embedding_kernel(const Tensor& weight, const Tensor& indices, const Tensor& out) {
   const int64_t n = out.size(0), C = out.size(1);
   if (n == 0 || C == 0) return;
   const int64_t row_stride = weight.stride(0), col_stride = weight.stride(1);
@@ -136,15 +130,7 @@ void CudaBackend::embedding(const Tensor& weight, const Tensor& indices, const T
   });
 }
 
-void CudaBackend::embedding_backward(const Tensor& grad_out, const Tensor& indices, const Tensor& grad_weight) {
-  const bool ok = indices.dim() == 1 && indices.is_contiguous() && grad_out.dim() == 2 &&
-                  grad_out.is_contiguous() && grad_out.size(0) == indices.numel() && grad_weight.dim() == 2 &&
-                  grad_weight.is_contiguous() && grad_out.size(1) == grad_weight.size(1) &&
-                  grad_out.dtype() == grad_weight.dtype();
-  if (!ok)
-    fail("cuda embedding_backward: expected a contiguous grad_out [n, C], indices [n] and a contiguous "
-         "grad_weight [V, C], got ", grad_out.description(), ", ", indices.description(), ", ",
-         grad_weight.description());
+void CudaBackend::embedding_backward_kernel(const Tensor& grad_out, const Tensor& indices, const Tensor& grad_weight) {
   const int64_t n = grad_out.size(0), C = grad_out.size(1), V = grad_weight.size(0);
   if (n == 0 || C == 0) return;
   check(n <= std::numeric_limits<int32_t>::max() && V <= (int64_t{1} << 32),
@@ -180,7 +166,7 @@ void CudaBackend::embedding_backward(const Tensor& grad_out, const Tensor& indic
     const int64_t tiles = (C + kTile - 1) / kTile;
     check(tiles <= 65535, "cuda embedding_backward: rows of ", C, " elements are too long");
     const dim3 grid(static_cast<unsigned>(n), static_cast<unsigned>(tiles));
-    embedding_backward_kernel<D><<<grid, kTile, 0, s>>>(device_ptr<T>(grad_out), k_out, p_out,
+    embedding_backward_rows_kernel<D><<<grid, kTile, 0, s>>>(device_ptr<T>(grad_out), k_out, p_out,
                                                        device_ptr<T>(grad_weight), n, C);
     MIXTAPE_KERNEL_CHECK();
   });

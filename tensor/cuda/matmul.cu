@@ -39,6 +39,7 @@
 
 #include "tensor/cuda/common.cuh"
 #include "tensor/cuda/cuda_backend.h"
+#include "tensor/kernel_contract.h"
 #include "tensor/kernel_geometry.h"
 #include "tensor/precision.h"
 
@@ -429,20 +430,10 @@ LtProblem lower(Backend& backend, const Tensor& a, const Tensor& b, const Tensor
   return {A, B, key};
 }
 
+// Arguments already keep check_matmul's contract and out has elements.
 void run_matmul(CudaBackend& backend, const Tensor& a, const Tensor& b, const Tensor& out, const Tensor& bias,
                 bool gelu) {
-  if (a.dim() < 2 || a.dim() != b.dim() || a.dim() != out.dim())
-    fail("cuda matmul: operands ", a.description(), " x ", b.description(), " -> ", out.description(),
-         " must have the same number (>= 2) of dims");
-  if (a.dtype() != b.dtype() || a.dtype() != out.dtype())
-    fail("cuda matmul: dtypes differ: ", a.description(), " x ", b.description(), " -> ", out.description());
   const bool has_bias = bias.defined();
-  if (has_bias && (bias.dim() != 1 || bias.size(0) != out.size(-1) || bias.dtype() != out.dtype() ||
-                   !bias.is_contiguous()))
-    fail("cuda matmul: bias ", bias.description(), " must be a contiguous ", dtype_name(out.dtype()), "[",
-         out.size(-1), "] for output ", out.description());
-  if (out.numel() == 0) return;
-  if (!out.is_contiguous()) fail("cuda matmul: output ", out.description(), " must be contiguous");
   lt_type(a.dtype());  // rejects integer dtypes before any work
   if (a.size(-1) == 0) {  // an empty sum: out = bias (or 0) in every row
     if (gelu) fail("cuda matmul_gelu: K == 0 is not supported (", a.description(), " x ", b.description(), ")");
@@ -481,7 +472,7 @@ void run_matmul(CudaBackend& backend, const Tensor& a, const Tensor& b, const Te
 
 }  // namespace
 
-void CudaBackend::matmul(const Tensor& a, const Tensor& b, const Tensor& out, const Tensor& bias) {
+void CudaBackend::matmul_kernel(const Tensor& a, const Tensor& b, const Tensor& out, const Tensor& bias) {
   run_matmul(*this, a, b, out, bias, /*gelu=*/false);
 }
 
@@ -492,6 +483,8 @@ void CudaBackend::matmul(const Tensor& a, const Tensor& b, const Tensor& out, co
 // once into out: it differs from matmul followed by unary(GeluTanh) by that skipped intermediate rounding (and by
 // cuBLASLt's own tanh). Throws when no algorithm offers the epilogue (e.g. possibly f64) or when K == 0.
 void matmul_bias_gelu(const Tensor& a, const Tensor& b, const Tensor& out, const Tensor& bias) {
+  check_matmul(a, b, out, bias);
+  if (out.numel() == 0) return;
   run_matmul(backend(out.device().index), a, b, out, bias, /*gelu=*/true);
 }
 

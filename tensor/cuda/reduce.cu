@@ -274,16 +274,6 @@ void run_reduction(CudaBackend& backend, const In* x, const ReduceGeometry& g, c
   }
 }
 
-void check_reduce_output(const char* op, const Tensor& x, const std::vector<int64_t>& dims, const Tensor& out) {
-  Shape expected = x.shape();
-  for (int64_t d : dims) {
-    check(d >= 0 && d < x.dim(), op, ": dim ", d, " out of range for ", x.described());
-    expected[static_cast<size_t>(d)] = 1;
-  }
-  check(out.shape() == expected && out.is_contiguous() && out.dtype() == x.dtype(), op, ": output ", out.described(),
-        " must be contiguous ", dtype_name(x.dtype()), shape_text(expected), " for input ", x.described());
-}
-
 // ---- softmax ------------------------------------------------------------------------------------------------
 
 // exp(d) for d = x - max <= 0, as the CPU's fast_exp: float results below e^-87 are exactly 0 (the CPU
@@ -558,11 +548,6 @@ OffsetCalculator<N> row_starts(const std::array<const Tensor*, N>& tensors, int6
   return make_offset_calculator<N>(other, strides, what);
 }
 
-void check_same_shape(const char* op, const Tensor& a, const Tensor& b) {
-  check(a.shape() == b.shape() && a.dtype() == b.dtype(), op, ": ", a.described(), " and ", b.described(),
-        " must have the same shape and dtype");
-}
-
 constexpr int64_t kWarpRowMax = 1024;  // rows up to this length get one warp, longer rows one block
 
 int block_threads_for_row(int64_t n) { return n <= 8192 ? 256 : kMaxRowThreads; }
@@ -572,8 +557,7 @@ unsigned blocks_for_rows(int64_t count) {
 
 }  // namespace
 
-void CudaBackend::reduce(ReduceOp op, const Tensor& x, const std::vector<int64_t>& dims, const Tensor& out) {
-  check_reduce_output("reduce", x, dims, out);
+void CudaBackend::reduce_kernel(ReduceOp op, const Tensor& x, const std::vector<int64_t>& dims, const Tensor& out) {
   const ReduceGeometry g = reduce_geometry(x, dims);
   dispatch_float(x.dtype(), "reduce", [&]<typename T>() {
     using D = device_t<T>;
@@ -599,8 +583,7 @@ void CudaBackend::reduce(ReduceOp op, const Tensor& x, const std::vector<int64_t
   });
 }
 
-void CudaBackend::var(const Tensor& x, const std::vector<int64_t>& dims, int64_t correction, const Tensor& out) {
-  check_reduce_output("var", x, dims, out);
+void CudaBackend::var_kernel(const Tensor& x, const std::vector<int64_t>& dims, int64_t correction, const Tensor& out) {
   const ReduceGeometry g = reduce_geometry(x, dims);
   if (g.n_out == 0) return;
   dispatch_float(x.dtype(), "var", [&]<typename T>() {
@@ -625,9 +608,7 @@ void CudaBackend::var(const Tensor& x, const std::vector<int64_t>& dims, int64_t
   });
 }
 
-void CudaBackend::softmax(const Tensor& x, int64_t dim, bool log, const Tensor& out) {
-  check_same_shape("softmax", x, out);
-  check(dim >= 0 && dim < x.dim(), "softmax: dim ", dim, " out of range for ", x.described());
+void CudaBackend::softmax_kernel(const Tensor& x, int64_t dim, bool log, const Tensor& out) {
   const int64_t n = x.shape()[dim];
   const int64_t count = n == 0 ? 0 : x.numel() / n;
   if (count == 0) return;
@@ -651,10 +632,8 @@ void CudaBackend::softmax(const Tensor& x, int64_t dim, bool log, const Tensor& 
   });
 }
 
-void CudaBackend::softmax_backward(const Tensor& y, const Tensor& grad_y, int64_t dim, bool log, const Tensor& grad_x) {
-  check_same_shape("softmax_backward", y, grad_y);
-  check_same_shape("softmax_backward", y, grad_x);
-  check(dim >= 0 && dim < y.dim(), "softmax_backward: dim ", dim, " out of range for ", y.described());
+void CudaBackend::softmax_backward_kernel(const Tensor& y, const Tensor& grad_y, int64_t dim, bool log,
+                                          const Tensor& grad_x) {
   const int64_t n = y.shape()[dim];
   const int64_t count = n == 0 ? 0 : y.numel() / n;
   if (count == 0) return;
