@@ -43,12 +43,12 @@ std::unique_ptr<MixedPrecisionOptimizer> Booster::boost(Module& model, std::uniq
                                                    std::move(parts.options));
 }
 
-BoostedParts Booster::boost_parts(Module& model, std::unique_ptr<Optimizer> optimizer, BoostOptions options) {
-  check(model_ == nullptr, "Booster.boost: this booster already boosted a model (one model per booster)");
-  check(optimizer != nullptr, "Booster.boost: the optimizer is null");
-  const AmpConfig& c = config_;
-  // Everything is checked before the model changes, so a failed boost() leaves the model and the booster as
-  // they were and a corrected call can follow.
+namespace {
+
+// Everything boost() refuses, checked before the model changes, so a failed boost() leaves the model and the
+// booster as they were and a corrected call can follow.
+void check_boost_arguments(const AmpConfig& c, Module& model, const Optimizer& optimizer,
+                           const BoostOptions& options) {
   for (UnaryModule* module : options.fp32_modules)
     check(module != nullptr && model.path_of(*module), "Booster.boost: BoostOptions::fp32_modules holds a "
           "module that is not a submodule of the model");
@@ -56,95 +56,50 @@ BoostedParts Booster::boost_parts(Module& model, std::unique_ptr<Optimizer> opti
         "Booster.boost: BoostOptions::clip_grad must be finite and >= 0 (0 = off), got ", options.clip_grad);
   // The optimizer's state (momenta, step counts) belongs to the parameters it was computed for; the wrapper
   // moves the parameters to fp32 masters, so the state would be left behind on tensors no longer trained.
-  for (const Tensor& param : optimizer->params())
-    check(optimizer->state(param) == nullptr, "Booster.boost: the ", optimizer->name(),
+  for (const Tensor& param : optimizer.params())
+    check(optimizer.state(param) == nullptr, "Booster.boost: the ", optimizer.name(),
           " already has state for parameter ", param.described(),
           "; expected an optimizer that has not taken a step (boost the model before training it)");
   // fp32 gradients are set on leaves without a gradient: a 16-bit parameter (which conversion keeps as it
   // is) must not have one yet; an fp32 one becomes a new 16-bit leaf or stays fp32.
+  const std::vector<std::pair<std::string, Tensor>> params = model.named_parameters();
   if (c.fp32_grads())
-    for (const auto& [name, param] : model.named_parameters())
+    for (const auto& [name, param] : params)
       check(!is_low_precision(param.dtype()) || !param.grad().defined(), "Booster.boost: parameter ", name,
             " ", param.described(), " already has a gradient; ", c.name(),
             " gives the 16-bit parameters fp32 gradients, which needs none yet (boost the model before ",
             "training it, or zero_grad first)");
-  const std::vector<std::pair<std::string, Tensor>> before = model.named_parameters();
   // The optimizer must train this model: a tensor it holds that is not one of the model's parameters would
   // stay behind when conversion replaces them (the model would not train at all with an optimizer built on
   // another model's parameters), and in the other modes it would be trained without the mode's casts.
   std::set<const void*> model_params;
-  for (const auto& [name, param] : before) model_params.insert(param.impl_ptr().get());
-  const std::vector<ParamGroup>& groups = optimizer->param_groups();
+  for (const auto& [name, param] : params) model_params.insert(param.impl_ptr().get());
+  const std::vector<ParamGroup>& groups = optimizer.param_groups();
   for (size_t g = 0; g < groups.size(); ++g)
     for (size_t i = 0; i < groups[g].params.size(); ++i)
       check(model_params.count(groups[g].params[i].impl_ptr().get()) != 0, "Booster.boost: the ",
-            optimizer->name(), "'s parameter ", i, " of group ", g, " (", groups[g].params[i].described(),
+            optimizer.name(), "'s parameter ", i, " of group ", g, " (", groups[g].params[i].described(),
             ") is not a parameter of the model; expected an optimizer built on the model's parameters ",
             "(model.parameters() or a subset)");
-  print_verbose_ = options.print_verbose;
+}
 
-  // ---- the model ----
-  if (c.row().tf32_matmuls) set_allow_tf32(true);
-  if (c.is_naive()) {
-    NaiveAMPOptions naive;
-    naive.dtype = low_name(*c.model_dtype());
-    naive.output_to_fp32 = c.naive.output_to_fp32;
-    naive.group = options.data_parallel_group;
-    naive.fp32_modules = options.fp32_modules;
-    naive_ = std::make_unique<NaiveAMPModel>(model, naive);
-  } else if (c.family() == ModeFamily::Apex) {
-    // Apex's _initialize: with a cast_model_type (O0's fp32 too) the model is cast, every floating input is
-    // cast to it and every floating output to cast_model_outputs (fp32 if unset); without one, floating
-    // outputs are cast to cast_model_outputs when it is set. Each cast happens even when it changes nothing
-    // inside the model (O2 with cast_model_outputs "fp16" casts the fp32 loss to fp16).
-    if (const std::optional<DType> cast = c.model_dtype()) {
-      input_dtype_ = *cast;
-      output_dtype_ = c.apex.cast_model_outputs.value_or(DType::F32);
-      if (*cast == DType::F32) {
-        model.to(DType::F32);
-      } else {
-        NaiveAMPOptions naive;
-        naive.dtype = low_name(*cast);
-        naive.sync_buffer = false;
-        naive.output_to_fp32 = false;  // forward() casts the outputs, as Apex does
-        // keep_batchnorm_fp32: the norm layers keep their fp32 values and run in fp32, as do fp32_modules.
-        naive.fp32_modules = options.fp32_modules;
-        if (c.apex.keep_batchnorm_fp32.value_or(false)) {
-          std::vector<UnaryModule*> norms;
-          collect_norms(model, norms);
-          std::vector<UnaryModule*>& fp32 = naive.fp32_modules;
-          for (UnaryModule* norm : norms)
-            if (std::find(fp32.begin(), fp32.end(), norm) == fp32.end()) fp32.push_back(norm);
-        }
-        naive_ = std::make_unique<NaiveAMPModel>(model, naive);
-      }
-    } else {
-      output_dtype_ = c.apex.cast_model_outputs;  // O1 (or no cast) with cast_model_outputs
-    }
-  }
-  model_ = &model;
-
-  // ---- the optimizer's parameters: conversion made new leaves; swap them in, matched by identity ----
-  const std::vector<std::pair<std::string, Tensor>> after = model.named_parameters();
+// Conversion made new leaves: the optimizer's parameters that it replaced are swapped for them, matched by
+// identity (`before` and `after` are the model's parameters in the same order).
+void swap_converted_parameters(const std::vector<std::pair<std::string, Tensor>>& before,
+                               const std::vector<std::pair<std::string, Tensor>>& after, Optimizer& optimizer) {
   check(after.size() == before.size(), "Booster.boost: the model's parameter list changed during conversion");
   std::map<const void*, Tensor> replacement;
   for (size_t i = 0; i < before.size(); ++i) replacement[before[i].second.impl_ptr().get()] = after[i].second;
-  for (ParamGroup& group : optimizer->param_groups())
+  for (ParamGroup& group : optimizer.param_groups())
     for (Tensor& param : group.params) {
       const auto found = replacement.find(param.impl_ptr().get());
       if (found != replacement.end()) param = found->second;
     }
-  // From here the optimizer holds the parameters: a later set_fp32 would make leaves it does not hold.
-  if (naive_) naive_->seal();
-  if (c.fp32_grads())
-    for (const auto& [name, param] : after)
-      if (is_low_precision(param.dtype())) Tensor(param).set_grad_dtype(DType::F32);
+}
 
-  // ---- the scalers ----
+// The mode's loss scalers: one per loss (Apex's num_losses), one otherwise.
+std::vector<std::unique_ptr<LossScaler>> make_scalers(const AmpConfig& c) {
   std::vector<std::unique_ptr<LossScaler>> scalers;
-  MixedPrecisionOptions mp;
-  mp.group = options.model_parallel_group;
-  mp.clip_grad = options.clip_grad;
   switch (c.row().scaler) {
     case ScalerKind::Static:
       scalers.push_back(std::make_unique<StaticLossScaler>(1.0));
@@ -166,14 +121,102 @@ BoostedParts Booster::boost_parts(Module& model, std::unique_ptr<Optimizer> opti
       scalers.push_back(std::make_unique<DynamicLossScaler>(c.naive.scaler));
       break;
   }
-  // MixedPrecisionOptions::master_weights defaults to fp32 masters of every 16-bit parameter; Apex's property
-  // may turn them off (O3 steps the fp16 parameters themselves).
-  if (c.row().master_weights == MasterWeights::ByOptLevel) mp.master_weights = c.apex.master_weights;
+  return scalers;
+}
+
+// The mixed-precision step's options: the master weights, clipping, and the naive modes' zero count.
+MixedPrecisionOptions step_options(const AmpConfig& c, const BoostOptions& options) {
+  MixedPrecisionOptions mp;
+  mp.group = options.model_parallel_group;
+  mp.clip_grad = options.clip_grad;
+  switch (c.row().master_weights) {
+    case MasterWeights::Fp32:
+      mp.master_weights = true;
+      break;
+    case MasterWeights::ByOptLevel:  // Apex O3 steps its fp16 parameters themselves
+      mp.master_weights = c.apex.master_weights;
+      break;
+  }
   if (c.is_naive()) {
     if (c.naive.clip_grad > 0) mp.clip_grad = c.naive.clip_grad;
     mp.log_num_zeros_in_grad = c.naive.log_num_zeros_in_grad;
   }
-  return {std::move(optimizer), std::move(scalers), std::move(mp)};
+  return mp;
+}
+
+}  // namespace
+
+BoostedParts Booster::boost_parts(Module& model, std::unique_ptr<Optimizer> optimizer, BoostOptions options) {
+  check(model_ == nullptr, "Booster.boost: this booster already boosted a model (one model per booster)");
+  check(optimizer != nullptr, "Booster.boost: the optimizer is null");
+  check_boost_arguments(config_, model, *optimizer, options);
+  print_verbose_ = options.print_verbose;
+  const std::vector<std::pair<std::string, Tensor>> before = model.named_parameters();
+  convert_model(model, options);
+  model_ = &model;
+  const std::vector<std::pair<std::string, Tensor>> after = model.named_parameters();
+  swap_converted_parameters(before, after, *optimizer);
+  // From here the optimizer holds the parameters: a later set_fp32 would make leaves it does not hold.
+  if (naive_) naive_->seal();
+  if (config_.fp32_grads())
+    for (const auto& [name, param] : after)
+      if (is_low_precision(param.dtype())) Tensor(param).set_grad_dtype(DType::F32);
+  return {std::move(optimizer), make_scalers(config_), step_options(config_, options)};
+}
+
+void Booster::convert_model(Module& model, const BoostOptions& options) {
+  const AmpConfig& c = config_;
+  if (c.row().tf32_matmuls) set_allow_tf32(true);
+  switch (c.row().cast) {
+    case ModeCast::None:
+    case ModeCast::Autocast:  // forward() opens the autocast scope
+      break;
+    case ModeCast::WholeModel: {
+      NaiveAMPOptions naive;
+      naive.dtype = low_name(*c.model_dtype());
+      naive.output_to_fp32 = c.naive.output_to_fp32;
+      naive.group = options.data_parallel_group;
+      naive.fp32_modules = options.fp32_modules;
+      naive_ = std::make_unique<NaiveAMPModel>(model, naive);
+      break;
+    }
+    case ModeCast::ByOptLevel:
+      convert_model_as_apex(model, options);
+      break;
+  }
+}
+
+// Apex's _initialize: with a cast_model_type (O0's fp32 too) the model is cast, every floating input is cast
+// to it and every floating output to cast_model_outputs (fp32 if unset); without one, floating outputs are
+// cast to cast_model_outputs when it is set. Each cast happens even when it changes nothing inside the model
+// (O2 with cast_model_outputs "fp16" casts the fp32 loss to fp16).
+void Booster::convert_model_as_apex(Module& model, const BoostOptions& options) {
+  const AmpConfig& c = config_;
+  const std::optional<DType> cast = c.model_dtype();
+  if (!cast) {
+    output_dtype_ = c.apex.cast_model_outputs;  // O1 (or no cast) with cast_model_outputs
+    return;
+  }
+  input_dtype_ = *cast;
+  output_dtype_ = c.apex.cast_model_outputs.value_or(DType::F32);
+  if (*cast == DType::F32) {
+    model.to(DType::F32);
+    return;
+  }
+  NaiveAMPOptions naive;
+  naive.dtype = low_name(*cast);
+  naive.sync_buffer = false;
+  naive.output_to_fp32 = false;  // forward() casts the outputs, as Apex does
+  // keep_batchnorm_fp32: the norm layers keep their fp32 values and run in fp32, as do fp32_modules.
+  naive.fp32_modules = options.fp32_modules;
+  if (c.apex.keep_batchnorm_fp32.value_or(false)) {
+    std::vector<UnaryModule*> norms;
+    collect_norms(model, norms);
+    std::vector<UnaryModule*>& fp32 = naive.fp32_modules;
+    for (UnaryModule* norm : norms)
+      if (std::find(fp32.begin(), fp32.end(), norm) == fp32.end()) fp32.push_back(norm);
+  }
+  naive_ = std::make_unique<NaiveAMPModel>(model, naive);
 }
 
 std::vector<Tensor> Booster::forward(

@@ -107,6 +107,10 @@ class Booster {
   NaiveAMPModel* naive_model() { return naive_.get(); }
 
  private:
+  // boost()'s conversion of the model for the mode (the row's cast); Apex's per its properties.
+  void convert_model(Module& model, const BoostOptions& options);
+  void convert_model_as_apex(Module& model, const BoostOptions& options);
+
   AmpConfig config_;
   bool print_verbose_ = true;
   Module* model_ = nullptr;

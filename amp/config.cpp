@@ -1,8 +1,8 @@
 #include "amp/config.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
-#include <map>
 #include <set>
 
 #include "io/json.h"
@@ -63,7 +63,7 @@ DynamicLossScaler ApexProperties::dynamic_scaler() const {
   return apex_dynamic_scaler(65536.0, 2000, min_loss_scale, max_loss_scale);
 }
 
-ApexProperties ApexProperties::for_opt_level(const std::string& opt_level) {
+ApexProperties ApexProperties::for_opt_level(const std::string& opt_level, DType cast_dtype) {
   ApexProperties p;
   p.opt_level = opt_level;
   if (opt_level == "O0") {
@@ -75,12 +75,12 @@ ApexProperties ApexProperties::for_opt_level(const std::string& opt_level) {
     p.patch_torch_functions = true;
     p.master_weights = false;
   } else if (opt_level == "O2") {
-    p.cast_model_type = DType::F16;
+    p.cast_model_type = cast_dtype;
     p.patch_torch_functions = false;
     p.keep_batchnorm_fp32 = true;
     p.master_weights = true;
   } else if (opt_level == "O3") {
-    p.cast_model_type = DType::F16;
+    p.cast_model_type = cast_dtype;
     p.patch_torch_functions = false;
     p.keep_batchnorm_fp32 = false;
     p.master_weights = false;
@@ -109,160 +109,217 @@ AmpConfig AmpConfig::parse(std::string_view text) {
   if (colon != std::string_view::npos) {
     check(apex, "AmpConfig: \"", text, "\": only fp16_apex takes an opt level after a colon (fp16_apex:O0 .. ",
           "fp16_apex:O3)");
-    config.apex = ApexProperties::for_opt_level(std::string(text.substr(colon + 1)));
+    config.apex = ApexProperties::for_opt_level(std::string(text.substr(colon + 1)), config.row().compute_dtype);
   } else if (apex) {
-    config.apex = ApexProperties::for_opt_level("O1");  // amp.initialize's default opt_level
+    config.apex = ApexProperties::for_opt_level("O1", config.row().compute_dtype);  // amp.initialize's default
   }
-  if (config.family() == ModeFamily::PytorchAmp) config.grad_scaler.enabled = config.row().scaler_enabled;
+  if (config.family() == ModeFamily::PytorchAmp) config.grad_scaler.enabled = config.row().grad_scaler_enabled;
   config.validate();
   return config;
 }
 
-AmpConfig AmpConfig::from_json(std::string_view text, std::optional<std::string_view> mode) {
-  const Json root = json::parse(text);
-  check(root.is_object(), "AmpConfig: the JSON config must be an object, got ", json::kind_name(root));
-  std::string name;
-  if (const Json* given = json::find(root, "mixed_precision")) {
-    check(given->is_string(), "AmpConfig: mixed_precision must be a string, got ", json::kind_name(*given));
-    name = json::as_string(*given);
-    check(!mode || *mode == name || mode->substr(0, mode->find(':')) == name, "AmpConfig: the config says "
-          "mixed_precision \"", name, "\" but \"", *mode, "\" was asked for");
-    if (mode) name = std::string(*mode);  // keeps the opt level of "fp16_apex:O2"
-  } else {
-    check(mode.has_value(), "AmpConfig: the JSON config has no \"mixed_precision\" (one of ", join(modes()), ")");
-    name = std::string(*mode);
-  }
-  AmpConfig config = parse(name);
-  const std::string m(config.row().name);
-  const std::string who = "AmpConfig " + m;
-  const std::span<const std::string_view> allowed = config.row().option_keys;
-  // Every key is an option of the mode before any value is read: {"opt_level": 5} for fp16 is an unknown
-  // option, not a badly typed opt level.
-  for (const auto& [key, value] : json::as_object(root)) {
-    if (key == "mixed_precision") continue;
-    bool known = false;
-    for (const auto& k : allowed) known = known || k == key;
-    check(known, who, ": unknown option \"", key, "\" (", m, " takes ",
-          allowed.empty() ? std::string("no options") : join(allowed), ")");
-  }
-  // The opt level may come from "fp16_apex:O2" or from the object; the object's wins if both agree.
-  if (const Json* level = json::find(root, "opt_level")) {
-    check(level->is_string(), who, ": opt_level must be a string like \"O2\", got ",
-          json::kind_name(*level));
-    const std::string& opt_level = json::as_string(*level);
-    check(name.find(':') == std::string::npos || name.substr(name.find(':') + 1) == opt_level, who,
-          ": opt_level \"", opt_level, "\" differs from the mode \"", name, "\"");
-    config.apex = ApexProperties::for_opt_level(opt_level);
-  }
+namespace {
 
-  auto number = [&](const Json& v, const std::string& key) {
+// The typed readers of option values, with errors naming the mode ("AmpConfig fp16_apex") and the key.
+struct OptionReader {
+  std::string who;
+  double number(const Json& v, const std::string& key) const {
     check(v.is_number(), who, ": ", key, " must be a number, got ", json::kind_name(v));
     return json::as_number(v);
-  };
-  auto integer = [&](const Json& v, const std::string& key) {
+  }
+  int64_t integer(const Json& v, const std::string& key) const {
     if (v.is_number_float() && std::floor(v.get<double>()) == v.get<double>() && std::abs(v.get<double>()) < 9.0e18)
       return static_cast<int64_t>(v.get<double>());  // 1e3 written as a float
     check(v.is_number_integer(), who, ": ", key, " must be an integer, got ", json::kind_name(v));
     return json::as_integer(v);
-  };
-  auto boolean = [&](const Json& v, const std::string& key) {
+  }
+  bool boolean(const Json& v, const std::string& key) const {
     check(v.is_boolean(), who, ": ", key, " must be true or false, got ", json::kind_name(v));
     return json::as_bool(v);
-  };
-  auto dtype = [&](const Json& v, const std::string& key) -> DType {
+  }
+  DType dtype(const Json& v, const std::string& key) const {
     check(v.is_string(), who, ": ", key, " must be \"fp32\", \"fp16\", \"bf16\" or null, got ",
           json::kind_name(v));
     return *dtype_from_name(who, key, json::as_string(v));
-  };
+  }
+};
 
-  bool scale_bounds_given = false;  // min_loss_scale / max_loss_scale: checked against loss_scale at the end
+// The mode a JSON config is for: its "mixed_precision", or `mode` (train_gpt --precision) when it has none;
+// both given, they must agree, and `mode` keeps its opt level ("fp16_apex:O2").
+std::string mode_of(const Json& root, std::optional<std::string_view> mode) {
+  const Json* given = json::find(root, "mixed_precision");
+  if (!given) {
+    check(mode.has_value(), "AmpConfig: the JSON config has no \"mixed_precision\" (one of ",
+          join(AmpConfig::modes()), ")");
+    return std::string(*mode);
+  }
+  check(given->is_string(), "AmpConfig: mixed_precision must be a string, got ", json::kind_name(*given));
+  const std::string name = json::as_string(*given);
+  check(!mode || *mode == name || mode->substr(0, mode->find(':')) == name, "AmpConfig: the config says "
+        "mixed_precision \"", name, "\" but \"", *mode, "\" was asked for");
+  return mode ? std::string(*mode) : name;
+}
+
+// Every key is an option of the mode before any value is read: {"opt_level": 5} for fp16 is an unknown
+// option, not a badly typed opt level.
+void check_option_keys(const Json& root, const PrecisionModeRow& row, const std::string& who) {
+  const std::span<const std::string_view> allowed = row.option_keys;
   for (const auto& [key, value] : json::as_object(root)) {
     if (key == "mixed_precision") continue;
-    if (config.family() == ModeFamily::PytorchAmp) {
-      GradScalerOptions& g = config.grad_scaler;
-      if (key == "init_scale") g.init_scale = number(value, key);
-      else if (key == "growth_factor") g.growth_factor = number(value, key);
-      else if (key == "backoff_factor") g.backoff_factor = number(value, key);
-      else if (key == "growth_interval") g.growth_interval = integer(value, key);
-      else if (key == "enabled") g.enabled = boolean(value, key);
-    } else if (config.family() == ModeFamily::Apex) {
-      ApexProperties& a = config.apex;
-      // amp.initialize applies only the properties that are not None: null keeps the opt level's value.
-      if (key == "opt_level" || (value.is_null() && key != "num_losses" && key != "verbosity" &&
-                                 key != "max_loss_scale"))
-        continue;
-      const bool o1 = a.opt_level == "O1";
-      if (key == "cast_model_type") {
-        if (value.is_boolean()) {  // Apex's False: the model is not cast
-          check(!json::as_bool(value), who, ": cast_model_type must be \"fp32\", \"fp16\", \"bf16\", false or "
-                "null, got true");
-          a.cast_model_type.reset();
-        } else {
-          a.cast_model_type = dtype(value, key);
-        }
-        // Apex's Properties.__setattr__ (warn_or_err raises without hard_override).
-        check(!o1 || a.cast_model_type.value_or(DType::F32) == DType::F32, who, ": O1 inserts casts around "
-              "ops rather than casting the model weights, so with O1 the weights must stay fp32: "
-              "cast_model_type must be unset or \"fp32\", got \"", value.is_string() ? json::as_string(value) : "",
-              "\"; use O2 or O3 to cast the model");
-      } else if (key == "patch_torch_functions") {
-        a.patch_torch_functions = boolean(value, key);
-        check(!a.patch_torch_functions || o1, who, ": patch_torch_functions=true is only for opt_level O1 "
-              "(it is ", a.opt_level, ")");
-      } else if (key == "keep_batchnorm_fp32") {
-        check(!o1, who, ": with O1 the norm ops already run in fp32, so keep_batchnorm_fp32 must be unset "
-              "(null)");
-        if (value.is_string()) {  // Apex accepts the strings "True"/"False" too
-          check(json::as_string(value) == "True" || json::as_string(value) == "False", who,
-                ": keep_batchnorm_fp32 must be true, false, \"True\", \"False\" or null, got \"",
-                json::as_string(value), "\"");
-          a.keep_batchnorm_fp32 = json::as_string(value) == "True";
-        } else {
-          a.keep_batchnorm_fp32 = boolean(value, key);
-        }
-      } else if (key == "master_weights") {
-        check(!o1, who, ": master_weights makes no sense with O1: its model weights are fp32 already (leave "
-              "it unset)");
-        a.master_weights = boolean(value, key);
-      } else if (key == "loss_scale") {
-        if (value.is_string()) {
-          // "dynamic", or a number in a string: Apex converts any other value with float().
-          const std::optional<double> parsed = number_from_text(json::as_string(value));
-          check(json::as_string(value) == "dynamic" || parsed, who, ": loss_scale must be a number, a numeric "
-                "string like \"128.0\" or \"dynamic\", got \"", json::as_string(value), "\"");
-          a.loss_scale = parsed;
-        } else {
-          a.loss_scale = number(value, key);
-        }
-      } else if (key == "cast_model_outputs") {
-        a.cast_model_outputs = dtype(value, key);
-      } else if (key == "num_losses") {
-        a.num_losses = integer(value, key);
-      } else if (key == "verbosity") {
-        a.verbosity = integer(value, key);
-      } else if (key == "min_loss_scale") {
-        a.min_loss_scale = number(value, key);
-        scale_bounds_given = true;
-      } else if (key == "max_loss_scale") {
-        a.max_loss_scale = number(value, key);
-        scale_bounds_given = true;
-      }
-    } else if (config.is_naive()) {
-      NaiveAmpOptions& n = config.naive;
-      if (key == "clip_grad") n.clip_grad = number(value, key);
-      else if (key == "log_num_zeros_in_grad") n.log_num_zeros_in_grad = boolean(value, key);
-      else if (key == "initial_scale") n.scaler.initial_scale = number(value, key);
-      else if (key == "min_scale") n.scaler.min_scale = number(value, key);
-      else if (key == "max_scale") n.scaler.max_scale = number(value, key);
-      else if (key == "growth_factor") n.scaler.growth_factor = number(value, key);
-      else if (key == "backoff_factor") n.scaler.backoff_factor = number(value, key);
-      else if (key == "growth_interval") n.scaler.growth_interval = integer(value, key);
-      else if (key == "hysteresis") n.scaler.hysteresis = integer(value, key);
-      else if (key == "verbose") n.verbose = boolean(value, key);
-      else if (key == "output_to_fp32") n.output_to_fp32 = boolean(value, key);
-      else if (key == "accumulate_allreduce_grads_in_fp32")
-        n.accumulate_allreduce_grads_in_fp32 = boolean(value, key);
+    const bool known = std::find(allowed.begin(), allowed.end(), key) != allowed.end();
+    check(known, who, ": unknown option \"", key, "\" (", row.name, " takes ",
+          allowed.empty() ? std::string("no options") : join(allowed), ")");
+  }
+}
+
+// Each family's reader sets the option `key` from `value`, and says whether `key` is one of its options.
+bool read_grad_scaler_option(const OptionReader& read, const std::string& key, const Json& value,
+                             GradScalerOptions& g) {
+  if (key == "init_scale") g.init_scale = read.number(value, key);
+  else if (key == "growth_factor") g.growth_factor = read.number(value, key);
+  else if (key == "backoff_factor") g.backoff_factor = read.number(value, key);
+  else if (key == "growth_interval") g.growth_interval = read.integer(value, key);
+  else if (key == "enabled") g.enabled = read.boolean(value, key);
+  else return false;
+  return true;
+}
+
+bool read_naive_option(const OptionReader& read, const std::string& key, const Json& value, NaiveAmpOptions& n) {
+  if (key == "clip_grad") n.clip_grad = read.number(value, key);
+  else if (key == "log_num_zeros_in_grad") n.log_num_zeros_in_grad = read.boolean(value, key);
+  else if (key == "initial_scale") n.scaler.initial_scale = read.number(value, key);
+  else if (key == "min_scale") n.scaler.min_scale = read.number(value, key);
+  else if (key == "max_scale") n.scaler.max_scale = read.number(value, key);
+  else if (key == "growth_factor") n.scaler.growth_factor = read.number(value, key);
+  else if (key == "backoff_factor") n.scaler.backoff_factor = read.number(value, key);
+  else if (key == "growth_interval") n.scaler.growth_interval = read.integer(value, key);
+  else if (key == "hysteresis") n.scaler.hysteresis = read.integer(value, key);
+  else if (key == "verbose") n.verbose = read.boolean(value, key);
+  else if (key == "output_to_fp32") n.output_to_fp32 = read.boolean(value, key);
+  else if (key == "accumulate_allreduce_grads_in_fp32") n.accumulate_allreduce_grads_in_fp32 = read.boolean(value, key);
+  else return false;
+  return true;
+}
+
+// Apex's cast_model_type: a dtype, or Apex's False (the model is not cast).
+void read_cast_model_type(const OptionReader& read, const Json& value, ApexProperties& a) {
+  if (value.is_boolean()) {
+    check(!json::as_bool(value), read.who, ": cast_model_type must be \"fp32\", \"fp16\", \"bf16\", false or "
+          "null, got true");
+    a.cast_model_type.reset();
+  } else {
+    a.cast_model_type = read.dtype(value, "cast_model_type");
+  }
+  // Apex's Properties.__setattr__ (warn_or_err raises without hard_override).
+  check(a.opt_level != "O1" || a.cast_model_type.value_or(DType::F32) == DType::F32, read.who, ": O1 inserts "
+        "casts around ops rather than casting the model weights, so with O1 the weights must stay fp32: "
+        "cast_model_type must be unset or \"fp32\", got \"", value.is_string() ? json::as_string(value) : "",
+        "\"; use O2 or O3 to cast the model");
+}
+
+// Apex's keep_batchnorm_fp32: true, false, or the strings "True" / "False", which Apex accepts too.
+void read_keep_batchnorm_fp32(const OptionReader& read, const Json& value, ApexProperties& a) {
+  check(a.opt_level != "O1", read.who, ": with O1 the norm ops already run in fp32, so keep_batchnorm_fp32 must "
+        "be unset (null)");
+  if (!value.is_string()) {
+    a.keep_batchnorm_fp32 = read.boolean(value, "keep_batchnorm_fp32");
+    return;
+  }
+  const std::string& text = json::as_string(value);
+  check(text == "True" || text == "False", read.who,
+        ": keep_batchnorm_fp32 must be true, false, \"True\", \"False\" or null, got \"", text, "\"");
+  a.keep_batchnorm_fp32 = text == "True";
+}
+
+// Apex's loss_scale: a number, "dynamic", or a number in a string (Apex converts it with float()).
+void read_loss_scale(const OptionReader& read, const Json& value, ApexProperties& a) {
+  if (!value.is_string()) {
+    a.loss_scale = read.number(value, "loss_scale");
+    return;
+  }
+  const std::optional<double> parsed = number_from_text(json::as_string(value));
+  check(json::as_string(value) == "dynamic" || parsed, read.who, ": loss_scale must be a number, a numeric "
+        "string like \"128.0\" or \"dynamic\", got \"", json::as_string(value), "\"");
+  a.loss_scale = parsed;
+}
+
+// `scale_bounds_given` is set by min_loss_scale and max_loss_scale, which need a dynamic loss scale.
+bool read_apex_option(const OptionReader& read, const std::string& key, const Json& value, ApexProperties& a,
+                      bool& scale_bounds_given) {
+  // The opt level is applied before the other options. amp.initialize applies only the properties that are
+  // not None: null keeps the opt level's value.
+  if (key == "opt_level" ||
+      (value.is_null() && key != "num_losses" && key != "verbosity" && key != "max_loss_scale"))
+    return true;
+  if (key == "cast_model_type") {
+    read_cast_model_type(read, value, a);
+  } else if (key == "patch_torch_functions") {
+    a.patch_torch_functions = read.boolean(value, key);
+    check(!a.patch_torch_functions || a.opt_level == "O1", read.who, ": patch_torch_functions=true is only for "
+          "opt_level O1 (it is ", a.opt_level, ")");
+  } else if (key == "keep_batchnorm_fp32") {
+    read_keep_batchnorm_fp32(read, value, a);
+  } else if (key == "master_weights") {
+    check(a.opt_level != "O1", read.who, ": master_weights makes no sense with O1: its model weights are fp32 "
+          "already (leave it unset)");
+    a.master_weights = read.boolean(value, key);
+  } else if (key == "loss_scale") {
+    read_loss_scale(read, value, a);
+  } else if (key == "cast_model_outputs") {
+    a.cast_model_outputs = read.dtype(value, key);
+  } else if (key == "num_losses") {
+    a.num_losses = read.integer(value, key);
+  } else if (key == "verbosity") {
+    a.verbosity = read.integer(value, key);
+  } else if (key == "min_loss_scale") {
+    a.min_loss_scale = read.number(value, key);
+    scale_bounds_given = true;
+  } else if (key == "max_loss_scale") {
+    a.max_loss_scale = read.number(value, key);
+    scale_bounds_given = true;
+  } else {
+    return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+AmpConfig AmpConfig::from_json(std::string_view text, std::optional<std::string_view> mode) {
+  const Json root = json::parse(text);
+  check(root.is_object(), "AmpConfig: the JSON config must be an object, got ", json::kind_name(root));
+  const std::string name = mode_of(root, mode);
+  AmpConfig config = parse(name);
+  const OptionReader read{"AmpConfig " + std::string(config.row().name)};
+  const std::string& who = read.who;
+  check_option_keys(root, config.row(), who);
+  // The opt level may come from "fp16_apex:O2" or from the object; the object's wins if both agree.
+  if (const Json* level = json::find(root, "opt_level")) {
+    check(level->is_string(), who, ": opt_level must be a string like \"O2\", got ", json::kind_name(*level));
+    const std::string& opt_level = json::as_string(*level);
+    check(name.find(':') == std::string::npos || name.substr(name.find(':') + 1) == opt_level, who,
+          ": opt_level \"", opt_level, "\" differs from the mode \"", name, "\"");
+    config.apex = ApexProperties::for_opt_level(opt_level, config.row().compute_dtype);
+  }
+  bool scale_bounds_given = false;  // min_loss_scale / max_loss_scale: checked against loss_scale below
+  for (const auto& [key, value] : json::as_object(root)) {
+    if (key == "mixed_precision") continue;
+    bool read_it = false;
+    switch (config.family()) {
+      case ModeFamily::Plain:  // no options: check_option_keys refused every key
+        break;
+      case ModeFamily::PytorchAmp:
+        read_it = read_grad_scaler_option(read, key, value, config.grad_scaler);
+        break;
+      case ModeFamily::Apex:
+        read_it = read_apex_option(read, key, value, config.apex, scale_bounds_given);
+        break;
+      case ModeFamily::Naive:
+        read_it = read_naive_option(read, key, value, config.naive);
+        break;
     }
+    // A key in the row's option_keys that its family does not read would be dropped without a word.
+    check(read_it, who, ": option \"", key, "\" is listed for the mode but has no reader (amp/config.cpp)");
   }
   // Given at all (even at the default value), a bound of dynamic scaling with a static scale is a mistake.
   check(!(scale_bounds_given && config.apex.loss_scale), who, ": min_loss_scale and max_loss_scale apply "
@@ -383,9 +440,18 @@ std::optional<DType> AmpConfig::model_dtype() const {
 }
 
 bool AmpConfig::fp32_grads() const {
-  if (is_naive()) return naive.accumulate_allreduce_grads_in_fp32;
-  const std::optional<DType> cast = model_dtype();
-  return family() == ModeFamily::Apex && apex.master_weights && cast && is_low_precision(*cast);
+  switch (family()) {
+    case ModeFamily::Plain:
+    case ModeFamily::PytorchAmp:  // the parameters are fp32, and so are their gradients
+      return false;
+    case ModeFamily::Apex: {
+      const std::optional<DType> cast = model_dtype();
+      return apex.master_weights && cast && is_low_precision(*cast);
+    }
+    case ModeFamily::Naive:
+      return naive.accumulate_allreduce_grads_in_fp32;
+  }
+  return false;
 }
 
 std::string AmpConfig::training_differences(const AmpConfig& other, std::string_view other_label) const {
@@ -412,53 +478,79 @@ std::string AmpConfig::training_differences(const AmpConfig& other, std::string_
   return join(differences);
 }
 
+namespace {
+
+// to_json's options of each family, in the order the JSON form lists them.
+void write_grad_scaler_options(const GradScalerOptions& grad_scaler, Json& o) {
+  auto num = [](double v) { return Json(v); };
+  o.emplace("init_scale", num(grad_scaler.init_scale));
+  o.emplace("growth_factor", num(grad_scaler.growth_factor));
+  o.emplace("backoff_factor", num(grad_scaler.backoff_factor));
+  o.emplace("growth_interval", grad_scaler.growth_interval);
+  o.emplace("enabled", grad_scaler.enabled);
+}
+
+void write_apex_options(const ApexProperties& a, Json& o) {
+  auto num = [](double v) { return Json(v); };
+  auto opt_dtype = [](const std::optional<DType>& d) { return d ? Json(dtype_text(*d)) : Json(); };
+  o.emplace("opt_level", a.opt_level);
+  // null reads back as "the opt level's value", so an unset property that the opt level sets is written
+  // as Apex's False (the same behaviour: no cast, no fp32 norms).
+  const ApexProperties level = ApexProperties::for_opt_level(a.opt_level);
+  if (a.opt_level != "O1") {
+    o.emplace("cast_model_type", a.cast_model_type         ? Json(dtype_text(*a.cast_model_type))
+                                 : level.cast_model_type ? Json(false)
+                                                         : Json());
+    o.emplace("keep_batchnorm_fp32", a.keep_batchnorm_fp32       ? Json(*a.keep_batchnorm_fp32)
+                                     : level.keep_batchnorm_fp32 ? Json(false)
+                                                                 : Json());
+    o.emplace("master_weights", a.master_weights);
+  } else if (a.cast_model_type) {
+    o.emplace("cast_model_type", dtype_text(*a.cast_model_type));  // "fp32", the one O1 allows
+  }
+  o.emplace("patch_torch_functions", a.patch_torch_functions);
+  o.emplace("loss_scale", a.loss_scale ? num(*a.loss_scale) : Json("dynamic"));
+  o.emplace("cast_model_outputs", opt_dtype(a.cast_model_outputs));
+  o.emplace("num_losses", a.num_losses);
+  o.emplace("verbosity", a.verbosity);
+  if (!a.loss_scale) {  // the bounds of dynamic scaling; an error with a static scale
+    o.emplace("min_loss_scale", a.min_loss_scale ? num(*a.min_loss_scale) : Json());
+    o.emplace("max_loss_scale", num(a.max_loss_scale));
+  }
+}
+
+void write_naive_options(const NaiveAmpOptions& naive, Json& o) {
+  auto num = [](double v) { return Json(v); };
+  o.emplace("clip_grad", num(naive.clip_grad));
+  o.emplace("log_num_zeros_in_grad", naive.log_num_zeros_in_grad);
+  o.emplace("initial_scale", num(naive.scaler.initial_scale));
+  o.emplace("min_scale", num(naive.scaler.min_scale));
+  o.emplace("growth_factor", num(naive.scaler.growth_factor));
+  o.emplace("backoff_factor", num(naive.scaler.backoff_factor));
+  o.emplace("growth_interval", naive.scaler.growth_interval);
+  o.emplace("hysteresis", naive.scaler.hysteresis);
+  o.emplace("max_scale", num(naive.scaler.max_scale));
+  o.emplace("verbose", naive.verbose);
+  o.emplace("output_to_fp32", naive.output_to_fp32);
+  o.emplace("accumulate_allreduce_grads_in_fp32", naive.accumulate_allreduce_grads_in_fp32);
+}
+
+}  // namespace
+
 std::string AmpConfig::to_json() const {
   Json o = Json::object({{"mixed_precision", std::string(row().name)}});
-  auto num = [](double v) { return Json(v); };
-  if (family() == ModeFamily::PytorchAmp) {
-    o.emplace("init_scale", num(grad_scaler.init_scale));
-    o.emplace("growth_factor", num(grad_scaler.growth_factor));
-    o.emplace("backoff_factor", num(grad_scaler.backoff_factor));
-    o.emplace("growth_interval", grad_scaler.growth_interval);
-    o.emplace("enabled", grad_scaler.enabled);
-  } else if (family() == ModeFamily::Apex) {
-    const ApexProperties& a = apex;
-    auto opt_dtype = [](const std::optional<DType>& d) { return d ? Json(dtype_text(*d)) : Json(); };
-    o.emplace("opt_level", a.opt_level);
-    // null reads back as "the opt level's value", so an unset property that the opt level sets is written
-    // as Apex's False (the same behaviour: no cast, no fp32 norms).
-    const ApexProperties level = ApexProperties::for_opt_level(a.opt_level);
-    if (a.opt_level != "O1") {
-      o.emplace("cast_model_type", a.cast_model_type ? Json(dtype_text(*a.cast_model_type))
-                                        : level.cast_model_type ? Json(false) : Json());
-      o.emplace("keep_batchnorm_fp32", a.keep_batchnorm_fp32 ? Json(*a.keep_batchnorm_fp32)
-                                            : level.keep_batchnorm_fp32 ? Json(false) : Json());
-      o.emplace("master_weights", a.master_weights);
-    } else if (a.cast_model_type) {
-      o.emplace("cast_model_type", dtype_text(*a.cast_model_type));  // "fp32", the one O1 allows
-    }
-    o.emplace("patch_torch_functions", a.patch_torch_functions);
-    o.emplace("loss_scale", a.loss_scale ? num(*a.loss_scale) : Json("dynamic"));
-    o.emplace("cast_model_outputs", opt_dtype(a.cast_model_outputs));
-    o.emplace("num_losses", a.num_losses);
-    o.emplace("verbosity", a.verbosity);
-    if (!a.loss_scale) {  // the bounds of dynamic scaling; an error with a static scale
-      o.emplace("min_loss_scale", a.min_loss_scale ? num(*a.min_loss_scale) : Json());
-      o.emplace("max_loss_scale", num(a.max_loss_scale));
-    }
-  } else if (is_naive()) {
-    o.emplace("clip_grad", num(naive.clip_grad));
-    o.emplace("log_num_zeros_in_grad", naive.log_num_zeros_in_grad);
-    o.emplace("initial_scale", num(naive.scaler.initial_scale));
-    o.emplace("min_scale", num(naive.scaler.min_scale));
-    o.emplace("growth_factor", num(naive.scaler.growth_factor));
-    o.emplace("backoff_factor", num(naive.scaler.backoff_factor));
-    o.emplace("growth_interval", naive.scaler.growth_interval);
-    o.emplace("hysteresis", naive.scaler.hysteresis);
-    o.emplace("max_scale", num(naive.scaler.max_scale));
-    o.emplace("verbose", naive.verbose);
-    o.emplace("output_to_fp32", naive.output_to_fp32);
-    o.emplace("accumulate_allreduce_grads_in_fp32", naive.accumulate_allreduce_grads_in_fp32);
+  switch (family()) {
+    case ModeFamily::Plain:
+      break;
+    case ModeFamily::PytorchAmp:
+      write_grad_scaler_options(grad_scaler, o);
+      break;
+    case ModeFamily::Apex:
+      write_apex_options(apex, o);
+      break;
+    case ModeFamily::Naive:
+      write_naive_options(naive, o);
+      break;
   }
   return json::dump(o);
 }

@@ -84,7 +84,9 @@ struct ApexProperties {
   static constexpr double kDefaultMaxLossScale = 16777216.0;  // 2^24
   static constexpr int64_t kMaxNumLosses = 1024;              // one scaler (and scale) per loss
 
-  static ApexProperties for_opt_level(const std::string& opt_level);  // Apex's table; Error if not O0..O3
+  // Apex's table, with `cast_dtype` (the mode's 16-bit dtype) as the model dtype of O2 and O3; Error if not
+  // O0..O3.
+  static ApexProperties for_opt_level(const std::string& opt_level, DType cast_dtype = DType::F16);
   // Apex's dynamic LossScaler for these bounds (loss_scale "dynamic"): starts at 2^16 clamped to
   // max_loss_scale, x2 after 2000 clean steps, halved on each overflow (apex_dynamic_scaler).
   DynamicLossScaler dynamic_scaler() const;

@@ -40,19 +40,18 @@ enum class ModeCast : uint8_t {
 };
 
 enum class MasterWeights : uint8_t {
-  None,        // the optimizer steps the parameters themselves (fp32 already, or Apex O3's fp16)
-  Fp32,        // fp32 master copies of the 16-bit parameters
-  ByOptLevel,  // Apex's master_weights property (O2: true)
+  Fp32,        // fp32 master copies of every 16-bit parameter (none where the parameters are fp32)
+  ByOptLevel,  // Apex's master_weights property (O2: true; O3: false, the fp16 parameters are stepped)
 };
 
 enum class ScalerKind : uint8_t {
   Static,       // a loss scale of 1 (nothing scaled; the step is still skipped on a non-finite gradient)
-  GradScaler,   // PyTorch's GradScaler (its `enabled` default is the row's scaler_enabled)
+  GradScaler,   // PyTorch's GradScaler (its `enabled` default is the row's grad_scaler_enabled)
   Apex,         // Apex's scaler: dynamic (2^16, x2 after 2000 clean steps) or a static loss_scale
   Hysteresis,   // DynamicLossScaler with hysteresis (Megatron-LM / Colossal-AI)
 };
 
-// The options each family accepts in a JSON config, besides "mixed_precision", in to_json's order.
+// The options each family accepts in a JSON config, besides "mixed_precision".
 inline constexpr std::array<std::string_view, 5> kGradScalerKeys{"init_scale", "growth_factor", "backoff_factor",
                                                                  "growth_interval", "enabled"};
 inline constexpr std::array<std::string_view, 11> kApexKeys{
@@ -72,31 +71,30 @@ struct PrecisionModeRow {
   ModeCast cast;
   MasterWeights master_weights;
   ScalerKind scaler;
-  bool scaler_enabled;          // GradScaler's `enabled` default (PyTorch: on for fp16, off for bf16)
+  bool grad_scaler_enabled;     // GradScaler's `enabled` default (PyTorch: on for fp16, off for bf16); false
+                                // for the other scalers
   bool tf32_matmuls;            // set_allow_tf32(true), process-wide, when the model is boosted
   std::span<const std::string_view> option_keys;
-  std::string_view summary;     // one line for --help and the docs
 };
 
 // THE precision-mode table, in PrecisionMode order (checked at compile time below).
 inline constexpr std::array<PrecisionModeRow, static_cast<size_t>(PrecisionMode::Count)> kPrecisionModes{{
-    {PrecisionMode::Fp32, "fp32", ModeFamily::Plain, DType::F32, ModeCast::None, MasterWeights::None,
-     ScalerKind::Static, false, false, {}, "plain fp32"},
-    {PrecisionMode::Tf32, "tf32", ModeFamily::Plain, DType::F32, ModeCast::None, MasterWeights::None,
-     ScalerKind::Static, false, true, {}, "fp32 storage, matmul inputs rounded to tf32"},
-    {PrecisionMode::Fp16, "fp16", ModeFamily::PytorchAmp, DType::F16, ModeCast::Autocast, MasterWeights::None,
-     ScalerKind::GradScaler, true, false, kGradScalerKeys, "PyTorch AMP: fp16 autocast + GradScaler"},
-    {PrecisionMode::Bf16, "bf16", ModeFamily::PytorchAmp, DType::BF16, ModeCast::Autocast, MasterWeights::None,
-     ScalerKind::GradScaler, false, false, kGradScalerKeys, "PyTorch AMP: bf16 autocast, no scaler"},
-    {PrecisionMode::Fp16Apex, "fp16_apex", ModeFamily::Apex, DType::F16, ModeCast::ByOptLevel,
-     MasterWeights::ByOptLevel, ScalerKind::Apex, true, false, kApexKeys,
-     "NVIDIA Apex amp, opt level O0..O3 after a colon (default O1)"},
-    {PrecisionMode::Fp16Naive, "fp16_naive", ModeFamily::Naive, DType::F16, ModeCast::WholeModel,
-     MasterWeights::Fp32, ScalerKind::Hysteresis, true, false, kNaiveKeys,
-     "Colossal-AI / InternEvo naive AMP: fp16 model, fp32 masters, hysteresis scaler"},
-    {PrecisionMode::Bf16Naive, "bf16_naive", ModeFamily::Naive, DType::BF16, ModeCast::WholeModel,
-     MasterWeights::Fp32, ScalerKind::Hysteresis, true, false, kNaiveKeys,
-     "Colossal-AI / InternEvo naive AMP: bf16 model, fp32 masters, hysteresis scaler"},
+    // mode                 name          family                  dtype       cast
+    //   master weights            scaler                  GradScaler on  tf32   option keys
+    {PrecisionMode::Fp32,      "fp32",       ModeFamily::Plain,      DType::F32,  ModeCast::None,
+     MasterWeights::Fp32,       ScalerKind::Static,     false,         false, {}},
+    {PrecisionMode::Tf32,      "tf32",       ModeFamily::Plain,      DType::F32,  ModeCast::None,
+     MasterWeights::Fp32,       ScalerKind::Static,     false,         true,  {}},
+    {PrecisionMode::Fp16,      "fp16",       ModeFamily::PytorchAmp, DType::F16,  ModeCast::Autocast,
+     MasterWeights::Fp32,       ScalerKind::GradScaler, true,          false, kGradScalerKeys},
+    {PrecisionMode::Bf16,      "bf16",       ModeFamily::PytorchAmp, DType::BF16, ModeCast::Autocast,
+     MasterWeights::Fp32,       ScalerKind::GradScaler, false,         false, kGradScalerKeys},
+    {PrecisionMode::Fp16Apex,  "fp16_apex",  ModeFamily::Apex,       DType::F16,  ModeCast::ByOptLevel,
+     MasterWeights::ByOptLevel, ScalerKind::Apex,       false,         false, kApexKeys},
+    {PrecisionMode::Fp16Naive, "fp16_naive", ModeFamily::Naive,      DType::F16,  ModeCast::WholeModel,
+     MasterWeights::Fp32,       ScalerKind::Hysteresis, false,         false, kNaiveKeys},
+    {PrecisionMode::Bf16Naive, "bf16_naive", ModeFamily::Naive,      DType::BF16, ModeCast::WholeModel,
+     MasterWeights::Fp32,       ScalerKind::Hysteresis, false,         false, kNaiveKeys},
 }};
 
 constexpr bool precision_modes_in_order() {
@@ -105,6 +103,42 @@ constexpr bool precision_modes_in_order() {
   return true;
 }
 static_assert(precision_modes_in_order(), "kPrecisionModes rows must follow PrecisionMode order");
+
+// What a family fixes for all of its rows: what it casts, its master weights, its scaler and its options.
+// amp/config.cpp reads a family's options and Booster composes its pieces from these columns, so a row that
+// disagreed with its family would be read or built as another family's mode.
+constexpr bool row_follows_its_family(const PrecisionModeRow& row) {
+  auto keys_are = [&](std::span<const std::string_view> keys) {
+    return row.option_keys.data() == keys.data() && row.option_keys.size() == keys.size();
+  };
+  const bool low = row.compute_dtype == DType::F16 || row.compute_dtype == DType::BF16;
+  switch (row.family) {
+    case ModeFamily::Plain:
+      return row.cast == ModeCast::None && row.compute_dtype == DType::F32 && row.scaler == ScalerKind::Static &&
+             row.master_weights == MasterWeights::Fp32 && row.option_keys.empty();
+    case ModeFamily::PytorchAmp:
+      return row.cast == ModeCast::Autocast && low && row.scaler == ScalerKind::GradScaler &&
+             row.master_weights == MasterWeights::Fp32 && keys_are(kGradScalerKeys);
+    case ModeFamily::Apex:
+      return row.cast == ModeCast::ByOptLevel && low && row.scaler == ScalerKind::Apex &&
+             row.master_weights == MasterWeights::ByOptLevel && keys_are(kApexKeys);
+    case ModeFamily::Naive:
+      return row.cast == ModeCast::WholeModel && low && row.scaler == ScalerKind::Hysteresis &&
+             row.master_weights == MasterWeights::Fp32 && keys_are(kNaiveKeys);
+  }
+  return false;
+}
+
+constexpr bool every_row_follows_its_family() {
+  for (const PrecisionModeRow& row : kPrecisionModes) {
+    if (!row_follows_its_family(row)) return false;
+    if (row.grad_scaler_enabled && row.scaler != ScalerKind::GradScaler) return false;
+    if (row.tf32_matmuls && row.compute_dtype != DType::F32) return false;
+  }
+  return true;
+}
+static_assert(every_row_follows_its_family(),
+              "a kPrecisionModes row disagrees with its family (row_follows_its_family)");
 
 // Apex's opt levels: each is a mode name of its own where modes are listed ("fp16_apex:O2").
 inline constexpr std::array<std::string_view, 4> kApexOptLevels{"O0", "O1", "O2", "O3"};

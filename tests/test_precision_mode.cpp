@@ -9,6 +9,7 @@
 
 #include "amp/booster.h"
 #include "amp/precision_mode.h"
+#include "io/json.h"
 #include "nn/layers.h"
 #include "optim/adam.h"
 #include "tensor/precision.h"
@@ -56,55 +57,77 @@ TEST(PrecisionMode, EveryRowParsesToItselfAndUnknownNamesAreNot) {
     EXPECT_FALSE(find_precision_mode(name).has_value()) << name;
 }
 
-// A key outside a row's option_keys is "unknown" for that mode, and every key in it is known (its value
-// may still be refused: null is the wrong type for most options, which is a different error).
-TEST(PrecisionMode, TheOptionKeysAreExactlyWhatTheJsonFormAccepts) {
-  std::set<std::string_view> every_key;
-  for (const PrecisionModeRow& row : kPrecisionModes) every_key.insert(row.option_keys.begin(), row.option_keys.end());
-  // 5 GradScaler + 11 Apex + 12 naive keys; growth_factor, backoff_factor and growth_interval are in two lists.
-  EXPECT_EQ(every_key.size(), 25u);
-  for (const PrecisionModeRow& row : kPrecisionModes)
-    for (std::string_view key : every_key) {
-      const bool listed = std::find(row.option_keys.begin(), row.option_keys.end(), key) != row.option_keys.end();
-      const std::string json = "{\"mixed_precision\": \"" + std::string(row.name) + "\", \"" + std::string(key) +
-                               "\": null}";
-      std::string error;
-      try {
-        AmpConfig::from_json(json);
-      } catch (const Error& e) {
-        error = e.what();
-      }
-      EXPECT_EQ(error.find("unknown option") == std::string::npos, listed) << json << " -> " << error;
-    }
-}
-
-// The columns Booster reads, checked on what it builds: the parameters' dtype after boost(), the scaler's
-// kind, the autocast dtype of the forward and the tf32 switch.
-TEST(PrecisionMode, BoosterDoesWhatTheRowSays) {
+// Each row's option keys are the options to_json writes for that mode (Apex writes some only at some opt
+// levels, so its keys are the union over O0..O3): the table and the writer list the same options.
+TEST(PrecisionMode, TheOptionKeysAreTheOptionsToJsonWrites) {
   for (const PrecisionModeRow& row : kPrecisionModes) {
     SCOPED_TRACE(std::string(row.name));
+    std::set<std::string> written;
+    std::vector<std::string> names{std::string(row.name)};
+    if (row.family == ModeFamily::Apex) {
+      names.clear();
+      for (std::string_view level : kApexOptLevels) names.push_back(std::string(row.name) + ":" + std::string(level));
+    }
+    for (const std::string& name : names) {
+      const Json config = json::parse(AmpConfig::parse(name).to_json());
+      for (const auto& [key, value] : json::as_object(config))
+        if (key != "mixed_precision") written.insert(key);
+    }
+    EXPECT_EQ(written, std::set<std::string>(row.option_keys.begin(), row.option_keys.end()));
+  }
+}
+
+// What Booster builds for each mode, as amp/config.h and amp/README.md describe it: the parameters' dtype
+// after boost(), the autocast dtype of the forward, the tf32 switch, the loss scaler and its first scale,
+// and the master weights. One expectation per name users type, every mode of the table included.
+TEST(PrecisionMode, BoosterDoesWhatEachModeIsDocumentedToDo) {
+  enum class Scaler { Static, Grad, Dynamic };
+  struct Expected {
+    std::string name;
+    DType params;
+    std::optional<DType> autocast;
+    bool tf32;
+    Scaler scaler;
+    double scale;
+    bool master_weights;
+  };
+  const double two_32 = 4294967296.0;
+  const std::vector<Expected> expected = {
+      {"fp32", DType::F32, std::nullopt, false, Scaler::Static, 1, true},
+      {"tf32", DType::F32, std::nullopt, true, Scaler::Static, 1, true},
+      {"fp16", DType::F32, DType::F16, false, Scaler::Grad, 65536, true},
+      {"bf16", DType::F32, DType::BF16, false, Scaler::Static, 1, true},  // GradScaler off by default
+      {"fp16_apex:O0", DType::F32, std::nullopt, false, Scaler::Static, 1, false},
+      {"fp16_apex:O1", DType::F32, DType::F16, false, Scaler::Dynamic, 65536, false},
+      {"fp16_apex:O2", DType::F16, std::nullopt, false, Scaler::Dynamic, 65536, true},
+      {"fp16_apex:O3", DType::F16, std::nullopt, false, Scaler::Static, 1, false},
+      {"fp16_naive", DType::F16, std::nullopt, false, Scaler::Dynamic, two_32, true},
+      {"bf16_naive", DType::BF16, std::nullopt, false, Scaler::Dynamic, two_32, true},
+  };
+  std::vector<std::string> names;
+  for (const Expected& e : expected) names.push_back(e.name);
+  ASSERT_EQ(names, precision_mode_names(kApexOptLevels)) << "every mode of the table has its expectation here";
+  for (const Expected& e : expected) {
+    SCOPED_TRACE(e.name);
     set_allow_tf32(false);
-    Boosted boosted(AmpConfig::parse(row.name));  // Apex at its default opt level, O1: autocast
-    const bool model_cast = row.cast == ModeCast::WholeModel;
-    EXPECT_EQ(boosted.model.weight.dtype(), model_cast ? row.compute_dtype : DType::F32);
-    const bool autocast = row.cast == ModeCast::Autocast || row.cast == ModeCast::ByOptLevel;
-    EXPECT_EQ(boosted.booster.config().autocast_dtype(), autocast ? std::optional(row.compute_dtype) : std::nullopt);
-    EXPECT_EQ(allow_tf32(), row.tf32_matmuls);
+    Boosted boosted(AmpConfig::parse(e.name));
+    EXPECT_EQ(boosted.model.weight.dtype(), e.params);
+    EXPECT_EQ(boosted.booster.config().autocast_dtype(), e.autocast);
+    EXPECT_EQ(allow_tf32(), e.tf32);
     const LossScaler& scaler = boosted.optimizer->scaler();
-    switch (row.scaler) {
-      case ScalerKind::Static:
+    switch (e.scaler) {
+      case Scaler::Static:
         EXPECT_NE(dynamic_cast<const StaticLossScaler*>(&scaler), nullptr);
         break;
-      case ScalerKind::GradScaler:
-        if (row.scaler_enabled) EXPECT_NE(dynamic_cast<const GradScaler*>(&scaler), nullptr);
-        else EXPECT_NE(dynamic_cast<const StaticLossScaler*>(&scaler), nullptr);
+      case Scaler::Grad:
+        EXPECT_NE(dynamic_cast<const GradScaler*>(&scaler), nullptr);
         break;
-      case ScalerKind::Apex:  // O1: dynamic, from 2^16
-      case ScalerKind::Hysteresis:
-        ASSERT_NE(dynamic_cast<const DynamicLossScaler*>(&scaler), nullptr);
-        EXPECT_EQ(scaler.scale(), row.scaler == ScalerKind::Apex ? 65536.0 : 4294967296.0);
+      case Scaler::Dynamic:
+        EXPECT_NE(dynamic_cast<const DynamicLossScaler*>(&scaler), nullptr);
         break;
     }
+    EXPECT_EQ(scaler.scale(), e.scale);
+    EXPECT_EQ(boosted.optimizer->options().master_weights, e.master_weights);
   }
   set_allow_tf32(false);
 }
