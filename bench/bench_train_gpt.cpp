@@ -634,7 +634,8 @@ int main(int argc, char** argv) {
   }
   try {
     const std::vector<std::string> modes = precision.empty() ? kDefaultModes : split_modes(precision);
-    check(!control || std::count(modes.begin(), modes.end(), "fp32") == 1,
+    auto is_fp32 = [](const std::string& mode) { return AmpConfig::parse(mode).mode == PrecisionMode::Fp32; };
+    check(!control || std::count_if(modes.begin(), modes.end(), is_fp32) == 1,
           "--control needs fp32 in --precision (the control is a second fp32 side)");
     for (const std::string& mode : modes) sides().push_back(std::make_unique<Side>(mode));
     if (control) sides().push_back(std::make_unique<Side>("fp32", "fp32 control"));
