@@ -97,7 +97,7 @@ class AutocastScope {
   std::optional<DType> previous_;
 };
 
-// Cast cache introspection (tests): entries now held, and casts performed by autocast on this thread.
+// Cast cache introspection (tests): entries held, and casts performed by autocast on this thread.
 size_t autocast_cache_size();
 uint64_t autocast_cast_count();
 

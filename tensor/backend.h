@@ -48,7 +48,7 @@ struct SgdUpdate {
 
 // Bytes held by a device's allocator.
 struct MemoryStats {
-  size_t allocated_bytes = 0;       // in live tensors now
+  size_t allocated_bytes = 0;       // in live tensors
   size_t peak_allocated_bytes = 0;  // the most allocated_bytes has been since the last reset
   size_t cached_bytes = 0;          // freed by tensors, kept by the allocator for reuse
 };

@@ -203,11 +203,21 @@ void Backend::unary_backward(UnaryOp op, const Tensor& x, const Tensor& y, const
 void Backend::binary(BinaryOp op, const Tensor& a, const Tensor& b, const Tensor& out) {
   check_same_shape("binary", a, out);
   check_same_shape("binary", b, out);
+  // binary_reads_mixed is the device's own answer, so one check serves every backend: a kernel indexes a and
+  // b as out's dtype unless the device reads mixed dtypes in place.
+  if (a.dtype() != out.dtype() || b.dtype() != out.dtype())
+    check(binary_reads_mixed(a.dtype(), b.dtype(), out.dtype()), "binary: inputs ", a.described(), " and ",
+          b.described(), " for output ", out.described(),
+          ": expected the output's dtype, or f32, f16 or bf16 inputs for an f32 output");
   binary_kernel(op, a, b, out);
 }
 
 void Backend::binary_scalar(BinaryOp op, const Tensor& a, double scalar, bool scalar_first, const Tensor& out) {
   check_same_shape("binary_scalar", a, out);
+  // Eq has no scalar form (backend.h); checked here, so the kernels switch on the ops that have one.
+  const bool has_scalar_form = op == BinaryOp::Add || op == BinaryOp::Sub || op == BinaryOp::Mul ||
+                               op == BinaryOp::Div || op == BinaryOp::Pow;
+  check(has_scalar_form, "binary_scalar: unknown op ", static_cast<int>(op));
   binary_scalar_kernel(op, a, scalar, scalar_first, out);
 }
 

@@ -4,6 +4,7 @@
 #include <initializer_list>
 #include <optional>
 #include <sstream>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -75,14 +76,10 @@ Tensor unary_grad(UnaryOp op, const Tensor& x, const Tensor& y, const Tensor& g,
 }
 
 // A unary op with an autocast class has the name of its kAutocastTable row.
-constexpr bool same_text(const char* a, const char* b) {
-  while (*a != '\0' && *a == *b) ++a, ++b;
-  return *a == *b;
-}
 constexpr bool unary_autocast_names_agree() {
   for (const UnaryOpTraits& row : kUnaryOps)
     if (row.autocast != kNoAutocast &&
-        !same_text(row.name, kAutocastTable[static_cast<size_t>(row.autocast)].name))
+        std::string_view(row.name) != kAutocastTable[static_cast<size_t>(row.autocast)].name)
       return false;
   return true;
 }

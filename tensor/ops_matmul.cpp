@@ -1,9 +1,9 @@
 // matmul: [..., M, K] @ [..., K, N] with NumPy semantics (batch dims broadcast, 1-d operands promoted to a
 // matrix and the added dim squeezed away afterwards, as numpy.matmul does).
 //
-// Per-call overhead matters here (a 256^3 f32 product takes ~150 us on two cores): error messages that format
-// tensors (description(), ~0.4 us each) are built only on failure, with `if (...) fail(...)` rather than
-// check(), whose arguments are evaluated before the call.
+// Per-call overhead matters here (small products are called often and do little work each): error messages
+// that format tensors (description(), an ostringstream each) are built only on failure, with
+// `if (...) fail(...)` rather than check(), whose arguments are evaluated before the call.
 #include <algorithm>
 
 #include "tensor/autocast_state.h"

@@ -24,7 +24,7 @@ void check_shape(const Shape& shape, const char* op) {
 
 // normalize_dim for a dim of `t` (or of a result with `ndim` dims), naming the tensor in the error.
 // Hot paths (size(), stride(), data<T>(), make_view) build their messages only on failure: check() evaluates
-// its arguments on every call, and description() / shape_str() cost ~0.2-0.4 us each (an ostringstream).
+// its arguments on every call, and description() / shape_str() each format through an ostringstream.
 int64_t dim_of(const Tensor& t, int64_t dim, const char* op, int64_t ndim = -1) {
   if (ndim < 0) ndim = t.dim();
   if (dim < -ndim || dim >= ndim)

@@ -1,8 +1,11 @@
 #pragma once
 // The unary ops and their one table of traits: the front-end name, what the derivative is computed from,
-// and the op's autocast class. Read by the op front end (tensor/ops_elementwise.cpp), the kernel contract
-// (tensor/kernel_contract.cpp) and both backends' kernels; constexpr and free of the standard library, so
-// .cu files include it too. A new UnaryOp fails to build until its row exists (static_assert below).
+// and the op's autocast class. The table's readers: the op front end (tensor/ops_elementwise.cpp: every
+// column) and the kernel contract (tensor/kernel_contract.cpp: the derivative column, to pick x or y for
+// unary_backward). The backends' kernels (tensor/cpu/elementwise.cpp, tensor/cuda/elementwise.cu) read no
+// row: they switch on UnaryOp, with a static_assert on UnaryOp::Count, so a new op fails to build there until
+// it has its cases. Constexpr and free of the standard library, so .cu files include it too (through
+// tensor/backend.h). A new UnaryOp fails to build until its row exists (static_assert below).
 #include <cstddef>
 #include <cstdint>
 

@@ -33,6 +33,7 @@
 #include "autograd/autograd.h"
 #include "cuda_test_util.h"
 #include "tensor/backend.h"
+#include "tensor/kernel_contract.h"
 #include "tensor/ops.h"
 #include "test_util.h"
 
@@ -42,8 +43,6 @@ using mixtape::testing::ulp_distance;
 using mixtape::testing::uniform_tensor;
 
 namespace {
-
-DType stats_dtype(DType dtype) { return dtype == DType::F64 ? DType::F64 : DType::F32; }
 
 double max_abs(const std::vector<double>& values) {
   double m = 0;

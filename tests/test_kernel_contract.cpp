@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <string>
+#include <vector>
 
 #include "tensor/autocast_state.h"
 #include "tensor/backend.h"
@@ -84,27 +85,46 @@ TEST(KernelContract, StatisticsAreF32AndF64ForF64Inputs) {
                         "rms_norm: rstd must be contiguous f32[3]");
 }
 
+// The CPU, and the first GPU where there is one (without a GPU the CUDA half is not run).
+std::vector<Device> devices_under_test() {
+  std::vector<Device> devices{Device::cpu()};
+  if (cuda_device_count() > 0) devices.push_back(Device::cuda(0));
+  return devices;
+}
+
 TEST(KernelContract, EveryBackendRejectsTheSameArgumentsWithTheSameMessage) {
-  // The entry points check before the device's kernel runs, so the CPU's messages are the CUDA backend's too
-  // (matmul's and embedding's name the device kind they ran on).
-  Backend& backend = backend_for(Device::cpu());
-  const Tensor x = uniform_tensor({4, 6}, 11, -1, 1, DType::F32);
-  const Tensor grad_x = Tensor::empty({4, 6});
-  EXPECT_ERROR_MENTIONS(backend.layer_norm_backward(x, x, Tensor(), Tensor(), Tensor(), grad_x, Tensor(), Tensor()),
-                        "layer_norm_backward: mean and rstd are required");
-  EXPECT_ERROR_MENTIONS(backend.rms_norm_backward(x, x, Tensor(), Tensor(), grad_x, Tensor()),
-                        "rms_norm_backward: rstd is required");
-  EXPECT_ERROR_MENTIONS(backend.matmul(x, x, Tensor::empty({4, 4, 1}), Tensor()),
-                        "cpu matmul: operands", "must have the same number (>= 2) of dims");
-  EXPECT_ERROR_MENTIONS(backend.embedding(Tensor::zeros({6}), Tensor::zeros({4}, DType::I64), grad_x),
-                        "cpu embedding: expected indices [n] and a contiguous out [n, C]");
-  EXPECT_ERROR_MENTIONS(backend.where(Tensor::ones({4, 6}), x, x.to(DType::F64), grad_x),
-                        "where:", "must have the dtype of");
-  EXPECT_ERROR_MENTIONS(backend.softmax_cross_entropy(x, Tensor::zeros({3}, DType::I64), -100,
-                                                      Tensor::empty({}), Tensor::empty({4})),
-                        "softmax_cross_entropy: targets must be contiguous i32/i64 [4]");
-  EXPECT_ERROR_MENTIONS(backend.matmul(x, x.mT(), Tensor::empty({4, 4}).mT(), Tensor()), "cpu matmul: output",
-                        "must be contiguous");
+  // The entry points check before the device's kernel runs, so every backend gives the same message (matmul's
+  // and embedding's name the device kind they ran on).
+  for (const Device device : devices_under_test()) {
+    const std::string kind = device.is_cuda() ? "cuda" : "cpu";
+    SCOPED_TRACE(kind);
+    Backend& backend = backend_for(device);
+    const Tensor x = uniform_tensor({4, 6}, 11, -1, 1, DType::F32).to(device);
+    const Tensor grad_x = Tensor::empty({4, 6}, DType::F32, device);
+    EXPECT_ERROR_MENTIONS(
+        backend.layer_norm_backward(x, x, Tensor(), Tensor(), Tensor(), grad_x, Tensor(), Tensor()),
+        "layer_norm_backward: mean and rstd are required");
+    EXPECT_ERROR_MENTIONS(backend.rms_norm_backward(x, x, Tensor(), Tensor(), grad_x, Tensor()),
+                          "rms_norm_backward: rstd is required");
+    EXPECT_ERROR_MENTIONS(backend.matmul(x, x, Tensor::empty({4, 4, 1}, DType::F32, device), Tensor()),
+                          kind + " matmul: operands", "must have the same number (>= 2) of dims");
+    EXPECT_ERROR_MENTIONS(backend.embedding(Tensor::zeros({6}, DType::F32, device),
+                                            Tensor::zeros({4}, DType::I64, device), grad_x),
+                          kind + " embedding: expected indices [n] and a contiguous out [n, C]");
+    EXPECT_ERROR_MENTIONS(backend.where(Tensor::ones({4, 6}, DType::F32, device), x, x.to(DType::F64), grad_x),
+                          "where:", "must have the dtype of");
+    // An f64 input for an f32 output is a mixed read that no backend offers.
+    EXPECT_ERROR_MENTIONS(backend.binary(BinaryOp::Add, x.to(DType::F64), x, grad_x), "binary: inputs",
+                          "expected the output's dtype, or f32, f16 or bf16 inputs for an f32 output");
+    EXPECT_ERROR_MENTIONS(backend.binary_scalar(BinaryOp::Eq, x, 1.0, false, grad_x),
+                          "binary_scalar: unknown op " + std::to_string(static_cast<int>(BinaryOp::Eq)));
+    EXPECT_ERROR_MENTIONS(backend.softmax_cross_entropy(x, Tensor::zeros({3}, DType::I64, device), -100,
+                                                        Tensor::empty({}, DType::F32, device),
+                                                        Tensor::empty({4}, DType::F32, device)),
+                          "softmax_cross_entropy: targets must be contiguous i32/i64 [4]");
+    EXPECT_ERROR_MENTIONS(backend.matmul(x, x.mT(), Tensor::empty({4, 4}, DType::F32, device).mT(), Tensor()),
+                          kind + " matmul: output", "must be contiguous");
+  }
 }
 
 }  // namespace

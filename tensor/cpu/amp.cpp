@@ -29,8 +29,8 @@ bool unscale_one(T* g, int64_t n, double inv_scale) {
   // Finite before and after: an x that is finite but whose scaled value overflows the dtype (inv > 1, or the
   // rounding of a 16-bit store) is reported too, as the step would otherwise write inf. The same probe as
   // above: x * 0 + y * 0 is 0 when both are finite and NaN otherwise. (A `found = found || !isfinite(...)`
-  // reduction kept this loop scalar: a third of a small model's unscale-and-check time in vmulss and
-  // branches, ~1% of the fp16 training step.)
+  // reduction would keep the compiler from vectorising this loop: scalar multiplies and a branch per element;
+  // bench/MACHINES.md has the profile.)
   Acc probe = 0;
 #pragma omp parallel for simd schedule(static) reduction(+ : probe) if (parallel : n >= 2 * kParallelGrain)
   for (int64_t i = 0; i < n; ++i) {

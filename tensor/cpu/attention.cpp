@@ -38,9 +38,7 @@
 #include <bit>
 #include <cmath>
 #include <limits>
-#include <string>
 #include <type_traits>
-#include <utility>
 #include <vector>
 
 #include "tensor/cpu/attention_bf16.h"

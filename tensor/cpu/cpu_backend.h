@@ -133,7 +133,7 @@ bool onednn_has_bf16_gemm();
 enum class Bf16Gemm { Onednn, F32 };
 const char* bf16_gemm_name(Bf16Gemm route);  // "onednn", "f32"
 
-// The route now: MIXTAPE_BF16_GEMM's (read on first use), else automatic_bf16_gemm for this CPU.
+// The route in effect: MIXTAPE_BF16_GEMM's (read on first use), else automatic_bf16_gemm for this CPU.
 Bf16Gemm bf16_gemm();
 // For tests and comparisons: makes every later bf16 product take `route`; returns the previous one. Onednn
 // where oneDNN has no bf16 GEMM is "not supported".

@@ -19,8 +19,9 @@
 //   - Each thread starts on an even share of A's tiles and widens them a block of ~kABlockBytes (at least
 //     kMinBlockTiles tiles within kMaxBlockBytes) at a time (row-major when A is; packed per tile, k-major,
 //     when A is transposed), so the block stays near the core while every B sliver passes over it. A thread
-//     whose share runs out takes the back half of the unstarted tiles of the one with the most (work_ranges.h:
-//     with the even split, one thread sat idle 9-15% of each product on a 2-core KVM guest with neighbours).
+//     whose share runs out takes the back half of the unstarted tiles of the one with the most (work_ranges.h),
+//     so a thread slowed by a neighbour on a shared machine does not leave the others idle at the end of the
+//     product (measured in bench/MACHINES.md).
 //     An A with fewer tiles than threads splits the slivers instead.
 //   - Per k the kernel loads two vectors of B and broadcasts kMR values of A into 2 kMR FMAs. A last sliver
 //     of at most one vector's width takes a tile of one vector per row; one of at most kNarrow columns against
@@ -212,8 +213,8 @@ void tile(int64_t K, const float* __restrict a, int64_t lda, const float* __rest
     for (int v = 0; v < kVecs; ++v) c[r][v] = Isa::zero();
   if constexpr (kRowMajorA && kMR == 12) {
     // A row-major A read in place, 12 rows at once. Twelve row pointers are more than x86 has registers to
-    // spare beside the loop's own: GCC kept one on the stack and one in a vector register and reloaded both
-    // every k (perf annotate), or not, depending on unrelated edits elsewhere in this file. Four pointers
+    // spare beside the loop's own: GCC may keep one on the stack and one in a vector register and reload both
+    // every k (perf annotate), depending on unrelated code elsewhere in this file. Four pointers
     // (rows 0, 3, 6 and 9) and the row stride scaled by 1, 2, 4 or 8 in the address reach all twelve: row
     // r = kBase[r] + kScale[r], so no row pointer is reloaded inside the k loop (bench_ops' f16 rows that take
     // this kernel; timings in bench/MACHINES.md).
@@ -246,9 +247,9 @@ void tile(int64_t K, const float* __restrict a, int64_t lda, const float* __rest
   V bias_v[kVecs];
   for (int v = 0; v < kVecs; ++v) bias_v[v] = bias ? Isa::load(bias + kLanes * v) : Isa::zero();
   // Every c[r][v] is named by constants only, so the sums stay in registers: a whole tile is rounded and
-  // stored straight from them; a partial one goes through a buffer of floats. (The old epilogue stored and
-  // rounded row by row up to a runtime row count, which spilled every sum: 7% of the tile kernel's samples
-  // in a K = 256 product.)
+  // stored straight from them; a partial one goes through a buffer of floats. (A loop up to a runtime row
+  // count would index the sums with a variable and make the compiler spill every one of them to memory;
+  // bench/MACHINES.md has the profile.)
   if (rows == kMR && cols == kVecs * kLanes) {
 #pragma GCC unroll 12
     for (int r = 0; r < kMR; ++r)
@@ -364,9 +365,10 @@ void run(int64_t M, int64_t K, int64_t N, const Matrix16<T>& a, const Matrix16<T
   const ThreadScratch a_scratch(static_cast<size_t>(block_floats + line_floats + 32) * sizeof(float), parallel);
 
   // Each chunk streams all of B's slivers past its tiles again, so a share of fewer than four blocks is taken
-  // in whole blocks: halved, the 11 tiles a thread has of the vocabulary head's weight gradient (256 x 2048 x
-  // 65 transposed, K = 2048) went 6, 3, 1, 1 and the product ran ~8% slower (bench/MACHINES.md, "a sixth
-  // session"). The GPT's larger products give each thread 32 to 86 tiles, and halve down to one.
+  // in whole blocks: halved down to one tile, a small share (11 tiles a thread in the vocabulary head's weight
+  // gradient, 256 x 2048 x 65 transposed, K = 2048) would end in one-tile chunks that each stream all of B
+  // (bench/MACHINES.md has the measurement). The GPT's larger products give each thread 32 to 86 tiles, and
+  // halve down to one.
   const int64_t least = share >= 4 * tiles_per_block ? 1 : tiles_per_block;
   WorkRanges tile_ranges(tiles, threads, tiles_per_block, least);
 #pragma omp parallel num_threads(threads) if (parallel)

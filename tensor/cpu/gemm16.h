@@ -29,7 +29,7 @@ const char* gemm16_isa_name(Gemm16Isa isa);
 // The kernels this build has, widest first (empty: none).
 std::vector<Gemm16Isa> gemm16_kernels();
 
-// The kernel gemm16 runs now: the widest this build has, unless the environment variable MIXTAPE_GEMM16
+// The kernel gemm16 runs: the widest this build has, unless the environment variable MIXTAPE_GEMM16
 // (none, avx2 or avx512; read on first use) or set_gemm16_isa chose another.
 Gemm16Isa gemm16_isa();
 

@@ -85,9 +85,9 @@ inline std::pair<A, A> lane_sum2(int64_t n, Term&& term) {
     tail_a += a;
     tail_b += b;
   }
-  // combine_lanes' scalar tree, the two arrays interleaved: two register folds made layer_norm's backward ~10%
-  // slower with its rows coming from memory (a scratch program, caches flushed before each call), for no gain in
-  // cache, and two calls of the scalar tree one after the other ~4% slower than this loop (medians of eight).
+  // combine_lanes' scalar tree (same order, same bits), the two arrays interleaved in one loop: with
+  // layer_norm's backward reading its rows from memory this is faster than a register fold of each array or two
+  // calls of the scalar tree one after the other (measurements in bench/MACHINES.md).
   for (int64_t width = kLanes / 2; width > 0; width /= 2)
     for (int64_t l = 0; l < width; ++l) {
       lanes_a[l] += lanes_a[l + width];

@@ -733,71 +733,56 @@ namespace {
 // bf16_gemm() is F32. gemm16 takes a product where its geometry allows (gemm16_geometry); any other product
 // of a dtype without a GEMM of its own is computed through f32.
 struct Route16 {
+  DType dtype = DType::F32;
   bool f16_split = false;     // f16 as exact sums of bf16 products (oneDNN on AMX)
   bool bf16_via_f32 = false;  // bf16 on f32 FMAs (gemm16 or the f32 GEMM), not oneDNN's bf16 GEMM
-  bool wants_gemm16 = false;  // gemm16 where the geometry allows, else through f32
+  // gemm16 where the geometry allows, else through f32
+  bool wants_gemm16() const { return (dtype == DType::F16 && !f16_split) || bf16_via_f32; }
 };
 
 Route16 route16_for(DType dtype) {
   Route16 route;
+  route.dtype = dtype;
   route.f16_split = dtype == DType::F16 && f16_matmul_splits();
   route.bf16_via_f32 = dtype == DType::BF16 && bf16_gemm() == Bf16Gemm::F32;
-  route.wants_gemm16 = (dtype == DType::F16 && !route.f16_split) || route.bf16_via_f32;
   return route;
 }
 
-}  // namespace
+// An empty sum (K = 0): out = bias (or 0) in every row.
+void matmul_empty_sum(Backend& backend, const Tensor& out, const Tensor& bias) {
+  if (bias.defined()) {
+    Strides rows(static_cast<size_t>(out.dim()), 0);
+    rows.back() = 1;
+    backend.copy(make_view(bias, out.shape(), rows, bias.offset()), out);
+  } else {
+    backend.fill(out, 0);
+  }
+}
 
-bool set_f16_matmul_split_enabled(bool enabled) { return split_enabled.exchange(enabled); }
+// out^T = B^T A^T, then out^T transposed into out (the product of B^T A^T takes the same route, untransposed).
+void matmul_transposed(Backend& backend, const MatmulGeometry& g, const Tensor& a, const Tensor& b,
+                       const Tensor& out) {
+  const Tensor b_t = make_view(b, {g.N, g.K}, {g.b.col_stride, g.b.row_stride}, b.offset());
+  const Tensor a_t = make_view(a, {g.K, g.M}, {g.a.col_stride, g.a.row_stride}, a.offset());
+  const Tensor out_t = Tensor::empty({g.N, g.M}, out.dtype(), out.device());
+  backend.matmul(b_t, a_t, out_t, Tensor());
+  backend.copy(make_view(out_t, {g.M, g.N}, {1, g.M}, 0),
+               make_view(out, {g.M, g.N}, {g.out.row_stride, g.out.col_stride}, out.offset()));
+}
 
-void CpuBackend::matmul_kernel(const Tensor& a, const Tensor& b, const Tensor& out, const Tensor& bias) {
+// A product through oneDNN's GEMM, by its plan (plan_for): f16 on its bf16 parts where the route splits (the
+// f32 route when an input is not finite), else the operands packed, widened or rounded to tf32 as the plan
+// says, and a result computed via f32 rounded into out once.
+void matmul_onednn(Backend& backend, const MatmulGeometry& g, const Tensor& a, const Tensor& b, const Tensor& bias,
+                   const Tensor& out, const Route16& route) {
   const bool has_bias = bias.defined();
-  if (a.size(-1) == 0) {  // an empty sum: out = bias (or 0) in every row
-    if (has_bias) {
-      Strides rows(static_cast<size_t>(out.dim()), 0);
-      rows.back() = 1;
-      copy(make_view(bias, out.shape(), rows, bias.offset()), out);
-    } else {
-      fill(out, 0);
-    }
-    return;
-  }
-  const MatmulGeometry g = simplify_matmul(a, b, out);
-  if (a.dtype() == DType::F64) {
-    matmul_f64(g, a.data<double>(), b.data<double>(), has_bias ? bias.data<double>() : nullptr,
-               out.data<double>());
-    return;
-  }
-  check(a.dtype() == DType::F32 || is_low_precision(a.dtype()), "cpu matmul: dtype ", dtype_name(a.dtype()),
-        " is not supported (expected f32, f16, bf16 or f64)");
-  // The routes are read once per call, so that a set_bf16_gemm or set_f16_matmul_split_enabled on another
-  // thread cannot split one product between routes (a transposed product's inner call reads them again;
-  // either route gives the whole product).
-  const Route16 route = route16_for(a.dtype());
-  const bool widen = route.bf16_via_f32;
-  const bool gemm16_route = route.wants_gemm16 && gemm16_geometry(g);
-  // out^T = B^T A^T, then out^T transposed into out (the product of B^T A^T takes the same route, untransposed)
-  if (transpose_wide_product(g, has_bias, a.dtype(), widen, gemm16_route)) {
-    const Tensor b_t = make_view(b, {g.N, g.K}, {g.b.col_stride, g.b.row_stride}, b.offset());
-    const Tensor a_t = make_view(a, {g.K, g.M}, {g.a.col_stride, g.a.row_stride}, a.offset());
-    const Tensor out_t = Tensor::empty({g.N, g.M}, out.dtype(), out.device());
-    matmul(b_t, a_t, out_t, Tensor());
-    copy(make_view(out_t, {g.M, g.N}, {1, g.M}, 0),
-         make_view(out, {g.M, g.N}, {g.out.row_stride, g.out.col_stride}, out.offset()));
-    return;
-  }
-  if (gemm16_route) {
-    if (a.dtype() == DType::F16) own_gemm16<Half>(g, a, b, bias, out);
-    else own_gemm16<BFloat16>(g, a, b, bias, out);
-    return;
-  }
-
   const bool tf32 = a.dtype() == DType::F32 && allow_tf32();
-  const bool split = route.f16_split;
-  std::shared_ptr<const Plan> shared_plan = plan_for(g, a.dtype(), has_bias, tf32, split, widen);
+  std::shared_ptr<const Plan> shared_plan =
+      plan_for(g, a.dtype(), has_bias, tf32, route.f16_split, route.bf16_via_f32);
   if (shared_plan->split) {
     if (split_matmul(*shared_plan, g, a, b, bias, out)) return;
-    shared_plan = plan_for(g, a.dtype(), has_bias, tf32, false, widen);  // a non-finite input: the f32 route
+    // a non-finite input: the f32 route
+    shared_plan = plan_for(g, a.dtype(), has_bias, tf32, false, route.bf16_via_f32);
   }
   const Plan& plan = *shared_plan;
   const DType compute = plan.via_f32 ? DType::F32 : a.dtype();
@@ -810,19 +795,48 @@ void CpuBackend::matmul_kernel(const Tensor& a, const Tensor& b, const Tensor& o
   Tensor bias_in = bias;
   if (has_bias && bias.dtype() != compute) {  // via f32: the bias joins the f32 accumulator as f32
     bias_in = Tensor::empty(bias.shape(), compute, bias.device());
-    copy(bias, bias_in);
+    backend.copy(bias, bias_in);
   }
   // Via f32 the result lands in an f32 buffer and is rounded into out once.
   const Tensor out_f32 = plan.via_f32 ? Tensor::empty(out.shape(), DType::F32, out.device()) : Tensor();
   const Tensor& dst = plan.via_f32 ? out_f32 : out;
   execute(plan, a_in, b_in, bias_in, dst, a, b);
-  if (plan.via_f32) copy(out_f32, out);
+  if (plan.via_f32) backend.copy(out_f32, out);
+}
+
+}  // namespace
+
+bool set_f16_matmul_split_enabled(bool enabled) { return split_enabled.exchange(enabled); }
+
+void CpuBackend::matmul_kernel(const Tensor& a, const Tensor& b, const Tensor& out, const Tensor& bias) {
+  if (a.size(-1) == 0) return matmul_empty_sum(*this, out, bias);
+  const MatmulGeometry g = simplify_matmul(a, b, out);
+  if (a.dtype() == DType::F64) {
+    matmul_f64(g, a.data<double>(), b.data<double>(), bias.defined() ? bias.data<double>() : nullptr,
+               out.data<double>());
+    return;
+  }
+  check(a.dtype() == DType::F32 || is_low_precision(a.dtype()), "cpu matmul: dtype ", dtype_name(a.dtype()),
+        " is not supported (expected f32, f16, bf16 or f64)");
+  // The routes are read once per call, so that a set_bf16_gemm or set_f16_matmul_split_enabled on another
+  // thread cannot split one product between routes (a transposed product's inner call reads them again;
+  // either route gives the whole product).
+  const Route16 route = route16_for(a.dtype());
+  const bool gemm16_route = route.wants_gemm16() && gemm16_geometry(g);
+  if (transpose_wide_product(g, bias.defined(), a.dtype(), route.bf16_via_f32, gemm16_route))
+    return matmul_transposed(*this, g, a, b, out);
+  if (gemm16_route) {
+    if (a.dtype() == DType::F16) own_gemm16<Half>(g, a, b, bias, out);
+    else own_gemm16<BFloat16>(g, a, b, bias, out);
+    return;
+  }
+  matmul_onednn(*this, g, a, b, bias, out, route);
 }
 
 // A 16-bit product that wants gemm16 widens to f32 where this CPU has no gemm16 (its geometry decides the
 // rest per call, and a caller cannot know it ahead).
 bool CpuBackend::matmul_widens(DType dtype) const {
-  return route16_for(dtype).wants_gemm16 && gemm16_isa() == Gemm16Isa::None;
+  return route16_for(dtype).wants_gemm16() && gemm16_isa() == Gemm16Isa::None;
 }
 
 }  // namespace mixtape::cpu

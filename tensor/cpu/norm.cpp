@@ -45,8 +45,8 @@ Tensor weight_values(const Tensor& weight, int64_t C) {
 
 // One thread's access to the rows. For f16/bf16 row i is widened into a float buffer once (and its result
 // narrowed once, after): the row loops then read and write float, as for f32, and vectorise. Converting
-// element by element inside them kept them scalar (fp16's conversion), which made fp16 layer_norm 4x slower
-// than f32's; the values are the same either way. Other dtypes are read and written in place. The buffers are
+// element by element inside them would keep them scalar (fp16's conversion does not vectorise there); the
+// values are the same either way. Other dtypes are read and written in place. The buffers are
 // carved from the thread's part of a ThreadScratch (on cache lines, see values_or).
 template <class T>
 class RowAccess {

@@ -31,7 +31,6 @@
 //   same bits.
 #include <cmath>
 #include <cstdint>
-#include <string>
 #include <type_traits>
 
 #include "tensor/cuda/common.cuh"

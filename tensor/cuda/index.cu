@@ -72,8 +72,8 @@ __global__ void sort_pairs_init_kernel(const I* __restrict__ index, uint32_t* __
 // c of grad_weight's row and of the run's grad_out rows, in run order, and stores the sum rounded once.
 template <class D>
 __global__ void embedding_backward_rows_kernel(const D* __restrict__ grad_out, const uint32_t* __restrict__ keys,
-                                          const int32_t* __restrict__ positions, D* __restrict__ grad_weight,
-                                          int64_t n, int64_t C) {
+                                               const int32_t* __restrict__ positions, D* __restrict__ grad_weight,
+                                               int64_t n, int64_t C) {
   using A = device_acc_t<D>;
   const int64_t k = blockIdx.x;
   const uint32_t row = keys[k];
@@ -167,7 +167,7 @@ void CudaBackend::embedding_backward_kernel(const Tensor& grad_out, const Tensor
     check(tiles <= 65535, "cuda embedding_backward: rows of ", C, " elements are too long");
     const dim3 grid(static_cast<unsigned>(n), static_cast<unsigned>(tiles));
     embedding_backward_rows_kernel<D><<<grid, kTile, 0, s>>>(device_ptr<T>(grad_out), k_out, p_out,
-                                                       device_ptr<T>(grad_weight), n, C);
+                                                             device_ptr<T>(grad_weight), n, C);
     MIXTAPE_KERNEL_CHECK();
   });
 }
