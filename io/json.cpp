@@ -194,10 +194,7 @@ class Builder {
       parent.get_ref<Json::array_t&>().push_back(std::move(value));
       return &parent.back();
     }
-    // Appended without ordered_map's search for the key (quadratic in the members): keys are unique here.
-    Json::object_t::Container& members = parent.get_ref<Json::object_t&>();
-    members.emplace_back(std::move(key_), std::move(value));
-    return &members.back().second;
+    return &append_member(parent, std::move(key_), std::move(value));  // key() refused a duplicate
   }
 
   bool add(Json value, size_t end) {
@@ -441,7 +438,9 @@ bool as_bool(const Json& value) {
 }
 
 int64_t as_integer(const Json& value) {
-  if (std::string_view(kind_name(value)) != "integer") wrong_kind("integer", value);
+  const bool integer = value.is_number_integer() &&
+                       (!value.is_number_unsigned() || value.get<uint64_t>() <= static_cast<uint64_t>(INT64_MAX));
+  if (!integer) wrong_kind("integer", value);
   return value.get<int64_t>();
 }
 
@@ -469,6 +468,12 @@ const Json* find(const Json& object, std::string_view key) {
   for (const auto& [name, value] : as_object(object))
     if (name == key) return &value;
   return nullptr;
+}
+
+Json& append_member(Json& object, std::string key, Json value) {
+  if (!object.is_object()) wrong_kind("object", object);
+  Json::object_t::Container& members = object.get_ref<Json::object_t&>();
+  return members.emplace_back(std::move(key), std::move(value)).second;
 }
 
 bool is_valid_utf8(std::string_view text) {

@@ -43,6 +43,11 @@ const Json::object_t& as_object(const Json& value);
 
 const Json* find(const Json& object, std::string_view key);  // objects only; null when absent
 
+// Appends the member key: value to an object without ordered_json's search for an existing key (that search
+// makes an object of n members cost n^2), and returns the value in place. The caller guarantees that the
+// object has no member named key: a second one would be written twice and found as the first.
+Json& append_member(Json& object, std::string key, Json value);
+
 // The JSON string literal for text, quotes included. Throws Error if text is not valid UTF-8.
 std::string quote(std::string_view text);
 
