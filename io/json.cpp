@@ -127,13 +127,14 @@ class Builder {
     if (value <= static_cast<uint64_t>(INT64_MAX)) return add(static_cast<int64_t>(value), end);
     return add(static_cast<double>(value), end);
   }
-  bool number_float(double, const std::string& token) {
+  // `value` is nlohmann's strtod of the token, which holds the C library's decimal point (',' under some
+  // locales) in place of '.', so it is right in every locale. strtod rounds a number too small for a double
+  // to 0 (1e-400), which is out of range unless the number is 0; an overflow (1e999) is nlohmann's error 406.
+  bool number_float(double value, const std::string& token) {
     const size_t end = number_end();
-    // from_chars, unlike nlohmann's strtod, reports an underflow to zero (1e-400) as out of range.
-    double value = 0;
-    const auto [last, status] = std::from_chars(token.data(), token.data() + token.size(), value);
-    if (status != std::errc() || last != token.data() + token.size())
-      parse_fail(end - token.size(), "number out of range");
+    const std::string_view digits = std::string_view(token).substr(0, token.find_first_of("eE"));
+    const bool zero = digits.find_first_of("123456789") == std::string_view::npos;
+    if (!std::isfinite(value) || (value == 0 && !zero)) parse_fail(end - token.size(), "number out of range");
     return add(value, end);
   }
   bool string(std::string& value) { return add(std::move(value), pulled()); }
@@ -352,10 +353,11 @@ void dump_to(const Json& value, std::string& out) {
     case Json::value_t::number_float: {
       const double number = value.get<double>();
       check(std::isfinite(number), "json: cannot write the non-finite number ", number);
+      // 17 significant digits: reads back as the same double. to_chars writes what "%.17g" writes in the C
+      // locale, in every locale (snprintf writes the locale's decimal point).
       char buffer[32];
-      // 17 significant digits: reads back as the same double.
-      std::snprintf(buffer, sizeof buffer, "%.17g", number);
-      out += buffer;
+      const auto written = std::to_chars(buffer, buffer + sizeof buffer, number, std::chars_format::general, 17);
+      out.append(buffer, written.ptr);
       break;
     }
     case Json::value_t::string:
