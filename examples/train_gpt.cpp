@@ -515,7 +515,7 @@ void check_data_fits(const Options& opt, const TokenData& data) {
   check(data.vocab_size <= opt.model.vocab_size, "train_gpt: the data uses ", data.vocab_size, " token ids",
         data.vocab.empty() ? " (--vocab-size)" : "", " but the model of '", opt.init.empty() ? opt.resume : opt.init,
         "' has vocab_size ", opt.model.vocab_size);
-  // A validation pass needs one window of block + 1 tokens: found out now, not after the training.
+  // A validation pass needs one window of block + 1 tokens: checked before the training, not after it.
   if (opt.eval_only || opt.final_eval || opt.eval_every > 0)
     check(data.n_val() > opt.model.block_size, "train_gpt: the validation split of '", opt.data, "' (",
           data.n_val(), " tokens, the last tenth) is shorter than block + 1 = ", opt.model.block_size + 1,
@@ -628,13 +628,14 @@ void check_resumed_stop(const Options& opt, const Engine& engine) {
                 static_cast<long long>(position));
 }
 
-// A checkpoint that cannot be written is reported now, not after the training it was meant to keep.
+// A checkpoint that cannot be written is reported before the training it is to keep, not after it.
 void check_save_target(const Options& opt) {
   if (opt.save.empty()) return;
   const std::filesystem::path parent = std::filesystem::path(opt.save).parent_path();
   check(parent.empty() || std::filesystem::is_directory(parent), "train_gpt: cannot write --save '",
         opt.save, "': the directory '", parent.string(), "' does not exist");
-  // A directory that takes no new file (read-only, /proc) failed only at the first save.
+  // A directory that takes no new file (read-only, /proc) passes the check above: a file is created there
+  // (and removed) to find it before the training.
   const SaveTarget where = save_target(opt.save, /*try_create=*/true);
   check(where.problem.empty(), "train_gpt: --save '", opt.save, "' ", where.problem);
 }

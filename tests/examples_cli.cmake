@@ -158,7 +158,7 @@ run_fails("--temperature 0" ${TRAIN_GPT} --data words.txt --temperature 0
           MENTIONS "--temperature" "> 0" "'0'")
 run_fails("--temperature nan" ${TRAIN_GPT} --data words.txt --temperature nan
           MENTIONS "--temperature" "'nan'")
-# A device as an input file never ends (/dev/zero was read until memory ran out).
+# A device as an input file never ends (reading /dev/zero would fill the memory): refused by name.
 run_fails("--amp-config /dev/zero" ${TRAIN_GPT} --data words.txt --amp-config /dev/zero
           MENTIONS "--amp-config file '/dev/zero' is a device")
 run_fails("--data /dev/zero" ${TRAIN_GPT} --data /dev/zero MENTIONS "data file '/dev/zero' is a device")

@@ -143,7 +143,7 @@ endforeach()
 run_fails("a mode under two names" ${PRECISION_STUDY} --data words.txt --modes fp16_apex,fp16_apex:O1 --out bad
           MENTIONS "names 'fp16_apex:O1' twice (as 'fp16_apex' and 'fp16_apex:O1')")
 # The data among the files the study writes (a table, a mode's log, their temporary names, through a link):
-# refused before anything runs, the data left as it was (it was overwritten, with exit code 0).
+# refused before anything runs, and the data is left as it is (not overwritten, and no exit code 0).
 file(MAKE_DIRECTORY ${WORK_DIR}/inside)
 file(COPY_FILE ${WORK_DIR}/words.txt ${WORK_DIR}/inside/results.csv)
 file(COPY_FILE ${WORK_DIR}/words.txt ${WORK_DIR}/inside/bf16.jsonl.tmp)
