@@ -29,7 +29,6 @@
 // means the same training at every layout, and checkpoints (one full file, written by rank 0) resume at any
 // layout. Rank 0 prints and logs; an error on any rank ends the whole job (MPI_Abort) with its message.
 #include <chrono>
-#include <climits>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -166,19 +165,17 @@ void add_precision_and_device_options(cli::CommandLine& cli, Options& o) {
   cli.text("--precision", o.precision, precision_mode_list("|"), "the precision mode (default fp32)");
   cli.text("--amp-config", o.amp_config_file, "FILE.json", "the mode's options, e.g. {\"initial_scale\": "
            "65536}; it may name the mode as \"mixed_precision\"");
-  cli.add("--device", [&cli, &o](const std::string& value) {
-    o.train.device = Device::parse(cli.nonempty("--device", value));
-  }, "cpu|cuda|cuda:N", "default cpu; checkpoints move freely between devices; under mpirun, cuda means each "
-     "rank's own GPU: local rank mod GPU count");
+  cli.device("--device", o.train.device, "default cpu; checkpoints move freely between devices; under mpirun, "
+             "cuda means each rank's own GPU: local rank mod GPU count");
 }
 
 void add_parallel_options(cli::CommandLine& cli, Options& o) {
   cli.app.option_defaults()->group("parallel (under mpirun -np N; --batch is the global batch, divisible by "
                                    "dp x micro-batches)");
-  cli.integer("--tp", o.parallel.tp, 1, "tensor-parallel ranks", INT32_MAX);
-  cli.integer("--pp", o.parallel.pp, 1, "pipeline stages", INT32_MAX);
-  cli.integer("--dp", o.parallel.dp, 1, "data-parallel ranks (default N / (tp x pp))", INT32_MAX);
-  cli.integer("--zero", o.parallel.zero, 0, "1: ZeRO-1 over dp (0 or 1)", INT32_MAX);
+  cli.integer("--tp", o.parallel.tp, 1, "tensor-parallel ranks");
+  cli.integer("--pp", o.parallel.pp, 1, "pipeline stages");
+  cli.integer("--dp", o.parallel.dp, 1, "data-parallel ranks (default N / (tp x pp))");
+  cli.integer("--zero", o.parallel.zero, 0, "1: ZeRO-1 over dp (0 or 1)");
   cli.integer("--micro-batches", o.parallel.micro_batches, 1, "micro-batches per dp rank");
   cli.text("--pp-schedule", o.parallel.pp_schedule, "1f1b|gpipe", "the pipeline's order of micro-batches");
   cli.add("--bucket-mb", [&o](const std::string& value) {
@@ -238,7 +235,6 @@ void read_amp_options(Options& o) {
     }
     return;
   }
-  check(!o.amp_config_file.empty(), "train_gpt: --amp-config needs a file name, got ''");
   o.amp_config_text = read_input_file("train_gpt: --amp-config file", o.amp_config_file);
   const bool mode_given = o.given.count("--precision") || names_a_mode(o.amp_config_text);
   check(mode_given || !o.resume.empty(), "train_gpt: --amp-config file '", o.amp_config_file, "' names no "

@@ -167,6 +167,17 @@ execute_process(COMMAND ${PRECISION_STUDY} --data "" --modes fp32 --out bad WORK
 if(status EQUAL 0 OR NOT err MATCHES "--data needs a file name")
   check_failed("an empty --data: exit ${status}, stderr '${err}' (expected an error naming --data)")
 endif()
+# Every empty value is refused in one wording: "<option> needs <what the value is>, got ''".
+foreach(empty "--out;a directory" "--optimizer;a value" "--schedule;a value")
+  list(GET empty 0 option)
+  list(GET empty 1 what)
+  execute_process(COMMAND ${PRECISION_STUDY} --data words.txt --modes fp32 ${option} "" WORKING_DIRECTORY ${WORK_DIR}
+                  RESULT_VARIABLE status ERROR_VARIABLE err OUTPUT_QUIET)
+  if(status EQUAL 0 OR NOT err MATCHES "^error: precision_study: ${option} needs ${what}, got ''\n$")
+    check_failed("an empty ${option}: exit ${status}, stderr '${err}'")
+  endif()
+endforeach()
+run_fails("--modes=" ${PRECISION_STUDY} --data words.txt --modes= MENTIONS "precision_study: --modes needs a value")
 run_fails("--precision is per mode" ${PRECISION_STUDY} --data words.txt --precision fp16 MENTIONS "--modes")
 # Pass-through values are checked before anything runs (--steps 0 would leave an empty log behind).
 run_fails("--steps 0" ${PRECISION_STUDY} --data words.txt --modes fp32 --steps 0 --out bad

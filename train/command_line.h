@@ -18,7 +18,10 @@
 #include <cstdint>
 #include <functional>
 #include <iostream>
+#include <limits>
 #include <map>
+#include <memory>
+#include <sstream>
 #include <set>
 #include <string>
 #include <string_view>
@@ -57,21 +60,24 @@ class CommandLine {
                    const std::string& help) {
     return app.add_option_function<std::string>(name, std::move(read), help)->type_name(type);
   }
-  // A value that must not be empty (an empty one would read as "not given").
-  CLI::Option* text(const std::string& name, std::string& target, const std::string& type, const std::string& help) {
+  // A value that must not be empty (an empty one would read as "not given"); `what` names the value in the
+  // error "<program>: <name> needs <what>, got ''".
+  CLI::Option* text(const std::string& name, std::string& target, const std::string& type, const std::string& help,
+                    const std::string& what = "a value") {
     const std::string first = name.substr(0, name.find(','));  // "--model" of "--model,--init"
-    return add(name, [this, first, &target](const std::string& value) {
-      target = nonempty(written_name(first, value), value);
+    return add(name, [this, first, &target, what](const std::string& value) {
+      target = nonempty(written_name(first, value), value, what);
     }, type, help);
   }
-  const std::string& nonempty(const std::string& name, const std::string& value) const {
-    check(!value.empty(), program_, ": ", name, " needs a value, got ''");
+  const std::string& nonempty(const std::string& name, const std::string& value,
+                              const std::string& what = "a value") const {
+    check(!value.empty(), program_, ": ", name, " needs ", what, ", got ''");
     return value;
   }
-  // An integer in [low, high], as integer_argument reads it.
+  // An integer in [low, high], as integer_argument reads it; high is at most what Int holds.
   template <class Int>
   CLI::Option* integer(const std::string& name, Int& target, int64_t low, const std::string& help,
-                       int64_t high = INT64_MAX) {
+                       int64_t high = largest<Int>()) {
     return add(name, [this, name, &target, low, high](const std::string& value) {
       target = static_cast<Int>(integer_argument(program_, name, value, low, high));
     }, "N", help);
@@ -81,6 +87,19 @@ class CommandLine {
     return add(name, [this, name, &target](const std::string& value) {
       target = number_argument(program_, name, value);
     }, "X", help);
+  }
+  // A finite decimal number > 0: "<program>: <name> must be > 0, got '<value>'" for 0.
+  CLI::Option* positive_number(const std::string& name, double& target, const std::string& help) {
+    return add(name, [this, name, &target](const std::string& value) {
+      target = number_argument(program_, name, value);
+      check(target > 0, program_, ": ", name, " must be > 0, got '", value, "'");
+    }, "X", help);
+  }
+  // A device, as Device::parse reads it ("cpu", "cuda", "cuda:N").
+  CLI::Option* device(const std::string& name, Device& target, const std::string& help) {
+    return add(name, [this, name, &target](const std::string& value) {
+      target = Device::parse(nonempty(name, value));
+    }, "cpu|cuda|cuda:N", help);
   }
   // A switch that sets `target` to `value` (no "=value" form).
   CLI::Option* flag(const std::string& name, bool& target, bool value, const std::string& help) {
@@ -138,6 +157,26 @@ class CommandLine {
   const std::string& program() const { return program_; }
 
  private:
+  template <class Int>
+  static constexpr int64_t largest() {
+    return static_cast<int64_t>(std::min<uint64_t>(std::numeric_limits<Int>::max(), INT64_MAX));
+  }
+
+  bool print_help() const {
+    std::cout << app.help();
+    return false;
+  }
+  // Whether the command line gives --help (as an option: CLI11 counts it before it runs the options'
+  // callbacks, so a value they refuse does not hide it).
+  bool help_requested() const {
+    const CLI::Option* help = app.get_help_ptr();
+    return help != nullptr && help->count() > 0;
+  }
+  static bool is_rule_error(const CLI::ParseError& error) {
+    return dynamic_cast<const CLI::RequiresError*>(&error) || dynamic_cast<const CLI::ExcludesError*>(&error) ||
+           dynamic_cast<const CLI::RequiredError*>(&error);
+  }
+
   struct Rule {
     enum Kind { Needs, Excludes, Required } kind;
     CLI::Option* option;
