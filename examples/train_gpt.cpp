@@ -191,25 +191,25 @@ void add_run_options(cli::CommandLine& cli, Options& o) {
   cli.text("--init", o.init, "FILE", "start from this file's weights (its model shape)");
   cli.text("--save", o.save, "FILE", "write a checkpoint at the end (and every --save-every steps)");
   cli.integer("--save-every", o.save_every, 0, "steps between checkpoints (0 = only at the end)");
-  cli.text("--resume", o.resume, "FILE", "continue the checkpoint's run, with its options");
+  cli.text("--resume", o.resume, "FILE", "continue the checkpoint's run, with its options (not with --init)");
   cli.integer("--stop-at", o.stop_at, 0, "stop after this step (a run to be resumed later)");
   cli.integer("--eval-every", o.eval_every, 0, "steps between validation passes (0 = only at the end; "
               "default 250)");
-  cli.flag("--eval-only", o.eval_only, true, "print \"val_loss <x>\" of the loaded model, train nothing");
+  cli.flag("--eval-only", o.eval_only, true, "print \"val_loss <x>\" of the loaded model, train nothing (so "
+           "without the training options but --batch and --seed, and without --dropout, --micro-batches, "
+           "--save, --save-every, --stop-at, --eval-every, --no-final-eval, --log-json)");
   cli.text("--log-json", o.log_json, "FILE", "a JSON line per step");
   cli.flag("--no-final-eval", o.final_eval, false,
            "skip the validation pass of the last step unless --eval-every hits it");
   cli.app.option_defaults()->group("sampling (after training, seeded with --seed; the sampler is generate's)");
   cli.integer("--sample", o.sample, 0, "a line \"sample:\", then N generated characters, or token ids for .bin "
               "data (0 = off)");
-  cli.add("--temperature", [&o](const std::string& value) {
-    o.temperature = number_argument("train_gpt", "--temperature", value);
-    check(o.temperature > 0, "train_gpt: --temperature must be > 0, got '", value, "'");
-  }, "X", "sampling temperature, > 0 (default 0.8)");
-  cli.integer("--top-k", o.top_k, 0, "sample from the K likeliest tokens (0 = all, the default)");
+  cli.positive_number("--temperature", o.temperature, "sampling temperature, > 0 (default 0.8); needs --sample");
+  cli.integer("--top-k", o.top_k, 0, "sample from the K likeliest tokens (0 = all, the default); needs --sample");
 }
 
-// Options that would be accepted and then do nothing, and options that exclude each other.
+// Options that would be accepted and then do nothing, and options that exclude each other. The help says each
+// rule once, in the text of the option that carries it (--resume, --eval-only, --top-k, --temperature).
 void add_relations(cli::CommandLine& cli) {
   auto option = [&](const std::string& name) { return cli.app.get_option(name); };
   cli.excludes(option("--init"), option("--resume"), "train_gpt: --init and --resume exclude each other");
