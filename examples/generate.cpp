@@ -52,15 +52,10 @@ std::optional<Options> parse(int argc, char** argv) {
           "the text to continue (space-separated token ids for a .bin-trained model; default: a newline, or "
           "token 0)");
   cli.integer("--tokens", o.tokens, 0, "tokens to generate (default 500)");
-  cli.add("--temperature", [&o](const std::string& value) {
-    o.temperature = number_argument("generate", "--temperature", value);
-    check(o.temperature > 0, "generate: --temperature expects a number > 0, got '", value, "'");
-  }, "X", "softmax temperature, > 0 (default 1)");
+  cli.positive_number("--temperature", o.temperature, "softmax temperature, > 0 (default 1)");
   cli.integer("--top-k", o.top_k, 0, "sample from the K likeliest tokens (0 = all, the default)");
   cli.integer("--seed", o.seed, 0, "the seed of the draws (default 1337)");
-  cli.add("--device", [&cli, &o](const std::string& value) {
-    o.device = Device::parse(cli.nonempty("--device", value));
-  }, "cpu|cuda|cuda:N", "where the model runs (default cpu)");
+  cli.device("--device", o.device, "where the model runs (default cpu)");
   if (!cli.parse(argc, argv)) return std::nullopt;
   return o;
 }

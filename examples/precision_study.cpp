@@ -149,12 +149,12 @@ std::string default_data() {
 // The value of a pass-through flag, checked as train_gpt's parser checks it (the same functions: a bad value
 // is reported once, before any child runs, not by every child); --steps must be >= 1: a study needs a step to
 // compare. Returns the integer for integer flags.
-int64_t check_train_value(const TrainFlag& flag, const std::string& value) {
+int64_t check_train_value(const cli::CommandLine& cli, const TrainFlag& flag, const std::string& value) {
   switch (flag.value) {
     case TrainValue::PositiveInteger: return integer_argument("precision_study", flag.name, value, 1);
     case TrainValue::Count: return integer_argument("precision_study", flag.name, value, 0);
     case TrainValue::Real: number_argument("precision_study", flag.name, value); return 0;
-    case TrainValue::Text: check(!value.empty(), "precision_study: ", flag.name, " needs a non-empty value"); return 0;
+    case TrainValue::Text: cli.nonempty(flag.name, value); return 0;
   }
   return 0;
 }
@@ -187,18 +187,12 @@ std::string default_modes_help() {
 }
 
 void add_study_options(cli::CommandLine& cli, Options& o) {
-  cli.add("--data", [&o](const std::string& value) {
-    check(!value.empty(), "precision_study: --data needs a file name, got ''");
-    o.data = value;
-  }, "FILE", "training text (or .bin with --vocab-size); default: ../shared/data/tinyshakespeare.txt beside "
-     "the source tree");
+  cli.text("--data", o.data, "FILE", "training text (or .bin with --vocab-size); default: "
+           "../shared/data/tinyshakespeare.txt beside the source tree", "a file name");
   cli.add("--modes", [&o](const std::string& value) { o.modes = read_modes(value); }, "LIST",
           "comma-separated precision modes (default: all ten: " + default_modes_help() + ")");
-  cli.add("--out", [&o](const std::string& value) {
-    check(!value.empty(), "precision_study: --out needs a directory");
-    o.out = value;
-  }, "DIR", "output directory (default: <build>/precision_study): results.md, results.csv, <mode>.jsonl and "
-     "precision_study.png (loss curves and loss scale per mode)");
+  cli.text("--out", o.out, "DIR", "output directory (default: <build>/precision_study): results.md, results.csv, "
+           "<mode>.jsonl and precision_study.png (loss curves and loss scale per mode)", "a directory");
 }
 
 // The pass-through flags, each value checked (and kept in `given`, by flag) as it is read.
@@ -209,8 +203,8 @@ void add_train_options(cli::CommandLine& cli, Options& o, std::map<std::string, 
     for (const auto& [name, value] : o.train)
       if (name == flag.name) help += " (default " + value + ")";
     if (std::string_view(flag.name) == "--steps") help += "; >= 1";
-    cli.add(flag.name, [&o, &given, flag](const std::string& value) {
-      const int64_t number = check_train_value(flag, value);
+    cli.add(flag.name, [&cli, &o, &given, flag](const std::string& value) {
+      const int64_t number = check_train_value(cli, flag, value);
       if (std::string_view(flag.name) == "--steps") o.steps = number;
       given[flag.name] = value;
     }, flag.value == TrainValue::Text ? "TEXT" : flag.value == TrainValue::Real ? "X" : "N", help);

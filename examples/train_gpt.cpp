@@ -29,7 +29,6 @@
 // means the same training at every layout, and checkpoints (one full file, written by rank 0) resume at any
 // layout. Rank 0 prints and logs; an error on any rank ends the whole job (MPI_Abort) with its message.
 #include <chrono>
-#include <climits>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -166,19 +165,17 @@ void add_precision_and_device_options(cli::CommandLine& cli, Options& o) {
   cli.text("--precision", o.precision, precision_mode_list("|"), "the precision mode (default fp32)");
   cli.text("--amp-config", o.amp_config_file, "FILE.json", "the mode's options, e.g. {\"initial_scale\": "
            "65536}; it may name the mode as \"mixed_precision\"");
-  cli.add("--device", [&cli, &o](const std::string& value) {
-    o.train.device = Device::parse(cli.nonempty("--device", value));
-  }, "cpu|cuda|cuda:N", "default cpu; checkpoints move freely between devices; under mpirun, cuda means each "
-     "rank's own GPU: local rank mod GPU count");
+  cli.device("--device", o.train.device, "default cpu; checkpoints move freely between devices; under mpirun, "
+             "cuda means each rank's own GPU: local rank mod GPU count");
 }
 
 void add_parallel_options(cli::CommandLine& cli, Options& o) {
   cli.app.option_defaults()->group("parallel (under mpirun -np N; --batch is the global batch, divisible by "
                                    "dp x micro-batches)");
-  cli.integer("--tp", o.parallel.tp, 1, "tensor-parallel ranks", INT32_MAX);
-  cli.integer("--pp", o.parallel.pp, 1, "pipeline stages", INT32_MAX);
-  cli.integer("--dp", o.parallel.dp, 1, "data-parallel ranks (default N / (tp x pp))", INT32_MAX);
-  cli.integer("--zero", o.parallel.zero, 0, "1: ZeRO-1 over dp (0 or 1)", INT32_MAX);
+  cli.integer("--tp", o.parallel.tp, 1, "tensor-parallel ranks");
+  cli.integer("--pp", o.parallel.pp, 1, "pipeline stages");
+  cli.integer("--dp", o.parallel.dp, 1, "data-parallel ranks (default N / (tp x pp))");
+  cli.integer("--zero", o.parallel.zero, 0, "1: ZeRO-1 over dp (0 or 1)");
   cli.integer("--micro-batches", o.parallel.micro_batches, 1, "micro-batches per dp rank");
   cli.text("--pp-schedule", o.parallel.pp_schedule, "1f1b|gpipe", "the pipeline's order of micro-batches");
   cli.add("--bucket-mb", [&o](const std::string& value) {
@@ -194,25 +191,25 @@ void add_run_options(cli::CommandLine& cli, Options& o) {
   cli.text("--init", o.init, "FILE", "start from this file's weights (its model shape)");
   cli.text("--save", o.save, "FILE", "write a checkpoint at the end (and every --save-every steps)");
   cli.integer("--save-every", o.save_every, 0, "steps between checkpoints (0 = only at the end)");
-  cli.text("--resume", o.resume, "FILE", "continue the checkpoint's run, with its options");
+  cli.text("--resume", o.resume, "FILE", "continue the checkpoint's run, with its options (not with --init)");
   cli.integer("--stop-at", o.stop_at, 0, "stop after this step (a run to be resumed later)");
   cli.integer("--eval-every", o.eval_every, 0, "steps between validation passes (0 = only at the end; "
               "default 250)");
-  cli.flag("--eval-only", o.eval_only, true, "print \"val_loss <x>\" of the loaded model, train nothing");
+  cli.flag("--eval-only", o.eval_only, true, "print \"val_loss <x>\" of the loaded model, train nothing (so "
+           "without the training options but --batch and --seed, and without --dropout, --micro-batches, "
+           "--save, --save-every, --stop-at, --eval-every, --no-final-eval, --log-json)");
   cli.text("--log-json", o.log_json, "FILE", "a JSON line per step");
   cli.flag("--no-final-eval", o.final_eval, false,
            "skip the validation pass of the last step unless --eval-every hits it");
   cli.app.option_defaults()->group("sampling (after training, seeded with --seed; the sampler is generate's)");
   cli.integer("--sample", o.sample, 0, "a line \"sample:\", then N generated characters, or token ids for .bin "
               "data (0 = off)");
-  cli.add("--temperature", [&o](const std::string& value) {
-    o.temperature = number_argument("train_gpt", "--temperature", value);
-    check(o.temperature > 0, "train_gpt: --temperature must be > 0, got '", value, "'");
-  }, "X", "sampling temperature, > 0 (default 0.8)");
-  cli.integer("--top-k", o.top_k, 0, "sample from the K likeliest tokens (0 = all, the default)");
+  cli.positive_number("--temperature", o.temperature, "sampling temperature, > 0 (default 0.8); needs --sample");
+  cli.integer("--top-k", o.top_k, 0, "sample from the K likeliest tokens (0 = all, the default); needs --sample");
 }
 
-// Options that would be accepted and then do nothing, and options that exclude each other.
+// Options that would be accepted and then do nothing, and options that exclude each other. The help says each
+// rule once, in the text of the option that carries it (--resume, --eval-only, --top-k, --temperature).
 void add_relations(cli::CommandLine& cli) {
   auto option = [&](const std::string& name) { return cli.app.get_option(name); };
   cli.excludes(option("--init"), option("--resume"), "train_gpt: --init and --resume exclude each other");
@@ -238,7 +235,6 @@ void read_amp_options(Options& o) {
     }
     return;
   }
-  check(!o.amp_config_file.empty(), "train_gpt: --amp-config needs a file name, got ''");
   o.amp_config_text = read_input_file("train_gpt: --amp-config file", o.amp_config_file);
   const bool mode_given = o.given.count("--precision") || names_a_mode(o.amp_config_text);
   check(mode_given || !o.resume.empty(), "train_gpt: --amp-config file '", o.amp_config_file, "' names no "
@@ -515,7 +511,7 @@ void check_data_fits(const Options& opt, const TokenData& data) {
   check(data.vocab_size <= opt.model.vocab_size, "train_gpt: the data uses ", data.vocab_size, " token ids",
         data.vocab.empty() ? " (--vocab-size)" : "", " but the model of '", opt.init.empty() ? opt.resume : opt.init,
         "' has vocab_size ", opt.model.vocab_size);
-  // A validation pass needs one window of block + 1 tokens: found out now, not after the training.
+  // A validation pass needs one window of block + 1 tokens: checked before the training, not after it.
   if (opt.eval_only || opt.final_eval || opt.eval_every > 0)
     check(data.n_val() > opt.model.block_size, "train_gpt: the validation split of '", opt.data, "' (",
           data.n_val(), " tokens, the last tenth) is shorter than block + 1 = ", opt.model.block_size + 1,
@@ -628,13 +624,14 @@ void check_resumed_stop(const Options& opt, const Engine& engine) {
                 static_cast<long long>(position));
 }
 
-// A checkpoint that cannot be written is reported now, not after the training it was meant to keep.
+// A checkpoint that cannot be written is reported before the training it is to keep, not after it.
 void check_save_target(const Options& opt) {
   if (opt.save.empty()) return;
   const std::filesystem::path parent = std::filesystem::path(opt.save).parent_path();
   check(parent.empty() || std::filesystem::is_directory(parent), "train_gpt: cannot write --save '",
         opt.save, "': the directory '", parent.string(), "' does not exist");
-  // A directory that takes no new file (read-only, /proc) failed only at the first save.
+  // A directory that takes no new file (read-only, /proc) passes the check above: a file is created there
+  // (and removed) to find it before the training.
   const SaveTarget where = save_target(opt.save, /*try_create=*/true);
   check(where.problem.empty(), "train_gpt: --save '", opt.save, "' ", where.problem);
 }

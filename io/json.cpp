@@ -127,13 +127,14 @@ class Builder {
     if (value <= static_cast<uint64_t>(INT64_MAX)) return add(static_cast<int64_t>(value), end);
     return add(static_cast<double>(value), end);
   }
-  bool number_float(double, const std::string& token) {
+  // `value` is nlohmann's strtod of the token, which holds the C library's decimal point (',' under some
+  // locales) in place of '.', so it is right in every locale. strtod rounds a number too small for a double
+  // to 0 (1e-400), which is out of range unless the number is 0; an overflow (1e999) is nlohmann's error 406.
+  bool number_float(double value, const std::string& token) {
     const size_t end = number_end();
-    // from_chars, unlike nlohmann's strtod, reports an underflow to zero (1e-400) as out of range.
-    double value = 0;
-    const auto [last, status] = std::from_chars(token.data(), token.data() + token.size(), value);
-    if (status != std::errc() || last != token.data() + token.size())
-      parse_fail(end - token.size(), "number out of range");
+    const std::string_view digits = std::string_view(token).substr(0, token.find_first_of("eE"));
+    const bool zero = digits.find_first_of("123456789") == std::string_view::npos;
+    if (!std::isfinite(value) || (value == 0 && !zero)) parse_fail(end - token.size(), "number out of range");
     return add(value, end);
   }
   bool string(std::string& value) { return add(std::move(value), pulled()); }
@@ -194,10 +195,7 @@ class Builder {
       parent.get_ref<Json::array_t&>().push_back(std::move(value));
       return &parent.back();
     }
-    // Appended without ordered_map's search for the key (quadratic in the members): keys are unique here.
-    Json::object_t::Container& members = parent.get_ref<Json::object_t&>();
-    members.emplace_back(std::move(key_), std::move(value));
-    return &members.back().second;
+    return &append_member(parent, std::move(key_), std::move(value));  // key() refused a duplicate
   }
 
   bool add(Json value, size_t end) {
@@ -355,10 +353,11 @@ void dump_to(const Json& value, std::string& out) {
     case Json::value_t::number_float: {
       const double number = value.get<double>();
       check(std::isfinite(number), "json: cannot write the non-finite number ", number);
+      // 17 significant digits: reads back as the same double. to_chars writes what "%.17g" writes in the C
+      // locale, in every locale (snprintf writes the locale's decimal point).
       char buffer[32];
-      // 17 significant digits: reads back as the same double.
-      std::snprintf(buffer, sizeof buffer, "%.17g", number);
-      out += buffer;
+      const auto written = std::to_chars(buffer, buffer + sizeof buffer, number, std::chars_format::general, 17);
+      out.append(buffer, written.ptr);
       break;
     }
     case Json::value_t::string:
@@ -441,7 +440,9 @@ bool as_bool(const Json& value) {
 }
 
 int64_t as_integer(const Json& value) {
-  if (std::string_view(kind_name(value)) != "integer") wrong_kind("integer", value);
+  const bool integer = value.is_number_integer() &&
+                       (!value.is_number_unsigned() || value.get<uint64_t>() <= static_cast<uint64_t>(INT64_MAX));
+  if (!integer) wrong_kind("integer", value);
   return value.get<int64_t>();
 }
 
@@ -469,6 +470,12 @@ const Json* find(const Json& object, std::string_view key) {
   for (const auto& [name, value] : as_object(object))
     if (name == key) return &value;
   return nullptr;
+}
+
+Json& append_member(Json& object, std::string key, Json value) {
+  if (!object.is_object()) wrong_kind("object", object);
+  Json::object_t::Container& members = object.get_ref<Json::object_t&>();
+  return members.emplace_back(std::move(key), std::move(value)).second;
 }
 
 bool is_valid_utf8(std::string_view text) {

@@ -19,14 +19,16 @@ using Json = nlohmann::ordered_json;
 namespace json {
 
 // Parses one JSON value. Numbers without fraction or exponent that fit int64 are integers (int64), other
-// numbers are doubles (so a count past int64 is not an integer, and callers wanting a count reject it).
+// numbers are doubles (so a count past int64 is not an integer, and callers wanting a count reject it). A
+// number that overflows a double, or rounds to 0 though its digits are not all 0, is an Error. The C
+// library's locale (LC_NUMERIC) does not change how numbers read, nor how dump writes them.
 Json parse(std::string_view text);
 
 // Compact text (no spaces), non-ASCII written as raw UTF-8, like Python's json.dumps(ensure_ascii=False,
-// separators=(",", ":")) and serde_json. Doubles are written with 17 significant digits ("%.17g": they read
-// back as the same double); a non-finite double or a string that is not UTF-8 is an Error. The text is part
-// of file formats: Json::dump writes doubles in another form ("0.1", "1.0" where this writes
-// "0.10000000000000001", "1"), so mixtape writes JSON through this function only.
+// separators=(",", ":")) and serde_json. Doubles are written with 17 significant digits (the text of "%.17g"
+// in the C locale: they read back as the same double); a non-finite double or a string that is not UTF-8 is
+// an Error. The text is part of file formats: Json::dump writes doubles in another form ("0.1", "1.0" where
+// this writes "0.10000000000000001", "1"), so mixtape writes JSON through this function only.
 std::string dump(const Json& value);
 
 // "null", "bool", "integer" (an int64, or a uint64 within int64's range), "number" (a double, or a uint64
@@ -42,6 +44,11 @@ const Json::array_t& as_array(const Json& value);
 const Json::object_t& as_object(const Json& value);
 
 const Json* find(const Json& object, std::string_view key);  // objects only; null when absent
+
+// Appends the member key: value to an object without ordered_json's search for an existing key (that search
+// makes an object of n members cost n^2), and returns the value in place. The caller guarantees that the
+// object has no member named key: a second one would be written twice and found as the first.
+Json& append_member(Json& object, std::string key, Json value);
 
 // The JSON string literal for text, quotes included. Throws Error if text is not valid UTF-8.
 std::string quote(std::string_view text);

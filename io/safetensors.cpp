@@ -199,31 +199,27 @@ void save_safetensors(const std::string& path, const StateDict& state) {
     return layout_rank(a.tensor.dtype()) < layout_rank(b.tensor.dtype());
   });
 
-  // Members are appended as they are: tensor names are unique and differ from "__metadata__", so the search
-  // for an existing key that ordered_json's insertion makes (quadratic in the tensors) is skipped.
+  // Members are appended without a search for the key (json::append_member): tensor names and metadata keys
+  // are unique, and tensor names differ from "__metadata__".
   Json header = Json::object();
-  auto append = [](Json& object, const std::string& key, Json value) {
-    Json::object_t::Container& members = object.get_ref<Json::object_t&>();
-    members.emplace_back(key, std::move(value));
-  };
   if (!state.metadata.empty()) {
     Json metadata = Json::object();
     for (const auto& [key, value] : state.metadata) {
       check(json::is_valid_utf8(key) && json::is_valid_utf8(value), "save_safetensors: '", path,
             "': metadata entry is not valid UTF-8");
-      append(metadata, key, value);
+      json::append_member(metadata, key, value);
     }
-    append(header, "__metadata__", std::move(metadata));
+    json::append_member(header, "__metadata__", std::move(metadata));
   }
   uint64_t offset = 0;
   for (const Entry& entry : entries) {
     Json shape = Json::array();
     for (int64_t size : entry.tensor.shape()) shape.push_back(size);
     const Json offsets = Json::array({static_cast<int64_t>(offset), static_cast<int64_t>(offset + entry.bytes)});
-    append(header, entry.name,
-           Json::object({{"dtype", safetensors_dtype_name(entry.tensor.dtype())},
-                         {"shape", std::move(shape)},
-                         {"data_offsets", offsets}}));
+    json::append_member(header, entry.name,
+                        Json::object({{"dtype", safetensors_dtype_name(entry.tensor.dtype())},
+                                      {"shape", std::move(shape)},
+                                      {"data_offsets", offsets}}));
     offset += entry.bytes;
   }
   std::string header_text = json::dump(header);

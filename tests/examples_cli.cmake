@@ -158,7 +158,7 @@ run_fails("--temperature 0" ${TRAIN_GPT} --data words.txt --temperature 0
           MENTIONS "--temperature" "> 0" "'0'")
 run_fails("--temperature nan" ${TRAIN_GPT} --data words.txt --temperature nan
           MENTIONS "--temperature" "'nan'")
-# A device as an input file never ends (/dev/zero was read until memory ran out).
+# A device as an input file never ends (reading /dev/zero would fill the memory): refused by name.
 run_fails("--amp-config /dev/zero" ${TRAIN_GPT} --data words.txt --amp-config /dev/zero
           MENTIONS "--amp-config file '/dev/zero' is a device")
 run_fails("--data /dev/zero" ${TRAIN_GPT} --data /dev/zero MENTIONS "data file '/dev/zero' is a device")
@@ -391,6 +391,16 @@ run_fails("a switch with a value" ${TRAIN_GPT} --data words.txt --eval-only=fals
 run_fails("a value that does not read whole" ${TRAIN_GPT} --data words.txt --steps 10x
           MENTIONS "--steps expects an integer" "'10x'")
 run_fails("an option without its value, last" ${TRAIN_GPT} --data words.txt --lr MENTIONS "train_gpt: --lr needs a value")
+# A required option without its value lacks the value, whatever the rules: "needs a value", not "is required".
+run_fails("--data without its value" ${TRAIN_GPT} --data MENTIONS "train_gpt: --data needs a value")
+run_fails("an option without its value, no --data" ${TRAIN_GPT} --steps MENTIONS "train_gpt: --steps needs a value")
+run_fails("generate --init without its value" ${GENERATE} --init MENTIONS "generate: --init needs a value")
+# "--name=" gives no value either (CLI11 would take the next argument as the value).
+run_fails("--steps=" ${TRAIN_GPT} --data words.txt --steps= MENTIONS "train_gpt: --steps needs a value")
+run_fails("--save= before another option" ${TRAIN_GPT} --save= --data words.txt
+          MENTIONS "train_gpt: --save needs a value")
+run_fails("generate --checkpoint=" ${GENERATE} --checkpoint= --tokens 3 MENTIONS "generate: --checkpoint needs a value")
+run_fails("generate --seed= last" ${GENERATE} --model words.safetensors --seed= MENTIONS "generate: --seed needs a value")
 run_fails("no --data" ${TRAIN_GPT} --steps 3 MENTIONS "--data FILE is required")
 run_fails("--init with --resume" ${TRAIN_GPT} --data words.txt --init words.safetensors --resume words.safetensors
           MENTIONS "--init and --resume exclude each other")
@@ -409,6 +419,28 @@ foreach(option --data --vocab-size --layers --heads --width --block --dropout --
     check_failed("train_gpt --help does not document ${option}:\n${help}")
   endif()
 endforeach()
+# The help says each rule once, in words, at the option that carries it; no CLI11 "Needs:"/"Excludes:" lists.
+if(help MATCHES "Needs:|Excludes:")
+  check_failed("train_gpt --help lists CLI11's needs/excludes:\n${help}")
+endif()
+foreach(rule "\n  --resume FILE [^\n]*not with --init" "\n  --eval-only [^\n]*--micro-batches[^\n]*--log-json"
+             "\n  --temperature X [^\n]*needs --sample" "\n  --top-k N [^\n]*needs --sample")
+  if(NOT help MATCHES "${rule}")
+    check_failed("train_gpt --help does not say the rule '${rule}':\n${help}")
+  endif()
+endforeach()
+# --help wins over a value that is refused, a missing value, a broken rule and an unknown option: help, exit 0.
+foreach(args "--help;--steps;10x" "--steps;10x;--help" "--help;--steps" "--temperature;0;-h" "--help;--bogus"
+             "--data;words.txt;--eval-only;--lr;5;--help")
+  run(help ${TRAIN_GPT} ${args})
+  if(NOT help MATCHES "\n  --steps N ")
+    check_failed("train_gpt ${args} does not print the help:\n${help}")
+  endif()
+endforeach()
+run(help ${GENERATE} --temperature 0 --help)
+if(NOT help MATCHES "\n  --temperature X ")
+  check_failed("generate --temperature 0 --help does not print the help:\n${help}")
+endif()
 run(help ${GENERATE} --help)
 foreach(option --model --init --checkpoint --prompt --tokens --temperature --top-k --seed --device)
   if(NOT help MATCHES "[ ,]${option}[ ,]")
@@ -529,6 +561,19 @@ run_fails("plot_loss: missing log" ${PLOT_LOSS} missing.jsonl x.png MENTIONS "ca
 run_fails("plot_loss: empty log" ${PLOT_LOSS} empty.jsonl x.png MENTIONS "no training steps in 'empty.jsonl'")
 run_fails("plot_loss: not a log" ${PLOT_LOSS} words.txt x.png MENTIONS "words.txt line 1:" "--log-json file")
 run_fails("plot_loss: arguments" ${PLOT_LOSS} log.jsonl MENTIONS "expected LOG.jsonl OUT.png [TITLE]")
+# After "--" every argument is positional: a title that starts with '-', even one that reads as an option.
+run(out ${PLOT_LOSS} log.jsonl dash.png -- -run-1)
+check_png_header(${WORK_DIR}/dash.png 900 540)
+run(out ${PLOT_LOSS} log.jsonl dash2.png -- --help)
+check_png_header(${WORK_DIR}/dash2.png 900 540)
+file(READ ${WORK_DIR}/dash.png dash HEX)
+if(dash STREQUAL first)
+  check_failed("plot_loss: the title after '--' is not drawn (the same PNG as the title 'a title')")
+endif()
+run(out ${PLOT_LOSS} log.jsonl -- dash3.png)
+check_png_header(${WORK_DIR}/dash3.png 900 540)
+run_fails("plot_loss: an option-like title without --" ${PLOT_LOSS} log.jsonl x.png -run-1
+          MENTIONS "plot_loss: unknown option '-run-1'")
 run_fails("plot_loss: missing directory" ${PLOT_LOSS} log.jsonl no/such/dir/x.png MENTIONS "no/such/dir/x.png")
 file(GLOB leftovers ${WORK_DIR}/*.tmp ${WORK_DIR}/x.png)
 if(leftovers)

@@ -143,7 +143,7 @@ endforeach()
 run_fails("a mode under two names" ${PRECISION_STUDY} --data words.txt --modes fp16_apex,fp16_apex:O1 --out bad
           MENTIONS "names 'fp16_apex:O1' twice (as 'fp16_apex' and 'fp16_apex:O1')")
 # The data among the files the study writes (a table, a mode's log, their temporary names, through a link):
-# refused before anything runs, the data left as it was (it was overwritten, with exit code 0).
+# refused before anything runs, and the data is left as it is (not overwritten, and no exit code 0).
 file(MAKE_DIRECTORY ${WORK_DIR}/inside)
 file(COPY_FILE ${WORK_DIR}/words.txt ${WORK_DIR}/inside/results.csv)
 file(COPY_FILE ${WORK_DIR}/words.txt ${WORK_DIR}/inside/bf16.jsonl.tmp)
@@ -167,6 +167,17 @@ execute_process(COMMAND ${PRECISION_STUDY} --data "" --modes fp32 --out bad WORK
 if(status EQUAL 0 OR NOT err MATCHES "--data needs a file name")
   check_failed("an empty --data: exit ${status}, stderr '${err}' (expected an error naming --data)")
 endif()
+# Every empty value is refused in one wording: "<option> needs <what the value is>, got ''".
+foreach(empty "--out;a directory" "--optimizer;a value" "--schedule;a value")
+  list(GET empty 0 option)
+  list(GET empty 1 what)
+  execute_process(COMMAND ${PRECISION_STUDY} --data words.txt --modes fp32 ${option} "" WORKING_DIRECTORY ${WORK_DIR}
+                  RESULT_VARIABLE status ERROR_VARIABLE err OUTPUT_QUIET)
+  if(status EQUAL 0 OR NOT err MATCHES "^error: precision_study: ${option} needs ${what}, got ''\n$")
+    check_failed("an empty ${option}: exit ${status}, stderr '${err}'")
+  endif()
+endforeach()
+run_fails("--modes=" ${PRECISION_STUDY} --data words.txt --modes= MENTIONS "precision_study: --modes needs a value")
 run_fails("--precision is per mode" ${PRECISION_STUDY} --data words.txt --precision fp16 MENTIONS "--modes")
 # Pass-through values are checked before anything runs (--steps 0 would leave an empty log behind).
 run_fails("--steps 0" ${PRECISION_STUDY} --data words.txt --modes fp32 --steps 0 --out bad

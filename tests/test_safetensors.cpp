@@ -9,11 +9,17 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cfloat>
+#include <clocale>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <optional>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -79,6 +85,13 @@ TEST(Json, IntegersFitInt64AndOtherNumbersAreDoubles) {
   EXPECT_EQ(json::as_number(json::parse("-1.25E-2")), -0.0125);
   EXPECT_ERROR_MENTIONS(json::parse("1e400"), "number out of range at byte 0");
   EXPECT_ERROR_MENTIONS(json::parse("[1e-400]"), "number out of range at byte 1");  // underflow to zero
+  EXPECT_ERROR_MENTIONS(json::parse("[0.5e-400]"), "number out of range at byte 1");
+  EXPECT_ERROR_MENTIONS(json::parse("[-1.5e999]"), "number out of range at byte 1");
+  // Zero written with any exponent is zero, and a subnormal is a number (not an underflow).
+  EXPECT_EQ(json::as_number(json::parse("0.000e-999")), 0.0);
+  EXPECT_TRUE(std::signbit(json::as_number(json::parse("-0.0E+5"))));
+  EXPECT_EQ(json::as_number(json::parse("4.9406564584124654e-324")), 4.9406564584124654e-324);
+  EXPECT_EQ(json::as_number(json::parse("2.2250738585072009e-308")), 2.2250738585072009e-308);
 }
 
 TEST(Json, DecodesEveryEscapeIncludingSurrogatePairs) {
@@ -183,6 +196,124 @@ TEST(Json, WritesNumbersWithSeventeenDigitsAndRefusesNonFiniteOnes) {
             "[1,-0,1.0000000000000001e+300,4.9406564584124654e-324,0.5,7,9223372036854775808,-3]");
   EXPECT_ERROR_MENTIONS(json::dump(Json::array({NAN})), "json: cannot write the non-finite number nan");
   EXPECT_ERROR_MENTIONS(json::dump(Json(-INFINITY)), "json: cannot write the non-finite number -inf");
+}
+
+// The text "%.17g" writes in the C locale, which json::dump writes for a double.
+std::string c_locale_17g(double x) {
+  char buffer[40];
+  std::snprintf(buffer, sizeof buffer, "%.17g", x);
+  return buffer;
+}
+
+// Doubles over the whole range: special values and finite bit patterns from a fixed seed.
+std::vector<double> many_doubles() {
+  std::vector<double> values = {0.0, -0.0, 1.0, -1.0, 0.1, 1.5, 1e21, 1e22, 123456789012345678.0, 1e-5, 1e-4,
+                                9.9999999999999995e-05, 1e16, 1e17, 4.9406564584124654e-324, DBL_MAX, -DBL_MAX,
+                                DBL_MIN, DBL_EPSILON, 2.5, 0.3, 100, 1e300};
+  std::mt19937_64 bits(2024);
+  while (values.size() < 200000) {
+    const uint64_t b = bits();
+    double x;
+    std::memcpy(&x, &b, sizeof x);
+    if (std::isfinite(x)) values.push_back(x);
+  }
+  std::mt19937_64 small(7);  // short decimals and integers, where "%g" drops zeros and switches forms
+  for (int i = 0; i < 20000; ++i)
+    values.push_back(static_cast<double>(static_cast<int64_t>(small() % 2000001) - 1000000) /
+                     std::pow(10.0, static_cast<double>(small() % 30)));
+  return values;
+}
+
+TEST(Json, WritesEveryDoubleAsPercent17gInTheCLocale) {
+  ASSERT_STREQ(std::localeconv()->decimal_point, ".");  // the tests run in the C locale
+  for (double x : many_doubles()) {
+    const std::string expected = c_locale_17g(x);
+    ASSERT_EQ(json::dump(Json(x)), expected) << "bits of " << expected;
+  }
+}
+
+// LC_NUMERIC switched to a locale whose decimal point is ',' while alive (an installed one, or one built by
+// localedef into a temporary directory named by LOCPATH), restored afterwards; name() is empty when there is
+// none to be had.
+class CommaDecimalLocale {
+ public:
+  CommaDecimalLocale() : saved_(std::setlocale(LC_NUMERIC, nullptr)) {
+    if (const char* locpath = std::getenv("LOCPATH")) saved_locpath_ = locpath;
+    for (const char* name : {"de_DE.UTF-8", "de_DE.utf8", "fr_FR.UTF-8", "fr_FR.utf8", "nl_NL.UTF-8", "ru_RU.UTF-8"})
+      if (use(name)) return;
+    std::string pattern = (fs::temp_directory_path() / "mixtape_locale_XXXXXX").string();
+    if (::mkdtemp(pattern.data()) == nullptr) return;
+    built_ = pattern;
+    const std::string command = "localedef -c -i de_DE -f UTF-8 '" + built_ + "/de_DE.UTF-8' >/dev/null 2>&1";
+    if (std::system(command.c_str()) == -1) return;
+    ::setenv("LOCPATH", built_.c_str(), 1);
+    use("de_DE.UTF-8");
+  }
+  ~CommaDecimalLocale() {
+    std::setlocale(LC_NUMERIC, saved_.c_str());
+    if (saved_locpath_) ::setenv("LOCPATH", saved_locpath_->c_str(), 1);
+    else ::unsetenv("LOCPATH");
+    std::error_code ignored;
+    if (!built_.empty()) fs::remove_all(built_, ignored);
+  }
+  CommaDecimalLocale(const CommaDecimalLocale&) = delete;
+  CommaDecimalLocale& operator=(const CommaDecimalLocale&) = delete;
+
+  const std::string& name() const { return name_; }
+
+ private:
+  bool use(const char* name) {
+    if (std::setlocale(LC_NUMERIC, name) == nullptr) return false;
+    if (std::string(std::localeconv()->decimal_point) == ",") return name_ = name, true;
+    std::setlocale(LC_NUMERIC, saved_.c_str());
+    return false;
+  }
+
+  std::string saved_;
+  std::optional<std::string> saved_locpath_;
+  std::string built_;  // the temporary directory of a locale built here
+  std::string name_;
+};
+
+TEST(Json, ReadsAndWritesNumbersTheSameUnderACommaDecimalLocale) {
+  const std::vector<double> values = many_doubles();
+  std::vector<std::string> expected;
+  for (double x : values) expected.push_back(c_locale_17g(x));
+  const std::string text = "[1.5,-0.25,1e3,2.5E-3,0.1,1.0000000000000001e+300]";
+  const Json in_c_locale = json::parse(text);
+
+  const CommaDecimalLocale comma;
+  if (comma.name().empty())
+    GTEST_SKIP() << "no locale with a decimal comma is installed and localedef could not build de_DE.UTF-8; "
+                    "WritesEveryDoubleAsPercent17gInTheCLocale checks the writer's format";
+  char printed[16];
+  std::snprintf(printed, sizeof printed, "%.1f", 1.5);
+  ASSERT_STREQ(printed, "1,5") << comma.name() << " is in effect";
+
+  const Json parsed = json::parse(text);
+  EXPECT_EQ(parsed, in_c_locale);
+  EXPECT_EQ(json::as_number(parsed[0]), 1.5);
+  EXPECT_EQ(json::as_number(parsed[4]), 0.1);
+  // JSON's decimal point is '.' whatever the locale.
+  EXPECT_ERROR_MENTIONS(json::parse("1,5"), "json: unexpected ',' after the value at byte 1");
+  EXPECT_EQ(json::as_array(json::parse("[1,5]")).size(), 2u);
+  EXPECT_ERROR_MENTIONS(json::parse("[1e-400]"), "json: number out of range at byte 1");
+  EXPECT_ERROR_MENTIONS(json::parse("1.5e999"), "json: number out of range at byte 0");
+  EXPECT_EQ(json::as_number(json::parse("0.0e-999")), 0.0);
+  EXPECT_EQ(json::dump(parsed), "[1.5,-0.25,1000,0.0025000000000000001,0.10000000000000001,"
+                                "1.0000000000000001e+300]");
+  for (size_t i = 0; i < values.size(); ++i) ASSERT_EQ(json::dump(Json(values[i])), expected[i]);
+}
+
+TEST(Json, AppendMemberAddsAtTheEndWithoutSearching) {
+  Json object = Json::object();
+  json::append_member(object, "b", 1);
+  Json& added = json::append_member(object, "a", Json::array());
+  added.push_back(2);
+  EXPECT_EQ(json::dump(object), "{\"b\":1,\"a\":[2]}");
+  EXPECT_EQ(json::as_integer(*json::find(object, "b")), 1);
+  Json array = Json::array();
+  EXPECT_ERROR_MENTIONS(json::append_member(array, "x", 1), "json: expected object, got array");
 }
 
 // ============================================================================ safetensors helpers
