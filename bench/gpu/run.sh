@@ -51,7 +51,7 @@ for p in fp32 bf16 fp16; do
 done | tee "$OUT/train.log"
 
 L=$(left)
-[ "$L" -gt 100 ] && timeout $((L - 40)) $B/bench_gpu_train --pytorch --warmup 3 --steps 15 --json "$OUT/gpu_train.json" \
+[ "$L" -gt 100 ] && timeout $((L - 40)) $B/bench_gpu_train --pytorch --modes fp32,tf32,bf16,fp16,fp16_naive --warmup 3 --steps 15 --json "$OUT/gpu_train.json" \
   > "$OUT/gpu_train.log" 2>&1
 grep -v -E '^  median|^mixtape .* \.\.\.$|^running' "$OUT/gpu_train.log" 2>/dev/null | tail -28
 L=$(left)
