@@ -1,9 +1,11 @@
 #pragma once
 // mixtape::Error and the helpers every layer uses to reject bad input with a message that names the op,
 // the shapes/dtypes involved and what was expected.
+#include <cstddef>
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 
 namespace mixtape {
 
@@ -11,6 +13,15 @@ class Error : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;
 };
+
+// A value from outside (a file, a command line, an environment variable) as it may appear inside an error
+// message: printable and bounded, so that a hostile value can neither break the message (a newline, a NUL,
+// a terminal escape, a lone UTF-8 byte) nor make it megabytes long. Well-formed UTF-8 is kept as it is, a
+// backslash is doubled, and every other byte below 0x20, 0x7f and every byte that starts no well-formed UTF-8
+// sequence is written as an escape (\n, \t, \r, \0, \xNN). Past `limit` characters of that text it is cut at
+// a character boundary and "... (N bytes in all)" is appended, N counting the bytes of `text` itself.
+inline constexpr size_t kEchoLimit = 100;
+std::string echo(std::string_view text, size_t limit = kEchoLimit);
 
 // Concatenates its arguments with operator<< and throws Error.
 template <class... Parts>
