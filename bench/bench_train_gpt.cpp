@@ -55,6 +55,10 @@
 // mixtape's GEMMs. The two sides run the same GEMM kernels, so this is the part of the step the target does not
 // touch.
 //
+// --neighbour runs a study of its own instead (bench/neighbour_study.cpp): the step of a smaller model
+// quiet and beside a busy process, at the default thread count, at 1 thread and under train_gpt's thread
+// tuner, in --rounds timed blocks of --steps steps, e.g. --neighbour --rounds 6 --steps 60.
+//
 // PyTorch missing (no python3-torch) prints a note and only mixtape's figures. The verdicts against PyTorch
 // say "n/a" (the ratios are still printed) where PyTorch is not the baseline the targets mean: when it runs
 // on Debian's reference BLAS (no libopenblas0-pthread: ~10x slower in fp32), and, for the bf16 target, on a
@@ -81,6 +85,7 @@
 
 #include "autograd/autograd.h"
 #include "bench/bench_training.h"
+#include "bench/neighbour_study.h"
 #include "bench/onednn_verbose.h"
 #include "train/training.h"
 #include "io/json.h"
@@ -611,7 +616,8 @@ std::vector<std::string> split_modes(const std::string& text) {
 int main(int argc, char** argv) {
   benchmark::Initialize(&argc, argv);
   int rounds = 3, steps = 10;
-  bool with_pytorch = true, only_compare = false, phases = false, gemms = false, blocked = false, control = false;
+  bool with_pytorch = true, only_compare = false, phases = false, gemms = false, blocked = false, control = false,
+       neighbour = false;
   std::string precision;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -624,12 +630,21 @@ int main(int argc, char** argv) {
     else if (a == "--gemms") gemms = true;
     else if (a == "--blocked") blocked = true;
     else if (a == "--control") control = true;
+    else if (a == "--neighbour") neighbour = true;
     else {
       std::fprintf(stderr, "bench_train_gpt: unknown option %s (own options: --rounds N --steps N "
-                   "--precision a,b,c --no-pytorch --compare-only --phases --gemms --blocked --control; others go to "
-                   "Google Benchmark)\n",
+                   "--precision a,b,c --no-pytorch --compare-only --phases --gemms --blocked --control --neighbour; "
+                   "others go to Google Benchmark)\n",
                    a.c_str());
       return 2;
+    }
+  }
+  if (neighbour) {  // a study of its own: --rounds timed blocks of --steps steps
+    try {
+      return bench::neighbour_study(rounds, steps);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "bench_train_gpt: %s\n", e.what());
+      return 1;
     }
   }
   try {

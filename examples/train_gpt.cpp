@@ -19,6 +19,11 @@
 // The progress line's "scale" is the loss scale after the step's update (the one the next step uses, as
 // Megatron-LM logs it) and "skipped" counts the skipped steps since step 1, a resumed run's included.
 //
+// --threads auto (the default unless OMP_NUM_THREADS is set; one process only) lets a ThreadTuner
+// (train/thread_tuner.h) set each step's OpenMP thread count between 1 and the machine's, by the time steps
+// take: with another process busy on a core, fewer threads can be faster. --threads N fixes the count. The
+// log's "threads" is the count a step ran with.
+//
 // The progress line's tok/s and ETA come from the time spent in training steps only (evaluation and
 // checkpoint saves are left out); "elapsed" is wall-clock time since the first step of this run.
 //
@@ -28,6 +33,8 @@
 // --dp defaults to the processes left over by --tp x --pp. --batch stays the global batch, so a command line
 // means the same training at every layout, and checkpoints (one full file, written by rank 0) resume at any
 // layout. Rank 0 prints and logs; an error on any rank ends the whole job (MPI_Abort) with its message.
+#include <omp.h>
+
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -44,6 +51,7 @@
 #include "train/command_line.h"
 #include "dist/world.h"
 #include "train/parallel_training.h"
+#include "train/thread_tuner.h"
 #include "train/training.h"
 #include "io/json.h"
 #include "io/safetensors.h"
@@ -73,6 +81,7 @@ struct Options {
   int64_t sample = 0;      // characters (tokens for .bin data) to sample after training
   double temperature = 0.8;
   int64_t top_k = 0;
+  std::string threads = "auto";  // --threads: auto, or a fixed count
   ParallelOptions parallel;     // --tp --pp --dp --zero --micro-batches --pp-schedule --bucket-mb
   std::set<std::string> given;  // flags set on the command line
   bool distributed() const {
@@ -167,6 +176,8 @@ void add_precision_and_device_options(cli::CommandLine& cli, Options& o) {
            "65536}; it may name the mode as \"mixed_precision\"");
   cli.device("--device", o.train.device, "default cpu; checkpoints move freely between devices; under mpirun, "
              "cuda means each rank's own GPU: local rank mod GPU count");
+  cli.text("--threads", o.threads, "auto|N", "CPU threads: N fixes the count; auto (the default, unless "
+           "OMP_NUM_THREADS is set or under mpirun) takes fewer while other processes keep cores busy");
 }
 
 void add_parallel_options(cli::CommandLine& cli, Options& o) {
@@ -662,6 +673,7 @@ struct StepReport {
   double elapsed = 0, eta = 0;   // seconds
   bool evaluated = false;
   double val_loss = NAN;  // after this step's update, when evaluated
+  int threads = 0;        // the OpenMP threads the step ran with
 };
 
 // Whether the mode scales its loss: the progress line then shows the scale and the skipped steps.
@@ -681,7 +693,7 @@ void write_log_line(std::ofstream& log, const Options& opt, const StepReport& r)
   Json line = Json::object({{"step", s.step}, {"loss", log_value(s.loss)}, {"lr", s.lr},
                             {"grad_norm", s.skipped ? Json() : log_value(s.grad_norm)},
                             {"tokens_per_s", r.step_tokens_per_s},
-                            {"loss_scale", s.loss_scale}, {"skipped", s.skipped}});
+                            {"loss_scale", s.loss_scale}, {"skipped", s.skipped}, {"threads", r.threads}});
   if (s.num_zeros >= 0) line.emplace("num_zeros", s.num_zeros);
   if (r.evaluated) line.emplace("val_loss", log_value(r.val_loss));
   if (const int64_t kib = peak_rss_kib(); kib > 0) line.emplace("peak_rss_kib", kib);
@@ -710,7 +722,7 @@ void print_progress(const Options& opt, Engine& engine, const StepReport& r) {
 
 // The training loop up to --steps (or --stop-at): each step, its evaluation when due (after its update), its
 // log line, its progress line, and a checkpoint when due.
-void train_loop(const Options& opt, Engine& engine, std::ofstream& log) {
+void train_loop(const Options& opt, Engine& engine, std::ofstream& log, ThreadTuner* tuner) {
   const int64_t end = opt.stop_at >= 0 ? std::min(opt.stop_at, opt.train.steps) : opt.train.steps;
   const int64_t first = engine.position();
   const int64_t tokens_per_step = opt.train.batch * opt.model.block_size;
@@ -718,10 +730,16 @@ void train_loop(const Options& opt, Engine& engine, std::ofstream& log) {
   double train_seconds = 0;  // inside train_step only: the rate excludes evaluations and saves
   bool warned_non_finite = false;  // the first non-finite loss is explained once
   while (engine.position() < end) {
+    if (tuner) omp_set_num_threads(tuner->next_threads());
+    const int threads = omp_get_max_threads();
     const auto t0 = std::chrono::steady_clock::now();
-    StepReport r{.stats = engine.train_step()};
+    StepReport r{.stats = engine.train_step(), .threads = threads};
     const auto t1 = std::chrono::steady_clock::now();
     const double step_seconds = std::chrono::duration<double>(t1 - t0).count();
+    if (tuner) {
+      tuner->record(step_seconds);
+      omp_set_num_threads(tuner->current());  // evaluations and saves run at the count between probes
+    }
     train_seconds += step_seconds;
     r.elapsed = std::chrono::duration<double>(t1 - start).count();
     r.step = engine.position();
@@ -743,10 +761,21 @@ void train_loop(const Options& opt, Engine& engine, std::ofstream& log) {
   }
 }
 
+// --threads auto: the tuner, unless OpenMP's count was chosen through its environment, the steps run on a GPU,
+// or the run is one rank of a parallel job (whose ranks step together: one rank's count would change every
+// rank's step time).
+std::optional<ThreadTuner> thread_tuner(const Options& opt, const Engine& engine) {
+  if (opt.threads != "auto" || std::getenv("OMP_NUM_THREADS") || !opt.train.device.is_cpu() || engine.parallel)
+    return std::nullopt;
+  return ThreadTuner(omp_get_max_threads(), engine.position());
+}
+
 int run(int argc, char** argv) {
   std::optional<Options> parsed = parse(argc, argv);
   if (!parsed) return 0;  // --help
   Options& opt = *parsed;
+  if (opt.threads != "auto")
+    omp_set_num_threads(static_cast<int>(integer_argument("train_gpt", "--threads", opt.threads, 1, 4096)));
   check_outputs(opt);
   const TokenData data = load_data(opt);
   if (!opt.init.empty() || !opt.resume.empty()) adopt_loaded_file(opt, data);
@@ -763,7 +792,8 @@ int run(int argc, char** argv) {
   check_resumed_stop(opt, engine);
   if (engine.printer) check_save_target(opt);
   std::ofstream log = open_log(opt, engine);
-  train_loop(opt, engine, log);
+  std::optional<ThreadTuner> tuner = thread_tuner(opt, engine);
+  train_loop(opt, engine, log, tuner ? &*tuner : nullptr);
   save_run(opt, engine);
   sample_after_training(opt, engine, data);
   return 0;
