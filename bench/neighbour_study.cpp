@@ -39,6 +39,7 @@ class BusyNeighbour {
  public:
   BusyNeighbour() {
     const pid_t parent = ::getpid();
+    std::fflush(stdout);  // else the child holds a copy of what is buffered
     pid_ = ::fork();
     check(pid_ >= 0, "bench_train_gpt --neighbour: fork failed");
     if (pid_ == 0) {
