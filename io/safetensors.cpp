@@ -207,13 +207,16 @@ class TempFile {
   int name() {
     if (named_) return 0;
     const std::string self = "/proc/self/fd/" + std::to_string(fd_);
-    int status = ::linkat(AT_FDCWD, self.c_str(), AT_FDCWD, path_.c_str(), AT_SYMLINK_FOLLOW);
+    auto link = [&] {
+      return ::linkat(AT_FDCWD, self.c_str(), AT_FDCWD, path_.c_str(), AT_SYMLINK_FOLLOW) == 0 ? 0 : errno;
+    };
+    int status = link();
     struct stat info;
     // As for the named file: a regular file there is a dead process's, and this save's name to take.
-    if (status != 0 && errno == EEXIST && ::lstat(path_.c_str(), &info) == 0 && S_ISREG(info.st_mode) &&
+    if (status == EEXIST && ::lstat(path_.c_str(), &info) == 0 && S_ISREG(info.st_mode) &&
         ::unlink(path_.c_str()) == 0)
-      status = ::linkat(AT_FDCWD, self.c_str(), AT_FDCWD, path_.c_str(), AT_SYMLINK_FOLLOW);
-    if (status != 0) return errno;
+      status = link();
+    if (status != 0) return status;
     named_ = owns_name_ = true;
     return 0;
   }

@@ -934,5 +934,17 @@ TEST_F(Safetensors, AProcessKilledDuringASaveLeavesOnlyTheOldCheckpoint) {
   EXPECT_EQ(load_safetensors(file).tensors.at("big").numel(), 64 * 1024);
 }
 
+TEST_F(Safetensors, AFileAtThisProcesssOwnTempNameIsReplacedByTheSave) {
+  // A process of the same pid, dead, left it: the name is this save's to take, whatever its route.
+  const std::string file = path("ckpt.safetensors");
+  save_safetensors(file, StateDict{});
+  write_bytes(file + ".tmp." + std::to_string(::getpid()), "a checkpoint cut short");
+  StateDict state;
+  state.tensors["w"] = Tensor::ones({2});
+  save_safetensors(file, state);
+  EXPECT_EQ(directory_listing(), std::vector<std::string>{"ckpt.safetensors"});
+  EXPECT_EQ(load_safetensors(file).tensors.count("w"), 1u);
+}
+
 }  // namespace
 }  // namespace mixtape
