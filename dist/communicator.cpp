@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <initializer_list>
 #include <map>
 #include <thread>
 #include <utility>
@@ -23,6 +24,26 @@
 #endif
 
 namespace mixtape::dist {
+
+namespace {
+
+// The first of these environment variables that is set, as an integer, or `otherwise`.
+int integer_from_environment(std::initializer_list<const char*> names, int otherwise) {
+  for (const char* name : names)
+    if (const char* value = std::getenv(name)) return std::atoi(value);
+  return otherwise;
+}
+
+// This process's place in its job as the launcher (mpirun, or a PMI-based one) states it, for where MPI does
+// not say (not initialised, or finalised): rank 0 of 1 without a launcher.
+World launcher_world() {
+  World world;
+  world.rank = integer_from_environment({"OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"}, 0);
+  world.size = integer_from_environment({"OMPI_COMM_WORLD_SIZE", "PMI_SIZE"}, 1);
+  return world;
+}
+
+}  // namespace
 
 #ifdef MIXTAPE_WITH_MPI
 
@@ -84,8 +105,33 @@ const World& world() {
   return the_world;
 }
 
+namespace {
+
+// The job this process belongs to, with MPI initialised first where it is not yet (MPI_Abort needs it),
+// unless it was finalised already: then, or if MPI cannot start, the launcher's word.
+World world_for_abort() {
+  if (world_known) return the_world;
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (!finalized) {
+    // This process reports its error itself. Open MPI (4.1) would add a banner about MPI_Abort, sent to
+    // mpirun while the process exits, which often arrives cut short: mpirun then prints ORTE_ERROR_LOG lines
+    // instead. Its messages are read once, at MPI_Init, so they can be silenced here only (a setting of the
+    // user's own stays).
+    ::setenv("OMPI_MCA_orte_execute_quiet", "1", /*overwrite=*/0);
+    try {
+      return init();
+    } catch (const std::exception&) {
+    }
+  }
+  return launcher_world();
+}
+
+}  // namespace
+
 void abort(const std::string& message, int code) {
-  std::fprintf(stderr, "rank %d of %d: %s\n", the_world.rank, the_world.size, message.c_str());
+  const World world = world_for_abort();
+  std::fprintf(stderr, "rank %d of %d: %s\n", world.rank, world.size, message.c_str());
   std::fflush(stderr);
   int initialized_mpi = 0, finalized = 0;
   MPI_Initialized(&initialized_mpi);
@@ -620,8 +666,13 @@ const World& init(int*, char***) {
 bool initialized() { return false; }
 Device device() { return cuda_device_count() > 0 ? Device::cuda(0) : Device::cpu(); }
 const World& world() { not_supported("dist::world: this build of mixtape has no MPI"); }
+namespace {
+World world_for_abort() { return launcher_world(); }
+}  // namespace
 void abort(const std::string& message, int code) {
-  std::fprintf(stderr, "%s\n", message.c_str());
+  const World world = launcher_world();
+  if (world.size > 1) std::fprintf(stderr, "rank %d of %d: %s\n", world.rank, world.size, message.c_str());
+  else std::fprintf(stderr, "%s\n", message.c_str());
   std::_Exit(code);
 }
 struct Communicator::Impl {};
@@ -652,30 +703,18 @@ void PendingCollective::wait() {}
 
 #endif
 
-namespace {
-
-// This process's rank in its MPI job, from the launcher's environment where MPI is not initialised yet (0
-// without a launcher).
-int launcher_rank() {
-  if (initialized()) return world().rank;
-  for (const char* name : {"OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"})
-    if (const char* value = std::getenv(name)) return std::atoi(value);
-  return 0;
-}
-
-}  // namespace
-
 int run_or_abort(int (*fn)(int, char**), int argc, char** argv) {
   try {
     return fn(argc, argv);
   } catch (const std::exception& e) {
+    // MPI is initialised (where it is not yet) before anything else: MPI_Abort needs it, and MPI_Init returns
+    // only once every rank has called it, so no rank may wait before it.
+    const World world = world_for_abort();
     // Most errors meet every rank alike (a bad option, a layout the job does not fit): rank 0 reports and
     // ends the job at once, and the others wait a moment first, so that the job ends before they repeat
     // the message. An error on another rank alone is still reported, after that moment.
-    if (launcher_rank() > 0) std::this_thread::sleep_for(std::chrono::seconds(2));
-    if (initialized() && world().size > 1) abort(std::string("error: ") + e.what(), 1);
-    std::fprintf(stderr, "error: %s\n", e.what());
-    return 1;
+    if (world.rank > 0) std::this_thread::sleep_for(std::chrono::seconds(2));
+    abort(std::string("error: ") + e.what(), 1);
   }
 }
 

@@ -3,7 +3,9 @@
 // allocated is bounded by the file's own size and a bad file is an Error, never a crash or partial load.
 #include "io/safetensors.h"
 
+#include <dirent.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -96,28 +98,143 @@ int read_all(int fd, void* data, size_t size) {
   return 0;
 }
 
-// The temp file of an atomic save: closed and removed unless the save commits (renames it over the target).
+std::string directory_of(const std::string& path) {
+  const size_t slash = path.rfind('/');
+  if (slash == std::string::npos) return ".";
+  if (slash == 0) return "/";
+  return path.substr(0, slash);
+}
+
+std::string file_name_of(const std::string& path) {
+  const size_t slash = path.rfind('/');
+  return slash == std::string::npos ? path : path.substr(slash + 1);
+}
+
+// A path from outside inside an error message, quoted: printable, and bounded by the longest path Linux takes.
+std::string shown_path(const std::string& path) {
+  std::string text = "'";
+  text += echo(path, 4096);
+  text += '\'';
+  return text;
+}
+
+// The name a save's temp file has (or takes just before its rename): "<target>.tmp.<pid>", the pattern
+// remove_stale_temp_files recognises.
+std::string temp_path_of(const std::string& target) { return target + ".tmp." + std::to_string(::getpid()); }
+
+// The pid of a name "<target's file name>.tmp.<pid>" (pid written as std::to_string writes it: decimal, no
+// sign, no leading zero, at most 10 digits, > 0), or 0 for any other name.
+pid_t temp_file_pid(const std::string& name, const std::string& target_name) {
+  const std::string prefix = target_name + ".tmp.";
+  if (name.size() <= prefix.size() || name.compare(0, prefix.size(), prefix) != 0) return 0;
+  const std::string digits = name.substr(prefix.size());
+  if (digits.size() > 10 || digits[0] == '0') return 0;
+  uint64_t pid = 0;
+  for (char c : digits) {
+    if (c < '0' || c > '9') return 0;
+    pid = pid * 10 + static_cast<uint64_t>(c - '0');
+  }
+  return pid <= static_cast<uint64_t>(INT32_MAX) ? static_cast<pid_t>(pid) : 0;
+}
+
+// Removes the temp files that saves to `target` killed between their write and their rename left behind:
+// regular files named exactly "<target>.tmp.<pid>" whose process no longer exists (kill(pid, 0) says ESRCH).
+// A live process's file is its save in progress and stays, and so does every other name. Pids are this
+// machine's: a directory shared with other machines (NFS) must not take saves to one target from two of
+// them. Best effort: a file that cannot be removed stays, and the save goes on.
+void remove_stale_temp_files(const std::string& target) {
+  const std::string target_name = file_name_of(target);
+  DIR* directory = ::opendir(directory_of(target).c_str());
+  if (directory == nullptr) return;
+  const int directory_fd = ::dirfd(directory);
+  while (const dirent* entry = ::readdir(directory)) {
+    const pid_t pid = temp_file_pid(entry->d_name, target_name);
+    if (pid == 0 || pid == ::getpid()) continue;
+    struct stat info;
+    if (::fstatat(directory_fd, entry->d_name, &info, AT_SYMLINK_NOFOLLOW) != 0 || !S_ISREG(info.st_mode))
+      continue;
+    if (::kill(pid, 0) == -1 && errno == ESRCH) ::unlinkat(directory_fd, entry->d_name, 0);
+  }
+  ::closedir(directory);
+}
+
+// The file a save writes before it takes the target's name. Unnamed (O_TMPFILE) where the file system makes
+// such files: nothing of it is visible until the written, synced file is linked in as "<target>.tmp.<pid>"
+// and at once renamed over the target, so a process killed during the write leaves nothing behind, and one
+// killed in the microseconds between the link and the rename leaves a file the next save removes. Where the
+// file system refuses O_TMPFILE (some FUSE, NFS and older tmpfs), it is that named file from the start.
+// Closed, and its name removed, unless commit() renamed it over the target.
 class TempFile {
  public:
-  TempFile(std::string path, int fd) : path_(std::move(path)), fd_(fd) {}
+  // Opens the temp file of a save to `target`; error() is the errno of a failure to create it, 0 on success.
+  explicit TempFile(std::string target) : target_(std::move(target)), path_(temp_path_of(target_)) {
+    // The unnamed file is linked through /proc/self/fd: without /proc it could be written but never named.
+    if (::access("/proc/self/fd", X_OK) == 0) {
+      fd_ = ::open(directory_of(target_).c_str(), O_TMPFILE | O_WRONLY | O_CLOEXEC, 0644);
+      if (fd_ >= 0) return;
+      if (errno != EOPNOTSUPP && errno != EISDIR && errno != EINVAL) {
+        error_ = errno;
+        return;
+      }
+    }
+    // The name is this process's own: a file there is a temp file of a dead process of the same pid.
+    named_ = true;
+    fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0644);
+    if (fd_ < 0) error_ = errno;
+    else owns_name_ = true;
+  }
   TempFile(const TempFile&) = delete;
   TempFile& operator=(const TempFile&) = delete;
   ~TempFile() {
     if (fd_ >= 0) ::close(fd_);
-    if (!committed_) ::unlink(path_.c_str());
+    if (owns_name_ && !committed_) ::unlink(path_.c_str());
   }
+  int error() const { return error_; }
   int fd() const { return fd_; }
+  // For error messages: "the temp file '<path>'", or "an unnamed temp file in '<directory>'" before its link.
+  std::string described() const {
+    return named_ ? "the temp file " + shown_path(path_)
+                  : "an unnamed temp file in " + shown_path(directory_of(target_));
+  }
   // Returns the errno of close(), 0 on success. Close reports deferred write errors (NFS, quota).
   int close() {
     const int result = ::close(fd_);
     fd_ = -1;
     return result == 0 ? 0 : errno;
   }
-  void commit() { committed_ = true; }
+  // Links the unnamed file in as "<target>.tmp.<pid>" (the fd still open); nothing for a named one. Returns
+  // the errno of a failure, 0 on success.
+  int name() {
+    if (named_) return 0;
+    const std::string self = "/proc/self/fd/" + std::to_string(fd_);
+    auto link = [&] {
+      return ::linkat(AT_FDCWD, self.c_str(), AT_FDCWD, path_.c_str(), AT_SYMLINK_FOLLOW) == 0 ? 0 : errno;
+    };
+    int status = link();
+    struct stat info;
+    // As for the named file: a regular file there is a dead process's, and this save's name to take.
+    if (status == EEXIST && ::lstat(path_.c_str(), &info) == 0 && S_ISREG(info.st_mode) &&
+        ::unlink(path_.c_str()) == 0)
+      status = link();
+    if (status != 0) return status;
+    named_ = owns_name_ = true;
+    return 0;
+  }
+  // Renames the named, closed file over the target: the one step that replaces it. Returns the errno of a
+  // failure, 0 on success.
+  int commit() {
+    if (::rename(path_.c_str(), target_.c_str()) != 0) return errno;
+    committed_ = true;
+    return 0;
+  }
 
  private:
+  std::string target_;
   std::string path_;
-  int fd_;
+  int fd_ = -1;
+  int error_ = 0;
+  bool named_ = false;      // the file is, or was to be, path_ (not unnamed)
+  bool owns_name_ = false;  // path_ is this save's file, to remove unless committed
   bool committed_ = false;
 };
 
@@ -126,16 +243,6 @@ struct Entry {
   Tensor tensor;  // contiguous, CPU
   uint64_t bytes;
 };
-
-std::string directory_of(const std::string& path) {
-  const size_t slash = path.rfind('/');
-  if (slash == std::string::npos) return ".";
-  if (slash == 0) return "/";
-  return path.substr(0, slash);
-}
-
-// Where save_safetensors writes before it renames.
-std::string temp_path_of(const std::string& target) { return target + ".tmp." + std::to_string(::getpid()); }
 
 }  // namespace
 
@@ -168,28 +275,27 @@ SaveTarget save_target(const std::string& path, bool try_create) {
                                                                       : "a special file") +
                     "); a checkpoint replaces only a regular file";
   if (where.problem.empty() && try_create) {
-    const std::string temp_path = temp_path_of(where.path);
-    // The name is save_safetensors' own, which it would truncate: one left by a crashed run may go.
-    const int fd = ::open(temp_path.c_str(), O_WRONLY | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0644);
-    if (fd < 0) {
-      where.problem = "cannot be written: cannot create a file there (" + system_error_text(errno) + ": '" +
-                      temp_path + "')";
-    } else {
-      ::close(fd);
-      ::unlink(temp_path.c_str());
-    }
+    // The temp file save_safetensors would write first, closed (and its name, if it has one, removed) at
+    // once.
+    const TempFile probe(where.path);
+    if (probe.error() != 0)
+      where.problem = "cannot be written: cannot create a file there (" + system_error_text(probe.error()) +
+                      ", creating " + probe.described() + ")";
   }
   return where;
 }
 
-void save_safetensors(const std::string& path, const StateDict& state) {
-  // ---- check everything and build the header before touching the file system ----
-  std::vector<Entry> entries;
+namespace {
+
+// The checkpoint's bytes before the tensor data: the 8-byte length and the JSON header, padded with spaces
+// so that the data starts at a multiple of 8 bytes; `entries` receives the tensors in their layout order.
+std::string encode_header(const std::string& path, const StateDict& state, std::vector<Entry>& entries) {
   for (const auto& [name, tensor] : state.tensors) {
-    check(name != "__metadata__", "save_safetensors: '", path,
-          "': a tensor may not be named '__metadata__' (the key is reserved for metadata)");
-    check(json::is_valid_utf8(name), "save_safetensors: '", path, "': tensor name is not valid UTF-8");
-    check(tensor.defined(), "save_safetensors: '", path, "': tensor '", name, "' is undefined");
+    check(name != "__metadata__", "save_safetensors: ", shown_path(path),
+          ": a tensor may not be named '__metadata__' (the key is reserved for metadata)");
+    check(json::is_valid_utf8(name), "save_safetensors: ", shown_path(path), ": tensor name '", echo(name),
+          "' is not valid UTF-8");
+    check(tensor.defined(), "save_safetensors: ", shown_path(path), ": tensor '", echo(name), "' is undefined");
     // Device tensors are copied to the host here: a checkpoint is always plain bytes in a file.
     Tensor contiguous = tensor.detach().contiguous().to(Device::cpu());
     const uint64_t bytes = static_cast<uint64_t>(contiguous.numel()) * dtype_size(contiguous.dtype());
@@ -205,8 +311,8 @@ void save_safetensors(const std::string& path, const StateDict& state) {
   if (!state.metadata.empty()) {
     Json metadata = Json::object();
     for (const auto& [key, value] : state.metadata) {
-      check(json::is_valid_utf8(key) && json::is_valid_utf8(value), "save_safetensors: '", path,
-            "': metadata entry is not valid UTF-8");
+      check(json::is_valid_utf8(key) && json::is_valid_utf8(value), "save_safetensors: ", shown_path(path),
+            ": metadata entry '", echo(key), "' is not valid UTF-8");
       json::append_member(metadata, key, value);
     }
     json::append_member(header, "__metadata__", std::move(metadata));
@@ -226,33 +332,41 @@ void save_safetensors(const std::string& path, const StateDict& state) {
   // Spaces are JSON whitespace: padding the header to a multiple of 8 aligns the data region for mmap
   // readers.
   header_text.append((8 - header_text.size() % 8) % 8, ' ');
-  uint64_t header_length = header_text.size();
-  unsigned char length_bytes[8];
-  for (int i = 0; i < 8; ++i) length_bytes[i] = static_cast<unsigned char>(header_length >> (8 * i));
+  std::string bytes(8, '\0');
+  for (int i = 0; i < 8; ++i) bytes[i] = static_cast<char>(static_cast<uint64_t>(header_text.size()) >> (8 * i));
+  return bytes + header_text;
+}
 
-  // ---- write temp, fsync, rename ----
+}  // namespace
+
+void save_safetensors(const std::string& path, const StateDict& state) {
+  // ---- check everything and build the header before touching the file system ----
+  std::vector<Entry> entries;
+  const std::string header = encode_header(path, state, entries);
+
+  // ---- write the temp file, sync it, name it, rename it over the target ----
   const SaveTarget where = save_target(path);
-  check(where.problem.empty(), "save_safetensors: '", path, "' ", where.problem);
+  check(where.problem.empty(), "save_safetensors: ", shown_path(path), " ", where.problem);
   const std::string& target = where.path;
-  const std::string temp_path = temp_path_of(target);
+  remove_stale_temp_files(target);
+  TempFile temp(target);
   auto io_error = [&](int error_number, const char* step) {
-    fail("save_safetensors: cannot write '", path, "': ", system_error_text(error_number), " (", step, " '",
-         temp_path, "')");
+    fail("save_safetensors: cannot write ", shown_path(path), ": ", system_error_text(error_number), " (", step,
+         " ", temp.described(), ")");
   };
-  const int fd = ::open(temp_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0644);
-  if (fd < 0) io_error(errno, "creating the temp file");
-  TempFile temp(temp_path, fd);
-  int status = write_all(fd, length_bytes, sizeof length_bytes);
-  if (status == 0) status = write_all(fd, header_text.data(), header_text.size());
+  if (temp.error() != 0) io_error(temp.error(), "creating");
+  int status = write_all(temp.fd(), header.data(), header.size());
   for (const Entry& entry : entries) {
     if (status != 0) break;
-    if (entry.bytes > 0) status = write_all(fd, entry.tensor.data_ptr(), entry.bytes);
+    if (entry.bytes > 0) status = write_all(temp.fd(), entry.tensor.data_ptr(), entry.bytes);
   }
-  if (status != 0) io_error(status, "writing the temp file");
-  if (::fsync(fd) != 0) io_error(errno, "syncing the temp file");
-  if ((status = temp.close()) != 0) io_error(status, "closing the temp file");
-  if (::rename(temp_path.c_str(), target.c_str()) != 0) io_error(errno, "renaming the temp file");
-  temp.commit();
+  if (status != 0) io_error(status, "writing");
+  if (::fsync(temp.fd()) != 0) io_error(errno, "syncing");
+  if ((status = temp.name()) != 0)
+    fail("save_safetensors: cannot write ", shown_path(path), ": ", system_error_text(status),
+         " (naming the temp file ", shown_path(temp_path_of(target)), ")");
+  if ((status = temp.close()) != 0) io_error(status, "closing");
+  if ((status = temp.commit()) != 0) io_error(status, "renaming");
   // Make the rename itself durable. Best effort: the data is already safely in place under its name.
   const int directory = ::open(directory_of(target).c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (directory >= 0) {

@@ -11,10 +11,15 @@ namespace mixtape {
 
 // Writes every tensor (CPU only; dtype kept, made contiguous, named in sorted order, laid out in that order
 // without gaps) and the metadata. The header is padded with spaces so the data starts at a multiple of 8
-// bytes, as the reference writer does. Atomic: writes path + ".tmp.<pid>", fsyncs, renames over path; on
-// any failure the temp file is removed, an existing file at path is left as it was, and Error names the
-// path and the system's reason. A symbolic link at path is written through (the file it points to is
-// replaced, the link stays); only a regular file is replaced (a device, FIFO or directory is an Error).
+// bytes, as the reference writer does. Atomic: writes a temp file, fsyncs it, names it path + ".tmp.<pid>"
+// and renames it over path, then fsyncs the directory; on any failure the temp file is removed, an existing
+// file at path is left as it was, and Error names the path and the system's reason. The temp file is
+// unnamed (O_TMPFILE) until its data is synced, where the file system allows it, so a process killed
+// during the write leaves nothing behind; elsewhere (some FUSE, NFS) it is named from the start. Either
+// way, a save first removes the "<path>.tmp.<pid>" regular files that saves killed before their rename
+// left, those whose process no longer exists on this machine (a live process's is its save in progress).
+// A symbolic link at path is written through (the file it points to is replaced, the link stays); only a
+// regular file is replaced (a device, FIFO or directory is an Error).
 void save_safetensors(const std::string& path, const StateDict& state);
 
 // The file a write to `path` lands in: `path` itself unless it is a symbolic link, else the file the link
@@ -26,9 +31,9 @@ std::string write_destination(const std::string& path);
 // Where save_safetensors(path) writes: the file `path` names, through a symbolic link the file it points to
 // (the link stays). `problem` says why no checkpoint may go there ("exists and is not a regular file (a
 // device); ..."), empty when it may; for callers that check before hours of work rather than after. With
-// try_create it also creates and removes the temp file save_safetensors would write first, so a directory
-// that does not exist or takes no new file ("cannot create a file there: No such file or directory") is
-// found too.
+// try_create it also creates and removes the temp file save_safetensors would write first (unnamed where
+// the file system allows it: nothing appears in the directory), so a directory that does not exist or takes
+// no new file ("cannot create a file there (No such file or directory: ...)") is found too.
 struct SaveTarget {
   std::string path;
   std::string problem;

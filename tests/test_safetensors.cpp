@@ -5,7 +5,9 @@
 #include <signal.h>
 #include <stdlib.h>
 #include <sys/resource.h>
+#include <fcntl.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -824,8 +826,8 @@ TEST_F(Safetensors, UnwritableDirectoryLeavesTheOldFileIntact) {
 }
 
 TEST_F(Safetensors, TempFileInTheWayIsAnErrorAndIsNotRemoved) {
-  // A directory squatting on the temp name makes creating the temp file fail; the save must report it
-  // and leave both the old file and the squatter alone (it only removes what it created).
+  // A directory squatting on the temp name makes creating or naming the temp file fail; the save must report
+  // it and leave both the old file and the squatter alone (it only removes what it created).
   const std::string file = path("ckpt.safetensors");
   StateDict state;
   state.tensors["old"] = Tensor::ones({3});
@@ -833,9 +835,115 @@ TEST_F(Safetensors, TempFileInTheWayIsAnErrorAndIsNotRemoved) {
   const std::string old_bytes = read_bytes(file);
   const std::string temp = file + ".tmp." + std::to_string(::getpid());
   fs::create_directory(temp);
-  EXPECT_ERROR_MENTIONS(save_safetensors(file, state), file, "Is a directory", "creating the temp file");
+  EXPECT_ERROR_MENTIONS(save_safetensors(file, state), file, "the temp file '" + temp + "'");
   EXPECT_EQ(read_bytes(file), old_bytes);
   EXPECT_TRUE(fs::is_directory(temp));
+}
+
+// ============================================================================ temp files of killed saves
+
+// A pid that no process has: a child's, once it has exited and been reaped.
+pid_t pid_of_a_dead_process() {
+  const pid_t child = ::fork();
+  if (child == 0) ::_exit(0);
+  ::waitpid(child, nullptr, 0);
+  return child;
+}
+
+TEST_F(Safetensors, SaveRemovesTheTempFilesThatDeadProcessesLeftAndNothingElse) {
+  const std::string file = path("ckpt.safetensors");
+  const std::string dead = std::to_string(pid_of_a_dead_process());
+  const std::string alive = std::to_string(::getppid());
+  ASSERT_EQ(::kill(std::stoi(dead), 0), -1);
+  const std::vector<std::string> kept = {
+      "ckpt.safetensors.tmp." + alive,         // a save in progress in a live process
+      "other.safetensors.tmp." + dead,         // another checkpoint's
+      "ckpt.safetensors.tmp.0" + dead,         // not a pid as a process writes it
+      "ckpt.safetensors.tmp." + dead + ".bak",  // more than the pattern
+      "ckpt.safetensors.tmp.",                 // no pid
+      "notes.txt",
+  };
+  for (const std::string& name : kept) write_bytes(path(name), "x");
+  write_bytes(path("ckpt.safetensors.tmp." + dead), "a checkpoint cut short");
+  const std::string dead_directory = std::to_string(pid_of_a_dead_process());
+  fs::create_directory(path("ckpt.safetensors.tmp." + dead_directory));  // not a regular file
+
+  StateDict state;
+  state.tensors["w"] = Tensor::ones({4});
+  save_safetensors(file, state);
+  std::vector<std::string> expected = kept;
+  expected.push_back("ckpt.safetensors");
+  expected.push_back("ckpt.safetensors.tmp." + dead_directory);
+  std::sort(expected.begin(), expected.end());
+  EXPECT_EQ(directory_listing(), expected);
+  EXPECT_EQ(load_safetensors(file).tensors.count("w"), 1u);
+}
+
+TEST_F(Safetensors, SaveThroughALinkRemovesTheStaleTempFilesOfTheLinkedFile) {
+  fs::create_directory(path("runs"));
+  fs::create_symlink("runs/real.safetensors", path("latest.safetensors"));
+  const std::string stale = "real.safetensors.tmp." + std::to_string(pid_of_a_dead_process());
+  write_bytes(path("runs/" + stale), "cut short");
+  save_safetensors(path("latest.safetensors"), StateDict{});
+  EXPECT_FALSE(fs::exists(path("runs/" + stale)));
+  EXPECT_TRUE(fs::is_regular_file(path("runs/real.safetensors")));
+}
+
+// Whether the file system of `directory` makes unnamed files (O_TMPFILE).
+bool makes_unnamed_files(const fs::path& directory) {
+  const int fd = ::open(directory.c_str(), O_TMPFILE | O_WRONLY | O_CLOEXEC, 0600);
+  if (fd < 0) return false;
+  ::close(fd);
+  return true;
+}
+
+TEST_F(Safetensors, AProcessKilledDuringASaveLeavesOnlyTheOldCheckpoint) {
+  const std::string file = path("ckpt.safetensors");
+  StateDict old_state, big;
+  old_state.tensors["old"] = Tensor::arange(0, 10);
+  save_safetensors(file, old_state);
+  const std::string old_bytes = read_bytes(file);
+  big.tensors["big"] = Tensor::zeros({64 * 1024});  // 256 KiB
+
+  // A child saves under a file size limit of 16 KiB with SIGXFSZ at its default action: the kernel kills it
+  // in the middle of its write, as `kill -9` would.
+  const pid_t child = ::fork();
+  if (child == 0) {
+    struct rlimit limit = {16 * 1024, 16 * 1024}, no_core = {0, 0};
+    ::setrlimit(RLIMIT_CORE, &no_core);
+    ::signal(SIGXFSZ, SIG_DFL);
+    ::setrlimit(RLIMIT_FSIZE, &limit);
+    try {
+      save_safetensors(file, big);
+    } catch (...) {
+    }
+    ::_exit(0);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGXFSZ) << "wait status " << status;
+  EXPECT_EQ(read_bytes(file), old_bytes);
+  // The unnamed temp file went with the process; a named one (a file system without O_TMPFILE) stays until
+  // the next save.
+  if (makes_unnamed_files(dir_)) {
+    EXPECT_EQ(directory_listing(), std::vector<std::string>{"ckpt.safetensors"});
+  }
+
+  save_safetensors(file, big);
+  EXPECT_EQ(directory_listing(), std::vector<std::string>{"ckpt.safetensors"});
+  EXPECT_EQ(load_safetensors(file).tensors.at("big").numel(), 64 * 1024);
+}
+
+TEST_F(Safetensors, AFileAtThisProcesssOwnTempNameIsReplacedByTheSave) {
+  // A process of the same pid, dead, left it: the name is this save's to take, whatever its route.
+  const std::string file = path("ckpt.safetensors");
+  save_safetensors(file, StateDict{});
+  write_bytes(file + ".tmp." + std::to_string(::getpid()), "a checkpoint cut short");
+  StateDict state;
+  state.tensors["w"] = Tensor::ones({2});
+  save_safetensors(file, state);
+  EXPECT_EQ(directory_listing(), std::vector<std::string>{"ckpt.safetensors"});
+  EXPECT_EQ(load_safetensors(file).tensors.count("w"), 1u);
 }
 
 }  // namespace
