@@ -28,10 +28,12 @@
 // --dp defaults to the processes left over by --tp x --pp. --batch stays the global batch, so a command line
 // means the same training at every layout, and checkpoints (one full file, written by rank 0) resume at any
 // layout. Rank 0 prints and logs; an error on any rank ends the whole job (MPI_Abort) with its message.
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -382,9 +384,9 @@ auto naming_file(const char* flag, const std::string& file, F&& body) {
     return body();
   } catch (const Error& error) {
     std::string_view message = error.what();
-    if (message.find(file) != std::string_view::npos) throw;
+    if (message.find(echo(file)) != std::string_view::npos) throw;
     if (message.starts_with("train_gpt: ")) message.remove_prefix(11);  // said once, in front
-    fail("train_gpt: ", flag, " '", file, "': ", message);
+    fail("train_gpt: ", flag, " '", echo(file), "': ", message);
   }
 }
 
@@ -470,7 +472,10 @@ void adopt_checkpoint_options(Options& opt, const StateDict& header) {
 
 // The loaded file's character vocabulary against the data's.
 void check_vocabulary(const Options& opt, const TokenData& data, const StateDict& header, const std::string& file) {
-  const std::vector<uint8_t> file_vocab = metadata_vocab(header.metadata, "train_gpt: '" + file + "'");
+  const char* flag = opt.init.empty() ? "--resume" : "--init";
+  const std::vector<uint8_t> file_vocab =
+      metadata_vocab(header.metadata, std::string("train_gpt: ") + flag + " '" + echo(file) + "'",
+                     opt.model.vocab_size);
   if (!data.vocab.empty() && header.metadata.count("vocab"))
     check(file_vocab == data.vocab,
           "train_gpt: the character vocabulary of '", opt.data, "' differs from the loaded file's");
@@ -640,8 +645,11 @@ void check_save_target(const Options& opt) {
 std::ofstream open_log(const Options& opt, const Engine& engine) {
   std::ofstream log;
   if (!opt.log_json.empty() && engine.printer) {
+    errno = 0;
     log.open(opt.log_json, engine.position() > 0 ? std::ios::app : std::ios::trunc);
-    check(log.good(), "train_gpt: cannot open --log-json file '", opt.log_json, "'");
+    const int error = errno;  // the open(2) behind the stream sets it
+    check(log.good(), "train_gpt: cannot open --log-json file '", echo(opt.log_json), "'",
+          error != 0 ? std::string(": ") + std::strerror(error) : std::string());
   }
   return log;
 }

@@ -515,14 +515,14 @@ TEST(ParallelTrainer, ACheckpointWithAWrongDtypeOrNonFiniteValuesIsRejectedOnEve
     EXPECT_ERROR_MENTIONS(trainer.load_checkpoint(changed("transformer.wpe.weight", integers)),
                           "tensor 'transformer.wpe.weight' has i32[8,16], expected f32[8,16]");
     EXPECT_ERROR_MENTIONS(trainer.load_weights(changed("transformer.wpe.weight", Tensor::full(wpe, NAN))),
-                          "tensor 'transformer.wpe.weight' (f32[8,16]) is not finite: element 0 is nan");
+                          "tensor 'transformer.wpe.weight' (f32[8,16]) must be finite, but element 0 is nan");
     const StateDict big = changed(fc, Tensor::full(good.tensors.at(fc).shape(), 7e4));  // inf in fp16
     if (holds_fc)
-      EXPECT_ERROR_MENTIONS(trainer.load_checkpoint(big), "'" + fc + "' (f32[", "not finite in the model's f16");
+      EXPECT_ERROR_MENTIONS(trainer.load_checkpoint(big), "'" + fc + "' (f32[", "must be finite in the model's f16");
     else
       EXPECT_ERROR_MENTIONS(trainer.load_checkpoint(big), "another rank found a tensor that is not finite");
     EXPECT_ERROR_MENTIONS(trainer.load_checkpoint(changed(sq, Tensor::full(good.tensors.at(sq).shape(), -1.0))),
-                          "'" + sq + "'", "not finite and >= 0");
+                          "'" + sq + "'", "must be finite and >= 0");
     size_t k = 0;
     for (const auto& [name, p] : trainer.stage_module().named_parameters())
       EXPECT_EQ(p.to_vector<double>(), before[k++]) << l.name << ": " << name;
