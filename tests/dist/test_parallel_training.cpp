@@ -469,7 +469,7 @@ TEST(ParallelTrainer, ARejectedOptimizerStateLeavesTheWeightsAsTheyWere) {
     std::vector<std::vector<double>> before;
     for (const auto& [name, p] : trainer.stage_module().named_parameters())
       before.push_back(p.to_vector<double>());
-    EXPECT_ERROR_MENTIONS(trainer.load_checkpoint(corrupt), "'amp.master_weights' is 'maybe'");
+    EXPECT_ERROR_MENTIONS(trainer.load_checkpoint(corrupt), "entry 'optimizer.amp.master_weights' is 'maybe'");
     size_t k = 0;
     for (const auto& [name, p] : trainer.stage_module().named_parameters())
       EXPECT_EQ(p.to_vector<double>(), before[k++]) << l.name << ": " << name;
