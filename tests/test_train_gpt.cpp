@@ -930,3 +930,39 @@ TEST(TrainGPT, ValuesFromAFileAreEchoedPrintableAndErrorsSayWhatMustHold) {
   EXPECT_ERROR_MENTIONS(load_model_file(path), "load_model_file: '" + path + "'", "'n_layer' = 'a\\nb\\0c'");
   std::filesystem::remove(path);
 }
+
+TEST(TrainGPT, OptimizerStateEntriesNameAParameterAndABufferTheOptimizerKeeps) {
+  const TokenData data = char_tokens(sample_text());
+  const GPTConfig config = tiny_config(data.vocab_size, 0);
+  Trainer a(config, tiny_options("adamw"), data);
+  a.train_step();
+  const StateDict good = a.checkpoint();
+  const Tensor moment = good.tensors.at("optimizer.state.0.exp_avg");
+  auto with_tensor = [&](const std::string& name) {
+    StateDict state = good;
+    state.tensors[name] = moment;
+    return state;
+  };
+  Trainer b(config, tiny_options("adamw"), data);
+  EXPECT_ERROR_MENTIONS(b.load_checkpoint(with_tensor("optimizer.state.0.momentum_buffer")),
+                        "tensor 'optimizer.state.0.momentum_buffer'", "keeps the state tensors exp_avg, exp_avg_sq",
+                        "not 'momentum_buffer'");
+  EXPECT_ERROR_MENTIONS(b.load_checkpoint(with_tensor("optimizer.state.999.exp_avg")),
+                        "tensor 'optimizer.state.999.exp_avg' names no parameter",
+                        "i < " + std::to_string(a.model().parameters().size()));
+  EXPECT_ERROR_MENTIONS(b.load_checkpoint(with_tensor("optimizer.state.00.exp_avg")),
+                        "'optimizer.state.00.exp_avg' names no parameter");
+  StateDict state = good;
+  state.metadata["optimizer.state.0.count"] = "1";
+  EXPECT_ERROR_MENTIONS(b.load_checkpoint(state), "metadata entry 'optimizer.state.0.count'",
+                        "a step count (.step)");
+  EXPECT_EQ(b.step(), 0);
+  // SGD without momentum keeps no state at all: its checkpoint loads.
+  TrainOptions plain = tiny_options("sgd");
+  plain.momentum = 0;
+  Trainer c(config, plain, data);
+  c.train_step();
+  Trainer d(config, plain, data);
+  d.load_checkpoint(c.checkpoint());
+  EXPECT_EQ(d.step(), 1);
+}

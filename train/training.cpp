@@ -9,6 +9,8 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <optional>
+#include <set>
 #include <sstream>
 #include <system_error>
 
@@ -546,6 +548,58 @@ void check_checkpoint_options(const std::map<std::string, std::string>& metadata
   check(amp_differences.empty(), what, ": the AMP options differ in ", amp_differences);
 }
 
+// The state buffers the run's optimizer keeps per parameter ("exp_avg", ...; none for SGD without momentum):
+// those it holds after stepping once on a one-element probe.
+std::set<std::string> optimizer_buffers(const TrainOptions& options) {
+  Tensor probe = Tensor::zeros({1});
+  probe.requires_grad_();
+  probe.set_grad(Tensor::zeros({1}));
+  ParamGroup group;
+  group.params.push_back(probe);
+  const std::unique_ptr<Optimizer> optimizer = optimizer_of_groups(options, group, ParamGroup{});
+  optimizer->step();
+  std::set<std::string> names;
+  if (const ParamState* state = optimizer->state(probe))
+    for (const auto& [name, buffer] : state->buffers) names.insert(name);
+  return names;
+}
+
+// The parameter index and the rest of "optimizer.state.<i>.<rest>" (i in canonical decimal), if `key` is one.
+std::optional<std::pair<size_t, std::string>> optimizer_state_key(const std::string& key) {
+  static const std::string prefix = "optimizer.state.";
+  if (key.rfind(prefix, 0) != 0) return std::nullopt;
+  const size_t dot = key.find('.', prefix.size());
+  if (dot == std::string::npos) return std::nullopt;
+  const std::string digits = key.substr(prefix.size(), dot - prefix.size());
+  const std::optional<size_t> index = number_from_text<size_t>(digits);
+  if (!index || std::to_string(*index) != digits) return std::nullopt;
+  return std::make_pair(*index, key.substr(dot + 1));
+}
+
+// Every "optimizer.state.*" entry names a parameter of the model and, for a tensor, a buffer the run's optimizer
+// keeps: checked on the whole file, so that every rank of a parallel trainer (each holding some parameters)
+// refuses the same file.
+void check_optimizer_state_names(const StateDict& state, const GPTConfig& config, const TrainOptions& options,
+                                 const char* what) {
+  const size_t params = gpt_parameter_shapes(config).size();
+  const std::set<std::string> buffers = optimizer_buffers(options);
+  std::string kept;
+  for (const std::string& buffer : buffers) kept += (kept.empty() ? "" : ", ") + buffer;
+  const auto check_key = [&](const std::string& key, bool tensor) {
+    if (key.rfind("optimizer.state.", 0) != 0) return;
+    const auto parsed = optimizer_state_key(key);
+    check(parsed && parsed->first < params, what, ": ", tensor ? "tensor" : "metadata entry", " '", echo(key),
+          "' names no parameter (expected optimizer.state.<i>.", tensor ? "<buffer>" : "step", ", i < ", params,
+          ")");
+    check(tensor ? buffers.count(parsed->second) > 0 : parsed->second == "step", what, ": ",
+          tensor ? "tensor" : "metadata entry", " '", echo(key), "': the ", options.optimizer, " optimizer keeps ",
+          tensor ? (kept.empty() ? std::string("no state tensors") : "the state tensors " + kept)
+                 : std::string("a step count (.step) as its metadata"), ", not '", echo(parsed->second), "'");
+  };
+  for (const auto& [name, t] : state.tensors) check_key(name, true);
+  for (const auto& [key, value] : state.metadata) check_key(key, false);
+}
+
 // The optimizer's own settings in the checkpoint ("optimizer.beta1", "optimizer.param_groups.0.weight_decay",
 // ...) are those the run's options make (make_optimizer): Optimizer::load_state_dict would otherwise put a
 // value into the run that the options never allowed. The groups' learning rates are the schedule's, set
@@ -573,6 +627,7 @@ int64_t validate_checkpoint(const StateDict& state, const GPTConfig& config, con
   for (const auto& [key, value] : state.metadata) has_optimizer = has_optimizer || key.rfind("optimizer.", 0) == 0;
   check(has_optimizer, what, ": no optimizer state (a weights-only file? use --init for those)");
   check_optimizer_settings(state.metadata, options, what);
+  check_optimizer_state_names(state, config, options, what);
   const std::vector<uint8_t> vocab = metadata_vocab(state.metadata, what, config.vocab_size);
   if (!data.vocab.empty() && state.metadata.count("vocab"))
     check(vocab == data.vocab, what, ": the data's character vocabulary differs from the checkpoint's");

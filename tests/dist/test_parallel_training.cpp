@@ -8,6 +8,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -526,6 +527,30 @@ TEST(ParallelTrainer, ACheckpointWithAWrongDtypeOrNonFiniteValuesIsRejectedOnEve
     size_t k = 0;
     for (const auto& [name, p] : trainer.stage_module().named_parameters())
       EXPECT_EQ(p.to_vector<double>(), before[k++]) << l.name << ": " << name;
+    EXPECT_EQ(trainer.step(), 0) << l.name;
+    trainer.load_checkpoint(good);
+    EXPECT_EQ(trainer.step(), 1) << l.name;
+  }
+}
+
+// The checkpoint's optimizer settings and state entries are checked on the whole file, as by the single-process
+// Trainer: every rank refuses them, whichever parameters it holds, with the entry named as the file names it.
+TEST(ParallelTrainer, OptimizerSettingsAndStateNamesOfACheckpointAreCheckedOnEveryRank) {
+  const TrainOptions options = options_for(AmpConfig::parse("fp32"));
+  Trainer single(tiny_config(), options, corpus());
+  single.train_step();
+  const StateDict good = single.checkpoint();
+  StateDict beta = good, buffer = good;
+  beta.metadata.at("optimizer.beta1") = "0.5";
+  const std::vector<std::string> order = optimizer_order(single.model());
+  const size_t fc = std::find(order.begin(), order.end(), "transformer.h.1.mlp.c_fc.weight") - order.begin();
+  const std::string key = "optimizer.state." + std::to_string(fc);  // a parameter of stage 1 under PP2
+  buffer.tensors[key + ".momentum_buffer"] = good.tensors.at(key + ".exp_avg");
+  for (const Layout& l : {Layout{"PP2", layout(1, 2, 1, 0, 2)}, Layout{"DP2+ZeRO-1", layout(1, 1, 2, 1, 1)}}) {
+    ParallelTrainer trainer(tiny_config(), options, l.p, corpus(), job_of(l.size()));
+    EXPECT_ERROR_MENTIONS(trainer.load_checkpoint(beta), "metadata entry 'optimizer.beta1' is 0.5, expected 0.9");
+    EXPECT_ERROR_MENTIONS(trainer.load_checkpoint(buffer), "tensor '" + key + ".momentum_buffer'",
+                          "not 'momentum_buffer'");
     EXPECT_EQ(trainer.step(), 0) << l.name;
     trainer.load_checkpoint(good);
     EXPECT_EQ(trainer.step(), 1) << l.name;
