@@ -93,15 +93,15 @@ std::string read_input_file(const std::string& what, const std::string& path) {
   std::error_code error;
   const fs::file_type type = fs::status(path, error).type();  // through symbolic links
   // A directory opens as a stream that reads nothing; a device may never end (/dev/zero, /dev/urandom).
-  check(type != fs::file_type::directory, what, " '", path, "' is a directory, expected a regular file");
+  check(type != fs::file_type::directory, what, " '", echo(path), "' is a directory, expected a regular file");
   check(type != fs::file_type::character && type != fs::file_type::block && type != fs::file_type::socket, what,
-        " '", path, "' is a ", type == fs::file_type::socket ? "socket" : "device",
+        " '", echo(path), "' is a ", type == fs::file_type::socket ? "socket" : "device",
         ", expected a regular file (or a pipe)");
   std::ifstream in(path, std::ios::binary);
-  check(in.good(), what, " '", path, "' cannot be opened", error ? " (" + error.message() + ")" : "");
+  check(in.good(), what, " '", echo(path), "' cannot be opened", error ? " (" + error.message() + ")" : "");
   std::ostringstream text;
   text << in.rdbuf();
-  check(!in.bad(), what, " '", path, "': error reading it");
+  check(!in.bad(), what, " '", echo(path), "': error reading it");
   return text.str();
 }
 
@@ -126,22 +126,22 @@ TokenData load_token_file(const std::string& path, int64_t vocab_size) {
   // extension at all).
   const std::string bytes = read_input_file("train_gpt: data file", path);
   if (ends_with(path, ".bin")) {
-    check(vocab_size > 0 && vocab_size <= 65536, "train_gpt: a .bin data file ('", path,
+    check(vocab_size > 0 && vocab_size <= 65536, "train_gpt: a .bin data file ('", echo(path),
           "') needs --vocab-size in [1, 65536], got ", vocab_size);
-    check(bytes.size() % 2 == 0, "train_gpt: '", path, "' has an odd byte count (", bytes.size(),
+    check(bytes.size() % 2 == 0, "train_gpt: '", echo(path), "' has an odd byte count (", bytes.size(),
           "); expected little-endian uint16 token ids");
     TokenData data;
     data.vocab_size = vocab_size;
     data.tokens.resize(bytes.size() / 2);
     for (size_t i = 0; i < data.tokens.size(); ++i) {
       const int32_t id = static_cast<unsigned char>(bytes[2 * i]) | static_cast<unsigned char>(bytes[2 * i + 1]) << 8;
-      check(id < vocab_size, "train_gpt: token ", i, " of '", path, "' is ", id, ", not below --vocab-size ",
+      check(id < vocab_size, "train_gpt: token ", i, " of '", echo(path), "' is ", id, ", not below --vocab-size ",
             vocab_size);
       data.tokens[i] = id;
     }
     return data;
   }
-  check(vocab_size == 0, "train_gpt: --vocab-size applies to .bin data only ('", path,
+  check(vocab_size == 0, "train_gpt: --vocab-size applies to .bin data only ('", echo(path),
         "' is read as text: its vocabulary is its bytes)");
   return char_tokens(bytes);
 }
