@@ -645,17 +645,17 @@ void ParallelTrainer::Impl::load_named(const StateDict& state, bool with_optimiz
       } else if (key.rfind("master.", 0) == 0) {
         const std::string index = key.substr(7);
         const std::optional<size_t> parsed = number_from_text<size_t>(index);
-        check(parsed.has_value(), what, ": optimizer entry '", key, "', expected master.<parameter index>");
+        check(parsed.has_value(), what, ": tensor 'optimizer.", echo(key), "', expected master.<parameter index>");
         i = *parsed;
         rest = "master.%";
       } else {
         local.tensors[key] = t;
         continue;
       }
-      check(i < full_order.size(), what, ": optimizer entry '", key, "' names parameter ", i, " of ",
+      check(i < full_order.size(), what, ": tensor 'optimizer.", echo(key), "' names parameter ", i, " of ",
             full_order.size());
       const Tensor& param = full_params.at(full_order[i]);
-      check(t.shape() == param.shape(), what, ": optimizer entry '", key, "' is ", t.described(),
+      check(t.shape() == param.shape(), what, ": tensor 'optimizer.", echo(key), "' is ", t.described(),
             ", expected the shape of parameter '", full_order[i], "', ", param.described());
       const auto j = local_index.find(full_order[i]);
       if (j == local_index.end()) continue;  // another stage's parameter
@@ -664,8 +664,8 @@ void ParallelTrainer::Impl::load_named(const StateDict& state, bool with_optimiz
     }
     for (const auto& [key, value] : opt.metadata) {
       if (auto s = split_state_key(key)) {
-        check(s->first < full_order.size(), what, ": optimizer entry '", key, "' names parameter ", s->first, " of ",
-              full_order.size());
+        check(s->first < full_order.size(), what, ": metadata entry 'optimizer.", echo(key), "' names parameter ",
+              s->first, " of ", full_order.size());
         const auto j = local_index.find(full_order[s->first]);
         if (j != local_index.end()) local.metadata["state." + std::to_string(j->second) + "." + s->second] = value;
       } else {

@@ -484,7 +484,7 @@ TEST(ParallelTrainer, ARejectedOptimizerStateLeavesTheWeightsAsTheyWere) {
       break;
     }
   ParallelTrainer dp2(tiny_config(), options, layout(1, 1, 2, 0, 1), corpus(), job_of(2));
-  EXPECT_ERROR_MENTIONS(dp2.load_checkpoint(misshapen), "optimizer entry 'state.",
+  EXPECT_ERROR_MENTIONS(dp2.load_checkpoint(misshapen), "tensor 'optimizer.state.",
                         ".exp_avg_sq' is f32[1], expected");
 }
 
