@@ -357,7 +357,7 @@ void ZeroOptimizer::load_state_dict(const StateDict& dict) {
       std::string rest;
       if (starts_with(key, "state."))
         check(parse_indexed(key, "state.", i, &rest) && rest == "step" && i < model_params_.size(), who,
-              ": unexpected metadata entry '", key, "' (expected state.<i>.step with i < ", model_params_.size(),
+              ": unexpected metadata entry '", echo(key), "' (expected state.<i>.step with i < ", model_params_.size(),
               ")");
     }
     for (const auto& [key, tensor] : dict.tensors) {
@@ -366,12 +366,12 @@ void ZeroOptimizer::load_state_dict(const StateDict& dict) {
       const bool master = parse_indexed(key, "master.", i, nullptr);
       check((master && i < model_params_.size() && separate_master(i)) ||
                 (!master && parse_indexed(key, "state.", i, &rest) && i < model_params_.size()),
-            who, ": unexpected tensor entry '", key, "' (expected master.<i> for a 16-bit parameter with an fp32 ",
-            "master, or state.<i>.<buffer>, with i < ", model_params_.size(), ")");
+            who, ": unexpected tensor entry '", echo(key), "' (expected master.<i> for a 16-bit parameter with an ",
+            "fp32 master, or state.<i>.<buffer>, with i < ", model_params_.size(), ")");
       const Tensor& param = model_params_[i];
       const DType dtype = master ? DType::F32 : Optimizer::state_dtype(param);
       check(tensor.defined() && tensor.shape() == param.shape() && tensor.dtype() == dtype, who,
-            ": tensor entry '", key, "' is ", tensor.described(), ", expected ",
+            ": tensor entry '", echo(key), "' is ", tensor.described(), ", expected ",
             dtype_name(dtype), shape_text(param.shape()), " for parameter ", i, " (", param.described(), ")");
     }
     for (size_t i = 0; i < model_params_.size(); ++i)
@@ -388,7 +388,7 @@ void ZeroOptimizer::load_state_dict(const StateDict& dict) {
       const std::string key = "param_groups." + std::to_string(g) + ".params";
       const auto found = dict.metadata.find(key);
       check(found != dict.metadata.end() && found->second == std::to_string(group_counts_[g]), who, ": entry '",
-            key, "' is ", found == dict.metadata.end() ? std::string("missing") : "'" + found->second + "'",
+            echo(key), "' is ", found == dict.metadata.end() ? std::string("missing") : "'" + echo(found->second) + "'",
             ", expected '", group_counts_[g], "'");
       int64_t owned = 0;  // this rank's pieces of group g
       for (const Piece& piece : pieces_) {

@@ -35,10 +35,12 @@
 // layout. Rank 0 prints and logs; an error on any rank ends the whole job (MPI_Abort) with its message.
 #include <omp.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -114,7 +116,7 @@ AmpConfig amp_config_from_file(const Options& o, std::optional<std::string_view>
   try {
     return AmpConfig::from_json(o.amp_config_text, mode);
   } catch (const Error& error) {
-    fail("train_gpt: --amp-config file '", o.amp_config_file, "': ", error.what());
+    fail("train_gpt: --amp-config file '", echo(o.amp_config_file), "': ", error.what());
   }
 }
 
@@ -242,13 +244,13 @@ void read_amp_options(Options& o) {
     try {
       o.train.amp = AmpConfig::parse(o.precision);
     } catch (const Error& error) {
-      fail("train_gpt: --precision '", o.precision, "': ", error.what());
+      fail("train_gpt: --precision '", echo(o.precision), "': ", error.what());
     }
     return;
   }
   o.amp_config_text = read_input_file("train_gpt: --amp-config file", o.amp_config_file);
   const bool mode_given = o.given.count("--precision") || names_a_mode(o.amp_config_text);
-  check(mode_given || !o.resume.empty(), "train_gpt: --amp-config file '", o.amp_config_file, "' names no "
+  check(mode_given || !o.resume.empty(), "train_gpt: --amp-config file '", echo(o.amp_config_file), "' names no "
         "mode: give --precision MODE, or \"mixed_precision\": \"MODE\" in the file");
   o.amp_mode_from_checkpoint = !mode_given;
   if (!o.amp_mode_from_checkpoint)
@@ -362,16 +364,16 @@ void check_outputs(const Options& o) {
     for (const auto& [input, other] : inputs) {
       if (other->empty() || (std::string_view(output) == "--save" && (&o.init == other || &o.resume == other)))
         continue;
-      check(!same_file(*path, *other), "train_gpt: ", output, " '", *path, "' is the ", input,
+      check(!same_file(*path, *other), "train_gpt: ", output, " '", echo(*path), "' is the ", input,
             " file: the run would overwrite what it reads");
     }
   }
   check(o.save.empty() || o.log_json.empty() || !same_file(o.save, o.log_json), "train_gpt: --save and "
-        "--log-json name the same file '", o.save, "'");
+        "--log-json name the same file '", echo(o.save), "'");
   // What save_safetensors would refuse, before the training rather than after it.
   if (!o.save.empty()) {
     const SaveTarget where = save_target(o.save);
-    check(where.problem.empty(), "train_gpt: --save '", o.save, "' ", where.problem);
+    check(where.problem.empty(), "train_gpt: --save '", echo(o.save), "' ", where.problem);
   }
 }
 
@@ -393,9 +395,9 @@ auto naming_file(const char* flag, const std::string& file, F&& body) {
     return body();
   } catch (const Error& error) {
     std::string_view message = error.what();
-    if (message.find(file) != std::string_view::npos) throw;
+    if (message.find(echo(file)) != std::string_view::npos) throw;
     if (message.starts_with("train_gpt: ")) message.remove_prefix(11);  // said once, in front
-    fail("train_gpt: ", flag, " '", file, "': ", message);
+    fail("train_gpt: ", flag, " '", echo(file), "': ", message);
   }
 }
 
@@ -423,7 +425,7 @@ struct Engine {
 
 TokenData load_data(const Options& opt) {
   TokenData data = load_token_file(opt.data, opt.vocab_size);
-  check(!data.tokens.empty(), "train_gpt: --data '", opt.data, "' holds no tokens (an empty file?)");
+  check(!data.tokens.empty(), "train_gpt: --data '", echo(opt.data), "' holds no tokens (an empty file?)");
   return data;
 }
 
@@ -481,15 +483,18 @@ void adopt_checkpoint_options(Options& opt, const StateDict& header) {
 
 // The loaded file's character vocabulary against the data's.
 void check_vocabulary(const Options& opt, const TokenData& data, const StateDict& header, const std::string& file) {
-  const std::vector<uint8_t> file_vocab = metadata_vocab(header.metadata, "train_gpt: '" + file + "'");
+  const char* flag = opt.init.empty() ? "--resume" : "--init";
+  const std::vector<uint8_t> file_vocab =
+      metadata_vocab(header.metadata, std::string("train_gpt: ") + flag + " '" + echo(file) + "'",
+                     opt.model.vocab_size);
   if (!data.vocab.empty() && header.metadata.count("vocab"))
     check(file_vocab == data.vocab,
-          "train_gpt: the character vocabulary of '", opt.data, "' differs from the loaded file's");
+          "train_gpt: the character vocabulary of '", echo(opt.data), "' differs from the loaded file's");
   // Text data is its bytes' vocabulary: a model of another size (a token model, without a character
   // vocabulary) would be saved with a vocabulary list that does not match it, which generate refuses,
   // and --sample would draw ids that are no byte of the text.
-  check(data.vocab.empty() || opt.model.vocab_size == data.vocab_size, "train_gpt: '", opt.data,
-        "' is text of ", data.vocab_size, " distinct bytes (its vocabulary), but the model of '", file,
+  check(data.vocab.empty() || opt.model.vocab_size == data.vocab_size, "train_gpt: '", echo(opt.data),
+        "' is text of ", data.vocab_size, " distinct bytes (its vocabulary), but the model of '", echo(file),
         "' has vocab_size ", opt.model.vocab_size, " and no character vocabulary of that text: give it data "
         "in its own tokens (a .bin file with --vocab-size ", opt.model.vocab_size, ")");
 }
@@ -520,11 +525,11 @@ void adopt_loaded_file(Options& opt, const TokenData& data) {
 void check_data_fits(const Options& opt, const TokenData& data) {
   // Only a loaded model can be smaller than the data (a new one is made to its size).
   check(data.vocab_size <= opt.model.vocab_size, "train_gpt: the data uses ", data.vocab_size, " token ids",
-        data.vocab.empty() ? " (--vocab-size)" : "", " but the model of '", opt.init.empty() ? opt.resume : opt.init,
-        "' has vocab_size ", opt.model.vocab_size);
+        data.vocab.empty() ? " (--vocab-size)" : "", " but the model of '",
+        echo(opt.init.empty() ? opt.resume : opt.init), "' has vocab_size ", opt.model.vocab_size);
   // A validation pass needs one window of block + 1 tokens: checked before the training, not after it.
   if (opt.eval_only || opt.final_eval || opt.eval_every > 0)
-    check(data.n_val() > opt.model.block_size, "train_gpt: the validation split of '", opt.data, "' (",
+    check(data.n_val() > opt.model.block_size, "train_gpt: the validation split of '", echo(opt.data), "' (",
           data.n_val(), " tokens, the last tenth) is shorter than block + 1 = ", opt.model.block_size + 1,
           " (use a smaller --block, or --eval-every 0 --no-final-eval)");
 }
@@ -629,7 +634,7 @@ void check_resumed_stop(const Options& opt, const Engine& engine) {
   check(opt.stop_at <= opt.train.steps, "train_gpt: --stop-at ", opt.stop_at, " is beyond the run's ",
         opt.train.steps, " steps (", opt.given.count("--steps") ? "--steps" : "the checkpoint's --steps", ")");
   check(opt.stop_at >= position, "train_gpt: --stop-at ", opt.stop_at, " is before step ", position,
-        ", where --resume '", opt.resume, "' continues: there is nothing to train up to it");
+        ", where --resume '", echo(opt.resume), "' continues: there is nothing to train up to it");
   if (engine.printer && opt.stop_at == position && position < opt.train.steps)
     std::printf("train_gpt: nothing to train: the checkpoint is at step %lld, --stop-at's step\n",
                 static_cast<long long>(position));
@@ -644,15 +649,18 @@ void check_save_target(const Options& opt) {
   // A directory that takes no new file (read-only, /proc) passes the check above: a file is created there
   // (and removed) to find it before the training.
   const SaveTarget where = save_target(opt.save, /*try_create=*/true);
-  check(where.problem.empty(), "train_gpt: --save '", opt.save, "' ", where.problem);
+  check(where.problem.empty(), "train_gpt: --save '", echo(opt.save), "' ", where.problem);
 }
 
 // The --log-json file (rank 0's), appended to by a resumed run.
 std::ofstream open_log(const Options& opt, const Engine& engine) {
   std::ofstream log;
   if (!opt.log_json.empty() && engine.printer) {
+    errno = 0;
     log.open(opt.log_json, engine.position() > 0 ? std::ios::app : std::ios::trunc);
-    check(log.good(), "train_gpt: cannot open --log-json file '", opt.log_json, "'");
+    const int error = errno;  // the open(2) behind the stream sets it
+    check(log.good(), "train_gpt: cannot open --log-json file '", echo(opt.log_json), "'",
+          error != 0 ? std::string(": ") + std::strerror(error) : std::string());
   }
   return log;
 }
@@ -700,7 +708,7 @@ void write_log_line(std::ofstream& log, const Options& opt, const StepReport& r)
   log << json::dump(line) << '\n';
   log.flush();
   // A full disk or a failing device: the log would stop mid-line with exit code 0.
-  check(log.good(), "train_gpt: cannot write --log-json file '", opt.log_json, "' at step ", r.step,
+  check(log.good(), "train_gpt: cannot write --log-json file '", echo(opt.log_json), "' at step ", r.step,
         " (disk full?)");
 }
 

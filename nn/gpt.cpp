@@ -80,7 +80,7 @@ GPTConfig GPTConfig::from_metadata(const std::map<std::string, std::string>& met
     return it == metadata.end() ? nullptr : &it->second;
   };
   auto bad = [](const char* key, const std::string& value, const char* expected) {
-    fail("GPTConfig: metadata '", key, "' = '", value, "' is not ", expected);
+    fail("GPTConfig: metadata '", key, "' = '", echo(value), "' is not ", expected);
   };
   // The whole text, as written (number_from_text: no leading space or '+', unlike std::stoll), or an error.
   auto integer = [&](const char* key, int64_t& field) {

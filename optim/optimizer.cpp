@@ -149,7 +149,7 @@ double Optimizer::read_number(const std::map<std::string, std::string>& metadata
   check(found != metadata.end(), name(), ".load_state_dict: missing metadata entry '", key, "'");
   const std::string& text = found->second;
   const std::optional<double> value = number_from_text<double>(text);
-  check(value.has_value(), name(), ".load_state_dict: metadata entry '", key, "' is '", text,
+  check(value.has_value(), name(), ".load_state_dict: metadata entry '", key, "' is '", echo(text),
         "', expected a number");
   return *value;
 }
@@ -160,7 +160,7 @@ int64_t Optimizer::read_integer(const std::map<std::string, std::string>& metada
   check(found != metadata.end(), name(), ".load_state_dict: missing metadata entry '", key, "'");
   const std::string& text = found->second;
   const std::optional<int64_t> value = number_from_text<int64_t>(text);
-  check(value.has_value() && *value >= 0, name(), ".load_state_dict: metadata entry '", key, "' is '", text,
+  check(value.has_value() && *value >= 0, name(), ".load_state_dict: metadata entry '", key, "' is '", echo(text),
         "', expected a non-negative integer");
   return *value;
 }
@@ -169,7 +169,7 @@ bool Optimizer::read_bool(const std::map<std::string, std::string>& metadata, co
   const auto found = metadata.find(key);
   check(found != metadata.end(), name(), ".load_state_dict: missing metadata entry '", key, "'");
   check(found->second == "true" || found->second == "false", name(), ".load_state_dict: metadata entry '",
-        key, "' is '", found->second, "', expected true or false");
+        key, "' is '", echo(found->second), "', expected true or false");
   return found->second == "true";
 }
 
@@ -202,7 +202,7 @@ void Optimizer::load_state_dict(const StateDict& dict) {
   // ---- check everything, change nothing ----
   const auto type = metadata.find("type");
   check(type != metadata.end(), who, ": missing metadata entry 'type'");
-  check(type->second == name(), who, ": the state dict is of a '", type->second, "' optimizer, not '", name(),
+  check(type->second == name(), who, ": the state dict is of a '", echo(type->second), "' optimizer, not '", name(),
         "'");
   const int64_t group_count = read_integer(metadata, "param_groups");
   check(group_count == static_cast<int64_t>(groups_.size()), who, ": the state dict has ", group_count,
@@ -235,10 +235,10 @@ void Optimizer::load_state_dict(const StateDict& dict) {
     size_t index = 0;
     std::string what;
     check(parse_state_key(key, index, what) && what == "step" && index < all.size(), who,
-          ": unexpected metadata entry '", key, "'");
+          ": unexpected metadata entry '", echo(key), "'");
     const int64_t step = read_integer(metadata, key);
     // At most 2^53: the bias corrections compute in double, and the count must have room to go on.
-    check(step >= 1 && step <= kMaxStep, who, ": entry '", key, "' is ", step,
+    check(step >= 1 && step <= kMaxStep, who, ": entry '", echo(key), "' is ", step,
           ", expected a step count in [1, 2^53]");
     loaded[index].step = step;
   }
@@ -247,19 +247,19 @@ void Optimizer::load_state_dict(const StateDict& dict) {
     std::string what;
     check(parse_state_key(key, index, what) && index < all.size() &&
               std::find(buffers.begin(), buffers.end(), what) != buffers.end(),
-          who, ": unexpected tensor entry '", key, "'");
-    check(loaded.count(index), who, ": tensor entry '", key, "' has no metadata entry '",
+          who, ": unexpected tensor entry '", echo(key), "'");
+    check(loaded.count(index), who, ": tensor entry '", echo(key), "' has no metadata entry '",
           state_key(index, "step"), "'");
     const Tensor& param = all[index];
-    check(tensor.defined(), who, ": tensor entry '", key, "' is undefined");
+    check(tensor.defined(), who, ": tensor entry '", echo(key), "' is undefined");
     check(tensor.shape() == param.shape() && tensor.dtype() == state_dtype(param), who, ": tensor entry '",
-          key, "' is ", tensor.described(), ", expected ", dtype_name(state_dtype(param)),
+          echo(key), "' is ", tensor.described(), ", expected ", dtype_name(state_dtype(param)),
           shape_text(param.shape()), " for parameter ", index, " (", param.described(), ")");
     // A non-finite moment (or a negative second moment) would turn every later update into NaN or a skip.
     const bool non_negative = buffer_is_non_negative(what);
     const std::string bad = first_bad_value(tensor, non_negative);
-    check(bad.empty(), who, ": tensor entry '", key, "' is not ", non_negative ? "finite and >= 0" : "finite",
-          ": ", bad);
+    check(bad.empty(), who, ": tensor entry '", echo(key), "' must be ", non_negative ? "finite and >= 0" : "finite",
+          ", but ", bad);
   }
   NoGradGuard no_grad;
   for (auto& [index, param_state] : loaded) {

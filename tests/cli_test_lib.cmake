@@ -37,6 +37,32 @@ function(run_fails what)
   endforeach()
 endfunction()
 
+# patch_file(<src> <dst> <old> <new>): <dst> is a copy of <src> with the first <old> replaced by <new>, of the
+# same length (a safetensors header keeps its length prefix and offsets). Paths are relative to WORK_DIR.
+function(patch_file src dst old new)
+  string(LENGTH "${old}" old_length)
+  string(LENGTH "${new}" new_length)
+  if(NOT old_length EQUAL new_length)
+    message(FATAL_ERROR "patch_file: '${old}' and '${new}' differ in length")
+  endif()
+  file(READ ${WORK_DIR}/${src} bytes HEX)
+  string(HEX "${old}" old_hex)
+  string(FIND "${bytes}" "${old_hex}" at)
+  math(EXPR odd "${at} % 2")
+  if(at EQUAL -1 OR odd EQUAL 1)
+    message(FATAL_ERROR "patch_file: '${old}' is not in ${src}")
+  endif()
+  math(EXPR offset "${at} / 2")
+  file(COPY_FILE ${WORK_DIR}/${src} ${WORK_DIR}/${dst})
+  find_program(DD dd REQUIRED)
+  file(WRITE ${WORK_DIR}/patch.in "${new}")
+  execute_process(COMMAND ${DD} of=${WORK_DIR}/${dst} bs=1 seek=${offset} conv=notrunc INPUT_FILE ${WORK_DIR}/patch.in
+                  RESULT_VARIABLE status ERROR_QUIET)
+  if(NOT status EQUAL 0)
+    message(FATAL_ERROR "patch_file: dd failed (${status})")
+  endif()
+endfunction()
+
 # write_words_text(<file> <out-var>): writes words drawn by an LCG (and returns the text): 15 distinct bytes
 # ("the cat sat on a mat.\n dog ran"), with real but learnable structure. About 6 KB: train 90 %,
 # validation 10 % (~600 tokens, 18 windows of block 32).

@@ -218,6 +218,38 @@ run_fails("generate --temperature 0" ${GENERATE} --model words.safetensors --tem
 run_fails("generate --temperature with a leading space" ${GENERATE} --model words.safetensors --temperature " 0.5"
           MENTIONS "--temperature" "decimal" "' 0.5'")
 
+# A file's vocabulary and settings are checked where they are read. words.safetensors lists the 15 bytes of
+# words.txt in ascending order, "[10,32,46,...]"; out of order or repeated, generate printed other characters
+# (exit 0), and --resume took optimizer settings the command line refuses.
+patch_file(words.safetensors unsorted.safetensors "\"vocab\":\"[10,32," "\"vocab\":\"[32,10,")
+run_fails("generate: a vocabulary out of order" ${GENERATE} --model unsorted.safetensors --tokens 5
+          MENTIONS "'unsorted.safetensors'" "metadata entry 'vocab': entry 1 is 10, below entry 0 (32)")
+patch_file(words.safetensors repeated.safetensors "\"vocab\":\"[10,32," "\"vocab\":\"[10,10,")
+run_fails("generate: a vocabulary with a byte twice" ${GENERATE} --model repeated.safetensors --tokens 5
+          MENTIONS "'repeated.safetensors'" "entry 1 is 10, the same byte as entry 0")
+run_fails("--init: a vocabulary with a byte twice" ${TRAIN_GPT} --data words.txt --init repeated.safetensors
+          --steps 1 MENTIONS "--init 'repeated.safetensors'" "the same byte as entry 0")
+patch_file(words.safetensors beta.safetensors "\"optimizer.beta1\":\"0.9\"" "\"optimizer.beta1\":\"0.5\"")
+run_fails("--resume: an optimizer setting the options do not make" ${TRAIN_GPT} --data words.txt
+          --resume beta.safetensors --steps 152 MENTIONS "--resume 'beta.safetensors'"
+          "metadata entry 'optimizer.beta1' is 0.5, expected 0.9")
+# The loss scaler's state is checked by the scaler, which knows the entry, not the file: the error names it.
+patch_file(words.safetensors scale.safetensors
+           "\"optimizer.scaler.0.scale\":\"1\"" "\"optimizer.scaler.0.scale\":\"0\"")
+run_fails("--resume: a loss scale the configuration does not give" ${TRAIN_GPT} --data words.txt
+          --resume scale.safetensors --steps 152 MENTIONS "train_gpt: --resume 'scale.safetensors': " "scale")
+patch_file(words.safetensors layers.safetensors "\"n_layer\":\"1\"" "\"n_layer\":\"x\"")
+run_fails("generate: a config value that is no number" ${GENERATE} --model layers.safetensors --tokens 5
+          MENTIONS "'layers.safetensors'" "'n_layer' = 'x' is not an integer")
+# Values compare as values: "True" is the "true" the run writes.
+patch_file(words.safetensors bias.safetensors "\"bias\":\"true\"" "\"bias\":\"True\"")
+run(out ${TRAIN_GPT} --data words.txt --resume bias.safetensors --steps 151 --eval-every 0 --no-final-eval)
+if(NOT out MATCHES "resumed at step 150")
+  check_failed("--resume of a file with bias \"True\" did not resume: ${out}")
+endif()
+run_fails("--log-json in a missing directory" ${TRAIN_GPT} --data words.txt ${tiny} --steps 1
+          --log-json no/such/dir/log.jsonl MENTIONS "cannot open --log-json file 'no/such/dir/log.jsonl': No such file")
+
 # ================================================================ token ids (.bin)
 # A period of 50: t_j = 17 j mod 50 (17 is coprime to 50, so every id 0..49 once per period), repeated 40
 # times (2000 tokens, 4000 bytes), written as little-endian uint16 by printf's octal escapes. Each token
@@ -525,9 +557,10 @@ run_fails("--stop-at before the resumed step" ${TRAIN_GPT} --data words.txt --re
 run_fails("--stop-at beyond a resumed run's steps" ${TRAIN_GPT} --data words.txt --resume naive3.safetensors
           --stop-at 9 MENTIONS "--stop-at 9 is beyond the run's 6 steps (the checkpoint's --steps)")
 
-# A loss that overflows is said once and logged as null (JSON has no NaN); the run goes on.
-run(out ${TRAIN_GPT} --data words.txt ${tiny} --steps 4 --eval-every 0 --precision fp16 --lr 1e6 --warmup 0
-    --min-lr 1e5 --grad-clip 0 --log-json nan.jsonl)
+# A loss that overflows is said once and logged as null (JSON has no NaN); the run goes on. (No weight decay:
+# lr x weight_decay must be at most 1.)
+run(out ${TRAIN_GPT} --data words.txt ${tiny} --steps 4 --eval-every 0 --precision fp16 --lr 1e6 --weight-decay 0
+    --warmup 0 --min-lr 1e5 --grad-clip 0 --log-json nan.jsonl)
 if(NOT out MATCHES "warning: step [0-9]+: the loss is nan" OR NOT out MATCHES "step     4/4 \\| loss nan \\|")
   check_failed("an overflowing fp16 run: expected one warning and 'loss nan': ${out}")
 endif()

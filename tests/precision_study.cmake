@@ -192,7 +192,7 @@ endif()
 # A mode that diverges (a learning rate of 1e6; fp16_apex:O3 skips the steps whose gradients overflow) is a
 # row of nan losses with its skipped steps, not a failure: train_gpt logs the non-finite values as null.
 execute_process(COMMAND ${PRECISION_STUDY} --data words.txt --modes fp16_apex:O3 --layers 1 --heads 1
-                        --width 16 --block 8 --batch 2 --steps 12 --lr 1e6 --warmup 0 --min-lr 1e5
+                        --width 16 --block 8 --batch 2 --steps 12 --lr 1e6 --weight-decay 0 --warmup 0 --min-lr 1e5
                         --out diverged
                 WORKING_DIRECTORY ${WORK_DIR} RESULT_VARIABLE status OUTPUT_VARIABLE out ERROR_VARIABLE err)
 file(STRINGS ${WORK_DIR}/diverged/results.csv lines)

@@ -704,11 +704,11 @@ TEST(OptimizerStateDict, LoadRejectsNonFiniteMomentsNegativeSquaresAndHugeStepCo
     return dict;
   };
   EXPECT_ERROR_MENTIONS(adam.load_state_dict(with("state.0.exp_avg", {0, NAN, 0})), "Adam.load_state_dict",
-                        "'state.0.exp_avg' is not finite", "element 1 is nan");
+                        "'state.0.exp_avg' must be finite", "element 1 is nan");
   EXPECT_ERROR_MENTIONS(adam.load_state_dict(with("state.0.exp_avg_sq", {0, 0, INFINITY})),
-                        "'state.0.exp_avg_sq' is not finite and >= 0", "element 2 is inf");
+                        "'state.0.exp_avg_sq' must be finite and >= 0", "element 2 is inf");
   EXPECT_ERROR_MENTIONS(adam.load_state_dict(with("state.0.exp_avg_sq", {1, -1, 1})),
-                        "'state.0.exp_avg_sq' is not finite and >= 0", "element 1 is -1");
+                        "'state.0.exp_avg_sq' must be finite and >= 0", "element 1 is -1");
   EXPECT_NO_THROW(adam.load_state_dict(with("state.0.exp_avg", {-1, -2, -3})));  // a first moment may be < 0
   adam.load_state_dict(good);
   for (const char* step : {"9223372036854775807", "9007199254740993"}) {
@@ -726,7 +726,7 @@ TEST(OptimizerStateDict, LoadRejectsNonFiniteMomentsNegativeSquaresAndHugeStepCo
   StateDict dict = sgd.state_dict();
   dict.tensors["state.0.momentum_buffer"] =
       Tensor::from_vector(std::vector<double>{-INFINITY, 0}, {2}, DType::F32);
-  EXPECT_ERROR_MENTIONS(sgd.load_state_dict(dict), "SGD.load_state_dict", "'state.0.momentum_buffer' is not finite",
+  EXPECT_ERROR_MENTIONS(sgd.load_state_dict(dict), "SGD.load_state_dict", "'state.0.momentum_buffer' must be finite",
                         "element 0 is -inf");
 }
 

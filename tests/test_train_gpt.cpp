@@ -604,7 +604,7 @@ TEST(TrainGPT, LoadModelFileChecksTheTensorsAgainstTheConfigBeforeBuildingTheMod
   EXPECT_ERROR_MENTIONS(load_model_file(saved_with("vocab", "[1, 2")), path, "metadata entry 'vocab'", "json");
   // A character list shorter than vocab_size would leave sampled ids without a character (generate failed
   // part-way through its output, depending on the seed).
-  EXPECT_ERROR_MENTIONS(load_model_file(saved_with("vocab", "[97, 98]")), path, "vocab lists 2 characters",
+  EXPECT_ERROR_MENTIONS(load_model_file(saved_with("vocab", "[97, 98]")), path, "'vocab' lists 2 characters",
                         "vocab_size is " + std::to_string(config.vocab_size));
   // Weights saved in 16 bits read in the model's fp32, as train_gpt --init reads them.
   {
@@ -621,7 +621,7 @@ TEST(TrainGPT, LoadModelFileChecksTheTensorsAgainstTheConfigBeforeBuildingTheMod
     StateDict state = weights;
     state.tensors.at("transformer.wpe.weight") = bad;
     save_safetensors(path, state);
-    EXPECT_ERROR_MENTIONS(load_model_file(path), path, "'transformer.wpe.weight' is not finite in the model's f32",
+    EXPECT_ERROR_MENTIONS(load_model_file(path), path, "'transformer.wpe.weight' must be finite in the model's f32",
                           std::isnan(bad.to_vector<double>()[0]) ? "element 0 is nan" : "element 0 is inf");
   }
   std::filesystem::remove(path);
@@ -698,17 +698,17 @@ TEST(TrainGPT, ACheckpointWithNonFiniteOrImpossibleValuesIsRejectedAndChangesNot
   Trainer b(config, options, data);
   expect_rejected_changing_nothing(
       b, {{changed([](StateDict& s) { s.tensors.at("transformer.wte.weight").fill_(NAN); }),
-           {"tensor 'transformer.wte.weight'", "not finite", "element 0 is nan"}},
+           {"tensor 'transformer.wte.weight'", "must be finite", "element 0 is nan"}},
           // An f64 value beyond f32's range is inf once converted to the model's dtype.
           {changed([](StateDict& s) {
              Tensor& w = s.tensors.at("transformer.wpe.weight");
              w = Tensor::full(w.shape(), 1e300, DType::F64);
            }),
-           {"tensor 'transformer.wpe.weight' (f64[8,16]) is not finite in the model's f32", "element 0 is inf"}},
+           {"tensor 'transformer.wpe.weight' (f64[8,16]) must be finite in the model's f32", "element 0 is inf"}},
           {changed([&](StateDict& s) { s.tensors.at(sq).fill_(-1.0); }),
-           {"tensor '" + sq + "'", "not finite and >= 0", "element 0 is -1"}},
+           {"tensor '" + sq + "'", "must be finite and >= 0", "element 0 is -1"}},
           {changed([](StateDict& s) { s.tensors.at("optimizer.state.1.exp_avg").fill_(INFINITY); }),
-           {"tensor 'optimizer.state.1.exp_avg'", "not finite", "inf"}},
+           {"tensor 'optimizer.state.1.exp_avg'", "must be finite", "inf"}},
           {changed([](StateDict& s) { s.metadata.at("optimizer.state.0.step") = "9223372036854775807"; }),
            {"'optimizer.state.0.step' is 9223372036854775807", "[1, step 1]"}},
           // The optimizer steps once per training step at most; skipped steps are steps too.
@@ -738,8 +738,8 @@ TEST(TrainGPT, ACheckpointWithNonFiniteOrImpossibleValuesIsRejectedAndChangesNot
   big.tensors.at("transformer.wte.weight") = Tensor::full(good16.tensors.at("transformer.wte.weight").shape(), 7e4);
   Trainer d(config, fp16, data);
   expect_rejected_changing_nothing(
-      d, {{nan_master, {"tensor 'optimizer.master.0'", "not finite", "nan"}},
-          {big, {"tensor 'transformer.wte.weight' (f32[", "not finite in the model's f16", "element 0 is inf"}}});
+      d, {{nan_master, {"tensor 'optimizer.master.0'", "must be finite", "nan"}},
+          {big, {"tensor 'transformer.wte.weight' (f32[", "must be finite in the model's f16", "element 0 is inf"}}});
   EXPECT_ERROR_MENTIONS(d.load_weights(big), "load_weights: tensor 'transformer.wte.weight'", "f16");
 }
 
@@ -777,4 +777,192 @@ TEST(TrainGPT, ADirectoryOrADeviceIsNotATokenFile) {
                         "expected a regular file (or a pipe)");
   EXPECT_ERROR_MENTIONS(load_token_file("/dev/null"), "'/dev/null' is a device");
   EXPECT_ERROR_MENTIONS(load_token_file("/no/such/file"), "'/no/such/file' cannot be opened");
+}
+
+// ---- what a checkpoint says is read as values and checked with the command line's rules ----
+
+TEST(TrainGPT, AVocabularyIsANonEmptyAscendingSetOfBytesOfTheModelsSize) {
+  EXPECT_EQ(vocab_from_metadata("[10, 32, 97]"), (std::vector<uint8_t>{10, 32, 97}));
+  EXPECT_ERROR_MENTIONS(vocab_from_metadata("[]"), "the list is empty");
+  EXPECT_ERROR_MENTIONS(vocab_from_metadata("[97, 97, 98]"), "entry 1 is 97, the same byte as entry 0");
+  EXPECT_ERROR_MENTIONS(vocab_from_metadata("[98, 97]"), "entry 1 is 97, below entry 0 (98)", "ascending");
+  const std::map<std::string, std::string> metadata = {{"vocab", "[10, 32, 97]"}};
+  EXPECT_EQ(metadata_vocab(metadata, "f", 3).size(), 3u);
+  EXPECT_ERROR_MENTIONS(metadata_vocab(metadata, "f", 4), "f: metadata entry 'vocab' lists 3 characters",
+                        "vocab_size is 4");
+  EXPECT_TRUE(metadata_vocab({}, "f", 4).empty());  // a token model has none
+}
+
+TEST(TrainGPT, ACorruptVocabularyIsRefusedWhereverAFileIsRead) {
+  const TokenData data = char_tokens(sample_text());
+  const GPTConfig config = tiny_config(data.vocab_size, 0);
+  Trainer a(config, tiny_options("adamw"), data);
+  a.train_step();
+  const StateDict good = a.checkpoint();
+  std::vector<uint8_t> reversed = data.vocab;
+  std::reverse(reversed.begin(), reversed.end());
+  const std::vector<uint8_t> same(data.vocab.size(), 'a');
+  const std::string path = temp_path("corrupt_vocab");
+  for (const auto& [vocab, part] :
+       std::vector<std::pair<std::string, std::string>>{{"[]", "the list is empty"},
+                                                        {vocab_to_metadata(same), "the same byte as entry 0"},
+                                                        {vocab_to_metadata(reversed), "ascending order"}}) {
+    StateDict state = good;
+    state.metadata.at("vocab") = vocab;
+    save_safetensors(path, state);
+    EXPECT_ERROR_MENTIONS(load_model_file(path), "load_model_file: '" + path + "'", "metadata entry 'vocab'", part);
+    Trainer b(config, tiny_options("adamw"), data);
+    EXPECT_ERROR_MENTIONS(b.load_checkpoint(state), "training checkpoint: metadata entry 'vocab'", part);
+  }
+  std::filesystem::remove(path);
+}
+
+TEST(TrainGPT, AResumedOptimizerTakesOnlyTheSettingsTheOptionsMake) {
+  const TokenData data = char_tokens(sample_text());
+  const GPTConfig config = tiny_config(data.vocab_size, 0);
+  struct Case {
+    std::string optimizer, key, value, expected;
+  };
+  for (const Case& c : std::vector<Case>{{"adamw", "optimizer.param_groups.0.weight_decay", "1e308", "0.1"},
+                                         {"adamw", "optimizer.param_groups.1.weight_decay", "0.1", "0"},
+                                         {"adamw", "optimizer.beta1", "0.5", "0.9"},
+                                         {"adam", "optimizer.beta2", "0.5", "0.99"},
+                                         {"adamw", "optimizer.eps", "0", "1e-08"},
+                                         {"adamw", "optimizer.type", "Adam", "AdamW"},
+                                         {"sgd", "optimizer.momentum", "1", "0.9"},
+                                         {"sgd", "optimizer.dampening", "0.5", "0"},
+                                         {"sgd", "optimizer.nesterov", "true", "false"}}) {
+    Trainer a(config, tiny_options(c.optimizer), data);
+    a.train_step();
+    StateDict state = a.checkpoint();
+    ASSERT_TRUE(state.metadata.count(c.key)) << c.key;
+    state.metadata[c.key] = c.value;
+    Trainer b(config, tiny_options(c.optimizer), data);
+    EXPECT_ERROR_MENTIONS(b.load_checkpoint(state), "metadata entry '" + c.key + "' is " + c.value,
+                          "expected " + c.expected);
+    EXPECT_EQ(b.step(), 0);
+  }
+  // The same value written otherwise is the same setting.
+  Trainer a(config, tiny_options("adamw"), data);
+  a.train_step();
+  StateDict state = a.checkpoint();
+  state.metadata.at("optimizer.beta1") = "9e-1";
+  state.metadata.at("optimizer.eps") = "0.00000001";
+  Trainer b(config, tiny_options("adamw"), data);
+  b.load_checkpoint(state);
+  EXPECT_EQ(b.step(), 1);
+}
+
+TEST(TrainGPT, WeightDecayTimesTheLearningRateIsAtMostOneOnTheCommandLineAndInACheckpoint) {
+  const TokenData data = char_tokens(sample_text());
+  const GPTConfig config = tiny_config(data.vocab_size, 0);
+  TrainOptions o = tiny_options("adamw");
+  o.weight_decay = 1e308;  // finite, and AdamW's factor 1 - lr x weight_decay is -3e305
+  EXPECT_ERROR_MENTIONS(o.validate(), "--weight-decay x --lr must be at most 1", "1e+308 x 0.003");
+  o.weight_decay = 1 / o.lr;  // a factor of 0 is the edge
+  EXPECT_NO_THROW(o.validate());
+  Trainer a(config, tiny_options("adamw"), data);
+  a.train_step();
+  StateDict state = a.checkpoint();
+  state.metadata.at("train.weight_decay") = "1e308";
+  state.metadata.at("optimizer.param_groups.0.weight_decay") = "1e308";
+  Trainer b(config, tiny_options("adamw"), data);
+  EXPECT_ERROR_MENTIONS(b.load_checkpoint(state), "training checkpoint", "--weight-decay x --lr must be at most 1");
+  EXPECT_ERROR_MENTIONS(TrainOptions::from_metadata(state.metadata), "--weight-decay x --lr");
+}
+
+TEST(TrainGPT, CheckpointSettingsCompareAsValuesNotAsText) {
+  const TokenData data = char_tokens(sample_text());
+  GPTConfig config = tiny_config(data.vocab_size, 0.99);
+  config.norm_eps = 1e30;
+  Trainer a(config, tiny_options("adamw"), data);
+  a.train_step();
+  StateDict state = a.checkpoint();
+  state.metadata.at("dropout") = "0.98999999999999999";
+  state.metadata.at("norm_eps") = "1e30";
+  state.metadata.at("bias") = "1";
+  state.metadata.at("n_layer") = "02";
+  state.metadata.at("train.lr") = "3e-3";
+  state.metadata.at("train.batch") = "04";
+  Trainer b(config, tiny_options("adamw"), data);
+  b.load_checkpoint(state);
+  EXPECT_EQ(b.step(), 1);
+  // Another value still differs, and the message shows it as the file has it.
+  state.metadata.at("dropout") = "0.5";
+  Trainer c(config, tiny_options("adamw"), data);
+  EXPECT_ERROR_MENTIONS(c.load_checkpoint(state), "model option 'dropout' is 0.5 in the checkpoint");
+}
+
+TEST(TrainGPT, OptimizerErrorsNameTheEntryAsTheCheckpointDoes) {
+  const TokenData data = char_tokens(sample_text());
+  const GPTConfig config = tiny_config(data.vocab_size, 0);
+  Trainer a(config, tiny_options("adamw"), data);
+  a.train_step();
+  StateDict state = a.checkpoint();
+  state.tensors["optimizer.s4ate.13.exp_avg"] = state.tensors.at("optimizer.state.13.exp_avg");
+  state.tensors.erase("optimizer.state.13.exp_avg");
+  Trainer b(config, tiny_options("adamw"), data);
+  EXPECT_ERROR_MENTIONS(b.load_checkpoint(state), "unexpected tensor entry 'optimizer.s4ate.13.exp_avg'");
+  EXPECT_EQ(optimizer_error_in_file_keys("X: entry 'state.1.step' is 0; missing tensor entry 'master.2'"),
+            "X: entry 'optimizer.state.1.step' is 0; missing tensor entry 'optimizer.master.2'");
+}
+
+TEST(TrainGPT, ValuesFromAFileAreEchoedPrintableAndErrorsSayWhatMustHold) {
+  const TokenData data = char_tokens(sample_text());
+  const GPTConfig config = tiny_config(data.vocab_size, 0);
+  Trainer a(config, tiny_options("adamw"), data);
+  a.train_step();
+  const StateDict good = a.checkpoint();
+  StateDict state = good;
+  state.metadata.at("train.precision") = std::string("fp\n3\0" "2\xc3", 7);
+  Trainer b(config, tiny_options("adamw"), data);
+  EXPECT_ERROR_MENTIONS(b.load_checkpoint(state), "option 'precision' is fp\\n3\\02\\xc3 in the checkpoint");
+  state = good;
+  for (auto& [name, t] : state.tensors) t = t.clone();
+  Tensor& sq = state.tensors.at("optimizer.state.0.exp_avg_sq");
+  sq.fill_(-1.0);
+  EXPECT_ERROR_MENTIONS(b.load_checkpoint(state), "must be finite and >= 0, but element 0 is -1");
+  // generate's reader names the file in a config error, with the value made printable.
+  StateDict weights = model_part(good);
+  weights.metadata.at("n_layer") = std::string("a\nb\0c", 5);
+  const std::string path = temp_path("bad_config");
+  save_safetensors(path, weights);
+  EXPECT_ERROR_MENTIONS(load_model_file(path), "load_model_file: '" + path + "'", "'n_layer' = 'a\\nb\\0c'");
+  std::filesystem::remove(path);
+}
+
+TEST(TrainGPT, OptimizerStateEntriesNameAParameterAndABufferTheOptimizerKeeps) {
+  const TokenData data = char_tokens(sample_text());
+  const GPTConfig config = tiny_config(data.vocab_size, 0);
+  Trainer a(config, tiny_options("adamw"), data);
+  a.train_step();
+  const StateDict good = a.checkpoint();
+  const Tensor moment = good.tensors.at("optimizer.state.0.exp_avg");
+  auto with_tensor = [&](const std::string& name) {
+    StateDict state = good;
+    state.tensors[name] = moment;
+    return state;
+  };
+  Trainer b(config, tiny_options("adamw"), data);
+  EXPECT_ERROR_MENTIONS(b.load_checkpoint(with_tensor("optimizer.state.0.momentum_buffer")),
+                        "tensor 'optimizer.state.0.momentum_buffer'", "keeps the state tensors exp_avg, exp_avg_sq",
+                        "not 'momentum_buffer'");
+  EXPECT_ERROR_MENTIONS(b.load_checkpoint(with_tensor("optimizer.state.999.exp_avg")),
+                        "tensor 'optimizer.state.999.exp_avg' names no parameter",
+                        "i < " + std::to_string(a.model().parameters().size()));
+  EXPECT_ERROR_MENTIONS(b.load_checkpoint(with_tensor("optimizer.state.00.exp_avg")),
+                        "'optimizer.state.00.exp_avg' names no parameter");
+  StateDict state = good;
+  state.metadata["optimizer.state.0.count"] = "1";
+  EXPECT_ERROR_MENTIONS(b.load_checkpoint(state), "metadata entry 'optimizer.state.0.count'",
+                        "a step count (.step)");
+  EXPECT_EQ(b.step(), 0);
+  // SGD without momentum keeps no state at all: its checkpoint loads.
+  TrainOptions plain = tiny_options("sgd");
+  plain.momentum = 0;
+  Trainer c(config, plain, data);
+  c.train_step();
+  Trainer d(config, plain, data);
+  d.load_checkpoint(c.checkpoint());
+  EXPECT_EQ(d.step(), 1);
 }

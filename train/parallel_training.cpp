@@ -124,9 +124,9 @@ std::optional<std::pair<size_t, std::string>> split_state_key(const std::string&
   if (key.rfind("state.", 0) != 0) return std::nullopt;
   const size_t dot = key.find('.', 6);
   if (dot == std::string::npos || dot == 6) return std::nullopt;
-  for (size_t k = 6; k < dot; ++k)
-    if (key[k] < '0' || key[k] > '9') return std::nullopt;
-  return std::make_pair(static_cast<size_t>(std::stoull(key.substr(6, dot - 6))), key.substr(dot + 1));
+  const std::optional<size_t> index = number_from_text<size_t>(std::string_view(key).substr(6, dot - 6));
+  if (!index) return std::nullopt;  // not digits, or beyond size_t
+  return std::make_pair(*index, key.substr(dot + 1));
 }
 
 // The parameter name inside a named optimizer key: "state.<name>.<buffer>" (buffer after the last dot) or
@@ -246,6 +246,21 @@ struct ParallelTrainer::Impl {
   Tensor slice(const std::string& name, const Tensor& full_value) const {
     const auto it = specs.find(name);
     return it == specs.end() ? full_value : dist::shard_of(full_value, it->second, groups.tp_rank, groups.layout.tp);
+  }
+  // A key of this rank's optimizer dict ("state.<j>.<buffer>", "master.<j>": j counts in local_order) as the
+  // checkpoint names it (j becomes the parameter's index in full_order); any other key as it is.
+  std::string file_key_of_local(const std::string& key) const {
+    std::optional<size_t> j;
+    std::string rest;
+    if (auto s = split_state_key(key)) {
+      j = s->first;
+      rest = "." + s->second;
+    } else if (key.rfind("master.", 0) == 0) {
+      j = number_from_text<size_t>(std::string_view(key).substr(7));
+    }
+    if (!j || *j >= local_order.size()) return key;
+    const auto i = std::find(full_order.begin(), full_order.end(), local_order[*j]) - full_order.begin();
+    return (rest.empty() ? "master." : "state.") + std::to_string(i) + rest;
   }
   StateDict local_named_state();
   void load_named(const StateDict& state, bool with_optimizer);
@@ -595,7 +610,7 @@ void ParallelTrainer::Impl::load_named(const StateDict& state, bool with_optimiz
     check(file.dtype() == param.dtype() || (is_floating(file.dtype()) && is_floating(param.dtype())), what,
           ": tensor '", name, "' has ", file.described(), ", expected ", param.described());
     const std::string bad = first_bad_value(file);
-    check(bad.empty(), what, ": tensor '", name, "' (", file.described(), ") is not finite: ", bad);
+    check(bad.empty(), what, ": tensor '", name, "' (", file.described(), ") must be finite, but ", bad);
   }
   // This rank's parameters in their own dtypes (a 16-bit stage under naive AMP): finite there too. Only the
   // ranks holding such a parameter see an overflow in the conversion, so the ranks agree before going on.
@@ -606,7 +621,7 @@ void ParallelTrainer::Impl::load_named(const StateDict& state, bool with_optimiz
     const std::string bad = value.dtype() == file.dtype() ? std::string() : first_bad_value(value);
     if (!bad.empty() && conversion_error.empty())
       conversion_error = std::string(what) + ": tensor '" + name + "' (" + file.description() +
-                         ") is not finite in the model's " + dtype_name(value.dtype()) + ": " + bad;
+                         ") must be finite in the model's " + dtype_name(value.dtype()) + ", but " + bad;
     copies.emplace_back(p, slice(name, value));
   }
   std::vector<double> failed = {conversion_error.empty() ? 0.0 : 1.0};
@@ -630,17 +645,17 @@ void ParallelTrainer::Impl::load_named(const StateDict& state, bool with_optimiz
       } else if (key.rfind("master.", 0) == 0) {
         const std::string index = key.substr(7);
         const std::optional<size_t> parsed = number_from_text<size_t>(index);
-        check(parsed.has_value(), what, ": optimizer entry '", key, "', expected master.<parameter index>");
+        check(parsed.has_value(), what, ": tensor 'optimizer.", echo(key), "', expected master.<parameter index>");
         i = *parsed;
         rest = "master.%";
       } else {
         local.tensors[key] = t;
         continue;
       }
-      check(i < full_order.size(), what, ": optimizer entry '", key, "' names parameter ", i, " of ",
+      check(i < full_order.size(), what, ": tensor 'optimizer.", echo(key), "' names parameter ", i, " of ",
             full_order.size());
       const Tensor& param = full_params.at(full_order[i]);
-      check(t.shape() == param.shape(), what, ": optimizer entry '", key, "' is ", t.described(),
+      check(t.shape() == param.shape(), what, ": tensor 'optimizer.", echo(key), "' is ", t.described(),
             ", expected the shape of parameter '", full_order[i], "', ", param.described());
       const auto j = local_index.find(full_order[i]);
       if (j == local_index.end()) continue;  // another stage's parameter
@@ -649,8 +664,8 @@ void ParallelTrainer::Impl::load_named(const StateDict& state, bool with_optimiz
     }
     for (const auto& [key, value] : opt.metadata) {
       if (auto s = split_state_key(key)) {
-        check(s->first < full_order.size(), what, ": optimizer entry '", key, "' names parameter ", s->first, " of ",
-              full_order.size());
+        check(s->first < full_order.size(), what, ": metadata entry 'optimizer.", echo(key), "' names parameter ",
+              s->first, " of ", full_order.size());
         const auto j = local_index.find(full_order[s->first]);
         if (j != local_index.end()) local.metadata["state." + std::to_string(j->second) + "." + s->second] = value;
       } else {
@@ -671,12 +686,20 @@ void ParallelTrainer::Impl::load_named(const StateDict& state, bool with_optimiz
     }
   }
   if (with_optimizer) {
+    const auto restore = [&] {
+      NoGradGuard no_grad;
+      for (size_t k = 0; k < copies.size(); ++k) copies[k].first.copy_(old_values[k]);
+    };
     try {
       if (zero) zero->load_state_dict(local);  // collective: it throws on every dp rank or on none
       else mpo->load_state_dict(local);
+    } catch (const Error& error) {
+      restore();
+      fail(what, ": ", optimizer_error_in_file_keys(error.what(), [&](const std::string& key) {
+             return "optimizer." + file_key_of_local(key);
+           }));
     } catch (...) {
-      NoGradGuard no_grad;
-      for (size_t k = 0; k < copies.size(); ++k) copies[k].first.copy_(old_values[k]);
+      restore();
       throw;
     }
   } else if (zero) {

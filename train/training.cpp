@@ -9,6 +9,8 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <optional>
+#include <set>
 #include <sstream>
 #include <system_error>
 
@@ -28,14 +30,14 @@ namespace {
 const std::string& entry(const std::map<std::string, std::string>& metadata, const std::string& key,
                          const char* what) {
   const auto it = metadata.find(key);
-  check(it != metadata.end(), what, ": metadata entry '", key, "' is missing");
+  check(it != metadata.end(), what, ": metadata entry '", echo(key), "' is missing");
   return it->second;
 }
 
 template <class T>
 T parse_number(const std::string& text, const std::string& key, const char* what) {
   const std::optional<T> value = number_from_text<T>(text);
-  check(value.has_value(), what, ": metadata entry '", key, "' = '", text, "' is not a valid number");
+  check(value.has_value(), what, ": metadata entry '", echo(key), "' = '", echo(text), "' is not a valid number");
   return *value;
 }
 
@@ -51,7 +53,7 @@ auto parse_entry(const std::string& text, const std::string& key, const std::str
   try {
     return parse(text);
   } catch (const Error& e) {
-    fail(what, ": metadata entry '", key, "': ", e.what());
+    fail(what, ": metadata entry '", echo(key), "': ", e.what());
   }
 }
 
@@ -91,15 +93,15 @@ std::string read_input_file(const std::string& what, const std::string& path) {
   std::error_code error;
   const fs::file_type type = fs::status(path, error).type();  // through symbolic links
   // A directory opens as a stream that reads nothing; a device may never end (/dev/zero, /dev/urandom).
-  check(type != fs::file_type::directory, what, " '", path, "' is a directory, expected a regular file");
+  check(type != fs::file_type::directory, what, " '", echo(path), "' is a directory, expected a regular file");
   check(type != fs::file_type::character && type != fs::file_type::block && type != fs::file_type::socket, what,
-        " '", path, "' is a ", type == fs::file_type::socket ? "socket" : "device",
+        " '", echo(path), "' is a ", type == fs::file_type::socket ? "socket" : "device",
         ", expected a regular file (or a pipe)");
   std::ifstream in(path, std::ios::binary);
-  check(in.good(), what, " '", path, "' cannot be opened", error ? " (" + error.message() + ")" : "");
+  check(in.good(), what, " '", echo(path), "' cannot be opened", error ? " (" + error.message() + ")" : "");
   std::ostringstream text;
   text << in.rdbuf();
-  check(!in.bad(), what, " '", path, "': error reading it");
+  check(!in.bad(), what, " '", echo(path), "': error reading it");
   return text.str();
 }
 
@@ -124,22 +126,22 @@ TokenData load_token_file(const std::string& path, int64_t vocab_size) {
   // extension at all).
   const std::string bytes = read_input_file("train_gpt: data file", path);
   if (ends_with(path, ".bin")) {
-    check(vocab_size > 0 && vocab_size <= 65536, "train_gpt: a .bin data file ('", path,
+    check(vocab_size > 0 && vocab_size <= 65536, "train_gpt: a .bin data file ('", echo(path),
           "') needs --vocab-size in [1, 65536], got ", vocab_size);
-    check(bytes.size() % 2 == 0, "train_gpt: '", path, "' has an odd byte count (", bytes.size(),
+    check(bytes.size() % 2 == 0, "train_gpt: '", echo(path), "' has an odd byte count (", bytes.size(),
           "); expected little-endian uint16 token ids");
     TokenData data;
     data.vocab_size = vocab_size;
     data.tokens.resize(bytes.size() / 2);
     for (size_t i = 0; i < data.tokens.size(); ++i) {
       const int32_t id = static_cast<unsigned char>(bytes[2 * i]) | static_cast<unsigned char>(bytes[2 * i + 1]) << 8;
-      check(id < vocab_size, "train_gpt: token ", i, " of '", path, "' is ", id, ", not below --vocab-size ",
+      check(id < vocab_size, "train_gpt: token ", i, " of '", echo(path), "' is ", id, ", not below --vocab-size ",
             vocab_size);
       data.tokens[i] = id;
     }
     return data;
   }
-  check(vocab_size == 0, "train_gpt: --vocab-size applies to .bin data only ('", path,
+  check(vocab_size == 0, "train_gpt: --vocab-size applies to .bin data only ('", echo(path),
         "' is read as text: its vocabulary is its bytes)");
   return char_tokens(bytes);
 }
@@ -150,10 +152,16 @@ std::string vocab_to_metadata(const std::vector<uint8_t>& vocab) {
   return json::dump(values);
 }
 
-std::vector<uint8_t> metadata_vocab(const std::map<std::string, std::string>& metadata, const std::string& what) {
+std::vector<uint8_t> metadata_vocab(const std::map<std::string, std::string>& metadata, const std::string& what,
+                                    int64_t vocab_size) {
   const auto found = metadata.find("vocab");
   if (found == metadata.end()) return {};
-  return parse_entry(found->second, "vocab", what, vocab_from_metadata);
+  const std::vector<uint8_t> vocab = parse_entry(found->second, "vocab", what, vocab_from_metadata);
+  // One byte per token id: a list of another length would leave sampled ids without a character, or
+  // characters without an id.
+  check(static_cast<int64_t>(vocab.size()) == vocab_size, what, ": metadata entry 'vocab' lists ", vocab.size(),
+        " characters but vocab_size is ", vocab_size, " (a character vocabulary has one byte per token id)");
+  return vocab;
 }
 
 std::vector<uint8_t> vocab_from_metadata(const std::string& text) {
@@ -161,9 +169,17 @@ std::vector<uint8_t> vocab_from_metadata(const std::string& text) {
   std::vector<uint8_t> vocab;
   for (const Json& v : json::as_array(value)) {
     const int64_t b = json::as_integer(v);
-    check(b >= 0 && b < 256, "vocab metadata: entry ", b, " is not a byte value");
+    const size_t i = vocab.size();
+    check(b >= 0 && b < 256, "entry ", i, " is ", b, ", not a byte value");
+    // char_tokens' vocabulary is the sorted set of the text's bytes: token id t is the t-th smallest byte. A
+    // list out of that order maps ids to other characters; a repeated byte leaves an id that no text can have.
+    check(i == 0 || b != vocab.back(), "entry ", i, " is ", b, ", the same byte as entry ", i - 1,
+          " (a character vocabulary lists each byte once)");
+    check(i == 0 || b > vocab.back(), "entry ", i, " is ", b, ", below entry ", i - 1, " (", int{vocab.back()},
+          "): a character vocabulary lists its bytes in ascending order");
     vocab.push_back(static_cast<uint8_t>(b));
   }
+  check(!vocab.empty(), "the list is empty (a character vocabulary has at least one byte)");
   return vocab;
 }
 
@@ -178,14 +194,19 @@ void TrainOptions::validate() const {
         min_lr);
   check(warmup >= 0, "train_gpt: --warmup must be >= 0, got ", warmup);
   check(optimizer == "sgd" || optimizer == "adam" || optimizer == "adamw",
-        "train_gpt: --optimizer must be sgd, adam or adamw, got '", optimizer, "'");
+        "train_gpt: --optimizer must be sgd, adam or adamw, got '", echo(optimizer), "'");
   check(std::isfinite(weight_decay) && weight_decay >= 0, "train_gpt: --weight-decay must be >= 0, got ",
         weight_decay);
+  // AdamW and SGD scale every decayed weight by 1 - lr x weight_decay per step (Adam adds weight_decay x w to
+  // the gradient): past 1 that factor is negative, and the weights flip sign and grow at every step. lr is the
+  // schedule's peak, so the bound holds at every step.
+  check(lr * weight_decay <= 1, "train_gpt: --weight-decay x --lr must be at most 1 (each step scales a decayed "
+        "weight by 1 - lr x weight_decay), got ", weight_decay, " x ", lr, " = ", lr * weight_decay);
   check(beta1 >= 0 && beta1 < 1, "train_gpt: --beta1 must be in [0, 1), got ", beta1);
   check(beta2 >= 0 && beta2 < 1, "train_gpt: --beta2 must be in [0, 1), got ", beta2);
   check(momentum >= 0 && momentum < 1, "train_gpt: --momentum must be in [0, 1), got ", momentum);
   check(schedule == "constant" || schedule == "cosine", "train_gpt: --schedule must be constant or cosine, got '",
-        schedule, "'");
+        echo(schedule), "'");
   check(std::isfinite(grad_clip) && grad_clip >= 0, "train_gpt: --grad-clip must be >= 0 (0 = off), got ",
         grad_clip);
   amp.validate();
@@ -228,7 +249,7 @@ TrainOptions TrainOptions::from_metadata(const std::map<std::string, std::string
   o.seed = read<uint64_t>(m, "train.seed", what);
   const std::string& sequential = entry(m, "train.sequential", what);
   check(sequential == "true" || sequential == "false", what, ": train.sequential must be true or false, got '",
-        sequential, "'");
+        echo(sequential), "'");
   o.sequential = sequential == "true";
   // Checkpoints from before the precision modes are fp32.
   if (m.count("train.amp_config")) o.amp = amp_config_entry(m, what);
@@ -273,14 +294,26 @@ std::vector<std::string> optimizer_order(const Module& model) {
   return decay;
 }
 
-std::unique_ptr<Optimizer> make_optimizer(const TrainOptions& options, const Module& model) {
-  ParamGroup decay{{}, options.lr, options.weight_decay}, no_decay{{}, options.lr, 0.0};
-  for (const auto& [name, p] : model.named_parameters()) (p.dim() >= 2 ? decay : no_decay).params.push_back(p);
-  std::vector<ParamGroup> groups{decay, no_decay};
+namespace {
+
+// The run's optimizer over nanoGPT's two groups (decay, no decay), whatever parameters they hold.
+std::unique_ptr<Optimizer> optimizer_of_groups(const TrainOptions& options, ParamGroup decay, ParamGroup no_decay) {
+  decay.lr = no_decay.lr = options.lr;
+  decay.weight_decay = options.weight_decay;
+  no_decay.weight_decay = 0;
+  std::vector<ParamGroup> groups{std::move(decay), std::move(no_decay)};
   const AdamOptions adam{options.beta1, options.beta2, 1e-8};
   if (options.optimizer == "sgd") return std::make_unique<SGD>(groups, SGDOptions{options.momentum, 0, false});
   if (options.optimizer == "adam") return std::make_unique<Adam>(groups, adam);
   return std::make_unique<AdamW>(groups, adam);
+}
+
+}  // namespace
+
+std::unique_ptr<Optimizer> make_optimizer(const TrainOptions& options, const Module& model) {
+  ParamGroup decay, no_decay;
+  for (const auto& [name, p] : model.named_parameters()) (p.dim() >= 2 ? decay : no_decay).params.push_back(p);
+  return optimizer_of_groups(options, std::move(decay), std::move(no_decay));
 }
 
 std::unique_ptr<LRSchedule> make_schedule(const TrainOptions& options) {
@@ -458,8 +491,9 @@ StateDict Trainer::model_part_in_model_dtypes(const StateDict& state, const char
     const Tensor original = t;
     t = in_model_dtype(mine, name, t);
     const std::string bad = first_bad_value(t);
-    check(bad.empty(), what, ": tensor '", name, "' (", original.described(), ") is not finite",
-          t.dtype() == original.dtype() ? "" : std::string(" in the model's ") + dtype_name(t.dtype()), ": ", bad);
+    check(bad.empty(), what, ": tensor '", echo(name), "' (", original.described(), ") must be finite",
+          t.dtype() == original.dtype() ? "" : std::string(" in the model's ") + dtype_name(t.dtype()), ", but ",
+          bad);
   }
   return part;
 }
@@ -469,26 +503,132 @@ void Trainer::load_weights(const StateDict& state) {
   optimizer_->reload_masters();  // else the first step would start from the masters of the initial weights
 }
 
+namespace {
+
+// Whether a file's metadata text says the value `expected` (a to_metadata text): numbers compare as numbers
+// ("1e30" is "1e+30", "0.99" is "0.98999999999999999"), anything else as text.
+bool same_value(const std::string& file_text, const std::string& expected) {
+  const std::optional<double> a = number_from_text<double>(file_text), b = number_from_text<double>(expected);
+  return a && b ? *a == *b : file_text == expected;
+}
+
+// The checkpoint's model config, read as GPTConfig::from_metadata reads it, against the trainer's.
+void check_checkpoint_config(const std::map<std::string, std::string>& metadata, const GPTConfig& config,
+                             const char* what) {
+  std::map<std::string, std::string> mine, file;
+  config.to_metadata(mine);
+  for (const auto& [key, value] : mine) entry(metadata, key, what);  // a missing one is named, not defaulted
+  try {
+    GPTConfig::from_metadata(metadata).to_metadata(file);
+  } catch (const Error& error) {
+    fail(what, ": ", error.what());
+  }
+  for (const auto& [key, value] : mine)
+    check(file.at(key) == value, what, ": model option '", key, "' is ", echo(metadata.at(key)),
+          " in the checkpoint but ", value, " here");
+}
+
+// The checkpoint's train.* options, read (and validated with the command line's rules) by
+// TrainOptions::from_metadata, against the trainer's: all but train.steps, which a resumed run may extend, and
+// the AMP options, compared option by option (those that only change what is printed may differ).
+void check_checkpoint_options(const std::map<std::string, std::string>& metadata, const TrainOptions& options,
+                              const char* what) {
+  const std::map<std::string, std::string> mine = options.to_metadata();
+  for (const auto& [key, value] : mine) entry(metadata, key, what);  // a missing one is named
+  const std::map<std::string, std::string> file = TrainOptions::from_metadata(metadata).to_metadata();
+  for (const auto& [key, value] : mine) {
+    if (key == "train.steps" || key == "train.amp_config") continue;
+    // train.precision is the mode's name, which from_metadata takes from train.amp_config: compared as written.
+    const std::string& found = key == "train.precision" ? metadata.at(key) : file.at(key);
+    check(found == value, what, ": option '", key.substr(6), "' is ", echo(metadata.at(key)),
+          " in the checkpoint but ", value, " here");
+  }
+  const std::string amp_differences =
+      options.amp.training_differences(amp_config_entry(metadata, what), "the checkpoint's");
+  check(amp_differences.empty(), what, ": the AMP options differ in ", amp_differences);
+}
+
+// The state buffers the run's optimizer keeps per parameter ("exp_avg", ...; none for SGD without momentum):
+// those it holds after stepping once on a one-element probe.
+std::set<std::string> optimizer_buffers(const TrainOptions& options) {
+  Tensor probe = Tensor::zeros({1});
+  probe.requires_grad_();
+  probe.set_grad(Tensor::zeros({1}));
+  ParamGroup group;
+  group.params.push_back(probe);
+  const std::unique_ptr<Optimizer> optimizer = optimizer_of_groups(options, group, ParamGroup{});
+  optimizer->step();
+  std::set<std::string> names;
+  if (const ParamState* state = optimizer->state(probe))
+    for (const auto& [name, buffer] : state->buffers) names.insert(name);
+  return names;
+}
+
+// The parameter index and the rest of "optimizer.state.<i>.<rest>" (i in canonical decimal), if `key` is one.
+std::optional<std::pair<size_t, std::string>> optimizer_state_key(const std::string& key) {
+  static const std::string prefix = "optimizer.state.";
+  if (key.rfind(prefix, 0) != 0) return std::nullopt;
+  const size_t dot = key.find('.', prefix.size());
+  if (dot == std::string::npos) return std::nullopt;
+  const std::string digits = key.substr(prefix.size(), dot - prefix.size());
+  const std::optional<size_t> index = number_from_text<size_t>(digits);
+  if (!index || std::to_string(*index) != digits) return std::nullopt;
+  return std::make_pair(*index, key.substr(dot + 1));
+}
+
+// Every "optimizer.state.*" entry names a parameter of the model and, for a tensor, a buffer the run's optimizer
+// keeps: checked on the whole file, so that every rank of a parallel trainer (each holding some parameters)
+// refuses the same file.
+void check_optimizer_state_names(const StateDict& state, const GPTConfig& config, const TrainOptions& options,
+                                 const char* what) {
+  const size_t params = gpt_parameter_shapes(config).size();
+  const std::set<std::string> buffers = optimizer_buffers(options);
+  std::string kept;
+  for (const std::string& buffer : buffers) kept += (kept.empty() ? "" : ", ") + buffer;
+  const auto check_key = [&](const std::string& key, bool tensor) {
+    if (key.rfind("optimizer.state.", 0) != 0) return;
+    const auto parsed = optimizer_state_key(key);
+    check(parsed && parsed->first < params, what, ": ", tensor ? "tensor" : "metadata entry", " '", echo(key),
+          "' names no parameter (expected optimizer.state.<i>.", tensor ? "<buffer>" : "step", ", i < ", params,
+          ")");
+    check(tensor ? buffers.count(parsed->second) > 0 : parsed->second == "step", what, ": ",
+          tensor ? "tensor" : "metadata entry", " '", echo(key), "': the ", options.optimizer, " optimizer keeps ",
+          tensor ? (kept.empty() ? std::string("no state tensors") : "the state tensors " + kept)
+                 : std::string("a step count (.step) as its metadata"), ", not '", echo(parsed->second), "'");
+  };
+  for (const auto& [name, t] : state.tensors) check_key(name, true);
+  for (const auto& [key, value] : state.metadata) check_key(key, false);
+}
+
+// The optimizer's own settings in the checkpoint ("optimizer.beta1", "optimizer.param_groups.0.weight_decay",
+// ...) are those the run's options make (make_optimizer): Optimizer::load_state_dict would otherwise put a
+// value into the run that the options never allowed. The groups' learning rates are the schedule's, set
+// before every step.
+void check_optimizer_settings(const std::map<std::string, std::string>& metadata, const TrainOptions& options,
+                              const char* what) {
+  const StateDict expected = optimizer_of_groups(options, ParamGroup{}, ParamGroup{})->state_dict();
+  for (const auto& [key, value] : expected.metadata) {
+    if (ends_with(key, ".params") || ends_with(key, ".lr")) continue;
+    const std::string file_key = "optimizer." + key;
+    const std::string& found = entry(metadata, file_key, what);
+    check(same_value(found, value), what, ": metadata entry '", file_key, "' is ", echo(found), ", expected ",
+          value, " (the ", expected.metadata.at("type"), " setting that the checkpoint's train.* options make)");
+  }
+}
+
+}  // namespace
+
 int64_t validate_checkpoint(const StateDict& state, const GPTConfig& config, const TrainOptions& options,
                             const TokenData& data) {
   const char* what = "training checkpoint";
-  std::map<std::string, std::string> config_meta;
-  config.to_metadata(config_meta);
-  for (const auto& [key, value] : config_meta) {
-    const std::string& found = entry(state.metadata, key, what);  // before the comparison: names a missing one
-    check(found == value, what, ": model option '", key, "' is ", found, " in the checkpoint but ", value, " here");
-  }
-  for (const auto& [key, value] : options.to_metadata())
-    if (key != "train.steps" && key != "train.amp_config") {
-      const std::string& found = entry(state.metadata, key, what);
-      check(found == value, what, ": option '", key.substr(6), "' is ", found, " in the checkpoint but ", value,
-            " here");
-    }
-  // AMP options option by option: those that only change what is printed (verbose, ...) may differ.
-  const std::string amp_differences =
-      options.amp.training_differences(amp_config_entry(state.metadata, what), "the checkpoint's");
-  check(amp_differences.empty(), what, ": the AMP options differ in ", amp_differences);
-  const std::vector<uint8_t> vocab = metadata_vocab(state.metadata, what);
+  check_checkpoint_config(state.metadata, config, what);
+  check_checkpoint_options(state.metadata, options, what);
+  bool has_optimizer = false;
+  for (const auto& [key, value] : state.metadata) has_optimizer = has_optimizer || key.rfind("optimizer.", 0) == 0;
+  check(has_optimizer, what, ": no optimizer state (a weights-only file? use --init for those)");
+  check_optimizer_settings(state.metadata, options, what);
+  check_optimizer_state_names(state, config, options, what);
+  const std::vector<uint8_t> vocab = metadata_vocab(state.metadata, what, config.vocab_size);
   if (!data.vocab.empty() && state.metadata.count("vocab"))
     check(vocab == data.vocab, what, ": the data's character vocabulary differs from the checkpoint's");
   const int64_t step = read<int64_t>(state.metadata, "step", what);
@@ -499,9 +639,6 @@ int64_t validate_checkpoint(const StateDict& state, const GPTConfig& config, con
   const int64_t position = read<int64_t>(state.metadata, "data.position", what);
   check(position == step, what, ": data.position ", position, " differs from step ", step,
         " (the next batch is the one of the step)");
-  bool has_optimizer = false;
-  for (const auto& [key, value] : state.metadata) has_optimizer = has_optimizer || key.rfind("optimizer.", 0) == 0;
-  check(has_optimizer, what, ": no optimizer state (a weights-only file? use --init for those)");
   // The optimizer's values, checked here (and again by the optimizer) so that every rank of a parallel trainer
   // finds the same fault, whichever parameters it holds. Tensors (moments, fp32 masters) must be finite, a second
   // moment >= 0: one NaN there makes every later step a skipped one. A parameter's step count is in [1, 2^53].
@@ -509,13 +646,13 @@ int64_t validate_checkpoint(const StateDict& state, const GPTConfig& config, con
     if (name.rfind("optimizer.", 0) != 0) continue;
     const bool non_negative = ends_with(name, ".exp_avg_sq");
     const std::string bad = first_bad_value(t, non_negative);
-    check(bad.empty(), what, ": tensor '", name, "' (", t.described(), ") is not ",
-          non_negative ? "finite and >= 0" : "finite", ": ", bad);
+    check(bad.empty(), what, ": tensor '", echo(name), "' (", t.described(), ") must be ",
+          non_negative ? "finite and >= 0" : "finite", ", but ", bad);
   }
   for (const auto& [key, value] : state.metadata)
     if (key.rfind("optimizer.state.", 0) == 0 && ends_with(key, ".step")) {
       const int64_t count = parse_number<int64_t>(value, key, what);
-      check(count >= 1 && count <= step, what, ": metadata entry '", key, "' is ", count,
+      check(count >= 1 && count <= step, what, ": metadata entry '", echo(key), "' is ", count,
             ", expected a step count in [1, step ", step, "] (the optimizer steps once per training step at most)");
     }
   // Skipped steps are steps too: more of them than steps is a file that was edited or mixed up.
@@ -536,6 +673,24 @@ std::vector<std::pair<Generator*, Generator>> checkpoint_generators(const StateD
     generators.emplace_back(gen, g);
   }
   return generators;
+}
+
+std::string optimizer_error_in_file_keys(std::string_view message,
+                                         const std::function<std::string(const std::string&)>& file_key) {
+  static constexpr std::string_view kQuote = "entry '";
+  std::string out;
+  size_t at = 0;
+  for (size_t found; (found = message.find(kQuote, at)) != std::string_view::npos;) {
+    const size_t begin = found + kQuote.size();
+    const size_t end = message.find('\'', begin);
+    if (end == std::string_view::npos) break;
+    const std::string key(message.substr(begin, end - begin));
+    out.append(message.substr(at, begin - at));
+    out += file_key ? file_key(key) : "optimizer." + key;
+    at = end;
+  }
+  out.append(message.substr(at));
+  return out;
 }
 
 StateDict optimizer_part(const StateDict& state) {
@@ -560,6 +715,9 @@ void Trainer::load_checkpoint(const StateDict& state) {
   model_->load_state_dict(model_part_in_model_dtypes(state, "training checkpoint"));
   try {
     optimizer_->load_state_dict(opt);
+  } catch (const Error& error) {
+    model_->load_state_dict(old_model);
+    fail("training checkpoint: ", optimizer_error_in_file_keys(error.what()));
   } catch (...) {
     model_->load_state_dict(old_model);
     throw;
@@ -650,17 +808,15 @@ int64_t default_start_token(const std::vector<uint8_t>& vocab) {
   return it != vocab.end() ? it - vocab.begin() : 0;
 }
 
-std::unique_ptr<GPT> load_model_file(const std::string& path, std::vector<uint8_t>* vocab) {
-  const StateDict state = load_safetensors(path);
+namespace {
+
+// load_model_file's model from the file's contents; `what` names the file.
+std::unique_ptr<GPT> load_model(const StateDict& state, const std::string& what, std::vector<uint8_t>* vocab) {
   const GPTConfig config = GPTConfig::from_metadata(state.metadata);
   StateDict weights = model_part(state);
-  const std::string what = "load_model_file: '" + path + "'";
   check_gpt_shapes(config, weights.tensors, what);  // before the model of the metadata's size is built
-  const std::vector<uint8_t> file_vocab = metadata_vocab(state.metadata, what);
-  // A character vocabulary has one byte per token id (train_gpt writes both from the same text): a list of
-  // another length would leave sampled ids without a character, or characters without an id.
-  check(file_vocab.empty() || static_cast<int64_t>(file_vocab.size()) == config.vocab_size, what,
-        ": the metadata's vocab lists ", file_vocab.size(), " characters but vocab_size is ", config.vocab_size);
+  // A character vocabulary has one byte per token id (train_gpt writes both from the same text).
+  const std::vector<uint8_t> file_vocab = metadata_vocab(state.metadata, what, config.vocab_size);
   auto model = std::make_unique<GPT>(config, 0);
   const StateDict mine = model->state_dict();
   for (auto& [name, t] : weights.tensors) t = in_model_dtype(mine, name, t);  // as --init reads them
@@ -668,12 +824,25 @@ std::unique_ptr<GPT> load_model_file(const std::string& path, std::vector<uint8_
   // A NaN (or a value beyond the model's dtype) would not fail: every sample would silently be garbage.
   for (const auto& [name, p] : model->named_parameters()) {
     const std::string bad = first_bad_value(p);
-    check(bad.empty(), what, ": tensor '", name, "' is not finite in the model's ", dtype_name(p.dtype()), ": ",
-          bad);
+    check(bad.empty(), what, ": tensor '", name, "' must be finite in the model's ", dtype_name(p.dtype()),
+          ", but ", bad);
   }
   model->eval();
   if (vocab) *vocab = file_vocab;
   return model;
+}
+
+}  // namespace
+
+std::unique_ptr<GPT> load_model_file(const std::string& path, std::vector<uint8_t>* vocab) {
+  const std::string what = "load_model_file: '" + echo(path) + "'";
+  // Every error names the file: those of the readers below know the entry at fault, not the file.
+  try {
+    return load_model(load_safetensors(path), what, vocab);
+  } catch (const Error& error) {
+    if (std::string_view(error.what()).find(echo(path)) != std::string_view::npos) throw;
+    fail(what, ": ", error.what());
+  }
 }
 
 // Both read the whole value as written (number_from_text): a value out of the type's range is an error, not a
@@ -682,7 +851,7 @@ int64_t integer_argument(const std::string& program, const std::string& flag, co
                          int64_t low, int64_t high) {
   const std::optional<int64_t> v = number_from_text<int64_t>(value);
   check(v && *v >= low && *v <= high, program, ": ", flag, " expects an integer in [", low, ", ", high, "], got '",
-        value, "'");
+        echo(value), "'");
   return *v;
 }
 
@@ -691,7 +860,7 @@ double number_argument(const std::string& program, const std::string& flag, cons
   const std::optional<double> v = number_from_text<double>(value, &out_of_range);
   check(v && std::isfinite(*v) && *v >= 0, program, ": ", flag, " expects a non-negative decimal number",
         out_of_range ? " (this one is out of the range of a double: too large, or so small it would round to 0)"
-                     : "", ", got '", value, "'");
+                     : "", ", got '", echo(value), "'");
   return *v;
 }
 

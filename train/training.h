@@ -28,6 +28,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "amp/booster.h"
@@ -61,12 +62,16 @@ std::string read_input_file(const std::string& what, const std::string& path);
 // once symbolic links are followed (a dangling one too: a write creates its target) and made canonical.
 bool same_file(const std::string& a, const std::string& b);
 
-// "vocab" metadata <-> byte list.
+// "vocab" metadata <-> byte list. vocab_from_metadata accepts what char_tokens makes: a non-empty JSON array of
+// byte values in strictly ascending order (the sorted set of a text's bytes; token id t is its t-th byte); an
+// Error names the array's entry at fault ("entry 3 is 97, the same byte as entry 2 ...").
 std::string vocab_to_metadata(const std::vector<uint8_t>& vocab);
 std::vector<uint8_t> vocab_from_metadata(const std::string& text);
-// The "vocab" entry of a file's metadata (empty when absent); a malformed one is an Error naming `what` and the
-// entry: "<what>: metadata entry 'vocab': json: ...".
-std::vector<uint8_t> metadata_vocab(const std::map<std::string, std::string>& metadata, const std::string& what);
+// The "vocab" entry of a file's metadata (empty when absent), of exactly vocab_size bytes (the model's: one per
+// token id). A malformed one is an Error naming `what` (the file) and the entry: "<what>: metadata entry 'vocab':
+// entry 3 is 97, ...", "<what>: metadata entry 'vocab': json: ...".
+std::vector<uint8_t> metadata_vocab(const std::map<std::string, std::string>& metadata, const std::string& what,
+                                    int64_t vocab_size);
 
 struct TrainOptions {
   int64_t batch = 16;  // at most 2^32 rows, and batch x block at most 2^32 tokens
@@ -75,7 +80,7 @@ struct TrainOptions {
   double min_lr = 1e-4;
   int64_t warmup = 0;
   std::string optimizer = "adamw";  // sgd | adam | adamw
-  double weight_decay = 0.1;
+  double weight_decay = 0.1;  // lr x weight_decay at most 1: the decay factor 1 - lr x weight_decay stays >= 0
   double beta1 = 0.9;
   double beta2 = 0.99;
   double momentum = 0.9;  // sgd only
@@ -163,6 +168,10 @@ class Trainer {
 StateDict model_part(const StateDict& state);
 // The optimizer part of a training checkpoint, "optimizer." stripped from tensor names and metadata keys.
 StateDict optimizer_part(const StateDict& state);
+// An optimizer's load_state_dict error with each entry it names ("entry 'state.3.exp_avg'") written as the
+// checkpoint names it: file_key(key), by default "optimizer." + key ("entry 'optimizer.state.3.exp_avg'").
+std::string optimizer_error_in_file_keys(std::string_view message,
+                                         const std::function<std::string(const std::string&)>& file_key = {});
 
 // ---- the pieces of a Trainer, shared with the parallel trainer (train/parallel_training.h) ----
 
@@ -178,9 +187,12 @@ void check_tokens_per_step(const TrainOptions& options, int64_t block);
 // The inputs and targets [batch, block] (i64) of step `step` (the rule at the top of this file).
 std::pair<Tensor, Tensor> training_batch(const TokenData& data, const TrainOptions& options, int64_t block,
                                          uint64_t data_seed, int64_t step);
-// Checks a training checkpoint against a trainer's config, options (all but train.steps) and data, that it
-// holds optimizer state, that its optimizer tensors are finite and that "step" (in [0, 2^53]) and
-// "data.position" agree; returns its step. Error naming the first difference.
+// Checks a training checkpoint against a trainer's config, options (all but train.steps) and data, compared as
+// values ("1e30" is "1e+30", "True" is "true"); its train.* options with TrainOptions::validate's rules; that it
+// holds optimizer state whose settings (betas, eps, momentum, dampening, nesterov, each group's weight decay) are
+// those make_optimizer makes of the options; that its vocabulary is well formed (metadata_vocab); that its
+// optimizer tensors are finite and that "step" (in [0, 2^53]) and "data.position" agree; returns its step. Error
+// naming the first entry at fault, what the file has and what was expected.
 int64_t validate_checkpoint(const StateDict& state, const GPTConfig& config, const TrainOptions& options,
                             const TokenData& data);
 // The checkpoint's "rng.<name>.seed|offset" for every generator of `model` (Error if one is missing).
@@ -208,8 +220,9 @@ std::vector<int64_t> sample_tokens(GPT& model, std::vector<int64_t> prompt_ids, 
 int64_t default_start_token(const std::vector<uint8_t>& vocab);
 
 // The model saved in a weights file or checkpoint: config from its metadata, weights loaded strictly, eval
-// mode. vocab receives the "vocab" metadata (empty when absent). The tensors are checked against the config's
-// parameter shapes (check_gpt_shapes) before the model is built.
+// mode. vocab receives the "vocab" metadata (empty when absent; checked by metadata_vocab). The tensors are
+// checked against the config's parameter shapes (check_gpt_shapes) before the model is built. Every error
+// names the file ("load_model_file: '<path>': ...").
 std::unique_ptr<GPT> load_model_file(const std::string& path, std::vector<uint8_t>* vocab = nullptr);
 
 // ---- the example programs' command lines and printed numbers ----

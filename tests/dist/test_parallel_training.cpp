@@ -8,6 +8,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -469,7 +470,7 @@ TEST(ParallelTrainer, ARejectedOptimizerStateLeavesTheWeightsAsTheyWere) {
     std::vector<std::vector<double>> before;
     for (const auto& [name, p] : trainer.stage_module().named_parameters())
       before.push_back(p.to_vector<double>());
-    EXPECT_ERROR_MENTIONS(trainer.load_checkpoint(corrupt), "'amp.master_weights' is 'maybe'");
+    EXPECT_ERROR_MENTIONS(trainer.load_checkpoint(corrupt), "entry 'optimizer.amp.master_weights' is 'maybe'");
     size_t k = 0;
     for (const auto& [name, p] : trainer.stage_module().named_parameters())
       EXPECT_EQ(p.to_vector<double>(), before[k++]) << l.name << ": " << name;
@@ -483,7 +484,7 @@ TEST(ParallelTrainer, ARejectedOptimizerStateLeavesTheWeightsAsTheyWere) {
       break;
     }
   ParallelTrainer dp2(tiny_config(), options, layout(1, 1, 2, 0, 1), corpus(), job_of(2));
-  EXPECT_ERROR_MENTIONS(dp2.load_checkpoint(misshapen), "optimizer entry 'state.",
+  EXPECT_ERROR_MENTIONS(dp2.load_checkpoint(misshapen), "tensor 'optimizer.state.",
                         ".exp_avg_sq' is f32[1], expected");
 }
 
@@ -515,17 +516,41 @@ TEST(ParallelTrainer, ACheckpointWithAWrongDtypeOrNonFiniteValuesIsRejectedOnEve
     EXPECT_ERROR_MENTIONS(trainer.load_checkpoint(changed("transformer.wpe.weight", integers)),
                           "tensor 'transformer.wpe.weight' has i32[8,16], expected f32[8,16]");
     EXPECT_ERROR_MENTIONS(trainer.load_weights(changed("transformer.wpe.weight", Tensor::full(wpe, NAN))),
-                          "tensor 'transformer.wpe.weight' (f32[8,16]) is not finite: element 0 is nan");
+                          "tensor 'transformer.wpe.weight' (f32[8,16]) must be finite, but element 0 is nan");
     const StateDict big = changed(fc, Tensor::full(good.tensors.at(fc).shape(), 7e4));  // inf in fp16
     if (holds_fc)
-      EXPECT_ERROR_MENTIONS(trainer.load_checkpoint(big), "'" + fc + "' (f32[", "not finite in the model's f16");
+      EXPECT_ERROR_MENTIONS(trainer.load_checkpoint(big), "'" + fc + "' (f32[", "must be finite in the model's f16");
     else
       EXPECT_ERROR_MENTIONS(trainer.load_checkpoint(big), "another rank found a tensor that is not finite");
     EXPECT_ERROR_MENTIONS(trainer.load_checkpoint(changed(sq, Tensor::full(good.tensors.at(sq).shape(), -1.0))),
-                          "'" + sq + "'", "not finite and >= 0");
+                          "'" + sq + "'", "must be finite and >= 0");
     size_t k = 0;
     for (const auto& [name, p] : trainer.stage_module().named_parameters())
       EXPECT_EQ(p.to_vector<double>(), before[k++]) << l.name << ": " << name;
+    EXPECT_EQ(trainer.step(), 0) << l.name;
+    trainer.load_checkpoint(good);
+    EXPECT_EQ(trainer.step(), 1) << l.name;
+  }
+}
+
+// The checkpoint's optimizer settings and state entries are checked on the whole file, as by the single-process
+// Trainer: every rank refuses them, whichever parameters it holds, with the entry named as the file names it.
+TEST(ParallelTrainer, OptimizerSettingsAndStateNamesOfACheckpointAreCheckedOnEveryRank) {
+  const TrainOptions options = options_for(AmpConfig::parse("fp32"));
+  Trainer single(tiny_config(), options, corpus());
+  single.train_step();
+  const StateDict good = single.checkpoint();
+  StateDict beta = good, buffer = good;
+  beta.metadata.at("optimizer.beta1") = "0.5";
+  const std::vector<std::string> order = optimizer_order(single.model());
+  const size_t fc = std::find(order.begin(), order.end(), "transformer.h.1.mlp.c_fc.weight") - order.begin();
+  const std::string key = "optimizer.state." + std::to_string(fc);  // a parameter of stage 1 under PP2
+  buffer.tensors[key + ".momentum_buffer"] = good.tensors.at(key + ".exp_avg");
+  for (const Layout& l : {Layout{"PP2", layout(1, 2, 1, 0, 2)}, Layout{"DP2+ZeRO-1", layout(1, 1, 2, 1, 1)}}) {
+    ParallelTrainer trainer(tiny_config(), options, l.p, corpus(), job_of(l.size()));
+    EXPECT_ERROR_MENTIONS(trainer.load_checkpoint(beta), "metadata entry 'optimizer.beta1' is 0.5, expected 0.9");
+    EXPECT_ERROR_MENTIONS(trainer.load_checkpoint(buffer), "tensor '" + key + ".momentum_buffer'",
+                          "not 'momentum_buffer'");
     EXPECT_EQ(trainer.step(), 0) << l.name;
     trainer.load_checkpoint(good);
     EXPECT_EQ(trainer.step(), 1) << l.name;
