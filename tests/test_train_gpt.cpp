@@ -712,13 +712,13 @@ TEST(TrainGPT, ACheckpointWithNonFiniteOrImpossibleValuesIsRejectedAndChangesNot
           {changed([](StateDict& s) { s.metadata.at("optimizer.state.0.step") = "9223372036854775807"; }),
            {"'optimizer.state.0.step' is 9223372036854775807", "[1, step 1]"}},
           // The optimizer steps once per training step at most; skipped steps are steps too.
-          {changed([](StateDict& s) { s.metadata.at("optimizer.state.0.step") = "2"; }),
+          {changed([](StateDict& s) { s.metadata.at("optimizer.state.0.step") = std::to_string(2); }),
            {"'optimizer.state.0.step' is 2", "[1, step 1]"}},
-          {changed([](StateDict& s) { s.metadata.at("optimizer.amp.skipped_steps") = "99"; }),
+          {changed([](StateDict& s) { s.metadata.at("optimizer.amp.skipped_steps") = std::to_string(99); }),
            {"'optimizer.amp.skipped_steps' is 99", "[0, step 1]"}},
           {changed([](StateDict& s) { s.metadata.at("step") = "9223372036854775807"; }),
            {"step 9223372036854775807", "[0, 2^53]"}},
-          {changed([](StateDict& s) { s.metadata.at("data.position") = "7"; }),
+          {changed([](StateDict& s) { s.metadata.at("data.position") = std::to_string(7); }),
            {"data.position 7 differs from step 1"}},
           {changed([](StateDict& s) { s.metadata.erase("data.position"); }),
            {"metadata entry 'data.position' is missing"}}});
