@@ -70,7 +70,7 @@ endif()
 set(expected_step 0)
 set(number "-?[0-9]+(\\.[0-9]+)?(e[-+][0-9]+)?")
 foreach(line IN LISTS lines)
-  foreach(field step loss lr grad_norm tokens_per_s)
+  foreach(field step loss lr grad_norm tokens_per_s threads)
     if(NOT line MATCHES "\"${field}\":${number}[,}]")
       check_failed("log line lacks a numeric \"${field}\": ${line}")
     endif()
@@ -247,6 +247,19 @@ run(out ${TRAIN_GPT} --data words.txt --resume bias.safetensors --steps 151 --ev
 if(NOT out MATCHES "resumed at step 150")
   check_failed("--resume of a file with bias \"True\" did not resume: ${out}")
 endif()
+# --threads: a fixed count (the tests run with OMP_NUM_THREADS=1, which keeps train_gpt's thread tuner off
+# too) is the count every step runs with; anything but auto or a count in [1, 4096] is refused up front.
+run(out ${TRAIN_GPT} --data words.txt ${tiny} --steps 3 --eval-every 0 --threads 2 --log-json threads.jsonl)
+file(STRINGS ${WORK_DIR}/threads.jsonl lines)
+foreach(line IN LISTS lines)
+  if(NOT line MATCHES "\"threads\":2[,}]")
+    check_failed("--threads 2 ran a step at another count: ${line}")
+  endif()
+endforeach()
+run_fails("--threads 0" ${TRAIN_GPT} --data words.txt ${tiny} --steps 1 --threads 0
+          MENTIONS "--threads expects an integer in [1, 4096], got '0'")
+run_fails("--threads many" ${TRAIN_GPT} --data words.txt ${tiny} --steps 1 --threads many
+          MENTIONS "--threads expects an integer in [1, 4096], got 'many'")
 run_fails("--log-json in a missing directory" ${TRAIN_GPT} --data words.txt ${tiny} --steps 1
           --log-json no/such/dir/log.jsonl MENTIONS "cannot open --log-json file 'no/such/dir/log.jsonl': No such file")
 
