@@ -330,7 +330,7 @@ class Driver {
         if (in_array) parse_fail(pos, "unexpected ", got, " in array, expected ',' or ']'");
         parse_fail(pos, "unexpected ", got, " in object, expected ',' or '}'");
     }
-    parse_fail(pos, error.what());
+    parse_fail(pos, echo(error.what()));  // nlohmann's message quotes the text it read
   }
 
   // An error inside a string; nlohmann stopped at the byte `stop` (the text's size for its end).
@@ -343,7 +343,9 @@ class Driver {
       parse_fail(stop, "unescaped control character ", describe_byte(static_cast<unsigned char>(text_[stop])), " in string");
     if (says("forbidden character after backslash")) {
       if (end) parse_fail(stop, "unexpected end of input, expected an escape character");
-      parse_fail(stop - 1, "invalid escape '\\", text_[stop], "' in string");
+      const unsigned char after = static_cast<unsigned char>(text_[stop]);
+      if (after >= 0x20 && after < 0x7F) parse_fail(stop - 1, "invalid escape '\\", text_[stop], "' in string");
+      parse_fail(stop - 1, "invalid escape in string: '\\' followed by ", describe_byte(after));
     }
     if (says("must be followed by 4 hex digits")) {
       if (end) parse_fail(stop, "unexpected end of input, expected a hex digit");
@@ -362,7 +364,7 @@ class Driver {
       const size_t lead = utf8_lead_before(stop);
       parse_fail(lead, "invalid UTF-8 (", describe_byte(static_cast<unsigned char>(text_[lead])), ") in string");
     }
-    parse_fail(stop, error.what());
+    parse_fail(stop, echo(error.what()));
   }
 
   // The start of the UTF-8 sequence that fails at `stop`: the lead byte at most 3 bytes back whose sequence
@@ -385,7 +387,7 @@ class Driver {
     if (says("expected digit after '.'")) parse_fail(stop, "expected a digit after '.' in number");
     if (says("after exponent")) parse_fail(stop, "expected a digit in the exponent of number");
     if (error.id == 406) parse_fail(start, "number out of range");  // an overflow to infinity
-    parse_fail(stop, error.what());
+    parse_fail(stop, echo(error.what()));
   }
 
   std::string_view text_;

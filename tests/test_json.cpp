@@ -3,6 +3,7 @@
 // tests/test_safetensors.cpp.
 #include <gtest/gtest.h>
 
+#include <cstdio>
 #include <string>
 #include <vector>
 
@@ -157,6 +158,19 @@ TEST(Json, ExcerptShowsAValueAsWrittenCompactAndBounded) {
   // The count is of the text as given, spaces included, also where the cut comes inside the compact text.
   EXPECT_EQ(json::excerpt("[" + std::string(200, ' ') + "1]", 3), "[1]");
   EXPECT_EQ(json::excerpt("[1,   2,   3]", 4), "[1,2... (13 bytes in all)");
+}
+
+TEST(Json, AnInvalidEscapeNamesAnUnprintableByteByItsValue) {
+  EXPECT_ERROR_MENTIONS(json::parse("\"\\x\""), "json: invalid escape '\\x' in string at byte 1");
+  for (const std::string& after : {std::string("\n"), std::string("\xC3"), std::string(1, '\0')}) {
+    const std::string message = error_of([&] { json::parse("\"\\" + after + "\""); });
+    char byte[8];
+    std::snprintf(byte, sizeof byte, "0x%02x", static_cast<unsigned char>(after[0]));
+    EXPECT_NE(message.find("json: invalid escape in string: '\\' followed by byte " + std::string(byte) + " at byte 1"),
+              std::string::npos)
+        << message;
+    EXPECT_EQ(message.find(after[0]), std::string::npos) << "the byte itself is not in the message";
+  }
 }
 
 TEST(Json, DuplicateKeyErrorCutsALongKey) {
