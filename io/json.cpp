@@ -1,7 +1,9 @@
-// Strict JSON over nlohmann::json: its SAX parser reads the text into an ordered_json while a builder adds
-// what RFC 8259 leaves open (duplicate keys, depth, leading zeros, number range) and turns nlohmann's
-// parse errors into mixtape's messages, located by where the text stands when the parser fails. The writer
-// walks the value itself so that numbers keep mixtape's format; strings are escaped by nlohmann.
+// Strict JSON over nlohmann::json: its SAX parser reads the text while a driver adds what RFC 8259 leaves
+// open (depth, leading zeros, number range), places each value in the text, and turns nlohmann's parse
+// errors into mixtape's messages, located by where the text stands when the parser fails. The driver hands
+// the values to a Handler: the Builder makes an ordered_json of them (refusing duplicate keys), other
+// handlers keep what they need. The writer walks the value itself so that numbers keep mixtape's format;
+// strings are escaped by nlohmann.
 #include "io/json.h"
 
 #include <algorithm>
@@ -261,7 +263,7 @@ class Driver {
     while (true) {
       quote = text_.rfind('"', quote - 1);
       size_t backslashes = 0;
-      while (text_[quote - 1 - backslashes] == '\\') ++backslashes;
+      while (backslashes < quote && text_[quote - 1 - backslashes] == '\\') ++backslashes;
       if (backslashes % 2 == 0) return quote;
     }
   }

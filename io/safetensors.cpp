@@ -658,11 +658,12 @@ class Loader {
               " (trailing bytes)");
 
     for (const auto& it : order) {
-      const Planned& tensor = it->second;
+      auto planned = plan.extract(it);  // its name moves into the state, its plan goes
+      const Planned& tensor = planned.mapped();
       Tensor values = Tensor::empty(tensor.shape, tensor.dtype);
       if (tensor.end > tensor.begin)
-        read_exactly(fd, values.data_ptr(), tensor.end - tensor.begin, "tensor '" + echo(it->first) + "'");
-      state.tensors.emplace(it->first, std::move(values));
+        read_exactly(fd, values.data_ptr(), tensor.end - tensor.begin, "tensor '" + echo(planned.key()) + "'");
+      state.tensors.emplace(std::move(planned.key()), std::move(values));
     }
   }
 

@@ -39,8 +39,8 @@ SaveTarget save_target(const std::string& path, bool try_create = false);
 // an Error naming the file and the problem, never a partial result. Reads F32, F16, BF16, F64, I32, I64.
 //
 // The header is read as it is parsed, keeping only the tensors' names, dtypes, shapes and offsets and the
-// metadata, so the memory a load takes follows what the file describes: about the header's size (it is read
-// whole), plus the tensors, plus ~500 bytes per tensor and the metadata. Whitespace, members the reader skips
+// metadata, so the memory a load takes follows what the file describes: the header's text (read whole), the
+// tensors, ~500 bytes and the name of each tensor, and the metadata. Whitespace, members the reader skips
 // and refused values cost nothing. Beyond the format's own limit of 100,000,000 header bytes, the reader
 // refuses (an Error naming the limit, "(the reader's limit)"), each far above what real checkpoints hold:
 //   - more than 131,072 tensor entries (each costs ~500 bytes of memory, however small the tensor);

@@ -80,6 +80,15 @@ TEST(JsonHandler, SeesEachValueWithItsTextAsWritten) {
   EXPECT_EQ(recorder.events, expected);
 }
 
+TEST(JsonHandler, AStringAtTheStartOfTheTextStartsAtByte0) {
+  // The text is a view whose first byte follows a backslash in memory: it escapes nothing.
+  const std::string memory = "\\\"a\\\\\"";
+  const std::string_view text = std::string_view(memory).substr(1);  // "a\\"
+  Recorder recorder(text);
+  json::parse(text, recorder);
+  EXPECT_EQ(recorder.events, std::vector<std::string>{"scalar \"a\\\\\" \"a\\\\\""});
+}
+
 TEST(JsonHandler, TheParserLeavesDuplicateKeysToTheHandler) {
   const std::string text = "{\"k\":1,\"k\":2}";
   Recorder recorder(text);
@@ -90,9 +99,9 @@ TEST(JsonHandler, TheParserLeavesDuplicateKeysToTheHandler) {
 }
 
 TEST(JsonHandler, SyntaxErrorsAreTheParsersWithTheSameOffsets) {
-  Ignorer recorder;
-  EXPECT_ERROR_MENTIONS(json::parse("[1, 2,]", recorder), "json: unexpected ']', expected a value at byte 6");
-  EXPECT_ERROR_MENTIONS(json::parse("{\"a\":01}", recorder), "json: leading zero in number at byte 5");
+  Ignorer ignorer;
+  EXPECT_ERROR_MENTIONS(json::parse("[1, 2,]", ignorer), "json: unexpected ']', expected a value at byte 6");
+  EXPECT_ERROR_MENTIONS(json::parse("{\"a\":01}", ignorer), "json: leading zero in number at byte 5");
 }
 
 // Runs of whitespace reach nlohmann's lexer as one byte (it would keep a copy of all of them): every offset
@@ -125,19 +134,19 @@ TEST(Json, ErrorsAfterLongWhitespaceCountEveryByte) {
 }
 
 TEST(Json, TokenLimitRefusesALongStringOrNumberAtItsStart) {
-  Ignorer recorder;
+  Ignorer ignorer;
   const json::Limits limits{10};
   // Counted as written: quotes and escapes included, whitespace around not.
-  EXPECT_NO_THROW(json::parse("[   \"12345678\"   , 1234567890, \"\\n\\n\\n\\n\"]", recorder, limits));
-  EXPECT_ERROR_MENTIONS(json::parse("[1, \"123456789\"]", recorder, limits),
+  EXPECT_NO_THROW(json::parse("[   \"12345678\"   , 1234567890, \"\\n\\n\\n\\n\"]", ignorer, limits));
+  EXPECT_ERROR_MENTIONS(json::parse("[1, \"123456789\"]", ignorer, limits),
                         "json: a string or number longer than 10 bytes (the reader's limit) at byte 4");
-  EXPECT_ERROR_MENTIONS(json::parse("{\"\\\\\\\\\\\\\\\\\\\\\":1}", recorder, limits), "at byte 1");  // a key
-  EXPECT_ERROR_MENTIONS(json::parse("[12345678901]", recorder, limits), "longer than 10 bytes", "at byte 1");
-  EXPECT_ERROR_MENTIONS(json::parse("[-1.5e+00001]", recorder, limits), "longer than 10 bytes", "at byte 1");
+  EXPECT_ERROR_MENTIONS(json::parse("{\"\\\\\\\\\\\\\\\\\\\\\":1}", ignorer, limits), "at byte 1");  // a key
+  EXPECT_ERROR_MENTIONS(json::parse("[12345678901]", ignorer, limits), "longer than 10 bytes", "at byte 1");
+  EXPECT_ERROR_MENTIONS(json::parse("[-1.5e+00001]", ignorer, limits), "longer than 10 bytes", "at byte 1");
   // Refused while the token is read, not after: a string that never ends is refused all the same.
-  EXPECT_ERROR_MENTIONS(json::parse("\"" + std::string(1000, 'a'), recorder, limits), "longer than 10 bytes");
+  EXPECT_ERROR_MENTIONS(json::parse("\"" + std::string(1000, 'a'), ignorer, limits), "longer than 10 bytes");
   // Without limits (the default) any length is read.
-  EXPECT_NO_THROW(json::parse("\"" + std::string(100000, 'a') + "\"", recorder));
+  EXPECT_NO_THROW(json::parse("\"" + std::string(100000, 'a') + "\"", ignorer));
 }
 
 TEST(Json, ExcerptShowsAValueAsWrittenCompactAndBounded) {
