@@ -1,9 +1,12 @@
-// Strict JSON over nlohmann::json: its SAX parser reads the text into an ordered_json while a builder adds
-// what RFC 8259 leaves open (duplicate keys, depth, leading zeros, number range) and turns nlohmann's
-// parse errors into mixtape's messages, located by where the text stands when the parser fails. The writer
-// walks the value itself so that numbers keep mixtape's format; strings are escaped by nlohmann.
+// Strict JSON over nlohmann::json: its SAX parser reads the text while a driver adds what RFC 8259 leaves
+// open (depth, leading zeros, number range), places each value in the text, and turns nlohmann's parse
+// errors into mixtape's messages, located by where the text stands when the parser fails. The driver hands
+// the values to a Handler: the Builder makes an ordered_json of them (refusing duplicate keys), other
+// handlers keep what they need. The writer walks the value itself so that numbers keep mixtape's format;
+// strings are escaped by nlohmann.
 #include "io/json.h"
 
+#include <algorithm>
 #include <charconv>
 #include <cmath>
 #include <cstdio>
@@ -62,12 +65,66 @@ template <class... Parts>
   fail("json: ", parts..., " at byte ", at);
 }
 
+bool is_space(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; }
+
 // How far nlohmann's lexer has read: `pulled` is one past the last byte it took, `at_end` whether it has
 // asked for a byte past the text. The lexer reads no byte beyond a string, literal or bracket, and exactly
 // one beyond a number (which it puts back), unless the text ends.
+//
+// The lexer keeps a copy of every byte since its last token, whitespace included, so a run of whitespace
+// outside strings reaches it as its first byte only: megabytes of padding cost no memory (`skipped` counts
+// the bytes it never saw). Following where each string, number or literal starts also lets a token limit
+// refuse an overlong one before the lexer has copied all of it.
 struct Progress {
+  Progress(std::string_view text, size_t max_token)
+      : text(text.data()), end(text.data() + text.size()), pulled(text.data()), max_token(max_token) {}
+
+  // Takes the byte at `at`; returns where the lexer's next byte is.
+  const char* take(const char* at) {
+    pulled = at + 1;
+    follow_token(at);
+    const char* next = at + 1;
+    if (token == Token::Outside && is_space(*at)) {
+      while (next != end && is_space(*next)) ++next;
+      skipped += static_cast<size_t>(next - (at + 1));
+    }
+    return next;
+  }
+
+  const char* text;
+  const char* end;
   const char* pulled;
+  size_t max_token;
+  size_t skipped = 0;
   bool at_end = false;
+
+ private:
+  void follow_token(const char* at) {
+    const char c = *at;
+    switch (token) {
+      case Token::Outside:
+        if (c == '"') {
+          token = Token::InString, token_start = at;
+        } else if (is_space(c) || c == '[' || c == ']' || c == '{' || c == '}' || c == ',' || c == ':') {
+          token_start = nullptr;
+        } else if (token_start == nullptr) {
+          token_start = at;
+        }
+        break;
+      case Token::InString:
+        if (c == '\\') token = Token::AfterBackslash;
+        else if (c == '"') token = Token::Outside;
+        break;
+      case Token::AfterBackslash: token = Token::InString; break;
+    }
+    if (token_start != nullptr && static_cast<size_t>(pulled - token_start) > max_token)
+      parse_fail(static_cast<size_t>(token_start - text), "a string or number longer than ", max_token,
+                 " bytes (the reader's limit)");
+    if (token == Token::Outside && c == '"') token_start = nullptr;  // the closing quote ended the string
+  }
+
+  enum class Token { Outside, InString, AfterBackslash } token = Token::Outside;
+  const char* token_start = nullptr;  // of the string or other token being read; null between tokens
 };
 
 // The text as nlohmann reads it, reporting each byte it takes into a Progress.
@@ -82,7 +139,7 @@ class TrackedIterator {
   TrackedIterator(const char* at, Progress* progress) : at_(at), progress_(progress) {}
   reference operator*() const { return *at_; }
   TrackedIterator& operator++() {
-    progress_->pulled = ++at_;
+    at_ = progress_->take(at_);
     return *this;
   }
   TrackedIterator operator++(int) {
@@ -106,11 +163,12 @@ class TrackedIterator {
 // first byte after it (past one ',' or ':' the grammar allows there, which nlohmann reads without an event).
 enum class Expect { Value, ValueOrClose, Key, KeyOrClose, Colon, AfterValue };
 
-class Builder {
+// Drives a Handler from nlohmann's SAX events, adding what RFC 8259 leaves open (depth, leading zeros,
+// number range) and each value's place in the text.
+class Driver {
  public:
-  Builder(std::string_view text, const Progress& progress) : text_(text), progress_(progress) {}
-
-  Json take() { return std::move(root_); }
+  Driver(std::string_view text, const Progress& progress, Handler& handler)
+      : text_(text), progress_(progress), handler_(handler) {}
 
   void expect_end() const {
     const size_t pos = skip_whitespace(end_);
@@ -118,14 +176,13 @@ class Builder {
       parse_fail(pos, "unexpected ", describe_byte(static_cast<unsigned char>(text_[pos])), " after the value");
   }
 
-  bool null() { return add(nullptr, pulled()); }
-  bool boolean(bool value) { return add(value, pulled()); }
-  bool number_integer(int64_t value) { return add(value, integer_end()); }
+  bool null() { return literal(nullptr, 4); }
+  bool boolean(bool value) { return literal(value, value ? 4 : 5); }
+  bool number_integer(int64_t value) { return integer(value); }
   bool number_unsigned(uint64_t value) {
     // Past int64 an integer is a double, as when it is written with an exponent.
-    const size_t end = integer_end();
-    if (value <= static_cast<uint64_t>(INT64_MAX)) return add(static_cast<int64_t>(value), end);
-    return add(static_cast<double>(value), end);
+    if (value <= static_cast<uint64_t>(INT64_MAX)) return integer(static_cast<int64_t>(value));
+    return integer(static_cast<double>(value));
   }
   // `value` is nlohmann's strtod of the token, which holds the C library's decimal point (',' under some
   // locales) in place of '.', so it is right in every locale. strtod rounds a number too small for a double
@@ -135,34 +192,47 @@ class Builder {
     const std::string_view digits = std::string_view(token).substr(0, token.find_first_of("eE"));
     const bool zero = digits.find_first_of("123456789") == std::string_view::npos;
     if (!std::isfinite(value) || (value == 0 && !zero)) parse_fail(end - token.size(), "number out of range");
-    return add(value, end);
+    return add(value, end - token.size(), end);
   }
-  bool string(std::string& value) { return add(std::move(value), pulled()); }
+  bool string(std::string& value) {
+    const size_t end = pulled();
+    return add(std::move(value), string_start(end), end);
+  }
   bool binary(Json::binary_t&) { return false; }  // JSON text has no binary values
 
-  bool start_object(size_t) { return open(Json::object(), Expect::KeyOrClose); }
-  bool start_array(size_t) { return open(Json::array(), Expect::ValueOrClose); }
-  bool end_object() { return close(); }
-  bool end_array() { return close(); }
+  bool start_object(size_t) {
+    open(false);
+    handler_.begin_object(pulled() - 1);
+    return true;
+  }
+  bool start_array(size_t) {
+    open(true);
+    handler_.begin_array(pulled() - 1);
+    return true;
+  }
+  bool end_object() {
+    close();
+    handler_.end_object(end_);
+    return true;
+  }
+  bool end_array() {
+    close();
+    handler_.end_array(end_);
+    return true;
+  }
 
   bool key(std::string& key) {
     end_ = pulled();
-    if (!open_.back().keys.insert(key).second) parse_fail(key_start(end_), "duplicate key ", quote(key));
-    key_ = std::move(key);
     expect_ = Expect::Colon;
+    handler_.key(std::move(key), string_start(end_));
     return true;
   }
 
   bool parse_error(size_t read, const std::string&, const nlohmann::detail::exception& error) {
-    describe(read, error);
+    describe(read + progress_.skipped, error);
   }
 
  private:
-  struct Open {
-    Json* value;
-    std::unordered_set<std::string> keys;  // of an object
-  };
-
   size_t pulled() const { return static_cast<size_t>(progress_.pulled - text_.data()); }
   size_t number_end() const { return progress_.at_end ? text_.size() : pulled() - 1; }
 
@@ -174,61 +244,58 @@ class Builder {
     return end;
   }
 
-  // The opening quote of the key that ends before `end`: the last '"' not escaped by a backslash.
-  size_t key_start(size_t end) const {
+  // An integer's token is its digits and a '-'.
+  bool integer(Json value) {
+    const size_t end = integer_end();
+    size_t begin = end;
+    while (begin > 0 && (text_[begin - 1] == '-' || (text_[begin - 1] >= '0' && text_[begin - 1] <= '9'))) --begin;
+    return add(std::move(value), begin, end);
+  }
+
+  bool literal(Json value, size_t length) {
+    const size_t end = pulled();
+    return add(std::move(value), end - length, end);
+  }
+
+  // The opening quote of the string that ends before `end`: the last '"' not escaped by a backslash.
+  size_t string_start(size_t end) const {
     size_t quote = end - 1;
     while (true) {
       quote = text_.rfind('"', quote - 1);
       size_t backslashes = 0;
-      while (text_[quote - 1 - backslashes] == '\\') ++backslashes;
+      while (backslashes < quote && text_[quote - 1 - backslashes] == '\\') ++backslashes;
       if (backslashes % 2 == 0) return quote;
     }
   }
 
-  Json* place(Json value) {
-    if (open_.empty()) {
-      root_ = std::move(value);
-      return &root_;
-    }
-    Json& parent = *open_.back().value;
-    if (parent.is_array()) {
-      parent.get_ref<Json::array_t&>().push_back(std::move(value));
-      return &parent.back();
-    }
-    return &append_member(parent, std::move(key_), std::move(value));  // key() refused a duplicate
-  }
-
-  bool add(Json value, size_t end) {
-    place(std::move(value));
+  bool add(Json value, size_t begin, size_t end) {
     end_ = end;
     expect_ = Expect::AfterValue;
+    handler_.scalar(std::move(value), begin, end);
     return true;
   }
 
-  bool open(Json container, Expect next) {
+  void open(bool array) {
     if (open_.size() >= kMaxDepth) parse_fail(pulled() - 1, "nesting deeper than ", kMaxDepth, " levels");
-    open_.push_back({place(std::move(container)), {}});
+    open_.push_back(array);
     end_ = pulled();
-    expect_ = next;
-    return true;
+    expect_ = array ? Expect::ValueOrClose : Expect::KeyOrClose;
   }
 
-  bool close() {
+  void close() {
     open_.pop_back();
     end_ = pulled();
     expect_ = Expect::AfterValue;
-    return true;
   }
 
   size_t skip_whitespace(size_t pos) const {
-    const auto space = [](char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; };
-    while (pos < text_.size() && space(text_[pos])) ++pos;
+    while (pos < text_.size() && is_space(text_[pos])) ++pos;
     return pos;
   }
 
   // The parser stopped having read `read` bytes (counting one for the end of the text).
   [[noreturn]] void describe(size_t read, const nlohmann::detail::exception& error) const {
-    const bool in_array = !open_.empty() && open_.back().value->is_array();
+    const bool in_array = !open_.empty() && open_.back();
     Expect expect = expect_;
     size_t pos = skip_whitespace(end_);
     const auto at = [&](char c) { return pos < text_.size() && text_[pos] == c; };
@@ -265,7 +332,7 @@ class Builder {
         if (in_array) parse_fail(pos, "unexpected ", got, " in array, expected ',' or ']'");
         parse_fail(pos, "unexpected ", got, " in object, expected ',' or '}'");
     }
-    parse_fail(pos, error.what());
+    parse_fail(pos, echo(error.what()));  // nlohmann's message quotes the text it read
   }
 
   // An error inside a string; nlohmann stopped at the byte `stop` (the text's size for its end).
@@ -278,7 +345,9 @@ class Builder {
       parse_fail(stop, "unescaped control character ", describe_byte(static_cast<unsigned char>(text_[stop])), " in string");
     if (says("forbidden character after backslash")) {
       if (end) parse_fail(stop, "unexpected end of input, expected an escape character");
-      parse_fail(stop - 1, "invalid escape '\\", text_[stop], "' in string");
+      const unsigned char after = static_cast<unsigned char>(text_[stop]);
+      if (after >= 0x20 && after < 0x7F) parse_fail(stop - 1, "invalid escape '\\", text_[stop], "' in string");
+      parse_fail(stop - 1, "invalid escape in string: '\\' followed by ", describe_byte(after));
     }
     if (says("must be followed by 4 hex digits")) {
       if (end) parse_fail(stop, "unexpected end of input, expected a hex digit");
@@ -297,7 +366,7 @@ class Builder {
       const size_t lead = utf8_lead_before(stop);
       parse_fail(lead, "invalid UTF-8 (", describe_byte(static_cast<unsigned char>(text_[lead])), ") in string");
     }
-    parse_fail(stop, error.what());
+    parse_fail(stop, echo(error.what()));
   }
 
   // The start of the UTF-8 sequence that fails at `stop`: the lead byte at most 3 bytes back whose sequence
@@ -320,16 +389,54 @@ class Builder {
     if (says("expected digit after '.'")) parse_fail(stop, "expected a digit after '.' in number");
     if (says("after exponent")) parse_fail(stop, "expected a digit in the exponent of number");
     if (error.id == 406) parse_fail(start, "number out of range");  // an overflow to infinity
-    parse_fail(stop, error.what());
+    parse_fail(stop, echo(error.what()));
   }
 
   std::string_view text_;
   const Progress& progress_;
-  Json root_;
-  std::vector<Open> open_;  // the arrays and objects being read, outermost first
-  std::string key_;         // of the object member whose value comes next
-  size_t end_ = 0;          // one past the last byte of what the builder has seen
+  Handler& handler_;
+  std::vector<bool> open_;  // the arrays (true) and objects being read, outermost first
+  size_t end_ = 0;          // one past the last byte of what the driver has seen
   Expect expect_ = Expect::Value;
+};
+
+// Builds the Json of a whole text.
+class Builder final : public Handler {
+ public:
+  Json take() { return std::move(root_); }
+
+  void scalar(Json value, size_t, size_t) override { place(std::move(value)); }
+  void begin_object(size_t) override { open_.push_back({place(Json::object()), {}}); }
+  void begin_array(size_t) override { open_.push_back({place(Json::array()), {}}); }
+  void end_object(size_t) override { open_.pop_back(); }
+  void end_array(size_t) override { open_.pop_back(); }
+  void key(std::string key, size_t begin) override {
+    if (!open_.back().keys.insert(key).second) duplicate_key(key, begin);
+    key_ = std::move(key);
+  }
+
+ private:
+  struct Open {
+    Json* value;
+    std::unordered_set<std::string> keys;  // of an object
+  };
+
+  Json* place(Json value) {
+    if (open_.empty()) {
+      root_ = std::move(value);
+      return &root_;
+    }
+    Json& parent = *open_.back().value;
+    if (parent.is_array()) {
+      parent.get_ref<Json::array_t&>().push_back(std::move(value));
+      return &parent.back();
+    }
+    return &append_member(parent, std::move(key_), std::move(value));  // key() refused a duplicate
+  }
+
+  Json root_;
+  std::vector<Open> open_;  // the arrays and objects being built, outermost first
+  std::string key_;         // of the object member whose value comes next
 };
 
 // nlohmann escapes '"', '\\' and control characters as mixtape's format has them (\n, \u001f, ...) and
@@ -398,17 +505,61 @@ void dump_to(const Json& value, std::string& out) {
 
 }  // namespace
 
-Json parse(std::string_view text) {
-  Progress progress{text.data()};
-  Builder builder(text, progress);
+void parse(std::string_view text, Handler& handler, const Limits& limits) {
+  Progress progress(text, limits.max_token_bytes);
+  Driver driver(text, progress, handler);
   // nlohmann skips a UTF-8 byte order mark; strict JSON has none (and its first byte starts no value).
   if (!text.empty() && static_cast<unsigned char>(text[0]) == 0xEF)
     parse_fail(0, "unexpected ", describe_byte(0xEF), ", expected a value");
   Json::sax_parse(TrackedIterator(text.data(), &progress), TrackedIterator(text.data() + text.size(), &progress),
-                  &builder);
+                  &driver);
   // nlohmann ends the text at a NUL byte outside strings.
-  builder.expect_end();
+  driver.expect_end();
+}
+
+Json parse(std::string_view text) {
+  Builder builder;
+  parse(text, builder);
   return builder.take();
+}
+
+void duplicate_key(std::string_view key, size_t at) {
+  // Keys come from parsed text, so they are UTF-8; a cut falls between characters.
+  size_t cut = 0;
+  for (size_t characters = 0; cut < key.size() && characters < kEchoLimit; ++characters)
+    cut += std::max<size_t>(utf8_sequence_length(key, cut), 1);
+  std::string shown = quote(key.substr(0, cut));
+  if (cut < key.size()) shown += "... (" + std::to_string(key.size()) + " bytes in all)";
+  parse_fail(at, "duplicate key ", shown);
+}
+
+std::string excerpt(std::string_view value_text, size_t limit) {
+  // Enough bytes for `limit` characters of up to 4 bytes each, and one more to know whether to cut.
+  const size_t wanted = 4 * limit + 1;
+  std::string compact;
+  bool in_string = false, escaped = false;
+  size_t pos = 0;
+  for (; pos < value_text.size() && compact.size() < wanted; ++pos) {
+    const char c = value_text[pos];
+    if (in_string) {
+      if (escaped) escaped = false;
+      else if (c == '\\') escaped = true;
+      else if (c == '"') in_string = false;
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == ' ' || c == '\t' || c == '\n' || c == '\r') {
+      continue;
+    }
+    compact += c;
+  }
+  std::string shown = echo(compact, limit);
+  const bool cut = shown != echo(compact, SIZE_MAX);
+  if (cut || pos < value_text.size()) {
+    const std::string suffix = "... (" + std::to_string(compact.size()) + " bytes in all)";
+    if (cut) shown.resize(shown.size() - suffix.size());
+    shown += "... (" + std::to_string(value_text.size()) + " bytes in all)";
+  }
+  return shown;
 }
 
 std::string dump(const Json& value) {

@@ -7,10 +7,13 @@
 // control characters or invalid UTF-8 in strings, no lone surrogates, no duplicate object keys, no nesting
 // deeper than 256 levels, nothing after the value but whitespace. Every reader error is a mixtape::Error
 // "json: <problem> at byte <offset>", offset counted from the start of the text.
+#include <cstddef>
 #include <cstdint>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <string_view>
+
+#include "tensor/error.h"
 
 namespace mixtape {
 
@@ -23,6 +26,41 @@ namespace json {
 // number that overflows a double, or rounds to 0 though its digits are not all 0, is an Error. The C
 // library's locale (LC_NUMERIC) does not change how numbers read, nor how dump writes them.
 Json parse(std::string_view text);
+
+// What one parse accepts beyond the grammar and the fixed depth of 256. The parser holds the token it is
+// reading (a string or number) several times over, so a reader of untrusted text bounds its length.
+struct Limits {
+  size_t max_token_bytes = SIZE_MAX;  // of one string (quotes and escapes included) or number, as written
+};
+
+// The values of a strict parse as they are read, for readers that keep only part of a large text instead
+// of a Json of all of it. Offsets count bytes from the start of the text. The parser keeps no keys: a
+// handler refuses a duplicate key itself (duplicate_key()). An exception a handler throws ends the parse
+// and reaches parse()'s caller unchanged.
+class Handler {
+ public:
+  virtual ~Handler() = default;
+  // A null, bool, number or string; text[begin, end) is its token as written (a string's quotes included).
+  virtual void scalar(Json value, size_t begin, size_t end) = 0;
+  virtual void begin_object(size_t begin) = 0;  // text[begin] is '{'
+  virtual void key(std::string key, size_t begin) = 0;  // text[begin] is the key's opening quote
+  virtual void end_object(size_t end) = 0;  // text[end - 1] is '}'
+  virtual void begin_array(size_t begin) = 0;  // text[begin] is '['
+  virtual void end_array(size_t end) = 0;  // text[end - 1] is ']'
+};
+
+// Parses one JSON value as parse(text) does, with the same errors, giving its values to handler. Past
+// limits it throws Error "json: a string or number longer than N bytes (the reader's limit) at byte <start>".
+void parse(std::string_view text, Handler& handler, const Limits& limits = {});
+
+// Throws the parser's Error for a key its object already has: "json: duplicate key "<key>" at byte <at>",
+// the key written as a JSON string and cut after kEchoLimit characters.
+[[noreturn]] void duplicate_key(std::string_view key, size_t at);
+
+// The text of one JSON value as written (whitespace outside strings left out), for an error message:
+// printable and, past `limit` characters, cut and followed by "... (N bytes in all)", N counting the text as
+// given. Stops reading the text where it cuts.
+std::string excerpt(std::string_view value_text, size_t limit = kEchoLimit);
 
 // Compact text (no spaces), non-ASCII written as raw UTF-8, like Python's json.dumps(ensure_ascii=False,
 // separators=(",", ":")) and serde_json. Doubles are written with 17 significant digits (the text of "%.17g"

@@ -13,6 +13,9 @@
 #include <filesystem>
 #include <cstdint>
 #include <initializer_list>
+#include <map>
+#include <sstream>
+#include <unordered_set>
 #include <bit>
 #include <cerrno>
 #include <cstring>
@@ -377,7 +380,290 @@ void save_safetensors(const std::string& path, const StateDict& state) {
 
 namespace {
 
-constexpr size_t kMaxRank = 64;  // dimensions of one tensor: a generous bound (models use 1 to 4)
+// The reader's limits (io/safetensors.h lists them): generous for real checkpoints, and small enough that
+// what a header describes, not how it is padded, decides the memory a load takes.
+constexpr size_t kMaxTensors = 131'072;  // each costs about 500 bytes however small it is
+constexpr size_t kMaxRank = 64;  // dimensions of one tensor (models use 1 to 4)
+constexpr size_t kMaxMetadataKeys = 65'536;
+constexpr size_t kMaxMetadataBytes = size_t{32} << 20;  // keys and values together, as read
+constexpr size_t kMaxTokenBytes = size_t{16} << 20;     // one string or number as written
+constexpr size_t kMaxOtherKeys = 65'536;     // keys besides dtype, shape and data_offsets inside tensor entries
+constexpr size_t kMaxOtherKeyBytes = 256;    // each of those
+
+// A problem found in the header's contents (not its JSON syntax): reported as it is.
+class HeaderProblem : public Error {
+ public:
+  using Error::Error;
+};
+
+// What load_safetensors reads of one tensor, before its bytes.
+struct Planned {
+  DType dtype;
+  Shape shape;
+  uint64_t begin, end;
+};
+
+// Reads the header's values as the parser meets them, keeping only the tensors' plan and the metadata:
+// memory grows with what the header describes, not with its length (padding, skipped members, refused
+// values cost nothing). A value of the wrong kind is reported once it ends, as an excerpt of its text; a
+// count that passes a limit is reported at once.
+class HeaderReader final : public json::Handler {
+ public:
+  HeaderReader(std::string_view text, const std::string& path, std::map<std::string, std::string>& metadata)
+      : text_(text), path_(path), metadata_(metadata) {}
+
+  std::map<std::string, Planned>& tensors() { return tensors_; }
+
+  void scalar(Json value, size_t begin, size_t end) override {
+    value_done(next_role(), Item{json::kind_name(value), std::move(value), begin, end});
+  }
+  void begin_object(size_t begin) override { open(next_role(), "object", begin); }
+  void begin_array(size_t begin) override { open(next_role(), "array", begin); }
+  void end_object(size_t end) override { close(end); }
+  void end_array(size_t end) override { close(end); }
+  void key(std::string key, size_t begin) override;
+
+ private:
+  // What a value is to the reader, from where it stands.
+  enum class Role { Header, Metadata, MetadataValue, Entry, Dtype, Shape, ShapeEntry, Offsets, OffsetsEntry, Skipped };
+
+  // A value of the header as read: its kind, the value itself for a scalar, its text [begin, end).
+  struct Item {
+    const char* kind = nullptr;  // null: absent
+    Json value;
+    size_t begin = 0, end = 0;
+  };
+
+  // The tensor entry being read: its fields, checked when it ends.
+  struct Entry {
+    std::string name;
+    Planned* planned = nullptr;
+    Item dtype, shape, offsets;
+    std::vector<Item> extents;  // of shape, up to kMaxRank of them
+    size_t rank = 0;            // entries of shape (all of them, counted past kMaxRank)
+    std::vector<Item> bounds;   // of data_offsets, up to 2 of them
+    size_t bound_count = 0;
+  };
+
+  // An array or object being read.
+  struct Level {
+    Role role;
+    const char* kind;
+    size_t begin;
+    bool structured;  // read member by member: the header, __metadata__, an entry, its shape and data_offsets
+    bool refused;     // inside a value of the wrong kind
+    std::unordered_set<std::string> keys;  // of an object read as Skipped, or an entry's other members
+  };
+
+  template <class... Parts>
+  [[noreturn]] void problem(const Parts&... parts) const {
+    std::ostringstream message;
+    ((message << "load_safetensors: '" << path_ << "': ") << ... << parts);
+    throw HeaderProblem(message.str());
+  }
+
+  std::string excerpt(const Item& item) const { return json::excerpt(text_.substr(item.begin, item.end - item.begin)); }
+  std::string tensor() const { return "tensor '" + echo(entry_.name) + "'"; }
+
+  Role next_role() const;
+  void open(Role role, const char* kind, size_t begin);
+  void close(size_t end);
+  void value_done(Role role, Item item);
+  void metadata_value(Item item);
+  void finish_entry();
+  uint64_t read_count(const Item& item, const char* field) const;
+
+  std::string_view text_;
+  const std::string& path_;
+  std::map<std::string, std::string>& metadata_;
+  std::map<std::string, Planned> tensors_;
+  std::vector<Level> levels_;  // outermost first
+  std::string key_;            // of the member whose value comes next
+  bool metadata_seen_ = false;
+  const std::string* metadata_key_ = nullptr;  // of the __metadata__ member whose value comes next
+  std::string* metadata_value_ = nullptr;      // where that value goes
+  size_t metadata_bytes_ = 0;
+  size_t other_keys_ = 0;
+  Entry entry_;
+};
+
+HeaderReader::Role HeaderReader::next_role() const {
+  if (levels_.empty()) return Role::Header;
+  const Level& parent = levels_.back();
+  if (!parent.structured) return Role::Skipped;
+  switch (parent.role) {
+    case Role::Header: return key_ == "__metadata__" ? Role::Metadata : Role::Entry;
+    case Role::Metadata: return Role::MetadataValue;
+    case Role::Entry:
+      if (key_ == "dtype") return Role::Dtype;
+      if (key_ == "shape") return Role::Shape;
+      if (key_ == "data_offsets") return Role::Offsets;
+      return Role::Skipped;
+    case Role::Shape: return Role::ShapeEntry;
+    case Role::Offsets: return Role::OffsetsEntry;
+    default: return Role::Skipped;
+  }
+}
+
+void HeaderReader::key(std::string key, size_t begin) {
+  Level& object = levels_.back();
+  if (object.structured && object.role == Role::Header) {
+    if (key == "__metadata__") {
+      if (metadata_seen_) json::duplicate_key(key, begin);
+      metadata_seen_ = true;
+    } else {
+      if (tensors_.size() >= kMaxTensors)
+        problem("the header has more than ", kMaxTensors, " tensor entries (the reader's limit)");
+      if (tensors_.count(key)) json::duplicate_key(key, begin);
+    }
+  } else if (object.structured && object.role == Role::Metadata) {
+    if (metadata_.size() >= kMaxMetadataKeys)
+      problem("__metadata__ has more than ", kMaxMetadataKeys, " keys (the reader's limit)");
+    metadata_bytes_ += key.size();
+    if (metadata_bytes_ > kMaxMetadataBytes)
+      problem("__metadata__ holds more than ", kMaxMetadataBytes, " bytes of keys and values (the reader's limit)");
+    const auto [member, added] = metadata_.try_emplace(key);
+    if (!added) json::duplicate_key(key, begin);
+    metadata_key_ = &member->first;
+    metadata_value_ = &member->second;
+  } else if (object.refused) {
+    // Nothing inside a refused value is kept, its keys neither.
+  } else if (!(object.structured && object.role == Role::Entry &&
+               (key == "dtype" || key == "shape" || key == "data_offsets") && object.keys.insert(key).second)) {
+    // A member the reader skips (or a repeated field, refused below as a duplicate): its key is kept to
+    // refuse a duplicate, so such keys are bounded in number and length.
+    if (object.keys.count(key)) json::duplicate_key(key, begin);
+    if (++other_keys_ > kMaxOtherKeys)
+      problem("the tensor entries hold more than ", kMaxOtherKeys,
+              " keys besides dtype, shape and data_offsets (the reader's limit)");
+    if (key.size() > kMaxOtherKeyBytes)
+      problem("the key '", echo(key), "' in the entry of ", tensor(), " is longer than ", kMaxOtherKeyBytes,
+              " bytes (the reader's limit for keys besides dtype, shape and data_offsets)");
+    object.keys.insert(key);
+  }
+  key_ = std::move(key);
+}
+
+void HeaderReader::open(Role role, const char* kind, size_t begin) {
+  const bool object = kind[0] == 'o';
+  // The header, __metadata__ and a tensor entry are objects: any other kind is refused at its first byte.
+  if (role == Role::Header && !object) problem("the header is a JSON array, not an object");
+  if (role == Role::Metadata && !object) problem("__metadata__ is a JSON array, expected an object of strings");
+  if (role == Role::Entry && !object) {
+    entry_.name = key_;
+    problem("header entry of ", tensor(), " is a JSON array, expected an object with dtype, shape and data_offsets");
+  }
+  if (role == Role::Entry) {
+    auto placed = tensors_.try_emplace(key_).first;
+    entry_ = Entry{};
+    entry_.name = placed->first;
+    entry_.planned = &placed->second;
+  }
+  const bool structured = (object && (role == Role::Header || role == Role::Metadata || role == Role::Entry)) ||
+                          (!object && (role == Role::Shape || role == Role::Offsets));
+  // A value of the wrong kind is refused when it ends, whatever it holds: nothing in it is checked or kept.
+  const bool refused = (!levels_.empty() && levels_.back().refused) || (!structured && role != Role::Skipped);
+  levels_.push_back({role, kind, begin, structured, refused, {}});
+}
+
+void HeaderReader::close(size_t end) {
+  Level level = std::move(levels_.back());
+  levels_.pop_back();
+  if (level.structured && level.role == Role::Entry) return finish_entry();
+  if (level.structured && (level.role == Role::Header || level.role == Role::Metadata)) return;
+  value_done(level.role, Item{level.kind, Json(), level.begin, end});
+}
+
+void HeaderReader::value_done(Role role, Item item) {
+  switch (role) {
+    case Role::Header: problem("the header is a JSON ", item.kind, ", not an object");
+    case Role::Metadata: problem("__metadata__ is a JSON ", item.kind, ", expected an object of strings");
+    case Role::Entry:
+      entry_.name = key_;
+      problem("header entry of ", tensor(), " is a JSON ", item.kind,
+              ", expected an object with dtype, shape and data_offsets");
+    case Role::MetadataValue: return metadata_value(std::move(item));
+    case Role::Dtype: entry_.dtype = std::move(item); return;
+    case Role::Shape: entry_.shape = std::move(item); return;
+    case Role::Offsets: entry_.offsets = std::move(item); return;
+    case Role::ShapeEntry:
+      if (++entry_.rank <= kMaxRank) entry_.extents.push_back(std::move(item));
+      return;
+    case Role::OffsetsEntry:
+      if (++entry_.bound_count <= 2) entry_.bounds.push_back(std::move(item));
+      return;
+    case Role::Skipped: return;
+  }
+}
+
+void HeaderReader::metadata_value(Item item) {
+  if (!item.value.is_string())
+    problem("__metadata__ value of '", echo(*metadata_key_), "' is a JSON ", item.kind, " (", excerpt(item),
+            "), expected a string");
+  std::string& value = item.value.get_ref<std::string&>();
+  metadata_bytes_ += value.size();
+  if (metadata_bytes_ > kMaxMetadataBytes)
+    problem("__metadata__ holds more than ", kMaxMetadataBytes, " bytes of keys and values (the reader's limit)");
+  *metadata_value_ = std::move(value);
+}
+
+// A non-negative integer, or an error naming the field and the tensor.
+uint64_t HeaderReader::read_count(const Item& item, const char* field) const {
+  if (!item.value.is_number_integer() || json::as_integer(item.value) < 0)
+    problem(field, " of ", tensor(), " has the entry ", excerpt(item),
+            item.value.is_number_float() ? " (written with a fraction or an exponent, or beyond int64)" : "",
+            ", expected a non-negative integer");
+  return static_cast<uint64_t>(json::as_integer(item.value));
+}
+
+// The entry's checks, in the order: fields present, dtype, shape, data_offsets.
+void HeaderReader::finish_entry() {
+  Entry& e = entry_;
+  using Field = std::pair<const char*, const Item*>;
+  for (auto [field, item] : std::initializer_list<Field>{{"dtype", &e.dtype}, {"shape", &e.shape},
+                                                          {"data_offsets", &e.offsets}})
+    if (item->kind == nullptr) problem("header entry of ", tensor(), " lacks \"", field, "\"");
+
+  if (!e.dtype.value.is_string()) problem("dtype of ", tensor(), " is ", excerpt(e.dtype), ", expected a string");
+  const std::string& dtype_name = json::as_string(e.dtype.value);
+  const std::optional<DType> dtype = dtype_from_safetensors(dtype_name);
+  if (!dtype)
+    problem("not supported: dtype ", echo(dtype_name), " in ", tensor(),
+            " (mixtape reads F32, F16, BF16, F64, I32 and I64)");
+
+  if (e.shape.kind != std::string_view("array")) problem("shape of ", tensor(), " is ", excerpt(e.shape), ", expected an array");
+  // No model has tensors of more than a handful of dimensions: a longer shape is refused (its entries past
+  // the limit were counted, not kept).
+  if (e.rank > kMaxRank)
+    problem("shape of ", tensor(), " has ", e.rank, " dimensions, more than the ", kMaxRank, " this reader accepts");
+  Planned& planned = *e.planned;
+  planned.dtype = *dtype;
+  // numel * itemsize, with overflow detected: a hostile shape must not wrap around to a small size. The
+  // product of the non-zero extents must fit int64 even when some extent is 0, or the strides would not.
+  uint64_t nonzero_product = 1;
+  bool has_zero = false, overflow = false;
+  for (const Item& size : e.extents) {
+    const uint64_t extent = read_count(size, "shape");
+    if (extent == 0) has_zero = true;
+    else overflow = overflow || __builtin_mul_overflow(nonzero_product, extent, &nonzero_product);
+    planned.shape.push_back(static_cast<int64_t>(extent));
+  }
+  uint64_t bytes = 0;
+  if (!has_zero) overflow = overflow || __builtin_mul_overflow(nonzero_product, dtype_size(*dtype), &bytes);
+  if (overflow || nonzero_product > static_cast<uint64_t>(INT64_MAX))
+    problem("shape ", excerpt(e.shape), " of ", tensor(), " is too large (more than 2^63 elements or bytes)");
+
+  if (e.offsets.kind != std::string_view("array") || e.bound_count != 2)
+    problem("data_offsets of ", tensor(), " is ", excerpt(e.offsets), ", expected [begin, end]");
+  planned.begin = read_count(e.bounds[0], "data_offsets");
+  planned.end = read_count(e.bounds[1], "data_offsets");
+  if (planned.end < planned.begin)
+    problem("data_offsets [", planned.begin, ", ", planned.end, "] of ", tensor(), " end before they begin");
+  if (planned.end - planned.begin != bytes)
+    problem(tensor(), " has data_offsets [", planned.begin, ", ", planned.end, "] (", planned.end - planned.begin,
+            " bytes) but ", dtype_name, " ", shape_str(planned.shape), " needs ", bytes, " bytes");
+  entry_ = Entry{};
+}
 
 class Loader {
  public:
@@ -395,88 +681,16 @@ class Loader {
     struct stat info;
     if (::fstat(fd, &info) != 0) problem("cannot stat: ", system_error_text(errno));
     if (!S_ISREG(info.st_mode)) problem("not a regular file");
-    const uint64_t file_size = static_cast<uint64_t>(info.st_size);
+    file_size_ = static_cast<uint64_t>(info.st_size);
 
-    // ---- the 8-byte header length ----
-    if (file_size < 8)
-      problem("truncated: the file is ", file_size, " bytes, shorter than the 8-byte header length");
-    unsigned char length_bytes[8];
-    read_exactly(fd, length_bytes, 8, "the header length");
-    uint64_t header_length = 0;
-    for (int i = 0; i < 8; ++i) header_length |= static_cast<uint64_t>(length_bytes[i]) << (8 * i);
-    if (header_length > kMaxHeaderBytes)
-      problem("header length ", header_length, " exceeds the limit of ", kMaxHeaderBytes, " bytes");
-    if (header_length > file_size - 8)
-      problem("truncated or corrupt: header length ", header_length, " is larger than the ", file_size - 8,
-              " bytes after the length field");
-
-    // ---- the header ----
-    std::string header_text(header_length, '\0');
-    read_exactly(fd, header_text.data(), header_length, "the header");
-    Json header;
-    try {
-      header = json::parse(header_text);
-    } catch (const Error& error) {
-      problem("invalid JSON header (byte offsets count from the header's start, file byte 8): ",
-              error.what());
-    } catch (const std::bad_alloc&) {
-      // The parsed values take tens of bytes each: a header of the allowed size but millions of tiny values
-      // can need gigabytes.
-      problem("out of memory parsing its ", header_length, "-byte JSON header");
-    }
-    if (!header.is_object())
-      problem("the header is a JSON ", json::kind_name(header), ", not an object");
-
+    const uint64_t header_length = read_header_length(fd);
     StateDict state;
-    std::vector<Planned> plan;
-    for (const auto& [name, entry] : json::as_object(header)) {
-      if (name == "__metadata__") {
-        read_metadata(entry, state);
-      } else {
-        plan.push_back(plan_tensor(name, entry));
-      }
-    }
-
-    // ---- the layout: tensors tile [0, data size) exactly, in offset order ----
-    const uint64_t data_size = file_size - 8 - header_length;
-    std::sort(plan.begin(), plan.end(), [](const Planned& a, const Planned& b) {
-      return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
-    });
-    uint64_t position = 0;
-    for (const Planned& tensor : plan) {
-      if (tensor.end > data_size)
-        problem("data_offsets [", tensor.begin, ", ", tensor.end, "] of tensor '", tensor.name,
-                "' are outside the data region of ", data_size, " bytes (truncated file?)");
-      if (tensor.begin > position)
-        problem("gap in the data: no tensor covers bytes [", position, ", ", tensor.begin,
-                ") before tensor '", tensor.name, "'");
-      if (tensor.begin < position)
-        problem("tensor '", tensor.name, "' at data_offsets [", tensor.begin, ", ", tensor.end,
-                "] overlaps the tensor before it, which ends at ", position);
-      position = tensor.end;
-    }
-    if (position != data_size)
-      problem("the data region is ", data_size, " bytes but the tensors end at byte ", position,
-              " (trailing bytes)");
-
-    // ---- the data, in one sequential pass (the header was just read, so fd is at the data region) ----
-    for (Planned& tensor : plan) {
-      Tensor values = Tensor::empty(tensor.shape, tensor.dtype);
-      if (tensor.end > tensor.begin)
-        read_exactly(fd, values.data_ptr(), tensor.end - tensor.begin, "tensor '" + tensor.name + "'");
-      state.tensors.emplace(tensor.name, std::move(values));
-    }
+    std::map<std::string, Planned> plan = read_header(fd, header_length, state.metadata);
+    read_data(fd, file_size_ - 8 - header_length, plan, state);
     return state;
   }
 
  private:
-  struct Planned {
-    std::string name;
-    DType dtype;
-    Shape shape;
-    uint64_t begin, end;
-  };
-
   template <class... Parts>
   [[noreturn]] void problem(const Parts&... parts) const {
     fail("load_safetensors: '", path_, "': ", parts...);
@@ -488,86 +702,87 @@ class Loader {
     if (status != 0) problem("cannot read ", what, ": ", system_error_text(status));
   }
 
-  void read_metadata(const Json& metadata, StateDict& state) const {
-    if (!metadata.is_object())
-      problem("__metadata__ is a JSON ", json::kind_name(metadata), ", expected an object of strings");
-    for (const auto& [key, value] : json::as_object(metadata)) {
-      if (!value.is_string())
-        problem("__metadata__ value of '", key, "' is a JSON ", json::kind_name(value),
-                " (", json::dump(value), "), expected a string");
-      state.metadata.emplace(key, json::as_string(value));
+  // The 8-byte little-endian length of the JSON header. A file of another kind (a text file, a PyTorch
+  // pickle) shows here as a length beyond the file or the format's limit, and is named for what it is.
+  uint64_t read_header_length(int fd) {
+    if (file_size_ < 8)
+      problem("truncated: the file is ", file_size_, " bytes, shorter than the 8-byte header length");
+    char length_bytes[9] = {};
+    read_exactly(fd, length_bytes, 8, "the header length");
+    uint64_t header_length = 0;
+    for (int i = 0; i < 8; ++i) header_length |= static_cast<uint64_t>(static_cast<unsigned char>(length_bytes[i])) << (8 * i);
+    if (header_length > kMaxHeaderBytes || header_length > file_size_ - 8) {
+      const bool brace_follows = ::pread(fd, &length_bytes[8], 1, 8) == 1 && length_bytes[8] == '{';
+      if (!brace_follows)
+        problem("is not a safetensors file: it starts with the bytes '", echo(std::string_view(length_bytes, 8)),
+                "' (a safetensors file starts with an 8-byte little-endian header length, then '{')");
     }
+    if (header_length > kMaxHeaderBytes)
+      problem("header length ", header_length, " exceeds the limit of ", kMaxHeaderBytes, " bytes");
+    if (header_length > file_size_ - 8)
+      problem("truncated or corrupt: header length ", header_length, " is larger than the ", file_size_ - 8,
+              " bytes after the length field");
+    return header_length;
   }
 
-  // A non-negative integer, or an error naming the field and the tensor.
-  uint64_t read_count(const Json& value, const char* field, const std::string& tensor) const {
-    if (!value.is_number_integer() || json::as_integer(value) < 0)
-      problem(field, " of tensor '", tensor, "' has the entry ", json::dump(value),
-              value.is_number_float() ? " (written with a fraction or an exponent, or beyond int64)" : "",
-              ", expected a non-negative integer");
-    return static_cast<uint64_t>(json::as_integer(value));
+  // The tensors the header describes, by name, each checked on its own; the metadata goes into `metadata`.
+  std::map<std::string, Planned> read_header(int fd, uint64_t header_length,
+                                             std::map<std::string, std::string>& metadata) const {
+    std::string text(header_length, '\0');
+    read_exactly(fd, text.data(), header_length, "the header");
+    HeaderReader reader(text, path_, metadata);
+    try {
+      json::parse(text, reader, json::Limits{kMaxTokenBytes});
+    } catch (const HeaderProblem&) {
+      throw;
+    } catch (const Error& error) {
+      problem("invalid JSON header (byte offsets count from the header's start, file byte 8): ", error.what());
+    } catch (const std::bad_alloc&) {
+      problem("out of memory parsing its ", header_length, "-byte JSON header");
+    }
+    return std::move(reader.tensors());
   }
 
-  Planned plan_tensor(const std::string& name, const Json& entry) const {
-    if (!entry.is_object())
-      problem("header entry of tensor '", name, "' is a JSON ", json::kind_name(entry),
-              ", expected an object with dtype, shape and data_offsets");
-    const Json* dtype = json::find(entry, "dtype");
-    const Json* shape = json::find(entry, "shape");
-    const Json* offsets = json::find(entry, "data_offsets");
-    using Field = std::pair<const char*, const Json*>;
-    for (auto [field, value] : std::initializer_list<Field>{{"dtype", dtype}, {"shape", shape},
-                                                            {"data_offsets", offsets}})
-      if (value == nullptr) problem("header entry of tensor '", name, "' lacks \"", field, "\"");
-
-    if (!dtype->is_string())
-      problem("dtype of tensor '", name, "' is ", json::dump(*dtype), ", expected a string");
-    const std::optional<DType> parsed_dtype = dtype_from_safetensors(json::as_string(*dtype));
-    if (!parsed_dtype)
-      problem("not supported: dtype ", json::as_string(*dtype), " in tensor '", name,
-              "' (mixtape reads F32, F16, BF16, F64, I32 and I64)");
-
-    if (!shape->is_array())
-      problem("shape of tensor '", name, "' is ", json::dump(*shape), ", expected an array");
-    // No model has tensors of more than a handful of dimensions: a longer shape (a hostile header's million
-    // 1s) is refused before it is copied, or printed into an error message of megabytes.
-    if (shape->size() > kMaxRank)
-      problem("shape of tensor '", name, "' has ", shape->size(), " dimensions, more than the ",
-              kMaxRank, " this reader accepts");
-    Planned planned{name, *parsed_dtype, {}, 0, 0};
-    // numel * itemsize, with overflow detected: a hostile shape must not wrap around to a small size. The
-    // product of the non-zero extents must fit int64 even when some extent is 0, or the strides would not.
-    uint64_t nonzero_product = 1;
-    bool has_zero = false, overflow = false;
-    for (const Json& size : *shape) {
-      const uint64_t extent = read_count(size, "shape", name);
-      if (extent == 0) has_zero = true;
-      else overflow = overflow || __builtin_mul_overflow(nonzero_product, extent, &nonzero_product);
-      planned.shape.push_back(static_cast<int64_t>(extent));
+  // Checks that the tensors tile [0, data_size) exactly, then reads them in one sequential pass (fd stands
+  // at the data region, the header having just been read).
+  void read_data(int fd, uint64_t data_size, std::map<std::string, Planned>& plan, StateDict& state) const {
+    std::vector<std::map<std::string, Planned>::iterator> order;
+    order.reserve(plan.size());
+    for (auto it = plan.begin(); it != plan.end(); ++it) order.push_back(it);
+    std::sort(order.begin(), order.end(), [](const auto& a, const auto& b) {
+      return a->second.begin != b->second.begin ? a->second.begin < b->second.begin : a->second.end < b->second.end;
+    });
+    uint64_t position = 0;
+    for (const auto& it : order) {
+      const Planned& tensor = it->second;
+      const std::string name = echo(it->first);
+      if (tensor.end > data_size)
+        problem("data_offsets [", tensor.begin, ", ", tensor.end, "] of tensor '", name,
+                "' are outside the data region of ", data_size, " bytes (truncated file?)");
+      if (tensor.begin > position)
+        problem("gap in the data: no tensor covers bytes [", position, ", ", tensor.begin, ") before tensor '",
+                name, "'");
+      if (tensor.begin < position)
+        problem("tensor '", name, "' at data_offsets [", tensor.begin, ", ", tensor.end,
+                "] overlaps the tensor before it, which ends at ", position);
+      position = tensor.end;
     }
-    uint64_t bytes = 0;
-    if (!has_zero)
-      overflow = overflow || __builtin_mul_overflow(nonzero_product, dtype_size(*parsed_dtype), &bytes);
-    if (overflow || nonzero_product > static_cast<uint64_t>(INT64_MAX))
-      problem("shape ", json::dump(*shape), " of tensor '", name,
-              "' is too large (more than 2^63 elements or bytes)");
+    if (position != data_size)
+      problem("the data region is ", data_size, " bytes but the tensors end at byte ", position,
+              " (trailing bytes)");
 
-    if (!offsets->is_array() || offsets->size() != 2)
-      problem("data_offsets of tensor '", name, "' is ", json::dump(*offsets), ", expected [begin, end]");
-    planned.begin = read_count((*offsets)[0], "data_offsets", name);
-    planned.end = read_count((*offsets)[1], "data_offsets", name);
-    if (planned.end < planned.begin)
-      problem("data_offsets [", planned.begin, ", ", planned.end, "] of tensor '", name,
-              "' end before they begin");
-    if (planned.end - planned.begin != bytes)
-      problem("tensor '", name, "' has data_offsets [", planned.begin, ", ", planned.end, "] (",
-              planned.end - planned.begin, " bytes) but ", json::as_string(*dtype), " ",
-              shape_str(planned.shape),
-              " needs ", bytes, " bytes");
-    return planned;
+    for (const auto& it : order) {
+      auto planned = plan.extract(it);  // its name moves into the state, its plan goes
+      const Planned& tensor = planned.mapped();
+      Tensor values = Tensor::empty(tensor.shape, tensor.dtype);
+      if (tensor.end > tensor.begin)
+        read_exactly(fd, values.data_ptr(), tensor.end - tensor.begin, "tensor '" + echo(planned.key()) + "'");
+      state.tensors.emplace(std::move(planned.key()), std::move(values));
+    }
   }
 
   std::string path_;
+  uint64_t file_size_ = 0;
 };
 
 }  // namespace

@@ -42,6 +42,21 @@ SaveTarget save_target(const std::string& path, bool try_create = false);
 
 // Reads the whole file in one pass, validating all of it first: a truncated, corrupt or unsupported file is
 // an Error naming the file and the problem, never a partial result. Reads F32, F16, BF16, F64, I32, I64.
+//
+// The header is read as it is parsed, keeping only the tensors' names, dtypes, shapes and offsets and the
+// metadata, so the memory a load takes follows what the file describes: the header's text (read whole), the
+// tensors, ~500 bytes and the name of each tensor, and the metadata. Whitespace, members the reader skips
+// and refused values cost nothing. Beyond the format's own limit of 100,000,000 header bytes, the reader
+// refuses (an Error naming the limit, "(the reader's limit)"), each far above what real checkpoints hold:
+//   - more than 131,072 tensor entries (each costs ~500 bytes of memory, however small the tensor);
+//   - a shape of more than 64 dimensions;
+//   - more than 65,536 __metadata__ keys, or more than 32 MiB (33,554,432 bytes) of metadata keys and values;
+//   - a string or number longer than 16 MiB (16,777,216 bytes) as written (the JSON parser holds the token
+//     it reads several times over);
+//   - inside tensor entries, more than 65,536 keys besides dtype, shape and data_offsets (extra members,
+//     which are skipped, and the objects inside them), or such a key longer than 256 bytes.
+// Values from the file that an error message repeats (names, keys, dtypes, JSON values) are shown printable
+// and cut after 100 characters (echo(), json::excerpt()).
 StateDict load_safetensors(const std::string& path);
 
 }  // namespace mixtape

@@ -574,7 +574,7 @@ TEST_F(SafetensorsCorrupt, ShapesMustBeNonNegativeIntegers) {
   expect_entry_error("{\"dtype\":\"F32\",\"shape\":[-1]" + tail, 4, "shape of tensor 'x' has the entry -1");
   expect_entry_error("{\"dtype\":\"F32\",\"shape\":[1.5]" + tail, 4, "shape of tensor 'x' has the entry 1.5");
   expect_entry_error("{\"dtype\":\"F32\",\"shape\":[1e0]" + tail, 4,
-                     "shape of tensor 'x' has the entry 1 (written with a fraction or an exponent");
+                     "shape of tensor 'x' has the entry 1e0 (written with a fraction or an exponent");
   // More dimensions than any tensor has (a hostile header's millions of 1s): refused before being copied.
   std::string ones = "1";
   for (int i = 0; i < 64; ++i) ones += ",1";
@@ -631,6 +631,164 @@ TEST_F(SafetensorsCorrupt, MetadataValuesMustBeStrings) {
   expect_load_error(file_bytes("{\"__metadata__\":{\"a\":\"ok\",\"b\":null}}", ""),
                     "value of 'b' is a JSON null");
   expect_load_error(file_bytes("{\"__metadata__\":[\"a\"]}", ""), "__metadata__ is a JSON array");
+}
+
+// ============================================================================ what errors repeat
+
+// The message of the Error loading `bytes` throws, or "" when the load succeeds.
+std::string load_error(const std::string& file, const std::string& bytes) {
+  write_bytes(file, bytes);
+  try {
+    load_safetensors(file);
+  } catch (const Error& error) {
+    return error.what();
+  }
+  return "";
+}
+
+// "[0,0,...,0]" of n zeros: 2n + 1 bytes.
+std::string zeros_array(size_t n) {
+  std::string text = "[0";
+  for (size_t i = 1; i < n; ++i) text += ",0";
+  return text + "]";
+}
+
+TEST_F(SafetensorsCorrupt, NumbersAreRepeatedAsWritten) {
+  expect_entry_error("{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,176000.0]}", 4,
+                     "data_offsets of tensor 'x' has the entry 176000.0 (written with a fraction or an exponent, "
+                     "or beyond int64), expected a non-negative integer");
+  expect_entry_error("{\"dtype\":\"F32\",\"shape\":[4.0E0],\"data_offsets\":[0,16]}", 16,
+                     "shape of tensor 'x' has the entry 4.0E0 (written with");
+  expect_entry_error("{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,9223372036854775808]}", 4,
+                     "has the entry 9223372036854775808 (written with a fraction or an exponent, or beyond int64)");
+}
+
+TEST_F(SafetensorsCorrupt, LongValuesAreCutInMessages) {
+  const std::string file = path("bad.safetensors");
+  const std::string zeros = zeros_array(200'000);  // 400,001 bytes
+  const std::string first_100 = zeros.substr(0, 100);
+  struct Case {
+    std::string header, says;
+  };
+  const std::vector<Case> cases = {
+      {"{\"x\":{\"dtype\":" + zeros + ",\"shape\":[1],\"data_offsets\":[0,4]}}",
+       "dtype of tensor 'x' is " + first_100 + "... (400001 bytes in all), expected a string"},
+      {"{\"x\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":" + zeros + "}}",
+       "data_offsets of tensor 'x' is " + first_100 + "... (400001 bytes in all), expected [begin, end]"},
+      {"{\"x\":{\"dtype\":\"F32\",\"shape\":{\"a\":" + zeros + "},\"data_offsets\":[0,4]}}",
+       "shape of tensor 'x' is {\"a\":" + zeros.substr(0, 95) + "... (400007 bytes in all), expected an array"},
+      {"{\"__metadata__\":{\"k\":" + zeros + "}}",
+       "__metadata__ value of 'k' is a JSON array (" + first_100 + "... (400001 bytes in all)), expected a string"},
+      {"{\"x\":{\"dtype\":\"" + std::string(200'000, 'F') + "\",\"shape\":[1],\"data_offsets\":[0,4]}}",
+       "not supported: dtype " + std::string(100, 'F') + "... (200000 bytes in all) in tensor 'x'"},
+      {"{\"" + std::string(200'000, 'n') + "\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,4]}}",
+       "tensor '" + std::string(100, 'n') + "... (200000 bytes in all)' has data_offsets [0, 4]"},
+      {"{\"__metadata__\":{\"" + std::string(200'000, 'k') + "\":1}}",
+       "__metadata__ value of '" + std::string(100, 'k') + "... (200000 bytes in all)' is a JSON integer (1)"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.says);
+    const std::string message = load_error(file, file_bytes(c.header, std::string(4, '\0')));
+    EXPECT_LT(message.size(), 500u) << message.substr(0, 500);
+    EXPECT_NE(message.find(c.says), std::string::npos) << message.substr(0, 500);
+  }
+  // A shape too large to hold is repeated within bounds too.
+  std::string huge = "[4294967296";
+  for (int i = 0; i < 40; ++i) huge += ",4294967296";
+  huge += "]";
+  const std::string message = load_error(
+      file, file_bytes("{\"x\":{\"dtype\":\"F32\",\"shape\":" + huge + ",\"data_offsets\":[0,4]}}", ""));
+  EXPECT_NE(message.find("shape " + huge.substr(0, 100) + "... (" + std::to_string(huge.size()) +
+                         " bytes in all) of tensor 'x' is too large"),
+            std::string::npos)
+      << message;
+}
+
+TEST_F(SafetensorsCorrupt, NamesAndKeysAreRepeatedPrintable) {
+  // "\u0000" and "\n" decode to a NUL byte and a newline in the name: the message shows them escaped.
+  const std::string message = load_error(
+      path("bad.safetensors"),
+      file_bytes("{\"a\\u0000b\\nc\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,4]}}", std::string(4, '\0')));
+  EXPECT_NE(message.find("tensor 'a\\0b\\nc' has data_offsets [0, 4]"), std::string::npos) << message;
+  EXPECT_EQ(message.find('\n'), std::string::npos);
+  EXPECT_EQ(message.find('\0'), std::string::npos);
+  expect_load_error(file_bytes("{\"__metadata__\":{\"\\u001b[31m\":null}}", ""),
+                    "__metadata__ value of '\\x1b[31m' is a JSON null (null)");
+  expect_entry_error("{\"dtype\":\"F\\t32\",\"shape\":[1],\"data_offsets\":[0,4]}", 4,
+                     "not supported: dtype F\\t32 in tensor 'x'");
+}
+
+TEST_F(SafetensorsCorrupt, AFileOfAnotherKindIsNamedSo) {
+  expect_load_error("Hello world, this is a text file.\n",
+                    "is not a safetensors file: it starts with the bytes 'Hello wo' (a safetensors file starts "
+                    "with an 8-byte little-endian header length, then '{')");
+  expect_load_error(std::string("\x80\x02}q\0(X\n\0\0\0", 11) + std::string(100, 'x'),  // a pickle
+                    "is not a safetensors file: it starts with the bytes '\\x80\\x02}q\\0(X\\n'");
+  // A length that is merely wrong, before a header that starts as one does, is named as such.
+  expect_load_error(le64(100) + "{}", "header length 100 is larger than the 2 bytes after the length field");
+}
+
+// ============================================================================ the reader's limits
+
+// A header with n metadata keys "0", "1", ... with empty values.
+std::string metadata_header(size_t n) {
+  std::string header = "{\"__metadata__\":{";
+  for (size_t i = 0; i < n; ++i) header += (i ? ",\"" : "\"") + std::to_string(i) + "\":\"\"";
+  return header + "}}";
+}
+
+TEST_F(SafetensorsCorrupt, MetadataOf65536KeysLoadsAndOneMoreIsRefused) {
+  const std::string file = path("keys.safetensors");
+  write_bytes(file, file_bytes(metadata_header(65'536), ""));
+  EXPECT_EQ(load_safetensors(file).metadata.size(), 65'536u);
+  expect_load_error(file_bytes(metadata_header(65'537), ""),
+                    "': __metadata__ has more than 65536 keys (the reader's limit)");
+}
+
+TEST_F(SafetensorsCorrupt, MetadataOfMoreThan32MiBIsRefused) {
+  // Three values of 11 MiB: each within the 16 MiB a string may have, together past 32 MiB.
+  const std::string value = "\"" + std::string(11 << 20, 'v') + "\"";
+  const std::string header = "{\"__metadata__\":{\"a\":" + value + ",\"b\":" + value + ",\"c\":" + value + "}}";
+  expect_load_error(file_bytes(header, ""),
+                    "': __metadata__ holds more than 33554432 bytes of keys and values (the reader's limit)");
+}
+
+TEST_F(SafetensorsCorrupt, AStringOrNumberOfMoreThan16MiBIsRefused) {
+  const std::string value(16 << 20, 'v');  // 16 MiB + 2 quotes
+  expect_load_error(file_bytes("{\"__metadata__\":{\"k\":\"" + value + "\"}}", ""),
+                    "invalid JSON header", "json: a string or number longer than 16777216 bytes (the reader's limit) at byte 21");
+  expect_load_error(file_bytes("{\"x\":{\"note\":" + std::string((16 << 20) + 1, '1') + "}}", ""),
+                    "longer than 16777216 bytes (the reader's limit) at byte 13");
+}
+
+TEST_F(SafetensorsCorrupt, MoreThan131072TensorEntriesAreRefused) {
+  std::string header = "{";
+  for (size_t i = 0; i <= 131'072; ++i)
+    header += (i ? ",\"" : "\"") + std::to_string(i) + "\":{\"dtype\":\"F32\",\"shape\":[0],\"data_offsets\":[0,0]}";
+  header += "}";
+  expect_load_error(file_bytes(header, ""), "': the header has more than 131072 tensor entries (the reader's limit)");
+}
+
+TEST_F(SafetensorsCorrupt, ExtraMembersOfEntriesAreSkippedWithinLimits) {
+  const std::string fields = "\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]";
+  const std::string file = path("extra.safetensors");
+  write_bytes(file, file_bytes("{\"x\":{\"note\":{\"a\":[1,{\"b\":null}]},\"n\":2," + fields + "}}",
+                               std::string(4, '\0')));
+  EXPECT_EQ(load_safetensors(file).tensors.at("x").numel(), 1);
+  // Their keys are kept only to refuse a duplicate, so they are bounded in length and number.
+  expect_load_error(file_bytes("{\"x\":{\"note\":{\"a\":1,\"a\":2}," + fields + "}}", std::string(4, '\0')),
+                    "duplicate key \"a\"");
+  expect_load_error(file_bytes("{\"x\":{" + fields + ",\"dtype\":\"F32\"}}", std::string(4, '\0')),
+                    "duplicate key \"dtype\"");
+  expect_load_error(file_bytes("{\"x\":{\"" + std::string(257, 'k') + "\":1," + fields + "}}", std::string(4, '\0')),
+                    "in the entry of tensor 'x' is longer than 256 bytes (the reader's limit for keys besides "
+                    "dtype, shape and data_offsets)");
+  std::string many = "{\"x\":{\"note\":{";
+  for (size_t i = 0; i < 65'536; ++i) many.append("\"").append(std::to_string(i)).append("\":0,");
+  many += "\"last\":0}," + fields + "}}";
+  expect_load_error(file_bytes(many, std::string(4, '\0')),
+                    "the tensor entries hold more than 65536 keys besides dtype, shape and data_offsets (the "
+                    "reader's limit)");
 }
 
 // A good file cut at every length, and every header byte overwritten: each must be an Error (or, for a
