@@ -40,7 +40,7 @@ namespace mixtape {
 namespace {
 
 constexpr uint64_t kSeed = 0x6d69787461706521ull;  // "mixtape!"
-constexpr int kCheckpointMutants = 1200;  // about 2 ms each (4 under ASan), 2 cores
+constexpr int kCheckpointMutants = 800;  // about 2 ms each (4 under ASan), 2 cores
 constexpr int kAmpConfigMutants = 2000;  // well under 1 ms each
 
 // ---- deterministic randomness: splitmix64, one stream per mutant ----
@@ -111,7 +111,8 @@ void report(const Outcome& outcome, const char* test, int count) {
   if (outcome.failures.size() > 40) ADD_FAILURE() << (outcome.failures.size() - 40) << " more failures";
 }
 
-// Runs mutants [0, count) (or MIXTAPE_FUZZ_ONLY) of `make`, each through `run`.
+// Runs mutants [0, count) (or MIXTAPE_FUZZ_ONLY) of `make` (given the mutant's own random stream and its
+// index), each through `run`.
 template <class Make, class Run>
 void fuzz(const char* test, int count, const Make& make, const Run& run) {
   count = static_cast<int>(env_number("MIXTAPE_FUZZ_COUNT").value_or(count));
@@ -122,7 +123,7 @@ void fuzz(const char* test, int count, const Make& make, const Run& run) {
   for (int i = 0; i < count; ++i) {
     if (only && *only != i) continue;
     Random random = mutant_random(kSeed, i);
-    const Mutant mutant = make(random);
+    const Mutant mutant = make(random, i);
     const std::string label = std::string(test) + " seed " + std::to_string(kSeed) + " mutant " +
                               std::to_string(i) + " (" + mutant.how + ")";
     if (trace) std::printf("[fuzz] %s\n", echo(label, 400).c_str()), std::fflush(stdout);
@@ -178,6 +179,11 @@ const std::vector<std::string> kNastyNumbers = {
     "-9223372036854775808", "-9223372036854775809", "18446744073709551615", "18446744073709551616",
     "99999999999999999999999999999999", "NaN", "nan", "Infinity", "-inf", "0x10", "01", "1.", "-", "1e", "",
     "1e2", "2e3"};
+// The numbers the sweep of a checkpoint's AMP entries sets: the loss-scale bounds, integer range ends, NaN-ish.
+const std::vector<std::string> kSweepNumbers = {
+    "0", "-0", "-1", "0.5", "1e-45", "2.938735877055719e-39", "2.938737278354183e-39", "3.4028234663852886e+38",
+    "3.4028235677973366e+38", "1e309", "4294967296", "9223372036854775807", "9223372036854775808",
+    "18446744073709551616", "NaN", "Infinity", "0x10", "", "1e2"};
 // Values of other JSON types.
 const std::vector<std::string> kOtherValues = {
     "true", "false", "null", "[]", "{}", "[1]", "{\"a\":1}", "\"\"", "\"x\"", "\"dynamic\"", "\"128.0\"",
@@ -372,8 +378,11 @@ std::optional<std::string> mutate_header(Random& random, const std::string& file
   for (const auto& [key, value] : metadata.items()) keys.push_back(key);
   const size_t kind = random.below(5);
   std::string raw_value;  // a metadata value spliced in as raw bytes (invalid UTF-8 stays invalid)
-  if (kind <= 1) {  // a metadata value
-    const std::string key = random.pick(keys);
+  if (kind <= 1) {  // a metadata value; half the time one of the loss scalers' or the AMP config's
+    std::vector<std::string> amp_keys;
+    for (const std::string& key : keys)
+      if (key.find("scaler.") != std::string::npos || key.find("amp") != std::string::npos) amp_keys.push_back(key);
+    const std::string key = random.pick(random.chance(50) && !amp_keys.empty() ? amp_keys : keys);
     how += "metadata '" + key + "' ";
     raw_value = nasty_value(random, metadata[key].get<std::string>(), how);
     metadata[key] = kPlaceholder;
@@ -454,44 +463,105 @@ Mutant mutate_checkpoint(Random& random, const std::string& file) {
   return m;
 }
 
-TEST(Fuzz, MutatedTrainingCheckpointsLoadOrFailWithAnError) {
-  const TokenData data = char_tokens(fuzz_text());
-  const GPTConfig config = fuzz_gpt(data.vocab_size);
-  const std::string path = temp_file("checkpoint");
-  std::vector<std::string> bases;
-  for (const std::string& mode : kCheckpointModes) {
-    Trainer trainer(config, fuzz_options(mode), data);
+void train_step_or_fail(Trainer& trainer, const std::string& label, Outcome& outcome) {
+  try {
     trainer.train_step();
-    save_safetensors(path, trainer.checkpoint());
-    bases.push_back(read_bytes(path));
-    // The unmutated file loads: what the mutants are compared with.
-    Trainer fresh(config, fuzz_options(mode), data);
-    fresh.load_checkpoint(load_safetensors(path));
+  } catch (const Error& e) {
+    outcome.failures.push_back(label + ": loaded, but the next step failed: " + echo(e.what(), 300));
+  } catch (const std::exception& e) {
+    outcome.failures.push_back(label + ": loaded, but the next step threw " + typeid(e).name() + ": " +
+                               echo(e.what(), 300));
   }
+}
+
+// The checkpoints the mutants start from (one per mode, after one step) and how a mutant is loaded.
+struct CheckpointFuzz {
+  TokenData data = char_tokens(fuzz_text());
+  GPTConfig config = fuzz_gpt(data.vocab_size);
+  std::string path = temp_file("checkpoint");
+  std::vector<std::string> bases;  // kCheckpointModes' files
+
+  CheckpointFuzz() {
+    for (const std::string& mode : kCheckpointModes) {
+      Trainer trainer(config, fuzz_options(mode), data);
+      trainer.train_step();
+      save_safetensors(path, trainer.checkpoint());
+      bases.push_back(read_bytes(path));
+      Trainer fresh(config, fuzz_options(mode), data);  // the unmutated file loads
+      fresh.load_checkpoint(load_safetensors(path));
+    }
+  }
+  ~CheckpointFuzz() { std::filesystem::remove(path); }
+
+  // `mutant.how` starts with the mode of its base. load_model_file reads the model part (and the metadata that
+  // describes it) alone: `model_file` false skips it for mutants of the optimizer's entries.
+  bool load(const Mutant& mutant, const std::string& label, Outcome& outcome, bool model_file = true) {
+    write_bytes(path, mutant.bytes);
+    const std::string mode = mutant.how.substr(0, mutant.how.find(' '));
+    StateDict state;
+    bool ok = outcome.run(label, "load_safetensors", [&] { state = load_safetensors(path); });
+    if (ok) {
+      std::unique_ptr<Trainer> fresh;
+      ok = outcome.run(label, "Trainer::load_checkpoint", [&] {
+        fresh = std::make_unique<Trainer>(config, fuzz_options(mode), data);
+        fresh->load_checkpoint(state);
+      });
+      // A checkpoint that loads is one the run can go on from: an Error at its next step means the load let
+      // through what cannot work.
+      if (ok) train_step_or_fail(*fresh, label, outcome);
+    }
+    if (model_file) outcome.run(label, "load_model_file", [&] { load_model_file(path); });
+    return ok;
+  }
+};
+
+TEST(Fuzz, MutatedTrainingCheckpointsLoadOrFailWithAnError) {
+  CheckpointFuzz checkpoints;
   fuzz(
       "Fuzz.MutatedTrainingCheckpointsLoadOrFailWithAnError", kCheckpointMutants,
-      [&](Random& random) {
-        const size_t base = random.below(bases.size());
-        Mutant m = mutate_checkpoint(random, bases[base]);
+      [&](Random& random, int) {
+        const size_t base = random.below(checkpoints.bases.size());
+        Mutant m = mutate_checkpoint(random, checkpoints.bases[base]);
         m.how = kCheckpointModes[base] + " checkpoint, " + m.how;
         return m;
       },
       [&](const Mutant& mutant, const std::string& label, Outcome& outcome) {
-        write_bytes(path, mutant.bytes);
-        const std::string mode = mutant.how.substr(0, mutant.how.find(' '));
-        StateDict state;
-        bool ok = outcome.run(label, "load_safetensors", [&] { state = load_safetensors(path); });
-        if (ok) {
-          ok = outcome.run(label, "Trainer::load_checkpoint + train_step", [&] {
-            Trainer fresh(config, fuzz_options(mode), data);
-            fresh.load_checkpoint(state);
-            fresh.train_step();
-          });
-        }
-        outcome.run(label, "load_model_file", [&] { load_model_file(path); });
-        return ok;
+        return checkpoints.load(mutant, label, outcome);
       });
-  std::filesystem::remove(path);
+}
+
+// Every metadata entry of the loss scalers and the AMP state ("optimizer.scaler.<k>.*", "optimizer.amp.*",
+// "train.amp_config") of each checkpoint, set to each of kSweepNumbers in turn.
+TEST(Fuzz, EveryAmpEntryOfACheckpointSetToEachHostileNumberLoadsOrFailsWithAnError) {
+  CheckpointFuzz checkpoints;
+  struct Edit {
+    size_t base;
+    std::string key;
+  };
+  std::vector<Edit> edits;
+  for (size_t base = 0; base < checkpoints.bases.size(); ++base) {
+    const std::string& file = checkpoints.bases[base];
+    const Json header = json::parse(std::string_view(file).substr(8, le64(file)));
+    for (const auto& [key, value] : header["__metadata__"].items())
+      if (key.find("scaler.") != std::string::npos || key.find("amp") != std::string::npos)
+        edits.push_back({base, key});
+  }
+  const int count = static_cast<int>(edits.size() * kSweepNumbers.size());
+  fuzz(
+      "Fuzz.EveryAmpEntryOfACheckpointSetToEachHostileNumberLoadsOrFailsWithAnError", count,
+      [&](Random&, int index) {
+        const size_t i = static_cast<size_t>(index) % static_cast<size_t>(count);  // MIXTAPE_FUZZ_COUNT may say more
+        const Edit& edit = edits[i / kSweepNumbers.size()];
+        const std::string& value = kSweepNumbers[i % kSweepNumbers.size()];
+        const std::string& file = checkpoints.bases[edit.base];
+        Json header = json::parse(std::string_view(file).substr(8, le64(file)));
+        header["__metadata__"][edit.key] = value;
+        return Mutant{with_header(file, json::dump(header)), kCheckpointModes[edit.base] + " checkpoint, metadata '" +
+                                                                 edit.key + "' -> " + echo(value)};
+      },
+      [&](const Mutant& mutant, const std::string& label, Outcome& outcome) {
+        return checkpoints.load(mutant, label, outcome, /*model_file=*/false);
+      });
 }
 
 // ---- (2) --amp-config texts ----
@@ -554,12 +624,13 @@ void boost_and_step(const AmpConfig& config) {
 
 TEST(Fuzz, MutatedAmpConfigsParseOrFailWithAnErrorAndTrainWhenAccepted) {
   std::vector<std::string> bases;
-  for (const std::string& name : precision_mode_names(kApexOptLevels)) bases.push_back(AmpConfig::parse(name).to_json());
+  for (const std::string& name : precision_mode_names(kApexOptLevels))
+    bases.push_back(AmpConfig::parse(name).to_json());
   bases.push_back(R"({"mixed_precision":"fp16_apex","opt_level":"O2","loss_scale":"128.0","num_losses":2})");
   bases.push_back(R"({"mixed_precision":"fp16_naive","initial_scale":65536,"min_scale":1,"hysteresis":3})");
   fuzz(
       "Fuzz.MutatedAmpConfigsParseOrFailWithAnErrorAndTrainWhenAccepted", kAmpConfigMutants,
-      [&](Random& random) { return mutate_amp_config(random, bases); },
+      [&](Random& random, int) { return mutate_amp_config(random, bases); },
       [&](const Mutant& mutant, const std::string& label, Outcome& outcome) {
         AmpConfig config;
         if (!outcome.run(label, "AmpConfig::from_json", [&] { config = AmpConfig::from_json(mutant.bytes); }))
