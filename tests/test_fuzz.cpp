@@ -34,6 +34,7 @@
 #include "optim/sgd.h"
 #include "tensor/error.h"
 #include "tensor/ops.h"
+#include "tensor/precision.h"
 #include "train/training.h"
 
 namespace mixtape {
@@ -496,6 +497,7 @@ struct CheckpointFuzz {
   // `mutant.how` starts with the mode of its base. load_model_file reads the model part (and the metadata that
   // describes it) alone: `model_file` false skips it for mutants of the optimizer's entries.
   bool load(const Mutant& mutant, const std::string& label, Outcome& outcome, bool model_file = true) {
+    AllowTf32Guard restore_tf32(allow_tf32());  // a mutated train.amp_config may name tf32
     write_bytes(path, mutant.bytes);
     const std::string mode = mutant.how.substr(0, mutant.how.find(' '));
     StateDict state;
@@ -604,8 +606,10 @@ Mutant mutate_amp_config(Random& random, const std::vector<std::string>& bases) 
   return m;
 }
 
-// One training step of a Linear(4, 2) through the booster of `config`.
+// One training step of a Linear(4, 2) through the booster of `config`. The tf32 modes switch tf32 matmuls on
+// process-wide when they boost: the switch is restored for the tests that follow.
 void boost_and_step(const AmpConfig& config) {
+  AllowTf32Guard restore_tf32(allow_tf32());
   Booster booster(config);
   Linear model(4, 2, true, 5);
   auto sgd = std::make_unique<SGD>(model.parameters(), 0.01);
@@ -623,6 +627,7 @@ void boost_and_step(const AmpConfig& config) {
 }
 
 TEST(Fuzz, MutatedAmpConfigsParseOrFailWithAnErrorAndTrainWhenAccepted) {
+  const bool tf32_before = allow_tf32();
   std::vector<std::string> bases;
   for (const std::string& name : precision_mode_names(kApexOptLevels))
     bases.push_back(AmpConfig::parse(name).to_json());
@@ -652,6 +657,7 @@ TEST(Fuzz, MutatedAmpConfigsParseOrFailWithAnErrorAndTrainWhenAccepted) {
         }
         return true;
       });
+  EXPECT_EQ(allow_tf32(), tf32_before) << "the fuzz leaves the process-wide tf32 switch as it found it";
 }
 
 }  // namespace
