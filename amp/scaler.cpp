@@ -23,7 +23,12 @@ using State = std::map<std::string, std::string>;
 // `prefix` is put before each entry's name in errors: "scaler.0." where the state is a part of a checkpoint's
 // metadata (load_scaler_states), so that the message names the entry as the file holds it.
 std::string entry_name(std::string_view prefix, std::string_view key) {
-  return "\"" + echo(std::string(prefix) + std::string(key)) + "\"";
+  std::string name(prefix);
+  name.append(key);
+  std::string quoted = "\"";
+  quoted.append(echo(name));
+  quoted.push_back('"');
+  return quoted;
 }
 
 const std::string& entry(const char* who, const State& state, const std::string& key, std::string_view prefix) {
