@@ -42,7 +42,7 @@ namespace mixtape {
 namespace {
 
 constexpr uint64_t kSeed = 0x6d69787461706521ull;  // "mixtape!"
-constexpr int kCheckpointMutants = 2000;  // about 0.5 ms each on one core
+constexpr int kCheckpointMutants = 1200;  // about 0.5 ms each on one core, 4 under ASan
 constexpr int kAmpConfigMutants = 4000;  // well under 0.1 ms each
 
 // ---- deterministic randomness: splitmix64, one stream per mutant ----
@@ -184,9 +184,8 @@ const std::vector<std::string> kNastyNumbers = {
     "1e2", "2e3"};
 // The numbers the sweep of a checkpoint's AMP entries sets: the loss-scale bounds, integer range ends, NaN-ish.
 const std::vector<std::string> kSweepNumbers = {
-    "0", "-0", "-1", "0.5", "1e-45", "2.938735877055719e-39", "2.938737278354183e-39", "3.4028234663852886e+38",
-    "3.4028235677973366e+38", "1e309", "4294967296", "9223372036854775807", "9223372036854775808",
-    "18446744073709551616", "NaN", "Infinity", "0x10", "", "1e2"};
+    "0", "-1", "0.5", "1e-45", "2.938735877055719e-39", "2.938737278354183e-39", "3.4028235677973366e+38",
+    "1e309", "9223372036854775808", "18446744073709551616", "NaN", ""};
 // Values of other JSON types.
 const std::vector<std::string> kOtherValues = {
     "true", "false", "null", "[]", "{}", "[1]", "{\"a\":1}", "\"\"", "\"x\"", "\"dynamic\"", "\"128.0\"",
