@@ -24,7 +24,7 @@ std::optional<DType> dtype_from_name(const std::string& who, const std::string& 
   if (name == "fp32" || name == "float32") return DType::F32;
   if (name == "fp16" || name == "float16") return DType::F16;
   if (name == "bf16" || name == "bfloat16") return DType::BF16;
-  fail(who, ": ", key, " must be \"fp32\", \"fp16\" or \"bf16\", got \"", name, "\"");
+  fail(who, ": ", key, " must be \"fp32\", \"fp16\" or \"bf16\", got \"", echo(name), "\"");
 }
 
 const char* dtype_text(DType dtype) {
@@ -86,7 +86,7 @@ ApexProperties ApexProperties::for_opt_level(const std::string& opt_level, DType
     p.master_weights = false;
     p.loss_scale = 1.0;
   } else {
-    fail("AmpConfig fp16_apex: unknown opt_level \"", opt_level, "\" (expected O0, O1, O2 or O3; the letter O, "
+    fail("AmpConfig fp16_apex: unknown opt_level \"", echo(opt_level), "\" (expected O0, O1, O2 or O3; the letter O, "
          "not zero)");
   }
   return p;
@@ -102,13 +102,14 @@ AmpConfig AmpConfig::parse(std::string_view text) {
   const size_t colon = text.find(':');
   const std::string name(text.substr(0, colon));
   const std::optional<PrecisionMode> mode = find_precision_mode(name);
-  check(mode.has_value(), "AmpConfig: unknown mixed_precision \"", name, "\" (expected one of ", join(modes()),
-        ")");
+  if (!mode.has_value())
+    fail("AmpConfig: unknown mixed_precision \"", echo(name), "\" (expected one of ", join(modes()), ")");
   config.mode = *mode;
   const bool apex = config.family() == ModeFamily::Apex;
   if (colon != std::string_view::npos) {
-    check(apex, "AmpConfig: \"", text, "\": only fp16_apex takes an opt level after a colon (fp16_apex:O0 .. ",
-          "fp16_apex:O3)");
+    if (!apex)
+      fail("AmpConfig: \"", echo(text), "\": only fp16_apex takes an opt level after a colon (fp16_apex:O0 .. ",
+           "fp16_apex:O3)");
     config.apex = ApexProperties::for_opt_level(std::string(text.substr(colon + 1)), config.row().compute_dtype);
   } else if (apex) {
     config.apex = ApexProperties::for_opt_level("O1", config.row().compute_dtype);  // amp.initialize's default
@@ -155,8 +156,8 @@ std::string mode_of(const Json& root, std::optional<std::string_view> mode) {
   }
   check(given->is_string(), "AmpConfig: mixed_precision must be a string, got ", json::kind_name(*given));
   const std::string name = json::as_string(*given);
-  check(!mode || *mode == name || mode->substr(0, mode->find(':')) == name, "AmpConfig: the config says "
-        "mixed_precision \"", name, "\" but \"", *mode, "\" was asked for");
+  if (mode && *mode != name && mode->substr(0, mode->find(':')) != name)
+    fail("AmpConfig: the config says mixed_precision \"", echo(name), "\" but \"", echo(*mode), "\" was asked for");
   return mode ? std::string(*mode) : name;
 }
 
@@ -167,8 +168,9 @@ void check_option_keys(const Json& root, const PrecisionModeRow& row, const std:
   for (const auto& [key, value] : json::as_object(root)) {
     if (key == "mixed_precision") continue;
     const bool known = std::find(allowed.begin(), allowed.end(), key) != allowed.end();
-    check(known, who, ": unknown option \"", key, "\" (", row.name, " takes ",
-          allowed.empty() ? std::string("no options") : join(allowed), ")");
+    if (!known)
+      fail(who, ": unknown option \"", echo(key), "\" (", row.name, " takes ",
+           allowed.empty() ? std::string("no options") : join(allowed), ")");
   }
 }
 
@@ -211,10 +213,11 @@ void read_cast_model_type(const OptionReader& read, const Json& value, ApexPrope
     a.cast_model_type = read.dtype(value, "cast_model_type");
   }
   // Apex's Properties.__setattr__ (warn_or_err raises without hard_override).
-  check(a.opt_level != "O1" || a.cast_model_type.value_or(DType::F32) == DType::F32, read.who, ": O1 inserts "
-        "casts around ops rather than casting the model weights, so with O1 the weights must stay fp32: "
-        "cast_model_type must be unset or \"fp32\", got \"", value.is_string() ? json::as_string(value) : "",
-        "\"; use O2 or O3 to cast the model");
+  if (a.opt_level == "O1" && a.cast_model_type.value_or(DType::F32) != DType::F32)
+    fail(read.who, ": O1 inserts casts around ops rather than casting the model weights, so with O1 the weights "
+         "must stay fp32: cast_model_type must be unset or \"fp32\", got \"",
+         value.is_string() ? echo(json::as_string(value)) : "",
+         "\"; use O2 or O3 to cast the model");
 }
 
 // Apex's keep_batchnorm_fp32: true, false, or the strings "True" / "False", which Apex accepts too.
@@ -226,8 +229,8 @@ void read_keep_batchnorm_fp32(const OptionReader& read, const Json& value, ApexP
     return;
   }
   const std::string& text = json::as_string(value);
-  check(text == "True" || text == "False", read.who,
-        ": keep_batchnorm_fp32 must be true, false, \"True\", \"False\" or null, got \"", text, "\"");
+  if (text != "True" && text != "False")
+    fail(read.who, ": keep_batchnorm_fp32 must be true, false, \"True\", \"False\" or null, got \"", echo(text), "\"");
   a.keep_batchnorm_fp32 = text == "True";
 }
 
@@ -238,8 +241,9 @@ void read_loss_scale(const OptionReader& read, const Json& value, ApexProperties
     return;
   }
   const std::optional<double> parsed = number_from_text(json::as_string(value));
-  check(json::as_string(value) == "dynamic" || parsed, read.who, ": loss_scale must be a number, a numeric "
-        "string like \"128.0\" or \"dynamic\", got \"", json::as_string(value), "\"");
+  if (json::as_string(value) != "dynamic" && !parsed)
+    fail(read.who, ": loss_scale must be a number, a numeric string like \"128.0\" or \"dynamic\", got \"",
+         echo(json::as_string(value)), "\"");
   a.loss_scale = parsed;
 }
 
@@ -297,8 +301,8 @@ AmpConfig AmpConfig::from_json(std::string_view text, std::optional<std::string_
   if (const Json* level = json::find(root, "opt_level")) {
     check(level->is_string(), who, ": opt_level must be a string like \"O2\", got ", json::kind_name(*level));
     const std::string& opt_level = json::as_string(*level);
-    check(name.find(':') == std::string::npos || name.substr(name.find(':') + 1) == opt_level, who,
-          ": opt_level \"", opt_level, "\" differs from the mode \"", name, "\"");
+    if (name.find(':') != std::string::npos && name.substr(name.find(':') + 1) != opt_level)
+      fail(who, ": opt_level \"", echo(opt_level), "\" differs from the mode \"", echo(name), "\"");
     config.apex = ApexProperties::for_opt_level(opt_level, config.row().compute_dtype);
   }
   bool scale_bounds_given = false;  // min_loss_scale / max_loss_scale: checked against loss_scale below
@@ -319,7 +323,8 @@ AmpConfig AmpConfig::from_json(std::string_view text, std::optional<std::string_
         break;
     }
     // A key in the row's option_keys that its family does not read would be dropped without a word.
-    check(read_it, who, ": option \"", key, "\" is listed for the mode but has no reader (amp/config.cpp)");
+    if (!read_it)
+      fail(who, ": option \"", echo(key), "\" is listed for the mode but has no reader (amp/config.cpp)");
   }
   // Given at all (even at the default value), a bound of dynamic scaling with a static scale is a mistake.
   check(!(scale_bounds_given && config.apex.loss_scale), who, ": min_loss_scale and max_loss_scale apply "
@@ -357,19 +362,19 @@ void validate_apex(const std::string& who, const ApexProperties& properties) {
   // model (O0, or O2 with cast_model_type false) is accepted and keeps nothing: the parameters are fp32.
   check(!(a.master_weights && a.opt_level == "O1"), who, ": O1 keeps the model weights fp32, so "
         "master_weights makes no sense there (Apex refuses it too); use O2 or O3 for fp32 master weights");
-  check(!a.loss_scale || (std::isfinite(*a.loss_scale) && *a.loss_scale > 0), who,
-        ": loss_scale must be \"dynamic\" or a finite number > 0, got ", a.loss_scale.value_or(0));
+  // Every scale option is a usable scale by itself (check_loss_scale), whichever of them is in use.
+  if (a.loss_scale) check_loss_scale(who, "loss_scale", *a.loss_scale);
   check(a.num_losses >= 1 && a.num_losses <= ApexProperties::kMaxNumLosses, who,
         ": num_losses must be in [1, ", ApexProperties::kMaxNumLosses, "] (one loss scaler per loss), got ",
         a.num_losses);
   check(a.verbosity >= 0 && a.verbosity <= 2, who, ": verbosity must be 0 (silent), 1 (each skipped step) "
         "or 2 (also each scale growth), got ", a.verbosity);
-  check(std::isfinite(a.max_loss_scale) && a.max_loss_scale > 0, who,
-        ": max_loss_scale must be finite and > 0, got ", a.max_loss_scale);
-  if (a.min_loss_scale)
-    check(std::isfinite(*a.min_loss_scale) && *a.min_loss_scale > 0 && *a.min_loss_scale <= a.max_loss_scale,
-          who, ": min_loss_scale must be in (0, max_loss_scale = ", a.max_loss_scale, "], got ",
-          *a.min_loss_scale);
+  check_loss_scale(who, "max_loss_scale", a.max_loss_scale);
+  if (a.min_loss_scale) {
+    check_loss_scale(who, "min_loss_scale", *a.min_loss_scale);
+    check(*a.min_loss_scale <= a.max_loss_scale, who, ": min_loss_scale ", exact_number_text(*a.min_loss_scale),
+          " must be <= max_loss_scale ", exact_number_text(a.max_loss_scale));
+  }
   if (a.loss_scale) {
     check(!a.min_loss_scale && a.max_loss_scale == ApexProperties::kDefaultMaxLossScale, who,
           ": min_loss_scale and max_loss_scale apply only with loss_scale \"dynamic\"; opt_level ",
@@ -395,6 +400,7 @@ void AmpConfig::validate() const {
       break;
     case ModeFamily::PytorchAmp:
       // Checked on or off: an invalid option is wrong whether or not the scaler runs (bf16 may switch it on).
+      check_loss_scale(who, "init_scale", grad_scaler.init_scale);
       with_context(who + " (GradScaler options)", [&] { GradScaler check_options(grad_scaler); });
       break;
     case ModeFamily::Apex:
@@ -403,6 +409,9 @@ void AmpConfig::validate() const {
     case ModeFamily::Naive:
       check(std::isfinite(naive.clip_grad) && naive.clip_grad >= 0, who,
             ": clip_grad must be finite and >= 0 (0 = off), got ", naive.clip_grad);
+      check_loss_scale(who, "initial_scale", naive.scaler.initial_scale);
+      check_loss_scale(who, "min_scale", naive.scaler.min_scale);
+      check_loss_scale(who, "max_scale", naive.scaler.max_scale);
       with_context(who + " (loss scaler options)", [&] { DynamicLossScaler check_options(naive.scaler); });
       break;
   }

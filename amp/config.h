@@ -51,6 +51,12 @@
 // A static loss scale (O0, O3, a numeric loss_scale) skips a step whose gradients are not finite, as every
 // scale does here (amp/optimizer.h); Apex steps anyway then (it only checks for overflow when dynamic).
 //
+// Every option that sets a loss scale (init_scale; loss_scale, min_loss_scale, max_loss_scale; initial_scale,
+// min_scale, max_scale) must be a usable scale by itself, whether or not it is in use: at least
+// kMinLossScale = 2^-128 + 2^-149 (the smallest float whose fp32 reciprocal is finite) and at most FLT_MAX
+// once rounded to fp32 (amp/scaler.h): the loss is multiplied by the scale and the gradients by 1/scale in
+// fp32. A scale read from a checkpoint is held to the same bounds (LossScaler::load_state_dict).
+//
 // Text forms: parse("fp16_apex:O2") (a mode, with the opt level after a colon), and JSON objects
 //   {"mixed_precision": "fp16_naive", "initial_scale": 65536, "hysteresis": 3}
 // whose other keys must be options of that mode (dtypes are "fp16"/"bf16"/"fp32", or "float16"/"bfloat16"/

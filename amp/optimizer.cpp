@@ -28,11 +28,11 @@ DType accumulation_dtype(const Tensor& param) { return Optimizer::state_dtype(pa
 int64_t read_count(const std::map<std::string, std::string>& metadata, const std::string& key,
                    const std::string& who) {
   const auto found = metadata.find(key);
-  check(found != metadata.end(), who, ": missing metadata entry '", key, "'");
+  if (found == metadata.end()) fail(who, ": missing metadata entry '", echo(key), "'");
   const std::string& text = found->second;
   const std::optional<int64_t> value = number_from_text<int64_t>(text);
-  check(value.has_value() && *value >= 0, who, ": metadata entry '", key, "' is '", text,
-        "', expected a non-negative integer");
+  if (!value.has_value() || *value < 0)
+    fail(who, ": metadata entry '", echo(key), "' is '", echo(text), "', expected a non-negative integer");
   return *value;
 }
 
@@ -60,9 +60,9 @@ std::vector<std::map<std::string, std::string>> read_scaler_states(
     const size_t dot = key.find('.', 7);
     const std::string index = key.substr(7, dot == std::string::npos ? std::string::npos : dot - 7);
     const std::optional<size_t> k = number_from_text<size_t>(index);
-    check(dot != std::string::npos && dot + 1 < key.size() && k.has_value() && *k < scalers.size(),
-          who, ": unexpected metadata entry '", key, "' (expected scaler.<k>.<entry> with k < ", scalers.size(),
-          ")");
+    if (!(dot != std::string::npos && dot + 1 < key.size() && k.has_value() && *k < scalers.size()))
+      fail(who, ": unexpected metadata entry '", echo(key), "' (expected scaler.<k>.<entry> with k < ",
+           scalers.size(), ")");
     states[*k][key.substr(dot + 1)] = value;
   }
   for (size_t k = 0; k < scalers.size(); ++k) {
@@ -75,8 +75,9 @@ std::vector<std::map<std::string, std::string>> read_scaler_states(
     const auto type = states[k].find("type");
     check(type != states[k].end(), who, ": missing metadata entry 'scaler.", k, ".type' (expected a ",
           scalers[k]->name(), ")");
-    check(type->second == scalers[k]->name(), who, ": entry 'scaler.", k, ".type' is '", type->second,
-          "', expected '", scalers[k]->name(), "'");
+    if (type->second != scalers[k]->name())
+      fail(who, ": entry 'scaler.", k, ".type' is '", echo(type->second), "', expected '", scalers[k]->name(),
+           "'");
   }
   return states;
 }
@@ -88,7 +89,8 @@ void load_scaler_states(const std::vector<std::unique_ptr<LossScaler>>& scalers,
   size_t loaded = 0;
   try {
     for (; loaded < scalers.size(); ++loaded)
-      if (!old[loaded].empty()) scalers[loaded]->load_state_dict(states[loaded]);
+      if (!old[loaded].empty())
+        scalers[loaded]->load_state_dict(states[loaded], "scaler." + std::to_string(loaded) + ".");
   } catch (...) {
     for (size_t k = 0; k < loaded; ++k)
       if (!old[k].empty()) scalers[k]->load_state_dict(old[k]);
@@ -104,12 +106,13 @@ int64_t read_amp_entries(const std::map<std::string, std::string>& metadata, int
   const auto found = metadata.find("amp.master_weights");
   check(found != metadata.end(), who, ": missing metadata entry 'amp.master_weights'");
   const std::string expected = master_weights ? "true" : "false";
-  check(found->second == expected, who, ": entry 'amp.master_weights' is '", found->second, "', expected '",
-        expected, "' (this optimizer's option)");
+  if (found->second != expected)
+    fail(who, ": entry 'amp.master_weights' is '", echo(found->second), "', expected '", expected,
+         "' (this optimizer's option)");
   for (const auto& [key, value] : metadata)
-    check(key.rfind("amp.", 0) != 0 || key == "amp.num_losses" || key == "amp.master_weights" ||
-              key == "amp.skipped_steps",
-          who, ": unexpected metadata entry '", key, "'");
+    if (key.rfind("amp.", 0) == 0 && key != "amp.num_losses" && key != "amp.master_weights" &&
+        key != "amp.skipped_steps")
+      fail(who, ": unexpected metadata entry '", echo(key), "'");
   return read_count(metadata, "amp.skipped_steps", who);
 }
 
@@ -377,13 +380,15 @@ void MixedPrecisionOptimizer::load_state_dict(const StateDict& dict) {
     }
     const std::string index = key.substr(7);
     const std::optional<size_t> parsed = number_from_text<size_t>(index);
-    check(parsed.has_value() && *parsed < master_params_.size() &&
-              !master_params_[*parsed].same(model_params_[*parsed]),
-          who, ": unexpected tensor entry '", key, "' (parameter ", index, " has no separate fp32 master)");
+    if (!(parsed.has_value() && *parsed < master_params_.size() &&
+          !master_params_[*parsed].same(model_params_[*parsed])))
+      fail(who, ": unexpected tensor entry '", echo(key), "' (parameter ", echo(index),
+           " has no separate fp32 master)");
     const size_t i = *parsed;
-    check(tensor.defined() && tensor.shape() == master_params_[i].shape() &&
-              tensor.dtype() == master_params_[i].dtype(),
-          who, ": tensor entry '", key, "' is ", tensor.described(), ", expected ", master_params_[i].described());
+    if (!(tensor.defined() && tensor.shape() == master_params_[i].shape() &&
+          tensor.dtype() == master_params_[i].dtype()))
+      fail(who, ": tensor entry '", echo(key), "' is ", tensor.described(), ", expected ",
+           master_params_[i].described());
     masters[i] = tensor;
   }
   for (size_t i = 0; i < master_params_.size(); ++i)

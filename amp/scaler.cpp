@@ -6,10 +6,12 @@
 #include <limits>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "io/state_dict.h"
 #include "tensor/autograd_node.h"
+#include "tensor/error.h"
 #include "tensor/ops.h"
 
 namespace mixtape {
@@ -18,44 +20,54 @@ namespace {
 
 using State = std::map<std::string, std::string>;
 
-const std::string& entry(const char* who, const State& state, const std::string& key) {
+// `prefix` is put before each entry's name in errors: "scaler.0." where the state is a part of a checkpoint's
+// metadata (load_scaler_states), so that the message names the entry as the file holds it.
+std::string entry_name(std::string_view prefix, std::string_view key) {
+  std::string name(prefix);
+  name.append(key);
+  std::string quoted = "\"";
+  quoted.append(echo(name));
+  quoted.push_back('"');
+  return quoted;
+}
+
+const std::string& entry(const char* who, const State& state, const std::string& key, std::string_view prefix) {
   const auto it = state.find(key);
-  check(it != state.end(), who, ".load_state_dict: missing entry \"", key, "\"");
+  check(it != state.end(), who, ".load_state_dict: missing entry ", entry_name(prefix, key));
   return it->second;
 }
 
-double read_number(const char* who, const State& state, const std::string& key) {
-  const std::string& text = entry(who, state, key);
+double read_number(const char* who, const State& state, const std::string& key, std::string_view prefix) {
+  const std::string& text = entry(who, state, key, prefix);
   const std::optional<double> value = number_from_text<double>(text);
-  check(value.has_value(), who, ".load_state_dict: entry \"", key, "\" is \"", text, "\", expected a number");
+  if (!value.has_value())
+    fail(who, ".load_state_dict: entry ", entry_name(prefix, key), " is \"", echo(text), "\", expected a number");
   return *value;
 }
 
-int64_t read_integer(const char* who, const State& state, const std::string& key) {
-  const std::string& text = entry(who, state, key);
+int64_t read_integer(const char* who, const State& state, const std::string& key, std::string_view prefix) {
+  const std::string& text = entry(who, state, key, prefix);
   const std::optional<int64_t> value = number_from_text<int64_t>(text);
-  check(value.has_value(), who, ".load_state_dict: entry \"", key, "\" is \"", text,
-        "\", expected an integer");
+  if (!value.has_value())
+    fail(who, ".load_state_dict: entry ", entry_name(prefix, key), " is \"", echo(text),
+         "\", expected an integer");
   return *value;
 }
 
 // The type first (a state of another scaler names its type, not its entries), then no entry beyond `known`.
-void check_type_and_entries(const char* who, const State& state, std::initializer_list<const char*> known) {
-  const std::string& type = entry(who, state, "type");
-  check(type == who, who, ".load_state_dict: the state is of a \"", type, "\", expected \"", who, "\"");
+void check_type_and_entries(const char* who, const State& state, std::initializer_list<const char*> known,
+                            std::string_view prefix) {
+  const std::string& type = entry(who, state, "type", prefix);
+  if (type != who) fail(who, ".load_state_dict: the state is of a \"", echo(type), "\", expected \"", who, "\"");
   for (const auto& [key, value] : state) {
     if (std::find(known.begin(), known.end(), key) != known.end()) continue;
     std::string expected;
     for (const char* name : known) expected += (expected.empty() ? "" : ", ") + std::string(name);
-    fail(who, ".load_state_dict: unknown entry \"", key, "\" (expected only ", expected, ")");
+    fail(who, ".load_state_dict: unknown entry ", entry_name(prefix, key), " (expected only ", expected, ")");
   }
 }
 
 // `who` names the scaler and call ("GradScaler", "GradScaler.load_state_dict"), `what` the option or entry.
-void check_scale(const std::string& who, const std::string& what, double value) {
-  check(std::isfinite(value) && value > 0, who, ": ", what, " must be finite and > 0, got ",
-        exact_number_text(value));
-}
 void check_growth(const std::string& who, const std::string& what, double value) {
   check(std::isfinite(value) && value > 1, who, ": ", what, " must be finite and > 1, got ",
         exact_number_text(value));
@@ -97,6 +109,15 @@ void check_same_option(const char* who, const char* option, int64_t saved, int64
 
 }  // namespace
 
+void check_loss_scale(std::string_view who, std::string_view what, double value) {
+  const bool usable = value >= kMinLossScale && std::isfinite(fp32_or_inf(value));  // false for NaN
+  check(usable, who, ": ", what, " ", exact_number_text(value), " is not a usable loss scale: expected a ",
+        "positive finite scale whose fp32 reciprocal is finite (>= ", exact_number_text(kMinLossScale),
+        ", 2^-128 + 2^-149) and that is finite in fp32 (<= ", exact_number_text(kMaxLossScale),
+        ", FLT_MAX, once rounded to fp32): the loss is multiplied by the scale and the gradients by 1/scale "
+        "in fp32");
+}
+
 Tensor LossScaler::scale(const Tensor& loss) const {
   check(loss.defined(), name(), ".scale: the loss is an undefined tensor");
   check(is_floating(loss.dtype()), name(), ".scale: the loss is ", loss.described(),
@@ -137,7 +158,7 @@ double fp32_scale(const char* who, const char* what, double scale,
 }  // namespace
 
 GradScaler::GradScaler(GradScalerOptions options) : LossScaler(options.init_scale), options_(options) {
-  check_scale("GradScaler", "init_scale", options.init_scale);
+  check_loss_scale("GradScaler", "init_scale", options.init_scale);
   scale_ = fp32_scale("GradScaler", "init_scale", options.init_scale);
   check_growth("GradScaler", "growth_factor", options.growth_factor);
   check_backoff("GradScaler", "backoff_factor", options.backoff_factor);
@@ -239,6 +260,7 @@ void GradScaler::update(bool found_inf) {
 
 void GradScaler::update(double new_scale) {
   if (!options_.enabled) return;
+  check_loss_scale("GradScaler.update", "new_scale", new_scale);
   scale_ = fp32_scale("GradScaler.update", "new_scale", new_scale);
   per_optimizer_.clear();
 }
@@ -257,27 +279,29 @@ std::map<std::string, std::string> GradScaler::state_dict() const {
 // and rule (growth_factor, backoff_factor, growth_interval) replace this scaler's. What unscale() and step()
 // recorded for each optimizer since the last update() stays, as in PyTorch: loading a state between
 // unscale() and step() must not let the same gradients be unscaled twice.
-void GradScaler::load_state_dict(const std::map<std::string, std::string>& state) {
+void GradScaler::load_state_dict(const std::map<std::string, std::string>& state, std::string_view prefix) {
   if (!options_.enabled) return;
   const char* who = name();
   const std::string loader = std::string(who) + ".load_state_dict";
   check(!state.empty(), loader,
         ": the state is empty, possibly because it was saved from a disabled GradScaler");
   check_type_and_entries(
-      who, state, {"type", "scale", "growth_factor", "backoff_factor", "growth_interval", "growth_tracker"});
+      who, state, {"type", "scale", "growth_factor", "backoff_factor", "growth_interval", "growth_tracker"},
+      prefix);
   GradScalerOptions options = options_;
-  options.init_scale = read_number(who, state, "scale");
-  options.growth_factor = read_number(who, state, "growth_factor");
-  options.backoff_factor = read_number(who, state, "backoff_factor");
-  options.growth_interval = read_integer(who, state, "growth_interval");
-  const int64_t tracker = read_integer(who, state, "growth_tracker");
-  check_scale(loader, "entry \"scale\"", options.init_scale);
-  check_growth(loader, "entry \"growth_factor\"", options.growth_factor);
-  check_backoff(loader, "entry \"backoff_factor\"", options.backoff_factor);
-  check_at_least_one(loader, "entry \"growth_interval\"", options.growth_interval);
-  check(tracker >= 0 && tracker < options.growth_interval, loader, ": entry \"growth_tracker\" is ", tracker,
+  options.init_scale = read_number(who, state, "scale", prefix);
+  options.growth_factor = read_number(who, state, "growth_factor", prefix);
+  options.backoff_factor = read_number(who, state, "backoff_factor", prefix);
+  options.growth_interval = read_integer(who, state, "growth_interval", prefix);
+  const int64_t tracker = read_integer(who, state, "growth_tracker", prefix);
+  const auto entry = [&](const char* key) { return "entry " + entry_name(prefix, key); };
+  check_loss_scale(loader, entry("scale"), options.init_scale);
+  check_growth(loader, entry("growth_factor"), options.growth_factor);
+  check_backoff(loader, entry("backoff_factor"), options.backoff_factor);
+  check_at_least_one(loader, entry("growth_interval"), options.growth_interval);
+  check(tracker >= 0 && tracker < options.growth_interval, loader, ": ", entry("growth_tracker"), " is ", tracker,
         ", expected a value in [0, growth_interval ", options.growth_interval, ")");
-  const double scale = fp32_scale(loader.c_str(), "entry \"scale\"", options.init_scale);
+  const double scale = fp32_scale(loader.c_str(), entry("scale").c_str(), options.init_scale);
   options_ = options;
   scale_ = scale;
   growth_tracker_ = tracker;
@@ -288,9 +312,14 @@ void GradScaler::load_state_dict(const std::map<std::string, std::string>& state
 DynamicLossScaler::DynamicLossScaler(DynamicLossScalerOptions options)
     : LossScaler(options.initial_scale), options_(options), hysteresis_tracker_(options.hysteresis) {
   const char* who = "DynamicLossScaler";
-  check_scale(who, "initial_scale", options.initial_scale);
-  check_scale(who, "min_scale", options.min_scale);
-  check_scale(who, "max_scale", options.max_scale);
+  check_loss_scale(who, "initial_scale", options.initial_scale);
+  // Apex's rule floors at min_scale only at a backoff, and its "no floor" is the smallest positive double.
+  if (options.allow_initial_below_min) {
+    check(options.min_scale > 0, who, ": min_scale must be > 0, got ", exact_number_text(options.min_scale));
+  } else {
+    check_loss_scale(who, "min_scale", options.min_scale);
+  }
+  check_loss_scale(who, "max_scale", options.max_scale);
   check(options.min_scale <= options.max_scale, who, ": min_scale ", exact_number_text(options.min_scale),
         " must be <= max_scale ", exact_number_text(options.max_scale));
   if (options.allow_initial_below_min) {
@@ -367,47 +396,51 @@ std::map<std::string, std::string> DynamicLossScaler::state_dict() const {
 // Megatron's state_dict holds only the scale and the two trackers, Colossal-AI's also growth_factor,
 // backoff_factor and hysteresis; ours holds the whole rule and refuses a state saved under another one (the
 // naive and the Apex rule share the type name). The options come from the constructor.
-void DynamicLossScaler::load_state_dict(const std::map<std::string, std::string>& state) {
+void DynamicLossScaler::load_state_dict(const std::map<std::string, std::string>& state,
+                                        std::string_view prefix) {
   const char* who = name();
   const char* loader = "DynamicLossScaler.load_state_dict";
   const std::initializer_list<const char*> rule = {"min_scale",      "max_scale",       "growth_factor",
                                                    "backoff_factor", "growth_interval", "hysteresis"};
   check_type_and_entries(who, state,
                          {"type", "scale", "growth_tracker", "hysteresis_tracker", "min_scale", "max_scale",
-                          "growth_factor", "backoff_factor", "growth_interval", "hysteresis"});
-  const double saved_scale = read_number(who, state, "scale");
-  const int64_t growth = read_integer(who, state, "growth_tracker");
-  int64_t hysteresis = read_integer(who, state, "hysteresis_tracker");
+                          "growth_factor", "backoff_factor", "growth_interval", "hysteresis"},
+                         prefix);
+  const double saved_scale = read_number(who, state, "scale", prefix);
+  const int64_t growth = read_integer(who, state, "growth_tracker", prefix);
+  int64_t hysteresis = read_integer(who, state, "hysteresis_tracker", prefix);
   const bool has_rule =
       std::any_of(rule.begin(), rule.end(), [&](const char* key) { return state.count(key) > 0; });
   if (has_rule) {
-    check_same_option(who, "min_scale", read_number(who, state, "min_scale"), options_.min_scale);
-    check_same_option(who, "max_scale", read_number(who, state, "max_scale"), options_.max_scale);
-    check_same_option(who, "growth_factor", read_number(who, state, "growth_factor"), options_.growth_factor);
-    check_same_option(who, "backoff_factor", read_number(who, state, "backoff_factor"),
+    check_same_option(who, "min_scale", read_number(who, state, "min_scale", prefix), options_.min_scale);
+    check_same_option(who, "max_scale", read_number(who, state, "max_scale", prefix), options_.max_scale);
+    check_same_option(who, "growth_factor", read_number(who, state, "growth_factor", prefix), options_.growth_factor);
+    check_same_option(who, "backoff_factor", read_number(who, state, "backoff_factor", prefix),
                       options_.backoff_factor);
-    check_same_option(who, "growth_interval", read_integer(who, state, "growth_interval"),
+    check_same_option(who, "growth_interval", read_integer(who, state, "growth_interval", prefix),
                       options_.growth_interval);
-    check_same_option(who, "hysteresis", read_integer(who, state, "hysteresis"), options_.hysteresis);
+    check_same_option(who, "hysteresis", read_integer(who, state, "hysteresis", prefix), options_.hysteresis);
   } else if (hysteresis < 0) {
     hysteresis = 0;  // the format without the rule let the tracker count on below 0: all such values act as 0
   }
   // The saved scale in the rule's dtype first (a state of this version holds such a value already; one saved
   // by the double rule, before fp32_scale, may not), then against the bounds as the rule computes with them.
+  // A scale below the Apex rule's floor or unusable in fp32 is refused too: the first step would fail on it.
+  const auto entry = [&](const char* key) { return "entry " + entry_name(prefix, key); };
+  check_loss_scale(loader, entry("scale"), saved_scale);
   const double scale = in_rule_dtype(saved_scale);
   const std::string max = exact_number_text(max_scale_);
   if (options_.allow_initial_below_min) {
-    check(std::isfinite(scale) && scale > 0 && scale <= max_scale_, loader, ": entry \"scale\" is ",
-          exact_number_text(saved_scale), ", expected a value in (0, max_scale ", max, "]",
-          options_.fp32_scale ? " in fp32" : "");
+    check(scale <= max_scale_, loader, ": ", entry("scale"), " is ", exact_number_text(saved_scale),
+          ", expected a value in (0, max_scale ", max, "]", options_.fp32_scale ? " in fp32" : "");
   } else {
-    check(scale >= min_scale_ && scale <= max_scale_, loader, ": entry \"scale\" is ",
+    check(scale >= min_scale_ && scale <= max_scale_, loader, ": ", entry("scale"), " is ",
           exact_number_text(saved_scale), ", expected a value in [min_scale ", exact_number_text(min_scale_),
           ", max_scale ", max, "]");
   }
-  check(growth >= 0 && growth < options_.growth_interval, loader, ": entry \"growth_tracker\" is ", growth,
+  check(growth >= 0 && growth < options_.growth_interval, loader, ": ", entry("growth_tracker"), " is ", growth,
         ", expected a value in [0, growth_interval ", options_.growth_interval, ")");
-  check(hysteresis >= 0 && hysteresis <= options_.hysteresis, loader, ": entry \"hysteresis_tracker\" is ",
+  check(hysteresis >= 0 && hysteresis <= options_.hysteresis, loader, ": ", entry("hysteresis_tracker"), " is ",
         hysteresis, ", expected a value in [0, hysteresis ", options_.hysteresis, "]");
   scale_ = scale;
   growth_tracker_ = growth;
@@ -424,16 +457,12 @@ DynamicLossScaler apex_dynamic_scaler(double init_scale, int64_t scale_window,
                                       double scale_factor) {
   const char* who = "apex_dynamic_scaler";
   check_growth(who, "scale_factor", scale_factor);
-  check_scale(who, "init_scale", init_scale);
+  check_loss_scale(who, "init_scale", init_scale);
   check_at_least_one(who, "scale_window", scale_window);
-  check_scale(who, "max_loss_scale", max_loss_scale);
-  // The scale is Apex's Python float, but the loss is multiplied by it in fp32: beyond fp32's range the scale
-  // would be inf there (every step skipped until it backs off).
-  check(std::isfinite(fp32_or_inf(max_loss_scale)), who, ": max_loss_scale ", exact_number_text(max_loss_scale),
-        " is beyond fp32's range (the loss is multiplied by the scale in fp32), expected at most ",
-        exact_number_text(std::numeric_limits<float>::max()));
+  // The scale is Apex's Python float, but the loss is multiplied by it in fp32 (check_loss_scale).
+  check_loss_scale(who, "max_loss_scale", max_loss_scale);
   if (min_loss_scale) {
-    check_scale(who, "min_loss_scale", *min_loss_scale);
+    check_loss_scale(who, "min_loss_scale", *min_loss_scale);
     check(*min_loss_scale <= max_loss_scale, who, ": min_loss_scale ", exact_number_text(*min_loss_scale),
           " must be <= max_loss_scale ", exact_number_text(max_loss_scale));
   }
@@ -453,12 +482,9 @@ DynamicLossScaler apex_dynamic_scaler(double init_scale, int64_t scale_window,
 // ----------------------------------------------------------------------------------------- StaticLossScaler
 
 StaticLossScaler::StaticLossScaler(double scale) : LossScaler(scale) {
-  check_scale("StaticLossScaler", "scale", scale);
   // Losses are scaled in fp32 (a 16-bit loss in its own dtype): a scale that is inf there would make every
   // gradient inf and every step a skipped one (Apex, given loss_scale=1e39, runs so without a word).
-  check(std::isfinite(fp32_or_inf(scale)), "StaticLossScaler: scale ", exact_number_text(scale),
-        " is beyond fp32's range (the loss is multiplied by it in fp32), expected at most ",
-        exact_number_text(std::numeric_limits<float>::max()));
+  check_loss_scale("StaticLossScaler", "scale", scale);
 }
 
 std::map<std::string, std::string> StaticLossScaler::state_dict() const {
@@ -466,9 +492,10 @@ std::map<std::string, std::string> StaticLossScaler::state_dict() const {
 }
 
 // Nothing to load: the state only confirms that it was saved under this scaler's configured scale.
-void StaticLossScaler::load_state_dict(const std::map<std::string, std::string>& state) {
-  check_type_and_entries(name(), state, {"type", "scale"});
-  const double scale = read_number(name(), state, "scale");
+void StaticLossScaler::load_state_dict(const std::map<std::string, std::string>& state,
+                                       std::string_view prefix) {
+  check_type_and_entries(name(), state, {"type", "scale"}, prefix);
+  const double scale = read_number(name(), state, "scale", prefix);
   check(scale == scale_, "StaticLossScaler.load_state_dict: the state was saved with scale ",
         exact_number_text(scale), ", this scaler has scale ", exact_number_text(scale_),
         " (a static scale comes from the configuration)");

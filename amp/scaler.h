@@ -16,12 +16,24 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "optim/optimizer.h"
 #include "tensor/tensor.h"
 
 namespace mixtape {
+
+// The scales a loss scaler can work with. The loss is multiplied by S and the gradients by 1/S in fp32, so
+// both must be finite there: S at most FLT_MAX once rounded to fp32 (3.4028235e38, FLT_MAX as usually
+// printed, rounds to it), and S at least kMinLossScale = 2^-128 + 2^-149, the smallest float whose fp32
+// reciprocal is finite (1/2^-128 = 2^128 is beyond fp32; 1/(2^-128 + 2^-149) = 2^128 / (1 + 2^-21) rounds to a
+// finite float). Every option that sets a scale and every scale read from a saved state is held to this;
+// only a dynamic scaler's backoff may leave it (a run whose gradients overflow step after step).
+inline constexpr double kMinLossScale = 0x1p-128 + 0x1p-149;
+inline constexpr double kMaxLossScale = 0x1.fffffep127;  // FLT_MAX
+// Error "<who>: <what> <value> is not a usable loss scale: expected ..." unless `value` is such a scale.
+void check_loss_scale(std::string_view who, std::string_view what, double value);
 
 class LossScaler {
  public:
@@ -38,7 +50,10 @@ class LossScaler {
   virtual void update(bool found_inf) = 0;
 
   virtual std::map<std::string, std::string> state_dict() const = 0;
-  virtual void load_state_dict(const std::map<std::string, std::string>& state) = 0;
+  // `entry_prefix` goes before each entry's name in errors ("scaler.0." for the entries of a checkpoint's
+  // metadata: entry "scaler.0.scale").
+  virtual void load_state_dict(const std::map<std::string, std::string>& state,
+                               std::string_view entry_prefix = {}) = 0;
 
  protected:
   explicit LossScaler(double scale) : scale_(scale) {}
@@ -77,9 +92,9 @@ class GradScaler final : public LossScaler {
   // The rule itself: found_inf: S *= backoff, tracker = 0; else tracker += 1 and at growth_interval
   // S *= growth (kept only if finite in fp32, as PyTorch keeps S as an fp32 tensor), tracker = 0.
   void update(bool found_inf) override;
-  // PyTorch's update(new_scale): S = new_scale rounded to fp32 (an Error unless it is finite and > 0 there),
-  // the growth tracker kept, the per-optimizer records reset; needs no inf check. Disabled: nothing. (An
-  // integer argument is ambiguous between this and update(bool): write 1024.0, not 1024.)
+  // PyTorch's update(new_scale): S = new_scale rounded to fp32 (an Error unless it is a usable scale,
+  // check_loss_scale), the growth tracker kept, the per-optimizer records reset; needs no inf check.
+  // Disabled: nothing. (An integer argument is ambiguous between this and update(bool): write 1024.0.)
   void update(double new_scale);
 
   bool enabled() const { return options_.enabled; }
@@ -89,7 +104,8 @@ class GradScaler final : public LossScaler {
   // scale, growth_tracker and the rule (growth_factor, backoff_factor, growth_interval); empty when disabled.
   std::map<std::string, std::string> state_dict() const override;
   // As PyTorch's: the saved rule replaces this scaler's options; a disabled scaler ignores any state.
-  void load_state_dict(const std::map<std::string, std::string>& state) override;
+  void load_state_dict(const std::map<std::string, std::string>& state,
+                       std::string_view entry_prefix = {}) override;
 
  private:
   enum class Stage { Unscaled, Stepped };
@@ -151,7 +167,8 @@ class DynamicLossScaler : public LossScaler {
   // rule and Apex's share this type; the scale must lie in [min_scale, max_scale] ((0, max_scale] with
   // allow_initial_below_min), the trackers in [0, growth_interval) and [0, hysteresis]. A state without the
   // rule entries (the format before they were added) loads unchecked against the rule.
-  void load_state_dict(const std::map<std::string, std::string>& state) override;
+  void load_state_dict(const std::map<std::string, std::string>& state,
+                       std::string_view entry_prefix = {}) override;
 
  private:
   DynamicLossScalerOptions options_;
@@ -172,7 +189,8 @@ class StaticLossScaler final : public LossScaler {
   void update(bool) override {}
   std::map<std::string, std::string> state_dict() const override;
   // The scale comes from the configuration: a saved scale must equal it (an Error naming both otherwise).
-  void load_state_dict(const std::map<std::string, std::string>& state) override;
+  void load_state_dict(const std::map<std::string, std::string>& state,
+                       std::string_view entry_prefix = {}) override;
 };
 
 // Apex amp's dynamic LossScaler (apex/amp/scaler.py update_scale): overflow: S = max(min_loss_scale, S / 2),

@@ -3,9 +3,11 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <limits>
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include "amp/config.h"
 #include "amp/policy.h"
@@ -113,10 +115,10 @@ TEST(AmpConfig, ApexRefusesWhatApexRefuses) {
                         "dynamic");
   EXPECT_ERROR_MENTIONS(AmpConfig::from_json(R"({"loss_scale":0})", "fp16_apex:O2"), "loss_scale");
   // Beyond fp32, where the loss is multiplied by it: every step would be skipped (Apex runs so silently).
-  EXPECT_ERROR_MENTIONS(AmpConfig::from_json(R"({"loss_scale":1e39})", "fp16_apex:O2"), "static loss_scale",
-                        "beyond fp32's range");
+  EXPECT_ERROR_MENTIONS(AmpConfig::from_json(R"({"loss_scale":1e39})", "fp16_apex:O2"), "loss_scale 1e+39",
+                        "is not a usable loss scale");
   EXPECT_ERROR_MENTIONS(AmpConfig::from_json(R"({"max_loss_scale":1e300})", "fp16_apex:O2"), "max_loss_scale",
-                        "beyond fp32's range");
+                        "is not a usable loss scale");
   EXPECT_ERROR_MENTIONS(AmpConfig::from_json(R"({"num_losses":0})", "fp16_apex:O2"), "num_losses");
   EXPECT_ERROR_MENTIONS(AmpConfig::from_json(R"({"verbosity":3})", "fp16_apex:O2"), "verbosity");
   EXPECT_ERROR_MENTIONS(AmpConfig::from_json(R"({"min_loss_scale":1e9})", "fp16_apex:O2"), "min_loss_scale",
@@ -404,4 +406,80 @@ TEST(AmpConfig, ValidateRefusesDtypesAndOverridesTheJsonFormRefuses) {
   c.apex.cast_model_type = DType::BF16;
   c.apex.cast_model_outputs = DType::F16;
   c.validate();  // accepted
+}
+
+// ---- every option that sets a loss scale is a usable scale ----
+// The loss is multiplied by the scale and the gradients by its reciprocal in fp32: the smallest usable scale
+// is the smallest float whose fp32 reciprocal is finite, 2^-128 + 2^-149 (1/2^-128 = 2^128 overflows), the
+// largest FLT_MAX. Their shortest decimal texts, and the float just below the smallest (2^-128):
+namespace {
+constexpr const char* kLowest = "2.938737278354183e-39";
+constexpr const char* kBelowLowest = "2.938735877055719e-39";
+constexpr const char* kFltMax = "3.4028234663852886e+38";
+constexpr const char* kAboveFp32 = "3.4028235677973366e+38";  // 2^128 - 2^103: rounds to inf in fp32
+
+// `fields` with each "%" replaced by `value`, as a JSON object's body.
+std::string with(const std::string& fields, const std::string& value) {
+  std::string out = "{" + fields + "}";
+  for (size_t at = out.find('%'); at != std::string::npos; at = out.find('%', at + value.size()))
+    out.replace(at, 1, value);
+  return out;
+}
+
+struct ScaleOption {
+  std::string mode;    // the --precision
+  std::string key;     // the option named in the error
+  std::string fields;  // the JSON options, "%" the scale under test
+};
+
+const std::vector<ScaleOption>& scale_options() {
+  static const std::vector<ScaleOption> options = {
+      {"fp16", "init_scale", R"("init_scale": %)"},
+      {"bf16", "init_scale", R"("init_scale": %)"},  // checked with the GradScaler off too
+      {"fp16_apex:O3", "loss_scale", R"("loss_scale": %)"},
+      {"fp16_apex:O2", "loss_scale", R"("loss_scale": "%")"},  // Apex's float() of a string
+      {"fp16_apex:O2", "min_loss_scale", R"("min_loss_scale": %, "max_loss_scale": 16777216)"},
+      {"fp16_apex:O2", "max_loss_scale", R"("max_loss_scale": %)"},
+      {"fp16_naive", "initial_scale", R"("initial_scale": %, "min_scale": 2.938737278354183e-39)"},
+      {"fp16_naive", "min_scale", R"("initial_scale": 1, "min_scale": %)"},
+      {"bf16_naive", "max_scale", R"("initial_scale": 2.938737278354183e-39, "min_scale": 2.938737278354183e-39,
+                                     "max_scale": %)"},
+  };
+  return options;
+}
+}  // namespace
+
+TEST(AmpConfig, EveryScaleOptionAcceptsTheSmallestScaleWithAFiniteFp32Reciprocal) {
+  ASSERT_EQ(std::stod(kLowest), std::ldexp(1.0, -128) + std::ldexp(1.0, -149));
+  for (const ScaleOption& o : scale_options()) {
+    SCOPED_TRACE(o.mode + " " + o.key);
+    EXPECT_NO_THROW(AmpConfig::from_json(with(o.fields, kLowest), o.mode));
+  }
+}
+
+TEST(AmpConfig, EveryScaleOptionRefusesTheFloatBelowItNamingTheOptionAndTheBound) {
+  ASSERT_EQ(std::stod(kBelowLowest), std::ldexp(1.0, -128));
+  for (const ScaleOption& o : scale_options()) {
+    SCOPED_TRACE(o.mode + " " + o.key);
+    for (const std::string value : {std::string(kBelowLowest), std::string("1e-45")}) {
+      const std::string family = o.mode.substr(0, o.mode.find(':'));
+      EXPECT_ERROR_MENTIONS(AmpConfig::from_json(with(o.fields, value), o.mode),
+                            "AmpConfig " + family + ": " + o.key + " " + value + " is not a usable loss scale",
+                            "whose fp32 reciprocal is finite (>= 2.938737278354183e-39",
+                            std::string("<= ") + kFltMax);
+    }
+  }
+}
+
+TEST(AmpConfig, ScaleOptionsAreFiniteInFp32) {
+  ASSERT_EQ(std::stod(kFltMax), static_cast<double>(std::numeric_limits<float>::max()));
+  ASSERT_EQ(std::stod(kAboveFp32), std::ldexp(1.0, 128) - std::ldexp(1.0, 103));
+  EXPECT_NO_THROW(AmpConfig::from_json(with(R"("init_scale": %)", kFltMax), "fp16"));
+  EXPECT_NO_THROW(AmpConfig::from_json(with(R"("loss_scale": %)", kFltMax), "fp16_apex:O3"));
+  EXPECT_NO_THROW(AmpConfig::from_json(with(R"("max_loss_scale": %)", kFltMax), "fp16_apex:O2"));
+  EXPECT_NO_THROW(AmpConfig::from_json(with(R"("initial_scale": %, "max_scale": %)", kFltMax), "fp16_naive"));
+  EXPECT_ERROR_MENTIONS(AmpConfig::from_json(with(R"("init_scale": %)", kAboveFp32), "fp16"),
+                        std::string("AmpConfig fp16: init_scale ") + kAboveFp32 + " is not a usable loss scale");
+  EXPECT_ERROR_MENTIONS(AmpConfig::from_json(with(R"("max_scale": %)", kAboveFp32), "fp16_naive"),
+                        std::string("AmpConfig fp16_naive: max_scale ") + kAboveFp32);
 }

@@ -215,7 +215,10 @@ TEST(MixedPrecisionUnscale, AScaleTooSmallToUnscaleInFp32IsAnErrorSayingTheRunDi
   // step after step of overflows, so this is an error that says the run diverged. Nothing changes.
   for (DType dtype : {DType::F32, DType::F16}) {
     Tensor p = leaf({1, 1}, dtype);
-    MixedPrecisionOptimizer opt(std::make_unique<SGD>(std::vector<Tensor>{p}, 0.1), static_scaler(0x1p-130));
+    // Apex's rule without a floor, backed off from 2^-126 by four overflows (no option may set such a scale).
+    auto scaler = std::make_unique<DynamicLossScaler>(apex_dynamic_scaler(0x1p-126));
+    for (int i = 0; i < 4; ++i) scaler->update(true);
+    MixedPrecisionOptimizer opt(std::make_unique<SGD>(std::vector<Tensor>{p}, 0.1), std::move(scaler));
     opt.backward(linear_loss(p, {1, 1}));
     EXPECT_ERROR_MENTIONS(opt.step(), "the loss scale 7.346839692639297e-40", "2^-128 or below", "diverged");
     EXPECT_EQ(values(p), (std::vector<double>{1, 1}));

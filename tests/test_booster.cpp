@@ -685,3 +685,33 @@ TEST(Booster, TheModelParallelGroupReducesTheNormAndTheDataParallelGroupTheBuffe
   // The buffer: summed over the 2 replicas (doubled by the fake) and divided by 2.
   EXPECT_EQ(model.running.to(DType::F32).item(), 3.0);
 }
+
+// A checkpoint's scale ("scaler.<k>.scale" in the optimizer's state) is held where it is read to what a scale
+// option is: a positive scale, finite in fp32, whose fp32 reciprocal is finite. The smallest such is the
+// float after 2^-128, 2^-128 + 2^-149 (1/2^-128 = 2^128 overflows fp32); 2^-128 itself is refused.
+TEST(Booster, ACheckpointsLossScaleIsAUsableScaleNamedByItsEntry) {
+  const double lowest = std::ldexp(1.0, -128) + std::ldexp(1.0, -149);
+  ASSERT_EQ(std::stod("2.938737278354183e-39"), lowest);
+  ASSERT_EQ(std::stod("2.938735877055719e-39"), std::ldexp(1.0, -128));
+  for (const std::string mode : {"fp16", "fp16_apex:O2", "fp16_naive"}) {
+    SCOPED_TRACE(mode);
+    GPT model(tiny_config(), 1);
+    // The naive rule floors at min_scale: the smallest usable scale is its floor here.
+    Booster booster(mode == "fp16_naive"
+                        ? AmpConfig::from_json(R"({"min_scale": 2.938737278354183e-39})", mode)
+                        : AmpConfig::parse(mode));
+    auto optimizer = booster.boost(model, adamw_on(model, 1e-3));
+    StateDict state = optimizer->state_dict();
+    ASSERT_TRUE(state.metadata.count("scaler.0.scale"));
+    for (const std::string bad : {"2.938735877055719e-39", "1e-45", "3.4028235677973366e+38"}) {
+      state.metadata["scaler.0.scale"] = bad;
+      EXPECT_ERROR_MENTIONS(optimizer->load_state_dict(state),
+                            "entry \"scaler.0.scale\" " + bad + " is not a usable loss scale",
+                            ">= 2.938737278354183e-39");
+    }
+    EXPECT_NE(optimizer->loss_scale(), lowest);
+    state.metadata["scaler.0.scale"] = "2.938737278354183e-39";
+    optimizer->load_state_dict(state);
+    EXPECT_EQ(optimizer->loss_scale(), lowest);
+  }
+}

@@ -500,7 +500,7 @@ TEST(GradScaler, LoadStateDictErrorsNameTheCallAndTheEntry) {
   GradScaler scaler({.init_scale = 16});
   const std::map<std::string, std::string> state = GradScaler().state_dict();
   EXPECT_ERROR_MENTIONS(scaler.load_state_dict(with_entry(state, "scale", "0")), "GradScaler.load_state_dict",
-                        "entry \"scale\"", "finite and > 0", "got 0");
+                        "entry \"scale\" 0 is not a usable loss scale");
   EXPECT_ERROR_MENTIONS(scaler.load_state_dict(with_entry(state, "backoff_factor", "1")),
                         "GradScaler.load_state_dict", "entry \"backoff_factor\"", "(0, 1)", "got 1");
   EXPECT_ERROR_MENTIONS(scaler.load_state_dict(with_entry(state, "growth_tracker", "2000")),
@@ -686,7 +686,7 @@ TEST(DynamicLossScaler, LoadStateDictChecksTheScaleAndTheTrackersAgainstTheRule)
                         "[min_scale 1, max_scale 4294967296]");
   EXPECT_ERROR_MENTIONS(scaler.load_state_dict(with("scale", "0.5")), "entry \"scale\" is 0.5",
                         "[min_scale 1, max_scale 4294967296]");
-  EXPECT_ERROR_MENTIONS(scaler.load_state_dict(with("scale", "inf")), "entry \"scale\" is inf");
+  EXPECT_ERROR_MENTIONS(scaler.load_state_dict(with("scale", "inf")), "entry \"scale\" inf is not a usable");
   EXPECT_ERROR_MENTIONS(scaler.load_state_dict(with("growth_tracker", "-1")),
                         "DynamicLossScaler.load_state_dict", "entry \"growth_tracker\" is -1",
                         "[0, growth_interval 1000)");
@@ -779,13 +779,13 @@ TEST(DynamicLossScaler, RejectsEveryInvalidOption) {
 TEST(DynamicLossScaler, RejectsNonFiniteValuesOfEveryOption) {
   using O = DynamicLossScalerOptions;
   for (double bad : {kInf, kNaN}) {
-    const std::string text = std::isnan(bad) ? "got nan" : "got inf";
-    EXPECT_ERROR_MENTIONS(DynamicLossScaler(O{.max_scale = bad}), "DynamicLossScaler", "max_scale", "finite",
-                          text);
-    EXPECT_ERROR_MENTIONS(DynamicLossScaler(O{.min_scale = bad}), "min_scale", text);
-    EXPECT_ERROR_MENTIONS(DynamicLossScaler(O{.initial_scale = bad}), "initial_scale", text);
-    EXPECT_ERROR_MENTIONS(DynamicLossScaler(O{.growth_factor = bad}), "growth_factor", text);
-    EXPECT_ERROR_MENTIONS(DynamicLossScaler(O{.backoff_factor = bad}), "backoff_factor", text);
+    const std::string text = std::isnan(bad) ? "nan" : "inf";
+    EXPECT_ERROR_MENTIONS(DynamicLossScaler(O{.max_scale = bad}), "DynamicLossScaler: max_scale " + text,
+                          "finite");
+    EXPECT_ERROR_MENTIONS(DynamicLossScaler(O{.min_scale = bad}), "min_scale " + text);
+    EXPECT_ERROR_MENTIONS(DynamicLossScaler(O{.initial_scale = bad}), "initial_scale " + text);
+    EXPECT_ERROR_MENTIONS(DynamicLossScaler(O{.growth_factor = bad}), "growth_factor", "got " + text);
+    EXPECT_ERROR_MENTIONS(DynamicLossScaler(O{.backoff_factor = bad}), "backoff_factor", "got " + text);
   }
 }
 
@@ -882,10 +882,10 @@ TEST(StaticLossScaler, RejectsAnInvalidScale) {
   EXPECT_ERROR_MENTIONS(StaticLossScaler(0), "StaticLossScaler", "scale", "0");
   EXPECT_ERROR_MENTIONS(StaticLossScaler(-kInf), "scale", "-inf");
   // Beyond fp32, where the loss is multiplied by it (FLT_MAX itself is fine).
-  EXPECT_ERROR_MENTIONS(StaticLossScaler(1e39), "StaticLossScaler: scale 1e+39 is beyond fp32's range");
+  EXPECT_ERROR_MENTIONS(StaticLossScaler(1e39), "StaticLossScaler: scale 1e+39 is not a usable loss scale");
   EXPECT_EQ(StaticLossScaler(3.4028234663852886e38).scale(), 3.4028234663852886e38);
   EXPECT_ERROR_MENTIONS(apex_dynamic_scaler(16, 2, std::nullopt, 1e300), "max_loss_scale 1e+300",
-                        "beyond fp32's range");
+                        "is not a usable loss scale");
 }
 
 TEST(LossScaler, LoadStateDictRejectsUnknownEntries) {
@@ -915,6 +915,125 @@ TEST(LossScaler, StateGoesIntoACheckpointsMetadata) {
   DynamicLossScaler b({.initial_scale = 1024, .min_scale = 1, .max_scale = 4096, .growth_interval = 2});
   b.load_state_dict(restored);
   EXPECT_EQ(run_pattern(b, "CCOOC"), run_pattern(a, "CCOOC"));
+}
+
+// ---- the usable loss scales ----
+// The loss is multiplied by S and the gradients by 1/S in fp32. The smallest S whose fp32 reciprocal is
+// finite: 2^-128 is a (subnormal) float but 1/2^-128 = 2^128 is beyond fp32; the next float up,
+// 2^-128 + 2^-149, has 1/S = 2^128 / (1 + 2^-21) < FLT_MAX. The largest S: FLT_MAX (2^128 - 2^104).
+const float kSmallestUsable = std::nextafter(std::ldexp(1.0f, -128), 1.0f);
+const double kLowest = kSmallestUsable;                                    // 2.938737278354183e-39
+const double kBelowLowest = std::nextafter(kSmallestUsable, 0.0f);         // 2^-128 = 2.938735877055719e-39
+const double kFltMax = std::numeric_limits<float>::max();                  // 3.4028234663852886e+38
+const double kFirstAboveFp32 = std::ldexp(1.0, 128) - std::ldexp(1.0, 103);  // rounds to inf in fp32
+
+TEST(LossScaleBounds, AreTheSmallestFloatWithAFiniteFp32ReciprocalAndFltMax) {
+  volatile float one = 1.0f;  // the divisions below in fp32 at run time
+  EXPECT_TRUE(std::isinf(one / std::ldexp(1.0f, -128)));
+  EXPECT_TRUE(std::isfinite(one / kSmallestUsable));
+  EXPECT_EQ(kLowest, std::ldexp(1.0, -128) + std::ldexp(1.0, -149));
+  EXPECT_EQ(kMinLossScale, kLowest);
+  EXPECT_EQ(kMaxLossScale, kFltMax);
+  EXPECT_EQ(kBelowLowest, 2.938735877055719e-39);  // the literal the messages below show
+  EXPECT_EQ(kLowest, 2.938737278354183e-39);
+}
+
+// The message every refused scale gets, after "<who>: <what> <value>".
+const std::vector<std::string> kUnusable = {"is not a usable loss scale", ">= 2.938737278354183e-39",
+                                            "<= 3.4028234663852886e+38"};
+
+template <class... Parts>
+std::vector<std::string> mentions(const Parts&... parts) {
+  std::vector<std::string> all = {parts...};
+  all.insert(all.end(), kUnusable.begin(), kUnusable.end());
+  return all;
+}
+
+#define EXPECT_ERROR_MENTIONS_ALL(statement, parts)                                                  \
+  do {                                                                                               \
+    try {                                                                                            \
+      statement;                                                                                     \
+      ADD_FAILURE() << "expected mixtape::Error from: " #statement;                                  \
+    } catch (const ::mixtape::Error& error) {                                                        \
+      const std::string message = error.what();                                                      \
+      for (const std::string& part : parts)                                                          \
+        EXPECT_NE(message.find(part), std::string::npos) << "message: " << message << "\nlacks: " << part; \
+    }                                                                                                \
+  } while (0)
+
+TEST(GradScaler, InitScaleAndNewScaleAreUsableLossScales) {
+  EXPECT_EQ(GradScaler({.init_scale = kLowest}).scale(), kLowest);
+  EXPECT_EQ(GradScaler({.init_scale = kFltMax}).scale(), kFltMax);
+  EXPECT_ERROR_MENTIONS_ALL(GradScaler({.init_scale = kBelowLowest}),
+                            mentions("GradScaler: init_scale 2.938735877055719e-39"));
+  EXPECT_ERROR_MENTIONS_ALL(GradScaler({.init_scale = 1e-45}), mentions("GradScaler: init_scale 1e-45"));
+  EXPECT_ERROR_MENTIONS_ALL(GradScaler({.init_scale = kFirstAboveFp32}),
+                            mentions("GradScaler: init_scale 3.4028235677973366e+38"));
+  GradScaler scaler;
+  scaler.update(kLowest);
+  EXPECT_EQ(scaler.scale(), kLowest);
+  EXPECT_ERROR_MENTIONS_ALL(scaler.update(kBelowLowest),
+                            mentions("GradScaler.update: new_scale 2.938735877055719e-39"));
+  EXPECT_EQ(scaler.scale(), kLowest);
+}
+
+TEST(DynamicLossScaler, EveryScaleOptionIsAUsableLossScale) {
+  const DynamicLossScaler lowest({.initial_scale = kLowest, .min_scale = kLowest, .max_scale = kLowest});
+  EXPECT_EQ(lowest.scale(), kLowest);
+  EXPECT_EQ(DynamicLossScaler({.initial_scale = kFltMax, .max_scale = kFltMax}).scale(), kFltMax);
+  EXPECT_ERROR_MENTIONS_ALL(
+      DynamicLossScaler({.initial_scale = kBelowLowest, .min_scale = kLowest, .max_scale = kLowest}),
+      mentions("DynamicLossScaler: initial_scale 2.938735877055719e-39"));
+  EXPECT_ERROR_MENTIONS_ALL(DynamicLossScaler({.min_scale = kBelowLowest}),
+                            mentions("DynamicLossScaler: min_scale 2.938735877055719e-39"));
+  EXPECT_ERROR_MENTIONS_ALL(DynamicLossScaler({.initial_scale = kLowest, .min_scale = kLowest,
+                                               .max_scale = kBelowLowest}),
+                            mentions("DynamicLossScaler: max_scale 2.938735877055719e-39"));
+  EXPECT_ERROR_MENTIONS_ALL(DynamicLossScaler({.max_scale = kFirstAboveFp32}),
+                            mentions("DynamicLossScaler: max_scale 3.4028235677973366e+38"));
+}
+
+TEST(StaticLossScaler, TheScaleIsAUsableLossScale) {
+  EXPECT_EQ(StaticLossScaler(kLowest).scale(), kLowest);
+  EXPECT_ERROR_MENTIONS_ALL(StaticLossScaler{kBelowLowest},
+                            mentions("StaticLossScaler: scale 2.938735877055719e-39"));
+  EXPECT_ERROR_MENTIONS_ALL(StaticLossScaler{1e-45}, mentions("StaticLossScaler: scale 1e-45"));
+}
+
+TEST(ApexDynamicScaler, TheGivenBoundsAreUsableLossScalesAndNoFloorStaysAllowed) {
+  EXPECT_EQ(apex_dynamic_scaler(16, 2, kLowest, 1024).options().min_scale, kLowest);
+  EXPECT_EQ(apex_dynamic_scaler(kLowest, 2, std::nullopt, kLowest).scale(), kLowest);
+  EXPECT_ERROR_MENTIONS_ALL(apex_dynamic_scaler(16, 2, kBelowLowest, 1024),
+                            mentions("apex_dynamic_scaler: min_loss_scale 2.938735877055719e-39"));
+  EXPECT_ERROR_MENTIONS_ALL(apex_dynamic_scaler(16, 2, std::nullopt, kBelowLowest),
+                            mentions("apex_dynamic_scaler: max_loss_scale 2.938735877055719e-39"));
+}
+
+// A saved scale is held to the same bounds where it is read; the entry is named as the caller's prefix says
+// (a checkpoint's metadata holds it as "scaler.<k>.scale").
+TEST(LossScaler, ASavedScaleIsAUsableLossScaleNamedByItsEntry) {
+  GradScaler grad_scaler;
+  State saved = GradScaler().state_dict();
+  grad_scaler.load_state_dict(with_entry(saved, "scale", "2.938737278354183e-39"));
+  EXPECT_EQ(grad_scaler.scale(), kLowest);
+  EXPECT_ERROR_MENTIONS_ALL(grad_scaler.load_state_dict(with_entry(saved, "scale", "2.938735877055719e-39")),
+                            mentions("GradScaler.load_state_dict: entry \"scale\" 2.938735877055719e-39"));
+  EXPECT_ERROR_MENTIONS_ALL(
+      grad_scaler.load_state_dict(with_entry(saved, "scale", "1e-45"), "scaler.0."),
+      mentions("GradScaler.load_state_dict: entry \"scaler.0.scale\" 1e-45"));
+  EXPECT_EQ(grad_scaler.scale(), kLowest);
+
+  // Apex's rule has no floor (min_loss_scale None), so only the usable range bounds the saved scale.
+  DynamicLossScaler apex = apex_dynamic_scaler();
+  saved = apex.state_dict();
+  apex.load_state_dict(with_entry(saved, "scale", "2.938737278354183e-39"));
+  EXPECT_EQ(apex.scale(), kLowest);
+  EXPECT_ERROR_MENTIONS_ALL(
+      apex.load_state_dict(with_entry(saved, "scale", "2.938735877055719e-39"), "scaler.2."),
+      mentions("DynamicLossScaler.load_state_dict: entry \"scaler.2.scale\" 2.938735877055719e-39"));
+  EXPECT_ERROR_MENTIONS(apex.load_state_dict(with_entry(saved, "scale", "x"), "scaler.2."),
+                        "entry \"scaler.2.scale\" is \"x\", expected a number");
+  EXPECT_EQ(apex.scale(), kLowest);
 }
 
 }  // namespace
