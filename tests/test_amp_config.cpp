@@ -461,7 +461,7 @@ TEST(AmpConfig, EveryScaleOptionRefusesTheFloatBelowItNamingTheOptionAndTheBound
   ASSERT_EQ(std::stod(kBelowLowest), std::ldexp(1.0, -128));
   for (const ScaleOption& o : scale_options()) {
     SCOPED_TRACE(o.mode + " " + o.key);
-    for (const std::string value : {std::string(kBelowLowest), std::string("1e-45")}) {
+    for (const std::string& value : {std::string(kBelowLowest), std::string("1e-45")}) {
       const std::string family = o.mode.substr(0, o.mode.find(':'));
       EXPECT_ERROR_MENTIONS(AmpConfig::from_json(with(o.fields, value), o.mode),
                             "AmpConfig " + family + ": " + o.key + " " + value + " is not a usable loss scale",
