@@ -233,11 +233,12 @@ patch_file(words.safetensors beta.safetensors "\"optimizer.beta1\":\"0.9\"" "\"o
 run_fails("--resume: an optimizer setting the options do not make" ${TRAIN_GPT} --data words.txt
           --resume beta.safetensors --steps 152 MENTIONS "--resume 'beta.safetensors'"
           "metadata entry 'optimizer.beta1' is 0.5, expected 0.9")
-# The loss scaler's state is checked by the scaler, which knows the entry, not the file: the error names it.
+# The loss scaler's state is checked by the scaler where it is read; the error names the file.
 patch_file(words.safetensors scale.safetensors
            "\"optimizer.scaler.0.scale\":\"1\"" "\"optimizer.scaler.0.scale\":\"0\"")
 run_fails("--resume: a loss scale the configuration does not give" ${TRAIN_GPT} --data words.txt
-          --resume scale.safetensors --steps 152 MENTIONS "train_gpt: --resume 'scale.safetensors': " "scale")
+          --resume scale.safetensors --steps 152 MENTIONS "train_gpt: --resume 'scale.safetensors': "
+          "saved with scale 0, this scaler has scale 1")
 patch_file(words.safetensors layers.safetensors "\"n_layer\":\"1\"" "\"n_layer\":\"x\"")
 run_fails("generate: a config value that is no number" ${GENERATE} --model layers.safetensors --tokens 5
           MENTIONS "'layers.safetensors'" "'n_layer' = 'x' is not an integer")

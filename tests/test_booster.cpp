@@ -706,7 +706,7 @@ TEST(Booster, ACheckpointsLossScaleIsAUsableScaleNamedByItsEntry) {
     for (const std::string bad : {"2.938735877055719e-39", "1e-45", "3.4028235677973366e+38"}) {
       state.metadata["scaler.0.scale"] = bad;
       EXPECT_ERROR_MENTIONS(optimizer->load_state_dict(state),
-                            "entry \"scaler.0.scale\" " + bad + " is not a usable loss scale",
+                            "entry 'scaler.0.scale' " + bad + " is not a usable loss scale",
                             ">= 2.938737278354183e-39");
     }
     EXPECT_NE(optimizer->loss_scale(), lowest);

@@ -500,11 +500,11 @@ TEST(GradScaler, LoadStateDictErrorsNameTheCallAndTheEntry) {
   GradScaler scaler({.init_scale = 16});
   const std::map<std::string, std::string> state = GradScaler().state_dict();
   EXPECT_ERROR_MENTIONS(scaler.load_state_dict(with_entry(state, "scale", "0")), "GradScaler.load_state_dict",
-                        "entry \"scale\" 0 is not a usable loss scale");
+                        "entry 'scale' 0 is not a usable loss scale");
   EXPECT_ERROR_MENTIONS(scaler.load_state_dict(with_entry(state, "backoff_factor", "1")),
-                        "GradScaler.load_state_dict", "entry \"backoff_factor\"", "(0, 1)", "got 1");
+                        "GradScaler.load_state_dict", "entry 'backoff_factor'", "(0, 1)", "got 1");
   EXPECT_ERROR_MENTIONS(scaler.load_state_dict(with_entry(state, "growth_tracker", "2000")),
-                        "GradScaler.load_state_dict", "entry \"growth_tracker\"", "2000",
+                        "GradScaler.load_state_dict", "entry 'growth_tracker'", "2000",
                         "[0, growth_interval 2000)");
   EXPECT_EQ(scaler.scale(), 16.0);
 }
@@ -682,19 +682,19 @@ TEST(DynamicLossScaler, LoadStateDictChecksTheScaleAndTheTrackersAgainstTheRule)
     return with_entry(DynamicLossScaler().state_dict(), key, value);
   };
   EXPECT_ERROR_MENTIONS(scaler.load_state_dict(with("scale", "8589934592")),
-                        "DynamicLossScaler.load_state_dict", "entry \"scale\" is 8589934592",
+                        "DynamicLossScaler.load_state_dict", "entry 'scale' is 8589934592",
                         "[min_scale 1, max_scale 4294967296]");
-  EXPECT_ERROR_MENTIONS(scaler.load_state_dict(with("scale", "0.5")), "entry \"scale\" is 0.5",
+  EXPECT_ERROR_MENTIONS(scaler.load_state_dict(with("scale", "0.5")), "entry 'scale' is 0.5",
                         "[min_scale 1, max_scale 4294967296]");
-  EXPECT_ERROR_MENTIONS(scaler.load_state_dict(with("scale", "inf")), "entry \"scale\" inf is not a usable");
+  EXPECT_ERROR_MENTIONS(scaler.load_state_dict(with("scale", "inf")), "entry 'scale' inf is not a usable");
   EXPECT_ERROR_MENTIONS(scaler.load_state_dict(with("growth_tracker", "-1")),
-                        "DynamicLossScaler.load_state_dict", "entry \"growth_tracker\" is -1",
+                        "DynamicLossScaler.load_state_dict", "entry 'growth_tracker' is -1",
                         "[0, growth_interval 1000)");
   EXPECT_ERROR_MENTIONS(scaler.load_state_dict(with("hysteresis_tracker", "3")),
-                        "DynamicLossScaler.load_state_dict", "entry \"hysteresis_tracker\" is 3",
+                        "DynamicLossScaler.load_state_dict", "entry 'hysteresis_tracker' is 3",
                         "[0, hysteresis 2]");
   EXPECT_ERROR_MENTIONS(scaler.load_state_dict(with("hysteresis_tracker", "-1")),
-                        "entry \"hysteresis_tracker\" is -1", "[0, hysteresis 2]");
+                        "entry 'hysteresis_tracker' is -1", "[0, hysteresis 2]");
   // The most negative tracker would wrap to the largest on the next overflow.
   EXPECT_ERROR_MENTIONS(scaler.load_state_dict(with("hysteresis_tracker", "-9223372036854775808")),
                         "hysteresis_tracker", "-9223372036854775808");
@@ -755,7 +755,7 @@ TEST(DynamicLossScaler, LoadsAStateWrittenBeforeTheRuleEntries) {
   auto partial = DynamicLossScaler().state_dict();
   partial.erase("hysteresis");
   EXPECT_ERROR_MENTIONS(DynamicLossScaler().load_state_dict(partial), "DynamicLossScaler.load_state_dict",
-                        "missing entry \"hysteresis\"");
+                        "missing entry 'hysteresis'");
 }
 
 TEST(DynamicLossScaler, RejectsEveryInvalidOption) {
@@ -892,14 +892,14 @@ TEST(LossScaler, LoadStateDictRejectsUnknownEntries) {
   // "_growth_tracker" is PyTorch's spelling, not ours.
   const GradScaler grad;
   EXPECT_ERROR_MENTIONS(GradScaler().load_state_dict(with_entry(grad.state_dict(), "_growth_tracker", "0")),
-                        "GradScaler.load_state_dict", "unknown entry \"_growth_tracker\"",
+                        "GradScaler.load_state_dict", "unknown entry '_growth_tracker'",
                         "expected only type, scale");
   EXPECT_ERROR_MENTIONS(
       DynamicLossScaler().load_state_dict(with_entry(DynamicLossScaler().state_dict(), "max_scale_", "1")),
-      "DynamicLossScaler.load_state_dict", "unknown entry \"max_scale_\"");
+      "DynamicLossScaler.load_state_dict", "unknown entry 'max_scale_'");
   StaticLossScaler fixed(2);
   EXPECT_ERROR_MENTIONS(fixed.load_state_dict(with_entry(fixed.state_dict(), "loss_scale", "2")),
-                        "StaticLossScaler.load_state_dict", "unknown entry \"loss_scale\"",
+                        "StaticLossScaler.load_state_dict", "unknown entry 'loss_scale'",
                         "expected only type, scale");
 }
 
@@ -1017,10 +1017,10 @@ TEST(LossScaler, ASavedScaleIsAUsableLossScaleNamedByItsEntry) {
   grad_scaler.load_state_dict(with_entry(saved, "scale", "2.938737278354183e-39"));
   EXPECT_EQ(grad_scaler.scale(), kLowest);
   EXPECT_ERROR_MENTIONS_ALL(grad_scaler.load_state_dict(with_entry(saved, "scale", "2.938735877055719e-39")),
-                            mentions("GradScaler.load_state_dict: entry \"scale\" 2.938735877055719e-39"));
+                            mentions("GradScaler.load_state_dict: entry 'scale' 2.938735877055719e-39"));
   EXPECT_ERROR_MENTIONS_ALL(
       grad_scaler.load_state_dict(with_entry(saved, "scale", "1e-45"), "scaler.0."),
-      mentions("GradScaler.load_state_dict: entry \"scaler.0.scale\" 1e-45"));
+      mentions("GradScaler.load_state_dict: entry 'scaler.0.scale' 1e-45"));
   EXPECT_EQ(grad_scaler.scale(), kLowest);
 
   // Apex's rule has no floor (min_loss_scale None), so only the usable range bounds the saved scale.
@@ -1030,9 +1030,9 @@ TEST(LossScaler, ASavedScaleIsAUsableLossScaleNamedByItsEntry) {
   EXPECT_EQ(apex.scale(), kLowest);
   EXPECT_ERROR_MENTIONS_ALL(
       apex.load_state_dict(with_entry(saved, "scale", "2.938735877055719e-39"), "scaler.2."),
-      mentions("DynamicLossScaler.load_state_dict: entry \"scaler.2.scale\" 2.938735877055719e-39"));
+      mentions("DynamicLossScaler.load_state_dict: entry 'scaler.2.scale' 2.938735877055719e-39"));
   EXPECT_ERROR_MENTIONS(apex.load_state_dict(with_entry(saved, "scale", "x"), "scaler.2."),
-                        "entry \"scaler.2.scale\" is \"x\", expected a number");
+                        "entry 'scaler.2.scale' is \"x\", expected a number");
   EXPECT_EQ(apex.scale(), kLowest);
 }
 

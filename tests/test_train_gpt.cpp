@@ -907,6 +907,23 @@ TEST(TrainGPT, OptimizerErrorsNameTheEntryAsTheCheckpointDoes) {
             "X: entry 'optimizer.state.1.step' is 0; missing tensor entry 'optimizer.master.2'");
 }
 
+// A loss scale saved in a checkpoint is checked by the scaler that reads it (a usable fp32 scale); the
+// trainer's error names its entry as the file holds it.
+TEST(TrainGPT, ALossScaleInACheckpointIsNamedByItsEntryInTheFile) {
+  const TokenData data = char_tokens(sample_text());
+  const GPTConfig config = tiny_config(data.vocab_size, 0);
+  TrainOptions options = tiny_options("adamw");
+  options.amp = AmpConfig::parse("fp16");
+  Trainer a(config, options, data);
+  a.train_step();
+  StateDict state = a.checkpoint();
+  ASSERT_TRUE(state.metadata.count("optimizer.scaler.0.scale"));
+  state.metadata["optimizer.scaler.0.scale"] = "1e-45";
+  Trainer b(config, options, data);
+  EXPECT_ERROR_MENTIONS(b.load_checkpoint(state), "training checkpoint: GradScaler.load_state_dict: ",
+                        "entry 'optimizer.scaler.0.scale' 1e-45 is not a usable loss scale");
+}
+
 TEST(TrainGPT, ValuesFromAFileAreEchoedPrintableAndErrorsSayWhatMustHold) {
   const TokenData data = char_tokens(sample_text());
   const GPTConfig config = tiny_config(data.vocab_size, 0);
