@@ -9,7 +9,10 @@ namespace mixtape {
 
 namespace {
 
-constexpr int kProbeSteps = 2;  // a warm-up step and a measured one
+// The steps of probe k: the first probe at each neighbouring count warms it up (caches, first touches) with
+// a step before the measured one; later probes are the measured step alone. A function of k only, so that a
+// resumed run's schedule is the uninterrupted run's.
+int probe_steps(int64_t k) { return k < 2 ? 2 : 1; }
 
 }  // namespace
 
@@ -26,10 +29,11 @@ ThreadTuner::ThreadTuner(int max_threads, int64_t first_step, ThreadTunerOptions
         "ThreadTuner: expected margin in [0, 1) and drift > 0, got ", options.margin, " and ", options.drift);
   // The quiet schedule up to first_step: every probe lost, each wait twice the one before.
   next_probe_ = options_.first_interval;
-  while (next_probe_ + kProbeSteps <= first_step) {
+  while (next_probe_ + probe_steps(probes_) <= first_step) {
+    next_probe_ += probe_steps(probes_);
     ++probes_;
     interval_ = std::min(2 * interval_, options_.max_interval);
-    next_probe_ += kProbeSteps + interval_;
+    next_probe_ += interval_;
   }
   // A resumption in the middle of a probe runs the probe's remaining steps (without a decision: no median).
   if (max_ > 1 && first_step >= next_probe_) {
@@ -50,7 +54,7 @@ void ThreadTuner::record(double seconds) {
         seconds);
   ++step_;
   if (probe_step_ > 0) {
-    if (probe_step_++ == kProbeSteps) end_probe(seconds);
+    if (probe_step_++ == probe_length_) end_probe(seconds);
   } else {
     recent_.push_back(seconds);
     if (static_cast<int64_t>(recent_.size()) > options_.window) recent_.erase(recent_.begin());
@@ -76,6 +80,7 @@ void ThreadTuner::start_probe() {
   if (candidate < 1 || candidate > max_) candidate = down ? current_ + 1 : current_ - 1;
   probe_threads_ = candidate;
   probe_step_ = 1;
+  probe_length_ = probe_steps(probes_);
   ++probes_;
 }
 

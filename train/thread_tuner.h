@@ -8,16 +8,16 @@
 // kept busy: 2 threads ~0.9x of 1 thread, up to several times slower where the waiting threads spin). No
 // setting of the waiting itself (OMP_WAIT_POLICY, GOMP_SPINCOUNT) makes the shared core's share finish sooner.
 //
-// How: steps run at the current count; at scheduled steps two steps run at a neighbouring count (the count
-// below or above, in turn, within [1, max]) as a probe: the first warms that count up (caches, first
-// touches), the second is measured. A probe faster than the current count's recent median by more than
+// How: steps run at the current count; at scheduled steps one step runs at a neighbouring count (the count
+// below or above, in turn, within [1, max]) as a probe and is measured (the first probe at each count runs a
+// step before it to warm that count up: caches, first touches). A probe faster than the current count's recent median by more than
 // `margin` makes its count current and starts the schedule over; a probe that is not doubles the wait to the
 // next (up to max_interval), so a quiet machine pays for probes more and more rarely. When the current
 // count's median moves by more than `drift` from what it was at the last decision (a neighbour came or
 // went), the waits start over too.
 //
-// Cost on a quiet 2-core machine: two steps per probe at 1 thread (each about twice as long): under 3% over
-// the first 200 steps, about 1% over 1000, 0.6% in the long run (a probe every 322 steps). The tuner is plain
+// Cost on a quiet 2-core machine: a step per probe at 1 thread (about twice as long): under 3% over the first
+// 200 steps, about 0.5% over 1000, 0.3% in the long run (a probe every 321 steps). The tuner is plain
 // logic over the times it is given (no clock, no OpenMP calls): the training loop sets the count it returns
 // and reports each step's time.
 //
@@ -70,6 +70,7 @@ class ThreadTuner {
   std::vector<double> recent_;    // the last `window` steps at current_, oldest first
   double decided_median_ = 0;     // the median at the last decision (0: none yet)
   int probe_step_ = 0;            // 1, 2: the step of a probe the next record() is of; 0: no probe
+  int probe_length_ = 0;          // the steps of the probe under way
   int probe_threads_ = 0;
   int64_t switches_ = 0, probes_ = 0;
 };
