@@ -17,7 +17,7 @@
 // went), the waits start over too.
 //
 // Cost on a quiet 2-core machine: a step per probe at 1 thread (about twice as long): under 3% over the first
-// 200 steps, about 0.5% over 1000, 0.3% in the long run (a probe every 321 steps). The tuner is plain
+// 200 steps, about 0.5% over 1000, 0.15% in the long run (a probe every 641 steps). The tuner is plain
 // logic over the times it is given (no clock, no OpenMP calls): the training loop sets the count it returns
 // and reports each step's time.
 //
@@ -34,9 +34,9 @@ namespace mixtape {
 
 struct ThreadTunerOptions {
   int64_t first_interval = 30;   // steps before the first probe, and after a switch or a drift
-  int64_t max_interval = 320;    // the longest wait between probes
+  int64_t max_interval = 640;    // the longest wait between probes
   double margin = 0.05;          // a probe must be this much faster than the median to win
-  double drift = 0.2;            // a median this far from the last decision's restarts the probes
+  double drift = 0.4;            // a median this far from the last decision's restarts the probes
   int64_t window = 8;            // the steps at the current count whose median is compared
 };
 
