@@ -111,26 +111,18 @@ if(status EQUAL 0 OR NOT stderr MATCHES "rank 0 of 2: error: train_gpt: cannot o
 endif()
 
 # An error found before MPI starts (the --resume file is read before the job's layout is known) ends the job
-# the same way: "rank 0 of 2: error: ..." once, through MPI_Abort at once (not after the 2 s the other ranks
-# wait before reporting theirs), with no ORTE_ERROR_LOG lines from Open MPI. mpirun's grace period between
-# SIGTERM and SIGKILL (odls_base_sigkill_timeout, 1 s) is set to 0: the time measured is the job's own.
+# the same way: "rank 0 of 2: error: ..." once, with no ORTE_ERROR_LOG lines from Open MPI. Once, because
+# MPI_Abort ends the job before rank 1 reports the same error after its 2 s wait: a job that ended through
+# mpirun's exit policy instead would say it twice (or without the rank).
 file(WRITE ${WORK_DIR}/not_a_checkpoint.safetensors "a text file, not a checkpoint\n")
-string(TIMESTAMP start "%s%f")
-execute_process(COMMAND ${mpi2} --mca odls_base_sigkill_timeout 0 ${TRAIN_GPT} --data words.txt ${tiny} --steps 2
-                        --resume not_a_checkpoint.safetensors
+execute_process(COMMAND ${mpi2} ${TRAIN_GPT} --data words.txt ${tiny} --steps 2 --resume not_a_checkpoint.safetensors
                 WORKING_DIRECTORY ${WORK_DIR} RESULT_VARIABLE status OUTPUT_VARIABLE stdout ERROR_VARIABLE stderr
                 TIMEOUT 120)
-string(TIMESTAMP end "%s%f")
-math(EXPR elapsed_ms "(${end} - ${start}) / 1000")
 string(REGEX MATCHALL "rank [01] of 2: error: [^\n]*not_a_checkpoint.safetensors" said "${stderr}")
 list(LENGTH said n)
 if(status EQUAL 0 OR NOT n EQUAL 1 OR stderr MATCHES "ORTE_ERROR_LOG")
   check_failed("a corrupt --resume under mpirun: status ${status}, the ranked error said ${n} times (once "
                "expected), ORTE_ERROR_LOG not expected:\n${stderr}")
-endif()
-if(elapsed_ms GREATER 1900)
-  check_failed("a corrupt --resume under mpirun: the job took ${elapsed_ms} ms (MPI_Abort ends it in well under "
-               "the 2 s the other ranks wait):\n${stderr}")
 endif()
 
 # ---- AMP across processes ----
