@@ -132,7 +132,7 @@ World world_for_abort() {
 void abort(const std::string& message, int code) {
   const World world = world_for_abort();
   std::fprintf(stderr, "rank %d of %d: %s\n", world.rank, world.size, message.c_str());
-  std::fflush(stderr);
+  std::fflush(nullptr);  // MPI_Abort and _Exit drop what stdio still buffers (stdout through mpirun is a pipe)
   int initialized_mpi = 0, finalized = 0;
   MPI_Initialized(&initialized_mpi);
   MPI_Finalized(&finalized);
@@ -673,6 +673,7 @@ void abort(const std::string& message, int code) {
   const World world = launcher_world();
   if (world.size > 1) std::fprintf(stderr, "rank %d of %d: %s\n", world.rank, world.size, message.c_str());
   else std::fprintf(stderr, "%s\n", message.c_str());
+  std::fflush(nullptr);  // _Exit drops what stdio still buffers
   std::_Exit(code);
 }
 struct Communicator::Impl {};

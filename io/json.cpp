@@ -71,10 +71,12 @@ bool is_space(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; 
 // asked for a byte past the text. The lexer reads no byte beyond a string, literal or bracket, and exactly
 // one beyond a number (which it puts back), unless the text ends.
 //
-// The lexer keeps a copy of every byte since its last token, whitespace included, so a run of whitespace
-// outside strings reaches it as its first byte only: megabytes of padding cost no memory (`skipped` counts
-// the bytes it never saw). Following where each string, number or literal starts also lets a token limit
-// refuse an overlong one before the lexer has copied all of it.
+// The lexer keeps a copy of every byte it reads since the last string or number started (brackets, commas,
+// colons, literals and whitespace included), so a run of whitespace outside strings reaches it as its first
+// byte only: megabytes of padding cost no memory (`skipped` counts the bytes it never saw). Following where
+// each string, number or literal starts also lets the token limit refuse an overlong one before the lexer
+// has copied all of it, and refuse more than that many bytes without a string or number ("[null,null,...]",
+// "[[],[],...]"), which the lexer would copy whole.
 struct Progress {
   Progress(std::string_view text, size_t max_token)
       : text(text.data()), end(text.data() + text.size()), pulled(text.data()), max_token(max_token) {}
@@ -110,6 +112,16 @@ struct Progress {
         } else if (token_start == nullptr) {
           token_start = at;
         }
+        // The lexer's copy starts over where a string or a number starts; a number's own bytes are bounded
+        // as a token, the rest of the copy here.
+        if (token_start == at) in_number = c == '-' || (c >= '0' && c <= '9');
+        else if (token_start == nullptr) in_number = false;
+        if (c == '"' || in_number) {
+          copied = 0;
+        } else if (++copied > max_token) {
+          parse_fail(static_cast<size_t>(at - text), "more than ", max_token,
+                     " bytes of JSON without a string or a number (the reader's limit)");
+        }
         break;
       case Token::InString:
         if (c == '\\') token = Token::AfterBackslash;
@@ -125,6 +137,8 @@ struct Progress {
 
   enum class Token { Outside, InString, AfterBackslash } token = Token::Outside;
   const char* token_start = nullptr;  // of the string or other token being read; null between tokens
+  size_t copied = 0;  // bytes outside strings the lexer has copied since a string or number last started
+  bool in_number = false;  // the token being read outside strings is a number
 };
 
 // The text as nlohmann reads it, reporting each byte it takes into a Progress.

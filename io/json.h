@@ -28,9 +28,12 @@ namespace json {
 Json parse(std::string_view text);
 
 // What one parse accepts beyond the grammar and the fixed depth of 256. The parser holds the token it is
-// reading (a string or number) several times over, so a reader of untrusted text bounds its length.
+// reading (a string or number) several times over, and a copy of everything else it reads between two such
+// tokens (brackets, commas, literals), so a reader of untrusted text bounds both.
 struct Limits {
-  size_t max_token_bytes = SIZE_MAX;  // of one string (quotes and escapes included) or number, as written
+  // Of one string (quotes and escapes included) or number, as written, and of the text outside strings
+  // between two strings or numbers (a run of whitespace counting one byte).
+  size_t max_token_bytes = SIZE_MAX;
 };
 
 // The values of a strict parse as they are read, for readers that keep only part of a large text instead
@@ -50,7 +53,8 @@ class Handler {
 };
 
 // Parses one JSON value as parse(text) does, with the same errors, giving its values to handler. Past
-// limits it throws Error "json: a string or number longer than N bytes (the reader's limit) at byte <start>".
+// limits it throws Error "json: a string or number longer than N bytes (the reader's limit) at byte <start>"
+// or "json: more than N bytes of JSON without a string or a number (the reader's limit) at byte <at>".
 void parse(std::string_view text, Handler& handler, const Limits& limits = {});
 
 // Throws the parser's Error for a key its object already has: "json: duplicate key "<key>" at byte <at>",

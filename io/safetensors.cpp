@@ -256,10 +256,10 @@ std::string write_destination(const std::string& path) {
     std::error_code error;
     if (!fs::is_symlink(fs::symlink_status(p, error))) return p.string();
     const fs::path target = fs::read_symlink(p, error);
-    check(!error, "'", path, "' is a symbolic link that cannot be read: ", error.message());
+    check(!error, shown_path(path), " is a symbolic link that cannot be read: ", error.message());
     p = target.is_absolute() ? target : p.parent_path() / target;
   }
-  fail("'", path, "' is a symbolic link that leads through more than 40 links (a loop?)");
+  fail(shown_path(path), " is a symbolic link that leads through more than 40 links (a loop?)");
 }
 
 SaveTarget save_target(const std::string& path, bool try_create) {
@@ -458,7 +458,7 @@ class HeaderReader final : public json::Handler {
   template <class... Parts>
   [[noreturn]] void problem(const Parts&... parts) const {
     std::ostringstream message;
-    ((message << "load_safetensors: '" << path_ << "': ") << ... << parts);
+    ((message << "load_safetensors: " << shown_path(path_) << ": ") << ... << parts);
     throw HeaderProblem(message.str());
   }
 
@@ -693,7 +693,7 @@ class Loader {
  private:
   template <class... Parts>
   [[noreturn]] void problem(const Parts&... parts) const {
-    fail("load_safetensors: '", path_, "': ", parts...);
+    fail("load_safetensors: ", shown_path(path_), ": ", parts...);
   }
 
   void read_exactly(int fd, void* data, uint64_t size, const std::string& what) const {

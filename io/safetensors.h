@@ -51,8 +51,9 @@ SaveTarget save_target(const std::string& path, bool try_create = false);
 //   - more than 131,072 tensor entries (each costs ~500 bytes of memory, however small the tensor);
 //   - a shape of more than 64 dimensions;
 //   - more than 65,536 __metadata__ keys, or more than 32 MiB (33,554,432 bytes) of metadata keys and values;
-//   - a string or number longer than 16 MiB (16,777,216 bytes) as written (the JSON parser holds the token
-//     it reads several times over);
+//   - a string or number longer than 16 MiB (16,777,216 bytes) as written, or more than 16 MiB of JSON
+//     without a string or a number ("[null,null,...]"; a run of whitespace counts one byte) (the JSON parser
+//     holds the token it reads several times over, and copies what it reads between two such tokens);
 //   - inside tensor entries, more than 65,536 keys besides dtype, shape and data_offsets (extra members,
 //     which are skipped, and the objects inside them), or such a key longer than 256 bytes.
 // Values from the file that an error message repeats (names, keys, dtypes, JSON values) are shown printable

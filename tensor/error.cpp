@@ -29,11 +29,34 @@ size_t utf8_length_at(std::string_view text, size_t pos) {
   return length;
 }
 
+// Well-formed characters a terminal or an editor does not show as themselves: the C1 controls U+0080-U+009F
+// (U+009B starts a terminal escape like ESC [), the line and paragraph separators U+2028-U+2029 and the
+// bidirectional controls U+202A-U+202E and U+2066-U+2069 (they reorder the text that follows them).
+bool hidden_character(std::string_view text, size_t pos, size_t length) {
+  const auto byte = [&](size_t i) { return static_cast<unsigned char>(text[pos + i]); };
+  if (length == 2) return byte(0) == 0xC2 && byte(1) <= 0x9F;
+  if (length != 3 || byte(0) != 0xE2) return false;
+  return (byte(1) == 0x80 && byte(2) >= 0xA8 && byte(2) <= 0xAE) ||
+         (byte(1) == 0x81 && byte(2) >= 0xA6 && byte(2) <= 0xA9);
+}
+
+std::string byte_escapes(std::string_view bytes) {
+  std::string out;
+  char escape[8];
+  for (unsigned char c : bytes) {
+    std::snprintf(escape, sizeof escape, "\\x%02x", c);
+    out += escape;
+  }
+  return out;
+}
+
 // The printable form of the character (or lone byte) at text[pos], `length` bytes of it (0: a byte that
 // starts no UTF-8 sequence).
 std::string printable(std::string_view text, size_t pos, size_t length) {
   const unsigned char c = static_cast<unsigned char>(text[pos]);
-  if (length > 1) return std::string(text.substr(pos, length));
+  if (length > 1)
+    return hidden_character(text, pos, length) ? byte_escapes(text.substr(pos, length))
+                                               : std::string(text.substr(pos, length));
   switch (c) {
     case '\\': return "\\\\";
     case '\n': return "\\n";
@@ -43,9 +66,7 @@ std::string printable(std::string_view text, size_t pos, size_t length) {
     default: break;
   }
   if (length == 1 && c >= 0x20 && c != 0x7F) return std::string(1, static_cast<char>(c));
-  char escape[8];
-  std::snprintf(escape, sizeof escape, "\\x%02x", c);
-  return escape;
+  return byte_escapes(text.substr(pos, 1));
 }
 
 }  // namespace
@@ -56,7 +77,7 @@ std::string echo(std::string_view text, size_t limit) {
   for (size_t pos = 0; pos < text.size();) {
     const size_t length = utf8_length_at(text, pos);
     const std::string shown = printable(text, pos, length);
-    const size_t width = length > 1 ? 1 : shown.size();  // a multi-byte character shows as one
+    const size_t width = length > 1 && shown.size() == length ? 1 : shown.size();  // a character shows as one
     if (characters + width > limit) return out + "... (" + std::to_string(text.size()) + " bytes in all)";
     out += shown;
     characters += width;

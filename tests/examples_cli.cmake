@@ -219,8 +219,8 @@ run_fails("generate --temperature with a leading space" ${GENERATE} --model word
           MENTIONS "--temperature" "decimal" "' 0.5'")
 
 # A file's vocabulary and settings are checked where they are read. words.safetensors lists the 15 bytes of
-# words.txt in ascending order, "[10,32,46,...]"; out of order or repeated, generate printed other characters
-# (exit 0), and --resume took optimizer settings the command line refuses.
+# words.txt in ascending order, "[10,32,46,...]"; a list out of order or with a byte twice would map token ids
+# to other characters, and an optimizer setting the command line refuses must be refused in a file too.
 patch_file(words.safetensors unsorted.safetensors "\"vocab\":\"[10,32," "\"vocab\":\"[32,10,")
 run_fails("generate: a vocabulary out of order" ${GENERATE} --model unsorted.safetensors --tokens 5
           MENTIONS "'unsorted.safetensors'" "metadata entry 'vocab': entry 1 is 10, below entry 0 (32)")

@@ -27,6 +27,17 @@ TEST(Echo, EscapesControlBytesBackslashesAndInvalidUtf8) {
   EXPECT_EQ(echo("\xf4\x90\x80\x80"), "\\xf4\\x90\\x80\\x80");  // past U+10FFFF
 }
 
+TEST(Echo, EscapesWellFormedCharactersThatATerminalDoesNotShow) {
+  EXPECT_EQ(echo("a\xc2\x9b" "31m"), "a\\xc2\\x9b" "31m");  // U+009B, the C1 form of ESC [
+  EXPECT_EQ(echo("\xc2\x80"), "\\xc2\\x80");                // U+0080, the first C1 control
+  EXPECT_EQ(echo("\xc2\xa0"), "\xc2\xa0");                    // U+00A0, past them: kept
+  EXPECT_EQ(echo("x\xe2\x80\xae" "cba"), "x\\xe2\\x80\\xae" "cba");  // U+202E, right-to-left override
+  EXPECT_EQ(echo("\xe2\x80\xa8"), "\\xe2\\x80\\xa8");          // U+2028, line separator
+  EXPECT_EQ(echo("\xe2\x81\xa6"), "\\xe2\\x81\\xa6");          // U+2066, left-to-right isolate
+  EXPECT_EQ(echo("\xe2\x81\xaa"), "\xe2\x81\xaa");          // U+206A, past them: kept
+  EXPECT_EQ(echo("\xe2\x80\xa7"), "\xe2\x80\xa7");          // U+2027, before them: kept
+}
+
 TEST(Echo, CutsLongValuesAndSaysTheirLength) {
   const std::string zeros(1'000'000, '0');
   EXPECT_EQ(echo(zeros), std::string(100, '0') + "... (1000000 bytes in all)");

@@ -176,6 +176,19 @@ TEST_F(HeaderMemory, AHeaderThatIsALongArrayIsRefusedCheaply) {
   expect_peak_within_bound(outcome, kHeaderBytes);
 }
 
+// The JSON parser copies what it reads between two strings or numbers: a header of brackets and literals
+// alone is refused once that copy would pass the token limit, not read whole.
+TEST_F(HeaderMemory, LiteralsAndBracketsWithoutAStringOrNumberAreRefusedCheaply) {
+  write_file(kHeaderBytes, "{\"x\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4],\"note\":[",
+             repeat("null,[],{},true,"), "null]}}", std::string(4, '\0'));
+  const LoadOutcome outcome = load_in_child(file_);
+  EXPECT_FALSE(outcome.loaded);
+  EXPECT_NE(outcome.error.find("more than 16777216 bytes of JSON without a string or a number (the reader's limit)"),
+            std::string::npos)
+      << outcome.error;
+  expect_peak_within_bound(outcome, kHeaderBytes);
+}
+
 TEST_F(HeaderMemory, ALongArrayInAMemberTheReaderSkipsCostsNothing) {
   // 6 MB (3 million values) keeps the test fast; the reader's cost per value is the same at 99 MB.
   const size_t header_bytes = 6'000'000;

@@ -861,6 +861,12 @@ TEST(TrainGPT, WeightDecayTimesTheLearningRateIsAtMostOneOnTheCommandLineAndInAC
   EXPECT_ERROR_MENTIONS(o.validate(), "--weight-decay x --lr must be at most 1", "1e+308 x 0.003");
   o.weight_decay = 1 / o.lr;  // a factor of 0 is the edge
   EXPECT_NO_THROW(o.validate());
+  o.optimizer = "sgd";
+  o.weight_decay = 1e308;
+  EXPECT_ERROR_MENTIONS(o.validate(), "--weight-decay x --lr must be at most 1", "step of sgd");
+  // Adam decays through the gradient, which its update normalises: the bound is not Adam's.
+  o.optimizer = "adam";
+  EXPECT_NO_THROW(o.validate());
   Trainer a(config, tiny_options("adamw"), data);
   a.train_step();
   StateDict state = a.checkpoint();

@@ -5,19 +5,20 @@
 // lasts as long as its slowest thread. On a quiet machine every thread has a core and all of them are fastest;
 // when another process keeps a core busy, the thread that shares that core gets part of it, every other thread
 // waits for it at each op's end, and the step can run slower than on fewer threads (on 2 cores with one core
-// kept busy: 2 threads ~0.9x of 1 thread, up to several times slower where the waiting threads spin). No
-// setting of the waiting itself (OMP_WAIT_POLICY, GOMP_SPINCOUNT) makes the shared core's share finish sooner.
+// kept busy: 2 threads at about half the speed of 1 thread with libgomp's spinning wait, 0.9x with a passive
+// one). No setting of the waiting itself (OMP_WAIT_POLICY, GOMP_SPINCOUNT) makes the shared core's share
+// finish sooner.
 //
 // How: steps run at the current count; at scheduled steps one step runs at a neighbouring count (the count
 // below or above, in turn, within [1, max]) as a probe and is measured (the first probe at each count runs a
-// step before it to warm that count up: caches, first touches). A probe faster than the current count's recent median by more than
-// `margin` makes its count current and starts the schedule over; a probe that is not doubles the wait to the
-// next (up to max_interval), so a quiet machine pays for probes more and more rarely. When the current
-// count's median moves by more than `drift` from what it was at the last decision (a neighbour came or
-// went), the waits start over too.
+// step before it to warm that count up: caches, first touches). A probe faster than the current count's
+// recent median by more than `margin` makes its count current and starts the schedule over; a probe that is
+// not doubles the wait to the next (up to max_interval), so a quiet machine pays for probes more and more
+// rarely. When the current count's median moves by more than `drift` from what it was at the last decision (a
+// neighbour came or went), the waits start over too.
 //
 // Cost on a quiet 2-core machine: a step per probe at 1 thread (about twice as long): under 3% over the first
-// 200 steps, about 0.5% over 1000, 0.15% in the long run (a probe every 641 steps). The tuner is plain
+// 200 steps, about 0.7% over 1000, 0.15% in the long run (a probe every 641 steps). The tuner is plain
 // logic over the times it is given (no clock, no OpenMP calls): the training loop sets the count it returns
 // and reports each step's time.
 //

@@ -173,10 +173,12 @@ std::vector<uint8_t> vocab_from_metadata(const std::string& text) {
     check(b >= 0 && b < 256, "entry ", i, " is ", b, ", not a byte value");
     // char_tokens' vocabulary is the sorted set of the text's bytes: token id t is the t-th smallest byte. A
     // list out of that order maps ids to other characters; a repeated byte leaves an id that no text can have.
-    check(i == 0 || b != vocab.back(), "entry ", i, " is ", b, ", the same byte as entry ", i - 1,
-          " (a character vocabulary lists each byte once)");
-    check(i == 0 || b > vocab.back(), "entry ", i, " is ", b, ", below entry ", i - 1, " (", int{vocab.back()},
-          "): a character vocabulary lists its bytes in ascending order");
+    // if/fail, not check(): the messages read the previous entry, which the first entry does not have.
+    if (i > 0 && b == vocab.back())
+      fail("entry ", i, " is ", b, ", the same byte as entry ", i - 1, " (a character vocabulary lists each byte once)");
+    if (i > 0 && b < vocab.back())
+      fail("entry ", i, " is ", b, ", below entry ", i - 1, " (", int{vocab.back()},
+           "): a character vocabulary lists its bytes in ascending order");
     vocab.push_back(static_cast<uint8_t>(b));
   }
   check(!vocab.empty(), "the list is empty (a character vocabulary has at least one byte)");
@@ -197,11 +199,12 @@ void TrainOptions::validate() const {
         "train_gpt: --optimizer must be sgd, adam or adamw, got '", echo(optimizer), "'");
   check(std::isfinite(weight_decay) && weight_decay >= 0, "train_gpt: --weight-decay must be >= 0, got ",
         weight_decay);
-  // AdamW and SGD scale every decayed weight by 1 - lr x weight_decay per step (Adam adds weight_decay x w to
-  // the gradient): past 1 that factor is negative, and the weights flip sign and grow at every step. lr is the
-  // schedule's peak, so the bound holds at every step.
-  check(lr * weight_decay <= 1, "train_gpt: --weight-decay x --lr must be at most 1 (each step scales a decayed "
-        "weight by 1 - lr x weight_decay), got ", weight_decay, " x ", lr, " = ", lr * weight_decay);
+  // AdamW and SGD scale every decayed weight by 1 - lr x weight_decay per step: past 1 that factor is negative,
+  // and the weights flip sign and grow at every step. lr is the schedule's peak, so the bound holds at every
+  // step. (Adam adds weight_decay x w to the gradient, which its update normalises: no such factor.)
+  check(optimizer == "adam" || lr * weight_decay <= 1, "train_gpt: --weight-decay x --lr must be at most 1 (each "
+        "step of ", echo(optimizer), " scales a decayed weight by 1 - lr x weight_decay), got ", weight_decay, " x ",
+        lr, " = ", lr * weight_decay);
   check(beta1 >= 0 && beta1 < 1, "train_gpt: --beta1 must be in [0, 1), got ", beta1);
   check(beta2 >= 0 && beta2 < 1, "train_gpt: --beta2 must be in [0, 1), got ", beta2);
   check(momentum >= 0 && momentum < 1, "train_gpt: --momentum must be in [0, 1), got ", momentum);
