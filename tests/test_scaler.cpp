@@ -949,18 +949,6 @@ std::vector<std::string> mentions(const Parts&... parts) {
   return all;
 }
 
-#define EXPECT_ERROR_MENTIONS_ALL(statement, parts)                                                  \
-  do {                                                                                               \
-    try {                                                                                            \
-      statement;                                                                                     \
-      ADD_FAILURE() << "expected mixtape::Error from: " #statement;                                  \
-    } catch (const ::mixtape::Error& error) {                                                        \
-      const std::string message = error.what();                                                      \
-      for (const std::string& part : parts)                                                          \
-        EXPECT_NE(message.find(part), std::string::npos) << "message: " << message << "\nlacks: " << part; \
-    }                                                                                                \
-  } while (0)
-
 TEST(GradScaler, InitScaleAndNewScaleAreUsableLossScales) {
   EXPECT_EQ(GradScaler({.init_scale = kLowest}).scale(), kLowest);
   EXPECT_EQ(GradScaler({.init_scale = kFltMax}).scale(), kFltMax);

@@ -131,14 +131,18 @@ inline ::testing::AssertionResult all_close(const Tensor& actual, const Tensor& 
 }
 
 // Expects `statement` to throw mixtape::Error whose message contains every one of `parts`.
-#define EXPECT_ERROR_MENTIONS(statement, ...)                                                   \
+#define EXPECT_ERROR_MENTIONS(statement, ...) \
+  EXPECT_ERROR_MENTIONS_ALL(statement, (std::vector<std::string>{__VA_ARGS__}))
+
+// The same with the parts in a container of strings (built by the test).
+#define EXPECT_ERROR_MENTIONS_ALL(statement, parts)                                             \
   do {                                                                                          \
     try {                                                                                       \
       statement;                                                                                \
       ADD_FAILURE() << "expected mixtape::Error from: " #statement;                             \
     } catch (const ::mixtape::Error& error) {                                                   \
       const std::string message = error.what();                                                 \
-      for (const std::string& part : std::vector<std::string>{__VA_ARGS__})                     \
+      for (const std::string& part : parts)                                                     \
         EXPECT_NE(message.find(part), std::string::npos) << "message: " << message << "\nlacks: " << part; \
     }                                                                                           \
   } while (0)
