@@ -7,7 +7,7 @@
 //                       weight in the forward: x W^T).
 //   matmul f16         on a CPU with AMX, where f16 products run as bf16 products of their bf16 parts (see
 //                       tensor/cpu/matmul.cpp), the GPT's shapes in f16 vs the raw oneDNN f32 matmul of the
-//                       same shape: the f16 modes' products should not be slower than fp32's (issue 4).
+//                       same shape: the f16 modes' products should not be slower than fp32's.
 //                       Elsewhere f16 is multiplied through f32 and the rows are not registered.
 //   add (16M f32)       vs memcpy of the same bytes; add moves 3 x 64 MiB (reads a and b, writes out), the
 //                       memcpy copies 96 MiB (reads 96, writes 96: the same 192 MiB).
@@ -79,7 +79,7 @@ namespace {
 
 constexpr double kMatmulTarget = 0.9;     // mixtape matmul >= 0.9x raw oneDNN
 constexpr double kF16MatmulTarget = 1.0;  // an f16 product (bf16 parts on AMX) >= the raw f32 product
-constexpr double kBandwidthTarget = 0.5;  // memory-bound ops >= 0.5x memcpy bandwidth (issue 2)
+constexpr double kBandwidthTarget = 0.5;  // memory-bound ops >= 0.5x memcpy bandwidth
 // An optimizer step on parameters in the cache: its square root and two divisions per element, not the
 // bandwidth, bound it (0.47x-0.49x of the in-cache memcpy on the Zen 5); the scalar loop reached 0.05x.
 constexpr double kSmallStepTarget = 0.25;

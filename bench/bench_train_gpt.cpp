@@ -1,4 +1,4 @@
-// bench_train_gpt: the end-to-end training step of a GPT (issue 3's model: 4 layers, 4 heads, width 256,
+// bench_train_gpt: the end-to-end training step of a GPT (4 layers, 4 heads, width 256,
 // block 128, batch 16, vocab 65) under each precision mode, in mixtape and in PyTorch, timed in the same run.
 //
 //   ./build/bench/bench_train_gpt                    # Google Benchmark rows, then the comparison table
@@ -30,7 +30,7 @@
 // two steps of a pair ran within one cycle (a mode k places after fp32 in the run order runs k or n - k steps
 // from it, n sides in all), so load that comes and goes over seconds cancels out of it.
 //
-// Targets printed at the end: mixtape fp32 >= 3x PyTorch fp32 (issue 3), mixtape bf16 >= 1.5x PyTorch bf16
+// Targets printed at the end: mixtape fp32 >= 3x PyTorch fp32, mixtape bf16 >= 1.5x PyTorch bf16
 // autocast, and every fp16/bf16 mode at least as fast as mixtape fp32, judged on the paired ratio (the verdict
 // names the slowest such mode, with its ratio of medians and that ratio's range over the rounds, each round's
 // median against fp32's in the same round).
@@ -102,7 +102,7 @@ namespace {
 using bench::median;
 using bench::random_tokens;
 
-constexpr double kTargetFp32 = 3.0;       // issue 3: mixtape fp32 >= 3x PyTorch fp32 tokens/s
+constexpr double kTargetFp32 = 3.0;       // mixtape fp32 >= 3x PyTorch fp32 tokens/s
 constexpr double kTargetBf16 = 1.5;       // mixtape bf16 >= 1.5x PyTorch bf16 autocast tokens/s
 constexpr double kTargetLowVsFp32 = 1.0;  // every fp16/bf16 mode at least as fast as mixtape fp32
 
