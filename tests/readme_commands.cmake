@@ -15,3 +15,18 @@ string(FIND "${readme}" "./build/examples/train_gpt --data /usr/share/games/fort
 if(demo EQUAL -1)
   message(FATAL_ERROR "README.md lacks the demo command")
 endif()
+
+# The README's C++ example is examples/quickstart.cpp's code between its [readme] markers, verbatim (less the
+# function body's indentation), so the example users copy is one that compiles and runs (ctest quickstart).
+file(READ ${SOURCE_DIR}/examples/quickstart.cpp quickstart)
+string(REGEX MATCH "\n  // \\[readme\\]\n(.*)\n  // \\[/readme\\]\n" _ "${quickstart}")
+set(example "${CMAKE_MATCH_1}")
+if(example STREQUAL "")
+  message(FATAL_ERROR "examples/quickstart.cpp has no [readme] ... [/readme] region")
+endif()
+string(REPLACE "\n  " "\n" example "${example}")
+string(REGEX REPLACE "^  " "" example "${example}")
+string(FIND "${readme}" "```cpp\n${example}\n```" at)
+if(at EQUAL -1)
+  message(FATAL_ERROR "README.md does not quote examples/quickstart.cpp's [readme] region in a ```cpp block:\n${example}")
+endif()
