@@ -140,7 +140,7 @@ TEST(AutocastPolicy, KernelPromotionGivesTheHooksBitsAndGradients) {
         }
       }
   // Memory: adding a bf16 branch to an f32 stream allocates the f32 output only, not an f32 copy of the
-  // branch (which the old cast-then-add made: twice the output's bytes).
+  // branch (which casting first, then adding, would make: twice the output's bytes).
   const int64_t n = 1 << 16;
   const Tensor stream = Tensor::randn({n}, 63), branch = Tensor::randn({n}, 64, DType::BF16);
   const size_t bytes = testing::peak_extra_bytes([&] { add(stream, branch); });

@@ -68,7 +68,7 @@ TEST(Tensor, InPlaceArithmeticOnABroadcastViewIsAnError) {
 
 TEST(CpuAllocator, HandsBackTheBlockOfASizeFreedLast) {
   // The last freed block of a size is the likeliest still in cache, so it is the one a new tensor gets (the
-  // cache's first-freed block was the old choice: the longest unused). An odd size no other test uses.
+  // first-freed block, the longest unused, is the likeliest evicted). An odd size no other test uses.
   const Shape shape{12345};
   const void* first_freed = nullptr;
   const void* last_freed = nullptr;

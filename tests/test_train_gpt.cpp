@@ -404,7 +404,7 @@ TEST(TrainGPT, SampleAtAVanishingTemperatureIsGreedyAndAtAHugeOneIsAValidToken) 
   const std::vector<int64_t> prompt(m.data.tokens.begin(), m.data.tokens.begin() + 5);
   const std::vector<double> z = last_logits(model, prompt);
   const int64_t argmax = std::max_element(z.begin(), z.end()) - z.begin();
-  ASSERT_NE(argmax, m.data.vocab_size - 1);  // else the old failure would pass unnoticed
+  ASSERT_NE(argmax, m.data.vocab_size - 1);  // else a sampler that returns the last token would pass unnoticed
   for (uint64_t seed : {1u, 2u, 3u})
     for (double temperature : {1e-310, 1e-300, 1e-30})
       EXPECT_EQ(sample_tokens(model, prompt, 1, temperature, 0, seed)[0], argmax)
