@@ -559,7 +559,8 @@ void compare(int rounds, int steps, bool blocked, bool with_pytorch, bool phases
   };
   if (mixtape_fp32) {
     // The verdict takes the paired ratio (its column above): on a shared machine it spreads far less than a
-    // ratio of medians does (--control's identical fp32 side read both ways: bench/MACHINES.md).
+    // ratio of medians does (--control's identical fp32 side on a Xeon without AMX: 0.97-1.06 as a ratio of
+    // medians, 0.987-1.023 paired).
     const size_t cycles = mixtape_fp32->ms.size();
     double lowest = NAN;
     size_t which = 0;

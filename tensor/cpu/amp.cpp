@@ -30,7 +30,7 @@ bool unscale_one(T* g, int64_t n, double inv_scale) {
   // rounding of a 16-bit store) is reported too, as the step would otherwise write inf. The same probe as
   // above: x * 0 + y * 0 is 0 when both are finite and NaN otherwise. (A `found = found || !isfinite(...)`
   // reduction would keep the compiler from vectorising this loop: scalar multiplies and a branch per element;
-  // bench/MACHINES.md has the profile.)
+  // ~1% of an fp16 step on a Zen 5 in perf annotate.)
   Acc probe = 0;
 #pragma omp parallel for simd schedule(static) reduction(+ : probe) if (parallel : n >= 2 * kParallelGrain)
   for (int64_t i = 0; i < n; ++i) {

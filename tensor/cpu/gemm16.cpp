@@ -21,7 +21,7 @@
 //     when A is transposed), so the block stays near the core while every B sliver passes over it. A thread
 //     whose share runs out takes the back half of the unstarted tiles of the one with the most (work_ranges.h),
 //     so a thread slowed by a neighbour on a shared machine does not leave the others idle at the end of the
-//     product (measured in bench/MACHINES.md).
+//     product (Xeon without AMX: the step's lowest 16-bit paired ratio 1.05-1.06, 0.98-1.01 with even shares).
 //     An A with fewer tiles than threads splits the slivers instead.
 //   - Per k the kernel loads two vectors of B and broadcasts kMR values of A into 2 kMR FMAs. A last sliver
 //     of at most one vector's width takes a tile of one vector per row; one of at most kNarrow columns against
@@ -91,7 +91,7 @@ struct Avx512 {
   // The widened A block a thread keeps near while every B sliver passes over it: kABlockBytes, and at least
   // kMinBlockTiles tiles as long as they fit in kMaxBlockBytes (so 8 tiles, 96 rows, at the GPT's K of 256 to
   // 2048; past K = 2048 the byte bound alone). The bounds are tuned, not derived: timings of the f16 step's
-  // GEMM shapes under this rule and under a single 768 KiB bound are in bench/MACHINES.md.
+  // GEMM shapes under this rule and under a single 768 KiB bound: 0.1-1.3% faster in sum (Xeon without AMX).
   static constexpr int64_t kABlockBytes = 64 << 10, kMinBlockTiles = 8, kMaxBlockBytes = 768 << 10;
   static V zero() { return _mm512_setzero_ps(); }
   static V load(const float* p) { return _mm512_loadu_ps(p); }
@@ -217,7 +217,7 @@ void tile(int64_t K, const float* __restrict a, int64_t lda, const float* __rest
     // every k (perf annotate), depending on unrelated code elsewhere in this file. Four pointers
     // (rows 0, 3, 6 and 9) and the row stride scaled by 1, 2, 4 or 8 in the address reach all twelve: row
     // r = kBase[r] + kScale[r], so no row pointer is reloaded inside the k loop (bench_ops' f16 rows that take
-    // this kernel; timings in bench/MACHINES.md).
+    // this kernel, one thread, Xeon without AMX: 149-159 GFLOP/s against 137-148 with twelve pointers).
     constexpr int kBase[12] = {0, 0, 0, 3, 0, 3, 6, 3, 0, 9, 6, 3};
     constexpr int kScale[12] = {0, 1, 2, 0, 4, 2, 0, 4, 8, 0, 4, 8};
     const float *p0 = a, *p3 = a + 3 * lda, *p6 = a + 6 * lda, *p9 = a + 9 * lda, *b_k = sliver;
@@ -249,7 +249,7 @@ void tile(int64_t K, const float* __restrict a, int64_t lda, const float* __rest
   // Every c[r][v] is named by constants only, so the sums stay in registers: a whole tile is rounded and
   // stored straight from them; a partial one goes through a buffer of floats. (A loop up to a runtime row
   // count would index the sums with a variable and make the compiler spill every one of them to memory;
-  // bench/MACHINES.md has the profile.)
+  // perf: 7.1% of the kernel's samples outside its k loop, 3.2% with constant indices, Xeon without AMX.)
   if (rows == kMR && cols == kVecs * kLanes) {
 #pragma GCC unroll 12
     for (int r = 0; r < kMR; ++r)
@@ -284,7 +284,7 @@ void run_tile(bool row_major_a, int64_t K, const float* a, int64_t lda, const fl
 // `rows` (a short last group) are read from the first one and their sums dropped, which keeps the loop's
 // shape fixed at the cost of some wasted FMAs there.
 // A packed (transposed) A only: a row-major A would have to be packed for it, with register transposes that
-// cost more than the narrow tail saves (the vocabulary head's 2048x256x65 lost with them; bench/MACHINES.md).
+// cost more than the narrow tail saves (the vocabulary head's 2048x256x65: 228 GFLOP/s with them, 234 without).
 constexpr int kNarrow = 4, kGroup = 4;
 
 template <class Isa, class T, int kW>
@@ -367,8 +367,8 @@ void run(int64_t M, int64_t K, int64_t N, const Matrix16<T>& a, const Matrix16<T
   // Each chunk streams all of B's slivers past its tiles again, so a share of fewer than four blocks is taken
   // in whole blocks: halved down to one tile, a small share (11 tiles a thread in the vocabulary head's weight
   // gradient, 256 x 2048 x 65 transposed, K = 2048) would end in one-tile chunks that each stream all of B
-  // (bench/MACHINES.md has the measurement). The GPT's larger products give each thread 32 to 86 tiles, and
-  // halve down to one.
+  // (Xeon without AMX, bench_ops' At_65x2048x256: 154-175 GFLOP/s so, 181-189 in whole blocks). The GPT's
+  // larger products give each thread 32 to 86 tiles, and halve down to one.
   const int64_t least = share >= 4 * tiles_per_block ? 1 : tiles_per_block;
   WorkRanges tile_ranges(tiles, threads, tiles_per_block, least);
 #pragma omp parallel num_threads(threads) if (parallel)

@@ -87,7 +87,7 @@ inline std::pair<A, A> lane_sum2(int64_t n, Term&& term) {
   }
   // combine_lanes' scalar tree (same order, same bits), the two arrays interleaved in one loop: with
   // layer_norm's backward reading its rows from memory this is faster than a register fold of each array or two
-  // calls of the scalar tree one after the other (measurements in bench/MACHINES.md).
+  // calls of the scalar tree one after the other (Zen 5, rows from memory: 130-138 us against 145-147 folded).
   for (int64_t width = kLanes / 2; width > 0; width /= 2)
     for (int64_t l = 0; l < width; ++l) {
       lanes_a[l] += lanes_a[l + width];

@@ -115,8 +115,8 @@ void matmul_f64(const MatmulGeometry& g, const double* a, const double* b, const
 //
 // oneDNN 2.6 has no f16 matmul, and f16 through f32 is slower than f32 itself (the operand copies come on top
 // of the same f32 GEMM). On a CPU with AMX, whose bf16 products run several times faster than the f32 ones
-// (bench_ops, bench/MACHINES.md), an f16 product is computed from bf16 parts instead, the
-// scheme PyTorch's float32_matmul_precision("high") calls bf16x3:
+// (bench_ops on a Xeon with AMX: 1.4-2.6 TFLOP/s against 330-410 GFLOP/s), an f16 product is computed from bf16
+// parts instead, the scheme PyTorch's float32_matmul_precision("high") calls bf16x3:
 //   An f16 value x (11 significant bits) is hi + lo exactly, hi = x rounded to bf16 (8 bits, nearest even)
 //   and lo = x - hi: a multiple of x's last bit no larger than half of hi's, so 3 bits at most, exact in bf16
 //   (its exponent, >= 2^-24 or zero, is far inside bf16's range), with |lo| <= 2^-8 |x|.
@@ -129,7 +129,8 @@ void matmul_f64(const MatmulGeometry& g, const double* a, const double* b, const
 // at most 2^-16 sum_k |a_k b_k|: below the worst-case error of the f32 sum itself once K >= 86 (K 2^-24 of
 // the same sum), and of random sign. Everything else is the f32 route's: f32 sums, one rounding, a bias
 // joining the f32 sum. The exact 4-term sum costs more than the f32 route saves (bench_train_gpt's fp16 step
-// under each: bench/MACHINES.md), so the 3-term sum is the split.
+// under each on a Xeon with AMX: 0.85x-0.89x of fp32 with 4 terms, 1.09x-1.15x with 3), so the 3-term sum is
+// the split.
 // set_f16_matmul_split_enabled(false) restores the f32 route, with its exact products, in this process.
 // A non-finite input would break the identity (inf = inf + NaN, and inf * 0 appears in terms where the
 // product of the values has none): the split finds it and the product takes the f32 route instead.
@@ -375,8 +376,8 @@ bool transposed_layout(const MatrixLayout& m) { return m.row_stride == 1 && m.co
 // 2.6's AVX2 sgemm reads such an A up to 2x slower when the product is tall and narrow: a weight gradient
 // dY^T X of a layer with a narrow input and a wide output ([1024, 2048] x [2048, 256]: the GPT's MLP up
 // projection). The bounds (M >= 512, N <= 256: the products that gain with the transposing copy included)
-// come from bench_ops' matmul_f32 At_ rows on AVX2 (bench/MACHINES.md); oneDNN's AVX-512 kernels keep A's own
-// strides.
+// come from timing oneDNN's primitives over a grid of shapes on a Zen 3 (1.04x-1.61x there; bench_ops' matmul_f32
+// At_1024x2048x256 row 1.72x-1.88x of raw oneDNN); oneDNN's AVX-512 kernels keep A's own strides.
 bool pack_transposed_a(const MatmulGeometry& g) {
   return !onednn_has(dnnl::cpu_isa::avx512_core) && g.batch.empty() && transposed_layout(g.a) && g.M >= 512 &&
          g.N <= 256;
@@ -386,7 +387,7 @@ bool pack_transposed_a(const MatmulGeometry& g) {
 // transposed A through copies of its own: the weight gradients dY^T X of a linear layer, K = the tokens of a
 // batch. A is copied row-major (the 16-bit tiled transpose) when M <= N; a product with M > N is computed
 // transposed instead (transpose_wide_product), so that the operand copied is always the narrower side. AMX
-// kernels read A as it is. Timings of the GPT's weight gradients both ways: bench/MACHINES.md.
+// kernels read A as it is. (Zen 5, the bf16 step's GEMMs: 49.9-50.4 ms a step with the copy, 52.7-52.9 without.)
 bool pack_transposed_bf16_a(const MatmulGeometry& g) {
   return onednn_has(dnnl::cpu_isa::avx512_core_bf16) && !onednn_has(dnnl::cpu_isa::avx512_core_amx) &&
          g.batch.empty() && transposed_layout(g.a) && g.K >= 1024 && g.M <= g.N;
@@ -399,15 +400,16 @@ bool pack_transposed_bf16_a(const MatmulGeometry& g) {
 // far below the other large GEMMs on the GPT's MLP down projection's weight gradient dY^T X ([256, 2048] x
 // [2048, 1024]). On AVX2 the rule takes M = 256 with N in 512..2048, where the transposed product gains with
 // packing and the final transpose included; other M are left alone (bench_ops' matmul_f32/At_256x2048x1024
-// row, timings in bench/MACHINES.md). No bias (it would have to join out^T's rows); AVX-512 CPUs keep the
-// orientation (pack_transposed_a is false there).
+// row on a Zen 3: 1.53x-1.71x of raw oneDNN, 0.94x-1.01x untransposed). No bias (it would have to join out^T's
+// rows); AVX-512 CPUs keep the orientation (pack_transposed_a is false there).
 // For bf16 (pack_transposed_bf16_a): a product with A transposed, B row-major and M > N.
 // For a product gemm16 takes (`gemm16_route`, see gemm16_geometry), only its own rule: A transposed, B row-major
 // and N >= 2M >= 128, with the AVX-512 kernel. gemm16 widens B whole into f32 slivers that every A block
 // streams; for the MLP down projection's weight gradient g^T x ([256, 2048] x [2048, 1024]) that is 8 MiB,
 // transposed it is g's 2 MiB. The rule rests on N/M = 4 (gains) and 1/4 (loses) at M = 65 and 256 (bench_ops'
-// At_ rows, bench/MACHINES.md): the threshold of 2 between them is a guess, and smaller products keep their
-// orientation. AVX2 keeps it too (its 16-bit transposing copy has no register path).
+// At_ rows, Xeon without AMX: f16 At_256x2048x1024 280 GFLOP/s against 260, At_65x2048x256 192 against 172): the
+// threshold of 2 between them is a guess, and smaller products keep their orientation. AVX2 keeps it too (its
+// 16-bit transposing copy has no register path).
 // Same bits either way: each output sums the same exact products in order of k.
 // `widen`: a bf16 product goes through f32 (it is then judged as an f32 one).
 bool transpose_wide_product(const MatmulGeometry& g, bool bias, DType dtype, bool widen, bool gemm16_route) {
@@ -607,9 +609,10 @@ void own_gemm16(const MatmulGeometry& g, const Tensor& a, const Tensor& b, const
 // is below kSlowBf16Dot of the FMA rate. The measurement times two register-only loops (no memory traffic)
 // back to back, best of 7 passes of 100,000 rounds (~8 ms, once): passes that long keep a busy neighbour
 // from lifting a slow CPU's rate past the bound, and the classes it separates lie far on either side of it.
-// The rates and GEMM speeds behind these choices are in bench/MACHINES.md. A build without AVX512-BF16 code
-// (MIXTAPE_MARCH other than such a CPU) cannot measure and keeps oneDNN's route. A run that must keep its bits
-// across machines, or across the processes of one job, names the route.
+// (A Xeon without AMX measures 0.42-0.54 and runs oneDNN's bf16 GEMMs at 163-166 GFLOP/s against 321 in f32;
+// 40 processes under load measured 0.435-0.516 with these passes, up to 0.86 with 5x shorter ones.) A build
+// without AVX512-BF16 code (MIXTAPE_MARCH other than such a CPU) cannot measure and keeps oneDNN's route. A run
+// that must keep its bits across machines, or across the processes of one job, names the route.
 
 constexpr double kSlowBf16Dot = 0.75;
 
