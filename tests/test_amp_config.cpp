@@ -348,15 +348,15 @@ TEST(AmpConfig, ModeFromTheCommandLineAndTheFileMustAgree) {
   EXPECT_ERROR_MENTIONS(AmpConfig::from_json(R"({"opt_level":"O3"})", "fp16_apex:O2"), "O3", "O2");
 }
 
-// The README's policy table is the printed one (so the documentation cannot drift from kAutocastTable).
-TEST(AutocastPolicy, ReadmeShowsThePrintedTable) {
-  std::ifstream file(std::string(MIXTAPE_SOURCE_DIR) + "/README.md");
+// The policy table of docs/amp.md is the printed one (so the documentation cannot drift from kAutocastTable).
+TEST(AutocastPolicy, DocsShowThePrintedTable) {
+  std::ifstream file(std::string(MIXTAPE_SOURCE_DIR) + "/docs/amp.md");
   ASSERT_TRUE(file.good());
   std::stringstream text;
   text << file.rdbuf();
   const std::string table = autocast_policy_table_markdown();
   ASSERT_FALSE(table.empty());
-  EXPECT_NE(text.str().find(table), std::string::npos) << "README.md lacks the table:\n" << table;
+  EXPECT_NE(text.str().find(table), std::string::npos) << "docs/amp.md lacks the table:\n" << table;
 }
 
 TEST(AmpConfig, TrainingDifferencesNameWhatChangesTrainingAndIgnoreWhatOnlyPrints) {
