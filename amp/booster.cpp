@@ -266,7 +266,7 @@ StepResult Booster::step(const std::function<StepResult()>& step,
       const std::string scale = exact_number_text(scalers[i]->scale());
       const Update update = outcome(i);
       const DynamicLossScaler* dynamic = dynamic_scaler(scalers[i]);
-      if (dynamic == nullptr) {  // a static scale: Apex would have stepped (amp/README.md)
+      if (dynamic == nullptr) {  // a static scale: Apex would have stepped (docs/amp.md)
         if (result.skipped && i == 0)
           std::fprintf(stderr, "Gradient overflow.  Skipping step (static loss scale %s, kept: mixtape skips "
                        "a non-finite step where Apex steps)\n", scale.c_str());

@@ -13,7 +13,7 @@
 //
 // What each mode does:
 //   fp32        nothing (StaticLossScaler(1) so the loop is the same; like every mode, a step with an inf/NaN
-//               gradient is skipped and counted, where PyTorch would apply it: amp/README.md)
+//               gradient is skipped and counted, where PyTorch would apply it: docs/amp.md)
 //   tf32        set_allow_tf32(true) (process-wide, like torch.backends.cuda.matmul.allow_tf32)
 //   fp16        forward under Autocast(F16); GradScaler with the config's options; fp32 params
 //   bf16        forward under Autocast(BF16); no scaler unless enabled; fp32 params
@@ -28,7 +28,7 @@
 //               Apex steps anyway (it checks for overflow only when dynamic). verbosity 1 prints Apex's
 //               "Gradient overflow.  Skipping step, loss scaler K reducing loss scale to S" on every
 //               skipped step; 2 also each growth (a line of ours: Apex's verbosity 2 prints its casts). The
-//               dynamic scale is updated once per step (Apex: after every backward; amp/README.md).
+//               dynamic scale is updated once per step (Apex: after every backward; docs/amp.md).
 //   fp16_naive  NaiveAMPModel(fp16) + masters + DynamicLossScaler with hysteresis (and the config's clip_grad,
 //   bf16_naive  log_num_zeros_in_grad); bf16 likewise. verbose prints Colossal-AI's lines at each backoff
 //               ("Overflow occurs, the loss scale is adjusted to S") and growth ("No overflow for

@@ -46,7 +46,7 @@
 // default (each backward's gradients unscaled into the fp32 master gradients) amounts to, and in the naive
 // modes with accumulate_allreduce_grads_in_fp32 (Megatron-LM's option; its default, false, keeps
 // Colossal-AI's and InternEvo's gradients in the parameters' dtype). The data-parallel reducer then averages
-// fp32 gradients. See amp/README.md.
+// fp32 gradients. See docs/amp.md.
 //
 // A static loss scale (O0, O3, a numeric loss_scale) skips a step whose gradients are not finite, as every
 // scale does here (amp/optimizer.h); Apex steps anyway then (it only checks for overflow when dynamic).

@@ -15,7 +15,7 @@
 //                              Backward calls under one loss id (micro-batches) add their scaled
 //                              gradients in the parameters' gradient dtype until the fold: the parameter's
 //                              own, or fp32 after Tensor::set_grad_dtype (Booster does it for Apex's
-//                              master weights and accumulate_allreduce_grads_in_fp32; amp/README.md).
+//                              master weights and accumulate_allreduce_grads_in_fp32; docs/amp.md).
 //   step()                     1. fold: master_grad += model_grad / S (fp32, one fused pass that also
 //                                 checks finiteness: unscale_and_check_finite); model grads dropped
 //                              2. found_inf and "loss used this step" all-reduced (MAX) over the process

@@ -14,7 +14,7 @@ std::optional<OpPolicy> autocast_policy(std::string_view name) {
 std::string autocast_policy_table_markdown() {
   std::ostringstream out;
   out << "| op | runs in | note |\n|---|---|---|\n";
-  // Grouped by policy so the README reads as three lists; within a group, table order.
+  // Grouped by policy so docs/amp.md reads as three lists; within a group, table order.
   for (OpPolicy policy : {OpPolicy::LowerPrecision, OpPolicy::Fp32, OpPolicy::Promote}) {
     for (const AutocastTableEntry& entry : kAutocastTable) {
       if (entry.policy != policy) continue;

@@ -15,7 +15,7 @@ namespace mixtape {
 // The policy of the op named `name` (as in ops.h), or nullopt when the op is not in the table.
 std::optional<OpPolicy> autocast_policy(std::string_view name);
 
-// The table as a Markdown table (for the README): one row per op, grouped by policy, in table order.
+// The table as a Markdown table (for docs/amp.md): one row per op, grouped by policy, in table order.
 std::string autocast_policy_table_markdown();
 void print_autocast_policy_table(std::ostream& out);
 

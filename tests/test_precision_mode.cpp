@@ -33,7 +33,7 @@ struct Boosted {
 }  // namespace
 
 TEST(PrecisionMode, TheNamesAreTheOnesTheDocumentationLists) {
-  // README and amp/config.h list these modes, in this order; a renamed or reordered row must change them too.
+  // README.md, docs/amp.md and amp/config.h list these modes, in this order; a renamed or reordered row must change them too.
   EXPECT_EQ(precision_mode_names(), (std::vector<std::string>{"fp32", "tf32", "fp16", "bf16", "fp16_apex",
                                                               "fp16_naive", "bf16_naive"}));
   EXPECT_EQ(precision_mode_names(kApexOptLevels),
@@ -77,7 +77,7 @@ TEST(PrecisionMode, TheOptionKeysAreTheOptionsToJsonWrites) {
   }
 }
 
-// What Booster builds for each mode, as amp/config.h and amp/README.md describe it: the parameters' dtype
+// What Booster builds for each mode, as amp/config.h and docs/amp.md describe it: the parameters' dtype
 // after boost(), the autocast dtype of the forward, the tf32 switch, the loss scaler and its first scale,
 // and the master weights. One expectation per name users type, every mode of the table included.
 TEST(PrecisionMode, BoosterDoesWhatEachModeIsDocumentedToDo) {
