@@ -422,10 +422,10 @@ void DynamicLossScaler::load_state_dict(const std::map<std::string, std::string>
                       options_.growth_interval);
     check_same_option(who, "hysteresis", read_integer(who, state, "hysteresis", prefix), options_.hysteresis);
   } else if (hysteresis < 0) {
-    hysteresis = 0;  // the format without the rule let the tracker count on below 0: all such values act as 0
+    hysteresis = 0;  // a state without the rule (Megatron-LM's) may count below 0: all such values act as 0
   }
-  // The saved scale in the rule's dtype first (a state of this version holds such a value already; one saved
-  // by the double rule, before fp32_scale, may not), then against the bounds as the rule computes with them.
+  // The saved scale in the rule's dtype first (a state saved under fp32_scale holds such a value already; one saved
+  // by the double rule, fp32_scale = false, may not), then against the bounds as the rule computes with them.
   // A scale below the Apex rule's floor or unusable in fp32 is refused too: the first step would fail on it.
   const auto entry = [&](const char* key) { return "entry " + entry_name(prefix, key); };
   check_loss_scale(loader, entry("scale"), saved_scale);

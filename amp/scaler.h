@@ -166,7 +166,7 @@ class DynamicLossScaler : public LossScaler {
   // The saved rule must be this scaler's (an Error naming the option otherwise): the Megatron/Colossal-AI
   // rule and Apex's share this type; the scale must lie in [min_scale, max_scale] ((0, max_scale] with
   // allow_initial_below_min), the trackers in [0, growth_interval) and [0, hysteresis]. A state without the
-  // rule entries (the format before they were added) loads unchecked against the rule.
+  // rule entries (Megatron-LM's own holds only the scale and the trackers) loads unchecked against the rule.
   void load_state_dict(const std::map<std::string, std::string>& state,
                        std::string_view entry_prefix = {}) override;
 

@@ -158,7 +158,8 @@ void add_training_options(cli::CommandLine& cli, Options& o) {
   cli.integer("--batch", o.train.batch, 1, "sequences per step (default 16; the global batch under mpirun)");
   cli.integer("--steps", o.train.steps, 0, "optimizer steps of the run (default 1000)");
   cli.number("--lr", o.train.lr, "peak learning rate (default 3e-3)");
-  cli.number("--min-lr", o.train.min_lr, "the cosine schedule's floor (default 3e-4, and at most --lr / 10)");
+  cli.number("--min-lr", o.train.min_lr,
+             "the cosine schedule's floor (default 3e-4, or --lr / 10 when --lr is below 3e-4)");
   cli.integer("--warmup", o.train.warmup, 0, "linear warm-up steps (default 20)");
   cli.text("--optimizer", o.train.optimizer, "sgd|adam|adamw", "the optimizer (default adamw)");
   cli.number("--weight-decay", o.train.weight_decay, "decoupled weight decay (default 0.1)");

@@ -611,7 +611,7 @@ TEST(DynamicLossScaler, TheScaleAndTheRuleAreFp32ValuesAsInMegatronsTensors) {
   DynamicLossScaler reloaded(options);
   reloaded.load_state_dict(megatron.state_dict());
   EXPECT_EQ(reloaded.scale(), 3.2400002479553223);
-  // A state of the double rule (before fp32_scale) loads under bounds that fp32 rounds: its scale is rounded
+  // A state of the double rule (fp32_scale = false) loads under bounds that fp32 rounds: its scale is rounded
   // first (0.1 -> 0.10000000149011612, the rounded min_scale itself; 3000000001 -> 3e9 = max_scale in fp32).
   DynamicLossScaler at_min({.initial_scale = 1, .min_scale = 0.1});
   at_min.load_state_dict(with_entry(DynamicLossScaler({.initial_scale = 1, .min_scale = 0.1}).state_dict(),

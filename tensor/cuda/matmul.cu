@@ -477,7 +477,8 @@ void CudaBackend::matmul_kernel(const Tensor& a, const Tensor& b, const Tensor& 
 }
 
 // out = gelu_tanh(a @ b + bias) in one cuBLASLt call (CUBLASLT_EPILOGUE_GELU_BIAS, or CUBLASLT_EPILOGUE_GELU when
-// bias is undefined), for the lead to wire into an MLP's first linear layer later. Same operand conventions as
+// bias is undefined), for an MLP's first linear layer; no front end calls it, because autocast rounds the product
+// to 16 bits before GELU and this epilogue applies GELU before rounding. Same operand conventions as
 // Backend::matmul (a, b on one CUDA device; out contiguous; bias contiguous [N] in a's dtype). cuBLASLt's GELU
 // is the tanh approximation (UnaryOp::GeluTanh), applied to the f32 (f64) accumulator plus bias, then rounded
 // once into out: it differs from matmul followed by unary(GeluTanh) by that skipped intermediate rounding (and by
