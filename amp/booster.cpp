@@ -16,7 +16,8 @@ namespace mixtape {
 
 namespace {
 
-// Every LayerNorm / RMSNorm below `module` (Apex's keep_batchnorm_fp32 applied to our norm layers).
+// Every LayerNorm / RMSNorm below `module` (keep_norms_fp32). Apex's keep_batchnorm_fp32 keeps BatchNorm
+// only, of which mixtape has none: it collects nothing.
 void collect_norms(Module& module, std::vector<UnaryModule*>& out) {
   for (const auto& [name, child] : module.named_children()) {
     if (dynamic_cast<LayerNorm*>(child) || dynamic_cast<RMSNorm*>(child))
@@ -118,7 +119,14 @@ std::vector<std::unique_ptr<LossScaler>> make_scalers(const AmpConfig& c) {
       }
       break;
     case ScalerKind::Hysteresis:
-      scalers.push_back(std::make_unique<DynamicLossScaler>(c.naive.scaler));
+      switch (c.naive.loss_scaler) {
+        case NaiveLossScaler::Dynamic:
+          scalers.push_back(std::make_unique<DynamicLossScaler>(c.naive.scaler));
+          break;
+        case NaiveLossScaler::None:  // bf16_naive as Colossal-AI's bf16 mixin and Megatron-LM run it
+          scalers.push_back(std::make_unique<StaticLossScaler>(1.0));
+          break;
+      }
       break;
   }
   return scalers;
@@ -207,9 +215,10 @@ void Booster::convert_model_as_apex(Module& model, const BoostOptions& options) 
   naive.dtype = low_name(*cast);
   naive.sync_buffer = false;
   naive.output_to_fp32 = false;  // forward() casts the outputs, as Apex does
-  // keep_batchnorm_fp32: the norm layers keep their fp32 values and run in fp32, as do fp32_modules.
+  // keep_norms_fp32: the norm layers keep their fp32 values and run in fp32, as do fp32_modules.
+  // keep_batchnorm_fp32 would keep BatchNorm modules so; a model here has none.
   naive.fp32_modules = options.fp32_modules;
-  if (c.apex.keep_batchnorm_fp32.value_or(false)) {
+  if (c.apex.keep_norms_fp32) {
     std::vector<UnaryModule*> norms;
     collect_norms(model, norms);
     std::vector<UnaryModule*>& fp32 = naive.fp32_modules;

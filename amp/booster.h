@@ -60,7 +60,7 @@ struct BoostOptions {
   // or average buffers across different layers.
   ProcessGroup* data_parallel_group = nullptr;
   // Submodules that keep fp32 parameters and run in fp32 where the mode casts the model to fp16/bf16 (naive
-  // modes, apex O2/O3: NaiveAMPOptions::fp32_modules, merged with the norms of keep_batchnorm_fp32). In the
+  // modes, apex O2/O3: NaiveAMPOptions::fp32_modules, merged with the norms of keep_norms_fp32). In the
   // other modes the parameters are fp32 already and this changes nothing (autocast still picks op dtypes).
   std::vector<UnaryModule*> fp32_modules = {};
   // Whether this process prints the mode's verbose lines (Apex verbosity, naive verbose). In a job of several

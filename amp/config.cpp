@@ -1,9 +1,11 @@
 #include "amp/config.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdlib>
 #include <set>
+#include <utility>
 
 #include "io/json.h"
 #include "tensor/error.h"
@@ -167,11 +169,42 @@ void check_option_keys(const Json& root, const PrecisionModeRow& row, const std:
   const std::span<const std::string_view> allowed = row.option_keys;
   for (const auto& [key, value] : json::as_object(root)) {
     if (key == "mixed_precision") continue;
-    const bool known = std::find(allowed.begin(), allowed.end(), key) != allowed.end();
+    const bool known = std::find(allowed.begin(), allowed.end(), key) != allowed.end() ||
+                       std::find(kCommonAmpKeys.begin(), kCommonAmpKeys.end(), key) != kCommonAmpKeys.end();
     if (!known)
       fail(who, ": unknown option \"", echo(key), "\" (", row.name, " takes ",
-           allowed.empty() ? std::string("no options") : join(allowed), ")");
+           allowed.empty() ? std::string("no options of its own") : join(allowed), "; every mode takes ",
+           join(kCommonAmpKeys), ")");
   }
+}
+
+// The value of the word `value` among `words` (each a word and its value), else an Error naming `key` and
+// listing the words.
+template <class Value, size_t N>
+Value word_option(const std::string& who, const std::string& key, const Json& value,
+                  const std::array<std::pair<std::string_view, Value>, N>& words) {
+  std::string expected;
+  for (size_t i = 0; i < N; ++i) {
+    expected += i == 0 ? "" : i + 1 == N ? " or " : ", ";
+    expected.append(1, '"').append(words[i].first).append(1, '"');
+  }
+  check(value.is_string(), who, ": ", key, " must be ", expected, ", got ", json::kind_name(value));
+  const std::string& text = json::as_string(value);
+  for (const auto& [name, result] : words)
+    if (text == name) return result;
+  fail(who, ": ", key, " must be ", expected, ", got \"", echo(text), "\"");
+}
+
+constexpr std::array<std::pair<std::string_view, LrScheduleOnSkip>, 2> kScheduleOnSkipWords{
+    {{"advance", LrScheduleOnSkip::Advance}, {"hold", LrScheduleOnSkip::Hold}}};
+constexpr std::array<std::pair<std::string_view, NaiveLossScaler>, 2> kNaiveLossScalerWords{
+    {{"dynamic", NaiveLossScaler::Dynamic}, {"none", NaiveLossScaler::None}}};
+
+template <class Value, size_t N>
+const char* word_of(Value value, const std::array<std::pair<std::string_view, Value>, N>& words) {
+  for (const auto& [name, v] : words)
+    if (v == value) return name.data();  // the literals above end in a NUL
+  return "unknown";
 }
 
 // Each family's reader sets the option `key` from `value`, and says whether `key` is one of its options.
@@ -199,6 +232,7 @@ bool read_naive_option(const OptionReader& read, const std::string& key, const J
   else if (key == "verbose") n.verbose = read.boolean(value, key);
   else if (key == "output_to_fp32") n.output_to_fp32 = read.boolean(value, key);
   else if (key == "accumulate_allreduce_grads_in_fp32") n.accumulate_allreduce_grads_in_fp32 = read.boolean(value, key);
+  else if (key == "loss_scaler") n.loss_scaler = word_option(read.who, key, value, kNaiveLossScalerWords);
   else return false;
   return true;
 }
@@ -252,8 +286,9 @@ bool read_apex_option(const OptionReader& read, const std::string& key, const Js
                       bool& scale_bounds_given) {
   // The opt level is applied before the other options. amp.initialize applies only the properties that are
   // not None: null keeps the opt level's value.
-  if (key == "opt_level" ||
-      (value.is_null() && key != "num_losses" && key != "verbosity" && key != "max_loss_scale"))
+  // keep_norms_fp32 is ours, with no opt-level value for a null to leave in place.
+  if (key == "opt_level" || (value.is_null() && key != "num_losses" && key != "verbosity" &&
+                             key != "max_loss_scale" && key != "keep_norms_fp32"))
     return true;
   if (key == "cast_model_type") {
     read_cast_model_type(read, value, a);
@@ -281,6 +316,8 @@ bool read_apex_option(const OptionReader& read, const std::string& key, const Js
   } else if (key == "max_loss_scale") {
     a.max_loss_scale = read.number(value, key);
     scale_bounds_given = true;
+  } else if (key == "keep_norms_fp32") {
+    a.keep_norms_fp32 = read.boolean(value, key);
   } else {
     return false;
   }
@@ -308,6 +345,10 @@ AmpConfig AmpConfig::from_json(std::string_view text, std::optional<std::string_
   bool scale_bounds_given = false;  // min_loss_scale / max_loss_scale: checked against loss_scale below
   for (const auto& [key, value] : json::as_object(root)) {
     if (key == "mixed_precision") continue;
+    if (key == "lr_schedule_on_skip") {  // kCommonAmpKeys
+      config.lr_schedule_on_skip = word_option(who, key, value, kScheduleOnSkipWords);
+      continue;
+    }
     bool read_it = false;
     switch (config.family()) {
       case ModeFamily::Plain:  // no options: check_option_keys refused every key
@@ -351,6 +392,8 @@ void validate_apex(const std::string& who, const ApexProperties& properties) {
   check_dtype("cast_model_outputs", a.cast_model_outputs);
   check(!(a.opt_level == "O1" && a.keep_batchnorm_fp32), who, ": with O1 the norm ops already run in fp32, "
         "so keep_batchnorm_fp32 must be unset (Apex refuses it too)");
+  check(!(a.opt_level == "O1" && a.keep_norms_fp32), who, ": O1 does not cast the model, so there are no cast "
+        "norm layers to keep: keep_norms_fp32 must be false (it is for O2 and O3)");
   check(!(a.opt_level == "O1" && a.cast_model_type && *a.cast_model_type != DType::F32), who,
         ": O1 keeps the model weights fp32: cast_model_type must be unset or \"fp32\", got \"",
         dtype_text(a.cast_model_type.value_or(DType::F32)), "\"");
@@ -413,8 +456,34 @@ void AmpConfig::validate() const {
       check_loss_scale(who, "min_scale", naive.scaler.min_scale);
       check_loss_scale(who, "max_scale", naive.scaler.max_scale);
       with_context(who + " (loss scaler options)", [&] { DynamicLossScaler check_options(naive.scaler); });
+      check(naive.loss_scaler == NaiveLossScaler::Dynamic || naive.loss_scaler == NaiveLossScaler::None, who,
+            ": loss_scaler must be \"dynamic\" or \"none\" (NaiveLossScaler ",
+            static_cast<int>(naive.loss_scaler), ")");
+      // Megatron-LM's Float16OptimizerWithFloat16Params: "fp16 expects a grad scaler".
+      check(naive.loss_scaler == NaiveLossScaler::Dynamic || row().compute_dtype != DType::F16, who,
+            ": loss_scaler \"none\" is for bf16_naive only: fp16 gradients underflow without a loss scale "
+            "(Megatron-LM refuses it too: \"fp16 expects a grad scaler\"); use \"dynamic\"");
       break;
   }
+}
+
+LrScheduleOnSkip AmpConfig::schedule_on_skip() const {
+  if (lr_schedule_on_skip) return *lr_schedule_on_skip;
+  switch (family()) {
+    case ModeFamily::Plain:       // plain PyTorch and Colossal-AI loops step the scheduler every iteration
+    case ModeFamily::PytorchAmp:
+    case ModeFamily::Apex:
+      return LrScheduleOnSkip::Advance;
+    case ModeFamily::Naive:       // InternEvo's engine and Megatron-LM's loop step it after an update only
+      return LrScheduleOnSkip::Hold;
+  }
+  return LrScheduleOnSkip::Advance;
+}
+
+int64_t AmpConfig::schedule_position(int64_t step, int64_t skipped_steps) const {
+  check(skipped_steps >= 0 && skipped_steps <= step, "AmpConfig: ", skipped_steps,
+        " skipped steps before iteration ", step, ", expected a count in [0, ", step, "]");
+  return schedule_on_skip() == LrScheduleOnSkip::Hold ? step - skipped_steps : step;
 }
 
 std::string AmpConfig::name() const {
@@ -520,6 +589,7 @@ void write_apex_options(const ApexProperties& a, Json& o) {
   o.emplace("patch_torch_functions", a.patch_torch_functions);
   o.emplace("loss_scale", a.loss_scale ? num(*a.loss_scale) : Json("dynamic"));
   o.emplace("cast_model_outputs", opt_dtype(a.cast_model_outputs));
+  o.emplace("keep_norms_fp32", a.keep_norms_fp32);
   o.emplace("num_losses", a.num_losses);
   o.emplace("verbosity", a.verbosity);
   if (!a.loss_scale) {  // the bounds of dynamic scaling; an error with a static scale
@@ -539,6 +609,7 @@ void write_naive_options(const NaiveAmpOptions& naive, Json& o) {
   o.emplace("growth_interval", naive.scaler.growth_interval);
   o.emplace("hysteresis", naive.scaler.hysteresis);
   o.emplace("max_scale", num(naive.scaler.max_scale));
+  o.emplace("loss_scaler", word_of(naive.loss_scaler, kNaiveLossScalerWords));
   o.emplace("verbose", naive.verbose);
   o.emplace("output_to_fp32", naive.output_to_fp32);
   o.emplace("accumulate_allreduce_grads_in_fp32", naive.accumulate_allreduce_grads_in_fp32);
@@ -547,7 +618,8 @@ void write_naive_options(const NaiveAmpOptions& naive, Json& o) {
 }  // namespace
 
 std::string AmpConfig::to_json() const {
-  Json o = Json::object({{"mixed_precision", std::string(row().name)}});
+  Json o = Json::object({{"mixed_precision", std::string(row().name)},
+                         {"lr_schedule_on_skip", word_of(schedule_on_skip(), kScheduleOnSkipWords)}});
   switch (family()) {
     case ModeFamily::Plain:
       break;

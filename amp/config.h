@@ -19,7 +19,19 @@
 //                                                                          verbose false,
 //                                                                          output_to_fp32 true,
 //                                                                          accumulate_allreduce_grads_in_fp32
-//                                                                          false
+//                                                                          false, loss_scaler "dynamic"
+//
+// Every mode also takes lr_schedule_on_skip, what a skipped step (a non-finite gradient, which every mode
+// skips) does to the learning-rate schedule: "advance" (the schedule follows the iteration, as in plain
+// PyTorch and Colossal-AI training loops; the default of fp32, tf32, fp16, bf16 and fp16_apex) or "hold"
+// (it follows the applied updates, as Megatron-LM's `if update_successful:` and InternEvo's
+// `if success and self._lr_scheduler is not None`; the default of fp16_naive and bf16_naive). With "hold"
+// the step after k skipped ones uses the schedule's position (iterations - k).
+//
+// The naive modes' loss_scaler: "dynamic" (the hysteresis scaler above; InternEvo scales bf16 too) or
+// "none" (a loss scale of 1 that never backs off: Colossal-AI's bf16 mixin and Megatron-LM's bf16). "none"
+// is refused for fp16_naive, as Megatron-LM refuses it ("fp16 expects a grad scaler"): fp16 gradients
+// underflow without a scale. The scaler options are validated and written whichever is chosen.
 //
 // Apex's property table (apex/amp/frontend.py), each property overridable as in amp.initialize():
 //   opt_level  cast_model_type  patch_torch_functions  keep_batchnorm_fp32  master_weights  loss_scale
@@ -35,8 +47,13 @@
 // scaling only; Apex ignores them). master_weights on a model left fp32 (O0, or O2 / O3 with cast_model_type
 // false) is accepted, as by Apex, and keeps nothing: the parameters are fp32 already. cast_model_type false
 // means "do not cast the model" (Apex's False); "fp32" casts the model, its floating inputs and outputs to
-// fp32 (Apex's torch.float32, O0's and allowed with O1). keep_batchnorm_fp32 here keeps the norm layers
-// (LayerNorm, RMSNorm) in fp32. patch_torch_functions is fp16 autocast. verbosity: 0 silent; 1 (Apex's
+// fp32 (Apex's torch.float32, O0's and allowed with O1). keep_batchnorm_fp32 keeps BatchNorm modules in fp32
+// as Apex's convert_network does, and BatchNorm only: mixtape has none, so under O2 the norm layers
+// (LayerNorm, RMSNorm) are cast with the model, as Apex casts LayerNorm. Our own keep_norms_fp32 (default
+// false) keeps LayerNorm and RMSNorm parameters in fp32 and runs them in fp32 in a cast model; it is refused
+// with O1 (nothing is cast) and, like master_weights, does nothing on a model left fp32 (O0, or
+// cast_model_type false or "fp32"); a JSON null for it is an error (it is no Apex property to leave to the
+// opt level). patch_torch_functions is fp16 autocast. verbosity: 0 silent; 1 (Apex's
 // default) prints Apex's "Gradient overflow.  Skipping step, loss scaler K reducing loss scale to S" on every
 // skipped step; 2 also prints each growth of a dynamic scale (our own level: Apex's 2 prints its casts).
 // loss_scale may be a number, "dynamic", or a numeric string ("128.0": Apex applies float() to it).
@@ -86,6 +103,7 @@ struct ApexProperties {
   int64_t verbosity = 1;                      // 0, 1 or 2 (see above)
   std::optional<double> min_loss_scale;       // dynamic scaling floor; nullopt: none
   double max_loss_scale = kDefaultMaxLossScale;
+  bool keep_norms_fp32 = false;               // ours: LayerNorm / RMSNorm stay fp32 in a cast model
 
   static constexpr double kDefaultMaxLossScale = 16777216.0;  // 2^24
   static constexpr int64_t kMaxNumLosses = 1024;              // one scaler (and scale) per loss
@@ -98,6 +116,18 @@ struct ApexProperties {
   DynamicLossScaler dynamic_scaler() const;
 };
 
+// The naive modes' loss scaler (see above).
+enum class NaiveLossScaler : uint8_t {
+  Dynamic,  // DynamicLossScaler(scaler) with hysteresis
+  None,     // StaticLossScaler(1): bf16_naive only
+};
+
+// What a skipped step does to the learning-rate schedule (lr_schedule_on_skip, see above).
+enum class LrScheduleOnSkip : uint8_t {
+  Advance,  // the schedule's position is the iteration
+  Hold,     // the schedule's position is the number of applied updates (iterations - skipped steps)
+};
+
 struct NaiveAmpOptions {
   double clip_grad = 0;                       // max grad norm; 0 = the trainer's own clipping
   bool log_num_zeros_in_grad = false;
@@ -105,6 +135,7 @@ struct NaiveAmpOptions {
   bool verbose = false;                       // print each scale growth and backoff (Colossal-AI's lines)
   bool output_to_fp32 = true;
   bool accumulate_allreduce_grads_in_fp32 = false;  // Megatron-LM's: fp32 gradients for the 16-bit parameters
+  NaiveLossScaler loss_scaler = NaiveLossScaler::Dynamic;
 };
 
 struct AmpConfig {
@@ -112,6 +143,8 @@ struct AmpConfig {
   GradScalerOptions grad_scaler;  // "fp16" / "bf16" (bf16: enabled = false unless set)
   ApexProperties apex;            // "fp16_apex"
   NaiveAmpOptions naive;          // "fp16_naive" / "bf16_naive"
+  // "lr_schedule_on_skip", every mode; nullopt: the family's default (schedule_on_skip()).
+  std::optional<LrScheduleOnSkip> lr_schedule_on_skip;
 
   static const std::vector<std::string>& modes();  // every mode name (precision_mode_names())
   // "fp32", "bf16", "fp16_apex:O2", ...: the mode's defaults. Validated.
@@ -138,6 +171,11 @@ struct AmpConfig {
   // Whether boost() gives the 16-bit parameters fp32 gradients (see above).
   bool fp32_grads() const;
   bool is_naive() const { return family() == ModeFamily::Naive; }
+  // lr_schedule_on_skip, or the family's default when unset: Hold for the naive modes, Advance otherwise.
+  LrScheduleOnSkip schedule_on_skip() const;
+  // The learning-rate schedule's position at iteration `step` (0-based) after `skipped_steps` skipped steps
+  // before it: `step` with Advance, step - skipped_steps (the applied updates so far) with Hold.
+  int64_t schedule_position(int64_t step, int64_t skipped_steps) const;
 };
 
 }  // namespace mixtape

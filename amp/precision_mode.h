@@ -48,20 +48,24 @@ enum class ScalerKind : uint8_t {
   Static,       // a loss scale of 1 (nothing scaled; the step is still skipped on a non-finite gradient)
   GradScaler,   // PyTorch's GradScaler (its `enabled` default is the row's grad_scaler_enabled)
   Apex,         // Apex's scaler: dynamic (2^16, x2 after 2000 clean steps) or a static loss_scale
-  Hysteresis,   // DynamicLossScaler with hysteresis (Megatron-LM / Colossal-AI)
+  Hysteresis,   // DynamicLossScaler with hysteresis (Megatron-LM / Colossal-AI); the naive loss_scaler
+                // "none" gives a loss scale of 1 instead
 };
 
-// The options each family accepts in a JSON config, besides "mixed_precision".
+// The options every mode accepts in a JSON config, besides "mixed_precision": what the training loop does
+// around the mode (every mode skips a step whose gradients are not finite).
+inline constexpr std::array<std::string_view, 1> kCommonAmpKeys{"lr_schedule_on_skip"};
+// The options each family accepts in a JSON config, besides "mixed_precision" and kCommonAmpKeys.
 inline constexpr std::array<std::string_view, 5> kGradScalerKeys{"init_scale", "growth_factor", "backoff_factor",
                                                                  "growth_interval", "enabled"};
-inline constexpr std::array<std::string_view, 11> kApexKeys{
+inline constexpr std::array<std::string_view, 12> kApexKeys{
     "opt_level",   "cast_model_type",    "patch_torch_functions", "keep_batchnorm_fp32",
     "master_weights", "loss_scale",      "cast_model_outputs",    "num_losses",
-    "verbosity",   "min_loss_scale",     "max_loss_scale"};
-inline constexpr std::array<std::string_view, 12> kNaiveKeys{
+    "verbosity",   "min_loss_scale",     "max_loss_scale",        "keep_norms_fp32"};
+inline constexpr std::array<std::string_view, 13> kNaiveKeys{
     "clip_grad", "log_num_zeros_in_grad", "initial_scale", "min_scale", "growth_factor",
     "backoff_factor", "growth_interval", "hysteresis", "max_scale", "verbose", "output_to_fp32",
-    "accumulate_allreduce_grads_in_fp32"};
+    "accumulate_allreduce_grads_in_fp32", "loss_scaler"};
 
 struct PrecisionModeRow {
   PrecisionMode mode;

@@ -85,12 +85,13 @@ void set_clean_steps(LossScaler& scaler, int64_t count) {
 }  // namespace
 
 TEST(Booster, EachModeLeavesParametersInItsDtype) {
-  // mode -> (dtype of norm parameters, dtype of the others)
+  // mode -> (dtype of norm parameters, dtype of the others). O2 casts LayerNorm with the model, as Apex's
+  // convert_network does (its keep_batchnorm_fp32 keeps BatchNorm only).
   const std::vector<std::tuple<std::string, DType, DType>> expected = {
       {"fp32", DType::F32, DType::F32},          {"tf32", DType::F32, DType::F32},
       {"fp16", DType::F32, DType::F32},          {"bf16", DType::F32, DType::F32},
       {"fp16_apex:O0", DType::F32, DType::F32},  {"fp16_apex:O1", DType::F32, DType::F32},
-      {"fp16_apex:O2", DType::F32, DType::F16},  {"fp16_apex:O3", DType::F16, DType::F16},
+      {"fp16_apex:O2", DType::F16, DType::F16},  {"fp16_apex:O3", DType::F16, DType::F16},
       {"fp16_naive", DType::F16, DType::F16},    {"bf16_naive", DType::BF16, DType::BF16}};
   for (const auto& [mode, norm_dtype, other_dtype] : expected) {
     AllowTf32Guard restore(false);
@@ -277,7 +278,8 @@ TEST(Booster, Fp32ModulesComeThroughBoostOptionsAndTrain) {
   for (const Case& c : std::vector<Case>{{"fp16_naive", R"({"initial_scale":1024})", false},
                                          {"bf16_naive", "{}", false},
                                          {"fp16_apex:O2", R"({"keep_batchnorm_fp32":false})", false},
-                                         {"fp16_apex:O2", "{}", true}}) {  // merged with the norms, once each
+                                         {"fp16_apex:O2", R"({"keep_norms_fp32":true})", true}}) {
+    // keep_norms_fp32's norms are merged with fp32_modules, each once.
     SCOPED_TRACE(c.mode + " " + c.json);
     GPT model(tiny_config(), 1);
     Booster booster(AmpConfig::from_json(c.json, c.mode));

@@ -418,7 +418,9 @@ StepStats ParallelTrainer::train_step() {
   if (!m.gpt->lm_head && m.parallel.pp > 1 && (m.stage->is_first() || m.stage->is_last()))
     dist::all_reduce_tied_gradients(m.param("transformer.wte.weight"), m.embedding);
   if (m.reducer && !overlap) m.reducer->reduce();
-  stats.lr = apply_schedule(m.optimizer(), *m.lr_schedule, step_);
+  // The skipped count is the same on every rank: the skip decision is all-reduced over the model.
+  const int64_t skipped = m.zero ? m.zero->skipped_steps() : m.mpo->skipped_steps();
+  stats.lr = apply_schedule(m.optimizer(), *m.lr_schedule, m.options.amp.schedule_position(step_, skipped));
   // Through the booster either way: it prints the mode's verbose lines (on world rank 0 only).
   StepResult result;
   if (m.zero) {

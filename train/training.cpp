@@ -393,7 +393,9 @@ StepStats Trainer::train_step() {
   booster_.backward(loss, *optimizer_);
   const Clock::time_point t2 = Clock::now();
   if (gradient_hook) gradient_hook(step_, *model_);
-  stats.lr = apply_schedule(optimizer_->optimizer(), *schedule_, step_);
+  // The schedule follows the iteration, or with lr_schedule_on_skip "hold" the updates applied so far.
+  const int64_t position = options_.amp.schedule_position(step_, optimizer_->skipped_steps());
+  stats.lr = apply_schedule(optimizer_->optimizer(), *schedule_, position);
   const Clock::time_point t3 = Clock::now();
   const StepResult result = booster_.step(*optimizer_);
   const Clock::time_point t4 = Clock::now();

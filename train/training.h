@@ -102,7 +102,7 @@ struct TrainOptions {
 struct StepStats {
   int64_t step = 0;  // the step number (0-based) this update was
   double loss = 0;   // the batch's loss before the update
-  double lr = 0;
+  double lr = 0;     // the learning rate this step used (its schedule position: AmpConfig::schedule_position)
   double grad_norm = 0;  // of the unscaled gradients, before clipping (0 when the step was skipped)
   bool skipped = false;  // a gradient overflowed: the update was skipped and the loss scale backed off
   double loss_scale = 1;  // the scale this step's loss was multiplied by
