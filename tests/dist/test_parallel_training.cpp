@@ -145,6 +145,7 @@ struct Outcome {
   std::vector<double> losses;
   std::vector<int> skipped;
   std::vector<double> scales;  // the loss scale each step used
+  std::vector<double> lrs;     // the learning rate each step used (fp16_naive holds it over the skipped step)
   std::vector<double> grad_norms;  // of the unscaled gradients (0 on the skipped step)
   StateDict weights;           // the full model's weights (fp32); for a parallel run: on the job's rank 0 only
 };
@@ -157,6 +158,7 @@ Outcome train(AnyTrainer& trainer) {
     const StepStats stats = trainer.train_step();
     out.losses.push_back(stats.loss);
     out.scales.push_back(stats.loss_scale);
+    out.lrs.push_back(stats.lr);
     out.grad_norms.push_back(stats.grad_norm);
     if (stats.skipped) out.skipped.push_back(s);
   }
@@ -243,6 +245,7 @@ void expect_same_training(const Outcome& got, const Outcome& want, const Mode& m
   expect_close(got.grad_norms, want.grad_norms, mode.exact() ? 1e-5 : 3e-2, 1e-2, what + " grad norms");
   EXPECT_EQ(got.skipped, want.skipped) << what;
   EXPECT_EQ(got.scales, want.scales) << what;
+  EXPECT_EQ(got.lrs, want.lrs) << what;
   if (has_weights) expect_same_weights(got.weights, want.weights, mode.exact() ? 1e-5 : 5e-2, mode.exact(), what);
 }
 
