@@ -321,3 +321,31 @@ TEST(AmpFidelity, BadValuesAreErrorsNamingTheOption) {
   EXPECT_ERROR_MENTIONS(AmpConfig::from_json(R"({"keep_norms_fp32": true})", "fp16_naive"),
                         "unknown option \"keep_norms_fp32\"");
 }
+
+// A checkpoint whose train.amp_config lacks the options trained with the iteration-indexed schedule and, under
+// Apex O2, fp32 norm layers: it reads so, and a resume with other values is refused by name.
+TEST(AmpFidelity, ACheckpointWithoutTheOptionsReadsAsTheBehaviourItTrainedWith) {
+  const TokenData data = char_tokens(sample_text());
+  const GPTConfig config = tiny_config(data.vocab_size);
+  struct Case {
+    std::string mode, removed, refused_as, resumes_with;
+  };
+  for (const Case& c : std::vector<Case>{
+           {"fp16_naive", "lr_schedule_on_skip", "lr_schedule_on_skip \"hold\" (the checkpoint's \"advance\")",
+            R"({"lr_schedule_on_skip": "advance"})"},
+           {"fp16_apex:O2", "keep_norms_fp32", "keep_norms_fp32 false (the checkpoint's true)",
+            R"({"keep_norms_fp32": true})"}}) {
+    SCOPED_TRACE(c.mode);
+    Trainer saved(config, options_for(AmpConfig::from_json(c.resumes_with, c.mode), 4), data);
+    saved.train_step();
+    StateDict state = saved.checkpoint();
+    Json amp = json::parse(state.metadata.at("train.amp_config"));
+    amp.erase(c.removed);
+    state.metadata["train.amp_config"] = json::dump(amp);
+    Trainer by_default(config, options_for(AmpConfig::parse(c.mode), 4), data);
+    EXPECT_ERROR_MENTIONS(by_default.load_checkpoint(state), "the AMP options differ in " + c.refused_as);
+    Trainer same(config, options_for(AmpConfig::from_json(c.resumes_with, c.mode), 4), data);
+    same.load_checkpoint(state);
+    EXPECT_EQ(same.step(), 1);
+  }
+}

@@ -57,9 +57,22 @@ auto parse_entry(const std::string& text, const std::string& key, const std::str
   }
 }
 
+// The AMP options a checkpoint trained with. A train.amp_config without lr_schedule_on_skip trained with the
+// schedule following the iteration ("advance"), and an Apex one without keep_norms_fp32 kept the norm layers of
+// a cast model in fp32 wherever keep_batchnorm_fp32 was true: they read as such, so that resuming under other
+// values is refused by name (check_checkpoint_options) instead of training on differently.
 AmpConfig amp_config_entry(const std::map<std::string, std::string>& metadata, const char* what) {
-  return parse_entry(entry(metadata, "train.amp_config", what), "train.amp_config", what,
-                     [](const std::string& text) { return AmpConfig::from_json(text); });
+  return parse_entry(entry(metadata, "train.amp_config", what), "train.amp_config", what, [](const std::string& text) {
+    AmpConfig config = AmpConfig::from_json(text);
+    const Json written = json::parse(text);
+    if (!json::find(written, "lr_schedule_on_skip")) config.lr_schedule_on_skip = LrScheduleOnSkip::Advance;
+    const std::optional<DType> cast = config.model_dtype();
+    if (config.family() == ModeFamily::Apex && !json::find(written, "keep_norms_fp32") && cast &&
+        is_low_precision(*cast))
+      config.apex.keep_norms_fp32 = config.apex.keep_batchnorm_fp32.value_or(false);
+    config.validate();
+    return config;
+  });
 }
 
 // Tokens in one step's batch (batch x block), well inside int64 and memory: the inputs and targets are two
