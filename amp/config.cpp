@@ -200,10 +200,11 @@ constexpr std::array<std::pair<std::string_view, LrScheduleOnSkip>, 2> kSchedule
 constexpr std::array<std::pair<std::string_view, NaiveLossScaler>, 2> kNaiveLossScalerWords{
     {{"dynamic", NaiveLossScaler::Dynamic}, {"none", NaiveLossScaler::None}}};
 
+// The word of `value` among `words` (validate() has refused a value without one).
 template <class Value, size_t N>
-const char* word_of(Value value, const std::array<std::pair<std::string_view, Value>, N>& words) {
+std::string word_of(Value value, const std::array<std::pair<std::string_view, Value>, N>& words) {
   for (const auto& [name, v] : words)
-    if (v == value) return name.data();  // the literals above end in a NUL
+    if (v == value) return std::string(name);
   return "unknown";
 }
 
@@ -351,7 +352,7 @@ AmpConfig AmpConfig::from_json(std::string_view text, std::optional<std::string_
     }
     bool read_it = false;
     switch (config.family()) {
-      case ModeFamily::Plain:  // no options: check_option_keys refused every key
+      case ModeFamily::Plain:  // no options of its own: check_option_keys refused every other key
         break;
       case ModeFamily::PytorchAmp:
         read_it = read_grad_scaler_option(read, key, value, config.grad_scaler);
@@ -438,6 +439,10 @@ void AmpConfig::validate() const {
   check(static_cast<size_t>(mode) < kPrecisionModes.size(), "AmpConfig: unknown mixed_precision (PrecisionMode ",
         static_cast<int>(mode), "; expected one of ", join(modes()), ")");
   const std::string who = "AmpConfig " + std::string(row().name);
+  check(!lr_schedule_on_skip || *lr_schedule_on_skip == LrScheduleOnSkip::Advance ||
+            *lr_schedule_on_skip == LrScheduleOnSkip::Hold,
+        who, ": lr_schedule_on_skip must be \"advance\" or \"hold\" (LrScheduleOnSkip ",
+        static_cast<int>(lr_schedule_on_skip.value_or(LrScheduleOnSkip::Advance)), ")");
   switch (family()) {
     case ModeFamily::Plain:
       break;
