@@ -14,6 +14,7 @@
 #include "nn/layers.h"
 #include "optim/adam.h"
 #include "tensor/ops.h"
+#include "tensor/precision.h"
 #include "tests/test_util.h"
 
 namespace mixtape {
@@ -197,6 +198,7 @@ struct Probe {
 };
 
 Probe probe_forward(const std::string& mode) {
+  AllowTf32Guard restore_tf32(allow_tf32());  // boosting tf32 turns the process-wide switch on
   Linear model(4, 3, true, 1);
   Booster booster(AmpConfig::parse(mode));
   auto optimizer = booster.boost(
