@@ -35,9 +35,12 @@ struct AutocastPolicyTable {
 // PyTorch's CUDA autocast (used on every device, so a CPU run computes what a GPU run does), read from
 // aten/src/ATen/autocast_mode.h (the AT_FORALL_LOWER_PRECISION_FP, AT_FORALL_FP32, AT_FORALL_FP32_SET_OPT_DTYPE,
 // AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE (fp32_append_dtype) and AT_FORALL_PROMOTE lists, which
-// autocast_mode.cpp registers for AutocastCUDA), PyTorch 2.x main. None of mixtape's ops is in the promote
-// list: add/sub/mul/div/cat/stack/where are in no list, and their mixed floating inputs meet in the widest by
-// PyTorch's own type promotion; mean and var are in no list either and run in their input's dtype.
+// autocast_mode.cpp registers for AutocastCUDA), PyTorch 2.x main: rms_norm is in AT_FORALL_FP32 there (the
+// 2.x releases before it joined leave rms_norm unlisted). None of mixtape's ops is in the promote list:
+// add/sub/mul/div/cat/stack/where are in no list, and their mixed floating inputs meet in the widest by
+// PyTorch's own type promotion; mean and var are in no list either and run in their input's dtype. Of
+// mixtape's other ops (gelu, relu, silu, tanh, sigmoid, sqrt, abs, neg, embedding, dropout, max, ...) none
+// is listed by PyTorch or Apex (softplus is, in both; mixtape has none).
 inline constexpr AutocastPolicyTable kPytorchAutocastPolicy{
     "PyTorch AMP (torch.autocast, CUDA lists)",
     "aten/src/ATen/autocast_mode.h + autocast_mode.cpp (PyTorch 2.x)",

@@ -31,8 +31,8 @@ using Expected = std::map<std::string, Listed>;
 // AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE (norm: fp32_append_dtype) and AT_FORALL_PROMOTE, which
 // aten/src/ATen/autocast_mode.cpp registers for AutocastCUDA.
 //   lower_precision_fp: matmul, bmm, linear, scaled_dot_product_attention (nanoGPT's causal attention is sdpa)
-//   fp32: exp, log, rsqrt, pow (Tensor_Scalar, Tensor_Tensor, Scalar), layer_norm, rms_norm, nll_loss
-//         (cross_entropy = log_softmax + nll_loss)
+//   fp32: exp, log, rsqrt, pow (Tensor_Scalar, Tensor_Tensor, Scalar), layer_norm, rms_norm (main; absent
+//         from the earlier 2.x releases), nll_loss (cross_entropy = log_softmax + nll_loss)
 //   fp32_set_opt_dtype: softmax, log_softmax, sum;  fp32_append_dtype: norm
 //   promote: addcdiv, addcmul, atan2, bilinear, cross, dot, vdot, grid_sampler, index_put, tensordot,
 //            scatter_add (none of them a mixtape op)
