@@ -232,8 +232,10 @@ std::vector<Tensor> Booster::forward(
     const std::function<std::vector<Tensor>(const std::vector<Tensor>&)>& forward,
     const std::vector<Tensor>& inputs) {
   check(model_ != nullptr, "Booster.forward: call boost(model, optimizer) first");
+  // The mode's own autocast lists: PyTorch's for fp16/bf16, Apex's for apex O1 (every family that autocasts
+  // names its table: row_follows_its_family).
   std::optional<Autocast> scope;
-  if (const auto dtype = config_.autocast_dtype()) scope.emplace(dtype);
+  if (const auto dtype = config_.autocast_dtype()) scope.emplace(dtype, *config_.row().autocast_policy);
   std::vector<Tensor> cast_inputs = inputs;
   if (input_dtype_)
     for (Tensor& input : cast_inputs) input = cast_floating(input, *input_dtype_);

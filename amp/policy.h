@@ -1,22 +1,31 @@
 #pragma once
-// The autocast policy table: which ops run in the autocast dtype, which in fp32 and which promote to their
-// widest floating input. The table itself is kAutocastTable in tensor/autocast_state.h (the op front ends,
-// below amp/, read it by AutocastOp constant); this header exposes and prints that one table, it keeps no
-// copy. Ops not in the table run in their inputs' dtype.
+// The autocast policy tables, printed: one per framework (tensor/autocast_tables.h: PyTorch AMP's, Apex
+// O1's), each precision mode naming its own (PrecisionModeRow::autocast_policy). The tables live in tensor/
+// because the op front ends read them; this header looks ops up in them and prints them, it keeps no copy.
+// Ops in no table run in their inputs' dtype under every policy.
 #include <optional>
 #include <ostream>
 #include <string>
 #include <string_view>
 
-#include "tensor/autocast_state.h"
+#include "amp/config.h"
+#include "amp/precision_mode.h"
+#include "tensor/autocast_tables.h"
 
 namespace mixtape {
 
-// The policy of the op named `name` (as in ops.h), or nullopt when the op is not in the table.
-std::optional<OpPolicy> autocast_policy(std::string_view name);
+// The class of the op named `name` (as in ops.h) in `table`, or nullopt when the op has no row.
+std::optional<OpPolicy> autocast_policy(const AutocastPolicyTable& table, std::string_view name);
 
-// The table as a Markdown table (for docs/amp.md): one row per op, grouped by policy, in table order.
-std::string autocast_policy_table_markdown();
-void print_autocast_policy_table(std::ostream& out);
+// `table` as a Markdown table (docs/amp.md shows PyTorch's): one row per op, grouped by class (lower
+// precision, fp32, promote, not listed), in table order within a group, then a line on what is never cast.
+std::string autocast_policy_table_markdown(const AutocastPolicyTable& table);
+
+// A mode's autocast policy: a heading naming the mode, its framework and the source lists, then its table;
+// for a mode that autocasts nothing, one line saying so and what the mode casts instead. The AmpConfig form
+// tells Apex's opt levels apart (only O1 autocasts); the PrecisionMode form is the mode's default options.
+std::string autocast_policy_text(const AmpConfig& config);
+void print_autocast_policy_table(std::ostream& out, const AmpConfig& config);
+void print_autocast_policy_table(std::ostream& out, PrecisionMode mode);
 
 }  // namespace mixtape

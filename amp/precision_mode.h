@@ -17,6 +17,7 @@
 #include <string_view>
 #include <vector>
 
+#include "tensor/autocast_tables.h"
 #include "tensor/dtype.h"
 
 namespace mixtape {
@@ -79,26 +80,37 @@ struct PrecisionModeRow {
                                 // for the other scalers
   bool tf32_matmuls;            // set_allow_tf32(true), process-wide, when the model is boosted
   std::span<const std::string_view> option_keys;
+  // The framework's autocast lists its forward is cast by (tensor/autocast_tables.h); Apex's applies at O1
+  // only. nullptr: the family autocasts nothing (plain: no cast; naive: the whole model is cast).
+  const AutocastPolicyTable* autocast_policy;
 };
 
 // THE precision-mode table, in PrecisionMode order (checked at compile time below).
 inline constexpr std::array<PrecisionModeRow, static_cast<size_t>(PrecisionMode::Count)> kPrecisionModes{{
     // mode                 name          family                  dtype       cast
     //   master weights            scaler                  GradScaler on  tf32   option keys
+    //   autocast policy
     {PrecisionMode::Fp32,      "fp32",       ModeFamily::Plain,      DType::F32,  ModeCast::None,
-     MasterWeights::Fp32,       ScalerKind::Static,     false,         false, {}},
+     MasterWeights::Fp32,       ScalerKind::Static,     false,         false, {},
+     nullptr},
     {PrecisionMode::Tf32,      "tf32",       ModeFamily::Plain,      DType::F32,  ModeCast::None,
-     MasterWeights::Fp32,       ScalerKind::Static,     false,         true,  {}},
+     MasterWeights::Fp32,       ScalerKind::Static,     false,         true,  {},
+     nullptr},
     {PrecisionMode::Fp16,      "fp16",       ModeFamily::PytorchAmp, DType::F16,  ModeCast::Autocast,
-     MasterWeights::Fp32,       ScalerKind::GradScaler, true,          false, kGradScalerKeys},
+     MasterWeights::Fp32,       ScalerKind::GradScaler, true,          false, kGradScalerKeys,
+     &kPytorchAutocastPolicy},
     {PrecisionMode::Bf16,      "bf16",       ModeFamily::PytorchAmp, DType::BF16, ModeCast::Autocast,
-     MasterWeights::Fp32,       ScalerKind::GradScaler, false,         false, kGradScalerKeys},
+     MasterWeights::Fp32,       ScalerKind::GradScaler, false,         false, kGradScalerKeys,
+     &kPytorchAutocastPolicy},
     {PrecisionMode::Fp16Apex,  "fp16_apex",  ModeFamily::Apex,       DType::F16,  ModeCast::ByOptLevel,
-     MasterWeights::ByOptLevel, ScalerKind::Apex,       false,         false, kApexKeys},
+     MasterWeights::ByOptLevel, ScalerKind::Apex,       false,         false, kApexKeys,
+     &kApexO1AutocastPolicy},
     {PrecisionMode::Fp16Naive, "fp16_naive", ModeFamily::Naive,      DType::F16,  ModeCast::WholeModel,
-     MasterWeights::Fp32,       ScalerKind::Hysteresis, false,         false, kNaiveKeys},
+     MasterWeights::Fp32,       ScalerKind::Hysteresis, false,         false, kNaiveKeys,
+     nullptr},
     {PrecisionMode::Bf16Naive, "bf16_naive", ModeFamily::Naive,      DType::BF16, ModeCast::WholeModel,
-     MasterWeights::Fp32,       ScalerKind::Hysteresis, false,         false, kNaiveKeys},
+     MasterWeights::Fp32,       ScalerKind::Hysteresis, false,         false, kNaiveKeys,
+     nullptr},
 }};
 
 constexpr bool precision_modes_in_order() {
@@ -108,7 +120,8 @@ constexpr bool precision_modes_in_order() {
 }
 static_assert(precision_modes_in_order(), "kPrecisionModes rows must follow PrecisionMode order");
 
-// What a family fixes for all of its rows: what it casts, its master weights, its scaler and its options.
+// What a family fixes for all of its rows: what it casts (and by which autocast lists), its master weights,
+// its scaler and its options.
 // amp/config.cpp reads a family's options and Booster composes its pieces from these columns, so a row that
 // disagreed with its family would be read or built as another family's mode.
 constexpr bool row_follows_its_family(const PrecisionModeRow& row) {
@@ -119,16 +132,19 @@ constexpr bool row_follows_its_family(const PrecisionModeRow& row) {
   switch (row.family) {
     case ModeFamily::Plain:
       return row.cast == ModeCast::None && row.compute_dtype == DType::F32 && row.scaler == ScalerKind::Static &&
-             row.master_weights == MasterWeights::Fp32 && row.option_keys.empty();
+             row.master_weights == MasterWeights::Fp32 && row.option_keys.empty() &&
+             row.autocast_policy == nullptr;
     case ModeFamily::PytorchAmp:
       return row.cast == ModeCast::Autocast && low && row.scaler == ScalerKind::GradScaler &&
-             row.master_weights == MasterWeights::Fp32 && keys_are(kGradScalerKeys);
+             row.master_weights == MasterWeights::Fp32 && keys_are(kGradScalerKeys) &&
+             row.autocast_policy == &kPytorchAutocastPolicy;
     case ModeFamily::Apex:
       return row.cast == ModeCast::ByOptLevel && low && row.scaler == ScalerKind::Apex &&
-             row.master_weights == MasterWeights::ByOptLevel && keys_are(kApexKeys);
+             row.master_weights == MasterWeights::ByOptLevel && keys_are(kApexKeys) &&
+             row.autocast_policy == &kApexO1AutocastPolicy;
     case ModeFamily::Naive:
       return row.cast == ModeCast::WholeModel && low && row.scaler == ScalerKind::Hysteresis &&
-             row.master_weights == MasterWeights::Fp32 && keys_are(kNaiveKeys);
+             row.master_weights == MasterWeights::Fp32 && keys_are(kNaiveKeys) && row.autocast_policy == nullptr;
   }
   return false;
 }

@@ -51,6 +51,7 @@
 #include <vector>
 
 #include "train/command_line.h"
+#include "amp/policy.h"
 #include "dist/world.h"
 #include "train/parallel_training.h"
 #include "train/thread_tuner.h"
@@ -79,6 +80,7 @@ struct Options {
   // amp_config_text once the checkpoint is read).
   bool amp_mode_from_checkpoint = false;
   bool eval_only = false;
+  bool show_amp_policy = false;  // --show-amp-policy (handled by show_amp_policy() before the training options)
   bool final_eval = true;  // --no-final-eval turns off the validation pass forced at the last step
   int64_t sample = 0;      // characters (tokens for .bin data) to sample after training
   double temperature = 0.8;
@@ -177,6 +179,8 @@ void add_precision_and_device_options(cli::CommandLine& cli, Options& o) {
   cli.text("--precision", o.precision, precision_mode_list("|"), "the precision mode (default fp32)");
   cli.text("--amp-config", o.amp_config_file, "FILE.json", "the mode's options, e.g. {\"initial_scale\": "
            "65536}; it may name the mode as \"mixed_precision\"");
+  cli.flag("--show-amp-policy", o.show_amp_policy, true, "print the --precision mode's autocast policy (which "
+           "ops run in 16 bits, which in f32, which in their inputs' dtype) and exit; needs no --data");
   cli.device("--device", o.train.device, "default cpu; checkpoints move freely between devices; under mpirun, "
              "cuda means each rank's own GPU: local rank mod GPU count");
   cli.text("--threads", o.threads, "auto|N", "CPU threads: N fixes the count; auto (the default, unless "
@@ -779,7 +783,38 @@ std::optional<ThreadTuner> thread_tuner(const Options& opt, const Engine& engine
   return ThreadTuner(omp_get_max_threads(), engine.position());
 }
 
+// Whether the command line asks for --show-amp-policy (before a "--").
+bool show_amp_policy_requested(int argc, char** argv) {
+  for (int i = 1; i < argc && std::strcmp(argv[i], "--") != 0; ++i)
+    if (std::strcmp(argv[i], "--show-amp-policy") == 0) return true;
+  return false;
+}
+
+// train_gpt --precision MODE --show-amp-policy: the mode's autocast policy table (amp/policy.h), or the line
+// saying the mode autocasts nothing. It reads --precision only, so it needs none of the training options.
+int show_amp_policy(int argc, char** argv) {
+  std::string precision = "fp32";
+  bool show = false;
+  cli::CommandLine cli("train_gpt", "train_gpt --show-amp-policy: prints a precision mode's autocast policy");
+  cli.text("--precision", precision, precision_mode_list("|"), "the precision mode (default fp32)");
+  cli.flag("--show-amp-policy", show, true, "print the mode's autocast policy and exit");
+  cli.help_on_unknown = false;
+  cli.unknown_message = [](const std::string& arg) {
+    return "train_gpt: --show-amp-policy takes only --precision, got '" + echo(arg) + "'";
+  };
+  if (!cli.parse(argc, argv)) return 0;  // --help
+  AmpConfig config;
+  try {
+    config = AmpConfig::parse(precision);
+  } catch (const Error& error) {
+    fail("train_gpt: --precision '", echo(precision), "': ", error.what());
+  }
+  print_autocast_policy_table(std::cout, config);
+  return 0;
+}
+
 int run(int argc, char** argv) {
+  if (show_amp_policy_requested(argc, argv)) return show_amp_policy(argc, argv);
   std::optional<Options> parsed = parse(argc, argv);
   if (!parsed) return 0;  // --help
   Options& opt = *parsed;

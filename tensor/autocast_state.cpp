@@ -1,4 +1,4 @@
-// The autocast state, the cast and the cast cache (see autocast_state.h for the policy table).
+// The autocast state, the cast and the cast cache (the policy tables are tensor/autocast_tables.h).
 #include "tensor/autocast_state.h"
 
 #include <map>
@@ -46,22 +46,25 @@ std::string_view policy_name(OpPolicy policy) {
     case OpPolicy::LowerPrecision: return "lower precision";
     case OpPolicy::Fp32: return "fp32";
     case OpPolicy::Promote: return "promote";
+    case OpPolicy::Unlisted: return "not listed";
   }
   return "?";
 }
 
-std::optional<DType> enter_autocast_scope(std::optional<DType> dtype) {
+AutocastState enter_autocast_scope(std::optional<DType> dtype, const AutocastPolicyTable& table) {
   if (dtype)
     check(is_low_precision(*dtype), "Autocast: the autocast dtype must be f16 or bf16, got ",
           dtype_name(*dtype));
-  const std::optional<DType> previous = autocast_detail::current_dtype;
+  const AutocastState previous{autocast_detail::current_dtype, autocast_detail::current_table};
   autocast_detail::current_dtype = dtype;
+  autocast_detail::current_table = &table;
   ++state.depth;
   return previous;
 }
 
-void leave_autocast_scope(std::optional<DType> previous) {
-  autocast_detail::current_dtype = previous;
+void leave_autocast_scope(const AutocastState& previous) {
+  autocast_detail::current_dtype = previous.dtype;
+  autocast_detail::current_table = previous.table;
   if (--state.depth == 0) state.cache.clear();
 }
 
@@ -111,7 +114,10 @@ std::optional<DType> autocast_target(OpPolicy policy, DType autocast, const Tens
   switch (policy) {
     case OpPolicy::LowerPrecision: target = autocast; break;
     case OpPolicy::Fp32: target = DType::F32; break;
-    case OpPolicy::Promote: target = *widest; break;
+    // Unlisted ops run in their inputs' dtype; mixed floating inputs meet in the widest, the type promotion
+    // they get outside autocast.
+    case OpPolicy::Promote:
+    case OpPolicy::Unlisted: target = *widest; break;
   }
   for (size_t i = 0; i < n; ++i) {
     const Tensor& t = *inputs[i];
@@ -131,7 +137,8 @@ std::optional<DType> autocast_target(OpPolicy policy, DType autocast, const std:
 
 std::optional<std::vector<Tensor>> autocast_inputs(AutocastOp op, const std::vector<Tensor>& inputs) {
   if (!autocast_detail::current_dtype) [[likely]] return std::nullopt;
-  const std::optional<DType> target = autocast_target(policy_of(op), *autocast_detail::current_dtype, inputs);
+  const std::optional<DType> target =
+      autocast_target(policy_of(*autocast_detail::current_table, op), *autocast_detail::current_dtype, inputs);
   if (!target) return std::nullopt;
   std::vector<Tensor> cast;
   cast.reserve(inputs.size());

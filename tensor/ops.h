@@ -2,8 +2,9 @@
 // The op front ends. Each checks its arguments (throwing mixtape::Error naming the op, shapes and dtypes),
 // computes in the dtype its inputs promote to, calls the backend kernel and records its backward.
 // Floating ops accept f32/f16/bf16/f64; f16/bf16 accumulate in fp32 and round once on store.
-// Inside an Autocast scope (amp/autocast.h) the ops of kAutocastTable (tensor/autocast_state.h) first cast
-// their floating inputs per their policy (lower precision, fp32 or promote); other ops are unaffected.
+// Inside an Autocast scope (amp/autocast.h) the ops of the scope's policy table (tensor/autocast_tables.h:
+// PyTorch's or Apex O1's) first cast their floating inputs per their class there (lower precision, fp32,
+// promote, or not listed: the inputs' dtype); ops in no table are unaffected.
 #include <cstdint>
 #include <vector>
 

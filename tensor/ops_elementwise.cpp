@@ -75,15 +75,13 @@ Tensor unary_grad(UnaryOp op, const Tensor& x, const Tensor& y, const Tensor& g,
   return grad;
 }
 
-// A unary op with an autocast class has the name of its kAutocastTable row.
+// A unary op with an autocast class has the name of its row in the autocast tables (tensor/autocast_tables.h).
 constexpr bool unary_autocast_names_agree() {
   for (const UnaryOpTraits& row : kUnaryOps)
-    if (row.autocast != kNoAutocast &&
-        std::string_view(row.name) != kAutocastTable[static_cast<size_t>(row.autocast)].name)
-      return false;
+    if (row.autocast != kNoAutocast && std::string_view(row.name) != autocast_op_name(row.autocast)) return false;
   return true;
 }
-static_assert(unary_autocast_names_agree(), "kUnaryOps and kAutocastTable name an op differently");
+static_assert(unary_autocast_names_agree(), "kUnaryOps and the autocast tables name an op differently");
 
 // Every unary front end: its name, what its backward saves and its autocast class come from kUnaryOps.
 Tensor unary_op(UnaryOp op, const Tensor& x, double scalar = 0) {

@@ -24,14 +24,15 @@ enum class UnaryOp : uint8_t {
 // sigmoid' = y (1 - y)). The forward saves only that one tensor for the backward.
 enum class UnaryDerivative : uint8_t { FromInput, FromOutput };
 
-// The autocast class of an op that runs in its input's dtype under autocast (no row in kAutocastTable).
+// The autocast class of an op that no framework's autocast lists (no row in tensor/autocast_tables.h): it runs
+// in its input's dtype under every autocast policy.
 inline constexpr AutocastOp kNoAutocast = AutocastOp::Count;
 
 struct UnaryOpTraits {
   UnaryOp op;
   const char* name;  // the front end's name in ops.h (its error messages and tape nodes)
   UnaryDerivative derivative;
-  AutocastOp autocast;  // the kAutocastTable row the front end casts by, or kNoAutocast
+  AutocastOp autocast;  // the autocast tables' row the front end casts by, or kNoAutocast
 };
 
 // In UnaryOp order (checked below). Neg's backward is neg(g) in the front end; its kernel reads x.

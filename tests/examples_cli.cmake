@@ -460,11 +460,24 @@ foreach(option --data --vocab-size --layers --heads --width --block --dropout --
                --optimizer --weight-decay --beta1 --beta2 --momentum --schedule --grad-clip --seed --sequential
                --precision --amp-config --device --tp --pp --dp --zero --micro-batches --pp-schedule --bucket-mb
                --init --save --save-every --resume --stop-at --eval-every --eval-only --log-json --no-final-eval
-               --sample --temperature --top-k)
+               --sample --temperature --top-k --show-amp-policy)
   if(NOT help MATCHES "\n  ${option} ")
     check_failed("train_gpt --help does not document ${option}:\n${help}")
   endif()
 endforeach()
+# --show-amp-policy prints the --precision mode's autocast table (or the line saying the mode autocasts
+# nothing) and exits 0 without --data; it takes no training option.
+run(policy ${TRAIN_GPT} --precision fp16_apex --show-amp-policy)
+if(NOT policy MATCHES "^Autocast policy of fp16_apex:O1: NVIDIA Apex amp O1"
+   OR NOT policy MATCHES "\n\\| `var` \\| f32 \\| torch FP32_FUNCS \\|")
+  check_failed("train_gpt --precision fp16_apex --show-amp-policy does not print Apex O1's table:\n${policy}")
+endif()
+run(policy ${TRAIN_GPT} --show-amp-policy --precision bf16_naive)
+if(NOT policy STREQUAL "bf16_naive casts no ops: no autocast; the whole model is cast to bf16\n")
+  check_failed("train_gpt --show-amp-policy --precision bf16_naive printed:\n${policy}")
+endif()
+run_fails("--show-amp-policy with --data" ${TRAIN_GPT} --show-amp-policy --data words.txt
+          MENTIONS "train_gpt: --show-amp-policy takes only --precision, got '--data'")
 # The help says each rule once, in words, at the option that carries it; no CLI11 "Needs:"/"Excludes:" lists.
 if(help MATCHES "Needs:|Excludes:")
   check_failed("train_gpt --help lists CLI11's needs/excludes:\n${help}")

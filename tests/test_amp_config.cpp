@@ -348,13 +348,14 @@ TEST(AmpConfig, ModeFromTheCommandLineAndTheFileMustAgree) {
   EXPECT_ERROR_MENTIONS(AmpConfig::from_json(R"({"opt_level":"O3"})", "fp16_apex:O2"), "O3", "O2");
 }
 
-// The policy table of docs/amp.md is the printed one (so the documentation cannot drift from kAutocastTable).
+// The PyTorch AMP policy table of docs/amp.md is the printed one (so the documentation cannot drift from
+// kPytorchAutocastPolicy).
 TEST(AutocastPolicy, DocsShowThePrintedTable) {
   std::ifstream file(std::string(MIXTAPE_SOURCE_DIR) + "/docs/amp.md");
   ASSERT_TRUE(file.good());
   std::stringstream text;
   text << file.rdbuf();
-  const std::string table = autocast_policy_table_markdown();
+  const std::string table = autocast_policy_table_markdown(kPytorchAutocastPolicy);
   ASSERT_FALSE(table.empty());
   EXPECT_NE(text.str().find(table), std::string::npos) << "docs/amp.md lacks the table:\n" << table;
 }
