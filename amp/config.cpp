@@ -394,7 +394,7 @@ void validate_apex(const std::string& who, const ApexProperties& properties) {
   check(!(a.opt_level == "O1" && a.keep_batchnorm_fp32), who, ": with O1 the norm ops already run in fp32, "
         "so keep_batchnorm_fp32 must be unset (Apex refuses it too)");
   check(!(a.opt_level == "O1" && a.keep_norms_fp32), who, ": O1 does not cast the model, so there are no cast "
-        "norm layers to keep: keep_norms_fp32 must be false (it is for O2 and O3)");
+        "norm layers to keep: keep_norms_fp32 must be false (Apex refuses keep_batchnorm_fp32 with O1 too)");
   check(!(a.opt_level == "O1" && a.cast_model_type && *a.cast_model_type != DType::F32), who,
         ": O1 keeps the model weights fp32: cast_model_type must be unset or \"fp32\", got \"",
         dtype_text(a.cast_model_type.value_or(DType::F32)), "\"");

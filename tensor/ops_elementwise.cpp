@@ -134,7 +134,7 @@ BinaryInputs prepare_binary(const char* name, const Tensor& a, const Tensor& b,
 }
 
 // Whether the kernel of a promoting op reads a and b in place (Backend::binary_reads_mixed). Autocast's
-// promote policy then leaves them to it: the kernel promotes to the same widest dtype with the same bits, and
+// promote and not-listed classes then leave them to it: the kernel promotes to the same widest dtype with the same bits, and
 // record_binary casts each gradient back to its input's dtype, as the hook's cast would in its backward.
 bool promotes_in_kernel(const Tensor& a, const Tensor& b) {
   if (!a.defined() || !b.defined() || a.dtype() == b.dtype() || !is_floating(a.dtype()) || !is_floating(b.dtype()))

@@ -355,9 +355,12 @@ TEST(AutocastPolicy, DocsShowThePrintedTable) {
   ASSERT_TRUE(file.good());
   std::stringstream text;
   text << file.rdbuf();
-  const std::string table = autocast_policy_table_markdown(kPytorchAutocastPolicy);
-  ASSERT_FALSE(table.empty());
-  EXPECT_NE(text.str().find(table), std::string::npos) << "docs/amp.md lacks the table:\n" << table;
+  for (const AutocastPolicyTable* policy : {&kPytorchAutocastPolicy, &kApexO1AutocastPolicy}) {
+    const std::string table = autocast_policy_table_markdown(*policy);
+    ASSERT_FALSE(table.empty());
+    EXPECT_NE(text.str().find(table), std::string::npos) << "docs/amp.md lacks " << policy->framework << "'s table:\n"
+                                                         << table;
+  }
 }
 
 TEST(AmpConfig, TrainingDifferencesNameWhatChangesTrainingAndIgnoreWhatOnlyPrints) {

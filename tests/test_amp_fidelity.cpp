@@ -7,6 +7,7 @@
 //   loss_scaler          the naive modes: "dynamic" (default) or "none" (a loss scale of 1; bf16_naive only)
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -163,7 +164,8 @@ TEST(AmpFidelity, HoldGivesTheFirstAppliedUpdateTheScheduleStepZeroLearningRate)
   }
   ASSERT_GT(first_applied, 0) << "fp16_naive should skip its first steps";
   EXPECT_EQ(stats[static_cast<size_t>(first_applied)].lr, schedule->lr_at(0));
-  EXPECT_LT(first_applied, 20) << "fewer than two updates were applied";
+  const auto applied = std::count_if(stats.begin(), stats.end(), [](const StepStats& s) { return !s.skipped; });
+  EXPECT_GE(applied, 2) << "the test needs applied updates after the first";
 }
 
 TEST(AmpFidelity, AdvanceFollowsTheIterationWhateverIsSkipped) {

@@ -495,10 +495,8 @@ TEST(AutocastPolicyTable, ListsEveryOpOnceWithItsPolicy) {
       const size_t at = table.find(cell);
       ASSERT_NE(at, std::string::npos) << entry.name;
       EXPECT_EQ(table.find(cell, at + 1), std::string::npos) << entry.name << " printed twice";
-      EXPECT_EQ(autocast_policy(*policy, entry.name), entry.policy);
     }
     EXPECT_EQ(names.size(), static_cast<size_t>(AutocastOp::Count));
-    EXPECT_EQ(autocast_policy(*policy, "gelu"), std::nullopt);
     // Header + separator + one row per op.
     EXPECT_EQ(std::count(table.begin(), table.end(), '\n') - 2,  // minus the blank line and the footnote
               static_cast<long>(policy->rows.size()) + 2);
