@@ -30,16 +30,7 @@ using namespace mixtape;
 namespace {
 
 // A small deterministic text with some structure (so the loss can fall).
-std::string sample_text() {
-  std::string text;
-  const char* words[] = {"the ", "cat ", "sat ", "on ", "a ", "mat.\n", "dog ", "ran "};
-  uint64_t state = 12345;
-  for (int i = 0; i < 1500; ++i) {
-    state = state * 6364136223846793005ull + 1442695040888963407ull;
-    text += words[(state >> 33) % 8];
-  }
-  return text;
-}
+std::string sample_text() { return mixtape::testing::word_text(1500); }
 
 GPTConfig tiny_config(int64_t vocab) {
   GPTConfig c;

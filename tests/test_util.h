@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdint>
 #include <functional>
 #include <string>
 #include <vector>
@@ -168,6 +169,19 @@ inline size_t peak_extra_bytes(const std::function<void()>& fn) {
   EXPECT_EQ(allocator.stats().allocated_bytes, peak);
   fn();
   return allocator.stats().peak_allocated_bytes - peak;
+}
+
+// A deterministic text of `words` words from a small vocabulary (LCG-drawn), with enough structure for a
+// tiny model's loss to fall: the training tests' data.
+inline std::string word_text(int words) {
+  std::string text;
+  const char* vocabulary[] = {"the ", "cat ", "sat ", "on ", "a ", "mat.\n", "dog ", "ran "};
+  uint64_t state = 12345;
+  for (int i = 0; i < words; ++i) {
+    state = state * 6364136223846793005ull + 1442695040888963407ull;
+    text += vocabulary[(state >> 33) % 8];
+  }
+  return text;
 }
 
 }  // namespace mixtape::testing
