@@ -175,6 +175,10 @@ MPI_Datatype mpi_type(DType dtype) {
     case DType::I64: return MPI_INT64_T;
     case DType::F16:
     case DType::BF16: return MPI_UINT16_T;  // moved as bits; reductions widen first
+    case DType::F8E4M3:
+    case DType::F8E5M2:
+    case DType::F8E8M0: return MPI_UINT8_T;  // moved as bits, never reduced
+    case DType::F4E2M1: fail("dist: not supported: f4e2m1 tensors (two per byte) between ranks");
   }
   fail("dist: unknown dtype");
 }

@@ -60,6 +60,10 @@ ncclDataType_t nccl_type(DType dtype) {
     case DType::BF16: return ncclBfloat16;
     case DType::I32: return ncclInt32;
     case DType::I64: return ncclInt64;
+    case DType::F8E4M3:
+    case DType::F8E5M2:
+    case DType::F8E8M0: return ncclUint8;  // moved as bits, never reduced
+    case DType::F4E2M1: fail("dist::nccl: not supported: f4e2m1 tensors (two per byte) between ranks");
   }
   fail("dist::nccl: unknown dtype");
 }

@@ -43,6 +43,7 @@ const char* safetensors_dtype_name(DType dtype) {
     case DType::F64: return "F64";
     case DType::I32: return "I32";
     case DType::I64: return "I64";
+    case DType::F8E4M3: case DType::F8E5M2: case DType::F8E8M0: case DType::F4E2M1: break;  // refused on save
   }
   return "?";
 }
@@ -64,6 +65,7 @@ int layout_rank(DType dtype) {
     case DType::I32: return 3;
     case DType::BF16: return 4;
     case DType::F16: return 5;
+    case DType::F8E4M3: case DType::F8E5M2: case DType::F8E8M0: case DType::F4E2M1: break;  // refused on save
   }
   return 6;
 }
@@ -299,6 +301,8 @@ std::string encode_header(const std::string& path, const StateDict& state, std::
     check(json::is_valid_utf8(name), "save_safetensors: ", shown_path(path), ": tensor name '", echo(name),
           "' is not valid UTF-8");
     check(tensor.defined(), "save_safetensors: ", shown_path(path), ": tensor '", echo(name), "' is undefined");
+    check(!is_minifloat(tensor.dtype()), "save_safetensors: ", shown_path(path), ": tensor '", echo(name), "' is ",
+          tensor.description(), "; not supported: fp8 and fp4 tensors in a file (convert it to f32 or bf16)");
     // Device tensors are copied to the host here: a checkpoint is always plain bytes in a file.
     Tensor contiguous = tensor.detach().contiguous().to(Device::cpu());
     const uint64_t bytes = static_cast<uint64_t>(contiguous.numel()) * dtype_size(contiguous.dtype());

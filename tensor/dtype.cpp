@@ -4,13 +4,32 @@
 
 namespace mixtape {
 
-size_t dtype_size(DType dtype) {
+int dtype_bits(DType dtype) {
   switch (dtype) {
-    case DType::F32: case DType::I32: return 4;
-    case DType::F16: case DType::BF16: return 2;
-    case DType::F64: case DType::I64: return 8;
+    case DType::F32: case DType::I32: return 32;
+    case DType::F16: case DType::BF16: return 16;
+    case DType::F64: case DType::I64: return 64;
+    case DType::F8E4M3: case DType::F8E5M2: case DType::F8E8M0: return 8;
+    case DType::F4E2M1: return 4;
   }
-  fail("dtype_size: invalid dtype value ", static_cast<int>(dtype));
+  fail("dtype_bits: invalid dtype value ", static_cast<int>(dtype));
+}
+
+size_t dtype_size(DType dtype) {
+  const int bits = dtype_bits(dtype);
+  if (bits < 8)
+    fail("dtype_size: ", dtype_name(dtype), " packs two elements per byte, so an element has no byte size "
+         "(use storage_bytes)");
+  return static_cast<size_t>(bits / 8);
+}
+
+int64_t storage_bytes(DType dtype, int64_t numel) {
+  const int bits = dtype_bits(dtype);
+  if (bits < 8) return (numel + 1) / 2;
+  int64_t bytes = 0;
+  if (__builtin_mul_overflow(numel, static_cast<int64_t>(bits / 8), &bytes))
+    fail("storage_bytes: ", numel, " elements of ", dtype_name(dtype), " need more bytes than fit in 64 bits");
+  return bytes;
 }
 
 const char* dtype_name(DType dtype) {
@@ -21,6 +40,10 @@ const char* dtype_name(DType dtype) {
     case DType::F64: return "f64";
     case DType::I32: return "i32";
     case DType::I64: return "i64";
+    case DType::F8E4M3: return "f8e4m3";
+    case DType::F8E5M2: return "f8e5m2";
+    case DType::F8E8M0: return "f8e8m0";
+    case DType::F4E2M1: return "f4e2m1";
   }
   return "invalid";
 }

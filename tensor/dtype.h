@@ -10,11 +10,19 @@
 
 namespace mixtape {
 
-enum class DType : uint8_t { F32, F16, BF16, F64, I32, I64 };
+// F8E4M3 .. F4E2M1 are the low-precision storage formats of tensor/minifloat.h (fp8, the MX scale, fp4): no
+// op computes in them; Tensor::to converts into and out of them, and tensor/quantize.h quantizes with scales.
+enum class DType : uint8_t { F32, F16, BF16, F64, I32, I64, F8E4M3, F8E5M2, F8E8M0, F4E2M1 };
 
+// Bytes per element. Error for F4E2M1, whose elements are half a byte (storage_bytes counts them).
 size_t dtype_size(DType dtype);
-const char* dtype_name(DType dtype);  // "f32", "f16", "bf16", "f64", "i32", "i64"
-inline bool is_floating(DType dtype) { return dtype <= DType::F64; }
+int dtype_bits(DType dtype);
+// The bytes `numel` elements take: F4E2M1 packs two per byte (tensor/minifloat.h says which nibble).
+int64_t storage_bytes(DType dtype, int64_t numel);
+// "f32", "f16", "bf16", "f64", "i32", "i64", "f8e4m3", "f8e5m2", "f8e8m0", "f4e2m1"
+const char* dtype_name(DType dtype);
+inline bool is_floating(DType dtype) { return dtype <= DType::F64; }  // the dtypes ops compute in
+inline bool is_minifloat(DType dtype) { return dtype >= DType::F8E4M3 && dtype <= DType::F4E2M1; }
 inline bool is_low_precision(DType dtype) { return dtype == DType::F16 || dtype == DType::BF16; }
 // The dtype two floating inputs compute in: the wider one; f16 with bf16 gives f32 (neither holds the other).
 DType promote(DType a, DType b);

@@ -10,6 +10,7 @@
 #include "tensor/autograd_node.h"
 #include "tensor/backend.h"
 #include "tensor/ops.h"
+#include "tensor/quantize.h"
 
 namespace mixtape {
 
@@ -37,9 +38,7 @@ int64_t dim_of(const Tensor& t, int64_t dim, const char* op, int64_t ndim = -1) 
 Tensor Tensor::empty(const Shape& shape, DType dtype, Device device) {
   check_shape(shape, "empty");
   auto impl = std::make_shared<TensorImpl>();
-  int64_t nbytes = 0;
-  if (__builtin_mul_overflow(shape_numel(shape), static_cast<int64_t>(dtype_size(dtype)), &nbytes)) [[unlikely]]
-    fail("empty: ", shape_str(shape), " of ", dtype_name(dtype), " needs more bytes than fit in 64 bits");
+  const int64_t nbytes = storage_bytes(dtype, shape_numel(shape));
   impl->storage = std::make_shared<Storage>(nbytes, device, backend_for(device).allocator());
   impl->shape = shape;
   impl->strides = contiguous_strides(shape);
@@ -146,6 +145,8 @@ bool Tensor::is_contiguous() const {
 }
 
 void* Tensor::data_ptr() const {
+  // A packed f4e2m1 tensor is always its whole storage from offset 0 (make_view refuses other views of it).
+  if (impl().offset == 0) return impl().storage->data();
   return static_cast<char*>(impl().storage->data()) + impl().offset * static_cast<int64_t>(dtype_size(dtype()));
 }
 
@@ -164,13 +165,18 @@ std::string Tensor::description() const {
 bool is_private_buffer(const Tensor& t, long holders) {
   return t.defined() && t.storage() && t.impl_ptr().use_count() == holders && t.storage().use_count() == 1 &&
          t.is_contiguous() && t.data_ptr() == t.storage()->data() &&
-         t.storage()->nbytes() == static_cast<size_t>(t.numel()) * dtype_size(t.dtype());
+         t.storage()->nbytes() == static_cast<size_t>(storage_bytes(t.dtype(), t.numel()));
 }
 
 Tensor make_view(const Tensor& base, const Shape& shape, const Strides& strides, int64_t offset) {
   if (shape.size() != strides.size())
     fail("make_view: shape ", shape_str(shape), " and strides ", shape_str(strides), " differ in length");
-  const int64_t itemsize = static_cast<int64_t>(dtype_size(base.dtype()));
+  if (dtype_bits(base.dtype()) < 8 && (offset != 0 || strides != contiguous_strides(shape) ||
+                                        shape_numel(shape) != base.numel()))
+    fail("make_view: not supported: a view ", shape_str(shape), " strides ", shape_str(strides), " offset ", offset,
+         " of ", base.described(), ": ", dtype_name(base.dtype()),
+         " packs two elements per byte, so only reshapes of the whole tensor are views (convert it with to())");
+  const int64_t capacity = static_cast<int64_t>(base.storage()->nbytes()) * 8 / dtype_bits(base.dtype());
   int64_t lowest = offset, highest = offset;
   bool empty = false;
   for (size_t i = 0; i < shape.size(); ++i) {
@@ -179,7 +185,6 @@ Tensor make_view(const Tensor& base, const Shape& shape, const Strides& strides,
     const int64_t reach = (shape[i] - 1) * strides[i];
     (reach < 0 ? lowest : highest) += reach;
   }
-  const int64_t capacity = static_cast<int64_t>(base.storage()->nbytes()) / itemsize;
   if (!empty && (lowest < 0 || highest >= capacity))
     fail("make_view: view ", shape_str(shape), " strides ", shape_str(strides), " offset ", offset,
          " reaches outside a storage of ", capacity, " elements");
@@ -423,6 +428,8 @@ Tensor Tensor::clone() const {
 
 Tensor Tensor::to(DType target) const {
   if (target == dtype()) return *this;
+  // fp8 / fp4: a rounding cast that nothing differentiates through (tensor/quantize.h).
+  if (is_minifloat(target) || is_minifloat(dtype())) return convert_minifloat(*this, target);
   Tensor out = empty(shape(), target, device());
   backend_of(*this).copy(*this, out);
   if (is_floating(target) && is_floating(dtype())) {

@@ -1,0 +1,362 @@
+#include "tensor/quantize.h"
+
+#include <algorithm>
+#include <array>
+#include <bit>
+#include <cfloat>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "tensor/autograd_node.h"
+#include "tensor/minifloat.h"
+#include "tensor/ops.h"
+
+namespace mixtape {
+
+namespace {
+
+const MinifloatFormat& element_format(DType format) {
+  switch (format) {
+    case DType::F8E4M3: return kE4M3;
+    case DType::F8E5M2: return kE5M2;
+    case DType::F4E2M1: return kE2M1;
+    default: fail("quantize: format ", dtype_name(format), " is not an element format (expected f8e4m3, f8e5m2 "
+                  "or f4e2m1)");
+  }
+}
+
+// The exponent of a format's largest finite value (OCP MX's emax_elem): 8 for E4M3, 15 for E5M2, 2 for E2M1.
+int format_emax(DType format) { return floor_log2(format_max(format)); }
+
+// Every code's value, for the 8-bit formats (E2M1 uses the first 16 entries).
+struct DecodeTable {
+  std::array<float, 256> value{};
+  explicit DecodeTable(DType format) {
+    if (format == DType::F8E8M0) {
+      for (int code = 0; code < 256; ++code) value[code] = e8m0_to_float(static_cast<uint8_t>(code));
+      return;
+    }
+    const MinifloatFormat& f = element_format(format);
+    for (uint32_t code = 0; code < (1u << f.bits()); ++code) value[code] = minifloat_to_float(code, f);
+  }
+};
+
+const DecodeTable& decode_table(DType format) {
+  static const DecodeTable e4m3(DType::F8E4M3), e5m2(DType::F8E5M2), e2m1(DType::F4E2M1), e8m0(DType::F8E8M0);
+  switch (format) {
+    case DType::F8E4M3: return e4m3;
+    case DType::F8E5M2: return e5m2;
+    case DType::F4E2M1: return e2m1;
+    case DType::F8E8M0: return e8m0;
+    default: fail("decode: ", dtype_name(format), " is not a format of tensor/minifloat.h");
+  }
+}
+
+// Reads and writes codes of any format in a dense byte buffer (F4E2M1 packed).
+uint32_t code_at(const uint8_t* data, DType format, int64_t i) {
+  return format == DType::F4E2M1 ? e2m1_code_at(data, i) : data[i];
+}
+void set_code(uint8_t* data, DType format, int64_t i, uint32_t code) {
+  if (format == DType::F4E2M1) set_e2m1_code(data, i, static_cast<uint8_t>(code));
+  else data[i] = static_cast<uint8_t>(code);
+}
+
+// The storage offset (in elements) of element `linear` of t in row-major order.
+int64_t strided_offset(const Tensor& t, int64_t linear) {
+  int64_t offset = t.offset();
+  for (int64_t d = t.dim() - 1; d >= 0; --d) {
+    const int64_t size = t.size(d);
+    offset += (linear % size) * t.strides()[d];
+    linear /= size;
+  }
+  return offset;
+}
+
+// A CPU tensor of a minifloat format, every byte 0 (fill() computes in floating dtypes only).
+Tensor zeroed_codes(const Shape& shape, DType format) {
+  Tensor t = Tensor::empty(shape, format);
+  std::memset(t.data_ptr(), 0, t.storage()->nbytes());
+  return t;
+}
+
+void check_cpu(const Tensor& t, const char* op) {
+  if (!t.device().is_cpu())
+    fail(op, ": not supported: ", t.described(), " on ", t.device().str(),
+         " (fp8 and fp4 conversions run on the CPU for now; move the tensor with to(Device::cpu()))");
+}
+
+// The decode scale of every block of q as floats, [grid_rows * grid_cols].
+std::vector<float> block_scales(const Quantized& q) {
+  const Tensor& s = q.scales;
+  std::vector<float> out(static_cast<size_t>(s.numel()));
+  if (s.dtype() == DType::F32) {
+    const float* p = static_cast<const float*>(s.data_ptr());
+    std::copy(p, p + s.numel(), out.begin());
+  } else {
+    const DecodeTable& table = decode_table(s.dtype());
+    const uint8_t* p = static_cast<const uint8_t*>(s.data_ptr());
+    for (int64_t i = 0; i < s.numel(); ++i) out[static_cast<size_t>(i)] = table.value[p[i]];
+  }
+  return out;
+}
+
+// One block's encode multiplier and the decode scale stored for it (its code for the 8-bit scale formats).
+struct BlockScaling {
+  float encode;
+  float decode;
+  uint8_t decode_code;  // E8M0 / E4M3 scales
+};
+
+// The scale of a block with max |x| = amax (finite), by the rule of `kind` (see BlockScale).
+BlockScaling choose_block_scale(BlockScale kind, float amax, DType format, const QuantizeOptions& options,
+                                float tensor_encode, float tensor_decode) {
+  const float fmax = format_max(format);
+  switch (kind) {
+    case BlockScale::Fp32: {
+      float encode = options.fixed_scale ? *options.fixed_scale : amax == 0 ? 1.0f : fmax / amax;
+      encode = std::min(encode, FLT_MAX);  // amax below fmax / FLT_MAX would give Inf
+      return {encode, 1.0f / encode, 0};
+    }
+    case BlockScale::E8M0Floor:
+    case BlockScale::E8M0Ceil: {
+      int exponent = -127;
+      if (amax > 0) {
+        if (kind == BlockScale::E8M0Floor) {
+          exponent = floor_log2(amax) - format_emax(format);
+        } else {  // ceil(log2(amax / fmax)), the ratio taken as NVIDIA does: amax * fp32(1 / fmax)
+          const float ratio = amax * (1.0f / fmax);
+          exponent = floor_log2(ratio);
+          if (std::ldexp(1.0f, exponent) < ratio) ++exponent;
+        }
+      }
+      exponent = std::clamp(exponent, -127, 127);
+      return {std::ldexp(1.0f, -exponent), std::ldexp(1.0f, exponent), static_cast<uint8_t>(exponent + 127)};
+    }
+    case BlockScale::E4M3TwoLevel: {
+      // NVIDIA's NVFP4 recipe: the block's decode scale amax / 6, in units of the tensor's decode scale, stored
+      // as E4M3 (saturating); the elements are encoded with the reciprocal of what that stores.
+      const uint8_t code = static_cast<uint8_t>(
+          float_to_minifloat(amax / kE2M1Max * tensor_encode, kE4M3, FormatOverflow::Saturate));
+      const float stored = minifloat_to_float(code, kE4M3);
+      const float encode = stored == 0 ? 0.0f : 1.0f / (stored * tensor_decode);
+      return {encode, stored, code};
+    }
+  }
+  fail("quantize: invalid block scale");
+}
+
+void validate(const Tensor& x, const QuantizeOptions& o) {
+  if (!x.defined() || x.dim() != 2 || !is_floating(x.dtype()))
+    fail("quantize: expected a 2-d f32, f16, bf16 or f64 tensor [rows, cols], got ", x.description());
+  check_cpu(x, "quantize");
+  element_format(o.format);  // an Error naming the format otherwise
+  if (o.block_rows < 0 || o.block_cols < 0)
+    fail("quantize: block_rows ", o.block_rows, " and block_cols ", o.block_cols, " must be >= 0 (0: the whole dim)");
+  if (o.fixed_scale && (o.scale != BlockScale::Fp32 || !(std::isfinite(*o.fixed_scale) && *o.fixed_scale > 0)))
+    fail("quantize: fixed_scale ", *o.fixed_scale, " needs scale fp32 (got ", block_scale_name(o.scale),
+         ") and a positive finite value");
+  if (o.scale == BlockScale::E4M3TwoLevel && o.format != DType::F4E2M1)
+    fail("quantize: scale e4m3_two_level is NVFP4's and needs format f4e2m1, got ", dtype_name(o.format));
+}
+
+}  // namespace
+
+float format_max(DType format) {
+  switch (format) {
+    case DType::F8E4M3: return kE4M3Max;
+    case DType::F8E5M2: return kE5M2Max;
+    case DType::F4E2M1: return kE2M1Max;
+    default: fail("format_max: ", dtype_name(format), " is not an element format (expected f8e4m3, f8e5m2 or f4e2m1)");
+  }
+}
+
+const char* block_scale_name(BlockScale scale) {
+  switch (scale) {
+    case BlockScale::Fp32: return "fp32";
+    case BlockScale::E8M0Floor: return "e8m0_floor";
+    case BlockScale::E8M0Ceil: return "e8m0_ceil";
+    case BlockScale::E4M3TwoLevel: return "e4m3_two_level";
+  }
+  return "invalid";
+}
+
+Quantized quantize(const Tensor& x, const QuantizeOptions& options) {
+  validate(x, options);
+  NoGradGuard no_grad;
+  const Tensor xs = x.to(DType::F32).contiguous();
+  const float* in = static_cast<const float*>(xs.data_ptr());
+  const int64_t R = xs.size(0), C = xs.size(1);
+  Quantized q;
+  q.block_rows = options.block_rows == 0 ? std::max<int64_t>(R, 1) : options.block_rows;
+  q.block_cols = options.block_cols == 0 ? std::max<int64_t>(C, 1) : options.block_cols;
+  const int64_t grid_rows = (R + q.block_rows - 1) / q.block_rows, grid_cols = (C + q.block_cols - 1) / q.block_cols;
+  const int64_t blocks = grid_rows * grid_cols;
+
+  // Step 1: each block's amax, NaN where it holds a non-finite value; the tensor's amax.
+  std::vector<float> block_amax(static_cast<size_t>(blocks), 0.0f);
+  float amax = 0;
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t c = 0; c < C; ++c) {
+      const float v = std::fabs(in[r * C + c]);
+      float& b = block_amax[static_cast<size_t>(r / q.block_rows * grid_cols + c / q.block_cols)];
+      if (!std::isfinite(v)) b = NAN;
+      else if (v > b) b = v;  // a NaN b stays NaN (the comparison is false)
+      if (std::isnan(v) || std::isnan(amax)) amax = NAN;
+      else amax = std::max(amax, v);
+    }
+  q.amax = amax;
+
+  // Step 2: the tensor scale (NVFP4) and each block's scale.
+  const DType scale_dtype = options.scale == BlockScale::Fp32 ? DType::F32
+                            : options.scale == BlockScale::E4M3TwoLevel ? DType::F8E4M3 : DType::F8E8M0;
+  float tensor_encode = 1, tensor_decode = 1;
+  if (options.scale == BlockScale::E4M3TwoLevel) {
+    tensor_encode = !std::isfinite(amax) ? NAN : amax == 0 ? 1.0f : std::min(kE4M3Max * kE2M1Max / amax, FLT_MAX);
+    tensor_decode = 1.0f / tensor_encode;
+    q.tensor_scale = tensor_decode;
+  }
+  q.scales = Tensor::empty({grid_rows, grid_cols}, scale_dtype);
+  std::vector<float> encode(static_cast<size_t>(blocks));
+  for (int64_t b = 0; b < blocks; ++b) {
+    const float a = block_amax[static_cast<size_t>(b)];
+    BlockScaling s{0, NAN, scale_dtype == DType::F8E4M3 ? static_cast<uint8_t>(0x7F) : kE8M0Nan};
+    if (std::isfinite(a) && std::isfinite(tensor_encode))
+      s = choose_block_scale(options.scale, a, options.format, options, tensor_encode, tensor_decode);
+    else
+      s.encode = 0;  // a non-finite block: NaN decode scale, zero codes
+    encode[static_cast<size_t>(b)] = s.encode;
+    if (scale_dtype == DType::F32) static_cast<float*>(q.scales.data_ptr())[b] = s.decode;
+    else static_cast<uint8_t*>(q.scales.data_ptr())[b] = s.decode_code;
+  }
+
+  // Step 3: the codes, saturating, counting what saturated and what flushed to zero.
+  const MinifloatFormat& f = element_format(options.format);
+  const float fmax = format_max(options.format);
+  q.codes = zeroed_codes({R, C}, options.format);
+  uint8_t* out = static_cast<uint8_t*>(q.codes.data_ptr());
+  int64_t saturated = 0, flushed = 0;
+  const bool packed = options.format == DType::F4E2M1;
+  // Rows are independent except that two E2M1 codes share a byte: with an odd C a row ends mid-byte, so the
+  // packed format is written by one thread.
+#pragma omp parallel for schedule(static) reduction(+ : saturated, flushed) if (!packed && R * C > (1 << 15))
+  for (int64_t r = 0; r < R; ++r) {
+    for (int64_t c = 0; c < C; ++c) {
+      const int64_t i = r * C + c;
+      const float e = encode[static_cast<size_t>(r / q.block_rows * grid_cols + c / q.block_cols)];
+      const float scaled = in[i] * e;
+      uint32_t random = 0;
+      if (options.stochastic_seed) random = philox4x32(options.stochastic_offset + static_cast<uint64_t>(i), 0,
+                                                       *options.stochastic_seed)[0];
+      const uint32_t code = std::isfinite(scaled) || e == 0
+                                ? float_to_minifloat(e == 0 ? 0.0f : scaled, f, FormatOverflow::Saturate,
+                                                     options.stochastic_seed ? &random : nullptr)
+                                : 0u;
+      // Saturated: the clamp changed the result (beyond the largest finite value after rounding, not a value
+      // such as 6.0000005 that rounds to 6 anyway).
+      if (std::isfinite(scaled) && std::fabs(scaled) > fmax &&
+          round_to_minifloat_grid(std::bit_cast<uint32_t>(std::fabs(scaled)), f) > f.max_finite_code())
+        ++saturated;
+      if (in[i] != 0 && std::isfinite(in[i]) && (code & f.magnitude_mask()) == 0) ++flushed;
+      set_code(out, options.format, i, code);
+    }
+  }
+  q.saturated = saturated;
+  q.flushed = flushed;
+  return q;
+}
+
+Tensor dequantize(const Quantized& q) {
+  check(q.codes.defined() && q.codes.dim() == 2 && q.scales.defined(), "dequantize: the Quantized is empty");
+  const int64_t R = q.rows(), C = q.cols();
+  const int64_t grid_cols = (C + q.block_cols - 1) / q.block_cols;
+  const std::vector<float> scales = block_scales(q);
+  const DecodeTable& table = decode_table(q.codes.dtype());
+  const uint8_t* codes = static_cast<const uint8_t*>(q.codes.data_ptr());
+  Tensor out = Tensor::empty({R, C}, DType::F32);
+  float* o = static_cast<float*>(out.data_ptr());
+  const DType format = q.codes.dtype();
+#pragma omp parallel for schedule(static) if (R * C > (1 << 15))
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t c = 0; c < C; ++c) {
+      const int64_t i = r * C + c;
+      const float scale = scales[static_cast<size_t>(r / q.block_rows * grid_cols + c / q.block_cols)];
+      // code * block scale first: exact for E2M1 x E4M3 (NVFP4) and for power-of-two scales.
+      o[i] = table.value[code_at(codes, format, i)] * scale * q.tensor_scale;
+    }
+  return out;
+}
+
+Tensor scaled_matmul(const Quantized& a, const Quantized& b) {
+  if (a.cols() != b.cols())
+    fail("scaled_matmul: a ", a.codes.description(), " and b ", b.codes.description(),
+         " must share their last dim K (a [M, K] @ b [N, K]^T)");
+  NoGradGuard no_grad;
+  const int64_t M = a.rows(), N = b.rows(), K = a.cols();
+  const bool scales_along_k_constant = a.block_cols >= K && b.block_cols >= K;
+  if (!scales_along_k_constant) return matmul(dequantize(a), dequantize(b).mT());
+
+  // Tensorwise / rowwise: sum the code products (exact in fp32: at most 4 + 4 significant bits each), then
+  // scale each output by its row's and column's decode scales.
+  auto code_values = [](const Quantized& q) {
+    Quantized unit = q;
+    unit.scales = Tensor::ones({1, 1});
+    unit.block_rows = std::max<int64_t>(q.rows(), 1);
+    unit.block_cols = std::max<int64_t>(q.cols(), 1);
+    unit.tensor_scale = 1;
+    return dequantize(unit);
+  };
+  Tensor out = matmul(code_values(a), code_values(b).mT()).contiguous();
+  const std::vector<float> sa = block_scales(a), sb = block_scales(b);
+  const float tensor = a.tensor_scale * b.tensor_scale;
+  float* o = static_cast<float*>(out.data_ptr());
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < N; ++n)
+      o[m * N + n] *= sa[static_cast<size_t>(m / a.block_rows)] * sb[static_cast<size_t>(n / b.block_rows)] * tensor;
+  return out;
+}
+
+Tensor convert_minifloat(const Tensor& x, DType target) {
+  check(x.defined(), "to(", dtype_name(target), "): the tensor is undefined");
+  const DType source = x.dtype();
+  const char* op = "to";
+  if (!(is_floating(source) || is_minifloat(source)) || !(is_floating(target) || is_minifloat(target)))
+    fail("to(", dtype_name(target), "): not supported from ", x.description(),
+         ": fp8 and fp4 convert to and from floating dtypes only (convert integers through f32)");
+  check_cpu(x, op);
+  NoGradGuard no_grad;
+  const int64_t n = x.numel();
+  // Read every source value as a float (f64 rounded to odd first, so that the second rounding is exact).
+  std::vector<float> values(static_cast<size_t>(n));
+  if (is_minifloat(source)) {
+    const DecodeTable& table = decode_table(source);
+    const uint8_t* p = static_cast<const uint8_t*>(x.storage()->data());
+    for (int64_t i = 0; i < n; ++i)
+      values[static_cast<size_t>(i)] =
+          table.value[source == DType::F4E2M1 ? e2m1_code_at(p, i) : p[strided_offset(x, i)]];
+  } else if (source == DType::F64) {
+    const Tensor dense = x.contiguous();
+    const double* p = static_cast<const double*>(dense.data_ptr());
+    for (int64_t i = 0; i < n; ++i) values[static_cast<size_t>(i)] = double_to_float_round_to_odd(p[i]);
+  } else {
+    const Tensor dense = x.to(DType::F32).contiguous();
+    std::copy_n(static_cast<const float*>(dense.data_ptr()), n, values.begin());
+  }
+
+  if (is_floating(target)) return Tensor::from_vector(values, x.shape(), target);
+  Tensor out = zeroed_codes(x.shape(), target);
+  uint8_t* o = static_cast<uint8_t*>(out.data_ptr());
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = values[static_cast<size_t>(i)];
+    if (target == DType::F8E8M0) {
+      o[i] = float_to_e8m0(v);
+      continue;
+    }
+    if (target == DType::F4E2M1 && std::isnan(v))
+      fail("to(f4e2m1): element ", i, " of ", x.description(), " is NaN, which f4e2m1 cannot hold (it has no NaN)");
+    set_code(o, target, i, float_to_minifloat(v, element_format(target), FormatOverflow::Cast));
+  }
+  return out;
+}
+
+}  // namespace mixtape

@@ -1,0 +1,79 @@
+#pragma once
+// Scaled quantization into fp8 / fp4 (tensor/minifloat.h) and the emulated GEMM on quantized operands: the
+// numerics of every fp8 and block-scaled training recipe (amp/low_precision.h names the recipes).
+//
+// A quantized 2-d operand [R, C] is codes (one per value) and a grid of decode scales, one per block of
+// [block_rows, block_cols] values (the last block of a dim may be short):
+//     value ≈ code_value * scales[r / block_rows, c / block_cols] * tensor_scale
+// C is the dim a GEMM sums over (K): per-row scales are blocks [1, C], per-tensor scales one block [R, C].
+// How a block's scale is chosen is the BlockScale (each is its recipe's rule, cited in docs/amp.md); the codes
+// are the scaled values rounded to nearest even (or stochastically) with saturation to the largest finite
+// value, as Transformer Engine and cuBLASLt quantize.
+//
+// A block holding Inf or NaN gets a NaN scale, so its values dequantize to NaN and the training step that
+// made them is skipped like any non-finite step (a saturating cast alone would turn Inf into ±448 silently).
+//
+// CPU tensors only, for now: on a CUDA tensor these are a "not supported" Error.
+#include <cstdint>
+#include <optional>
+
+#include "tensor/tensor.h"
+
+namespace mixtape {
+
+enum class BlockScale : uint8_t {
+  Fp32,          // fp32 encode scale format_max / amax (1 where amax is 0), decode scale its fp32 reciprocal:
+                 // TE / torchao tensorwise and rowwise, DeepSeek-V3's tiles and blocks
+  E8M0Floor,     // OCP MX v1.0: 2^(floor(log2 amax) - emax), emax the format's largest exponent (8 for E4M3)
+  E8M0Ceil,      // NVIDIA's MXFP8 recipe: 2^ceil(log2(amax / format_max)) (nothing saturates)
+  E4M3TwoLevel,  // NVFP4: an fp32 tensor scale 6*448 / amax_tensor, E4M3 block decode scales under it
+};
+const char* block_scale_name(BlockScale scale);  // "fp32", "e8m0_floor", "e8m0_ceil", "e4m3_two_level"
+
+struct QuantizeOptions {
+  DType format = DType::F8E4M3;  // F8E4M3, F8E5M2 or F4E2M1
+  int64_t block_rows = 0;        // rows one scale covers; 0 = all rows
+  int64_t block_cols = 0;        // columns one scale covers; 0 = all columns
+  BlockScale scale = BlockScale::Fp32;
+  // Fp32 only: every block's encode scale is this (Transformer Engine's delayed scaling), not format_max / amax.
+  std::optional<float> fixed_scale;
+  // Stochastic rounding (NVFP4's gradients): element i draws Philox(seed, offset + i); unset: nearest even.
+  std::optional<uint64_t> stochastic_seed;
+  uint64_t stochastic_offset = 0;
+};
+
+struct Quantized {
+  Tensor codes;             // [R, C] of the format
+  Tensor scales;            // decode scales [ceil(R / block_rows), ceil(C / block_cols)]: F32, F8E8M0 or F8E4M3
+  float tensor_scale = 1;   // fp32 decode scale over all blocks (NVFP4; 1 for the others)
+  int64_t block_rows = 0, block_cols = 0;  // resolved (never 0)
+  // What quantization did, for the scaling recipes and the precision study:
+  float amax = 0;           // max |x| (Inf or NaN when x holds one)
+  int64_t saturated = 0;    // finite values that rounded beyond the format's largest finite value (clamped)
+  int64_t flushed = 0;      // nonzero finite values that became zero
+  int64_t rows() const { return codes.size(0); }
+  int64_t cols() const { return codes.size(1); }
+};
+
+// Quantizes a 2-d floating tensor (any strides; f32, f16, bf16 or f64). Error for other shapes, dtypes and
+// options, naming the option.
+Quantized quantize(const Tensor& x, const QuantizeOptions& options);
+
+// The values as f32 [R, C]: code_value * scale * tensor_scale, one fp32 rounding (none where the scales are
+// powers of two or the block scale and code multiply exactly, as E4M3 x E2M1 does).
+Tensor dequantize(const Quantized& q);
+
+// a [M, K] @ b [N, K]^T in f32: products of the dequantized values summed in fp32. Where both operands' scales
+// are constant along K (tensorwise and rowwise) the codes are multiplied and the [M, N] result scaled after,
+// as cuBLASLt's scaled fp8 GEMM does (D = scale_a * scale_b * (A @ B)).
+Tensor scaled_matmul(const Quantized& a, const Quantized& b);
+
+// Tensor::to between a floating dtype and a format of tensor/minifloat.h, or between two formats (see there:
+// round to nearest even, PyTorch's overflow: NaN for E4M3, Inf for E5M2, ±6 for E2M1; E8M0 drops the sign).
+// Error for integer dtypes, CUDA tensors and NaN into F4E2M1 (it has no NaN).
+Tensor convert_minifloat(const Tensor& x, DType target);
+
+// The largest finite value of a format (448, 57344, 6); Error for other dtypes.
+float format_max(DType format);
+
+}  // namespace mixtape
