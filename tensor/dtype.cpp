@@ -16,6 +16,8 @@ int dtype_bits(DType dtype) {
 }
 
 size_t dtype_size(DType dtype) {
+  if (static_cast<int>(dtype) > static_cast<int>(DType::F4E2M1))
+    fail("dtype_size: invalid dtype value ", static_cast<int>(dtype));
   const int bits = dtype_bits(dtype);
   if (bits < 8)
     fail("dtype_size: ", dtype_name(dtype), " packs two elements per byte, so an element has no byte size "

@@ -10,6 +10,7 @@
 #include "tensor/autograd_node.h"
 #include "tensor/backend.h"
 #include "tensor/ops.h"
+#include "tensor/scaled_linear.h"
 
 namespace mixtape {
 
@@ -133,6 +134,10 @@ Tensor matmul(const Tensor& a, const Tensor& b) {
 // linear: x [..., K] @ weight[N, K]^T + bias[N] in one kernel call (the bias joins the accumulator, so a
 // bf16 layer rounds once, and no separate add pass runs over the output).
 Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
+  // fp8 / block-scaled GEMMs for the weights a LowPrecisionScope covers (before autocast: they quantize from
+  // the weight itself, as Transformer Engine does, not from a bf16 copy).
+  if (const std::shared_ptr<LowPrecisionContext>& low = active_low_precision_context(); low && weight.defined())
+    [[unlikely]] if (low->covers(weight)) return scaled_linear(x, weight, bias, low);
   if (const auto cast = autocast_inputs(AutocastOp::Linear, x, weight, bias)) [[unlikely]]
     return linear((*cast)[0], (*cast)[1], (*cast)[2]);
   if (!x.defined() || !weight.defined())

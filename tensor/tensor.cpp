@@ -38,7 +38,11 @@ int64_t dim_of(const Tensor& t, int64_t dim, const char* op, int64_t ndim = -1) 
 Tensor Tensor::empty(const Shape& shape, DType dtype, Device device) {
   check_shape(shape, "empty");
   auto impl = std::make_shared<TensorImpl>();
-  const int64_t nbytes = storage_bytes(dtype, shape_numel(shape));
+  int64_t nbytes = 0;
+  if (dtype_bits(dtype) >= 8 &&
+      __builtin_mul_overflow(shape_numel(shape), static_cast<int64_t>(dtype_size(dtype)), &nbytes)) [[unlikely]]
+    fail("empty: ", shape_str(shape), " of ", dtype_name(dtype), " needs more bytes than fit in 64 bits");
+  nbytes = storage_bytes(dtype, shape_numel(shape));
   impl->storage = std::make_shared<Storage>(nbytes, device, backend_for(device).allocator());
   impl->shape = shape;
   impl->strides = contiguous_strides(shape);

@@ -1,0 +1,242 @@
+#include "tensor/scaled_linear.h"
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <utility>
+
+#include "tensor/autograd_node.h"
+#include "tensor/minifloat.h"
+#include "tensor/ops.h"
+#include "tensor/random.h"
+
+namespace mixtape {
+
+namespace {
+
+thread_local std::shared_ptr<LowPrecisionContext> active_context;
+
+size_t index_of(TensorKind kind) { return static_cast<size_t>(kind); }
+
+// The 16 x 16 random Hadamard transform of NVIDIA's NVFP4 recipe: Q = D H / 4, H the Sylvester Hadamard
+// matrix (entries ±1) and D a diagonal of random signs drawn from `seed`. Q is orthogonal, so applying it to
+// the summed dim of both wgrad operands leaves their product unchanged while it spreads outliers over 16
+// values before they are quantized.
+Tensor hadamard16(uint64_t seed) {
+  std::vector<float> q(256);
+  const std::array<uint32_t, 4> bits = philox4x32(0, 0x4841444d /* "HADM" */, seed);
+  for (int r = 0; r < 16; ++r) {
+    const float sign = (bits[0] >> r) & 1 ? -0.25f : 0.25f;
+    for (int c = 0; c < 16; ++c) q[static_cast<size_t>(r * 16 + c)] = (std::popcount(uint32_t(r & c)) & 1 ? -1 : 1) * sign;
+  }
+  return Tensor::from_vector(q, {16, 16});
+}
+
+// x [R, C] with each full group of 16 columns multiplied by q (the last, shorter group is left as it is:
+// the transform is orthogonal group by group, so the GEMM's result does not change either way).
+Tensor apply_hadamard(const Tensor& x, const Tensor& q) {
+  const int64_t R = x.size(0), C = x.size(1), full = C / 16 * 16;
+  if (full == 0) return x;
+  const Tensor x32 = x.to(DType::F32).contiguous();
+  Tensor head = matmul(x32.slice(1, 0, full).reshape({R * (full / 16), 16}), q).reshape({R, full});
+  if (full == C) return head;
+  return cat({head, x32.slice(1, full, C)}, 1);
+}
+
+void check_linear_arguments(const Tensor& x, const Tensor& weight, const Tensor& bias) {
+  if (!x.defined() || !weight.defined() || !is_floating(x.dtype()) || !is_floating(weight.dtype()))
+    fail("scaled_linear: expected floating input and weight, got ", x.description(), " and ", weight.description());
+  if (x.dim() < 1 || weight.dim() != 2 || x.size(-1) != weight.size(1))
+    fail("scaled_linear: input ", x.description(), " and weight ", weight.description(),
+         ": expected input [..., K] and weight [N, K]");
+  if (bias.defined() && (bias.dim() != 1 || bias.size(0) != weight.size(0) || !is_floating(bias.dtype())))
+    fail("scaled_linear: bias ", bias.description(), " must be floating [N] = [", weight.size(0), "]");
+  if (!x.device().is_cpu() || !weight.device().is_cpu())
+    fail("scaled_linear: not supported: ", x.described(), " on ", x.device().str(),
+         " (fp8 and block-scaled GEMMs run on the CPU for now)");
+}
+
+}  // namespace
+
+const char* tensor_kind_name(TensorKind kind) {
+  switch (kind) {
+    case TensorKind::Activation: return "activation";
+    case TensorKind::Weight: return "weight";
+    case TensorKind::Gradient: return "gradient";
+    case TensorKind::Count: break;
+  }
+  return "invalid";
+}
+
+LowPrecisionContext::LowPrecisionContext(LowPrecisionRecipe recipe) : recipe_(recipe) {
+  const LowPrecisionRecipe& r = recipe_;
+  check(r.amax_history_len >= 1, "LowPrecisionRecipe: amax_history_len must be >= 1, got ", r.amax_history_len);
+  check(r.margin >= 0 && r.margin <= 64, "LowPrecisionRecipe: margin must be 0..64, got ", r.margin);
+  check(r.block_size >= 1 && r.mx_block_size >= 1 && r.nvfp4_block_size >= 1, "LowPrecisionRecipe: block sizes "
+        "must be >= 1, got ", r.block_size, ", ", r.mx_block_size, ", ", r.nvfp4_block_size);
+  check(r.mx_scale_rounding == BlockScale::E8M0Floor || r.mx_scale_rounding == BlockScale::E8M0Ceil,
+        "LowPrecisionRecipe: mx_scale_rounding must be e8m0_floor or e8m0_ceil, got ",
+        block_scale_name(r.mx_scale_rounding));
+  for (DType format : {r.forward_format, r.gradient_format}) format_max(format);  // an element format
+}
+
+void LowPrecisionContext::cover(const Tensor& weight, const std::string& name) {
+  check(weight.defined() && weight.dim() == 2, "LowPrecisionContext: ", name, " ", weight.description(),
+        " is not a Linear weight [out, in]");
+  Covered& covered = states_[weight.impl_ptr().get()];
+  covered.name = name;
+  for (DelayedScaling& d : covered.state.tensors) d.history.assign(static_cast<size_t>(recipe_.amax_history_len), 0.0f);
+}
+
+QuantizeOptions LowPrecisionContext::options(TensorKind kind, const Tensor& weight) {
+  const LowPrecisionRecipe& r = recipe_;
+  QuantizeOptions o;
+  o.format = kind == TensorKind::Gradient ? r.gradient_format : r.forward_format;
+  const bool is_weight = kind == TensorKind::Weight;
+  switch (r.scaling) {
+    case ScalingRecipe::CurrentTensorwise:
+      break;
+    case ScalingRecipe::DelayedTensorwise:
+      o.fixed_scale = states_.at(weight.impl_ptr().get()).state.tensors[index_of(kind)].scale;
+      break;
+    case ScalingRecipe::Rowwise:
+      o.block_rows = 1;
+      break;
+    case ScalingRecipe::Block:
+      o.block_rows = is_weight ? r.block_size : 1;
+      o.block_cols = r.block_size;
+      break;
+    case ScalingRecipe::Mx:
+      o.block_rows = 1;
+      o.block_cols = r.mx_block_size;
+      o.scale = r.mx_scale_rounding;
+      break;
+    case ScalingRecipe::Nvfp4:
+      o.block_rows = is_weight ? r.nvfp4_block_size : 1;
+      o.block_cols = r.nvfp4_block_size;
+      o.scale = BlockScale::E4M3TwoLevel;
+      break;
+  }
+  if (r.scaling == ScalingRecipe::Nvfp4 && kind == TensorKind::Gradient && r.stochastic_rounding) {
+    // Each quantization draws from its own 2^40 counters (more than any tensor has elements).
+    o.stochastic_seed = r.seed;
+    o.stochastic_offset = random_draws_++ << 40;
+  }
+  return o;
+}
+
+void LowPrecisionContext::record(TensorKind kind, const Tensor& weight, const Quantized& q) {
+  QuantizationCounts& c = counts_[index_of(kind)];
+  c.values += q.codes.numel();
+  c.saturated += q.saturated;
+  c.flushed += q.flushed;
+  if (recipe_.scaling == ScalingRecipe::DelayedTensorwise) {
+    float& now = states_.at(weight.impl_ptr().get()).state.tensors[index_of(kind)].history[0];
+    now = std::isnan(q.amax) || std::isnan(now) ? NAN : std::max(now, q.amax);
+  }
+}
+
+void LowPrecisionContext::end_step() {
+  if (recipe_.scaling != ScalingRecipe::DelayedTensorwise) return;
+  for (auto& [key, covered] : states_)
+    for (size_t k = 0; k < covered.state.tensors.size(); ++k) {
+      DelayedScaling& d = covered.state.tensors[k];
+      // TE's _default_sf_compute: amax by the algorithm, scale = fp8_max / amax / 2^margin, the old scale
+      // kept where the amax is 0 or not finite. Then the history rolls: the newest amax moves to slot 1 and
+      // slot 0 starts the next step at 0.
+      float amax = d.history[0];
+      if (recipe_.amax_compute_algo == AmaxComputeAlgo::Max)
+        for (float a : d.history) amax = std::isnan(a) || std::isnan(amax) ? NAN : std::max(amax, a);
+      const DType format = k == index_of(TensorKind::Gradient) ? recipe_.gradient_format : recipe_.forward_format;
+      const float scale = format_max(format) / amax / std::ldexp(1.0f, static_cast<int>(recipe_.margin));
+      if (amax > 0 && std::isfinite(amax) && std::isfinite(scale)) d.scale = scale;
+      std::rotate(d.history.rbegin(), d.history.rbegin() + 1, d.history.rend());
+      d.history[0] = 0;
+    }
+}
+
+std::map<std::string, DelayedScaling> LowPrecisionContext::scaling_state() const {
+  std::map<std::string, DelayedScaling> out;
+  for (const auto& [key, covered] : states_)
+    for (size_t k = 0; k < covered.state.tensors.size(); ++k)
+      out[covered.name + "." + tensor_kind_name(static_cast<TensorKind>(k))] = covered.state.tensors[k];
+  return out;
+}
+
+void LowPrecisionContext::load_scaling_state(const std::map<std::string, DelayedScaling>& state) {
+  for (auto& [key, covered] : states_)
+    for (size_t k = 0; k < covered.state.tensors.size(); ++k) {
+      const std::string name = covered.name + "." + tensor_kind_name(static_cast<TensorKind>(k));
+      const auto found = state.find(name);
+      check(found != state.end(), "LowPrecisionContext: the scaling state has no entry for ", name);
+      check(found->second.history.size() == static_cast<size_t>(recipe_.amax_history_len),
+            "LowPrecisionContext: ", name, " has an amax history of ", found->second.history.size(),
+            " steps; this recipe's amax_history_len is ", recipe_.amax_history_len);
+      check(std::isfinite(found->second.scale) && found->second.scale > 0, "LowPrecisionContext: ", name,
+            " has scale ", found->second.scale, "; expected a positive finite value");
+      covered.state.tensors[k] = found->second;
+    }
+}
+
+LowPrecisionScope::LowPrecisionScope(std::shared_ptr<LowPrecisionContext> context)
+    : previous_(std::exchange(active_context, std::move(context))) {}
+LowPrecisionScope::~LowPrecisionScope() { active_context = std::move(previous_); }
+const std::shared_ptr<LowPrecisionContext>& active_low_precision_context() { return active_context; }
+
+Tensor scaled_linear(const Tensor& x, const Tensor& weight, const Tensor& bias,
+                     const std::shared_ptr<LowPrecisionContext>& context) {
+  check_linear_arguments(x, weight, bias);
+  check(context != nullptr && context->covers(weight), "scaled_linear: the weight ", weight.described(),
+        " is not covered by the low-precision context");
+  const int64_t K = weight.size(1), N = weight.size(0), rows = shape_numel(x.shape()) / std::max<int64_t>(K, 1);
+  const Tensor x2 = x.detach().reshape({rows, K}), w = weight.detach();
+  LowPrecisionContext& ctx = *context;
+  Tensor out32;
+  {
+    NoGradGuard no_grad;
+    const Quantized qx = quantize(x2, ctx.options(TensorKind::Activation, weight));
+    const Quantized qw = quantize(w, ctx.options(TensorKind::Weight, weight));
+    ctx.record(TensorKind::Activation, weight, qx);
+    ctx.record(TensorKind::Weight, weight, qw);
+    out32 = scaled_matmul(qx, qw);
+    if (bias.defined()) out32 = add(out32, bias.detach().to(DType::F32));
+  }
+  Shape out_shape = x.shape();
+  out_shape.back() = N;
+  Tensor out = out32.to(DType::BF16).reshape(out_shape).detach();
+
+  const bool x_grad = x.requires_grad(), w_grad = weight.requires_grad(), b_grad = bias.defined() && bias.requires_grad();
+  const DType x_dtype = x.dtype(), w_dtype = weight.dtype(), b_dtype = bias.defined() ? bias.dtype() : DType::F32;
+  const Shape x_shape = x.shape();
+  // weight_key is the weight's own handle (its identity keys the context's state; a leaf, so no cycle).
+  auto backward = [context, weight_key = weight, x2, w, x_grad, w_grad, b_grad, x_dtype, w_dtype, b_dtype,
+                   x_shape, rows, N](const Tensor& g) {
+    LowPrecisionContext& ctx = *context;
+    Grads grads(3);
+    const Tensor g2 = g.reshape({rows, N});
+    if (x_grad) {  // dgrad: g [rows, N] @ (Wᵀ [K, N])ᵀ
+      const Quantized qg = quantize(g2, ctx.options(TensorKind::Gradient, weight_key));
+      ctx.record(TensorKind::Gradient, weight_key, qg);
+      const Quantized qwt = quantize(w.mT(), ctx.options(TensorKind::Weight, weight_key));
+      grads[0] = scaled_matmul(qg, qwt).to(x_dtype).reshape(x_shape);
+    }
+    if (w_grad) {  // wgrad: gᵀ [N, rows] @ (xᵀ [K, rows])ᵀ
+      Tensor gt = g2.mT(), xt = x2.mT();
+      if (ctx.recipe().scaling == ScalingRecipe::Nvfp4 && ctx.recipe().random_hadamard_transform) {
+        const Tensor q = hadamard16(ctx.recipe().seed);
+        gt = apply_hadamard(gt, q);
+        xt = apply_hadamard(xt, q);
+      }
+      const Quantized qgt = quantize(gt, ctx.options(TensorKind::Gradient, weight_key));
+      const Quantized qxt = quantize(xt, ctx.options(TensorKind::Activation, weight_key));
+      if (!x_grad) ctx.record(TensorKind::Gradient, weight_key, qgt);
+      grads[1] = scaled_matmul(qgt, qxt).to(w_dtype);
+    }
+    if (b_grad) grads[2] = sum_to(g.to(DType::F32), {N}).to(b_dtype);
+    return grads;
+  };
+  record_backward("scaled_linear", {x, weight, bias}, out, std::move(backward), {x2, w});
+  return out;
+}
+
+}  // namespace mixtape

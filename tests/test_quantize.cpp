@@ -1,0 +1,379 @@
+// Scaled quantization and the low-precision Linear: each recipe's scales on hand-derived examples, the
+// quantize -> dequantize error within each format's half step, the emulated GEMM within fp32-summation bounds of
+// an f64 product of the same dequantized operands, and delayed scaling's history as Transformer Engine keeps it.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <vector>
+
+#include "autograd/autograd.h"
+#include "tensor/autograd_node.h"
+#include "tensor/minifloat.h"
+#include "tensor/ops.h"
+#include "tensor/quantize.h"
+#include "tensor/scaled_linear.h"
+#include "tensor/tensor.h"
+#include "test_util.h"
+
+namespace mixtape {
+namespace {
+
+std::vector<float> values_of(const Tensor& t) { return t.to(DType::F32).to_vector<float>(); }
+std::vector<float> scales_of(const Quantized& q) { return values_of(q.scales); }
+
+Tensor matrix(const std::vector<float>& v, int64_t rows, int64_t cols) { return Tensor::from_vector(v, {rows, cols}); }
+
+TEST(Quantize, TensorwiseScaleIsFormatMaxOverAmax) {
+  // amax 4: encode 448 / 4 = 112, so 1, -2, 0.5, 4 become 112, -224, 56, 448 (all E4M3 values).
+  const Quantized q = quantize(matrix({1, -2, 0.5f, 4}, 2, 2), {});
+  EXPECT_EQ(values_of(q.codes), (std::vector<float>{112, -224, 56, 448}));
+  EXPECT_EQ(scales_of(q), (std::vector<float>{1.0f / 112.0f}));
+  EXPECT_EQ(q.amax, 4.0f);
+  EXPECT_EQ(q.saturated, 0);
+  // E5M2 ("hybrid" gradients): 57344 / 4 = 14336; 14336 = 1.75 * 2^13 is an E5M2 value.
+  QuantizeOptions e5m2;
+  e5m2.format = DType::F8E5M2;
+  EXPECT_EQ(values_of(quantize(matrix({4, 1}, 1, 2), e5m2).codes), (std::vector<float>{57344, 14336}));
+}
+
+TEST(Quantize, DelayedScalingUsesTheGivenScaleAndSaturates) {
+  QuantizeOptions o;
+  o.fixed_scale = 2.0f;
+  // 300 * 2 = 600 > 448: saturated to 448; 1.3 * 2 = 2.6 rounds to 2.5 (E4M3's step is 0.25 in [2, 4)).
+  const Quantized q = quantize(matrix({300, 1.3f}, 1, 2), o);
+  EXPECT_EQ(values_of(q.codes), (std::vector<float>{448, 2.5f}));
+  EXPECT_EQ(scales_of(q), (std::vector<float>{0.5f}));
+  EXPECT_EQ(q.saturated, 1);
+  EXPECT_EQ(q.amax, 300.0f);
+}
+
+TEST(Quantize, RowwiseGivesEachRowItsScale) {
+  QuantizeOptions o;
+  o.block_rows = 1;
+  const Quantized q = quantize(matrix({1, 2, 0.1f, -0.05f}, 2, 2), o);
+  EXPECT_EQ(scales_of(q), (std::vector<float>{1.0f / (448.0f / 2.0f), 1.0f / (448.0f / 0.1f)}));
+  const std::vector<float> codes = values_of(q.codes);
+  EXPECT_EQ(codes[0], 224.0f);
+  EXPECT_EQ(codes[1], 448.0f);
+  EXPECT_EQ(codes[2], 448.0f);
+  EXPECT_EQ(codes[3], -224.0f);
+}
+
+TEST(Quantize, DeepSeekTilesAndBlocksHaveOneScaleEach) {
+  // [2, 256] in 1 x 128 tiles: four scales, each 1 / (448 / amax of its tile).
+  std::vector<float> x(512, 0.5f);
+  x[3] = 8;          // row 0, tile 0
+  x[128 + 5] = -2;   // row 0, tile 1: amax 2
+  x[256 + 7] = 1;    // row 1, tile 0: amax 1 (0.5 elsewhere)
+  QuantizeOptions tiles;
+  tiles.block_rows = 1;
+  tiles.block_cols = 128;
+  const Quantized q = quantize(matrix(x, 2, 256), tiles);
+  EXPECT_EQ(q.scales.shape(), (Shape{2, 2}));
+  EXPECT_EQ(scales_of(q), (std::vector<float>{1 / (448 / 8.0f), 1 / (448 / 2.0f), 1 / (448 / 1.0f), 1 / (448 / 0.5f)}));
+  // A [256, 130] weight in 128 x 128 blocks: a [2, 2] grid whose last column of blocks is 2 wide.
+  QuantizeOptions blocks = tiles;
+  blocks.block_rows = 128;
+  std::vector<float> w(256 * 130, 1.0f);
+  w[200 * 130 + 129] = 4;  // block (1, 1)
+  const Quantized qw = quantize(matrix(w, 256, 130), blocks);
+  EXPECT_EQ(scales_of(qw), (std::vector<float>{1 / 448.0f, 1 / 448.0f, 1 / 448.0f, 1 / (448 / 4.0f)}));
+}
+
+TEST(Quantize, MxScalesFollowTheOcpFloorOrNvidiasCeil) {
+  // Block 0: amax 1 -> OCP: 2^(floor(log2 1) - 8) = 2^-8 (E8M0 code 119); 1 -> 256.
+  // Block 1: amax 500 -> OCP: 2^(8 - 8) = 1, and 500 saturates to 448; NVIDIA: 2^ceil(log2(500 / 448)) = 2,
+  // 500 / 2 = 250 -> 256 (E4M3's step is 16 in [128, 256)).
+  std::vector<float> x(64, 0.0f);
+  x[0] = 1;
+  x[32] = 500;
+  QuantizeOptions o;
+  o.block_rows = 1;
+  o.block_cols = 32;
+  o.scale = BlockScale::E8M0Floor;
+  const Quantized floor = quantize(matrix(x, 1, 64), o);
+  EXPECT_EQ(floor.scales.dtype(), DType::F8E8M0);
+  EXPECT_EQ(scales_of(floor), (std::vector<float>{0x1p-8f, 1.0f}));
+  EXPECT_EQ(static_cast<const uint8_t*>(floor.scales.data_ptr())[0], 119);
+  EXPECT_EQ(values_of(floor.codes)[0], 256.0f);
+  EXPECT_EQ(values_of(floor.codes)[32], 448.0f);
+  EXPECT_EQ(floor.saturated, 1);
+  o.scale = BlockScale::E8M0Ceil;
+  const Quantized ceil = quantize(matrix(x, 1, 64), o);
+  EXPECT_EQ(scales_of(ceil), (std::vector<float>{0x1p-8f, 2.0f}));
+  EXPECT_EQ(values_of(ceil.codes)[32], 256.0f);
+  EXPECT_EQ(ceil.saturated, 0);
+  // MXFP4 (E2M1, emax 2): amax 6 -> 2^(2 - 2) = 1.
+  o.format = DType::F4E2M1;
+  o.scale = BlockScale::E8M0Floor;
+  EXPECT_EQ(scales_of(quantize(matrix(std::vector<float>(32, 6.0f), 1, 32), o)), (std::vector<float>{1.0f}));
+}
+
+TEST(Quantize, Nvfp4HasE4M3BlockScalesUnderAnFp32TensorScale) {
+  // Tensor amax 6: tensor encode scale 6 * 448 / 6 = 448, decode 1 / 448.
+  // Block 0 (amax 6): 6 / 6 * 448 = 448 stored exactly. Block 1 (amax 5): 5 / 6 * 448 = 373.3 -> E4M3 384
+  // (step 32 in [256, 448]), so its values are encoded with 448 / 384: 5 -> 5.83 -> E2M1 6, dequantized
+  // 6 * 384 / 448 = 5.142857.
+  std::vector<float> x(32, 0.0f);
+  x[0] = 6;
+  x[16] = 5;
+  QuantizeOptions o;
+  o.format = DType::F4E2M1;
+  o.block_rows = 1;
+  o.block_cols = 16;
+  o.scale = BlockScale::E4M3TwoLevel;
+  const Quantized q = quantize(matrix(x, 1, 32), o);
+  EXPECT_EQ(q.scales.dtype(), DType::F8E4M3);
+  EXPECT_EQ(scales_of(q), (std::vector<float>{448.0f, 384.0f}));
+  EXPECT_EQ(q.tensor_scale, 1.0f / 448.0f);
+  EXPECT_EQ(values_of(q.codes)[0], 6.0f);
+  EXPECT_EQ(values_of(q.codes)[16], 6.0f);
+  EXPECT_NEAR(values_of(dequantize(q))[16], 6.0 * 384 / 448, 1e-6);
+  EXPECT_NEAR(values_of(dequantize(q))[0], 6.0, 1e-6);
+  EXPECT_ERROR_MENTIONS(quantize(matrix(x, 1, 32), {.format = DType::F8E4M3, .scale = BlockScale::E4M3TwoLevel}),
+                        "e4m3_two_level", "f4e2m1");
+}
+
+TEST(Quantize, NonFiniteValuesMakeTheirBlockNaN) {
+  QuantizeOptions o;
+  o.block_rows = 1;
+  const Quantized q = quantize(matrix({1, INFINITY, 2, 3}, 2, 2), o);
+  const std::vector<float> back = values_of(dequantize(q));
+  EXPECT_TRUE(std::isnan(back[0]) && std::isnan(back[1]));
+  EXPECT_NEAR(back[2], 2, 2 * 0x1p-4);
+  EXPECT_NEAR(back[3], 3, 3 * 0x1p-4);
+  EXPECT_TRUE(std::isinf(q.amax));
+}
+
+// |dequantize(quantize(x)) - x| is at most half a grid step: relative 2^-(M+1) above the smallest normal, and
+// half the smallest subnormal (times the block's decode scale) below it.
+TEST(Quantize, DequantizedValuesLieWithinHalfAStepForEveryRecipe) {
+  const Tensor x = mul(Tensor::randn({64, 96}, 3), 3.0);
+  struct Case {
+    const char* name;
+    QuantizeOptions options;
+    int mantissa_bits;
+    double min_subnormal;
+  };
+  const std::vector<Case> cases = {
+      {"tensorwise e4m3", {}, 3, 0x1p-9},
+      {"tensorwise e5m2", {.format = DType::F8E5M2}, 2, 0x1p-16},
+      {"rowwise", {.block_rows = 1}, 3, 0x1p-9},
+      {"1x128 tiles", {.block_rows = 1, .block_cols = 32}, 3, 0x1p-9},
+      {"mx floor", {.block_rows = 1, .block_cols = 32, .scale = BlockScale::E8M0Floor}, 3, 0x1p-9},
+      {"mx ceil", {.block_rows = 1, .block_cols = 32, .scale = BlockScale::E8M0Ceil}, 3, 0x1p-9},
+      {"nvfp4", {.format = DType::F4E2M1, .block_rows = 1, .block_cols = 16, .scale = BlockScale::E4M3TwoLevel}, 1, 0.5},
+  };
+  const std::vector<float> xv = values_of(x);
+  for (const Case& c : cases) {
+    const Quantized q = quantize(x, c.options);
+    const std::vector<float> back = values_of(dequantize(q));
+    const int64_t grid_cols = q.scales.size(1);
+    const std::vector<float> scales = scales_of(q);
+    int64_t bad = 0;
+    for (int64_t i = 0; i < x.numel(); ++i) {
+      const int64_t r = i / 96, col = i % 96;
+      // OCP's floor rule saturates by design: a block's largest value may lose up to its clamp.
+      if (c.options.scale == BlockScale::E8M0Floor) continue;
+      const double decode = scales[static_cast<size_t>(r / q.block_rows * grid_cols + col / q.block_cols)] * q.tensor_scale;
+      const double bound = std::max(std::fabs(xv[i]) * std::ldexp(1.0, -(c.mantissa_bits + 1)),
+                                    c.min_subnormal / 2 * decode) * (1 + 1e-6);
+      if (std::fabs(back[i] - xv[i]) > bound && bad++ < 3)
+        ADD_FAILURE() << c.name << ": x " << xv[i] << " came back " << back[i] << " (bound " << bound << ")";
+    }
+    EXPECT_EQ(bad, 0) << c.name;
+    if (c.options.scale != BlockScale::E8M0Floor) EXPECT_EQ(q.saturated, 0) << c.name;
+  }
+}
+
+// The emulated GEMM against an f64 product of the same dequantized operands: within the fp32 summation bound
+// K * 2^-24 * sum |a||b| (plus the scale's rounding for the tensorwise path, 2^-23 relative).
+TEST(Quantize, ScaledMatmulIsTheFp32SumOfTheDequantizedProducts) {
+  const int64_t M = 17, N = 9, K = 160;
+  const Tensor a = Tensor::randn({M, K}, 11), b = mul(Tensor::randn({N, K}, 12), 0.02);
+  const std::vector<QuantizeOptions> recipes = {
+      {}, {.block_rows = 1}, {.block_rows = 1, .block_cols = 128},
+      {.block_rows = 1, .block_cols = 32, .scale = BlockScale::E8M0Ceil},
+      {.format = DType::F4E2M1, .block_rows = 1, .block_cols = 16, .scale = BlockScale::E4M3TwoLevel}};
+  for (const QuantizeOptions& o : recipes) {
+    const Quantized qa = quantize(a, o), qb = quantize(b, o);
+    const std::vector<float> c = values_of(scaled_matmul(qa, qb));
+    const std::vector<double> da = dequantize(qa).to(DType::F64).to_vector<double>(),
+                              db = dequantize(qb).to(DType::F64).to_vector<double>();
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = 0; n < N; ++n) {
+        double exact = 0, magnitude = 0;
+        for (int64_t k = 0; k < K; ++k) {
+          exact += da[m * K + k] * db[n * K + k];
+          magnitude += std::fabs(da[m * K + k] * db[n * K + k]);
+        }
+        const double bound = (K * 0x1p-24 + 4 * 0x1p-24) * magnitude;
+        ASSERT_NEAR(c[m * N + n], exact, bound) << block_scale_name(o.scale) << " " << o.block_cols << " m " << m << " n " << n;
+      }
+  }
+}
+
+TEST(Quantize, StochasticRoundingIsReproducibleFromTheSeed) {
+  const Tensor g = Tensor::randn({8, 64}, 5);
+  QuantizeOptions o{.format = DType::F4E2M1, .block_rows = 1, .block_cols = 16, .scale = BlockScale::E4M3TwoLevel};
+  o.stochastic_seed = 42;
+  const std::vector<float> first = values_of(dequantize(quantize(g, o))), again = values_of(dequantize(quantize(g, o)));
+  EXPECT_EQ(first, again);
+  o.stochastic_seed = 43;
+  EXPECT_NE(values_of(dequantize(quantize(g, o))), first);
+  o.stochastic_seed.reset();
+  EXPECT_NE(values_of(dequantize(quantize(g, o))), first);  // nearest-even differs from a stochastic draw
+}
+
+TEST(Quantize, RefusesBadArguments) {
+  EXPECT_ERROR_MENTIONS(quantize(Tensor::ones({4}), {}), "quantize", "2-d");
+  EXPECT_ERROR_MENTIONS(quantize(Tensor::ones({2, 2}), {.format = DType::BF16}), "quantize", "bf16");
+  EXPECT_ERROR_MENTIONS(quantize(Tensor::ones({2, 2}), {.block_rows = -1}), "block_rows");
+  QuantizeOptions fixed;
+  fixed.fixed_scale = -1.0f;
+  EXPECT_ERROR_MENTIONS(quantize(Tensor::ones({2, 2}), fixed), "fixed_scale");
+  const Quantized a = quantize(Tensor::ones({2, 3}), {}), b = quantize(Tensor::ones({2, 4}), {});
+  EXPECT_ERROR_MENTIONS(scaled_matmul(a, b), "scaled_matmul", "K");
+}
+
+// ---- the low-precision Linear ------------------------------------------------------------------------
+
+std::shared_ptr<LowPrecisionContext> context_for(const Tensor& weight, LowPrecisionRecipe recipe) {
+  auto context = std::make_shared<LowPrecisionContext>(recipe);
+  context->cover(weight, "layer.weight");
+  return context;
+}
+
+TEST(ScaledLinear, CurrentScalingMatchesTheProductOfTheQuantizedOperands) {
+  Tensor x = Tensor::randn({4, 3, 32}, 1), w = mul(Tensor::randn({16, 32}, 2), 0.1), b = Tensor::randn({16}, 3);
+  x.requires_grad_(true);
+  w.requires_grad_(true);
+  b.requires_grad_(true);
+  auto context = context_for(w, {});
+  Tensor out;
+  {
+    LowPrecisionScope scope(context);
+    out = linear(x, w, b);
+  }
+  EXPECT_EQ(out.dtype(), DType::BF16);
+  EXPECT_EQ(out.shape(), (Shape{4, 3, 16}));
+  // The reference: bf16 of (dequantized x) (dequantized W)ᵀ + b, in f64.
+  const Tensor dx = dequantize(quantize(x.detach().reshape({12, 32}), {})).to(DType::F64);
+  const Tensor dw = dequantize(quantize(w.detach(), {})).to(DType::F64);
+  const std::vector<float> want =
+      values_of(add(matmul(dx, dw.mT()), b.detach().to(DType::F64)).to(DType::BF16));
+  const std::vector<float> got = values_of(out);
+  for (size_t i = 0; i < want.size(); ++i) EXPECT_NEAR(got[i], want[i], std::fabs(want[i]) * 0x1p-7) << i;
+  // Backward: E5M2 gradients, E4M3 operands; the gradients are close to the fp32 layer's.
+  backward(sum(out.to(DType::F32)));
+  const Tensor gx = x.grad(), gw = w.grad(), gb = b.grad();
+  EXPECT_EQ(gx.dtype(), DType::F32);
+  EXPECT_EQ(gw.dtype(), DType::F32);
+  const Tensor ones = Tensor::ones({12, 16});
+  const std::vector<float> want_gx = values_of(matmul(ones, w.detach())), got_gx = values_of(gx);
+  for (size_t i = 0; i < want_gx.size(); ++i) EXPECT_NEAR(got_gx[i], want_gx[i], 0.07 * std::fabs(want_gx[i]) + 0.02);
+  EXPECT_EQ(values_of(gb), std::vector<float>(16, 12.0f));
+  EXPECT_EQ(context->counts()[static_cast<size_t>(TensorKind::Activation)].values, 12 * 32);
+  EXPECT_EQ(context->counts()[static_cast<size_t>(TensorKind::Gradient)].values, 12 * 16);
+}
+
+TEST(ScaledLinear, UncoveredWeightsAndClosedScopesRunTheOrdinaryLinear) {
+  const Tensor x = Tensor::randn({2, 8}, 1), w = Tensor::randn({4, 8}, 2), other = Tensor::randn({4, 8}, 3);
+  auto context = context_for(w, {});
+  {
+    LowPrecisionScope scope(context);
+    EXPECT_EQ(linear(x, other, Tensor()).dtype(), DType::F32);
+    EXPECT_EQ(linear(x, w, Tensor()).dtype(), DType::BF16);
+  }
+  EXPECT_EQ(linear(x, w, Tensor()).dtype(), DType::F32);
+}
+
+TEST(ScaledLinear, DelayedScalingFollowsTheAmaxHistory) {
+  Tensor w = Tensor::full({2, 2}, 0.5);
+  w.requires_grad_(true);
+  LowPrecisionRecipe recipe;
+  recipe.scaling = ScalingRecipe::DelayedTensorwise;
+  recipe.amax_history_len = 4;
+  auto context = context_for(w, recipe);
+  auto step = [&](float amax) {
+    Tensor x = Tensor::from_vector(std::vector<float>{amax, 0.25f}, {1, 2});
+    {
+      LowPrecisionScope scope(context);
+      backward(sum(linear(x, w, Tensor()).to(DType::F32)));
+    }
+    context->end_step();
+  };
+  auto scale = [&](const char* kind) { return context->scaling_state().at(std::string("layer.weight.") + kind).scale; };
+  EXPECT_EQ(scale("activation"), 1.0f);  // TE starts at 1
+  step(2.0f);
+  // After the step: scale = 448 / 2, the weight's 448 / 0.5, the gradient's (ones, E5M2) 57344 / 1.
+  EXPECT_EQ(scale("activation"), 224.0f);
+  EXPECT_EQ(scale("weight"), 896.0f);
+  EXPECT_EQ(scale("gradient"), 57344.0f);
+  const DelayedScaling& h = context->scaling_state().at("layer.weight.activation");
+  EXPECT_EQ(h.history, (std::vector<float>{0, 2, 0, 0}));
+  step(1.0f);  // "max" over the history keeps 2
+  EXPECT_EQ(scale("activation"), 224.0f);
+  for (int i = 0; i < 3; ++i) step(1.0f);  // 2 has left the 4-step history
+  EXPECT_EQ(scale("activation"), 448.0f);
+}
+
+TEST(ScaledLinear, DelayedScalingKeepsTheScaleWhenTheAmaxIsZeroOrNotFinite) {
+  Tensor w = Tensor::full({2, 2}, 0.5);
+  LowPrecisionRecipe recipe;
+  recipe.scaling = ScalingRecipe::DelayedTensorwise;
+  recipe.amax_compute_algo = AmaxComputeAlgo::MostRecent;
+  recipe.amax_history_len = 2;
+  recipe.margin = 1;
+  auto context = context_for(w, recipe);
+  auto forward = [&](float v) {
+    LowPrecisionScope scope(context);
+    linear(Tensor::from_vector(std::vector<float>{v, v}, {1, 2}), w, Tensor());
+    context->end_step();
+    return context->scaling_state().at("layer.weight.activation").scale;
+  };
+  EXPECT_EQ(forward(4.0f), 448.0f / 4 / 2);  // margin 1 halves it
+  EXPECT_EQ(forward(0.0f), 448.0f / 4 / 2);
+  EXPECT_EQ(forward(INFINITY), 448.0f / 4 / 2);
+  EXPECT_EQ(forward(1.0f), 448.0f / 1 / 2);  // most_recent
+}
+
+TEST(ScaledLinear, EveryRecipeTrainsALinearLayerTowardsItsTarget) {
+  // y = x Wtᵀ with a fixed target Wt: a few SGD steps on the mean squared error shrink it for each recipe.
+  const Tensor target = mul(Tensor::randn({8, 64}, 9), 0.1);
+  for (ScalingRecipe scaling : {ScalingRecipe::CurrentTensorwise, ScalingRecipe::DelayedTensorwise,
+                                ScalingRecipe::Rowwise, ScalingRecipe::Block, ScalingRecipe::Mx, ScalingRecipe::Nvfp4}) {
+    Tensor w = Tensor::zeros({8, 64});
+    w.requires_grad_(true);
+    LowPrecisionRecipe recipe;
+    recipe.scaling = scaling;
+    recipe.block_size = 32;
+    if (scaling == ScalingRecipe::Nvfp4) recipe.forward_format = recipe.gradient_format = DType::F4E2M1;
+    if (scaling == ScalingRecipe::Rowwise || scaling == ScalingRecipe::Block || scaling == ScalingRecipe::Mx)
+      recipe.gradient_format = DType::F8E4M3;
+    auto context = context_for(w, recipe);
+    double first = 0, last = 0;
+    for (int step = 0; step < 60; ++step) {
+      const Tensor x = Tensor::randn({32, 64}, 100 + step);
+      Tensor loss;
+      {
+        LowPrecisionScope scope(context);
+        const Tensor y = linear(x, w, Tensor()).to(DType::F32);
+        const Tensor diff = sub(y, matmul(x, target.mT()));
+        loss = mean(mul(diff, diff));
+      }
+      backward(loss);
+      {
+        NoGradGuard no_grad;
+        w.add_(w.grad(), -0.5);
+        w.set_grad(Tensor());
+      }
+      context->end_step();
+      (step == 0 ? first : last) = loss.item();
+    }
+    EXPECT_LT(last, first * 0.1) << static_cast<int>(scaling);
+  }
+}
+
+}  // namespace
+}  // namespace mixtape
