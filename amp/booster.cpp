@@ -28,6 +28,47 @@ void collect_norms(Module& module, std::vector<UnaryModule*>& out) {
 
 const char* low_name(DType dtype) { return dtype == DType::BF16 ? "bf16" : "fp16"; }
 
+// Every Linear below `module` with its dotted path.
+void collect_linears(Module& module, const std::string& prefix, std::vector<std::pair<std::string, Linear*>>& out) {
+  for (const auto& [name, child] : module.named_children()) {
+    const std::string path = prefix.empty() ? name : prefix + "." + name;
+    if (auto* linear = dynamic_cast<Linear*>(child)) out.push_back({path, linear});
+    collect_linears(*child, path, out);
+  }
+}
+
+// Whether an exclude entry names the module at `path`: the whole path, or its last names ("c_proj" and
+// "mlp.c_proj" both match "transformer.h.0.mlp.c_proj").
+bool names_module(const std::string& entry, const std::string& path) {
+  return path == entry || (path.size() > entry.size() && path.ends_with(entry) &&
+                           path[path.size() - entry.size() - 1] == '.');
+}
+
+// The fp8 / block-scaled context covering every Linear of `model` that the config does not exclude. An
+// exclude entry the user gave that matches no Linear is an Error (a misspelt name would silently quantize the
+// layer it meant to keep).
+std::shared_ptr<LowPrecisionContext> make_low_precision_context(const AmpConfig& c, Module& model) {
+  auto context = std::make_shared<LowPrecisionContext>(c.low_precision_recipe());
+  std::vector<std::pair<std::string, Linear*>> linears;
+  if (auto* linear = dynamic_cast<Linear*>(&model)) linears.push_back({"", linear});  // a bare Linear
+  collect_linears(model, "", linears);
+  const std::vector<std::string> exclude = c.excluded_modules();
+  std::vector<bool> used(exclude.size(), false);
+  for (const auto& [path, linear] : linears) {
+    bool excluded = false;
+    for (size_t i = 0; i < exclude.size(); ++i)
+      if (names_module(exclude[i], path)) excluded = used[i] = true;
+    if (!excluded) context->cover(linear->weight, path.empty() ? "weight" : path + ".weight");
+  }
+  check(!linears.empty(), "Booster.boost: ", c.name(), " quantizes the GEMMs of Linear modules, and the model has "
+        "none (its layers would all run in bf16)");
+  if (c.low_precision.exclude)
+    for (size_t i = 0; i < exclude.size(); ++i)
+      check(used[i], "Booster.boost: ", c.name(), " exclude entry \"", exclude[i],
+            "\" names no Linear module of the model");
+  return context;
+}
+
 // The scaler when it is a DynamicLossScaler, else null.
 const DynamicLossScaler* dynamic_scaler(const LossScaler* scaler) {
   return dynamic_cast<const DynamicLossScaler*>(scaler);
@@ -166,6 +207,7 @@ BoostedParts Booster::boost_parts(Module& model, std::unique_ptr<Optimizer> opti
   swap_converted_parameters(before, after, *optimizer);
   // From here the optimizer holds the parameters: a later set_fp32 would make leaves it does not hold.
   if (naive_) naive_->seal();
+  if (config_.quantizes_gemms()) low_precision_ = make_low_precision_context(config_, model);
   if (config_.fp32_grads())
     for (const auto& [name, param] : after)
       if (is_low_precision(param.dtype())) Tensor(param).set_grad_dtype(DType::F32);
@@ -236,6 +278,8 @@ std::vector<Tensor> Booster::forward(
   // names its table: row_follows_its_family).
   std::optional<Autocast> scope;
   if (const auto dtype = config_.autocast_dtype()) scope.emplace(dtype, *config_.row().autocast_policy);
+  std::optional<LowPrecisionScope> low_precision;
+  if (low_precision_) low_precision.emplace(low_precision_);
   std::vector<Tensor> cast_inputs = inputs;
   if (input_dtype_)
     for (Tensor& input : cast_inputs) input = cast_floating(input, *input_dtype_);
@@ -264,6 +308,8 @@ StepResult Booster::step(const std::function<StepResult()>& step,
     updates_before.push_back(dynamic ? dynamic->update_count() : 0);
   }
   const StepResult result = step();
+  // Delayed scaling's history moves on every step, skipped or not (TE updates it after every backward).
+  if (low_precision_) low_precision_->end_step();
   if (!print_verbose_) return result;
   using Update = DynamicLossScaler::Update;
   // What scaler i's update in this step did; None if it was not updated (or is not dynamic).

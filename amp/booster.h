@@ -29,6 +29,10 @@
 //               "Gradient overflow.  Skipping step, loss scaler K reducing loss scale to S" on every
 //               skipped step; 2 also each growth (a line of ours: Apex's verbosity 2 prints its casts). The
 //               dynamic scale is updated once per step (Apex: after every backward; docs/amp.md).
+//   fp8 ...     fp8, fp8_delayed, fp8_rowwise, fp8_block, mxfp8, nvfp4: forward under Autocast(BF16), and the
+//               Linear layers' GEMMs (all but the config's exclude, by default lm_head) quantized by the mode's
+//               recipe (tensor/scaled_linear.h); fp32 params, no loss scaling; the delayed scales move on after
+//               each step
 //   fp16_naive  NaiveAMPModel(fp16) + masters + DynamicLossScaler with hysteresis (and the config's clip_grad,
 //   bf16_naive  log_num_zeros_in_grad); bf16 likewise. verbose prints Colossal-AI's lines at each backoff
 //               ("Overflow occurs, the loss scale is adjusted to S") and growth ("No overflow for
@@ -46,6 +50,7 @@
 #include "amp/process_group.h"
 #include "nn/module.h"
 #include "optim/optimizer.h"
+#include "tensor/scaled_linear.h"
 
 namespace mixtape {
 
@@ -105,6 +110,9 @@ class Booster {
   const AmpConfig& config() const { return config_; }
   // Null unless the mode casts the model to fp16/bf16. Sealed by boost(): set_fp32 on it is an Error.
   NaiveAMPModel* naive_model() { return naive_.get(); }
+  // The fp8 / block-scaled modes' GEMM state (tensor/scaled_linear.h): which Linear layers it covers, their
+  // delayed scaling and what quantization saturated and flushed; null in the other modes.
+  const std::shared_ptr<LowPrecisionContext>& low_precision() const { return low_precision_; }
 
  private:
   // boost()'s conversion of the model for the mode (the row's cast); Apex's per its properties.
@@ -117,6 +125,7 @@ class Booster {
   std::unique_ptr<NaiveAMPModel> naive_;
   std::optional<DType> input_dtype_;   // apex: cast_model_type (floating inputs are cast to it)
   std::optional<DType> output_dtype_;  // apex: cast_model_outputs, or fp32 when the model is cast
+  std::shared_ptr<LowPrecisionContext> low_precision_;  // fp8 / block-scaled modes
 };
 
 }  // namespace mixtape

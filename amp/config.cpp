@@ -200,12 +200,32 @@ constexpr std::array<std::pair<std::string_view, LrScheduleOnSkip>, 2> kSchedule
 constexpr std::array<std::pair<std::string_view, NaiveLossScaler>, 2> kNaiveLossScalerWords{
     {{"dynamic", NaiveLossScaler::Dynamic}, {"none", NaiveLossScaler::None}}};
 
+constexpr std::array<std::pair<std::string_view, Fp8Format>, 2> kFp8FormatWords{
+    {{"hybrid", Fp8Format::Hybrid}, {"e4m3", Fp8Format::E4M3}}};
+constexpr std::array<std::pair<std::string_view, AmaxComputeAlgo>, 2> kAmaxAlgoWords{
+    {{"max", AmaxComputeAlgo::Max}, {"most_recent", AmaxComputeAlgo::MostRecent}}};
+constexpr std::array<std::pair<std::string_view, BlockScale>, 2> kMxRoundingWords{
+    {{"floor", BlockScale::E8M0Floor}, {"ceil", BlockScale::E8M0Ceil}}};
+
 // The word of `value` among `words` (validate() has refused a value without one).
 template <class Value, size_t N>
 std::string word_of(Value value, const std::array<std::pair<std::string_view, Value>, N>& words) {
   for (const auto& [name, v] : words)
     if (v == value) return std::string(name);
   return "unknown";
+}
+
+// A list of non-empty module names (exclude).
+std::vector<std::string> read_module_names(const OptionReader& read, const std::string& key, const Json& value) {
+  check(value.is_array(), read.who, ": ", key, " must be a list of module names like [\"lm_head\"], got ",
+        json::kind_name(value));
+  std::vector<std::string> names;
+  for (const Json& name : json::as_array(value)) {
+    check(name.is_string() && !json::as_string(name).empty(), read.who, ": ", key,
+          " must list non-empty module names, got ", json::dump(name));
+    names.push_back(json::as_string(name));
+  }
+  return names;
 }
 
 // Each family's reader sets the option `key` from `value`, and says whether `key` is one of its options.
@@ -234,6 +254,25 @@ bool read_naive_option(const OptionReader& read, const std::string& key, const J
   else if (key == "output_to_fp32") n.output_to_fp32 = read.boolean(value, key);
   else if (key == "accumulate_allreduce_grads_in_fp32") n.accumulate_allreduce_grads_in_fp32 = read.boolean(value, key);
   else if (key == "loss_scaler") n.loss_scaler = word_option(read.who, key, value, kNaiveLossScalerWords);
+  else return false;
+  return true;
+}
+
+bool read_low_precision_option(const OptionReader& read, const std::string& key, const Json& value,
+                               LowPrecisionOptions& l) {
+  if (key == "fp8_format") {
+    l.fp8_format = value.is_null() ? std::nullopt : std::optional(word_option(read.who, key, value, kFp8FormatWords));
+  }
+  else if (key == "amax_history_len") l.amax_history_len = read.integer(value, key);
+  else if (key == "amax_compute_algo") l.amax_compute_algo = word_option(read.who, key, value, kAmaxAlgoWords);
+  else if (key == "margin") l.margin = read.integer(value, key);
+  else if (key == "block_size") l.block_size = read.integer(value, key);
+  else if (key == "mx_block_size") l.mx_block_size = read.integer(value, key);
+  else if (key == "mx_scale_rounding") l.mx_scale_rounding = word_option(read.who, key, value, kMxRoundingWords);
+  else if (key == "nvfp4_block_size") l.nvfp4_block_size = read.integer(value, key);
+  else if (key == "stochastic_rounding") l.stochastic_rounding = read.boolean(value, key);
+  else if (key == "random_hadamard_transform") l.random_hadamard_transform = read.boolean(value, key);
+  else if (key == "exclude") l.exclude = value.is_null() ? std::nullopt : std::optional(read_module_names(read, key, value));
   else return false;
   return true;
 }
@@ -363,6 +402,9 @@ AmpConfig AmpConfig::from_json(std::string_view text, std::optional<std::string_
       case ModeFamily::Naive:
         read_it = read_naive_option(read, key, value, config.naive);
         break;
+      case ModeFamily::LowPrecision:
+        read_it = read_low_precision_option(read, key, value, config.low_precision);
+        break;
     }
     // A key in the row's option_keys that its family does not read would be dropped without a word.
     if (!read_it)
@@ -433,6 +475,27 @@ void validate_apex(const std::string& who, const ApexProperties& properties) {
   }
 }
 
+void validate_low_precision(const std::string& who, ScalingRecipe scaling, const LowPrecisionOptions& l) {
+  auto in_range = [&](const char* key, int64_t value, int64_t low, int64_t high) {
+    check(value >= low && value <= high, who, ": ", key, " must be ", low, "..", high, ", got ", value);
+  };
+  in_range("amax_history_len", l.amax_history_len, 1, 1 << 20);
+  in_range("margin", l.margin, 0, 64);
+  in_range("block_size", l.block_size, 1, 1 << 16);
+  in_range("mx_block_size", l.mx_block_size, 1, 1 << 16);
+  in_range("nvfp4_block_size", l.nvfp4_block_size, 1, 1 << 16);
+  check(!l.fp8_format || scaling != ScalingRecipe::Nvfp4, who, ": fp8_format does not apply: nvfp4's elements "
+        "are E2M1 (fp4) in every GEMM");
+  check(!l.fp8_format || *l.fp8_format == Fp8Format::Hybrid || *l.fp8_format == Fp8Format::E4M3, who,
+        ": fp8_format must be \"hybrid\" or \"e4m3\"");
+  check(l.amax_compute_algo == AmaxComputeAlgo::Max || l.amax_compute_algo == AmaxComputeAlgo::MostRecent, who,
+        ": amax_compute_algo must be \"max\" or \"most_recent\"");
+  check(l.mx_scale_rounding == BlockScale::E8M0Floor || l.mx_scale_rounding == BlockScale::E8M0Ceil, who,
+        ": mx_scale_rounding must be \"floor\" or \"ceil\"");
+  if (l.exclude)
+    for (const std::string& name : *l.exclude) check(!name.empty(), who, ": exclude must list non-empty module names");
+}
+
 }  // namespace
 
 void AmpConfig::validate() const {
@@ -469,6 +532,9 @@ void AmpConfig::validate() const {
             ": loss_scaler \"none\" is for bf16_naive only: fp16 gradients underflow without a loss scale "
             "(Megatron-LM refuses it too: \"fp16 expects a grad scaler\"); use \"dynamic\"");
       break;
+    case ModeFamily::LowPrecision:
+      validate_low_precision(who, *row().gemm_scaling, low_precision);
+      break;
   }
 }
 
@@ -481,6 +547,8 @@ LrScheduleOnSkip AmpConfig::schedule_on_skip() const {
       return LrScheduleOnSkip::Advance;
     case ModeFamily::Naive:       // InternEvo's engine and Megatron-LM's loop step it after an update only
       return LrScheduleOnSkip::Hold;
+    case ModeFamily::LowPrecision:  // Transformer Engine leaves the loop to PyTorch's: every iteration
+      return LrScheduleOnSkip::Advance;
   }
   return LrScheduleOnSkip::Advance;
 }
@@ -533,8 +601,48 @@ bool AmpConfig::fp32_grads() const {
     }
     case ModeFamily::Naive:
       return naive.accumulate_allreduce_grads_in_fp32;
+    case ModeFamily::LowPrecision:  // fp32 parameters
+      return false;
   }
   return false;
+}
+
+Fp8Format AmpConfig::fp8_format() const {
+  check(quantizes_gemms(), "AmpConfig ", name(), ": fp8_format belongs to the fp8 and block-scaled modes");
+  if (low_precision.fp8_format) return *low_precision.fp8_format;
+  const ScalingRecipe scaling = *row().gemm_scaling;
+  // Transformer Engine's DelayedScaling, Colossal-AI's linear_fp8 and torchao's tensorwise default to E5M2
+  // gradients; torchao's rowwise, DeepSeek-V3 and TE's MXFP8BlockScaling to E4M3 everywhere.
+  return scaling == ScalingRecipe::CurrentTensorwise || scaling == ScalingRecipe::DelayedTensorwise
+             ? Fp8Format::Hybrid
+             : Fp8Format::E4M3;
+}
+
+LowPrecisionRecipe AmpConfig::low_precision_recipe() const {
+  check(quantizes_gemms(), "AmpConfig ", name(), ": not an fp8 or block-scaled mode (no GEMM recipe)");
+  const LowPrecisionOptions& l = low_precision;
+  LowPrecisionRecipe r;
+  r.scaling = *row().gemm_scaling;
+  if (r.scaling == ScalingRecipe::Nvfp4) {
+    r.forward_format = r.gradient_format = DType::F4E2M1;
+  } else {
+    r.forward_format = DType::F8E4M3;
+    r.gradient_format = fp8_format() == Fp8Format::Hybrid ? DType::F8E5M2 : DType::F8E4M3;
+  }
+  r.amax_history_len = l.amax_history_len;
+  r.amax_compute_algo = l.amax_compute_algo;
+  r.margin = l.margin;
+  r.block_size = l.block_size;
+  r.mx_block_size = l.mx_block_size;
+  r.mx_scale_rounding = l.mx_scale_rounding;
+  r.nvfp4_block_size = l.nvfp4_block_size;
+  r.stochastic_rounding = l.stochastic_rounding;
+  r.random_hadamard_transform = l.random_hadamard_transform;
+  return r;
+}
+
+std::vector<std::string> AmpConfig::excluded_modules() const {
+  return low_precision.exclude.value_or(std::vector<std::string>{"lm_head"});
 }
 
 std::string AmpConfig::training_differences(const AmpConfig& other, std::string_view other_label) const {
@@ -620,6 +728,29 @@ void write_naive_options(const NaiveAmpOptions& naive, Json& o) {
   o.emplace("accumulate_allreduce_grads_in_fp32", naive.accumulate_allreduce_grads_in_fp32);
 }
 
+void write_low_precision_options(const AmpConfig& c, Json& o) {
+  const LowPrecisionOptions& l = c.low_precision;
+  // null for nvfp4, whose elements are E2M1 whatever fp8_format says (a value there is refused).
+  o.emplace("fp8_format", *c.row().gemm_scaling == ScalingRecipe::Nvfp4 ? Json()
+                                                                         : Json(word_of(c.fp8_format(), kFp8FormatWords)));
+  o.emplace("amax_history_len", l.amax_history_len);
+  o.emplace("amax_compute_algo", word_of(l.amax_compute_algo, kAmaxAlgoWords));
+  o.emplace("margin", l.margin);
+  o.emplace("block_size", l.block_size);
+  o.emplace("mx_block_size", l.mx_block_size);
+  o.emplace("mx_scale_rounding", word_of(l.mx_scale_rounding, kMxRoundingWords));
+  o.emplace("nvfp4_block_size", l.nvfp4_block_size);
+  o.emplace("stochastic_rounding", l.stochastic_rounding);
+  o.emplace("random_hadamard_transform", l.random_hadamard_transform);
+  // null: the default ({"lm_head"}), which a model without that module accepts; a list reads back as given.
+  Json exclude;
+  if (l.exclude) {
+    exclude = Json::array();
+    for (const std::string& name : *l.exclude) exclude.push_back(name);
+  }
+  o.emplace("exclude", std::move(exclude));
+}
+
 }  // namespace
 
 std::string AmpConfig::to_json() const {
@@ -636,6 +767,9 @@ std::string AmpConfig::to_json() const {
       break;
     case ModeFamily::Naive:
       write_naive_options(naive, o);
+      break;
+    case ModeFamily::LowPrecision:
+      write_low_precision_options(*this, o);
       break;
   }
   return json::dump(o);

@@ -138,11 +138,36 @@ struct NaiveAmpOptions {
   NaiveLossScaler loss_scaler = NaiveLossScaler::Dynamic;
 };
 
+// The fp8 / block-scaled modes' GEMM formats: Transformer Engine's Format.HYBRID (E4M3 forward, E5M2
+// gradients) and Format.E4M3 (E4M3 everywhere).
+enum class Fp8Format : uint8_t { Hybrid, E4M3 };
+
+// The options of fp8, fp8_delayed, fp8_rowwise, fp8_block, mxfp8 and nvfp4 (docs/amp.md has each with its
+// source). Every option is validated in every mode of the family; each acts where its recipe reads it.
+struct LowPrecisionOptions {
+  std::optional<Fp8Format> fp8_format;  // nullopt (JSON null): the mode's (hybrid for fp8, fp8_delayed;
+                                        // e4m3 for the rest); refused for nvfp4, whose elements are E2M1
+  int64_t amax_history_len = 1024;      // fp8_delayed (TE DelayedScaling)
+  AmaxComputeAlgo amax_compute_algo = AmaxComputeAlgo::Max;
+  int64_t margin = 0;
+  int64_t block_size = 128;             // fp8_block: 1 x block_size tiles, block_size^2 weight blocks
+  int64_t mx_block_size = 32;           // mxfp8
+  BlockScale mx_scale_rounding = BlockScale::E8M0Floor;  // "floor" (OCP MX) or "ceil" (NVIDIA's MXFP8)
+  int64_t nvfp4_block_size = 16;        // nvfp4: 1 x 16 tiles, 16 x 16 weight blocks
+  bool stochastic_rounding = true;      // nvfp4's gradients
+  bool random_hadamard_transform = true;  // nvfp4's weight-gradient GEMM
+  // Linear modules kept in bf16, by module path or its last name ("lm_head" matches "lm_head",
+  // "c_proj" every "...c_proj"). nullopt: {"lm_head"}, which a model with tied embeddings simply lacks;
+  // an entry given explicitly must match a Linear of the boosted model.
+  std::optional<std::vector<std::string>> exclude;
+};
+
 struct AmpConfig {
   PrecisionMode mode = PrecisionMode::Fp32;  // "mixed_precision" in JSON
   GradScalerOptions grad_scaler;  // "fp16" / "bf16" (bf16: enabled = false unless set)
   ApexProperties apex;            // "fp16_apex"
   NaiveAmpOptions naive;          // "fp16_naive" / "bf16_naive"
+  LowPrecisionOptions low_precision;  // "fp8", "fp8_delayed", "fp8_rowwise", "fp8_block", "mxfp8", "nvfp4"
   // "lr_schedule_on_skip", every mode; nullopt: the family's default (schedule_on_skip()).
   std::optional<LrScheduleOnSkip> lr_schedule_on_skip;
 
@@ -171,6 +196,12 @@ struct AmpConfig {
   // Whether boost() gives the 16-bit parameters fp32 gradients (see above).
   bool fp32_grads() const;
   bool is_naive() const { return family() == ModeFamily::Naive; }
+  bool quantizes_gemms() const { return family() == ModeFamily::LowPrecision; }
+  // The fp8 / block-scaled modes: the GEMM recipe from the row and the options (Error for other modes), and
+  // the Linear modules left in bf16.
+  LowPrecisionRecipe low_precision_recipe() const;
+  Fp8Format fp8_format() const;  // low_precision.fp8_format or the mode's default
+  std::vector<std::string> excluded_modules() const;
   // lr_schedule_on_skip, or the family's default when unset: Hold for the naive modes, Advance otherwise.
   LrScheduleOnSkip schedule_on_skip() const;
   // The learning-rate schedule's position at iteration `step` (0-based) after `skipped_steps` skipped steps

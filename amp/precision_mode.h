@@ -19,10 +19,15 @@
 
 #include "tensor/autocast_tables.h"
 #include "tensor/dtype.h"
+#include "tensor/scaled_linear.h"
 
 namespace mixtape {
 
-enum class PrecisionMode : uint8_t { Fp32, Tf32, Fp16, Bf16, Fp16Apex, Fp16Naive, Bf16Naive, Count };
+enum class PrecisionMode : uint8_t {
+  Fp32, Tf32, Fp16, Bf16, Fp16Apex, Fp16Naive, Bf16Naive,
+  Fp8, Fp8Delayed, Fp8Rowwise, Fp8Block, Mxfp8, Nvfp4,
+  Count
+};
 
 // The framework whose behaviour a mode reproduces: its options, its loss scaler and what it casts.
 enum class ModeFamily : uint8_t {
@@ -30,6 +35,9 @@ enum class ModeFamily : uint8_t {
   PytorchAmp,  // torch.autocast + torch.amp.GradScaler; fp32 parameters
   Apex,        // NVIDIA Apex amp.initialize, opt levels O0..O3 (ApexProperties in amp/config.h)
   Naive,       // Colossal-AI / InternEvo naive AMP: the whole model in 16 bits, fp32 masters, hysteresis
+  LowPrecision,  // fp8 and block-scaled GEMMs (Transformer Engine, torchao, DeepSeek-V3, MX, NVFP4): the
+                 // Linear layers' GEMMs on quantized operands (tensor/scaled_linear.h) inside bf16 autocast;
+                 // fp32 parameters, no loss scaling
 };
 
 // Where the mode's 16-bit dtype is used.
@@ -68,6 +76,12 @@ inline constexpr std::array<std::string_view, 13> kNaiveKeys{
     "backoff_factor", "growth_interval", "hysteresis", "max_scale", "verbose", "output_to_fp32",
     "accumulate_allreduce_grads_in_fp32", "loss_scaler"};
 
+// The fp8 / block-scaled family's options (amp/config.h's LowPrecisionOptions).
+inline constexpr std::array<std::string_view, 11> kLowPrecisionKeys{
+    "fp8_format",     "amax_history_len", "amax_compute_algo", "margin",
+    "block_size",     "mx_block_size",    "mx_scale_rounding", "nvfp4_block_size",
+    "stochastic_rounding", "random_hadamard_transform", "exclude"};
+
 struct PrecisionModeRow {
   PrecisionMode mode;
   std::string_view name;        // what users type; Apex's opt level follows a colon ("fp16_apex:O2")
@@ -83,34 +97,54 @@ struct PrecisionModeRow {
   // The framework's autocast lists its forward is cast by (tensor/autocast_tables.h); Apex's applies at O1
   // only. nullptr: the family autocasts nothing (plain: no cast; naive: the whole model is cast).
   const AutocastPolicyTable* autocast_policy;
+  // The recipe of the Linear GEMMs (tensor/scaled_linear.h) for the LowPrecision family; nullopt elsewhere.
+  std::optional<ScalingRecipe> gemm_scaling;
 };
 
 // THE precision-mode table, in PrecisionMode order (checked at compile time below).
 inline constexpr std::array<PrecisionModeRow, static_cast<size_t>(PrecisionMode::Count)> kPrecisionModes{{
     // mode                 name          family                  dtype       cast
     //   master weights            scaler                  GradScaler on  tf32   option keys
-    //   autocast policy
+    //   autocast policy           GEMM scaling (the LowPrecision family)
     {PrecisionMode::Fp32,      "fp32",       ModeFamily::Plain,      DType::F32,  ModeCast::None,
      MasterWeights::Fp32,       ScalerKind::Static,     false,         false, {},
-     nullptr},
+     nullptr, std::nullopt},
     {PrecisionMode::Tf32,      "tf32",       ModeFamily::Plain,      DType::F32,  ModeCast::None,
      MasterWeights::Fp32,       ScalerKind::Static,     false,         true,  {},
-     nullptr},
+     nullptr, std::nullopt},
     {PrecisionMode::Fp16,      "fp16",       ModeFamily::PytorchAmp, DType::F16,  ModeCast::Autocast,
      MasterWeights::Fp32,       ScalerKind::GradScaler, true,          false, kGradScalerKeys,
-     &kPytorchAutocastPolicy},
+     &kPytorchAutocastPolicy, std::nullopt},
     {PrecisionMode::Bf16,      "bf16",       ModeFamily::PytorchAmp, DType::BF16, ModeCast::Autocast,
      MasterWeights::Fp32,       ScalerKind::GradScaler, false,         false, kGradScalerKeys,
-     &kPytorchAutocastPolicy},
+     &kPytorchAutocastPolicy, std::nullopt},
     {PrecisionMode::Fp16Apex,  "fp16_apex",  ModeFamily::Apex,       DType::F16,  ModeCast::ByOptLevel,
      MasterWeights::ByOptLevel, ScalerKind::Apex,       false,         false, kApexKeys,
-     &kApexO1AutocastPolicy},
+     &kApexO1AutocastPolicy, std::nullopt},
     {PrecisionMode::Fp16Naive, "fp16_naive", ModeFamily::Naive,      DType::F16,  ModeCast::WholeModel,
      MasterWeights::Fp32,       ScalerKind::Hysteresis, false,         false, kNaiveKeys,
-     nullptr},
+     nullptr, std::nullopt},
     {PrecisionMode::Bf16Naive, "bf16_naive", ModeFamily::Naive,      DType::BF16, ModeCast::WholeModel,
      MasterWeights::Fp32,       ScalerKind::Hysteresis, false,         false, kNaiveKeys,
-     nullptr},
+     nullptr, std::nullopt},
+    {PrecisionMode::Fp8,        "fp8",        ModeFamily::LowPrecision, DType::BF16, ModeCast::Autocast,
+     MasterWeights::Fp32,       ScalerKind::Static,     false,         false, kLowPrecisionKeys,
+     &kPytorchAutocastPolicy, ScalingRecipe::CurrentTensorwise},
+    {PrecisionMode::Fp8Delayed, "fp8_delayed", ModeFamily::LowPrecision, DType::BF16, ModeCast::Autocast,
+     MasterWeights::Fp32,       ScalerKind::Static,     false,         false, kLowPrecisionKeys,
+     &kPytorchAutocastPolicy, ScalingRecipe::DelayedTensorwise},
+    {PrecisionMode::Fp8Rowwise, "fp8_rowwise", ModeFamily::LowPrecision, DType::BF16, ModeCast::Autocast,
+     MasterWeights::Fp32,       ScalerKind::Static,     false,         false, kLowPrecisionKeys,
+     &kPytorchAutocastPolicy, ScalingRecipe::Rowwise},
+    {PrecisionMode::Fp8Block,   "fp8_block",  ModeFamily::LowPrecision, DType::BF16, ModeCast::Autocast,
+     MasterWeights::Fp32,       ScalerKind::Static,     false,         false, kLowPrecisionKeys,
+     &kPytorchAutocastPolicy, ScalingRecipe::Block},
+    {PrecisionMode::Mxfp8,      "mxfp8",      ModeFamily::LowPrecision, DType::BF16, ModeCast::Autocast,
+     MasterWeights::Fp32,       ScalerKind::Static,     false,         false, kLowPrecisionKeys,
+     &kPytorchAutocastPolicy, ScalingRecipe::Mx},
+    {PrecisionMode::Nvfp4,      "nvfp4",      ModeFamily::LowPrecision, DType::BF16, ModeCast::Autocast,
+     MasterWeights::Fp32,       ScalerKind::Static,     false,         false, kLowPrecisionKeys,
+     &kPytorchAutocastPolicy, ScalingRecipe::Nvfp4},
 }};
 
 constexpr bool precision_modes_in_order() {
@@ -133,18 +167,23 @@ constexpr bool row_follows_its_family(const PrecisionModeRow& row) {
     case ModeFamily::Plain:
       return row.cast == ModeCast::None && row.compute_dtype == DType::F32 && row.scaler == ScalerKind::Static &&
              row.master_weights == MasterWeights::Fp32 && row.option_keys.empty() &&
-             row.autocast_policy == nullptr;
+             row.autocast_policy == nullptr && !row.gemm_scaling;
     case ModeFamily::PytorchAmp:
       return row.cast == ModeCast::Autocast && low && row.scaler == ScalerKind::GradScaler &&
              row.master_weights == MasterWeights::Fp32 && keys_are(kGradScalerKeys) &&
-             row.autocast_policy == &kPytorchAutocastPolicy;
+             row.autocast_policy == &kPytorchAutocastPolicy && !row.gemm_scaling;
     case ModeFamily::Apex:
       return row.cast == ModeCast::ByOptLevel && low && row.scaler == ScalerKind::Apex &&
              row.master_weights == MasterWeights::ByOptLevel && keys_are(kApexKeys) &&
-             row.autocast_policy == &kApexO1AutocastPolicy;
+             row.autocast_policy == &kApexO1AutocastPolicy && !row.gemm_scaling;
     case ModeFamily::Naive:
       return row.cast == ModeCast::WholeModel && low && row.scaler == ScalerKind::Hysteresis &&
-             row.master_weights == MasterWeights::Fp32 && keys_are(kNaiveKeys) && row.autocast_policy == nullptr;
+             row.master_weights == MasterWeights::Fp32 && keys_are(kNaiveKeys) && row.autocast_policy == nullptr &&
+             !row.gemm_scaling;
+    case ModeFamily::LowPrecision:  // Transformer Engine's setting: fp8 inside bf16 autocast
+      return row.cast == ModeCast::Autocast && row.compute_dtype == DType::BF16 && row.scaler == ScalerKind::Static &&
+             row.master_weights == MasterWeights::Fp32 && keys_are(kLowPrecisionKeys) &&
+             row.autocast_policy == &kPytorchAutocastPolicy && row.gemm_scaling.has_value();
   }
   return false;
 }

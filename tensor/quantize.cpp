@@ -8,6 +8,7 @@
 #include <cstring>
 #include <vector>
 
+#include "tensor/autocast_state.h"
 #include "tensor/autograd_node.h"
 #include "tensor/minifloat.h"
 #include "tensor/ops.h"
@@ -292,6 +293,7 @@ Tensor scaled_matmul(const Quantized& a, const Quantized& b) {
     fail("scaled_matmul: a ", a.codes.description(), " and b ", b.codes.description(),
          " must share their last dim K (a [M, K] @ b [N, K]^T)");
   NoGradGuard no_grad;
+  AutocastScope fp32_sums(std::nullopt);  // an open bf16 autocast would round the operands and the sums
   const int64_t M = a.rows(), N = b.rows(), K = a.cols();
   const bool scales_along_k_constant = a.block_cols >= K && b.block_cols >= K;
   if (!scales_along_k_constant) return matmul(dequantize(a), dequantize(b).mT());

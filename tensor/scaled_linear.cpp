@@ -5,6 +5,7 @@
 #include <cmath>
 #include <utility>
 
+#include "tensor/autocast_state.h"
 #include "tensor/autograd_node.h"
 #include "tensor/minifloat.h"
 #include "tensor/ops.h"
@@ -188,6 +189,8 @@ Tensor scaled_linear(const Tensor& x, const Tensor& weight, const Tensor& bias,
   check_linear_arguments(x, weight, bias);
   check(context != nullptr && context->covers(weight), "scaled_linear: the weight ", weight.described(),
         " is not covered by the low-precision context");
+  // The GEMMs, the bias and the Hadamard transform run in fp32 whatever autocast scope is open around the layer.
+  AutocastScope no_autocast(std::nullopt);
   const int64_t K = weight.size(1), N = weight.size(0), rows = shape_numel(x.shape()) / std::max<int64_t>(K, 1);
   const Tensor x2 = x.detach().reshape({rows, K}), w = weight.detach();
   LowPrecisionContext& ctx = *context;

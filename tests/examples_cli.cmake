@@ -379,7 +379,7 @@ run(out ${TRAIN_GPT} --data words.txt --resume amp.safetensors --steps 6 --eval-
 if(NOT out MATCHES "resumed at step 4" OR NOT out MATCHES "precision fp16_naive")
   check_failed("resuming an fp16_naive checkpoint: ${out}")
 endif()
-run_fails("unknown mode" ${TRAIN_GPT} --data words.txt --precision fp8 MENTIONS "--precision 'fp8'" "fp16_naive")
+run_fails("unknown mode" ${TRAIN_GPT} --data words.txt --precision fp6 MENTIONS "--precision 'fp6'" "fp16_naive" "nvfp4")
 run_fails("unknown opt level" ${TRAIN_GPT} --data words.txt --precision fp16_apex:O5
           MENTIONS "O5" "opt_level")
 file(WRITE ${WORK_DIR}/bad.json "{\"hysteresis\": 0}")

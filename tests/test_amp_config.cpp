@@ -283,7 +283,7 @@ TEST(AmpConfig, GradScalerOptionsAreCheckedWhetherOrNotTheScalerIsOn) {
 }
 
 TEST(AmpConfig, UnknownModesKeysAndTypesAreErrorsNamingThem) {
-  EXPECT_ERROR_MENTIONS(AmpConfig::parse("fp8"), "unknown mixed_precision", "fp8", "fp16_naive");
+  EXPECT_ERROR_MENTIONS(AmpConfig::parse("fp6"), "unknown mixed_precision", "fp6", "fp16_naive", "nvfp4");
   EXPECT_ERROR_MENTIONS(AmpConfig::from_json(R"({"hysteresis":2})", "fp16"), "unknown option", "hysteresis",
                         "init_scale");
   EXPECT_ERROR_MENTIONS(AmpConfig::from_json(R"({"init_scale":2})", "fp32"), "fp32 takes no options");

@@ -34,12 +34,15 @@ struct Boosted {
 
 TEST(PrecisionMode, TheNamesAreTheOnesTheDocumentationLists) {
   // README.md, docs/amp.md and amp/config.h list these modes, in this order; a renamed or reordered row must change them too.
-  EXPECT_EQ(precision_mode_names(), (std::vector<std::string>{"fp32", "tf32", "fp16", "bf16", "fp16_apex",
-                                                              "fp16_naive", "bf16_naive"}));
+  EXPECT_EQ(precision_mode_names(),
+            (std::vector<std::string>{"fp32", "tf32", "fp16", "bf16", "fp16_apex", "fp16_naive", "bf16_naive", "fp8",
+                                      "fp8_delayed", "fp8_rowwise", "fp8_block", "mxfp8", "nvfp4"}));
   EXPECT_EQ(precision_mode_names(kApexOptLevels),
             (std::vector<std::string>{"fp32", "tf32", "fp16", "bf16", "fp16_apex:O0", "fp16_apex:O1",
-                                      "fp16_apex:O2", "fp16_apex:O3", "fp16_naive", "bf16_naive"}));
-  EXPECT_EQ(precision_mode_list("|"), "fp32|tf32|fp16|bf16|fp16_apex[:O0..O3]|fp16_naive|bf16_naive");
+                                      "fp16_apex:O2", "fp16_apex:O3", "fp16_naive", "bf16_naive", "fp8",
+                                      "fp8_delayed", "fp8_rowwise", "fp8_block", "mxfp8", "nvfp4"}));
+  EXPECT_EQ(precision_mode_list("|"), "fp32|tf32|fp16|bf16|fp16_apex[:O0..O3]|fp16_naive|bf16_naive|fp8|"
+                                      "fp8_delayed|fp8_rowwise|fp8_block|mxfp8|nvfp4");
   EXPECT_EQ(AmpConfig::modes(), precision_mode_names());
 }
 
@@ -106,6 +109,13 @@ TEST(PrecisionMode, BoosterDoesWhatEachModeIsDocumentedToDo) {
       {"fp16_apex:O3", DType::F16, std::nullopt, false, Scaler::Static, 1, false},
       {"fp16_naive", DType::F16, std::nullopt, false, Scaler::Dynamic, two_32, true},
       {"bf16_naive", DType::BF16, std::nullopt, false, Scaler::Dynamic, two_32, true},
+      // fp8 inside bf16 autocast, as Transformer Engine runs it: fp32 parameters, no loss scaling.
+      {"fp8", DType::F32, DType::BF16, false, Scaler::Static, 1, true},
+      {"fp8_delayed", DType::F32, DType::BF16, false, Scaler::Static, 1, true},
+      {"fp8_rowwise", DType::F32, DType::BF16, false, Scaler::Static, 1, true},
+      {"fp8_block", DType::F32, DType::BF16, false, Scaler::Static, 1, true},
+      {"mxfp8", DType::F32, DType::BF16, false, Scaler::Static, 1, true},
+      {"nvfp4", DType::F32, DType::BF16, false, Scaler::Static, 1, true},
   };
   std::vector<std::string> names;
   for (const Expected& e : expected) names.push_back(e.name);
@@ -131,6 +141,12 @@ TEST(PrecisionMode, BoosterDoesWhatEachModeIsDocumentedToDo) {
     }
     EXPECT_EQ(scaler.scale(), e.scale);
     EXPECT_EQ(boosted.optimizer->options().master_weights, e.master_weights);
+    // The fp8 / block-scaled modes quantize the Linear's GEMMs; no other mode has a GEMM recipe.
+    const bool quantized = e.name.starts_with("fp8") || e.name == "mxfp8" || e.name == "nvfp4";
+    ASSERT_EQ(boosted.booster.low_precision() != nullptr, quantized);
+    if (quantized) {
+      EXPECT_TRUE(boosted.booster.low_precision()->covers(boosted.model.weight));
+    }
   }
   set_allow_tf32(false);
 }

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "autograd/autograd.h"
+#include "tensor/autocast_state.h"
 #include "tensor/autograd_node.h"
 #include "tensor/minifloat.h"
 #include "tensor/ops.h"
@@ -22,6 +23,16 @@ std::vector<float> values_of(const Tensor& t) { return t.to(DType::F32).to_vecto
 std::vector<float> scales_of(const Quantized& q) { return values_of(q.scales); }
 
 Tensor matrix(const std::vector<float>& v, int64_t rows, int64_t cols) { return Tensor::from_vector(v, {rows, cols}); }
+
+QuantizeOptions options(DType format, int64_t block_rows, int64_t block_cols, BlockScale scale = BlockScale::Fp32) {
+  QuantizeOptions o;
+  o.format = format;
+  o.block_rows = block_rows;
+  o.block_cols = block_cols;
+  o.scale = scale;
+  return o;
+}
+constexpr DType kE4M3 = DType::F8E4M3;
 
 TEST(Quantize, TensorwiseScaleIsFormatMaxOverAmax) {
   // amax 4: encode 448 / 4 = 112, so 1, -2, 0.5, 4 become 112, -224, 56, 448 (all E4M3 values).
@@ -130,7 +141,7 @@ TEST(Quantize, Nvfp4HasE4M3BlockScalesUnderAnFp32TensorScale) {
   EXPECT_EQ(values_of(q.codes)[16], 6.0f);
   EXPECT_NEAR(values_of(dequantize(q))[16], 6.0 * 384 / 448, 1e-6);
   EXPECT_NEAR(values_of(dequantize(q))[0], 6.0, 1e-6);
-  EXPECT_ERROR_MENTIONS(quantize(matrix(x, 1, 32), {.format = DType::F8E4M3, .scale = BlockScale::E4M3TwoLevel}),
+  EXPECT_ERROR_MENTIONS(quantize(matrix(x, 1, 32), options(kE4M3, 0, 0, BlockScale::E4M3TwoLevel)),
                         "e4m3_two_level", "f4e2m1");
 }
 
@@ -156,13 +167,13 @@ TEST(Quantize, DequantizedValuesLieWithinHalfAStepForEveryRecipe) {
     double min_subnormal;
   };
   const std::vector<Case> cases = {
-      {"tensorwise e4m3", {}, 3, 0x1p-9},
-      {"tensorwise e5m2", {.format = DType::F8E5M2}, 2, 0x1p-16},
-      {"rowwise", {.block_rows = 1}, 3, 0x1p-9},
-      {"1x128 tiles", {.block_rows = 1, .block_cols = 32}, 3, 0x1p-9},
-      {"mx floor", {.block_rows = 1, .block_cols = 32, .scale = BlockScale::E8M0Floor}, 3, 0x1p-9},
-      {"mx ceil", {.block_rows = 1, .block_cols = 32, .scale = BlockScale::E8M0Ceil}, 3, 0x1p-9},
-      {"nvfp4", {.format = DType::F4E2M1, .block_rows = 1, .block_cols = 16, .scale = BlockScale::E4M3TwoLevel}, 1, 0.5},
+      {"tensorwise e4m3", options(kE4M3, 0, 0), 3, 0x1p-9},
+      {"tensorwise e5m2", options(DType::F8E5M2, 0, 0), 2, 0x1p-16},
+      {"rowwise", options(kE4M3, 1, 0), 3, 0x1p-9},
+      {"1x32 tiles", options(kE4M3, 1, 32), 3, 0x1p-9},
+      {"mx floor", options(kE4M3, 1, 32, BlockScale::E8M0Floor), 3, 0x1p-9},
+      {"mx ceil", options(kE4M3, 1, 32, BlockScale::E8M0Ceil), 3, 0x1p-9},
+      {"nvfp4", options(DType::F4E2M1, 1, 16, BlockScale::E4M3TwoLevel), 1, 0.5},
   };
   const std::vector<float> xv = values_of(x);
   for (const Case& c : cases) {
@@ -182,7 +193,9 @@ TEST(Quantize, DequantizedValuesLieWithinHalfAStepForEveryRecipe) {
         ADD_FAILURE() << c.name << ": x " << xv[i] << " came back " << back[i] << " (bound " << bound << ")";
     }
     EXPECT_EQ(bad, 0) << c.name;
-    if (c.options.scale != BlockScale::E8M0Floor) EXPECT_EQ(q.saturated, 0) << c.name;
+    if (c.options.scale != BlockScale::E8M0Floor) {
+      EXPECT_EQ(q.saturated, 0) << c.name;
+    }
   }
 }
 
@@ -192,9 +205,8 @@ TEST(Quantize, ScaledMatmulIsTheFp32SumOfTheDequantizedProducts) {
   const int64_t M = 17, N = 9, K = 160;
   const Tensor a = Tensor::randn({M, K}, 11), b = mul(Tensor::randn({N, K}, 12), 0.02);
   const std::vector<QuantizeOptions> recipes = {
-      {}, {.block_rows = 1}, {.block_rows = 1, .block_cols = 128},
-      {.block_rows = 1, .block_cols = 32, .scale = BlockScale::E8M0Ceil},
-      {.format = DType::F4E2M1, .block_rows = 1, .block_cols = 16, .scale = BlockScale::E4M3TwoLevel}};
+      options(kE4M3, 0, 0), options(kE4M3, 1, 0), options(kE4M3, 1, 128),
+      options(kE4M3, 1, 32, BlockScale::E8M0Ceil), options(DType::F4E2M1, 1, 16, BlockScale::E4M3TwoLevel)};
   for (const QuantizeOptions& o : recipes) {
     const Quantized qa = quantize(a, o), qb = quantize(b, o);
     const std::vector<float> c = values_of(scaled_matmul(qa, qb));
@@ -215,7 +227,7 @@ TEST(Quantize, ScaledMatmulIsTheFp32SumOfTheDequantizedProducts) {
 
 TEST(Quantize, StochasticRoundingIsReproducibleFromTheSeed) {
   const Tensor g = Tensor::randn({8, 64}, 5);
-  QuantizeOptions o{.format = DType::F4E2M1, .block_rows = 1, .block_cols = 16, .scale = BlockScale::E4M3TwoLevel};
+  QuantizeOptions o = options(DType::F4E2M1, 1, 16, BlockScale::E4M3TwoLevel);
   o.stochastic_seed = 42;
   const std::vector<float> first = values_of(dequantize(quantize(g, o))), again = values_of(dequantize(quantize(g, o)));
   EXPECT_EQ(first, again);
@@ -227,8 +239,8 @@ TEST(Quantize, StochasticRoundingIsReproducibleFromTheSeed) {
 
 TEST(Quantize, RefusesBadArguments) {
   EXPECT_ERROR_MENTIONS(quantize(Tensor::ones({4}), {}), "quantize", "2-d");
-  EXPECT_ERROR_MENTIONS(quantize(Tensor::ones({2, 2}), {.format = DType::BF16}), "quantize", "bf16");
-  EXPECT_ERROR_MENTIONS(quantize(Tensor::ones({2, 2}), {.block_rows = -1}), "block_rows");
+  EXPECT_ERROR_MENTIONS(quantize(Tensor::ones({2, 2}), options(DType::BF16, 0, 0)), "quantize", "bf16");
+  EXPECT_ERROR_MENTIONS(quantize(Tensor::ones({2, 2}), options(kE4M3, -1, 0)), "block_rows");
   QuantizeOptions fixed;
   fixed.fixed_scale = -1.0f;
   EXPECT_ERROR_MENTIONS(quantize(Tensor::ones({2, 2}), fixed), "fixed_scale");
@@ -275,6 +287,20 @@ TEST(ScaledLinear, CurrentScalingMatchesTheProductOfTheQuantizedOperands) {
   EXPECT_EQ(values_of(gb), std::vector<float>(16, 12.0f));
   EXPECT_EQ(context->counts()[static_cast<size_t>(TensorKind::Activation)].values, 12 * 32);
   EXPECT_EQ(context->counts()[static_cast<size_t>(TensorKind::Gradient)].values, 12 * 16);
+}
+
+// Inside bf16 autocast (how the fp8 modes run it) the GEMM still sums in fp32: the same bits as outside it.
+TEST(ScaledLinear, AnOpenAutocastScopeChangesNothing) {
+  const Tensor x = Tensor::randn({64, 48}, 1), w = Tensor::randn({40, 48}, 2), b = Tensor::randn({40}, 3);
+  for (ScalingRecipe scaling : {ScalingRecipe::CurrentTensorwise, ScalingRecipe::Mx}) {
+    LowPrecisionRecipe recipe;
+    recipe.scaling = scaling;
+    auto context = context_for(w, recipe);
+    LowPrecisionScope scope(context);
+    const std::vector<float> plain = values_of(linear(x, w, b));
+    AutocastScope bf16(DType::BF16);
+    EXPECT_EQ(values_of(linear(x, w, b)), plain);
+  }
 }
 
 TEST(ScaledLinear, UncoveredWeightsAndClosedScopesRunTheOrdinaryLinear) {

@@ -275,6 +275,10 @@ ParallelTrainer::ParallelTrainer(const GPTConfig& config, const TrainOptions& op
         " token ids but the model's vocab_size is ", config.vocab_size);
   check(data.n_train() > config.block_size + 1, "train_gpt: the training split (", data.n_train(),
         " tokens) is shorter than block + 2 = ", config.block_size + 2);
+  // The layouts' Linear layers are their own modules (ColumnParallelLinear, RowParallelLinear), which the fp8
+  // GEMMs do not cover yet: running them would silently train in bf16.
+  check(!options.amp.quantizes_gemms(), "train_gpt: not supported: --precision ", options.amp.name(),
+        " in a parallel layout (--dp, --tp, --pp); the fp8 and block-scaled modes run in one process for now");
   check(parallel.pp <= config.n_layer, "train_gpt: --pp ", parallel.pp, " is more pipeline stages than the model's ",
         config.n_layer, " layers");
   check_tokens_per_step(options, config.block_size);
