@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "tensor/autocast_state.h"
+#include "tensor/cpu/gemm_f32_out.h"
 #include "tensor/autograd_node.h"
 #include "tensor/minifloat.h"
 #include "tensor/ops.h"
@@ -249,14 +250,14 @@ Quantized quantize(const Tensor& x, const QuantizeOptions& options) {
       uint32_t random = 0;
       if (options.stochastic_seed) random = philox4x32(options.stochastic_offset + static_cast<uint64_t>(i), 0,
                                                        *options.stochastic_seed)[0];
-      const uint32_t code = std::isfinite(scaled) || e == 0
-                                ? float_to_minifloat(e == 0 ? 0.0f : scaled, f, FormatOverflow::Saturate,
-                                                     options.stochastic_seed ? &random : nullptr)
-                                : 0u;
+      // A zero encode scale is a NaN block (its decode scale says so) or an all-but-zero NVFP4 block: code 0.
+      const uint32_t code = float_to_minifloat(e == 0 ? 0.0f : scaled, f, FormatOverflow::Saturate,
+                                               options.stochastic_seed ? &random : nullptr);
       // Saturated: the clamp changed the result (beyond the largest finite value after rounding, not a value
-      // such as 6.0000005 that rounds to 6 anyway).
-      if (std::isfinite(scaled) && std::fabs(scaled) > fmax &&
-          round_to_minifloat_grid(std::bit_cast<uint32_t>(std::fabs(scaled)), f) > f.max_finite_code())
+      // such as 6.0000005 that rounds to 6 anyway; a finite value whose scaling overflowed to Inf too).
+      if (e != 0 && std::fabs(scaled) > fmax &&
+          (std::isinf(scaled) ||
+           round_to_minifloat_grid(std::bit_cast<uint32_t>(std::fabs(scaled)), f) > f.max_finite_code()))
         ++saturated;
       if (in[i] != 0 && std::isfinite(in[i]) && (code & f.magnitude_mask()) == 0) ++flushed;
       set_code(out, options.format, i, code);
@@ -315,6 +316,199 @@ Tensor scaled_matmul(const Quantized& a, const Quantized& b) {
   for (int64_t m = 0; m < M; ++m)
     for (int64_t n = 0; n < N; ++n)
       o[m * N + n] *= sa[static_cast<size_t>(m / a.block_rows)] * sb[static_cast<size_t>(n / b.block_rows)] * tensor;
+  return out;
+}
+
+// ---- the training path ----------------------------------------------------------------------------------
+
+namespace {
+
+// |scaled| rounded to nearest even on the format's grid, unclamped (may exceed the largest finite value, Inf
+// stays Inf): what float_to_minifloat computes, in float arithmetic that vectorises. Below the smallest normal
+// the grid step is 2^(emin - M): a multiplication by a power of two and nearbyint (round to nearest even) do
+// it exactly. Above, rounding the float's bits at mantissa bit M does it (a carry moves to the next binade).
+struct FormatRounding {
+  float min_normal, to_steps, step;  // 2^emin, 2^(M - emin), 2^(emin - M)
+  uint32_t drop_half, drop_mask;     // 2^(22 - M) - 1 and ~(2^(23 - M) - 1)
+  int drop;                          // 23 - M
+  explicit FormatRounding(const MinifloatFormat& f)
+      : min_normal(std::ldexp(1.0f, f.min_normal_exponent())),
+        to_steps(std::ldexp(1.0f, f.mantissa_bits - f.min_normal_exponent())),
+        step(std::ldexp(1.0f, f.min_normal_exponent() - f.mantissa_bits)),
+        drop_half((1u << (22 - f.mantissa_bits)) - 1),
+        drop_mask(~((1u << (23 - f.mantissa_bits)) - 1)),
+        drop(23 - f.mantissa_bits) {}
+  float operator()(float magnitude) const {
+    const float small = std::nearbyint(magnitude * to_steps) * step;
+    uint32_t bits = std::bit_cast<uint32_t>(magnitude);
+    bits = (bits + drop_half + ((bits >> drop) & 1u)) & drop_mask;
+    return magnitude < min_normal ? small : std::bit_cast<float>(bits);
+  }
+};
+
+// Whether code_value * scale is exact in bf16 for every code of an 8-bit or E2M1 format: products of at most
+// 4 + 4 significant bits, far from bf16's subnormals (a power-of-two scale at or above 2^-100, or NVFP4's E4M3
+// block scales).
+bool product_exact_in_bf16(BlockScale kind, const std::vector<float>& decode) {
+  if (kind == BlockScale::E4M3TwoLevel) return true;
+  if (kind != BlockScale::E8M0Floor && kind != BlockScale::E8M0Ceil) return false;
+  for (float d : decode)
+    if (!(d >= 0x1p-100f) && !std::isnan(d)) return false;
+  return true;
+}
+
+}  // namespace
+
+GemmOperand quantize_for_gemm(const Tensor& x, const QuantizeOptions& options) {
+  validate(x, options);
+  NoGradGuard no_grad;
+  AutocastScope fp32(std::nullopt);
+  const Tensor xs = x.to(DType::F32).contiguous();
+  const float* in = static_cast<const float*>(xs.data_ptr());
+  const int64_t R = xs.size(0), C = xs.size(1);
+  const int64_t br = options.block_rows == 0 ? std::max<int64_t>(R, 1) : options.block_rows;
+  const int64_t bc = options.block_cols == 0 ? std::max<int64_t>(C, 1) : options.block_cols;
+  const int64_t grid_rows = (R + br - 1) / br, grid_cols = (C + bc - 1) / bc;
+  GemmOperand op;
+
+  // Step 1: each row's max |x| per block column (NaN for a non-finite value), then each block's and the tensor's.
+  std::vector<float> row_amax(static_cast<size_t>(R * grid_cols));
+#pragma omp parallel for schedule(static) if (R * C > (1 << 15))
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t j = 0; j < grid_cols; ++j) {
+      const float* p = in + r * C + j * bc;
+      const int64_t n = std::min(bc, C - j * bc);
+      float m = 0;
+      int not_finite = 0;
+#pragma omp simd reduction(max : m) reduction(| : not_finite)
+      for (int64_t i = 0; i < n; ++i) {
+        const float a = std::fabs(p[i]);
+        not_finite |= !(a <= FLT_MAX);
+        m = std::max(m, a);
+      }
+      row_amax[static_cast<size_t>(r * grid_cols + j)] = not_finite ? NAN : m;
+    }
+  std::vector<float> block_amax(static_cast<size_t>(grid_rows * grid_cols), 0.0f);
+  float amax = 0;
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t j = 0; j < grid_cols; ++j) {
+      const float a = row_amax[static_cast<size_t>(r * grid_cols + j)];
+      float& b = block_amax[static_cast<size_t>(r / br * grid_cols + j)];
+      b = std::isnan(a) || std::isnan(b) ? NAN : std::max(a, b);
+      amax = std::isnan(a) || std::isnan(amax) ? NAN : std::max(a, amax);
+    }
+  op.amax = amax;
+
+  // Step 2: the scales, by the rule quantize() uses.
+  float tensor_encode = 1, tensor_decode = 1;
+  if (options.scale == BlockScale::E4M3TwoLevel) {
+    tensor_encode = !std::isfinite(amax) ? NAN : amax == 0 ? 1.0f : std::min(kE4M3Max * kE2M1Max / amax, FLT_MAX);
+    tensor_decode = 1.0f / tensor_encode;
+    op.tensor_scale = tensor_decode;
+  }
+  std::vector<float> encode(block_amax.size()), decode(block_amax.size());
+  for (size_t b = 0; b < block_amax.size(); ++b) {
+    if (std::isfinite(block_amax[b]) && std::isfinite(tensor_encode)) {
+      const BlockScaling s = choose_block_scale(options.scale, block_amax[b], options.format, options, tensor_encode,
+                                                tensor_decode);
+      encode[b] = s.encode;
+      decode[b] = s.decode;
+    } else {
+      encode[b] = 0;
+      decode[b] = NAN;
+    }
+  }
+
+  // Step 3: the operand's form, then its values.
+  const bool post_scaled = bc >= C;  // one scale per row along K: the codes go in, the scales come after
+  const bool folded = !post_scaled && product_exact_in_bf16(options.scale, decode);
+  if (post_scaled) {
+    op.row_scale.resize(static_cast<size_t>(R));
+    for (int64_t r = 0; r < R; ++r) op.row_scale[static_cast<size_t>(r)] = decode[static_cast<size_t>(r / br)];
+  } else if (!folded) {
+    op.tensor_scale = 1;  // the f32 values below are fully dequantized
+  }
+  const bool as_bf16 = post_scaled || folded;
+  op.values = Tensor::empty({R, C}, as_bf16 ? DType::BF16 : DType::F32);
+  uint16_t* out16 = as_bf16 ? static_cast<uint16_t*>(op.values.data_ptr()) : nullptr;
+  float* out32 = as_bf16 ? nullptr : static_cast<float*>(op.values.data_ptr());
+  const MinifloatFormat& f = element_format(options.format);
+  const FormatRounding round(f);
+  const float fmax = format_max(options.format);
+  int64_t saturated = 0, flushed = 0;
+  // One run of a block's row: n values from `first`, encoded with `e`, each code value times `multiplier`
+  // (nothing when post-scaled, else the block scale: exact in bf16 where folded, in f32 one rounding as
+  // dequantize() computes it, whose tensor scale is 1 there). Branch-free so that it vectorises.
+  auto encode_run = [&]<bool kBf16>(int64_t first, int64_t n, float e, float multiplier, int64_t& sat, int64_t& flush) {
+    for (int64_t i = 0; i < n; ++i) {
+      const float v = in[first + i];
+      const float scaled = v * e;
+      const float rounded = round(std::fabs(scaled));
+      sat += rounded > fmax;
+      const float value = std::copysign(std::min(rounded, fmax), scaled);
+      flush += (v != 0) & (std::fabs(v) <= FLT_MAX) & (value == 0);
+      const float stored = value * multiplier;
+      if constexpr (kBf16) out16[first + i] = static_cast<uint16_t>(std::bit_cast<uint32_t>(stored) >> 16);  // exact
+      else out32[first + i] = stored;
+    }
+  };
+  // The same with stochastic rounding (NVFP4's gradients): element i draws Philox(seed, offset + i).
+  auto encode_run_stochastic = [&](int64_t first, int64_t n, float e, float multiplier, int64_t& sat, int64_t& flush) {
+    for (int64_t i = 0; i < n; ++i) {
+      const float v = in[first + i];
+      const uint32_t random =
+          philox4x32(options.stochastic_offset + static_cast<uint64_t>(first + i), 0, *options.stochastic_seed)[0];
+      const float scaled = e == 0 ? 0.0f : v * e;
+      const float value = minifloat_to_float(float_to_minifloat(scaled, f, FormatOverflow::Saturate, &random), f);
+      sat += round(std::fabs(scaled)) > fmax;  // counted as quantize() counts it
+      flush += v != 0 && std::fabs(v) <= FLT_MAX && value == 0;
+      const float stored = value * multiplier;
+      if (as_bf16) out16[first + i] = static_cast<uint16_t>(std::bit_cast<uint32_t>(stored) >> 16);
+      else out32[first + i] = stored;
+    }
+  };
+#pragma omp parallel for schedule(static) reduction(+ : saturated, flushed) if (R * C > (1 << 15))
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t j = 0; j < grid_cols; ++j) {
+      const size_t b = static_cast<size_t>(r / br * grid_cols + j);
+      const float e = encode[b];
+      // A NaN block (encode 0, decode NaN) stores NaN: its values are not numbers.
+      const float multiplier = post_scaled ? 1.0f : decode[b];
+      const int64_t first = r * C + j * bc, n = std::min(bc, C - j * bc);
+      int64_t block_saturated = 0, block_flushed = 0;
+      if (options.stochastic_seed) encode_run_stochastic(first, n, e, multiplier, block_saturated, block_flushed);
+      else if (as_bf16) encode_run.template operator()<true>(first, n, e, multiplier, block_saturated, block_flushed);
+      else encode_run.template operator()<false>(first, n, e, multiplier, block_saturated, block_flushed);
+      saturated += e == 0 ? 0 : block_saturated;
+      flushed += block_flushed;
+    }
+  op.saturated = saturated;
+  op.flushed = flushed;
+  return op;
+}
+
+Tensor scaled_matmul(const GemmOperand& a, const GemmOperand& b) {
+  check(a.values.dim() == 2 && b.values.dim() == 2 && a.values.size(1) == b.values.size(1),
+        "scaled_matmul: a ", a.values.description(), " and b ", b.values.description(),
+        " must share their last dim K (a [M, K] @ b [N, K]^T)");
+  NoGradGuard no_grad;
+  AutocastScope fp32(std::nullopt);
+  const int64_t M = a.values.size(0), N = b.values.size(0);
+  Tensor out = Tensor::empty({M, N}, DType::F32);
+  if (a.values.dtype() == b.values.dtype()) {
+    cpu::gemm_nt_f32_out(a.values, b.values, out);
+  } else {  // one operand f32: the other's exact bf16 values widen exactly
+    cpu::gemm_nt_f32_out(a.values.to(DType::F32), b.values.to(DType::F32), out);
+  }
+  const float tensor = a.tensor_scale * b.tensor_scale;
+  if (a.row_scale.empty() && b.row_scale.empty() && tensor == 1) return out;
+  float* o = static_cast<float*>(out.data_ptr());
+#pragma omp parallel for schedule(static) if (M * N > (1 << 15))
+  for (int64_t m = 0; m < M; ++m) {
+    const float row = a.row_scale.empty() ? 1.0f : a.row_scale[static_cast<size_t>(m)];
+    for (int64_t n = 0; n < N; ++n)  // the order of quantize()'s scaled_matmul: row, column, tensor
+      o[m * N + n] *= row * (b.row_scale.empty() ? 1.0f : b.row_scale[static_cast<size_t>(n)]) * tensor;
+  }
   return out;
 }
 

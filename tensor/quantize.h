@@ -16,6 +16,7 @@
 // CPU tensors only, for now: on a CUDA tensor these are a "not supported" Error.
 #include <cstdint>
 #include <optional>
+#include <vector>
 
 #include "tensor/tensor.h"
 
@@ -67,6 +68,23 @@ Tensor dequantize(const Quantized& q);
 // are constant along K (tensorwise and rowwise) the codes are multiplied and the [M, N] result scaled after,
 // as cuBLASLt's scaled fp8 GEMM does (D = scale_a * scale_b * (A @ B)).
 Tensor scaled_matmul(const Quantized& a, const Quantized& b);
+
+// ---- the training path ----
+// A quantized operand in the form a GEMM takes it: the same numbers as quantize() then dequantize(), built in
+// one pass without the codes. values holds code_value * block scale where that product is exact in bf16 (the
+// E8M0 and NVFP4 scales), the code values alone where the scales are constant along K (tensorwise, rowwise:
+// row_scale then holds each row's decode scale, applied to the GEMM's result), and the dequantized f32 values
+// otherwise (fp32 scales along K: DeepSeek-V3's tiles). tensor_scale multiplies the result too.
+struct GemmOperand {
+  Tensor values;                 // [R, C], bf16 (exact) or f32
+  std::vector<float> row_scale;  // [R], or empty
+  float tensor_scale = 1;
+  float amax = 0;
+  int64_t saturated = 0, flushed = 0;  // as in Quantized
+};
+GemmOperand quantize_for_gemm(const Tensor& x, const QuantizeOptions& options);
+// a [M, K] @ b [N, K]ᵀ in f32 (fp32 sums of exact products), scaled by the operands' row and tensor scales.
+Tensor scaled_matmul(const GemmOperand& a, const GemmOperand& b);
 
 // Tensor::to between a floating dtype and a format of tensor/minifloat.h, or between two formats (see there:
 // round to nearest even, PyTorch's overflow: NaN for E4M3, Inf for E5M2, ±6 for E2M1; E8M0 drops the sign).

@@ -126,9 +126,9 @@ QuantizeOptions LowPrecisionContext::options(TensorKind kind, const Tensor& weig
   return o;
 }
 
-void LowPrecisionContext::record(TensorKind kind, const Tensor& weight, const Quantized& q) {
+void LowPrecisionContext::record(TensorKind kind, const Tensor& weight, const GemmOperand& q) {
   QuantizationCounts& c = counts_[index_of(kind)];
-  c.values += q.codes.numel();
+  c.values += q.values.numel();
   c.saturated += q.saturated;
   c.flushed += q.flushed;
   if (recipe_.scaling == ScalingRecipe::DelayedTensorwise) {
@@ -197,8 +197,8 @@ Tensor scaled_linear(const Tensor& x, const Tensor& weight, const Tensor& bias,
   Tensor out32;
   {
     NoGradGuard no_grad;
-    const Quantized qx = quantize(x2, ctx.options(TensorKind::Activation, weight));
-    const Quantized qw = quantize(w, ctx.options(TensorKind::Weight, weight));
+    const GemmOperand qx = quantize_for_gemm(x2, ctx.options(TensorKind::Activation, weight));
+    const GemmOperand qw = quantize_for_gemm(w, ctx.options(TensorKind::Weight, weight));
     ctx.record(TensorKind::Activation, weight, qx);
     ctx.record(TensorKind::Weight, weight, qw);
     out32 = scaled_matmul(qx, qw);
@@ -218,9 +218,9 @@ Tensor scaled_linear(const Tensor& x, const Tensor& weight, const Tensor& bias,
     Grads grads(3);
     const Tensor g2 = g.reshape({rows, N});
     if (x_grad) {  // dgrad: g [rows, N] @ (Wᵀ [K, N])ᵀ
-      const Quantized qg = quantize(g2, ctx.options(TensorKind::Gradient, weight_key));
+      const GemmOperand qg = quantize_for_gemm(g2, ctx.options(TensorKind::Gradient, weight_key));
       ctx.record(TensorKind::Gradient, weight_key, qg);
-      const Quantized qwt = quantize(w.mT(), ctx.options(TensorKind::Weight, weight_key));
+      const GemmOperand qwt = quantize_for_gemm(w.mT(), ctx.options(TensorKind::Weight, weight_key));
       grads[0] = scaled_matmul(qg, qwt).to(x_dtype).reshape(x_shape);
     }
     if (w_grad) {  // wgrad: gᵀ [N, rows] @ (xᵀ [K, rows])ᵀ
@@ -230,8 +230,8 @@ Tensor scaled_linear(const Tensor& x, const Tensor& weight, const Tensor& bias,
         gt = apply_hadamard(gt, q);
         xt = apply_hadamard(xt, q);
       }
-      const Quantized qgt = quantize(gt, ctx.options(TensorKind::Gradient, weight_key));
-      const Quantized qxt = quantize(xt, ctx.options(TensorKind::Activation, weight_key));
+      const GemmOperand qgt = quantize_for_gemm(gt, ctx.options(TensorKind::Gradient, weight_key));
+      const GemmOperand qxt = quantize_for_gemm(xt, ctx.options(TensorKind::Activation, weight_key));
       if (!x_grad) ctx.record(TensorKind::Gradient, weight_key, qgt);
       grads[1] = scaled_matmul(qgt, qxt).to(w_dtype);
     }

@@ -100,7 +100,7 @@ class LowPrecisionContext {
   // operand of a GEMM summing over its columns, and the bookkeeping after it. The options depend on the kind
   // only, not on the GEMM: tiles run along K whichever dim of the layer K is, and weight blocks are square.
   QuantizeOptions options(TensorKind kind, const Tensor& weight);
-  void record(TensorKind kind, const Tensor& weight, const Quantized& q);
+  void record(TensorKind kind, const Tensor& weight, const GemmOperand& q);
 
  private:
   LowPrecisionRecipe recipe_;

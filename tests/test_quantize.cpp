@@ -32,7 +32,7 @@ QuantizeOptions options(DType format, int64_t block_rows, int64_t block_cols, Bl
   o.scale = scale;
   return o;
 }
-constexpr DType kE4M3 = DType::F8E4M3;
+constexpr DType kE4M3Type = DType::F8E4M3;
 
 TEST(Quantize, TensorwiseScaleIsFormatMaxOverAmax) {
   // amax 4: encode 448 / 4 = 112, so 1, -2, 0.5, 4 become 112, -224, 56, 448 (all E4M3 values).
@@ -141,7 +141,7 @@ TEST(Quantize, Nvfp4HasE4M3BlockScalesUnderAnFp32TensorScale) {
   EXPECT_EQ(values_of(q.codes)[16], 6.0f);
   EXPECT_NEAR(values_of(dequantize(q))[16], 6.0 * 384 / 448, 1e-6);
   EXPECT_NEAR(values_of(dequantize(q))[0], 6.0, 1e-6);
-  EXPECT_ERROR_MENTIONS(quantize(matrix(x, 1, 32), options(kE4M3, 0, 0, BlockScale::E4M3TwoLevel)),
+  EXPECT_ERROR_MENTIONS(quantize(matrix(x, 1, 32), options(kE4M3Type, 0, 0, BlockScale::E4M3TwoLevel)),
                         "e4m3_two_level", "f4e2m1");
 }
 
@@ -167,12 +167,12 @@ TEST(Quantize, DequantizedValuesLieWithinHalfAStepForEveryRecipe) {
     double min_subnormal;
   };
   const std::vector<Case> cases = {
-      {"tensorwise e4m3", options(kE4M3, 0, 0), 3, 0x1p-9},
+      {"tensorwise e4m3", options(kE4M3Type, 0, 0), 3, 0x1p-9},
       {"tensorwise e5m2", options(DType::F8E5M2, 0, 0), 2, 0x1p-16},
-      {"rowwise", options(kE4M3, 1, 0), 3, 0x1p-9},
-      {"1x32 tiles", options(kE4M3, 1, 32), 3, 0x1p-9},
-      {"mx floor", options(kE4M3, 1, 32, BlockScale::E8M0Floor), 3, 0x1p-9},
-      {"mx ceil", options(kE4M3, 1, 32, BlockScale::E8M0Ceil), 3, 0x1p-9},
+      {"rowwise", options(kE4M3Type, 1, 0), 3, 0x1p-9},
+      {"1x32 tiles", options(kE4M3Type, 1, 32), 3, 0x1p-9},
+      {"mx floor", options(kE4M3Type, 1, 32, BlockScale::E8M0Floor), 3, 0x1p-9},
+      {"mx ceil", options(kE4M3Type, 1, 32, BlockScale::E8M0Ceil), 3, 0x1p-9},
       {"nvfp4", options(DType::F4E2M1, 1, 16, BlockScale::E4M3TwoLevel), 1, 0.5},
   };
   const std::vector<float> xv = values_of(x);
@@ -205,8 +205,8 @@ TEST(Quantize, ScaledMatmulIsTheFp32SumOfTheDequantizedProducts) {
   const int64_t M = 17, N = 9, K = 160;
   const Tensor a = Tensor::randn({M, K}, 11), b = mul(Tensor::randn({N, K}, 12), 0.02);
   const std::vector<QuantizeOptions> recipes = {
-      options(kE4M3, 0, 0), options(kE4M3, 1, 0), options(kE4M3, 1, 128),
-      options(kE4M3, 1, 32, BlockScale::E8M0Ceil), options(DType::F4E2M1, 1, 16, BlockScale::E4M3TwoLevel)};
+      options(kE4M3Type, 0, 0), options(kE4M3Type, 1, 0), options(kE4M3Type, 1, 128),
+      options(kE4M3Type, 1, 32, BlockScale::E8M0Ceil), options(DType::F4E2M1, 1, 16, BlockScale::E4M3TwoLevel)};
   for (const QuantizeOptions& o : recipes) {
     const Quantized qa = quantize(a, o), qb = quantize(b, o);
     const std::vector<float> c = values_of(scaled_matmul(qa, qb));
@@ -225,6 +225,65 @@ TEST(Quantize, ScaledMatmulIsTheFp32SumOfTheDequantizedProducts) {
   }
 }
 
+// The training path (quantize_for_gemm: no codes, values ready for the GEMM) against the reference
+// (quantize, then dequantize): the same values to the bit once its row and tensor scales are applied, the same
+// counts, for every recipe's layout, with saturation, flushing to zero, a NaN block and stochastic rounding.
+TEST(Quantize, TheGemmOperandIsTheDequantizedReferenceBitForBit) {
+  Tensor x = mul(Tensor::randn({48, 80}, 21), 4.0);
+  {
+    std::vector<float> v = values_of(x);
+    v[5] = 1e-9f;      // flushes to zero in most blocks
+    v[100] = 3000.0f;  // saturates under the OCP floor rule
+    x = matrix(v, 48, 80);
+  }
+  std::vector<float> with_nan = values_of(x);
+  with_nan[7 * 80 + 3] = NAN;
+  std::vector<QuantizeOptions> cases = {
+      options(kE4M3Type, 0, 0),  options(DType::F8E5M2, 0, 0), options(kE4M3Type, 1, 0), options(kE4M3Type, 1, 32),
+      options(kE4M3Type, 32, 32), options(kE4M3Type, 1, 32, BlockScale::E8M0Floor), options(kE4M3Type, 1, 32, BlockScale::E8M0Ceil),
+      options(DType::F4E2M1, 1, 16, BlockScale::E4M3TwoLevel), options(DType::F4E2M1, 16, 16, BlockScale::E4M3TwoLevel)};
+  QuantizeOptions delayed = options(kE4M3Type, 0, 0);
+  delayed.fixed_scale = 300.0f;  // saturates
+  cases.push_back(delayed);
+  QuantizeOptions stochastic = options(DType::F4E2M1, 1, 16, BlockScale::E4M3TwoLevel);
+  stochastic.stochastic_seed = 5;
+  stochastic.stochastic_offset = 1000;
+  cases.push_back(stochastic);
+  for (const Tensor& input : {x, matrix(with_nan, 48, 80)})
+    for (const QuantizeOptions& o : cases) {
+      SCOPED_TRACE(std::string(dtype_name(o.format)) + " " + block_scale_name(o.scale) + " " +
+                   std::to_string(o.block_rows) + "x" + std::to_string(o.block_cols));
+      const Quantized q = quantize(input, o);
+      const GemmOperand g = quantize_for_gemm(input, o);
+      const std::vector<float> want = values_of(dequantize(q)), values = values_of(g.values);
+      ASSERT_EQ(values.size(), want.size());
+      for (size_t i = 0; i < want.size(); ++i) {
+        const float row = g.row_scale.empty() ? 1.0f : g.row_scale[i / 80];
+        const float got = values[i] * row * g.tensor_scale;
+        if (std::isnan(want[i])) EXPECT_TRUE(std::isnan(got)) << i;
+        else ASSERT_EQ(got, want[i]) << i;
+      }
+      EXPECT_EQ(g.saturated, q.saturated);
+      EXPECT_EQ(g.flushed, q.flushed);
+      if (std::isnan(q.amax)) EXPECT_TRUE(std::isnan(g.amax));
+      else EXPECT_EQ(g.amax, q.amax);
+    }
+  // Every midpoint between neighbouring values of each format (the ties), at scale 1: nearest even.
+  for (DType format : {kE4M3Type, DType::F8E5M2, DType::F4E2M1}) {
+    std::vector<float> grid;
+    for (uint32_t code = 0; code < (format == DType::F4E2M1 ? 8u : 128u); ++code) {
+      const float v = minifloat_to_float(code, format == kE4M3Type ? kE4M3 : format == DType::F8E5M2 ? kE5M2 : kE2M1);
+      if (std::isfinite(v)) grid.push_back(v);
+    }
+    std::vector<float> ties;
+    for (size_t i = 0; i + 1 < grid.size(); ++i) ties.push_back((grid[i] + grid[i + 1]) / 2);
+    QuantizeOptions o = options(format, 0, 0);
+    o.fixed_scale = 1.0f;
+    const Tensor t = matrix(ties, 1, static_cast<int64_t>(ties.size()));
+    EXPECT_EQ(values_of(quantize_for_gemm(t, o).values), values_of(dequantize(quantize(t, o)))) << dtype_name(format);
+  }
+}
+
 TEST(Quantize, StochasticRoundingIsReproducibleFromTheSeed) {
   const Tensor g = Tensor::randn({8, 64}, 5);
   QuantizeOptions o = options(DType::F4E2M1, 1, 16, BlockScale::E4M3TwoLevel);
@@ -240,7 +299,7 @@ TEST(Quantize, StochasticRoundingIsReproducibleFromTheSeed) {
 TEST(Quantize, RefusesBadArguments) {
   EXPECT_ERROR_MENTIONS(quantize(Tensor::ones({4}), {}), "quantize", "2-d");
   EXPECT_ERROR_MENTIONS(quantize(Tensor::ones({2, 2}), options(DType::BF16, 0, 0)), "quantize", "bf16");
-  EXPECT_ERROR_MENTIONS(quantize(Tensor::ones({2, 2}), options(kE4M3, -1, 0)), "block_rows");
+  EXPECT_ERROR_MENTIONS(quantize(Tensor::ones({2, 2}), options(kE4M3Type, -1, 0)), "block_rows");
   QuantizeOptions fixed;
   fixed.fixed_scale = -1.0f;
   EXPECT_ERROR_MENTIONS(quantize(Tensor::ones({2, 2}), fixed), "fixed_scale");
