@@ -289,6 +289,51 @@ std::vector<Tensor> Booster::forward(
   return outputs;
 }
 
+void Booster::save_scaling_state(StateDict& state) const {
+  if (!low_precision_) return;
+  state.metadata[std::string(kScalingStatePrefix) + "random_draws"] = std::to_string(low_precision_->random_draws());
+  if (low_precision_->recipe().scaling != ScalingRecipe::DelayedTensorwise) return;
+  for (const auto& [name, scaling] : low_precision_->scaling_state()) {
+    const std::string key = kScalingStatePrefix + name;
+    state.tensors[key + ".scale"] = Tensor::from_vector(std::vector<float>{scaling.scale}, {1});
+    state.tensors[key + ".amax_history"] =
+        Tensor::from_vector(scaling.history, {static_cast<int64_t>(scaling.history.size())});
+  }
+}
+
+void Booster::load_scaling_state(const StateDict& state) {
+  if (!low_precision_) return;
+  const std::string draws_key = std::string(kScalingStatePrefix) + "random_draws";
+  const auto draws = state.metadata.find(draws_key);
+  check(draws != state.metadata.end(), "Booster: the checkpoint has no ", draws_key, " (it is not from an ",
+        config_.name(), " run)");
+  uint64_t draw_count = 0;
+  try {
+    size_t used = 0;
+    draw_count = std::stoull(draws->second, &used);
+    check(used == draws->second.size(), "trailing text");
+  } catch (const std::exception&) {
+    fail("Booster: ", draws_key, " is '", draws->second, "', expected a count");
+  }
+  if (low_precision_->recipe().scaling == ScalingRecipe::DelayedTensorwise) {
+    std::map<std::string, DelayedScaling> scaling = low_precision_->scaling_state();  // the names to read
+    for (auto& [name, entry] : scaling) {
+      const std::string key = kScalingStatePrefix + name;
+      const auto scale = state.tensors.find(key + ".scale"), history = state.tensors.find(key + ".amax_history");
+      check(scale != state.tensors.end() && history != state.tensors.end(), "Booster: the checkpoint lacks ", key,
+            ".scale or .amax_history (", config_.name(), " keeps both for every fp8 tensor)");
+      check(scale->second.numel() == 1 && history->second.dim() == 1 && is_floating(history->second.dtype()) &&
+                is_floating(scale->second.dtype()),
+            "Booster: ", key, " holds ", scale->second.description(), " and ", history->second.description(),
+            "; expected f32[1] and f32[amax_history_len]");
+      entry.scale = static_cast<float>(scale->second.item());
+      entry.history = history->second.to(DType::F32).to_vector<float>();
+    }
+    low_precision_->load_scaling_state(scaling);
+  }
+  low_precision_->set_random_draws(draw_count);
+}
+
 void Booster::backward(const Tensor& loss, MixedPrecisionOptimizer& optimizer, int loss_id) {
   optimizer.backward(loss, loss_id);
 }

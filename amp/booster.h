@@ -49,6 +49,7 @@
 #include "amp/optimizer.h"
 #include "amp/process_group.h"
 #include "nn/module.h"
+#include "io/state_dict.h"
 #include "optim/optimizer.h"
 #include "tensor/scaled_linear.h"
 
@@ -113,6 +114,14 @@ class Booster {
   // The fp8 / block-scaled modes' GEMM state (tensor/scaled_linear.h): which Linear layers it covers, their
   // delayed scaling and what quantization saturated and flushed; null in the other modes.
   const std::shared_ptr<LowPrecisionContext>& low_precision() const { return low_precision_; }
+  // The fp8 modes' state a resumed run needs, as checkpoint entries under "amp_scaling.": delayed scaling's
+  // scale and amax history per covered tensor ("amp_scaling.<weight>.<kind>.scale" and ".amax_history",
+  // f32) and the stochastic-rounding draw count (metadata "amp_scaling.random_draws"). Nothing in other modes.
+  void save_scaling_state(StateDict& state) const;
+  // Reads them back (Error, changing nothing, when an entry is missing or malformed). A checkpoint of another
+  // mode has none: then nothing is read.
+  void load_scaling_state(const StateDict& state);
+  static constexpr const char* kScalingStatePrefix = "amp_scaling.";
 
  private:
   // boost()'s conversion of the model for the mode (the row's cast); Apex's per its properties.

@@ -165,18 +165,19 @@ std::map<std::string, DelayedScaling> LowPrecisionContext::scaling_state() const
 }
 
 void LowPrecisionContext::load_scaling_state(const std::map<std::string, DelayedScaling>& state) {
-  for (auto& [key, covered] : states_)
-    for (size_t k = 0; k < covered.state.tensors.size(); ++k) {
-      const std::string name = covered.name + "." + tensor_kind_name(static_cast<TensorKind>(k));
-      const auto found = state.find(name);
-      check(found != state.end(), "LowPrecisionContext: the scaling state has no entry for ", name);
-      check(found->second.history.size() == static_cast<size_t>(recipe_.amax_history_len),
-            "LowPrecisionContext: ", name, " has an amax history of ", found->second.history.size(),
-            " steps; this recipe's amax_history_len is ", recipe_.amax_history_len);
-      check(std::isfinite(found->second.scale) && found->second.scale > 0, "LowPrecisionContext: ", name,
-            " has scale ", found->second.scale, "; expected a positive finite value");
-      covered.state.tensors[k] = found->second;
-    }
+  for (int pass = 0; pass < 2; ++pass)  // check everything, then change
+    for (auto& [key, covered] : states_)
+      for (size_t k = 0; k < covered.state.tensors.size(); ++k) {
+        const std::string name = covered.name + "." + tensor_kind_name(static_cast<TensorKind>(k));
+        const auto found = state.find(name);
+        check(found != state.end(), "LowPrecisionContext: the scaling state has no entry for ", name);
+        check(found->second.history.size() == static_cast<size_t>(recipe_.amax_history_len),
+              "LowPrecisionContext: ", name, " has an amax history of ", found->second.history.size(),
+              " steps; this recipe's amax_history_len is ", recipe_.amax_history_len);
+        check(std::isfinite(found->second.scale) && found->second.scale > 0, "LowPrecisionContext: ", name,
+              " has scale ", found->second.scale, "; expected a positive finite value");
+        if (pass == 1) covered.state.tensors[k] = found->second;
+      }
 }
 
 LowPrecisionScope::LowPrecisionScope(std::shared_ptr<LowPrecisionContext> context)
@@ -194,13 +195,18 @@ Tensor scaled_linear(const Tensor& x, const Tensor& weight, const Tensor& bias,
   const int64_t K = weight.size(1), N = weight.size(0), rows = shape_numel(x.shape()) / std::max<int64_t>(K, 1);
   const Tensor x2 = x.detach().reshape({rows, K}), w = weight.detach();
   LowPrecisionContext& ctx = *context;
+  // Only a training forward (grad mode on) feeds the amax histories and the counts: an evaluation quantizes with
+  // the scales in use and leaves the recipe's state as training left it.
+  const bool training = grad_enabled();
   Tensor out32;
   {
     NoGradGuard no_grad;
     const GemmOperand qx = quantize_for_gemm(x2, ctx.options(TensorKind::Activation, weight));
     const GemmOperand qw = quantize_for_gemm(w, ctx.options(TensorKind::Weight, weight));
-    ctx.record(TensorKind::Activation, weight, qx);
-    ctx.record(TensorKind::Weight, weight, qw);
+    if (training) {
+      ctx.record(TensorKind::Activation, weight, qx);
+      ctx.record(TensorKind::Weight, weight, qw);
+    }
     out32 = scaled_matmul(qx, qw);
     if (bias.defined()) out32 = add(out32, bias.detach().to(DType::F32));
   }

@@ -15,7 +15,8 @@
 //
 // The context keeps what the recipes remember between steps: the delayed-scaling amax history and scale
 // of each covered Linear's three tensors, and counts of what quantization saturated and flushed to zero per
-// tensor kind (for the precision study). Layering: it lives in tensor/ because linear() consults it; amp/
+// tensor kind (for the precision study). Only training forwards (grad mode on) and backwards add to them: an
+// evaluation quantizes with the scales in use and changes nothing. Layering: it lives in tensor/ because linear() consults it; amp/
 // builds it from a precision mode (amp/low_precision.h).
 #include <array>
 #include <cstdint>
@@ -94,7 +95,13 @@ class LowPrecisionContext {
   const std::array<QuantizationCounts, 3>& counts() const { return counts_; }
   // The delayed scale history of every covered tensor, by "weight name.kind": {scale, amax history}.
   std::map<std::string, DelayedScaling> scaling_state() const;
+  // Replaces the state with `state` (every covered tensor's entry, with this recipe's history length and a
+  // positive finite scale; Error naming the first that is not, and then nothing changes).
   void load_scaling_state(const std::map<std::string, DelayedScaling>& state);
+  // The stochastically rounded quantizations so far: each draws its own random stream, so a resumed run
+  // continues the count.
+  uint64_t random_draws() const { return random_draws_; }
+  void set_random_draws(uint64_t draws) { random_draws_ = draws; }
 
   // Used by scaled_linear: the options to quantize a tensor of `kind` (of the Linear of `weight`) as the
   // operand of a GEMM summing over its columns, and the bookkeeping after it. The options depend on the kind

@@ -471,6 +471,7 @@ StateDict Trainer::checkpoint() {
     state.metadata["rng." + name + ".seed"] = std::to_string(gen->seed);
     state.metadata["rng." + name + ".offset"] = std::to_string(gen->offset);
   }
+  booster_.save_scaling_state(state);
   return state;
 }
 
@@ -480,7 +481,7 @@ StateDict model_part(const StateDict& state) {
   StateDict model;
   model.metadata = state.metadata;
   for (const auto& [name, t] : state.tensors)
-    if (name.rfind("optimizer.", 0) != 0) model.tensors[name] = t;
+    if (name.rfind("optimizer.", 0) != 0 && name.rfind(Booster::kScalingStatePrefix, 0) != 0) model.tensors[name] = t;
   return model;
 }
 
@@ -728,16 +729,27 @@ void Trainer::load_checkpoint(const StateDict& state) {
 
   // Model first: strict and fully validated before copying. The optimizer validates before changing too;
   // if it throws, the model gets its old weights back, so a rejected checkpoint changes nothing.
+  // The fp8 modes' scaling state is checked before it changes; a later refusal puts the old one back.
+  StateDict old_scaling;
+  booster_.save_scaling_state(old_scaling);
+  booster_.load_scaling_state(state);
   StateDict old_model = model_->state_dict();  // detached views of the parameters: copy the values
   for (auto& [name, t] : old_model.tensors) t = t.clone();
-  model_->load_state_dict(model_part_in_model_dtypes(state, "training checkpoint"));
+  try {
+    model_->load_state_dict(model_part_in_model_dtypes(state, "training checkpoint"));
+  } catch (...) {
+    booster_.load_scaling_state(old_scaling);
+    throw;
+  }
   try {
     optimizer_->load_state_dict(opt);
   } catch (const Error& error) {
     model_->load_state_dict(old_model);
+    booster_.load_scaling_state(old_scaling);
     fail("training checkpoint: ", optimizer_error_in_file_keys(error.what()));
   } catch (...) {
     model_->load_state_dict(old_model);
+    booster_.load_scaling_state(old_scaling);
     throw;
   }
   for (auto& [gen, g] : generators) *gen = g;

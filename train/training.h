@@ -164,7 +164,7 @@ class Trainer {
   int64_t step_ = 0;
 };
 
-// The model tensors of a state dict (drops "optimizer." entries).
+// The model tensors of a state dict (drops the "optimizer." and "amp_scaling." entries).
 StateDict model_part(const StateDict& state);
 // The optimizer part of a training checkpoint, "optimizer." stripped from tensor names and metadata keys.
 StateDict optimizer_part(const StateDict& state);
