@@ -27,8 +27,13 @@
 //       skipped steps      steps whose update was skipped on a gradient overflow
 //       final loss scale   the scale of the last step's loss, exact (shortest round-trip text)
 //   <mode>.jsonl             train_gpt's per-step log, checked (a line per step) before its rename into place
-//   precision_study.png      two panels, a curve per mode: the training loss (trailing mean of 20 steps)
-//                            and the loss scale on a log2 axis, drawn by train/plot.h (no outside tool)
+//   precision_study.png      a curve per mode in each panel: the training loss (trailing mean of 20 steps)
+//                            and the loss scale on a log2 axis; with fp32 in the study each mode's
+//                            smoothed loss minus fp32's; with fp8 or block-scaled modes the fraction of each
+//                            step's gradient values flushed to zero and of its values saturated, and
+//                            fp8_delayed's scales (its first Linear's three tensors). Drawn by train/plot.h
+//                            (no outside tool). results.md adds a table of what quantization saturated and
+//                            flushed over the run, per fp8 mode and tensor kind.
 // The Markdown table is also printed at the end. Errors (unknown mode or option, a bad value, missing data or
 // train_gpt, a child failing) print "error: ..." and exit non-zero; a failing mode does not stop the others,
 // so the study reports what it can. When no mode succeeds nothing is written (no tables, no plot).
@@ -42,6 +47,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
@@ -473,7 +479,16 @@ struct StepLog {
   bool evaluated = false;  // has a val_loss (a number, or null when it was not finite)
   bool skipped = false;
   std::optional<int64_t> peak_rss_kib;  // train_gpt's VmHWM so far, where its log has it
+  // The fp8 and block-scaled modes' "fp8" entry: per tensor kind (activation, weight, gradient) the values
+  // quantized in the step and how many saturated and flushed to zero; fp8_delayed's "fp8_scales".
+  struct Quantized {
+    double values = 0, saturated = 0, flushed = 0;  // counts (the log's fractions times its values)
+  };
+  std::optional<std::array<Quantized, 3>> quantized;
+  std::optional<std::array<double, 3>> delayed_scales;
 };
+
+constexpr std::array<const char*, 3> kTensorKinds = {"activation", "weight", "gradient"};
 
 struct ModeResult {
   std::string mode;
@@ -510,6 +525,22 @@ std::vector<StepLog> read_log(const fs::path& path, int64_t expected_steps) {
       s.val_loss = log_number(val_loss);
       const Json* skipped = json::find(v, "skipped");
       s.skipped = skipped && json::as_bool(*skipped);
+      if (const Json* fp8 = json::find(v, "fp8")) {
+        std::array<StepLog::Quantized, 3> q;
+        for (size_t k = 0; k < q.size(); ++k) {
+          const Json* kind = json::find(*fp8, kTensorKinds[k]);
+          check(kind != nullptr, "\"fp8\" has no \"", kTensorKinds[k], "\"");
+          q[k].values = log_number(json::find(*kind, "values"));
+          q[k].saturated = log_number(json::find(*kind, "saturated")) * q[k].values;
+          q[k].flushed = log_number(json::find(*kind, "flushed")) * q[k].values;
+        }
+        s.quantized = q;
+      }
+      if (const Json* scales = json::find(v, "fp8_scales")) {
+        std::array<double, 3> d;
+        for (size_t k = 0; k < d.size(); ++k) d[k] = log_number(json::find(*scales, kTensorKinds[k]));
+        s.delayed_scales = d;
+      }
       if (const Json* rss = json::find(v, "peak_rss_kib"); rss && !rss->is_null()) {
         s.peak_rss_kib = json::as_integer(*rss);
         check(*s.peak_rss_kib > 0, "peak_rss_kib ", *s.peak_rss_kib, " is not a positive size");
@@ -642,10 +673,122 @@ std::string markdown_table(const std::vector<Row>& rows) {
   return out;
 }
 
+// The fp8 modes' quantization over the whole run: per mode and tensor kind, the percentage of the values
+// quantized that saturated and that flushed to zero. Empty when no mode quantized.
+std::string quantization_table(const std::vector<ModeResult>& results) {
+  std::string out;
+  for (const ModeResult& r : results) {
+    if (!r.ok) continue;
+    std::array<StepLog::Quantized, 3> total{};
+    bool any = false;
+    for (const StepLog& step : r.steps)
+      if (step.quantized) {
+        any = true;
+        for (size_t k = 0; k < total.size(); ++k) {
+          total[k].values += (*step.quantized)[k].values;
+          total[k].saturated += (*step.quantized)[k].saturated;
+          total[k].flushed += (*step.quantized)[k].flushed;
+        }
+      }
+    if (!any) continue;
+    out += "| " + r.mode;
+    for (const StepLog::Quantized& q : total) {
+      const double n = q.values > 0 ? q.values : 1;
+      out += " | " + fixed_text(100 * q.saturated / n, 4) + " | " + fixed_text(100 * q.flushed / n, 4);
+    }
+    out += " |\n";
+  }
+  if (out.empty()) return out;
+  return "\nQuantization over training (% of the values quantized; the fp8 and block-scaled modes):\n\n"
+         "| mode | activations saturated | activations flushed | weights saturated | weights flushed | "
+         "gradients saturated | gradients flushed |\n"
+         "| :-- | --: | --: | --: | --: | --: | --: |\n" + out;
+}
+
 // ---- the plot ----
 
+// The trailing mean of the last kSmooth finite training losses at each step.
+std::vector<double> smoothed_losses(const ModeResult& r) {
+  std::vector<double> out;
+  std::deque<double> window;
+  double sum = 0;
+  for (const StepLog& step : r.steps) {
+    if (std::isfinite(step.loss)) {
+      window.push_back(step.loss);
+      sum += step.loss;
+      if (window.size() > kSmooth) { sum -= window.front(); window.pop_front(); }
+    }
+    out.push_back(window.empty() ? NAN : sum / double(window.size()));
+  }
+  return out;
+}
+
+// The panels the study adds when it has them: each mode's smoothed training loss minus fp32's (with fp32 in
+// the study), and for the fp8 and block-scaled modes the fraction of each step's gradient values that flushed
+// to zero, the fraction of its values (every kind) that saturated, and fp8_delayed's scales of its first Linear.
+std::vector<plot::Panel> comparison_panels(const std::vector<ModeResult>& results) {
+  std::vector<plot::Panel> panels;
+  const ModeResult* fp32 = nullptr;
+  for (const ModeResult& r : results)
+    if (r.ok && AmpConfig::parse(r.mode).mode == PrecisionMode::Fp32) fp32 = &r;
+  plot::Panel diff{.title = "training loss minus fp32's (trailing means of " + std::to_string(kSmooth) + " steps)",
+                   .x_label = "step", .y_label = "loss difference"};
+  plot::Panel flushed{.title = "fp8 and fp4: gradient values flushed to zero (fraction of each step's)",
+                      .x_label = "step", .y_label = "fraction"};
+  plot::Panel saturated{.title = "fp8 and fp4: values saturated (fraction of each step's, all kinds)",
+                        .x_label = "step", .y_label = "fraction"};
+  plot::Panel scales{.title = "fp8_delayed: the scales of its first Linear (log2 axis)", .x_label = "step",
+                     .y_label = "scale", .log2_y = true};
+  const std::vector<double> reference = fp32 ? smoothed_losses(*fp32) : std::vector<double>{};
+  size_t index = 0;
+  for (const ModeResult& r : results) {
+    if (!r.ok) continue;
+    const plot::Rgb colour = plot::palette()[index++ % plot::palette().size()];
+    if (fp32 && &r != fp32 && r.steps.size() == reference.size()) {
+      plot::Series d{.label = r.mode, .colour = colour};
+      const std::vector<double> mine = smoothed_losses(r);
+      for (size_t i = 0; i < mine.size(); ++i) {
+        d.x.push_back(static_cast<double>(i + 1));
+        d.y.push_back(mine[i] - reference[i]);
+      }
+      diff.series.push_back(std::move(d));
+    }
+    if (r.steps.empty() || !r.steps.front().quantized) continue;
+    plot::Series f{.label = r.mode, .colour = colour}, s{.label = r.mode, .colour = colour};
+    for (const StepLog& step : r.steps) {
+      const double x = static_cast<double>(step.step + 1);
+      const auto& q = *step.quantized;
+      const double gradient_values = q[2].values > 0 ? q[2].values : 1;
+      double all = 0, sat = 0;
+      for (const StepLog::Quantized& k : q) {
+        all += k.values;
+        sat += k.saturated;
+      }
+      f.x.push_back(x);
+      f.y.push_back(q[2].flushed / gradient_values);
+      s.x.push_back(x);
+      s.y.push_back(sat / (all > 0 ? all : 1));
+    }
+    flushed.series.push_back(std::move(f));
+    saturated.series.push_back(std::move(s));
+    if (!r.steps.front().delayed_scales) continue;
+    for (size_t k = 0; k < kTensorKinds.size(); ++k) {
+      plot::Series sc{.label = r.mode + " " + kTensorKinds[k], .colour = plot::palette()[k], .dash = static_cast<int>(k)};
+      for (const StepLog& step : r.steps) {
+        sc.x.push_back(static_cast<double>(step.step + 1));
+        sc.y.push_back(step.delayed_scales ? (*step.delayed_scales)[k] : NAN);
+      }
+      scales.series.push_back(std::move(sc));
+    }
+  }
+  for (plot::Panel* p : {&diff, &flushed, &saturated, &scales})
+    if (!p->series.empty()) panels.push_back(std::move(*p));
+  return panels;
+}
+
 // Two panels, a curve per successful mode in --modes order: the training loss (trailing mean of the last
-// kSmooth finite losses) and the loss scale, against optimizer steps done (the log's 0-based step + 1).
+// kSmooth finite losses) and the loss scale, against optimizer steps done (the log's 0-based step + 1); then
+// comparison_panels'.
 plot::Chart plot_chart(const std::vector<ModeResult>& results, const std::string& title) {
   plot::Panel loss{.title = "training loss (trailing mean of " + std::to_string(kSmooth) + " steps)",
                    .x_label = "step", .y_label = "loss (nats per token)"};
@@ -684,7 +827,10 @@ plot::Chart plot_chart(const std::vector<ModeResult>& results, const std::string
       if (std::isfinite(y)) top = std::max(top, y);
   scale.y_min = 0.5;
   scale.y_max = std::exp2(std::ceil(std::log2(top)) + 1);
-  return plot::Chart{.width = 1000, .height = 1000, .title = title, .panels = {loss, scale}};
+  std::vector<plot::Panel> panels = {loss, scale};
+  for (plot::Panel& p : comparison_panels(results)) panels.push_back(std::move(p));
+  return plot::Chart{.width = 1000, .height = 500 * static_cast<int>(panels.size()), .title = title,
+                     .panels = panels};
 }
 
 // ---- main ----
@@ -771,9 +917,10 @@ void write_results(const Options& opt, const std::vector<ModeResult>& results, c
       "digit from the difference of the rounded losses shown); tokens/s: median of the per-step rates; "
       "peak RSS: the train_gpt process's own peak resident memory (VmHWM, its log's peak_rss_kib); "
       "final loss scale: the last step's, exact; nan: a value that was not finite (the mode diverged).\n";
+  const std::string quantization = quantization_table(results);
   std::string md = "# Precision study\n\n"
                    "One GPT, one data set, one seed, trained once per precision mode (train_gpt --data " +
-                   opt.data + flags_text + " --precision MODE).\n\n" + table + notes;
+                   opt.data + flags_text + " --precision MODE).\n\n" + table + notes + quantization;
   if (!failed.empty()) {
     md += "\nFailed modes (not in the table):\n\n";
     for (const std::string& f : failed) md += "- " + f + "\n";
@@ -783,7 +930,8 @@ void write_results(const Options& opt, const std::vector<ModeResult>& results, c
   const fs::path png = out / "precision_study.png";
   write_file(png, plot::encode_png(plot::render(plot_chart(results, "precision_study:" + flags_text))));
 
-  std::printf("\n%s%s\nwrote %s, %s, %s\n", table.c_str(), notes.c_str(), (out / "results.md").string().c_str(),
+  std::printf("\n%s%s%s\nwrote %s, %s, %s\n", table.c_str(), notes.c_str(), quantization.c_str(),
+              (out / "results.md").string().c_str(),
               (out / "results.csv").string().c_str(), png.string().c_str());
 }
 

@@ -13,8 +13,11 @@
 // AMP's log_num_zeros_in_grad: the zero elements of the unscaled gradients, absent on a skipped step; also on
 // the progress line as "zeros"), val_loss on the steps that evaluated (after that step's update), and
 // peak_rss_kib: this process's peak resident memory so far in KiB (VmHWM of /proc/self/status, after the step
-// and its evaluation; absent where /proc has none). A loss that is not finite is written as null (JSON has no
-// NaN). The plot_loss program (examples/plot_loss.cpp) turns it into a PNG.
+// and its evaluation; absent where /proc has none). The fp8 and block-scaled modes add "fp8": for each tensor
+// kind (activation, weight, gradient) the values this step quantized and the fractions of them that saturated
+// and that flushed to zero; fp8_delayed also "fp8_scales": the scales of the first covered Linear after the step
+// ("weight_of" names it). A loss that is not finite is written as null (JSON has no NaN). The plot_loss
+// program (examples/plot_loss.cpp) turns it into a PNG.
 //
 // The progress line's "scale" is the loss scale after the step's update (the one the next step uses, as
 // Megatron-LM logs it) and "skipped" counts the skipped steps since step 1, a resumed run's included.
@@ -709,6 +712,23 @@ void write_log_line(std::ofstream& log, const Options& opt, const StepReport& r)
                             {"loss_scale", s.loss_scale}, {"skipped", s.skipped}, {"threads", r.threads}});
   if (s.num_zeros >= 0) line.emplace("num_zeros", s.num_zeros);
   if (r.evaluated) line.emplace("val_loss", log_value(r.val_loss));
+  if (s.quantized) {
+    Json fp8 = Json::object();
+    for (size_t k = 0; k < s.quantized->size(); ++k) {
+      const QuantizationCounts& c = (*s.quantized)[k];
+      const double n = c.values > 0 ? static_cast<double>(c.values) : 1.0;
+      fp8.emplace(tensor_kind_name(static_cast<TensorKind>(k)),
+                  Json::object({{"values", c.values}, {"saturated", static_cast<double>(c.saturated) / n},
+                                {"flushed", static_cast<double>(c.flushed) / n}}));
+    }
+    line.emplace("fp8", std::move(fp8));
+  }
+  if (s.delayed_scales) {
+    Json scales = Json::object({{"weight_of", s.delayed_scales_of}});
+    for (size_t k = 0; k < s.delayed_scales->size(); ++k)
+      scales.emplace(tensor_kind_name(static_cast<TensorKind>(k)), (*s.delayed_scales)[k]);
+    line.emplace("fp8_scales", std::move(scales));
+  }
   if (const int64_t kib = peak_rss_kib(); kib > 0) line.emplace("peak_rss_kib", kib);
   log << json::dump(line) << '\n';
   log.flush();

@@ -40,9 +40,10 @@ foreach(mode fp32 bf16)
     check_failed("no streamed '[${mode}] step 20/20' progress line:\n${out}")
   endif()
 endforeach()
-# The plot is a 1000 x 1000 PNG (its signature, then IHDR's width and height), drawn by precision_study itself
-# (train/plot.h; its pixels and encoding are checked by the Plot* unit tests), and the output names it.
-check_png_header(${WORK_DIR}/study/precision_study.png 1000 1000)
+# The plot is a PNG 1000 wide and 500 high per panel (its signature, then IHDR's width and height), drawn by
+# precision_study itself (train/plot.h; its pixels and encoding are checked by the Plot* unit tests), and the
+# output names it. fp32 and bf16: the loss, the loss scale and bf16's loss minus fp32's.
+check_png_header(${WORK_DIR}/study/precision_study.png 1000 1500)
 if(NOT out MATCHES "\nwrote [^\n]*results.md, [^\n]*results.csv, [^\n]*precision_study.png\n")
   check_failed("the output does not name the files written:\n${out}")
 endif()
@@ -293,7 +294,22 @@ else()
   if(NOT md MATCHES "\n\\| bf16 +\\| +2\\.7500 \\| +2\\.5000 \\| +\\+0\\.0000 \\| +\\+0\\.00 \\|")
     check_failed("the stubbed bf16 row in results.md does not show +0.0000 and +0.00:\n${md}")
   endif()
-  check_png_header(${WORK_DIR}/stubbed/precision_study.png 1000 1000)
+  check_png_header(${WORK_DIR}/stubbed/precision_study.png 1000 1500)
+endif()
+
+# ---- an fp8 mode beside fp32: its quantization table and its three panels (gradients flushed, values
+# saturated, fp8_delayed's scales) ----
+execute_process(COMMAND ${PRECISION_STUDY} --data words.txt --modes fp32,fp8_delayed ${tiny} --out fp8study
+                WORKING_DIRECTORY ${WORK_DIR} RESULT_VARIABLE status OUTPUT_VARIABLE out ERROR_VARIABLE err)
+if(NOT status EQUAL 0)
+  check_failed("precision_study with fp8_delayed failed (${status}):\nstdout:\n${out}\nstderr:\n${err}")
+else()
+  file(READ ${WORK_DIR}/fp8study/results.md md)
+  if(NOT md MATCHES "Quantization over training" OR
+     NOT md MATCHES "\n\\| fp8_delayed \\| [0-9]+\\.[0-9]+ \\| [0-9]+\\.[0-9]+ \\| [0-9]+\\.[0-9]+ \\| [0-9]+\\.[0-9]+ \\| [0-9]+\\.[0-9]+ \\| [0-9]+\\.[0-9]+ \\|\n")
+    check_failed("results.md has no quantization row for fp8_delayed:\n${md}")
+  endif()
+  check_png_header(${WORK_DIR}/fp8study/precision_study.png 1000 3000)
 endif()
 
 # A log with a line short is a failure, found before the log is renamed into place; a mode that fails

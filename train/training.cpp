@@ -385,6 +385,32 @@ std::pair<Tensor, Tensor> training_batch(const TokenData& data, const TrainOptio
   return {Tensor::from_vector(x, {B, T}), Tensor::from_vector(y, {B, T})};
 }
 
+namespace {
+
+// The fp8 modes' part of a step's stats: the counts since `before` and, for delayed scaling, the first covered
+// Linear's scales (the scaling state is ordered by name).
+void record_quantization(const LowPrecisionContext& low, const std::array<QuantizationCounts, 3>& before,
+                         StepStats& stats) {
+  std::array<QuantizationCounts, 3> step;
+  for (size_t k = 0; k < step.size(); ++k) {
+    step[k].values = low.counts()[k].values - before[k].values;
+    step[k].saturated = low.counts()[k].saturated - before[k].saturated;
+    step[k].flushed = low.counts()[k].flushed - before[k].flushed;
+  }
+  stats.quantized = step;
+  if (low.recipe().scaling != ScalingRecipe::DelayedTensorwise) return;
+  const std::map<std::string, DelayedScaling> state = low.scaling_state();
+  if (state.empty()) return;
+  const std::string layer = state.begin()->first.substr(0, state.begin()->first.rfind('.'));
+  std::array<float, 3> scales{};
+  for (size_t k = 0; k < scales.size(); ++k)
+    scales[k] = state.at(layer + "." + tensor_kind_name(static_cast<TensorKind>(k))).scale;
+  stats.delayed_scales = scales;
+  stats.delayed_scales_of = layer;
+}
+
+}  // namespace
+
 StepStats Trainer::train_step() {
   StepStats stats;
   stats.step = step_;
@@ -394,6 +420,8 @@ StepStats Trainer::train_step() {
   const auto seconds = [](Clock::time_point from, Clock::time_point to) {
     return std::chrono::duration<double>(to - from).count();
   };
+  const std::shared_ptr<LowPrecisionContext>& low = booster_.low_precision();
+  const std::array<QuantizationCounts, 3> counts_before = low ? low->counts() : std::array<QuantizationCounts, 3>{};
   const Clock::time_point t0 = Clock::now();
   optimizer_->zero_grad();
   ForwardProfiler* const forward_profiler = ForwardProfiler::active();
@@ -412,6 +440,7 @@ StepStats Trainer::train_step() {
   const Clock::time_point t3 = Clock::now();
   const StepResult result = booster_.step(*optimizer_);
   const Clock::time_point t4 = Clock::now();
+  if (low) record_quantization(*low, counts_before, stats);
   stats.forward_seconds = seconds(t0, t1);
   stats.backward_seconds = seconds(t1, t2);
   stats.optimizer_seconds = seconds(t3, t4);

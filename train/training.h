@@ -23,10 +23,12 @@
 // Loading it into a Trainer built with the same options restores everything, so the run continues bit for
 // bit as if it had never stopped. A weights-only file (config + vocab + model tensors) is read by
 // load_model_file (--init, generate); a training checkpoint also works there (its optimizer part is ignored).
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -113,6 +115,12 @@ struct StepStats {
   // master weights copied back). The batch's sampling and the learning-rate schedule are in none of them.
   // Trainer fills them; ParallelTrainer leaves them 0 (its pipeline interleaves forward and backward).
   double forward_seconds = 0, backward_seconds = 0, optimizer_seconds = 0;
+  // The fp8 / block-scaled modes: what this step's quantizations did per tensor kind (activation, weight,
+  // gradient), and with fp8_delayed the scales the next step uses for the first covered Linear (by name,
+  // transformer.h.0.attn.c_attn in a GPT); empty in the other modes.
+  std::optional<std::array<QuantizationCounts, 3>> quantized;
+  std::optional<std::array<float, 3>> delayed_scales;
+  std::string delayed_scales_of;  // the weight those scales belong to
 };
 
 class Trainer {
