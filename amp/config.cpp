@@ -266,6 +266,8 @@ bool read_low_precision_option(const OptionReader& read, const std::string& key,
   else if (key == "amax_history_len") l.amax_history_len = read.integer(value, key);
   else if (key == "amax_compute_algo") l.amax_compute_algo = word_option(read.who, key, value, kAmaxAlgoWords);
   else if (key == "margin") l.margin = read.integer(value, key);
+  else if (key == "round_scales_to_power_of_2")
+    l.round_scales_to_power_of_2 = value.is_null() ? std::nullopt : std::optional(read.boolean(value, key));
   else if (key == "block_size") l.block_size = read.integer(value, key);
   else if (key == "mx_block_size") l.mx_block_size = read.integer(value, key);
   else if (key == "mx_scale_rounding") l.mx_scale_rounding = word_option(read.who, key, value, kMxRoundingWords);
@@ -484,6 +486,9 @@ void validate_low_precision(const std::string& who, ScalingRecipe scaling, const
   in_range("block_size", l.block_size, 1, 1 << 16);
   in_range("mx_block_size", l.mx_block_size, 1, 1 << 16);
   in_range("nvfp4_block_size", l.nvfp4_block_size, 1, 1 << 16);
+  check(!l.round_scales_to_power_of_2 || !*l.round_scales_to_power_of_2 || scaling == ScalingRecipe::CurrentTensorwise ||
+            scaling == ScalingRecipe::Rowwise,
+        who, ": round_scales_to_power_of_2 applies to the current-scaling fp32 scales of fp8 and fp8_rowwise only");
   check(!l.fp8_format || scaling != ScalingRecipe::Nvfp4, who, ": fp8_format does not apply: nvfp4's elements "
         "are E2M1 (fp4) in every GEMM");
   check(!l.fp8_format || *l.fp8_format == Fp8Format::Hybrid || *l.fp8_format == Fp8Format::E4M3, who,
@@ -632,6 +637,7 @@ LowPrecisionRecipe AmpConfig::low_precision_recipe() const {
   r.amax_history_len = l.amax_history_len;
   r.amax_compute_algo = l.amax_compute_algo;
   r.margin = l.margin;
+  r.round_scales_to_power_of_2 = round_scales_to_power_of_2();
   r.block_size = l.block_size;
   r.mx_block_size = l.mx_block_size;
   r.mx_scale_rounding = l.mx_scale_rounding;
@@ -639,6 +645,11 @@ LowPrecisionRecipe AmpConfig::low_precision_recipe() const {
   r.stochastic_rounding = l.stochastic_rounding;
   r.random_hadamard_transform = l.random_hadamard_transform;
   return r;
+}
+
+bool AmpConfig::round_scales_to_power_of_2() const {
+  check(quantizes_gemms(), "AmpConfig ", name(), ": round_scales_to_power_of_2 belongs to the fp8 modes");
+  return low_precision.round_scales_to_power_of_2.value_or(*row().gemm_scaling == ScalingRecipe::Rowwise);
 }
 
 std::vector<std::string> AmpConfig::excluded_modules() const {
@@ -736,6 +747,7 @@ void write_low_precision_options(const AmpConfig& c, Json& o) {
   o.emplace("amax_history_len", l.amax_history_len);
   o.emplace("amax_compute_algo", word_of(l.amax_compute_algo, kAmaxAlgoWords));
   o.emplace("margin", l.margin);
+  o.emplace("round_scales_to_power_of_2", c.round_scales_to_power_of_2());
   o.emplace("block_size", l.block_size);
   o.emplace("mx_block_size", l.mx_block_size);
   o.emplace("mx_scale_rounding", word_of(l.mx_scale_rounding, kMxRoundingWords));

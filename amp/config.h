@@ -150,6 +150,9 @@ struct LowPrecisionOptions {
   int64_t amax_history_len = 1024;      // fp8_delayed (TE DelayedScaling)
   AmaxComputeAlgo amax_compute_algo = AmaxComputeAlgo::Max;
   int64_t margin = 0;
+  // fp8 and fp8_rowwise (torchao's round_scales_to_power_of_2): nullopt (JSON null): the mode's, true for
+  // fp8_rowwise as torchao's rowwise recipe sets it, false for fp8 (its tensorwise default).
+  std::optional<bool> round_scales_to_power_of_2;
   int64_t block_size = 128;             // fp8_block: 1 x block_size tiles, block_size^2 weight blocks
   int64_t mx_block_size = 32;           // mxfp8
   BlockScale mx_scale_rounding = BlockScale::E8M0Floor;  // "floor" (OCP MX) or "ceil" (NVIDIA's MXFP8)
@@ -201,6 +204,7 @@ struct AmpConfig {
   // the Linear modules left in bf16.
   LowPrecisionRecipe low_precision_recipe() const;
   Fp8Format fp8_format() const;  // low_precision.fp8_format or the mode's default
+  bool round_scales_to_power_of_2() const;  // low_precision's or the mode's default
   std::vector<std::string> excluded_modules() const;
   // lr_schedule_on_skip, or the family's default when unset: Hold for the naive modes, Advance otherwise.
   LrScheduleOnSkip schedule_on_skip() const;

@@ -33,7 +33,8 @@
 // Targets printed at the end: mixtape fp32 >= 3x PyTorch fp32, mixtape bf16 >= 1.5x PyTorch bf16
 // autocast, and every fp16/bf16 mode at least as fast as mixtape fp32, judged on the paired ratio (the verdict
 // names the slowest such mode, with its ratio of medians and that ratio's range over the rounds, each round's
-// median against fp32's in the same round).
+// median against fp32's in the same round); and the fp8 modes' emulated step (fp8, fp8_delayed, fp8_rowwise,
+// fp8_block, mxfp8) at most 1.5x mixtape bf16's ms per step, as a ratio of medians (nvfp4 printed, not judged).
 //
 // --control adds a second fp32 trainer ("fp32 control": the same code, starting from the same weights) and
 // prints its paired ratio and ratio of medians against fp32: how far from 1.00 the machine's noise alone moves
@@ -105,6 +106,9 @@ using bench::random_tokens;
 constexpr double kTargetFp32 = 3.0;       // mixtape fp32 >= 3x PyTorch fp32 tokens/s
 constexpr double kTargetBf16 = 1.5;       // mixtape bf16 >= 1.5x PyTorch bf16 autocast tokens/s
 constexpr double kTargetLowVsFp32 = 1.0;  // every fp16/bf16 mode at least as fast as mixtape fp32
+// The fp8 modes' emulated step (fp8, fp8_delayed, fp8_rowwise, fp8_block, mxfp8) at most 1.5x mixtape bf16's
+// ms per step; nvfp4 (stochastic rounding and the Hadamard transform on the CPU) is reported, not judged.
+constexpr double kTargetFp8VsBf16 = 1.5;
 
 // Every precision mode, Apex's at O2 (fp16 model, fp32 norms and masters: the level Apex recommends).
 constexpr std::array<std::string_view, 1> kApexBenchLevel{"O2"};
@@ -592,6 +596,29 @@ void compare(int rounds, int steps, bool blocked, bool with_pytorch, bool phases
   } else {
     std::printf("fp16/bf16 modes vs mixtape fp32: n/a (needs fp32 in --precision)\n");
   }
+  // Each fp8 / block-scaled side's median ms per step over mixtape bf16's, and the verdict on the slowest judged
+  // one.
+  [&](const Timed* bf16) {
+    std::string rows, slowest;
+    double worst = NAN;
+    for (size_t k = 0; k < mixtape.size(); ++k) {
+      const AmpConfig config = AmpConfig::parse(sides()[k]->mode);
+      if (!config.quantizes_gemms() || !bf16) continue;
+      const double slowdown = median(mixtape[k].ms) / median(bf16->ms);
+      char text[64];
+      std::snprintf(text, sizeof(text), "%s%s %.2fx", rows.empty() ? "" : ", ", config.name().c_str(), slowdown);
+      rows += text;
+      if (config.mode != PrecisionMode::Nvfp4 && (std::isnan(worst) || slowdown > worst)) {
+        worst = slowdown;
+        slowest = config.name();
+      }
+    }
+    if (rows.empty()) return;
+    std::printf("fp8 modes' ms per step / mixtape bf16's (ratio of medians): %s; slowest judged %s %.2f (target <= %.1f, "
+                "nvfp4 not judged): %s\n",
+                rows.c_str(), slowest.c_str(), worst, kTargetFp8VsBf16,
+                std::isnan(worst) ? "n/a" : worst <= kTargetFp8VsBf16 ? "met" : "NOT met");
+  }(mixtape_bf16);
   if (phases) print_phases();
   if (gemms) print_gemms(with_pytorch);
 }

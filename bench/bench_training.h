@@ -78,10 +78,11 @@ inline double median(std::vector<double> v) {
 }
 
 // A mode computes its matmuls in fp16/bf16 when it autocasts or casts the model to a 16-bit type (not fp32,
-// tf32 or fp16_apex:O0, which keep everything in fp32).
+// tf32 or fp16_apex:O0, which keep everything in fp32; nor the fp8 and block-scaled modes, whose Linear GEMMs
+// are emulated on the CPU: bench_train_gpt judges them against bf16).
 inline bool is_low_precision(const AmpConfig& c) {
   auto low = [](std::optional<DType> d) { return d && (*d == DType::F16 || *d == DType::BF16); };
-  return low(c.autocast_dtype()) || low(c.model_dtype());
+  return !c.quantizes_gemms() && (low(c.autocast_dtype()) || low(c.model_dtype()));
 }
 
 // Runs `command` through the shell and reads all it prints into `out`. false when it cannot be started;

@@ -118,6 +118,7 @@ BlockScaling choose_block_scale(BlockScale kind, float amax, DType format, const
     case BlockScale::Fp32: {
       float encode = options.fixed_scale ? *options.fixed_scale : amax == 0 ? 1.0f : fmax / amax;
       encode = std::min(encode, FLT_MAX);  // amax below fmax / FLT_MAX would give Inf
+      if (options.power_of_two_scales) encode = std::ldexp(1.0f, floor_log2(encode));
       return {encode, 1.0f / encode, 0};
     }
     case BlockScale::E8M0Floor:
@@ -155,6 +156,8 @@ void validate(const Tensor& x, const QuantizeOptions& o) {
   element_format(o.format);  // an Error naming the format otherwise
   if (o.block_rows < 0 || o.block_cols < 0)
     fail("quantize: block_rows ", o.block_rows, " and block_cols ", o.block_cols, " must be >= 0 (0: the whole dim)");
+  if (o.power_of_two_scales && o.scale != BlockScale::Fp32)
+    fail("quantize: power_of_two_scales needs scale fp32, got ", block_scale_name(o.scale));
   if (o.fixed_scale && (o.scale != BlockScale::Fp32 || !(std::isfinite(*o.fixed_scale) && *o.fixed_scale > 0)))
     fail("quantize: fixed_scale ", *o.fixed_scale, " needs scale fp32 (got ", block_scale_name(o.scale),
          ") and a positive finite value");

@@ -38,6 +38,9 @@ struct QuantizeOptions {
   BlockScale scale = BlockScale::Fp32;
   // Fp32 only: every block's encode scale is this (Transformer Engine's delayed scaling), not format_max / amax.
   std::optional<float> fixed_scale;
+  // Fp32 only: each encode scale rounded down to a power of two, 2^floor(log2(format_max / amax)) (torchao's
+  // round_scales_to_power_of_2): scaling and unscaling are then exact.
+  bool power_of_two_scales = false;
   // Stochastic rounding (NVFP4's gradients): element i draws Philox(seed, offset + i); unset: nearest even.
   std::optional<uint64_t> stochastic_seed;
   uint64_t stochastic_offset = 0;

@@ -96,12 +96,14 @@ QuantizeOptions LowPrecisionContext::options(TensorKind kind, const Tensor& weig
   const bool is_weight = kind == TensorKind::Weight;
   switch (r.scaling) {
     case ScalingRecipe::CurrentTensorwise:
+      o.power_of_two_scales = r.round_scales_to_power_of_2;
       break;
     case ScalingRecipe::DelayedTensorwise:
       o.fixed_scale = states_.at(weight.impl_ptr().get()).state.tensors[index_of(kind)].scale;
       break;
     case ScalingRecipe::Rowwise:
       o.block_rows = 1;
+      o.power_of_two_scales = r.round_scales_to_power_of_2;
       break;
     case ScalingRecipe::Block:
       o.block_rows = is_weight ? r.block_size : 1;

@@ -50,6 +50,7 @@ struct LowPrecisionRecipe {
   int64_t amax_history_len = 1024;
   AmaxComputeAlgo amax_compute_algo = AmaxComputeAlgo::Max;
   int64_t margin = 0;
+  bool round_scales_to_power_of_2 = false;  // tensorwise and rowwise fp32 scales (torchao's option)
   // Block sizes: the activation / gradient tile along K and the square weight block.
   int64_t block_size = 128;         // fp8_block: 1 x 128 tiles, 128 x 128 weight blocks
   int64_t mx_block_size = 32;       // mxfp8: 1 x 32 along K for every operand

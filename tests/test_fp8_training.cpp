@@ -195,6 +195,13 @@ TEST(Fp8Training, OptionsAreValidatedAndRoundTrip) {
   for (const std::string mode : {"fp8_rowwise", "fp8_block", "mxfp8"})
     EXPECT_EQ(AmpConfig::parse(mode).fp8_format(), Fp8Format::E4M3) << mode;
   EXPECT_EQ(AmpConfig::parse("fp8").low_precision_recipe().gradient_format, DType::F8E5M2);
+  // torchao's rowwise recipe rounds its scales to powers of two; its tensorwise default does not.
+  EXPECT_TRUE(AmpConfig::parse("fp8_rowwise").low_precision_recipe().round_scales_to_power_of_2);
+  EXPECT_FALSE(AmpConfig::parse("fp8").low_precision_recipe().round_scales_to_power_of_2);
+  EXPECT_TRUE(AmpConfig::from_json(R"({"round_scales_to_power_of_2": true})", "fp8").low_precision_recipe()
+                  .round_scales_to_power_of_2);
+  EXPECT_ERROR_MENTIONS(AmpConfig::from_json(R"({"round_scales_to_power_of_2": true})", "mxfp8"),
+                        "round_scales_to_power_of_2");
   EXPECT_EQ(AmpConfig::parse("nvfp4").low_precision_recipe().gradient_format, DType::F4E2M1);
   for (const std::string& mode : kFp8Modes) {
     const AmpConfig c = AmpConfig::from_json(R"({"margin": 2, "exclude": ["c_fc"]})", mode);

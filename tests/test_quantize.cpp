@@ -70,6 +70,21 @@ TEST(Quantize, RowwiseGivesEachRowItsScale) {
   EXPECT_EQ(codes[3], -224.0f);
 }
 
+TEST(Quantize, PowerOfTwoScalesRoundTheEncodeScaleDown) {
+  // torchao's round_scales_to_power_of_2: amax 3 -> 448 / 3 = 149.3 -> 128; amax 0.1 -> 4480 -> 4096.
+  QuantizeOptions o = options(kE4M3Type, 1, 0);
+  o.power_of_two_scales = true;
+  const Quantized q = quantize(matrix({3, 1, 0.1f, 0.05f}, 2, 2), o);
+  EXPECT_EQ(scales_of(q), (std::vector<float>{1.0f / 128, 1.0f / 4096}));
+  EXPECT_EQ(values_of(q.codes), (std::vector<float>{384, 128, 416, 208}));  // 409.6 -> 416, 204.8 -> 208
+  EXPECT_ERROR_MENTIONS(quantize(matrix({1, 2}, 1, 2), [] {
+                          QuantizeOptions mx = options(kE4M3Type, 1, 2, BlockScale::E8M0Floor);
+                          mx.power_of_two_scales = true;
+                          return mx;
+                        }()),
+                        "power_of_two_scales", "e8m0_floor");
+}
+
 TEST(Quantize, DeepSeekTilesAndBlocksHaveOneScaleEach) {
   // [2, 256] in 1 x 128 tiles: four scales, each 1 / (448 / amax of its tile).
   std::vector<float> x(512, 0.5f);
