@@ -159,6 +159,12 @@ MIXTAPE_HOST_DEVICE constexpr uint8_t float_to_e8m0(float value) {
   return code >= 0xFF ? kE8M0Nan : static_cast<uint8_t>(code);
 }
 
+// 2^e for e in [-149, 127], built from its bits (std::ldexp costs a call per block scale).
+MIXTAPE_HOST_DEVICE constexpr float exp2_int(int e) {
+  return e >= -126 ? std::bit_cast<float>(static_cast<uint32_t>(e + 127) << 23)
+                   : std::bit_cast<float>(uint32_t{1} << (e + 149));
+}
+
 // floor(log2 |magnitude|) of a finite float (-150 for zero): the exponent of the OCP MX scale rule.
 MIXTAPE_HOST_DEVICE constexpr int floor_log2(float magnitude) {
   const uint32_t bits = std::bit_cast<uint32_t>(magnitude) & 0x7fffffffu;

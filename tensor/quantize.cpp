@@ -118,7 +118,7 @@ BlockScaling choose_block_scale(BlockScale kind, float amax, DType format, const
     case BlockScale::Fp32: {
       float encode = options.fixed_scale ? *options.fixed_scale : amax == 0 ? 1.0f : fmax / amax;
       encode = std::min(encode, FLT_MAX);  // amax below fmax / FLT_MAX would give Inf
-      if (options.power_of_two_scales) encode = std::ldexp(1.0f, floor_log2(encode));
+      if (options.power_of_two_scales) encode = exp2_int(floor_log2(encode));
       return {encode, 1.0f / encode, 0};
     }
     case BlockScale::E8M0Floor:
@@ -130,11 +130,12 @@ BlockScaling choose_block_scale(BlockScale kind, float amax, DType format, const
         } else {  // ceil(log2(amax / fmax)), the ratio taken as NVIDIA does: amax * fp32(1 / fmax)
           const float ratio = amax * (1.0f / fmax);
           exponent = floor_log2(ratio);
-          if (std::ldexp(1.0f, exponent) < ratio) ++exponent;
+          if (exponent < -127) exponent = -127;  // below E8M0's range (clamped there anyway)
+          else if (exp2_int(exponent) < ratio) ++exponent;
         }
       }
       exponent = std::clamp(exponent, -127, 127);
-      return {std::ldexp(1.0f, -exponent), std::ldexp(1.0f, exponent), static_cast<uint8_t>(exponent + 127)};
+      return {exp2_int(-exponent), exp2_int(exponent), static_cast<uint8_t>(exponent + 127)};
     }
     case BlockScale::E4M3TwoLevel: {
       // NVIDIA's NVFP4 recipe: the block's decode scale amax / 6, in units of the tensor's decode scale, stored
@@ -391,15 +392,20 @@ GemmOperand quantize_for_gemm(const Tensor& x, const QuantizeOptions& options) {
       }
       row_amax[static_cast<size_t>(r * grid_cols + j)] = not_finite ? NAN : m;
     }
-  std::vector<float> block_amax(static_cast<size_t>(grid_rows * grid_cols), 0.0f);
   float amax = 0;
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t j = 0; j < grid_cols; ++j) {
-      const float a = row_amax[static_cast<size_t>(r * grid_cols + j)];
-      float& b = block_amax[static_cast<size_t>(r / br * grid_cols + j)];
-      b = std::isnan(a) || std::isnan(b) ? NAN : std::max(a, b);
-      amax = std::isnan(a) || std::isnan(amax) ? NAN : std::max(a, amax);
-    }
+  for (const float a : row_amax) amax = std::isnan(a) || std::isnan(amax) ? NAN : std::max(a, amax);
+  std::vector<float> block_amax;
+  if (br == 1) {
+    block_amax = std::move(row_amax);  // one row per block: the rows' maxima are the blocks'
+  } else {
+    block_amax.assign(static_cast<size_t>(grid_rows * grid_cols), 0.0f);
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t j = 0; j < grid_cols; ++j) {
+        const float a = row_amax[static_cast<size_t>(r * grid_cols + j)];
+        float& b = block_amax[static_cast<size_t>(r / br * grid_cols + j)];
+        b = std::isnan(a) || std::isnan(b) ? NAN : std::max(a, b);
+      }
+  }
   op.amax = amax;
 
   // Step 2: the scales, by the rule quantize() uses.
@@ -410,7 +416,10 @@ GemmOperand quantize_for_gemm(const Tensor& x, const QuantizeOptions& options) {
     op.tensor_scale = tensor_decode;
   }
   std::vector<float> encode(block_amax.size()), decode(block_amax.size());
-  for (size_t b = 0; b < block_amax.size(); ++b) {
+  const int64_t blocks = static_cast<int64_t>(block_amax.size());
+#pragma omp parallel for schedule(static) if (blocks > 4096)
+  for (int64_t i = 0; i < blocks; ++i) {
+    const size_t b = static_cast<size_t>(i);
     if (std::isfinite(block_amax[b]) && std::isfinite(tensor_encode)) {
       const BlockScaling s = choose_block_scale(options.scale, block_amax[b], options.format, options, tensor_encode,
                                                 tensor_decode);
@@ -425,13 +434,22 @@ GemmOperand quantize_for_gemm(const Tensor& x, const QuantizeOptions& options) {
   // Step 3: the operand's form, then its values.
   const bool post_scaled = bc >= C;  // one scale per row along K: the codes go in, the scales come after
   const bool folded = !post_scaled && product_exact_in_bf16(options.scale, decode);
+  // fp32 scales along K (DeepSeek-V3's tiles): the codes go in, and each K block's partial product is scaled
+  // and summed in fp32, as DeepSeek-V3 promotes its fp8 partial sums every 128 of K.
+  const bool k_blocked = !post_scaled && !folded && options.scale == BlockScale::Fp32;
   if (post_scaled) {
     op.row_scale.resize(static_cast<size_t>(R));
     for (int64_t r = 0; r < R; ++r) op.row_scale[static_cast<size_t>(r)] = decode[static_cast<size_t>(r / br)];
+  } else if (k_blocked) {
+    op.k_block = bc;
+    op.k_scales.resize(static_cast<size_t>(R * grid_cols));
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t j = 0; j < grid_cols; ++j)
+        op.k_scales[static_cast<size_t>(r * grid_cols + j)] = decode[static_cast<size_t>(r / br * grid_cols + j)];
   } else if (!folded) {
     op.tensor_scale = 1;  // the f32 values below are fully dequantized
   }
-  const bool as_bf16 = post_scaled || folded;
+  const bool as_bf16 = post_scaled || folded || k_blocked;
   op.values = Tensor::empty({R, C}, as_bf16 ? DType::BF16 : DType::F32);
   uint16_t* out16 = as_bf16 ? static_cast<uint16_t*>(op.values.data_ptr()) : nullptr;
   float* out32 = as_bf16 ? nullptr : static_cast<float*>(op.values.data_ptr());
@@ -476,7 +494,7 @@ GemmOperand quantize_for_gemm(const Tensor& x, const QuantizeOptions& options) {
       const size_t b = static_cast<size_t>(r / br * grid_cols + j);
       const float e = encode[b];
       // A NaN block (encode 0, decode NaN) stores NaN: its values are not numbers.
-      const float multiplier = post_scaled ? 1.0f : decode[b];
+      const float multiplier = post_scaled || k_blocked ? (std::isnan(decode[b]) ? NAN : 1.0f) : decode[b];
       const int64_t first = r * C + j * bc, n = std::min(bc, C - j * bc);
       int64_t block_saturated = 0, block_flushed = 0;
       if (options.stochastic_seed) encode_run_stochastic(first, n, e, multiplier, block_saturated, block_flushed);
@@ -496,8 +514,31 @@ Tensor scaled_matmul(const GemmOperand& a, const GemmOperand& b) {
         " must share their last dim K (a [M, K] @ b [N, K]^T)");
   NoGradGuard no_grad;
   AutocastScope fp32(std::nullopt);
-  const int64_t M = a.values.size(0), N = b.values.size(0);
+  const int64_t M = a.values.size(0), N = b.values.size(0), K = a.values.size(1);
   Tensor out = Tensor::empty({M, N}, DType::F32);
+  if (a.k_block > 0 || b.k_block > 0) {
+    // Codes in, one GEMM per K block, each partial product scaled by its rows' and columns' block scales and
+    // added in fp32 (DeepSeek-V3's promotion).
+    check(a.k_block == b.k_block && a.values.dtype() == DType::BF16 && b.values.dtype() == DType::BF16,
+          "scaled_matmul: operands blocked along K by ", a.k_block, " and ", b.k_block, "; expected the same");
+    const int64_t kb = a.k_block, blocks = (K + kb - 1) / kb;
+    Tensor partial = Tensor::empty({M, N}, DType::F32);
+    float* o = static_cast<float*>(out.data_ptr());
+    const float* p = static_cast<const float*>(partial.data_ptr());
+    for (int64_t j = 0; j < blocks; ++j) {
+      const int64_t k0 = j * kb, n_k = std::min(kb, K - k0);
+      cpu::gemm_nt_f32_out(a.values.narrow(1, k0, n_k), b.values.narrow(1, k0, n_k), partial);
+#pragma omp parallel for schedule(static) if (M * N > (1 << 15))
+      for (int64_t m = 0; m < M; ++m) {
+        const float sa = a.k_scales[static_cast<size_t>(m * blocks + j)];
+        for (int64_t n = 0; n < N; ++n) {
+          const float scaled = p[m * N + n] * (sa * b.k_scales[static_cast<size_t>(n * blocks + j)]);
+          o[m * N + n] = j == 0 ? scaled : o[m * N + n] + scaled;
+        }
+      }
+    }
+    return out;
+  }
   if (a.values.dtype() == b.values.dtype()) {
     cpu::gemm_nt_f32_out(a.values, b.values, out);
   } else {  // one operand f32: the other's exact bf16 values widen exactly

@@ -76,17 +76,23 @@ Tensor scaled_matmul(const Quantized& a, const Quantized& b);
 // A quantized operand in the form a GEMM takes it: the same numbers as quantize() then dequantize(), built in
 // one pass without the codes. values holds code_value * block scale where that product is exact in bf16 (the
 // E8M0 and NVFP4 scales), the code values alone where the scales are constant along K (tensorwise, rowwise:
-// row_scale then holds each row's decode scale, applied to the GEMM's result), and the dequantized f32 values
-// otherwise (fp32 scales along K: DeepSeek-V3's tiles). tensor_scale multiplies the result too.
+// row_scale then holds each row's decode scale, applied to the GEMM's result) or are fp32 scales of blocks
+// along K (DeepSeek-V3's tiles: k_scales, applied to each block's partial product), and the dequantized f32
+// values otherwise (E8M0 scales below 2^-100). tensor_scale multiplies the result too.
 struct GemmOperand {
   Tensor values;                 // [R, C], bf16 (exact) or f32
   std::vector<float> row_scale;  // [R], or empty
+  // fp32 scales along K (fp8_block): values holds the code values, and k_scales[r * blocks + j] the decode
+  // scale of row r's j-th block of k_block columns; the GEMM scales each block's partial product. Else empty.
+  std::vector<float> k_scales;
+  int64_t k_block = 0;
   float tensor_scale = 1;
   float amax = 0;
   int64_t saturated = 0, flushed = 0;  // as in Quantized
 };
 GemmOperand quantize_for_gemm(const Tensor& x, const QuantizeOptions& options);
-// a [M, K] @ b [N, K]ᵀ in f32 (fp32 sums of exact products), scaled by the operands' row and tensor scales.
+// a [M, K] @ b [N, K]ᵀ in f32 (fp32 sums of exact products), scaled by the operands' row and tensor scales;
+// operands blocked along K give one GEMM per block, scaled and summed in fp32.
 Tensor scaled_matmul(const GemmOperand& a, const GemmOperand& b);
 
 // Tensor::to between a floating dtype and a format of tensor/minifloat.h, or between two formats (see there:

@@ -225,6 +225,8 @@ TEST(Quantize, ScaledMatmulIsTheFp32SumOfTheDequantizedProducts) {
   for (const QuantizeOptions& o : recipes) {
     const Quantized qa = quantize(a, o), qb = quantize(b, o);
     const std::vector<float> c = values_of(scaled_matmul(qa, qb));
+    // The training path's product (codes with scales after, per K block, or folded into bf16 values).
+    const std::vector<float> fast = values_of(scaled_matmul(quantize_for_gemm(a, o), quantize_for_gemm(b, o)));
     const std::vector<double> da = dequantize(qa).to(DType::F64).to_vector<double>(),
                               db = dequantize(qb).to(DType::F64).to_vector<double>();
     for (int64_t m = 0; m < M; ++m)
@@ -236,6 +238,8 @@ TEST(Quantize, ScaledMatmulIsTheFp32SumOfTheDequantizedProducts) {
         }
         const double bound = (K * 0x1p-24 + 4 * 0x1p-24) * magnitude;
         ASSERT_NEAR(c[m * N + n], exact, bound) << block_scale_name(o.scale) << " " << o.block_cols << " m " << m << " n " << n;
+        ASSERT_NEAR(fast[m * N + n], exact, bound) << "training path " << block_scale_name(o.scale) << " "
+                                                   << o.block_cols << " m " << m << " n " << n;
       }
   }
 }
@@ -274,7 +278,9 @@ TEST(Quantize, TheGemmOperandIsTheDequantizedReferenceBitForBit) {
       ASSERT_EQ(values.size(), want.size());
       for (size_t i = 0; i < want.size(); ++i) {
         const float row = g.row_scale.empty() ? 1.0f : g.row_scale[i / 80];
-        const float got = values[i] * row * g.tensor_scale;
+        const int64_t blocks = g.k_block > 0 ? (80 + g.k_block - 1) / g.k_block : 1;
+        const float k = g.k_scales.empty() ? 1.0f : g.k_scales[i / 80 * blocks + i % 80 / g.k_block];
+        const float got = values[i] * k * row * g.tensor_scale;
         if (std::isnan(want[i])) EXPECT_TRUE(std::isnan(got)) << i;
         else ASSERT_EQ(got, want[i]) << i;
       }

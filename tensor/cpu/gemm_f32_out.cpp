@@ -26,13 +26,14 @@ struct Primitive {
 };
 
 // One primitive per shape and operand dtype, per thread (a primitive is cheap to keep, slow to create).
-Primitive& primitive_for(int64_t M, int64_t N, int64_t K, memory::data_type type) {
-  thread_local std::map<std::tuple<int64_t, int64_t, int64_t, int>, Primitive> cache;
-  Primitive& p = cache[{M, N, K, static_cast<int>(type)}];
+// lda, ldb: the operands' row strides (>= K: a column block of a wider matrix is a view).
+Primitive& primitive_for(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, memory::data_type type) {
+  thread_local std::map<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int>, Primitive> cache;
+  Primitive& p = cache[{M, N, K, lda, ldb, static_cast<int>(type)}];
   if (p.tried) return p;
   p.tried = true;
-  p.a = memory::desc({M, K}, type, memory::dims{K, 1});
-  p.b = memory::desc({K, N}, type, memory::dims{1, K});  // b [N, K] row-major read as its transpose
+  p.a = memory::desc({M, K}, type, memory::dims{lda, 1});
+  p.b = memory::desc({K, N}, type, memory::dims{1, ldb});  // b [N, K] row-major read as its transpose
   p.out = memory::desc({M, N}, memory::data_type::f32, memory::dims{N, 1});
   try {
     const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(p.a, p.b, p.out), engine(), /*allow_empty=*/true);
@@ -52,8 +53,10 @@ void gemm_nt_f32_out(const Tensor& a, const Tensor& b, const Tensor& out) {
   check(a.dim() == 2 && b.dim() == 2 && out.dim() == 2 && a.size(1) == b.size(1) && out.size(0) == a.size(0) &&
             out.size(1) == b.size(0) && a.dtype() == b.dtype() &&
             (a.dtype() == DType::BF16 || a.dtype() == DType::F32) && out.dtype() == DType::F32 &&
-            a.is_contiguous() && b.is_contiguous() && out.is_contiguous(),
-        "gemm_nt_f32_out: expected contiguous a [M, K] and b [N, K] (both bf16 or f32) and f32 out [M, N], got ",
+            a.strides()[1] == 1 && b.strides()[1] == 1 && a.strides()[0] >= a.size(1) &&
+            b.strides()[0] >= b.size(1) && out.is_contiguous(),
+        "gemm_nt_f32_out: expected row-major a [M, K] and b [N, K] (both bf16 or f32; rows may be strided) and "
+        "contiguous f32 out [M, N], got ",
         a.description(), ", ", b.description(), ", ", out.description());
   const int64_t M = a.size(0), N = b.size(0), K = a.size(1);
   if (M == 0 || N == 0) return;
@@ -62,11 +65,12 @@ void gemm_nt_f32_out(const Tensor& a, const Tensor& b, const Tensor& out) {
     return;
   }
   const memory::data_type type = a.dtype() == DType::BF16 ? memory::data_type::bf16 : memory::data_type::f32;
-  Primitive& p = primitive_for(M, N, K, type);
+  Primitive& p = primitive_for(M, N, K, a.strides()[0], b.strides()[0], type);
   if (!p.usable) {
     check(type == memory::data_type::bf16, "gemm_nt_f32_out: oneDNN has no f32 matmul for [", M, ", ", K,
           "] x [", K, ", ", N, "]");
-    gemm_nt_f32_out(a.to(DType::F32), b.to(DType::F32), out);  // a CPU without a bf16 GEMM: exact in f32
+    // A CPU without a bf16 GEMM: exact in f32.
+    gemm_nt_f32_out(a.to(DType::F32).contiguous(), b.to(DType::F32).contiguous(), out);
     return;
   }
   try {
