@@ -47,21 +47,43 @@ bool names_module(const std::string& entry, const std::string& path) {
 // The fp8 / block-scaled context covering every Linear of `model` that the config does not exclude. An
 // exclude entry the user gave that matches no Linear is an Error (a misspelt name would silently quantize the
 // layer it meant to keep).
-std::shared_ptr<LowPrecisionContext> make_low_precision_context(const AmpConfig& c, Module& model) {
+std::shared_ptr<LowPrecisionContext> make_low_precision_context(const AmpConfig& c, Module& model,
+                                                                const BoostOptions& options) {
   auto context = std::make_shared<LowPrecisionContext>(c.low_precision_recipe());
+  // Every Linear-like layer by its module path and weight: the model's nn::Linear layers and the caller's own.
+  std::vector<std::pair<std::string, Tensor>> layers;
   std::vector<std::pair<std::string, Linear*>> linears;
   if (auto* linear = dynamic_cast<Linear*>(&model)) linears.push_back({"", linear});  // a bare Linear
   collect_linears(model, "", linears);
+  for (const auto& [path, linear] : linears) layers.push_back({path, linear->weight});
+  for (const auto& [name, weight] : options.linear_weights) {
+    check(name.ends_with(".weight"), "Booster.boost: BoostOptions::linear_weights entry '", name,
+          "' is not a weight's parameter name (<module path>.weight)");
+    layers.push_back({name.substr(0, name.size() - 7), weight});
+  }
   const std::vector<std::string> exclude = c.excluded_modules();
   std::vector<bool> used(exclude.size(), false);
-  for (const auto& [path, linear] : linears) {
+  for (const auto& [path, weight] : layers) {
     bool excluded = false;
     for (size_t i = 0; i < exclude.size(); ++i)
       if (names_module(exclude[i], path)) excluded = used[i] = true;
-    if (!excluded) context->cover(linear->weight, path.empty() ? "weight" : path + ".weight");
+    if (!excluded) context->cover(weight, path.empty() ? "weight" : path + ".weight");
   }
-  check(!linears.empty(), "Booster.boost: ", c.name(), " quantizes the GEMMs of Linear modules, and the model has "
+  check(!layers.empty(), "Booster.boost: ", c.name(), " quantizes the GEMMs of Linear modules, and the model has "
         "none (its layers would all run in bf16)");
+  if (options.amax_group != nullptr && options.amax_group->size() > 1) {
+    check(c.row().gemm_scaling == ScalingRecipe::CurrentTensorwise ||
+              c.row().gemm_scaling == ScalingRecipe::DelayedTensorwise,
+          "Booster.boost: not supported: ", c.name(), " with layers split or replicated over processes (the ",
+          options.amax_group->name(), ") yet; fp8 and fp8_delayed run in every layout, the block-scaled modes in "
+          "one process or pipeline stages only");
+    ProcessGroup* group = options.amax_group;
+    context->set_amax_reduction([group](std::span<float> values) {
+      std::vector<double> wide(values.begin(), values.end());
+      group->all_reduce_max(wide);
+      for (size_t i = 0; i < values.size(); ++i) values[i] = static_cast<float>(wide[i]);
+    });
+  }
   if (c.low_precision.exclude)
     for (size_t i = 0; i < exclude.size(); ++i)
       check(used[i], "Booster.boost: ", c.name(), " exclude entry \"", exclude[i],
@@ -200,6 +222,9 @@ BoostedParts Booster::boost_parts(Module& model, std::unique_ptr<Optimizer> opti
   check(optimizer != nullptr, "Booster.boost: the optimizer is null");
   check_boost_arguments(config_, model, *optimizer, options);
   print_verbose_ = options.print_verbose;
+  // Built first: its checks (exclude names, layouts) refuse before anything changes.
+  std::shared_ptr<LowPrecisionContext> low_precision;
+  if (config_.quantizes_gemms()) low_precision = make_low_precision_context(config_, model, options);
   const std::vector<std::pair<std::string, Tensor>> before = model.named_parameters();
   convert_model(model, options);
   model_ = &model;
@@ -207,7 +232,7 @@ BoostedParts Booster::boost_parts(Module& model, std::unique_ptr<Optimizer> opti
   swap_converted_parameters(before, after, *optimizer);
   // From here the optimizer holds the parameters: a later set_fp32 would make leaves it does not hold.
   if (naive_) naive_->seal();
-  if (config_.quantizes_gemms()) low_precision_ = make_low_precision_context(config_, model);
+  low_precision_ = std::move(low_precision);
   if (config_.fp32_grads())
     for (const auto& [name, param] : after)
       if (is_low_precision(param.dtype())) Tensor(param).set_grad_dtype(DType::F32);

@@ -72,6 +72,13 @@ struct BoostOptions {
   // Whether this process prints the mode's verbose lines (Apex verbosity, naive verbose). In a job of several
   // processes one of them should (they all take the same steps): a parallel trainer sets it on rank 0 only.
   bool print_verbose = true;
+  // The fp8 and block-scaled modes. linear_weights: the weights of the caller's own Linear-like layers (a
+  // tensor-parallel layer's shard), by parameter name, covered like every nn::Linear of the model (and
+  // excluded by the same names). amax_group: the processes that hold parts of the same layers (data and
+  // tensor parallel ranks of one pipeline stage); the tensorwise scales are reduced (MAX) over it, so every rank
+  // quantizes as one process would. Null, or a group of one: nothing is reduced.
+  std::vector<std::pair<std::string, Tensor>> linear_weights = {};
+  ProcessGroup* amax_group = nullptr;
 };
 
 // What boost() assembles a MixedPrecisionOptimizer from: the wrapped optimizer (its parameters swapped for the

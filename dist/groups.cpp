@@ -13,7 +13,7 @@ void ParallelLayout::validate(int world_size) const {
 ParallelGroups make_groups(const ParallelLayout& layout) { return make_groups(layout, Communicator::world()); }
 
 ParallelGroups make_groups(const ParallelLayout& layout, const Communicator& world) {
-  ParallelGroups g{layout, 0, 0, 0, world, world, world, world, world};
+  ParallelGroups g{layout, 0, 0, 0, world, world, world, world, world, world};
   const int rank = g.world.rank();
   layout.validate(g.world.size());
   g.tp_rank = rank % layout.tp;
@@ -24,6 +24,7 @@ ParallelGroups make_groups(const ParallelLayout& layout, const Communicator& wor
   g.dp = g.world.split(g.tp_rank + layout.tp * g.pp_rank, g.dp_rank, "data-parallel group");
   g.pp = g.world.split(g.tp_rank + layout.tp * g.dp_rank, g.pp_rank, "pipeline group");
   g.model_parallel = g.world.split(g.dp_rank, g.tp_rank + layout.tp * g.pp_rank, "model-parallel group");
+  g.stage = g.world.split(g.pp_rank, g.tp_rank + layout.tp * g.dp_rank, "tensor- and data-parallel group of a stage");
   return g;
 }
 

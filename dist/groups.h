@@ -21,6 +21,9 @@ struct ParallelGroups {
   ParallelLayout layout;
   int tp_rank = 0, pp_rank = 0, dp_rank = 0;
   Communicator world, tp, pp, dp, model_parallel;
+  // The tp x dp ranks of this rank's pipeline stage: every process that holds a part or a copy of its layers
+  // (the fp8 modes reduce their tensorwise amaxes over it).
+  Communicator stage;
 };
 
 // Splits the world into the layout's groups; every rank must call it with the same layout. `world` is the job

@@ -394,6 +394,11 @@ GemmOperand quantize_for_gemm(const Tensor& x, const QuantizeOptions& options) {
     }
   float amax = 0;
   for (const float a : row_amax) amax = std::isnan(a) || std::isnan(amax) ? NAN : std::max(a, amax);
+  const bool one_block = grid_rows == 1 && grid_cols == 1;
+  if (options.reduce_tensor_amax && one_block && !options.fixed_scale) {
+    amax = options.reduce_tensor_amax(amax);
+    for (float& a : row_amax) a = std::isnan(a) || std::isnan(amax) ? NAN : amax;  // the one block's amax
+  }
   std::vector<float> block_amax;
   if (br == 1) {
     block_amax = std::move(row_amax);  // one row per block: the rows' maxima are the blocks'

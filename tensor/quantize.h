@@ -15,6 +15,7 @@
 //
 // CPU tensors only, for now: on a CUDA tensor these are a "not supported" Error.
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <vector>
 
@@ -41,6 +42,10 @@ struct QuantizeOptions {
   // Fp32 only: each encode scale rounded down to a power of two, 2^floor(log2(format_max / amax)) (torchao's
   // round_scales_to_power_of_2): scaling and unscaling are then exact.
   bool power_of_two_scales = false;
+  // One scale for the whole tensor (block_rows and block_cols 0, no fixed_scale) when the tensor is split over
+  // processes: the local amax goes in, the MAX over every process holding a part of it comes out (every rank
+  // then quantizes with the same scale, as Transformer Engine's reduced amax does). Unset: the local amax.
+  std::function<float(float)> reduce_tensor_amax;
   // Stochastic rounding (NVFP4's gradients): element i draws Philox(seed, offset + i); unset: nearest even.
   std::optional<uint64_t> stochastic_seed;
   uint64_t stochastic_offset = 0;

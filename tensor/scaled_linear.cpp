@@ -81,6 +81,20 @@ LowPrecisionContext::LowPrecisionContext(LowPrecisionRecipe recipe) : recipe_(re
   for (DType format : {r.forward_format, r.gradient_format}) format_max(format);  // an element format
 }
 
+void LowPrecisionContext::set_amax_reduction(std::function<void(std::span<float>)> reduce_max) {
+  check(recipe_.scaling == ScalingRecipe::CurrentTensorwise || recipe_.scaling == ScalingRecipe::DelayedTensorwise,
+        "LowPrecisionContext: not supported: reducing the scales of a block-scaled recipe over processes yet "
+        "(the tensorwise recipes, fp8 and fp8_delayed, do it)");
+  reduce_max_ = std::move(reduce_max);
+}
+
+namespace {
+
+// NaN cannot be MAX-reduced portably: it travels as +Inf (either makes the tensor's block NaN).
+float nan_as_inf(float a) { return std::isnan(a) ? INFINITY : a; }
+
+}  // namespace
+
 void LowPrecisionContext::cover(const Tensor& weight, const std::string& name) {
   check(weight.defined() && weight.dim() == 2, "LowPrecisionContext: ", name, " ", weight.description(),
         " is not a Linear weight [out, in]");
@@ -97,6 +111,12 @@ QuantizeOptions LowPrecisionContext::options(TensorKind kind, const Tensor& weig
   switch (r.scaling) {
     case ScalingRecipe::CurrentTensorwise:
       o.power_of_two_scales = r.round_scales_to_power_of_2;
+      if (reduce_max_)
+        o.reduce_tensor_amax = [this](float amax) {
+          float value = nan_as_inf(amax);
+          reduce_max_(std::span<float>(&value, 1));
+          return value;
+        };
       break;
     case ScalingRecipe::DelayedTensorwise:
       o.fixed_scale = states_.at(weight.impl_ptr().get()).state.tensors[index_of(kind)].scale;
@@ -141,6 +161,17 @@ void LowPrecisionContext::record(TensorKind kind, const Tensor& weight, const Ge
 
 void LowPrecisionContext::end_step() {
   if (recipe_.scaling != ScalingRecipe::DelayedTensorwise) return;
+  if (reduce_max_) {  // this step's amaxes, MAX over the processes holding parts of each tensor, by name
+    std::map<std::string, Covered*> by_name;  // the same order on every rank (addresses differ)
+    for (auto& [key, covered] : states_) by_name[covered.name] = &covered;
+    std::vector<float> now;
+    for (auto& [name, covered] : by_name)
+      for (DelayedScaling& d : covered->state.tensors) now.push_back(nan_as_inf(d.history[0]));
+    reduce_max_(now);
+    size_t i = 0;
+    for (auto& [name, covered] : by_name)
+      for (DelayedScaling& d : covered->state.tensors) d.history[0] = now[i++];
+  }
   for (auto& [key, covered] : states_)
     for (size_t k = 0; k < covered.state.tensors.size(); ++k) {
       DelayedScaling& d = covered.state.tensors[k];

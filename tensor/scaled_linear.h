@@ -22,7 +22,9 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <functional>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -93,6 +95,13 @@ class LowPrecisionContext {
   // _default_sf_compute: kept where the amax is 0 or not finite), then the history moves on one step.
   void end_step();
 
+  // Several processes hold parts of the covered tensors (data or tensor parallel): `reduce_max` replaces each
+  // value of its argument by its MAX over them, in place (every process calls it in the same order). Then
+  // current tensorwise scales come from the reduced amax of each quantization, and delayed scaling reduces each
+  // step's amaxes before it updates its scales, so every rank uses the scales one process would. Only the
+  // tensorwise recipes reduce; the others are an Error here.
+  void set_amax_reduction(std::function<void(std::span<float>)> reduce_max);
+
   const std::array<QuantizationCounts, 3>& counts() const { return counts_; }
   // The delayed scale history of every covered tensor, by "weight name.kind": {scale, amax history}.
   std::map<std::string, DelayedScaling> scaling_state() const;
@@ -119,6 +128,7 @@ class LowPrecisionContext {
   std::map<const void*, Covered> states_;
   std::array<QuantizationCounts, 3> counts_{};
   uint64_t random_draws_ = 0;  // stochastically rounded quantizations so far
+  std::function<void(std::span<float>)> reduce_max_;  // see set_amax_reduction; empty: one process
 };
 
 // The thread-local context linear() consults (null: none). RAII; nests.

@@ -147,6 +147,24 @@ std::shared_ptr<Module> container() { return std::make_shared<Module>(); }
 
 // ---- the stage: this rank's part of the ParallelGPT, under nanoGPT names ----
 
+// The weights of the tensor-parallel Linear layers under `module`, by parameter name (the fp8 modes cover them
+// as they cover nn::Linear).
+void collect_parallel_linear_weights(Module& module, const std::string& prefix,
+                                     std::vector<std::pair<std::string, Tensor>>& out) {
+  for (const auto& [name, child] : module.named_children()) {
+    const std::string path = prefix.empty() ? name : prefix + "." + name;
+    if (auto* column = dynamic_cast<dist::ColumnParallelLinear*>(child)) out.push_back({path + ".weight", column->weight});
+    if (auto* row = dynamic_cast<dist::RowParallelLinear*>(child)) out.push_back({path + ".weight", row->weight});
+    collect_parallel_linear_weights(*child, path, out);
+  }
+}
+
+std::vector<std::pair<std::string, Tensor>> parallel_linear_weights(Module& module) {
+  std::vector<std::pair<std::string, Tensor>> out;
+  collect_parallel_linear_weights(module, "", out);
+  return out;
+}
+
 class GPTStage : public Module, public dist::PipelineStage {
  public:
   GPTStage(dist::ParallelGPT& gpt, int stage, int num_stages, Booster& booster)
@@ -218,7 +236,8 @@ struct ParallelTrainer::Impl {
   std::map<std::string, dist::ShardSpec> specs;  // of the tensor-parallel parameters, by name
   std::vector<std::string> local_order;          // the optimizer's parameters (names), this rank
   std::vector<std::string> full_order;           // the single-process optimizer's parameters (names)
-  std::unique_ptr<dist::CommunicatorGroup> mp_group, dp_group;  // outlive the optimizer / NaiveAMPModel using them
+  // Outlive the optimizer, NaiveAMPModel and the fp8 scaling state using them.
+  std::unique_ptr<dist::CommunicatorGroup> mp_group, dp_group, stage_group;
   std::unique_ptr<MixedPrecisionOptimizer> mpo;
   std::unique_ptr<dist::ZeroOptimizer> zero;
   std::unique_ptr<dist::GradientReducer> reducer;
@@ -275,10 +294,6 @@ ParallelTrainer::ParallelTrainer(const GPTConfig& config, const TrainOptions& op
         " token ids but the model's vocab_size is ", config.vocab_size);
   check(data.n_train() > config.block_size + 1, "train_gpt: the training split (", data.n_train(),
         " tokens) is shorter than block + 2 = ", config.block_size + 2);
-  // The layouts' Linear layers are their own modules (ColumnParallelLinear, RowParallelLinear), which the fp8
-  // GEMMs do not cover yet: running them would silently train in bf16.
-  check(!options.amp.quantizes_gemms(), "train_gpt: not supported: --precision ", options.amp.name(),
-        " in a parallel layout (--dp, --tp, --pp); the fp8 and block-scaled modes run in one process for now");
   check(parallel.pp <= config.n_layer, "train_gpt: --pp ", parallel.pp, " is more pipeline stages than the model's ",
         config.n_layer, " layers");
   check_tokens_per_step(options, config.block_size);
@@ -325,6 +340,11 @@ ParallelTrainer::ParallelTrainer(const GPTConfig& config, const TrainOptions& op
   boost.clip_grad = options.grad_clip;
   boost.data_parallel_group = m.dp_group.get();    // NaiveAMPModel's buffer sync over the replicas
   boost.model_parallel_group = m.mp_group.get();   // found_inf and the grad norm over the model's parts
+  if (options.amp.quantizes_gemms()) {  // the fp8 GEMMs cover the tensor-parallel layers and agree on scales
+    m.stage_group = std::make_unique<dist::CommunicatorGroup>(m.groups.stage);
+    boost.amax_group = m.stage_group.get();
+    boost.linear_weights = parallel_linear_weights(*m.stage);
+  }
   boost.print_verbose = m.groups.world.rank() == 0;  // every rank takes the same steps: one prints them
   BoostedParts parts = m.booster.boost_parts(*m.stage, make_optimizer(options, *m.stage), boost);
   parts.options.count_in_norm = count_in_norm;
@@ -486,6 +506,9 @@ double ParallelTrainer::evaluate() {
 StateDict ParallelTrainer::Impl::local_named_state() {
   StateDict named;
   for (const auto& [name, p] : stage->named_parameters()) named.tensors[name] = p.detach();
+  // The fp8 modes' scaling state, under the full model's names: the stage's tp and dp ranks hold the same one
+  // (their amaxes are reduced), so the first rank's is every rank's.
+  booster.save_scaling_state(named);
   const StateDict opt = zero ? zero->state_dict() : mpo->state_dict();
   for (const auto& [key, t] : opt.tensors) {
     if (auto s = split_state_key(key)) {
@@ -538,6 +561,8 @@ StateDict ParallelTrainer::checkpoint() {
     check(found != named.tensors.end(), "ParallelTrainer::checkpoint: no stage holds parameter '", name, "'");
     state.tensors[name] = is_floating(found->second.dtype()) ? found->second.to(DType::F32) : found->second;
   }
+  for (const auto& [key, t] : named.tensors)
+    if (key.rfind(Booster::kScalingStatePrefix, 0) == 0) state.tensors[key] = t;
   for (const auto& [key, t] : named.tensors) {
     if (key.rfind("optimizer.", 0) != 0) continue;
     const std::string inner = key.substr(10);
@@ -722,7 +747,32 @@ void ParallelTrainer::load_checkpoint(const StateDict& state) {
   // that holds it (the others would wait in load_named's collectives).
   checkpoint_generators(state, *m.full);
   const auto generators = checkpoint_generators(state, *m.stage);
-  m.load_named(state, true);
+  // The fp8 modes' scaling state of this stage's layers, checked on every rank before anything changes: one
+  // stage lacking its entries fails the job on every rank (the others would wait for it in a collective).
+  StateDict old_scaling;
+  m.booster.save_scaling_state(old_scaling);
+  std::string scaling_error;
+  try {
+    m.booster.load_scaling_state(state);
+  } catch (const Error& e) {
+    scaling_error = e.what();
+  }
+  std::vector<double> failed = {scaling_error.empty() ? 0.0 : 1.0};
+  m.groups.world.all_reduce(failed, Reduction::Max);
+  if (failed[0] != 0.0) {
+    if (scaling_error.empty()) m.booster.load_scaling_state(old_scaling);
+    fail("training checkpoint: ", scaling_error.empty() ? std::string("another stage's fp8 scaling state was refused")
+                                                       : scaling_error);
+  }
+  StateDict without_scaling = state;  // the fp8 scaling entries are read above; the rest names parameters
+  std::erase_if(without_scaling.tensors,
+                [](const auto& entry) { return entry.first.rfind(Booster::kScalingStatePrefix, 0) == 0; });
+  try {
+    m.load_named(without_scaling, true);
+  } catch (...) {
+    m.booster.load_scaling_state(old_scaling);
+    throw;
+  }
   for (auto& [gen, g] : generators) *gen = g;
   step_ = step;
 }
