@@ -274,6 +274,7 @@ bool read_low_precision_option(const OptionReader& read, const std::string& key,
   else if (key == "nvfp4_block_size") l.nvfp4_block_size = read.integer(value, key);
   else if (key == "stochastic_rounding") l.stochastic_rounding = read.boolean(value, key);
   else if (key == "random_hadamard_transform") l.random_hadamard_transform = read.boolean(value, key);
+  else if (key == "accumulator_bits") l.accumulator_bits = read.integer(value, key);
   else if (key == "exclude") l.exclude = value.is_null() ? std::nullopt : std::optional(read_module_names(read, key, value));
   else return false;
   return true;
@@ -486,6 +487,7 @@ void validate_low_precision(const std::string& who, ScalingRecipe scaling, const
   in_range("block_size", l.block_size, 1, 1 << 16);
   in_range("mx_block_size", l.mx_block_size, 1, 1 << 16);
   in_range("nvfp4_block_size", l.nvfp4_block_size, 1, 1 << 16);
+  in_range("accumulator_bits", l.accumulator_bits, 0, 23);
   check(!l.round_scales_to_power_of_2 || !*l.round_scales_to_power_of_2 || scaling == ScalingRecipe::CurrentTensorwise ||
             scaling == ScalingRecipe::Rowwise,
         who, ": round_scales_to_power_of_2 applies to the current-scaling fp32 scales of fp8 and fp8_rowwise only");
@@ -644,6 +646,7 @@ LowPrecisionRecipe AmpConfig::low_precision_recipe() const {
   r.nvfp4_block_size = l.nvfp4_block_size;
   r.stochastic_rounding = l.stochastic_rounding;
   r.random_hadamard_transform = l.random_hadamard_transform;
+  r.accumulator_bits = static_cast<int>(l.accumulator_bits);
   return r;
 }
 
@@ -761,6 +764,7 @@ void write_low_precision_options(const AmpConfig& c, Json& o) {
     for (const std::string& name : *l.exclude) exclude.push_back(name);
   }
   o.emplace("exclude", std::move(exclude));
+  o.emplace("accumulator_bits", l.accumulator_bits);
 }
 
 }  // namespace

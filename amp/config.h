@@ -163,6 +163,9 @@ struct LowPrecisionOptions {
   // "c_proj" every "...c_proj"). nullopt: {"lm_head"}, which a model with tied embeddings simply lacks;
   // an entry given explicitly must match a Linear of the boosted model.
   std::optional<std::vector<std::string>> exclude;
+  // Ours: the GEMMs' running sums rounded to this many mantissa bits every 32 products along K (0: fp32), to
+  // study a tensor core's narrow fp8 accumulator (scaled_matmul in tensor/quantize.h).
+  int64_t accumulator_bits = 0;
 };
 
 struct AmpConfig {

@@ -77,10 +77,11 @@ inline constexpr std::array<std::string_view, 13> kNaiveKeys{
     "accumulate_allreduce_grads_in_fp32", "loss_scaler"};
 
 // The fp8 / block-scaled family's options (amp/config.h's LowPrecisionOptions).
-inline constexpr std::array<std::string_view, 12> kLowPrecisionKeys{
+inline constexpr std::array<std::string_view, 13> kLowPrecisionKeys{
     "fp8_format",     "amax_history_len", "amax_compute_algo", "margin",
     "round_scales_to_power_of_2", "block_size", "mx_block_size", "mx_scale_rounding",
-    "nvfp4_block_size", "stochastic_rounding", "random_hadamard_transform", "exclude"};
+    "nvfp4_block_size", "stochastic_rounding", "random_hadamard_transform", "exclude",
+    "accumulator_bits"};
 
 struct PrecisionModeRow {
   PrecisionMode mode;

@@ -1,6 +1,6 @@
 // precision_study: one GPT, one data set, one seed, trained once under each precision mode, and a comparison.
 //
-//   precision_study                                   # all 10 modes (7 min 17 s on 2 cores: docs/amp.md)
+//   precision_study                                   # every mode of the table (amp/precision_mode.h)
 //   precision_study --modes fp32,bf16,fp16_naive --steps 300 --out /tmp/study
 //   precision_study --data other.txt --layers 2 --width 64 ...
 //
@@ -109,8 +109,8 @@ struct Options {
   std::vector<std::string> modes = kDefaultModes;
   std::string out;
   // The study's defaults: 4 layers of width 128 on tinyshakespeare, val loss ~2.1 after 600 steps (docs/amp.md
-  // shows a run of all ten modes). Every one can be overridden; they go on the child's command line in this
-  // order.
+  // shows a run of the ten 16-bit modes, docs/low_precision.md of the fp8 ones). Every one can be overridden;
+  // they go on the child's command line in this order.
   std::vector<std::pair<std::string, std::string>> train = {
       {"--layers", "4"},  {"--heads", "4"},        {"--width", "128"}, {"--block", "64"},
       {"--batch", "16"},  {"--steps", "600"},      {"--eval-every", "200"},

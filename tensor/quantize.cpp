@@ -513,7 +513,42 @@ GemmOperand quantize_for_gemm(const Tensor& x, const QuantizeOptions& options) {
   return op;
 }
 
-Tensor scaled_matmul(const GemmOperand& a, const GemmOperand& b) {
+namespace {
+
+// x rounded to nearest even at `bits` mantissa bits (Inf and NaN unchanged).
+float round_mantissa(float x, int bits) {
+  uint32_t u = std::bit_cast<uint32_t>(x);
+  if ((u & 0x7f800000u) == 0x7f800000u || bits >= 23) return x;
+  const int drop = 23 - bits;
+  u = (u + ((1u << (drop - 1)) - 1) + ((u >> drop) & 1u)) & ~((1u << drop) - 1);
+  return std::bit_cast<float>(u);
+}
+
+// a[:, k0:k1] @ b[:, k0:k1]ᵀ into out (f32 [M, N]): in fp32 at once, or with a narrow accumulator (see
+// scaled_matmul) one chunk of kAccumulatorChunk products at a time.
+void sum_products(const Tensor& a, const Tensor& b, int64_t k0, int64_t k1, int accumulator_bits, const Tensor& out) {
+  if (accumulator_bits == 0) {
+    cpu::gemm_nt_f32_out(a.narrow(1, k0, k1 - k0), b.narrow(1, k0, k1 - k0), out);
+    return;
+  }
+  const int64_t M = out.size(0), N = out.size(1);
+  Tensor chunk = Tensor::empty({M, N}, DType::F32);
+  float* o = static_cast<float*>(out.data_ptr());
+  const float* c = static_cast<const float*>(chunk.data_ptr());
+  for (int64_t k = k0; k < k1; k += kAccumulatorChunk) {
+    cpu::gemm_nt_f32_out(a.narrow(1, k, std::min(kAccumulatorChunk, k1 - k)),
+                         b.narrow(1, k, std::min(kAccumulatorChunk, k1 - k)), chunk);
+#pragma omp parallel for schedule(static) if (M * N > (1 << 15))
+    for (int64_t i = 0; i < M * N; ++i)
+      o[i] = round_mantissa(k == k0 ? c[i] : o[i] + c[i], accumulator_bits);
+  }
+}
+
+}  // namespace
+
+Tensor scaled_matmul(const GemmOperand& a, const GemmOperand& b, int accumulator_bits) {
+  check(accumulator_bits >= 0 && accumulator_bits <= 23, "scaled_matmul: accumulator_bits ", accumulator_bits,
+        " must be 0 (fp32) or 1..23");
   check(a.values.dim() == 2 && b.values.dim() == 2 && a.values.size(1) == b.values.size(1),
         "scaled_matmul: a ", a.values.description(), " and b ", b.values.description(),
         " must share their last dim K (a [M, K] @ b [N, K]^T)");
@@ -532,7 +567,7 @@ Tensor scaled_matmul(const GemmOperand& a, const GemmOperand& b) {
     const float* p = static_cast<const float*>(partial.data_ptr());
     for (int64_t j = 0; j < blocks; ++j) {
       const int64_t k0 = j * kb, n_k = std::min(kb, K - k0);
-      cpu::gemm_nt_f32_out(a.values.narrow(1, k0, n_k), b.values.narrow(1, k0, n_k), partial);
+      sum_products(a.values, b.values, k0, k0 + n_k, accumulator_bits, partial);
 #pragma omp parallel for schedule(static) if (M * N > (1 << 15))
       for (int64_t m = 0; m < M; ++m) {
         const float sa = a.k_scales[static_cast<size_t>(m * blocks + j)];
@@ -545,9 +580,9 @@ Tensor scaled_matmul(const GemmOperand& a, const GemmOperand& b) {
     return out;
   }
   if (a.values.dtype() == b.values.dtype()) {
-    cpu::gemm_nt_f32_out(a.values, b.values, out);
+    sum_products(a.values, b.values, 0, K, accumulator_bits, out);
   } else {  // one operand f32: the other's exact bf16 values widen exactly
-    cpu::gemm_nt_f32_out(a.values.to(DType::F32), b.values.to(DType::F32), out);
+    sum_products(a.values.to(DType::F32).contiguous(), b.values.to(DType::F32).contiguous(), 0, K, accumulator_bits, out);
   }
   const float tensor = a.tensor_scale * b.tensor_scale;
   if (a.row_scale.empty() && b.row_scale.empty() && tensor == 1) return out;

@@ -98,7 +98,12 @@ struct GemmOperand {
 GemmOperand quantize_for_gemm(const Tensor& x, const QuantizeOptions& options);
 // a [M, K] @ b [N, K]ᵀ in f32 (fp32 sums of exact products), scaled by the operands' row and tensor scales;
 // operands blocked along K give one GEMM per block, scaled and summed in fp32.
-Tensor scaled_matmul(const GemmOperand& a, const GemmOperand& b);
+// accumulator_bits (1..23; 0: fp32 throughout) models a tensor core's narrower accumulator: the running sum of
+// each output is rounded to that many mantissa bits (to nearest even) after every kAccumulatorChunk products
+// along K, one fp8 MMA instruction's K on Hopper (DeepSeek-V3 reports about 14 bits kept there). Sums carried
+// across K blocks (fp8_block) are promoted to fp32, as DeepSeek-V3 promotes them every 128.
+inline constexpr int64_t kAccumulatorChunk = 32;
+Tensor scaled_matmul(const GemmOperand& a, const GemmOperand& b, int accumulator_bits = 0);
 
 // Tensor::to between a floating dtype and a format of tensor/minifloat.h, or between two formats (see there:
 // round to nearest even, PyTorch's overflow: NaN for E4M3, Inf for E5M2, ±6 for E2M1; E8M0 drops the sign).

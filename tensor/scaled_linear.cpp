@@ -73,6 +73,8 @@ LowPrecisionContext::LowPrecisionContext(LowPrecisionRecipe recipe) : recipe_(re
   const LowPrecisionRecipe& r = recipe_;
   check(r.amax_history_len >= 1, "LowPrecisionRecipe: amax_history_len must be >= 1, got ", r.amax_history_len);
   check(r.margin >= 0 && r.margin <= 64, "LowPrecisionRecipe: margin must be 0..64, got ", r.margin);
+  check(r.accumulator_bits >= 0 && r.accumulator_bits <= 23, "LowPrecisionRecipe: accumulator_bits must be 0..23, got ",
+        r.accumulator_bits);
   check(r.block_size >= 1 && r.mx_block_size >= 1 && r.nvfp4_block_size >= 1, "LowPrecisionRecipe: block sizes "
         "must be >= 1, got ", r.block_size, ", ", r.mx_block_size, ", ", r.nvfp4_block_size);
   check(r.mx_scale_rounding == BlockScale::E8M0Floor || r.mx_scale_rounding == BlockScale::E8M0Ceil,
@@ -240,7 +242,7 @@ Tensor scaled_linear(const Tensor& x, const Tensor& weight, const Tensor& bias,
       ctx.record(TensorKind::Activation, weight, qx);
       ctx.record(TensorKind::Weight, weight, qw);
     }
-    out32 = scaled_matmul(qx, qw);
+    out32 = scaled_matmul(qx, qw, ctx.recipe().accumulator_bits);
     if (bias.defined()) out32 = add(out32, bias.detach().to(DType::F32));
   }
   Shape out_shape = x.shape();
@@ -260,7 +262,7 @@ Tensor scaled_linear(const Tensor& x, const Tensor& weight, const Tensor& bias,
       const GemmOperand qg = quantize_for_gemm(g2, ctx.options(TensorKind::Gradient, weight_key));
       ctx.record(TensorKind::Gradient, weight_key, qg);
       const GemmOperand qwt = quantize_for_gemm(w.mT(), ctx.options(TensorKind::Weight, weight_key));
-      grads[0] = scaled_matmul(qg, qwt).to(x_dtype).reshape(x_shape);
+      grads[0] = scaled_matmul(qg, qwt, ctx.recipe().accumulator_bits).to(x_dtype).reshape(x_shape);
     }
     if (w_grad) {  // wgrad: gᵀ [N, rows] @ (xᵀ [K, rows])ᵀ
       Tensor gt = g2.mT(), xt = x2.mT();
@@ -272,7 +274,7 @@ Tensor scaled_linear(const Tensor& x, const Tensor& weight, const Tensor& bias,
       const GemmOperand qgt = quantize_for_gemm(gt, ctx.options(TensorKind::Gradient, weight_key));
       const GemmOperand qxt = quantize_for_gemm(xt, ctx.options(TensorKind::Activation, weight_key));
       if (!x_grad) ctx.record(TensorKind::Gradient, weight_key, qgt);
-      grads[1] = scaled_matmul(qgt, qxt).to(w_dtype);
+      grads[1] = scaled_matmul(qgt, qxt, ctx.recipe().accumulator_bits).to(w_dtype);
     }
     if (b_grad) grads[2] = sum_to(g.to(DType::F32), {N}).to(b_dtype);
     return grads;

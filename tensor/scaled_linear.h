@@ -61,6 +61,7 @@ struct LowPrecisionRecipe {
   bool stochastic_rounding = true;  // nvfp4: the gradients round stochastically
   bool random_hadamard_transform = true;  // nvfp4: 16 x 16 random Hadamard transform of the wgrad operands
   uint64_t seed = 0;                // stochastic rounding and the Hadamard signs
+  int accumulator_bits = 0;         // scaled_matmul's narrow accumulator model (0: fp32)
 };
 
 enum class TensorKind : uint8_t { Activation, Weight, Gradient, Count };

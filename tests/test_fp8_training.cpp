@@ -81,6 +81,20 @@ TEST(Fp8Training, EveryModeLowersTheLossWithoutSkippingAStep) {
   }
 }
 
+// accumulator_bits acts in training: 8 bits give other losses than fp32 sums, and still train.
+TEST(Fp8Training, ANarrowAccumulatorChangesTheRunAndStillTrains) {
+  const TokenData data = char_tokens(mixtape::testing::word_text(3000));
+  auto losses = [&](const std::string& json) {
+    Trainer trainer(tiny_config(data.vocab_size), options_for(AmpConfig::from_json(json, "fp8_block"), 20), data);
+    std::vector<double> out;
+    for (int i = 0; i < 20; ++i) out.push_back(trainer.train_step().loss);
+    return out;
+  };
+  const std::vector<double> fp32 = losses(R"({"block_size": 16})"), narrow = losses(R"({"block_size": 16, "accumulator_bits": 8})");
+  EXPECT_NE(fp32, narrow);
+  EXPECT_LT(narrow.back(), narrow.front() - 0.3);
+}
+
 TEST(Fp8Training, AResumedRunEqualsTheUninterruptedOneInEveryMode) {
   const TokenData data = char_tokens(mixtape::testing::word_text(3000));
   for (const std::string& mode : kFp8Modes) {
@@ -188,6 +202,8 @@ TEST(Fp8Training, OptionsAreValidatedAndRoundTrip) {
   EXPECT_ERROR_MENTIONS(AmpConfig::from_json(R"({"mx_scale_rounding": "up"})", "mxfp8"), "mx_scale_rounding",
                         "floor", "ceil");
   EXPECT_ERROR_MENTIONS(AmpConfig::from_json(R"({"block_size": 0})", "fp8_block"), "block_size");
+  EXPECT_ERROR_MENTIONS(AmpConfig::from_json(R"({"accumulator_bits": 24})", "fp8"), "accumulator_bits", "0..23");
+  EXPECT_EQ(AmpConfig::from_json(R"({"accumulator_bits": 14})", "fp8_block").low_precision_recipe().accumulator_bits, 14);
   EXPECT_ERROR_MENTIONS(AmpConfig::from_json(R"({"init_scale": 2})", "fp8"), "unknown option", "init_scale");
   // The defaults each mode's source has: hybrid for the tensorwise recipes, E4M3 elsewhere.
   EXPECT_EQ(AmpConfig::parse("fp8").fp8_format(), Fp8Format::Hybrid);

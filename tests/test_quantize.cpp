@@ -305,6 +305,27 @@ TEST(Quantize, TheGemmOperandIsTheDequantizedReferenceBitForBit) {
   }
 }
 
+// The narrow accumulator: 64 products in two chunks of 32 whose sums are 32 and 1. In fp32 the result is 33;
+// with 4 mantissa bits the running sum 32 + 1 = 33 = 1.00001b x 2^5 lies halfway between 32 and 34 and rounds
+// to the even 32. With 23 bits it is fp32's sum again.
+TEST(Quantize, ANarrowAccumulatorRoundsTheRunningSumEveryChunk) {
+  std::vector<float> b(64, 1.0f);
+  for (int k = 32; k < 64; ++k) b[k] = 1.0f / 32;
+  GemmOperand ga, gb;
+  ga.values = Tensor::ones({1, 64}, DType::BF16);
+  gb.values = matrix(b, 1, 64).to(DType::BF16);
+  EXPECT_EQ(values_of(scaled_matmul(ga, gb)), std::vector<float>{33.0f});
+  EXPECT_EQ(values_of(scaled_matmul(ga, gb, 23)), std::vector<float>{33.0f});
+  EXPECT_EQ(values_of(scaled_matmul(ga, gb, 4)), std::vector<float>{32.0f});
+  EXPECT_EQ(values_of(scaled_matmul(ga, gb, 5)), std::vector<float>{33.0f});
+  // Blocked along K (fp8_block): each block's narrow sum is promoted to fp32 before the next is added.
+  ga.k_block = gb.k_block = 32;
+  ga.k_scales = {1.0f, 1.0f};
+  gb.k_scales = {1.0f, 1.0f};
+  EXPECT_EQ(values_of(scaled_matmul(ga, gb, 4)), std::vector<float>{33.0f});
+  EXPECT_ERROR_MENTIONS(scaled_matmul(ga, gb, 24), "accumulator_bits", "24");
+}
+
 TEST(Quantize, StochasticRoundingIsReproducibleFromTheSeed) {
   const Tensor g = Tensor::randn({8, 64}, 5);
   QuantizeOptions o = options(DType::F4E2M1, 1, 16, BlockScale::E4M3TwoLevel);
