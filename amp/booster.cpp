@@ -77,12 +77,15 @@ std::shared_ptr<LowPrecisionContext> make_low_precision_context(const AmpConfig&
           "Booster.boost: not supported: ", c.name(), " with layers split or replicated over processes (the ",
           options.amax_group->name(), ") yet; fp8 and fp8_delayed run in every layout, the block-scaled modes in "
           "one process or pipeline stages only");
-    ProcessGroup* group = options.amax_group;
-    context->set_amax_reduction([group](std::span<float> values) {
-      std::vector<double> wide(values.begin(), values.end());
-      group->all_reduce_max(wide);
-      for (size_t i = 0; i < values.size(); ++i) values[i] = static_cast<float>(wide[i]);
-    });
+    auto reduction = [](ProcessGroup* group) -> std::function<void(std::span<float>)> {
+      if (group == nullptr || group->size() == 1) return {};
+      return [group](std::span<float> values) {
+        std::vector<double> wide(values.begin(), values.end());  // exact both ways
+        group->all_reduce_max(wide);
+        for (size_t i = 0; i < values.size(); ++i) values[i] = static_cast<float>(wide[i]);
+      };
+    };
+    context->set_amax_reduction(reduction(options.amax_group), reduction(options.amax_group_in_eval));
   }
   if (c.low_precision.exclude)
     for (size_t i = 0; i < exclude.size(); ++i)
@@ -316,7 +319,7 @@ std::vector<Tensor> Booster::forward(
 
 void Booster::save_scaling_state(StateDict& state) const {
   if (!low_precision_) return;
-  state.metadata[std::string(kScalingStatePrefix) + "random_draws"] = std::to_string(low_precision_->random_draws());
+  state.metadata[std::string(kScalingStatePrefix) + "steps"] = std::to_string(low_precision_->steps());
   if (low_precision_->recipe().scaling != ScalingRecipe::DelayedTensorwise) return;
   for (const auto& [name, scaling] : low_precision_->scaling_state()) {
     const std::string key = kScalingStatePrefix + name;
@@ -328,7 +331,7 @@ void Booster::save_scaling_state(StateDict& state) const {
 
 void Booster::load_scaling_state(const StateDict& state) {
   if (!low_precision_) return;
-  const std::string draws_key = std::string(kScalingStatePrefix) + "random_draws";
+  const std::string draws_key = std::string(kScalingStatePrefix) + "steps";
   const auto draws = state.metadata.find(draws_key);
   check(draws != state.metadata.end(), "Booster: the checkpoint has no ", draws_key, " (it is not from an ",
         config_.name(), " run)");
@@ -353,10 +356,12 @@ void Booster::load_scaling_state(const StateDict& state) {
             "; expected f32[1] and f32[amax_history_len]");
       entry.scale = static_cast<float>(scale->second.item());
       entry.history = history->second.to(DType::F32).to_vector<float>();
+      for (const float a : entry.history)
+        check(!(a < 0), "Booster: ", key, ".amax_history holds ", a, "; an amax is never negative");
     }
     low_precision_->load_scaling_state(scaling);
   }
-  low_precision_->set_random_draws(draw_count);
+  low_precision_->set_steps(draw_count);
 }
 
 void Booster::backward(const Tensor& loss, MixedPrecisionOptimizer& optimizer, int loss_id) {

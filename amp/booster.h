@@ -76,9 +76,12 @@ struct BoostOptions {
   // tensor-parallel layer's shard), by parameter name, covered like every nn::Linear of the model (and
   // excluded by the same names). amax_group: the processes that hold parts of the same layers (data and
   // tensor parallel ranks of one pipeline stage); the tensorwise scales are reduced (MAX) over it, so every rank
-  // quantizes as one process would. Null, or a group of one: nothing is reduced.
+  // quantizes as one process would. amax_group_in_eval: the tensor-parallel ranks, over which an evaluation
+  // forward reduces (data-parallel replicas evaluate different batches). Null, or a group of one: nothing is
+  // reduced.
   std::vector<std::pair<std::string, Tensor>> linear_weights = {};
   ProcessGroup* amax_group = nullptr;
+  ProcessGroup* amax_group_in_eval = nullptr;
 };
 
 // What boost() assembles a MixedPrecisionOptimizer from: the wrapped optimizer (its parameters swapped for the
@@ -123,10 +126,11 @@ class Booster {
   const std::shared_ptr<LowPrecisionContext>& low_precision() const { return low_precision_; }
   // The fp8 modes' state a resumed run needs, as checkpoint entries under "amp_scaling.": delayed scaling's
   // scale and amax history per covered tensor ("amp_scaling.<weight>.<kind>.scale" and ".amax_history",
-  // f32) and the stochastic-rounding draw count (metadata "amp_scaling.random_draws"). Nothing in other modes.
+  // f32) and the steps the recipe has ended (metadata "amp_scaling.steps": NVFP4's random streams follow it).
+  // Nothing in other modes.
   void save_scaling_state(StateDict& state) const;
-  // Reads them back (Error, changing nothing, when an entry is missing or malformed). A checkpoint of another
-  // mode has none: then nothing is read.
+  // Reads them back (Error, changing nothing, when an entry is missing or malformed; a history may hold Inf or
+  // NaN, which the recipe records, but no negative amax). Nothing in other modes.
   void load_scaling_state(const StateDict& state);
   static constexpr const char* kScalingStatePrefix = "amp_scaling.";
 

@@ -110,10 +110,10 @@ struct BlockScaling {
   uint8_t decode_code;  // E8M0 / E4M3 scales
 };
 
-// The scale of a block with max |x| = amax (finite), by the rule of `kind` (see BlockScale).
-BlockScaling choose_block_scale(BlockScale kind, float amax, DType format, const QuantizeOptions& options,
-                                float tensor_encode, float tensor_decode) {
-  const float fmax = format_max(format);
+// The scale of a block with max |x| = amax (finite), by the rule of `kind` (see BlockScale); fmax and emax are
+// the format's largest value and its exponent. Never throws: it runs inside parallel loops.
+BlockScaling choose_block_scale(BlockScale kind, float amax, float fmax, int emax, const QuantizeOptions& options,
+                                float tensor_encode, float tensor_decode) noexcept {
   switch (kind) {
     case BlockScale::Fp32: {
       float encode = options.fixed_scale ? *options.fixed_scale : amax == 0 ? 1.0f : fmax / amax;
@@ -126,7 +126,7 @@ BlockScaling choose_block_scale(BlockScale kind, float amax, DType format, const
       int exponent = -127;
       if (amax > 0) {
         if (kind == BlockScale::E8M0Floor) {
-          exponent = floor_log2(amax) - format_emax(format);
+          exponent = floor_log2(amax) - emax;
         } else {  // ceil(log2(amax / fmax)), the ratio taken as NVIDIA does: amax * fp32(1 / fmax)
           const float ratio = amax * (1.0f / fmax);
           exponent = floor_log2(ratio);
@@ -143,11 +143,19 @@ BlockScaling choose_block_scale(BlockScale kind, float amax, DType format, const
       const uint8_t code = static_cast<uint8_t>(
           float_to_minifloat(amax / kE2M1Max * tensor_encode, kE4M3, FormatOverflow::Saturate));
       const float stored = minifloat_to_float(code, kE4M3);
-      const float encode = stored == 0 ? 0.0f : 1.0f / (stored * tensor_decode);
+      // Capped at FLT_MAX: with a tiny tensor amax the tensor's decode scale is subnormal, and the reciprocal
+      // of a small product would be Inf (0 * Inf is NaN).
+      const float encode = stored == 0 ? 0.0f : std::min(1.0f / (stored * tensor_decode), FLT_MAX);
       return {encode, stored, code};
     }
   }
-  fail("quantize: invalid block scale");
+  return {0.0f, NAN, kE8M0Nan};  // no other kind exists (validate refused it)
+}
+
+// Whether the tensor's amax is reduced over processes: one scale for the whole tensor, decided by the options
+// (not the local shape, so that every process calls the collective).
+bool reduces_tensor_amax(const QuantizeOptions& o) {
+  return o.reduce_tensor_amax && o.block_rows == 0 && o.block_cols == 0 && !o.fixed_scale && o.scale == BlockScale::Fp32;
 }
 
 void validate(const Tensor& x, const QuantizeOptions& o) {
@@ -199,7 +207,8 @@ Quantized quantize(const Tensor& x, const QuantizeOptions& options) {
   const int64_t grid_rows = (R + q.block_rows - 1) / q.block_rows, grid_cols = (C + q.block_cols - 1) / q.block_cols;
   const int64_t blocks = grid_rows * grid_cols;
 
-  // Step 1: each block's amax, NaN where it holds a non-finite value; the tensor's amax.
+  // Step 1: each block's amax, NaN where it holds a non-finite value; the tensor's amax (reduced over the
+  // processes holding parts of the tensor, when the options say so).
   std::vector<float> block_amax(static_cast<size_t>(blocks), 0.0f);
   float amax = 0;
   for (int64_t r = 0; r < R; ++r)
@@ -211,6 +220,10 @@ Quantized quantize(const Tensor& x, const QuantizeOptions& options) {
       if (std::isnan(v) || std::isnan(amax)) amax = NAN;
       else amax = std::max(amax, v);
     }
+  if (reduces_tensor_amax(options)) {
+    amax = options.reduce_tensor_amax(amax);
+    for (float& b : block_amax) b = std::isfinite(amax) ? amax : NAN;
+  }
   q.amax = amax;
 
   // Step 2: the tensor scale (NVFP4) and each block's scale.
@@ -224,11 +237,14 @@ Quantized quantize(const Tensor& x, const QuantizeOptions& options) {
   }
   q.scales = Tensor::empty({grid_rows, grid_cols}, scale_dtype);
   std::vector<float> encode(static_cast<size_t>(blocks));
+  std::vector<char> nan_block(static_cast<size_t>(blocks), 0);
   for (int64_t b = 0; b < blocks; ++b) {
     const float a = block_amax[static_cast<size_t>(b)];
     BlockScaling s{0, NAN, scale_dtype == DType::F8E4M3 ? static_cast<uint8_t>(0x7F) : kE8M0Nan};
-    if (std::isfinite(a) && std::isfinite(tensor_encode))
-      s = choose_block_scale(options.scale, a, options.format, options, tensor_encode, tensor_decode);
+    nan_block[static_cast<size_t>(b)] = !(std::isfinite(a) && std::isfinite(tensor_encode));
+    if (!nan_block[static_cast<size_t>(b)])
+      s = choose_block_scale(options.scale, a, format_max(options.format), format_emax(options.format), options,
+                             tensor_encode, tensor_decode);
     else
       s.encode = 0;  // a non-finite block: NaN decode scale, zero codes
     encode[static_cast<size_t>(b)] = s.encode;
@@ -249,11 +265,13 @@ Quantized quantize(const Tensor& x, const QuantizeOptions& options) {
   for (int64_t r = 0; r < R; ++r) {
     for (int64_t c = 0; c < C; ++c) {
       const int64_t i = r * C + c;
-      const float e = encode[static_cast<size_t>(r / q.block_rows * grid_cols + c / q.block_cols)];
+      const size_t block = static_cast<size_t>(r / q.block_rows * grid_cols + c / q.block_cols);
+      const float e = encode[block];
       const float scaled = in[i] * e;
       uint32_t random = 0;
-      if (options.stochastic_seed) random = philox4x32(options.stochastic_offset + static_cast<uint64_t>(i), 0,
-                                                       *options.stochastic_seed)[0];
+      if (options.stochastic_seed)
+        random = philox4x32(options.stochastic_offset + static_cast<uint64_t>(i), options.stochastic_stream,
+                            *options.stochastic_seed)[0];
       // A zero encode scale is a NaN block (its decode scale says so) or an all-but-zero NVFP4 block: code 0.
       const uint32_t code = float_to_minifloat(e == 0 ? 0.0f : scaled, f, FormatOverflow::Saturate,
                                                options.stochastic_seed ? &random : nullptr);
@@ -263,7 +281,8 @@ Quantized quantize(const Tensor& x, const QuantizeOptions& options) {
           (std::isinf(scaled) ||
            round_to_minifloat_grid(std::bit_cast<uint32_t>(std::fabs(scaled)), f) > f.max_finite_code()))
         ++saturated;
-      if (in[i] != 0 && std::isfinite(in[i]) && (code & f.magnitude_mask()) == 0) ++flushed;
+      // Flushed: a nonzero value of a block with a scale that became 0 (not one whose scale is NaN).
+      if (in[i] != 0 && std::isfinite(in[i]) && !nan_block[block] && (code & f.magnitude_mask()) == 0) ++flushed;
       set_code(out, options.format, i, code);
     }
   }
@@ -394,8 +413,8 @@ GemmOperand quantize_for_gemm(const Tensor& x, const QuantizeOptions& options) {
     }
   float amax = 0;
   for (const float a : row_amax) amax = std::isnan(a) || std::isnan(amax) ? NAN : std::max(a, amax);
-  const bool one_block = grid_rows == 1 && grid_cols == 1;
-  if (options.reduce_tensor_amax && one_block && !options.fixed_scale) {
+  // Every process calls the reduction, whatever its local shape (a rank may hold no rows).
+  if (reduces_tensor_amax(options)) {
     amax = options.reduce_tensor_amax(amax);
     for (float& a : row_amax) a = std::isnan(a) || std::isnan(amax) ? NAN : amax;  // the one block's amax
   }
@@ -422,12 +441,14 @@ GemmOperand quantize_for_gemm(const Tensor& x, const QuantizeOptions& options) {
   }
   std::vector<float> encode(block_amax.size()), decode(block_amax.size());
   const int64_t blocks = static_cast<int64_t>(block_amax.size());
+  const float fmax_of_format = format_max(options.format);
+  const int emax = format_emax(options.format);
 #pragma omp parallel for schedule(static) if (blocks > 4096)
   for (int64_t i = 0; i < blocks; ++i) {
     const size_t b = static_cast<size_t>(i);
     if (std::isfinite(block_amax[b]) && std::isfinite(tensor_encode)) {
-      const BlockScaling s = choose_block_scale(options.scale, block_amax[b], options.format, options, tensor_encode,
-                                                tensor_decode);
+      const BlockScaling s = choose_block_scale(options.scale, block_amax[b], fmax_of_format, emax, options,
+                                                tensor_encode, tensor_decode);
       encode[b] = s.encode;
       decode[b] = s.decode;
     } else {
@@ -465,6 +486,7 @@ GemmOperand quantize_for_gemm(const Tensor& x, const QuantizeOptions& options) {
   // One run of a block's row: n values from `first`, encoded with `e`, each code value times `multiplier`
   // (nothing when post-scaled, else the block scale: exact in bf16 where folded, in f32 one rounding as
   // dequantize() computes it, whose tensor scale is 1 there). Branch-free so that it vectorises.
+  // A NaN block's values count as neither saturated nor flushed (its scale already says what happened).
   auto encode_run = [&]<bool kBf16>(int64_t first, int64_t n, float e, float multiplier, int64_t& sat, int64_t& flush) {
     for (int64_t i = 0; i < n; ++i) {
       const float v = in[first + i];
@@ -482,8 +504,8 @@ GemmOperand quantize_for_gemm(const Tensor& x, const QuantizeOptions& options) {
   auto encode_run_stochastic = [&](int64_t first, int64_t n, float e, float multiplier, int64_t& sat, int64_t& flush) {
     for (int64_t i = 0; i < n; ++i) {
       const float v = in[first + i];
-      const uint32_t random =
-          philox4x32(options.stochastic_offset + static_cast<uint64_t>(first + i), 0, *options.stochastic_seed)[0];
+      const uint32_t random = philox4x32(options.stochastic_offset + static_cast<uint64_t>(first + i),
+                                         options.stochastic_stream, *options.stochastic_seed)[0];
       const float scaled = e == 0 ? 0.0f : v * e;
       const float value = minifloat_to_float(float_to_minifloat(scaled, f, FormatOverflow::Saturate, &random), f);
       sat += round(std::fabs(scaled)) > fmax;  // counted as quantize() counts it
@@ -506,7 +528,7 @@ GemmOperand quantize_for_gemm(const Tensor& x, const QuantizeOptions& options) {
       else if (as_bf16) encode_run.template operator()<true>(first, n, e, multiplier, block_saturated, block_flushed);
       else encode_run.template operator()<false>(first, n, e, multiplier, block_saturated, block_flushed);
       saturated += e == 0 ? 0 : block_saturated;
-      flushed += block_flushed;
+      flushed += std::isnan(decode[b]) ? 0 : block_flushed;
     }
   op.saturated = saturated;
   op.flushed = flushed;

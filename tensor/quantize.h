@@ -1,12 +1,12 @@
 #pragma once
 // Scaled quantization into fp8 / fp4 (tensor/minifloat.h) and the emulated GEMM on quantized operands: the
-// numerics of every fp8 and block-scaled training recipe (amp/low_precision.h names the recipes).
+// numerics of every fp8 and block-scaled training recipe (tensor/scaled_linear.h applies them to a Linear).
 //
 // A quantized 2-d operand [R, C] is codes (one per value) and a grid of decode scales, one per block of
 // [block_rows, block_cols] values (the last block of a dim may be short):
 //     value ≈ code_value * scales[r / block_rows, c / block_cols] * tensor_scale
 // C is the dim a GEMM sums over (K): per-row scales are blocks [1, C], per-tensor scales one block [R, C].
-// How a block's scale is chosen is the BlockScale (each is its recipe's rule, cited in docs/amp.md); the codes
+// How a block's scale is chosen is the BlockScale (each is its recipe's rule, cited in docs/low_precision.md); the codes
 // are the scaled values rounded to nearest even (or stochastically) with saturation to the largest finite
 // value, as Transformer Engine and cuBLASLt quantize.
 //
@@ -46,9 +46,11 @@ struct QuantizeOptions {
   // processes: the local amax goes in, the MAX over every process holding a part of it comes out (every rank
   // then quantizes with the same scale, as Transformer Engine's reduced amax does). Unset: the local amax.
   std::function<float(float)> reduce_tensor_amax;
-  // Stochastic rounding (NVFP4's gradients): element i draws Philox(seed, offset + i); unset: nearest even.
+  // Stochastic rounding (NVFP4's gradients): element i draws Philox(key seed, counter (offset + i, stream));
+  // unset: nearest even.
   std::optional<uint64_t> stochastic_seed;
   uint64_t stochastic_offset = 0;
+  uint64_t stochastic_stream = 0;
 };
 
 struct Quantized {

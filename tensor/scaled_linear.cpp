@@ -83,11 +83,13 @@ LowPrecisionContext::LowPrecisionContext(LowPrecisionRecipe recipe) : recipe_(re
   for (DType format : {r.forward_format, r.gradient_format}) format_max(format);  // an element format
 }
 
-void LowPrecisionContext::set_amax_reduction(std::function<void(std::span<float>)> reduce_max) {
+void LowPrecisionContext::set_amax_reduction(std::function<void(std::span<float>)> reduce_max,
+                                             std::function<void(std::span<float>)> reduce_max_in_eval) {
   check(recipe_.scaling == ScalingRecipe::CurrentTensorwise || recipe_.scaling == ScalingRecipe::DelayedTensorwise,
         "LowPrecisionContext: not supported: reducing the scales of a block-scaled recipe over processes yet "
         "(the tensorwise recipes, fp8 and fp8_delayed, do it)");
   reduce_max_ = std::move(reduce_max);
+  reduce_max_in_eval_ = std::move(reduce_max_in_eval);
 }
 
 namespace {
@@ -102,10 +104,14 @@ void LowPrecisionContext::cover(const Tensor& weight, const std::string& name) {
         " is not a Linear weight [out, in]");
   Covered& covered = states_[weight.impl_ptr().get()];
   covered.name = name;
+  covered.weight = weight;
+  uint64_t hash = 1469598103934665603ull;  // FNV-1a of the name
+  for (const unsigned char c : name) hash = (hash ^ c) * 1099511628211ull;
+  covered.random_key = recipe_.seed ^ hash;
   for (DelayedScaling& d : covered.state.tensors) d.history.assign(static_cast<size_t>(recipe_.amax_history_len), 0.0f);
 }
 
-QuantizeOptions LowPrecisionContext::options(TensorKind kind, const Tensor& weight) {
+QuantizeOptions LowPrecisionContext::options(TensorKind kind, const Tensor& weight, bool training) {
   const LowPrecisionRecipe& r = recipe_;
   QuantizeOptions o;
   o.format = kind == TensorKind::Gradient ? r.gradient_format : r.forward_format;
@@ -113,10 +119,10 @@ QuantizeOptions LowPrecisionContext::options(TensorKind kind, const Tensor& weig
   switch (r.scaling) {
     case ScalingRecipe::CurrentTensorwise:
       o.power_of_two_scales = r.round_scales_to_power_of_2;
-      if (reduce_max_)
-        o.reduce_tensor_amax = [this](float amax) {
+      if (const auto& reduce = training ? reduce_max_ : reduce_max_in_eval_)
+        o.reduce_tensor_amax = [&reduce](float amax) {
           float value = nan_as_inf(amax);
-          reduce_max_(std::span<float>(&value, 1));
+          reduce(std::span<float>(&value, 1));
           return value;
         };
       break;
@@ -143,9 +149,11 @@ QuantizeOptions LowPrecisionContext::options(TensorKind kind, const Tensor& weig
       break;
   }
   if (r.scaling == ScalingRecipe::Nvfp4 && kind == TensorKind::Gradient && r.stochastic_rounding) {
-    // Each quantization draws from its own 2^40 counters (more than any tensor has elements).
-    o.stochastic_seed = r.seed;
-    o.stochastic_offset = random_draws_++ << 40;
+    // Each quantization draws its own stream: the layer's key, and (step, its place in the step) as the high
+    // counter word; the element index is the low one.
+    Covered& covered = states_.at(weight.impl_ptr().get());
+    o.stochastic_seed = covered.random_key;
+    o.stochastic_stream = steps_ << 24 | covered.quantized_this_step++;
   }
   return o;
 }
@@ -162,6 +170,8 @@ void LowPrecisionContext::record(TensorKind kind, const Tensor& weight, const Ge
 }
 
 void LowPrecisionContext::end_step() {
+  ++steps_;
+  for (auto& [key, covered] : states_) covered.quantized_this_step = 0;
   if (recipe_.scaling != ScalingRecipe::DelayedTensorwise) return;
   if (reduce_max_) {  // this step's amaxes, MAX over the processes holding parts of each tensor, by name
     std::map<std::string, Covered*> by_name;  // the same order on every rank (addresses differ)
@@ -236,8 +246,8 @@ Tensor scaled_linear(const Tensor& x, const Tensor& weight, const Tensor& bias,
   Tensor out32;
   {
     NoGradGuard no_grad;
-    const GemmOperand qx = quantize_for_gemm(x2, ctx.options(TensorKind::Activation, weight));
-    const GemmOperand qw = quantize_for_gemm(w, ctx.options(TensorKind::Weight, weight));
+    const GemmOperand qx = quantize_for_gemm(x2, ctx.options(TensorKind::Activation, weight, training));
+    const GemmOperand qw = quantize_for_gemm(w, ctx.options(TensorKind::Weight, weight, training));
     if (training) {
       ctx.record(TensorKind::Activation, weight, qx);
       ctx.record(TensorKind::Weight, weight, qw);

@@ -17,7 +17,7 @@
 // of each covered Linear's three tensors, and counts of what quantization saturated and flushed to zero per
 // tensor kind (for the precision study). Only training forwards (grad mode on) and backwards add to them: an
 // evaluation quantizes with the scales in use and changes nothing. Layering: it lives in tensor/ because linear() consults it; amp/
-// builds it from a precision mode (amp/low_precision.h).
+// builds it from a precision mode (amp/booster.h).
 #include <array>
 #include <cstdint>
 #include <map>
@@ -99,9 +99,13 @@ class LowPrecisionContext {
   // Several processes hold parts of the covered tensors (data or tensor parallel): `reduce_max` replaces each
   // value of its argument by its MAX over them, in place (every process calls it in the same order). Then
   // current tensorwise scales come from the reduced amax of each quantization, and delayed scaling reduces each
-  // step's amaxes before it updates its scales, so every rank uses the scales one process would. Only the
-  // tensorwise recipes reduce; the others are an Error here.
-  void set_amax_reduction(std::function<void(std::span<float>)> reduce_max);
+  // step's amaxes before it updates its scales, so every rank uses the scales one process would. An evaluation
+  // forward (grad mode off) reduces with `reduce_max_in_eval` instead: over the processes that split one batch
+  // (tensor parallel), not over data-parallel replicas, which evaluate different batches (and different
+  // numbers of them) as one process evaluates each batch by itself. Only the tensorwise recipes reduce; the
+  // others are an Error here.
+  void set_amax_reduction(std::function<void(std::span<float>)> reduce_max,
+                          std::function<void(std::span<float>)> reduce_max_in_eval);
 
   const std::array<QuantizationCounts, 3>& counts() const { return counts_; }
   // The delayed scale history of every covered tensor, by "weight name.kind": {scale, amax history}.
@@ -109,15 +113,17 @@ class LowPrecisionContext {
   // Replaces the state with `state` (every covered tensor's entry, with this recipe's history length and a
   // positive finite scale; Error naming the first that is not, and then nothing changes).
   void load_scaling_state(const std::map<std::string, DelayedScaling>& state);
-  // The stochastically rounded quantizations so far: each draws its own random stream, so a resumed run
-  // continues the count.
-  uint64_t random_draws() const { return random_draws_; }
-  void set_random_draws(uint64_t draws) { random_draws_ = draws; }
+  // The steps ended so far (end_step): with the weight's name and the quantization's place in its step they
+  // pick each stochastic rounding's random stream, so a stream depends on neither the layout nor the stage, and
+  // a resumed run continues it.
+  uint64_t steps() const { return steps_; }
+  void set_steps(uint64_t steps) { steps_ = steps; }
 
   // Used by scaled_linear: the options to quantize a tensor of `kind` (of the Linear of `weight`) as the
   // operand of a GEMM summing over its columns, and the bookkeeping after it. The options depend on the kind
   // only, not on the GEMM: tiles run along K whichever dim of the layer K is, and weight blocks are square.
-  QuantizeOptions options(TensorKind kind, const Tensor& weight);
+  // `training`: false for an evaluation forward (see set_amax_reduction).
+  QuantizeOptions options(TensorKind kind, const Tensor& weight, bool training = true);
   void record(TensorKind kind, const Tensor& weight, const GemmOperand& q);
 
  private:
@@ -125,11 +131,14 @@ class LowPrecisionContext {
   struct Covered {
     std::string name;
     LinearScalingState state;
+    Tensor weight;              // held, so that its address (the key) cannot be reused by another tensor
+    uint64_t random_key = 0;    // the stochastic-rounding key of its gradients (recipe seed and name)
+    uint64_t quantized_this_step = 0;  // the stream of its next stochastically rounded quantization
   };
   std::map<const void*, Covered> states_;
   std::array<QuantizationCounts, 3> counts_{};
-  uint64_t random_draws_ = 0;  // stochastically rounded quantizations so far
-  std::function<void(std::span<float>)> reduce_max_;  // see set_amax_reduction; empty: one process
+  uint64_t steps_ = 0;
+  std::function<void(std::span<float>)> reduce_max_, reduce_max_in_eval_;  // see set_amax_reduction
 };
 
 // The thread-local context linear() consults (null: none). RAII; nests.

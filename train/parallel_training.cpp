@@ -237,7 +237,7 @@ struct ParallelTrainer::Impl {
   std::vector<std::string> local_order;          // the optimizer's parameters (names), this rank
   std::vector<std::string> full_order;           // the single-process optimizer's parameters (names)
   // Outlive the optimizer, NaiveAMPModel and the fp8 scaling state using them.
-  std::unique_ptr<dist::CommunicatorGroup> mp_group, dp_group, stage_group;
+  std::unique_ptr<dist::CommunicatorGroup> mp_group, dp_group, stage_group, tp_group;
   std::unique_ptr<MixedPrecisionOptimizer> mpo;
   std::unique_ptr<dist::ZeroOptimizer> zero;
   std::unique_ptr<dist::GradientReducer> reducer;
@@ -342,7 +342,9 @@ ParallelTrainer::ParallelTrainer(const GPTConfig& config, const TrainOptions& op
   boost.model_parallel_group = m.mp_group.get();   // found_inf and the grad norm over the model's parts
   if (options.amp.quantizes_gemms()) {  // the fp8 GEMMs cover the tensor-parallel layers and agree on scales
     m.stage_group = std::make_unique<dist::CommunicatorGroup>(m.groups.stage);
+    m.tp_group = std::make_unique<dist::CommunicatorGroup>(m.groups.tp);
     boost.amax_group = m.stage_group.get();
+    boost.amax_group_in_eval = m.tp_group.get();
     boost.linear_weights = parallel_linear_weights(*m.stage);
   }
   boost.print_verbose = m.groups.world.rank() == 0;  // every rank takes the same steps: one prints them

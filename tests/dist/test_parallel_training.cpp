@@ -634,6 +634,19 @@ TEST(ParallelTrainer, EvaluateEqualsTheSingleProcessValidationLoss) {
   EXPECT_NEAR(dp_tp.evaluate(), want, 1e-5 * want);
 }
 
+// fp8 evaluates each batch with its own scale, as one process does: a data-parallel replica's batches are not
+// its neighbours' (nor as many), so an evaluation reduces its amaxes over tensor-parallel ranks only (over dp
+// it would wait for a replica that has no batch left). At DP4 the replicas evaluate unequal numbers of batches.
+TEST(ParallelTrainer, Fp8EvaluatesLikeOneProcessWhateverTheBatchesPerReplica) {
+  const TrainOptions options = options_for(AmpConfig::parse("fp8"));
+  Trainer single(tiny_config(), options, corpus());
+  const double want = single.evaluate();
+  for (const ParallelOptions& p : {layout(1, 1, 4, 0, 1), layout(2, 1, 2, 0, 1), layout(2, 2, 1, 0, 2)}) {
+    ParallelTrainer parallel(tiny_config(), options, p, corpus(), Communicator::world());
+    EXPECT_NEAR(parallel.evaluate(), want, 1e-2 * want) << p.tp << "x" << p.pp << "x" << p.dp;
+  }
+}
+
 // Naive AMP's log_num_zeros_in_grad: StepStats::num_zeros is the single process's count at DP4 with ZeRO-1
 // (each rank counts its shard, the counts summed over dp) and without (the replicated gradients counted once),
 // and under tensor parallelism (TP2 x PP2; TP2 x DP2 with ZeRO-1), where the vocabulary of 25 characters
