@@ -437,7 +437,7 @@ TEST(ScaledLinear, DelayedScalingFollowsTheAmaxHistory) {
   EXPECT_EQ(scale("activation"), 224.0f);
   EXPECT_EQ(scale("weight"), 896.0f);
   EXPECT_EQ(scale("gradient"), 57344.0f);
-  const DelayedScaling& h = context->scaling_state().at("layer.weight.activation");
+  const DelayedScaling h = context->scaling_state().at("layer.weight.activation");  // a copy: the map is a temporary
   EXPECT_EQ(h.history, (std::vector<float>{0, 2, 0, 0}));
   step(1.0f);  // "max" over the history keeps 2
   EXPECT_EQ(scale("activation"), 224.0f);
