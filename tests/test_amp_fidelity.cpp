@@ -63,12 +63,6 @@ std::vector<StepStats> run_steps(Trainer& trainer, int64_t n) {
   return stats;
 }
 
-bool bit_equal(const Tensor& a, const Tensor& b) {
-  if (a.shape() != b.shape() || a.dtype() != b.dtype()) return false;
-  const Tensor ac = a.contiguous(), bc = b.contiguous();
-  return std::memcmp(ac.data_ptr(), bc.data_ptr(), static_cast<size_t>(a.numel()) * dtype_size(a.dtype())) == 0;
-}
-
 std::map<std::string, DType> norm_and_other_dtypes(const Module& model) {
   std::map<std::string, DType> out;
   for (const auto& [name, p] : model.named_parameters()) out[name] = p.dtype();
@@ -131,7 +125,7 @@ TEST(AmpFidelity, AnO2ModelWithFp16LayerNormTrains) {
   EXPECT_GT(applied, 0);
   const Tensor ln_after = trainer.model().named_parameters()[2].second;
   EXPECT_EQ(ln_after.dtype(), DType::F16);
-  EXPECT_FALSE(bit_equal(ln_before, ln_after)) << ln_name << " did not move";
+  EXPECT_FALSE(mixtape::testing::bit_equal(ln_before, ln_after)) << ln_name << " did not move";
 }
 
 // ---- lr_schedule_on_skip ----
@@ -230,7 +224,7 @@ TEST(AmpFidelity, AResumedHoldRunEqualsTheUninterruptedOne) {
   }
   const auto a = whole.model().named_parameters(), b = resumed.model().named_parameters();
   ASSERT_EQ(a.size(), b.size());
-  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(bit_equal(a[i].second, b[i].second)) << a[i].first;
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(mixtape::testing::bit_equal(a[i].second, b[i].second)) << a[i].first;
 }
 
 // ---- the naive modes' loss_scaler ----

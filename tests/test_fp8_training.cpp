@@ -53,12 +53,6 @@ AmpConfig mode_config(const std::string& mode) {
   return mode == "fp8_block" ? AmpConfig::from_json(R"({"block_size": 16})", mode) : AmpConfig::parse(mode);
 }
 
-bool bit_equal(const Tensor& a, const Tensor& b) {
-  if (a.shape() != b.shape() || a.dtype() != b.dtype()) return false;
-  const Tensor ac = a.contiguous(), bc = b.contiguous();
-  return std::memcmp(ac.data_ptr(), bc.data_ptr(), static_cast<size_t>(a.numel()) * dtype_size(a.dtype())) == 0;
-}
-
 std::string temp_path(const std::string& name) {
   return (std::filesystem::temp_directory_path() / (name + "." + std::to_string(getpid()) + ".safetensors")).string();
 }
@@ -118,7 +112,7 @@ TEST(Fp8Training, AResumedRunEqualsTheUninterruptedOneInEveryMode) {
     for (int i = 0; i < 4; ++i) got.push_back(resumed.train_step().loss);
     for (size_t i = 0; i < expected.size(); ++i) EXPECT_EQ(std::memcmp(&got[i], &expected[i], sizeof(double)), 0) << i;
     const auto a = whole.model().named_parameters(), b = resumed.model().named_parameters();
-    for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(bit_equal(a[i].second, b[i].second)) << a[i].first;
+    for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(mixtape::testing::bit_equal(a[i].second, b[i].second)) << a[i].first;
     const auto sa = whole.booster().low_precision()->scaling_state(), sb = resumed.booster().low_precision()->scaling_state();
     for (const auto& [name, s] : sa) {
       EXPECT_EQ(s.scale, sb.at(name).scale) << name;
@@ -152,7 +146,7 @@ TEST(Fp8Training, DelayedScalingStateIsInTheCheckpointAndCheckedOnLoad) {
   EXPECT_ERROR_MENTIONS(trainer.load_checkpoint(bad), "amax history of 8", "amax_history_len is 16");
   EXPECT_EQ(trainer.booster().low_precision()->scaling_state().at("transformer.h.0.attn.c_attn.weight.activation").history,
             before.at("transformer.h.0.attn.c_attn.weight.activation").history);
-  EXPECT_TRUE(bit_equal(trainer.model().named_parameters()[2].second, weight_before));
+  EXPECT_TRUE(mixtape::testing::bit_equal(trainer.model().named_parameters()[2].second, weight_before));
   bad = state;
   bad.tensors.erase(key + ".scale");
   EXPECT_ERROR_MENTIONS(trainer.load_checkpoint(bad), key + ".scale");
@@ -168,7 +162,7 @@ TEST(Fp8Training, AnFp8CheckpointsWeightsLoadInAnyMode) {
     Trainer other(tiny_config(data.vocab_size), options_for(AmpConfig::parse(mode), 3), data);
     other.load_weights(state);
     const auto a = fp8.model().named_parameters(), b = other.model().named_parameters();
-    for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(bit_equal(a[i].second, b[i].second)) << mode << " " << a[i].first;
+    for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(mixtape::testing::bit_equal(a[i].second, b[i].second)) << mode << " " << a[i].first;
   }
 }
 

@@ -55,12 +55,6 @@ std::string temp_path(const std::string& name) {
       .string();
 }
 
-bool bit_equal(const Tensor& a, const Tensor& b) {
-  if (a.shape() != b.shape() || a.dtype() != b.dtype()) return false;
-  const Tensor ac = a.contiguous(), bc = b.contiguous();
-  return std::memcmp(ac.data_ptr(), bc.data_ptr(), static_cast<size_t>(a.numel()) * dtype_size(a.dtype())) == 0;
-}
-
 void expect_resume_is_bit_exact(const std::string& optimizer, bool sequential, const AmpConfig& amp = {}) {
   const TokenData data = char_tokens(sample_text());
   const GPTConfig config = tiny_config(data.vocab_size, 0.1);  // dropout > 0: the RNG state must be restored
@@ -91,7 +85,7 @@ void expect_resume_is_bit_exact(const std::string& optimizer, bool sequential, c
   ASSERT_EQ(a.tensors.size(), b.tensors.size());
   for (const auto& [name, t] : a.tensors) {
     ASSERT_TRUE(b.tensors.count(name)) << name;
-    EXPECT_TRUE(bit_equal(t, b.tensors.at(name))) << name;
+    EXPECT_TRUE(mixtape::testing::bit_equal(t, b.tensors.at(name))) << name;
   }
   EXPECT_EQ(a.metadata, b.metadata);
   // The dropout streams really advanced (so the comparison above covered them).
@@ -200,12 +194,12 @@ TEST(TrainGPT, RandomBatchesDependOnlyOnSeedAndStepAndStayInTheTrainingSplit) {
   Trainer a(tiny_config(data.vocab_size, 0), options, data);
   Trainer b(tiny_config(data.vocab_size, 0), options, data);
   b.train_step();  // b's own progress does not change what batch(s) is
-  EXPECT_TRUE(bit_equal(a.batch(3).first, b.batch(3).first));
-  EXPECT_FALSE(bit_equal(a.batch(3).first, a.batch(4).first));
+  EXPECT_TRUE(mixtape::testing::bit_equal(a.batch(3).first, b.batch(3).first));
+  EXPECT_FALSE(mixtape::testing::bit_equal(a.batch(3).first, a.batch(4).first));
   TrainOptions other = options;
   other.seed = 8;
   Trainer c(tiny_config(data.vocab_size, 0), other, data);
-  EXPECT_FALSE(bit_equal(a.batch(3).first, c.batch(3).first));
+  EXPECT_FALSE(mixtape::testing::bit_equal(a.batch(3).first, c.batch(3).first));
   // Targets are inputs shifted by one, within the training split.
   const auto [x, y] = a.batch(2);
   const std::vector<int64_t> xs = x.to_vector<int64_t>(), ys = y.to_vector<int64_t>();
@@ -665,7 +659,7 @@ void expect_rejected_changing_nothing(Trainer& trainer,
     }
   }
   const StateDict after = trainer.checkpoint();
-  for (const auto& [name, t] : before.tensors) EXPECT_TRUE(bit_equal(t, after.tensors.at(name))) << name;
+  for (const auto& [name, t] : before.tensors) EXPECT_TRUE(mixtape::testing::bit_equal(t, after.tensors.at(name))) << name;
   EXPECT_EQ(before.metadata, after.metadata);
 }
 

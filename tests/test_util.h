@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <string>
 #include <vector>
@@ -169,6 +170,13 @@ inline size_t peak_extra_bytes(const std::function<void()>& fn) {
   EXPECT_EQ(allocator.stats().allocated_bytes, peak);
   fn();
   return allocator.stats().peak_allocated_bytes - peak;
+}
+
+// Whether two tensors hold the same bits (shape, dtype and every element): the resume tests' equality.
+inline bool bit_equal(const Tensor& a, const Tensor& b) {
+  if (a.shape() != b.shape() || a.dtype() != b.dtype()) return false;
+  const Tensor ac = a.contiguous(), bc = b.contiguous();
+  return std::memcmp(ac.data_ptr(), bc.data_ptr(), storage_bytes(a.dtype(), a.numel())) == 0;
 }
 
 // A deterministic text of `words` words from a small vocabulary (LCG-drawn), with enough structure for a

@@ -2,6 +2,8 @@
 
 #include <dnnl.hpp>
 
+#include "tensor/cpu/onednn.h"
+
 #include <map>
 #include <string>
 #include <tuple>
@@ -12,11 +14,6 @@ namespace mixtape::cpu {
 namespace {
 
 using dnnl::memory;
-
-dnnl::engine& engine() {
-  static dnnl::engine e(dnnl::engine::kind::cpu, 0);
-  return e;
-}
 
 struct Primitive {
   dnnl::matmul matmul;
@@ -36,7 +33,7 @@ Primitive& primitive_for(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t l
   p.b = memory::desc({K, N}, type, memory::dims{1, ldb});  // b [N, K] row-major read as its transpose
   p.out = memory::desc({M, N}, memory::data_type::f32, memory::dims{N, 1});
   try {
-    const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(p.a, p.b, p.out), engine(), /*allow_empty=*/true);
+    const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(p.a, p.b, p.out), dnnl_engine(), /*allow_empty=*/true);
     if (pd && std::string(pd.impl_info_str()).rfind("ref", 0) != 0) {
       p.matmul = dnnl::matmul(pd);
       p.usable = true;
@@ -74,10 +71,10 @@ void gemm_nt_f32_out(const Tensor& a, const Tensor& b, const Tensor& out) {
     return;
   }
   try {
-    thread_local dnnl::stream stream(engine());
-    memory a_mem(p.a, engine(), a.data_ptr()), b_mem(p.b, engine(), b.data_ptr()), out_mem(p.out, engine(), out.data_ptr());
-    p.matmul.execute(stream, {{DNNL_ARG_SRC, a_mem}, {DNNL_ARG_WEIGHTS, b_mem}, {DNNL_ARG_DST, out_mem}});
-    stream.wait();
+    memory a_mem(p.a, dnnl_engine(), a.data_ptr()), b_mem(p.b, dnnl_engine(), b.data_ptr()),
+        out_mem(p.out, dnnl_engine(), out.data_ptr());
+    p.matmul.execute(dnnl_stream(), {{DNNL_ARG_SRC, a_mem}, {DNNL_ARG_WEIGHTS, b_mem}, {DNNL_ARG_DST, out_mem}});
+    dnnl_stream().wait();
   } catch (const dnnl::error& error) {
     fail("gemm_nt_f32_out: oneDNN failed on ", a.description(), " x ", b.description(), ": ", error.what());
   }

@@ -28,6 +28,8 @@
 // geometry, so a training loop builds each primitive once.
 #include <omp.h>
 #include <dnnl.hpp>
+
+#include "tensor/cpu/onednn.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -51,20 +53,19 @@
 
 namespace mixtape::cpu {
 
-namespace {
-
-using dnnl::memory;
-
 dnnl::engine& dnnl_engine() {
   static dnnl::engine engine(dnnl::engine::kind::cpu, 0);
   return engine;
 }
 
 dnnl::stream& dnnl_stream() {
-  // A CPU stream only orders executions; one per thread keeps concurrent callers independent.
   thread_local dnnl::stream stream(dnnl_engine());
   return stream;
 }
+
+namespace {
+
+using dnnl::memory;
 
 // oneDNN takes plain matrices whose rows or columns are unit-stride and do not overlap.
 bool plain_layout(int64_t rows, int64_t cols, const MatrixLayout& m) {
