@@ -801,17 +801,12 @@ plot::Chart plot_chart(const std::vector<ModeResult>& results, const std::string
     plot::Series l{.label = r.mode, .colour = colour};
     // Dashed scale curves: modes with the same scale overlap, and the dashes keep each one visible.
     plot::Series s{.label = r.mode, .colour = colour, .dash = static_cast<int>(index % 5)};
-    std::deque<double> window;
-    double sum = 0;
-    for (const StepLog& step : r.steps) {
-      if (std::isfinite(step.loss)) {
-        window.push_back(step.loss);
-        sum += step.loss;
-        if (window.size() > kSmooth) { sum -= window.front(); window.pop_front(); }
-      }
+    const std::vector<double> smoothed = smoothed_losses(r);
+    for (size_t i = 0; i < r.steps.size(); ++i) {
+      const StepLog& step = r.steps[i];
       const double x = static_cast<double>(step.step + 1);
       l.x.push_back(x);
-      l.y.push_back(window.empty() ? NAN : sum / double(window.size()));
+      l.y.push_back(smoothed[i]);
       s.x.push_back(x);
       s.y.push_back(step.loss_scale);
     }
