@@ -392,6 +392,10 @@ AmpConfig AmpConfig::from_json(std::string_view text, std::optional<std::string_
       config.lr_schedule_on_skip = word_option(who, key, value, kScheduleOnSkipWords);
       continue;
     }
+    if (key == "fp8_communication") {
+      config.fp8_communication = read.boolean(value, key);
+      continue;
+    }
     bool read_it = false;
     switch (config.family()) {
       case ModeFamily::Plain:  // no options of its own: check_option_keys refused every other key
@@ -771,7 +775,8 @@ void write_low_precision_options(const AmpConfig& c, Json& o) {
 
 std::string AmpConfig::to_json() const {
   Json o = Json::object({{"mixed_precision", std::string(row().name)},
-                         {"lr_schedule_on_skip", word_of(schedule_on_skip(), kScheduleOnSkipWords)}});
+                         {"lr_schedule_on_skip", word_of(schedule_on_skip(), kScheduleOnSkipWords)},
+                         {"fp8_communication", fp8_communication}});
   switch (family()) {
     case ModeFamily::Plain:
       break;

@@ -26,7 +26,9 @@
 // PyTorch and Colossal-AI training loops; the default of fp32, tf32, fp16, bf16 and fp16_apex) or "hold"
 // (it follows the applied updates, as Megatron-LM's `if update_successful:` and InternEvo's
 // `if success and self._lr_scheduler is not None`; the default of fp16_naive and bf16_naive). With "hold"
-// the step after k skipped ones uses the schedule's position (iterations - k).
+// the step after k skipped ones uses the schedule's position (iterations - k). Every mode also takes
+// fp8_communication (default false): across processes, gradients are averaged and ZeRO's parameters gathered
+// through fp8 payloads (dist/fp8_collectives.h).
 //
 // The naive modes' loss_scaler: "dynamic" (the hysteresis scaler above; InternEvo scales bf16 too) or
 // "none" (a loss scale of 1 that never backs off: Colossal-AI's bf16 mixin and Megatron-LM's bf16). "none"
@@ -176,6 +178,10 @@ struct AmpConfig {
   LowPrecisionOptions low_precision;  // "fp8", "fp8_delayed", "fp8_rowwise", "fp8_block", "mxfp8", "nvfp4"
   // "lr_schedule_on_skip", every mode; nullopt: the family's default (schedule_on_skip()).
   std::optional<LrScheduleOnSkip> lr_schedule_on_skip;
+  // "fp8_communication", every mode (Colossal-AI's Booster option): the data-parallel gradient all-reduce and
+  // ZeRO's parameter all-gather carry fp8 payloads with per-chunk scales, summed in fp32
+  // (dist/fp8_collectives.h). Nothing changes in one process.
+  bool fp8_communication = false;
 
   static const std::vector<std::string>& modes();  // every mode name (precision_mode_names())
   // "fp32", "bf16", "fp16_apex:O2", ...: the mode's defaults. Validated.

@@ -62,8 +62,8 @@ enum class ScalerKind : uint8_t {
 };
 
 // The options every mode accepts in a JSON config, besides "mixed_precision": what the training loop does
-// around the mode (every mode skips a step whose gradients are not finite).
-inline constexpr std::array<std::string_view, 1> kCommonAmpKeys{"lr_schedule_on_skip"};
+// around the mode (every mode skips a step whose gradients are not finite) and how its processes talk.
+inline constexpr std::array<std::string_view, 2> kCommonAmpKeys{"lr_schedule_on_skip", "fp8_communication"};
 // The options each family accepts in a JSON config, besides "mixed_precision" and kCommonAmpKeys.
 inline constexpr std::array<std::string_view, 5> kGradScalerKeys{"init_scale", "growth_factor", "backoff_factor",
                                                                  "growth_interval", "enabled"};

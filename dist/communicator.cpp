@@ -601,6 +601,20 @@ Tensor Communicator::reduce_scatter(const Tensor& tensor, Reduction op) const {
   return tensor.device().is_cpu() ? chunk : chunk.to(tensor.device());
 }
 
+Tensor Communicator::all_to_all(const Tensor& tensor) const {
+  check_contiguous(*impl_, tensor, "all_to_all");
+  check(tensor.dim() >= 1 && tensor.size(0) % impl_->size == 0, "dist::all_to_all on the ", impl_->name,
+        ": tensor ", tensor.described(), " must have dim 0 divisible by the group size ", impl_->size);
+  check_same_everywhere(*impl_, tensor, "all_to_all");
+  const Tensor host = host_view(tensor);
+  Tensor out = Tensor::empty(tensor.shape(), tensor.dtype());
+  const int chunk = count_of(host) / impl_->size;
+  check_mpi(MPI_Alltoall(host.data_ptr(), chunk, mpi_type(host.dtype()), out.data_ptr(), chunk,
+                         mpi_type(host.dtype()), impl_->comm),
+            "MPI_Alltoall");
+  return tensor.device().is_cpu() ? out : out.to(tensor.device());
+}
+
 void Communicator::broadcast(const Tensor& tensor, int root) const {
   check_contiguous(*impl_, tensor, "broadcast");
   check(root >= 0 && root < impl_->size, "dist::broadcast on the ", impl_->name, ": root ", root,
@@ -691,6 +705,7 @@ void Communicator::all_reduce(const Tensor&, Reduction) const { not_supported("d
 void Communicator::all_reduce(std::span<double>, Reduction) const { not_supported("dist: no MPI"); }
 Tensor Communicator::all_gather(const Tensor&) const { not_supported("dist: no MPI"); }
 Tensor Communicator::reduce_scatter(const Tensor&, Reduction) const { not_supported("dist: no MPI"); }
+Tensor Communicator::all_to_all(const Tensor&) const { not_supported("dist: no MPI"); }
 void Communicator::broadcast(const Tensor&, int) const { not_supported("dist: no MPI"); }
 void Communicator::send(const Tensor&, int, int) const { not_supported("dist: no MPI"); }
 void Communicator::recv(const Tensor&, int, int) const { not_supported("dist: no MPI"); }

@@ -76,6 +76,10 @@ class Communicator {
   // The reduction over the group of `tensor` (dim 0 divisible by size), of which this rank keeps chunk
   // rank() along dim 0.
   Tensor reduce_scatter(const Tensor& tensor, Reduction op) const;
+  // Chunk j (along dim 0, divisible by size) of this rank's tensor goes to rank j, and chunk i of the result
+  // came from rank i: the transpose of the [rank, chunk] grid (MPI_Alltoall). No reduction: any dtype moves as
+  // its bits. CUDA tensors travel through the host.
+  Tensor all_to_all(const Tensor& tensor) const;
   // Rank root's tensor replaces everyone's, in place.
   void broadcast(const Tensor& tensor, int root) const;
   // Blocking point-to-point: recv fills `tensor` (shape and dtype must match the sender's). Over NCCL the

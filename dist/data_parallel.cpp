@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "autograd/autograd.h"
+#include "dist/fp8_collectives.h"
 #include "tensor/autograd_node.h"
 #include "tensor/error.h"
 #include "tensor/ops.h"
@@ -18,8 +19,9 @@ DType reduction_dtype(DType dtype) { return dtype == DType::F64 ? DType::F64 : D
 
 }  // namespace
 
-GradientReducer::GradientReducer(Communicator dp, std::vector<Tensor> params, int64_t bucket_bytes)
-    : dp_(std::move(dp)), params_(std::move(params)) {
+GradientReducer::GradientReducer(Communicator dp, std::vector<Tensor> params, int64_t bucket_bytes,
+                                 bool fp8_communication)
+    : dp_(std::move(dp)), params_(std::move(params)), fp8_communication_(fp8_communication) {
   check(bucket_bytes >= 0, kWho, ": bucket_bytes must be >= 0, got ", bucket_bytes);
   // Open bucket per dtype, filled in reverse parameter order; a bucket is closed when it reaches
   // bucket_bytes. Buckets are listed in the order they close (then the open ones, in dtype order).
@@ -129,6 +131,10 @@ void GradientReducer::start_bucket(size_t b) {
     }
     offset += p.numel();
   }
+  if (fp8_communication_) {  // averaged now, in fp32 on the dequantized payloads
+    flat_[b] = dist::fp8_all_reduce_mean(dp_, flat).to(flat.dtype());
+    return;
+  }
   in_flight_[b] = dp_.all_reduce_start(flat, Reduction::Sum);
   flat_[b] = std::move(flat);
 }
@@ -137,7 +143,7 @@ void GradientReducer::finish_bucket(size_t b) {
   NoGradGuard no_grad;
   in_flight_[b].wait();
   Tensor flat = std::move(flat_[b]);
-  flat.mul_(1.0 / dp_.size());  // in fp32 (f64): the 16-bit sum never exists
+  if (!fp8_communication_) flat.mul_(1.0 / dp_.size());  // in fp32 (f64): the 16-bit sum never exists
   const std::vector<size_t>& bucket = buckets_[b];
   int64_t offset = 0;
   for (size_t k : bucket) {

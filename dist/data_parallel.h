@@ -8,6 +8,11 @@
 // mean over the global batch (the single-process run). Unequal local batches would need the loss weighted
 // by local/global size by the caller.
 //
+// fp8_communication (Colossal-AI's option, dist/fp8_collectives.h): each bucket's average travels as E5M2
+// payloads with per-chunk scales, summed in fp32, by a blocking fp8_all_reduce_mean when the bucket is full (so
+// it does not overlap the rest of the backward as the fp32 all-reduce does). Every replica still ends with the
+// same gradients.
+//
 // Buckets: parameters are visited in reverse order (the order backward produces their gradients, as DDP
 // does), grouped by gradient dtype (Tensor::grad_dtype() at construction: fp32 for a 16-bit parameter whose
 // gradients accumulate in fp32), and packed into flat contiguous buffers of about bucket_bytes (counted in
@@ -51,7 +56,8 @@ class GradientReducer {
   static constexpr int64_t kDefaultBucketBytes = 25 * 1024 * 1024;
 
   // params: the replica's parameters, the same list (shapes, dtypes, order) on every rank of `dp`.
-  GradientReducer(Communicator dp, std::vector<Tensor> params, int64_t bucket_bytes = kDefaultBucketBytes);
+  GradientReducer(Communicator dp, std::vector<Tensor> params, int64_t bucket_bytes = kDefaultBucketBytes,
+                  bool fp8_communication = false);
 
   ~GradientReducer();
   GradientReducer(const GradientReducer&) = delete;
@@ -81,6 +87,7 @@ class GradientReducer {
 
   Communicator dp_;
   std::vector<Tensor> params_;
+  bool fp8_communication_ = false;
   std::vector<std::vector<size_t>> buckets_;
   std::vector<size_t> bucket_of_;        // per parameter
   // Overlap state (between begin() and finish()).

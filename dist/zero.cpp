@@ -11,6 +11,7 @@
 #include <utility>
 
 #include "autograd/autograd.h"
+#include "dist/fp8_collectives.h"
 #include "optim/clip.h"
 #include "tensor/autograd_node.h"
 #include "tensor/error.h"
@@ -173,6 +174,33 @@ Tensor ZeroOptimizer::gather_shard(const std::vector<Tensor>& piece_values) cons
   return dp_.all_gather(local);
 }
 
+void ZeroOptimizer::publish_masters() {
+  std::vector<Tensor> values;
+  for (const Piece& piece : pieces_) values.push_back(piece.master.detach());
+  Tensor full;
+  if (options_.fp8_all_gather) {
+    Tensor local = Tensor::zeros({shard_size_}, DType::F32, model_params_.front().device());
+    for (size_t k = 0; k < pieces_.size(); ++k)
+      local.narrow(0, pieces_[k].shard_offset, pieces_[k].length).copy_(values[k]);
+    full = fp8_all_gather(dp_, local, DType::F8E4M3);
+  } else {
+    full = gather_shard(values);
+  }
+  for (size_t i = 0; i < model_params_.size(); ++i)
+    model_params_[i].copy_(full.narrow(0, offsets_[i], model_params_[i].numel()).reshape(model_params_[i].shape()));
+}
+
+std::vector<Tensor> ZeroOptimizer::master_values() const {
+  NoGradGuard no_grad;
+  std::vector<Tensor> values;
+  for (const Piece& piece : pieces_) values.push_back(piece.master.detach());
+  const Tensor full = gather_shard(values);
+  std::vector<Tensor> out;
+  for (size_t i = 0; i < model_params_.size(); ++i)
+    out.push_back(full.narrow(0, offsets_[i], model_params_[i].numel()).reshape(model_params_[i].shape()).clone());
+  return out;
+}
+
 StepResult ZeroOptimizer::step() {
   StepResult result;
   result.loss_scale = scalers_[0]->scale();
@@ -261,9 +289,7 @@ StepResult ZeroOptimizer::step() {
 
   // 4-5. Step the shard, gather, round once into the model parameters.
   optimizer_->step();
-  const Tensor full = gather_shard(masters);
-  for (size_t i = 0; i < model_params_.size(); ++i)
-    model_params_[i].copy_(full.narrow(0, offsets_[i], model_params_[i].numel()).reshape(model_params_[i].shape()));
+  publish_masters();
   update_scalers();  // 6.
   return result;
 }
@@ -439,12 +465,7 @@ void ZeroOptimizer::load_state_dict(const StateDict& dict) {
 
   // ---- apply (every rank validated and loaded): the pieces, then every model parameter ----
   for (size_t k = 0; k < pieces_.size(); ++k) pieces_[k].master.copy_(new_masters[k]);
-  // Every model parameter takes its master rounded once (the same on every rank: from the gathered shard).
-  std::vector<Tensor> values;
-  for (const Piece& piece : pieces_) values.push_back(piece.master.detach());
-  const Tensor full = gather_shard(values);
-  for (size_t i = 0; i < model_params_.size(); ++i)
-    model_params_[i].copy_(full.narrow(0, offsets_[i], model_params_[i].numel()).reshape(model_params_[i].shape()));
+  publish_masters();
   skipped_steps_ = skipped;
   zero_grad();
 }
@@ -453,6 +474,7 @@ void ZeroOptimizer::reload_masters() {
   NoGradGuard no_grad;
   for (Piece& piece : pieces_)
     piece.master.copy_(model_params_[piece.param].detach().reshape({-1}).narrow(0, piece.param_offset, piece.length));
+  if (options_.fp8_all_gather) publish_masters();  // the model holds what a step would have published
 }
 
 }  // namespace mixtape::dist

@@ -78,6 +78,11 @@ struct ZeroOptions {
   // fp32 masters for the 16-bit parameters. false (Apex O3, or O2 with master_weights false): the shard holds
   // pieces of the parameters in their own dtype, stepped directly; the optimizer state is still sharded.
   bool master_weights = true;
+  // fp8_communication (Colossal-AI's option): step 5's all-gather, and loading, publish the updated pieces as
+  // E4M3 payloads with one scale per rank's shard (dist/fp8_collectives.h), so every model parameter holds its
+  // master after an fp8 round trip while the masters keep their full precision. The reduce-scatter of step 1
+  // stays fp32, as Colossal-AI's reduce_scatter_fp8 falls back to the plain one.
+  bool fp8_all_gather = false;
 };
 
 class ZeroOptimizer {
@@ -107,8 +112,12 @@ class ZeroOptimizer {
   StateDict state_dict() const;
   void load_state_dict(const StateDict& dict);
   // After the model's parameters were overwritten from outside (loading weights): the owned pieces take
-  // the parameters' values (no communication: every rank holds the full parameters).
+  // the parameters' values (no communication: every rank holds the full parameters; under fp8_all_gather the
+  // model parameters then take the fp8 round trip of them, as after a step: collective).
   void reload_masters();
+  // The masters, whole (collective over dp): per model parameter its exact value as f32, which differs from the
+  // model parameter under fp8_all_gather (a checkpoint saves these as the weights) and for 16-bit parameters.
+  std::vector<Tensor> master_values() const;
 
  private:
   struct Piece {
@@ -120,6 +129,9 @@ class ZeroOptimizer {
                             // optimizer updates
   };
   Tensor gather_shard(const std::vector<Tensor>& piece_values) const;  // [dp * S] f32
+  // Step 5: every model parameter takes its master, rounded once to its dtype (after the fp8 round trip under
+  // fp8_all_gather); the same values on every rank.
+  void publish_masters();
   bool separate_master(size_t param) const;  // "master.<i>" in the state dict: an f32 master of a 16-bit one
   void check_loss_id(int loss_id, const char* what) const;
   Tensor take_grads();         // the model gradients packed into a flat f32 [dp * S]; dropped from the model

@@ -487,3 +487,24 @@ TEST(AmpConfig, ScaleOptionsAreFiniteInFp32) {
   EXPECT_ERROR_MENTIONS(AmpConfig::from_json(with(R"("max_scale": %)", kAboveFp32), "fp16_naive"),
                         std::string("AmpConfig fp16_naive: max_scale ") + kAboveFp32);
 }
+
+// fp8_communication is an option of every mode (Colossal-AI's Booster takes it beside any mixed_precision):
+// off by default, read back by to_json, a difference a resumed run may not make, and a boolean only.
+TEST(AmpConfig, Fp8CommunicationIsABooleanOptionOfEveryMode) {
+  for (const std::string& mode : AmpConfig::modes()) {
+    EXPECT_FALSE(AmpConfig::parse(mode).fp8_communication) << mode;
+    const AmpConfig on = AmpConfig::from_json(R"({"fp8_communication": true})", mode);
+    EXPECT_TRUE(on.fp8_communication) << mode;
+    EXPECT_TRUE(AmpConfig::from_json(on.to_json()).fp8_communication) << mode;
+    EXPECT_EQ(on.training_differences(AmpConfig::parse(mode), "the checkpoint's"),
+              "fp8_communication true (the checkpoint's false)")
+        << mode;
+  }
+  try {
+    AmpConfig::from_json(R"({"fp8_communication": 1})", "bf16");
+    ADD_FAILURE() << "expected an Error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("fp8_communication must be true or false, got"), std::string::npos)
+        << e.what();
+  }
+}

@@ -357,6 +357,7 @@ ParallelTrainer::ParallelTrainer(const GPTConfig& config, const TrainOptions& op
     zo.count_in_norm = count_in_norm;
     zo.log_num_zeros_in_grad = parts.options.log_num_zeros_in_grad;
     zo.master_weights = parts.options.master_weights;  // false: Apex O3 (its fp16 parameters are sharded)
+    zo.fp8_all_gather = options.amp.fp8_communication;
     m.zero = std::make_unique<dist::ZeroOptimizer>(std::move(parts.optimizer), std::move(parts.scalers),
                                                    m.groups.dp, zo);
   } else {
@@ -364,7 +365,8 @@ ParallelTrainer::ParallelTrainer(const GPTConfig& config, const TrainOptions& op
                                                       std::move(parts.options));
     if (parallel.dp > 1)
       m.reducer = std::make_unique<dist::GradientReducer>(m.groups.dp, m.stage->parameters(),
-                                                          static_cast<int64_t>(parallel.bucket_mb * 1024 * 1024));
+                                                          static_cast<int64_t>(parallel.bucket_mb * 1024 * 1024),
+                                                          options.amp.fp8_communication);
   }
 
   dist::PipelineOptions po;
@@ -508,6 +510,15 @@ double ParallelTrainer::evaluate() {
 StateDict ParallelTrainer::Impl::local_named_state() {
   StateDict named;
   for (const auto& [name, p] : stage->named_parameters()) named.tensors[name] = p.detach();
+  if (zero && options.amp.fp8_communication) {
+    // The model holds the fp8 round trip of the masters: the checkpoint keeps the masters themselves, and
+    // loading publishes them through fp8 again (dist/zero.h), so a resumed run sees what this one sees.
+    const std::vector<Tensor> params = zero->model_params(), masters = zero->master_values();
+    std::map<const void*, Tensor> master_of;
+    for (size_t i = 0; i < params.size(); ++i) master_of[params[i].impl_ptr().get()] = masters[i];
+    for (const auto& [name, p] : stage->named_parameters())
+      named.tensors[name] = master_of.at(p.impl_ptr().get()).to(p.dtype());
+  }
   // The fp8 modes' scaling state, under the full model's names: the stage's tp and dp ranks hold the same one
   // (their amaxes are reduced), so the first rank's is every rank's.
   booster.save_scaling_state(named);
