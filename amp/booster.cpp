@@ -63,29 +63,36 @@ std::shared_ptr<LowPrecisionContext> make_low_precision_context(const AmpConfig&
   }
   const std::vector<std::string> exclude = c.excluded_modules();
   std::vector<bool> used(exclude.size(), false);
+  std::vector<std::pair<std::string, Tensor>> covered;
   for (const auto& [path, weight] : layers) {
     bool excluded = false;
     for (size_t i = 0; i < exclude.size(); ++i)
       if (names_module(exclude[i], path)) excluded = used[i] = true;
-    if (!excluded) context->cover(weight, path.empty() ? "weight" : path + ".weight");
+    if (excluded) continue;
+    covered.push_back({path.empty() ? "weight" : path + ".weight", weight});
+    context->cover(weight, covered.back().first);
   }
   check(!layers.empty(), "Booster.boost: ", c.name(), " quantizes the GEMMs of Linear modules, and the model has "
         "none (its layers would all run in bf16)");
-  if (options.amax_group != nullptr && options.amax_group->size() > 1) {
-    check(c.row().gemm_scaling == ScalingRecipe::CurrentTensorwise ||
-              c.row().gemm_scaling == ScalingRecipe::DelayedTensorwise,
-          "Booster.boost: not supported: ", c.name(), " with layers split or replicated over processes (the ",
-          options.amax_group->name(), ") yet; fp8 and fp8_delayed run in every layout, the block-scaled modes in "
-          "one process or pipeline stages only");
-    auto reduction = [](ProcessGroup* group) -> std::function<void(std::span<float>)> {
-      if (group == nullptr || group->size() == 1) return {};
-      return [group](std::span<float> values) {
-        std::vector<double> wide(values.begin(), values.end());  // exact both ways
-        group->all_reduce_max(wide);
-        for (size_t i = 0; i < values.size(); ++i) values[i] = static_cast<float>(wide[i]);
-      };
+  auto reduction = [](ProcessGroup* group) -> AmaxReduction {
+    if (group == nullptr || group->size() == 1) return {};
+    return [group](std::span<float> values) {
+      std::vector<double> wide(values.begin(), values.end());  // exact both ways
+      group->all_reduce_max(wide);
+      for (size_t i = 0; i < values.size(); ++i) values[i] = static_cast<float>(wide[i]);
     };
+  };
+  if (options.amax_group != nullptr && options.amax_group->size() > 1)
     context->set_amax_reduction(reduction(options.amax_group), reduction(options.amax_group_in_eval));
+  const auto listed = [](const std::vector<std::string>& names, const std::string& name) {
+    return std::find(names.begin(), names.end(), name) != names.end();
+  };
+  for (const auto& [name, weight] : covered) {
+    if (listed(options.row_parallel_weights, name))
+      context->set_k_split(weight, Gemm::Forward, reduction(options.tensor_parallel_group));
+    if (listed(options.column_parallel_weights, name))
+      context->set_k_split(weight, Gemm::Dgrad, reduction(options.tensor_parallel_group));
+    context->set_k_split(weight, Gemm::Wgrad, reduction(options.data_parallel_group));
   }
   if (c.low_precision.exclude)
     for (size_t i = 0; i < exclude.size(); ++i)

@@ -82,6 +82,12 @@ struct BoostOptions {
   std::vector<std::pair<std::string, Tensor>> linear_weights = {};
   ProcessGroup* amax_group = nullptr;
   ProcessGroup* amax_group_in_eval = nullptr;
+  // Where processes split K of a covered layer's GEMMs (LowPrecisionContext::set_k_split: fp8_rowwise reduces its
+  // row amaxes over them): tensor_parallel_group for the forward of the row-parallel weights and the input
+  // gradient of the column-parallel ones (by parameter name, among linear_weights), and data_parallel_group
+  // (above) for every covered weight's gradient, whose K is the tokens.
+  ProcessGroup* tensor_parallel_group = nullptr;
+  std::vector<std::string> row_parallel_weights = {}, column_parallel_weights = {};
 };
 
 // What boost() assembles a MixedPrecisionOptimizer from: the wrapped optimizer (its parameters swapped for the

@@ -157,6 +157,14 @@ BlockScaling choose_block_scale(BlockScale kind, float amax, float fmax, int ema
 bool reduces_tensor_amax(const QuantizeOptions& o) {
   return o.reduce_tensor_amax && o.block_rows == 0 && o.block_cols == 0 && !o.fixed_scale && o.scale == BlockScale::Fp32;
 }
+// NVFP4's fp32 tensor scale, over the blocks' E4M3 scales.
+bool reduces_nvfp4_tensor_amax(const QuantizeOptions& o) {
+  return o.reduce_tensor_amax && o.scale == BlockScale::E4M3TwoLevel;
+}
+// Per-row scales of rows split along their columns over processes (QuantizeOptions::reduce_row_amax).
+bool reduces_row_amax(const QuantizeOptions& o) {
+  return o.reduce_row_amax && o.block_rows == 1 && o.block_cols == 0 && !o.fixed_scale;
+}
 
 void validate(const Tensor& x, const QuantizeOptions& o) {
   if (!x.defined() || x.dim() != 2 || !is_floating(x.dtype()))
@@ -224,6 +232,8 @@ Quantized quantize(const Tensor& x, const QuantizeOptions& options) {
     amax = options.reduce_tensor_amax(amax);
     for (float& b : block_amax) b = std::isfinite(amax) ? amax : NAN;
   }
+  if (reduces_nvfp4_tensor_amax(options)) amax = options.reduce_tensor_amax(amax);
+  if (reduces_row_amax(options)) options.reduce_row_amax(block_amax);  // one block per row
   q.amax = amax;
 
   // Step 2: the tensor scale (NVFP4) and each block's scale.
@@ -418,6 +428,8 @@ GemmOperand quantize_for_gemm(const Tensor& x, const QuantizeOptions& options) {
     amax = options.reduce_tensor_amax(amax);
     for (float& a : row_amax) a = std::isnan(a) || std::isnan(amax) ? NAN : amax;  // the one block's amax
   }
+  if (reduces_nvfp4_tensor_amax(options)) amax = options.reduce_tensor_amax(amax);
+  if (reduces_row_amax(options)) options.reduce_row_amax(row_amax);  // one block per row
   std::vector<float> block_amax;
   if (br == 1) {
     block_amax = std::move(row_amax);  // one row per block: the rows' maxima are the blocks'

@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <functional>
 #include <optional>
+#include <span>
 #include <vector>
 
 #include "tensor/tensor.h"
@@ -42,10 +43,15 @@ struct QuantizeOptions {
   // Fp32 only: each encode scale rounded down to a power of two, 2^floor(log2(format_max / amax)) (torchao's
   // round_scales_to_power_of_2): scaling and unscaling are then exact.
   bool power_of_two_scales = false;
-  // One scale for the whole tensor (block_rows and block_cols 0, no fixed_scale) when the tensor is split over
-  // processes: the local amax goes in, the MAX over every process holding a part of it comes out (every rank
-  // then quantizes with the same scale, as Transformer Engine's reduced amax does). Unset: the local amax.
+  // One scale for the whole tensor (block_rows and block_cols 0, no fixed_scale), or NVFP4's fp32 tensor scale,
+  // when the tensor is split over processes: the local amax goes in, the MAX over every process holding a part
+  // of it comes out (every rank then quantizes with the same scale, as Transformer Engine's reduced amax does).
+  // Unset: the local amax.
   std::function<float(float)> reduce_tensor_amax;
+  // One scale per row (block_rows 1, block_cols 0) when the rows are split along their columns over processes
+  // (each holds a contiguous part of every row): the rows' local amaxes go in, in place, and their MAX over the
+  // processes comes out, so every rank scales a row as one process would. Unset: the local amaxes.
+  std::function<void(std::span<float>)> reduce_row_amax;
   // Stochastic rounding (NVFP4's gradients): element i draws Philox(key seed, counter (offset + i, stream));
   // unset: nearest even.
   std::optional<uint64_t> stochastic_seed;

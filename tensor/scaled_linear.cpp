@@ -83,19 +83,30 @@ LowPrecisionContext::LowPrecisionContext(LowPrecisionRecipe recipe) : recipe_(re
   for (DType format : {r.forward_format, r.gradient_format}) format_max(format);  // an element format
 }
 
-void LowPrecisionContext::set_amax_reduction(std::function<void(std::span<float>)> reduce_max,
-                                             std::function<void(std::span<float>)> reduce_max_in_eval) {
-  check(recipe_.scaling == ScalingRecipe::CurrentTensorwise || recipe_.scaling == ScalingRecipe::DelayedTensorwise,
-        "LowPrecisionContext: not supported: reducing the scales of a block-scaled recipe over processes yet "
-        "(the tensorwise recipes, fp8 and fp8_delayed, do it)");
+void LowPrecisionContext::set_amax_reduction(AmaxReduction reduce_max, AmaxReduction reduce_max_in_eval) {
   reduce_max_ = std::move(reduce_max);
   reduce_max_in_eval_ = std::move(reduce_max_in_eval);
+}
+
+void LowPrecisionContext::set_k_split(const Tensor& weight, Gemm gemm, AmaxReduction reduce_max) {
+  const auto found = states_.find(weight.impl_ptr().get());
+  check(found != states_.end(), "LowPrecisionContext.set_k_split: the weight ", weight.described(),
+        " is not covered (cover() it first)");
+  found->second.k_split[static_cast<size_t>(gemm)] = std::move(reduce_max);
 }
 
 namespace {
 
 // NaN cannot be MAX-reduced portably: it travels as +Inf (either makes the tensor's block NaN).
 float nan_as_inf(float a) { return std::isnan(a) ? INFINITY : a; }
+
+// `reduce` over a list of amaxes, NaN carried as +Inf (which makes the blocks it reaches NaN all the same).
+std::function<void(std::span<float>)> nan_safe(const AmaxReduction& reduce) {
+  return [&reduce](std::span<float> values) {
+    for (float& v : values) v = nan_as_inf(v);
+    reduce(values);
+  };
+}
 
 }  // namespace
 
@@ -111,20 +122,21 @@ void LowPrecisionContext::cover(const Tensor& weight, const std::string& name) {
   for (DelayedScaling& d : covered.state.tensors) d.history.assign(static_cast<size_t>(recipe_.amax_history_len), 0.0f);
 }
 
-QuantizeOptions LowPrecisionContext::options(TensorKind kind, const Tensor& weight, bool training) {
+QuantizeOptions LowPrecisionContext::options(TensorKind kind, const Tensor& weight, Gemm gemm, bool training) {
   const LowPrecisionRecipe& r = recipe_;
   QuantizeOptions o;
   o.format = kind == TensorKind::Gradient ? r.gradient_format : r.forward_format;
   const bool is_weight = kind == TensorKind::Weight;
+  if (const auto& reduce = training ? reduce_max_ : reduce_max_in_eval_;
+      reduce && (r.scaling == ScalingRecipe::CurrentTensorwise || r.scaling == ScalingRecipe::Nvfp4))
+    o.reduce_tensor_amax = [&reduce](float amax) {
+      float value = nan_as_inf(amax);
+      reduce(std::span<float>(&value, 1));
+      return value;
+    };
   switch (r.scaling) {
     case ScalingRecipe::CurrentTensorwise:
       o.power_of_two_scales = r.round_scales_to_power_of_2;
-      if (const auto& reduce = training ? reduce_max_ : reduce_max_in_eval_)
-        o.reduce_tensor_amax = [&reduce](float amax) {
-          float value = nan_as_inf(amax);
-          reduce(std::span<float>(&value, 1));
-          return value;
-        };
       break;
     case ScalingRecipe::DelayedTensorwise:
       o.fixed_scale = states_.at(weight.impl_ptr().get()).state.tensors[index_of(kind)].scale;
@@ -132,6 +144,8 @@ QuantizeOptions LowPrecisionContext::options(TensorKind kind, const Tensor& weig
     case ScalingRecipe::Rowwise:
       o.block_rows = 1;
       o.power_of_two_scales = r.round_scales_to_power_of_2;
+      if (const AmaxReduction& reduce = states_.at(weight.impl_ptr().get()).k_split[static_cast<size_t>(gemm)])
+        o.reduce_row_amax = nan_safe(reduce);
       break;
     case ScalingRecipe::Block:
       o.block_rows = is_weight ? r.block_size : 1;
@@ -246,8 +260,8 @@ Tensor scaled_linear(const Tensor& x, const Tensor& weight, const Tensor& bias,
   Tensor out32;
   {
     NoGradGuard no_grad;
-    const GemmOperand qx = quantize_for_gemm(x2, ctx.options(TensorKind::Activation, weight, training));
-    const GemmOperand qw = quantize_for_gemm(w, ctx.options(TensorKind::Weight, weight, training));
+    const GemmOperand qx = quantize_for_gemm(x2, ctx.options(TensorKind::Activation, weight, Gemm::Forward, training));
+    const GemmOperand qw = quantize_for_gemm(w, ctx.options(TensorKind::Weight, weight, Gemm::Forward, training));
     if (training) {
       ctx.record(TensorKind::Activation, weight, qx);
       ctx.record(TensorKind::Weight, weight, qw);
@@ -269,9 +283,9 @@ Tensor scaled_linear(const Tensor& x, const Tensor& weight, const Tensor& bias,
     Grads grads(3);
     const Tensor g2 = g.reshape({rows, N});
     if (x_grad) {  // dgrad: g [rows, N] @ (Wᵀ [K, N])ᵀ
-      const GemmOperand qg = quantize_for_gemm(g2, ctx.options(TensorKind::Gradient, weight_key));
+      const GemmOperand qg = quantize_for_gemm(g2, ctx.options(TensorKind::Gradient, weight_key, Gemm::Dgrad));
       ctx.record(TensorKind::Gradient, weight_key, qg);
-      const GemmOperand qwt = quantize_for_gemm(w.mT(), ctx.options(TensorKind::Weight, weight_key));
+      const GemmOperand qwt = quantize_for_gemm(w.mT(), ctx.options(TensorKind::Weight, weight_key, Gemm::Dgrad));
       grads[0] = scaled_matmul(qg, qwt, ctx.recipe().accumulator_bits).to(x_dtype).reshape(x_shape);
     }
     if (w_grad) {  // wgrad: gᵀ [N, rows] @ (xᵀ [K, rows])ᵀ
@@ -281,8 +295,8 @@ Tensor scaled_linear(const Tensor& x, const Tensor& weight, const Tensor& bias,
         gt = apply_hadamard(gt, q);
         xt = apply_hadamard(xt, q);
       }
-      const GemmOperand qgt = quantize_for_gemm(gt, ctx.options(TensorKind::Gradient, weight_key));
-      const GemmOperand qxt = quantize_for_gemm(xt, ctx.options(TensorKind::Activation, weight_key));
+      const GemmOperand qgt = quantize_for_gemm(gt, ctx.options(TensorKind::Gradient, weight_key, Gemm::Wgrad));
+      const GemmOperand qxt = quantize_for_gemm(xt, ctx.options(TensorKind::Activation, weight_key, Gemm::Wgrad));
       if (!x_grad) ctx.record(TensorKind::Gradient, weight_key, qgt);
       grads[1] = scaled_matmul(qgt, qxt, ctx.recipe().accumulator_bits).to(w_dtype);
     }

@@ -67,6 +67,13 @@ struct LowPrecisionRecipe {
 enum class TensorKind : uint8_t { Activation, Weight, Gradient, Count };
 const char* tensor_kind_name(TensorKind kind);  // "activation", "weight", "gradient"
 
+// The three GEMMs of a Linear (the table above).
+enum class Gemm : uint8_t { Forward, Dgrad, Wgrad };
+
+// An in-place MAX of each value over a group of processes (every process calls it in the same order with
+// the same length).
+using AmaxReduction = std::function<void(std::span<float>)>;
+
 // What quantization did to the values of one tensor kind: counts over every quantization so far.
 struct QuantizationCounts {
   int64_t values = 0, saturated = 0, flushed = 0;
@@ -104,8 +111,16 @@ class LowPrecisionContext {
   // (tensor parallel), not over data-parallel replicas, which evaluate different batches (and different
   // numbers of them) as one process evaluates each batch by itself. Only the tensorwise recipes reduce; the
   // others are an Error here.
-  void set_amax_reduction(std::function<void(std::span<float>)> reduce_max,
-                          std::function<void(std::span<float>)> reduce_max_in_eval);
+  // NVFP4's fp32 tensor scale is reduced the same way (its block scales are per block, like every block-scaled
+  // recipe's).
+  void set_amax_reduction(AmaxReduction reduce_max, AmaxReduction reduce_max_in_eval);
+
+  // Processes split K of one of a covered Linear's GEMMs, each holding a contiguous part of every row (a
+  // row-parallel layer's forward, a column-parallel layer's input gradient over the tensor-parallel ranks; every
+  // weight gradient over the data-parallel replicas, whose K is the tokens): fp8_rowwise's per-row amaxes are
+  // reduced (MAX) over them, so every rank scales a row as one process does. The recipes with blocks along K
+  // need nothing: a block lies within one process wherever the split is a multiple of the block size.
+  void set_k_split(const Tensor& weight, Gemm gemm, AmaxReduction reduce_max);
 
   const std::array<QuantizationCounts, 3>& counts() const { return counts_; }
   // The delayed scale history of every covered tensor, by "weight name.kind": {scale, amax history}.
@@ -120,10 +135,11 @@ class LowPrecisionContext {
   void set_steps(uint64_t steps) { steps_ = steps; }
 
   // Used by scaled_linear: the options to quantize a tensor of `kind` (of the Linear of `weight`) as the
-  // operand of a GEMM summing over its columns, and the bookkeeping after it. The options depend on the kind
-  // only, not on the GEMM: tiles run along K whichever dim of the layer K is, and weight blocks are square.
-  // `training`: false for an evaluation forward (see set_amax_reduction).
-  QuantizeOptions options(TensorKind kind, const Tensor& weight, bool training = true);
+  // operand of the GEMM `gemm` summing over its columns, and the bookkeeping after it. The scaling depends on
+  // the kind only (tiles run along K whichever dim of the layer K is, and weight blocks are square); the GEMM
+  // picks the processes a row's amax is reduced over (set_k_split). `training`: false for an evaluation
+  // forward (see set_amax_reduction).
+  QuantizeOptions options(TensorKind kind, const Tensor& weight, Gemm gemm, bool training = true);
   void record(TensorKind kind, const Tensor& weight, const GemmOperand& q);
 
  private:
@@ -134,11 +150,12 @@ class LowPrecisionContext {
     Tensor weight;              // held, so that its address (the key) cannot be reused by another tensor
     uint64_t random_key = 0;    // the stochastic-rounding key of its gradients (recipe seed and name)
     uint64_t quantized_this_step = 0;  // the stream of its next stochastically rounded quantization
+    std::array<AmaxReduction, 3> k_split;  // by Gemm: set_k_split
   };
   std::map<const void*, Covered> states_;
   std::array<QuantizationCounts, 3> counts_{};
   uint64_t steps_ = 0;
-  std::function<void(std::span<float>)> reduce_max_, reduce_max_in_eval_;  // see set_amax_reduction
+  AmaxReduction reduce_max_, reduce_max_in_eval_;  // see set_amax_reduction
 };
 
 // The thread-local context linear() consults (null: none). RAII; nests.

@@ -717,3 +717,24 @@ TEST(Booster, ACheckpointsLossScaleIsAUsableScaleNamedByItsEntry) {
     EXPECT_EQ(optimizer->loss_scale(), lowest);
   }
 }
+
+// The block-scaled modes across processes: fp8_rowwise reduces the row amaxes of a row-parallel layer's forward
+// over the tensor-parallel group (its K, the input features, is split there) and of every weight gradient over
+// the data-parallel group (K is the tokens); each GEMM quantizes two operands, one reduction each.
+TEST(Booster, Fp8RowwiseReducesRowAmaxesOverTheGroupsThatSplitEachGemmsK) {
+  BufferedLinear model;
+  RecordingGroup tp, dp;
+  Booster booster(AmpConfig::parse("fp8_rowwise"));
+  BoostOptions options;
+  options.data_parallel_group = &dp;
+  options.tensor_parallel_group = &tp;
+  options.row_parallel_weights = {"linear.weight"};
+  auto optimizer = booster.boost(model, std::make_unique<SGD>(model.parameters(), 0.1), options);
+  const Tensor x = Tensor::from_vector(std::vector<float>{1, 2, 3, 4}, {2, 2});
+  const Tensor loss = booster.forward(
+      [&](const std::vector<Tensor>& in) { return std::vector<Tensor>{sum(model(in[0]))}; }, {x})[0];
+  EXPECT_EQ(tp.max_calls, 2);  // the forward's x and W
+  booster.backward(loss, *optimizer);
+  EXPECT_EQ(tp.max_calls, 2);  // nothing in the input gradient (not a column-parallel layer)
+  EXPECT_EQ(dp.max_calls, 2);  // the weight gradient's gᵀ and xᵀ
+}

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <span>
 #include <vector>
 
 #include "autograd/autograd.h"
@@ -158,6 +159,44 @@ TEST(Quantize, Nvfp4HasE4M3BlockScalesUnderAnFp32TensorScale) {
   EXPECT_NEAR(values_of(dequantize(q))[0], 6.0, 1e-6);
   EXPECT_ERROR_MENTIONS(quantize(matrix(x, 1, 32), options(kE4M3Type, 0, 0, BlockScale::E4M3TwoLevel)),
                         "e4m3_two_level", "f4e2m1");
+}
+
+// Rows split along K over processes: the local row amaxes (2 and 0.1 here) go to the reduction, which returns
+// their MAX with the other process's parts (8 and 0.05): row 0 is scaled by 448 / 8, row 1 keeps its own.
+TEST(Quantize, RowwiseAmaxesReducedOverProcessesGiveOneProcesssScales) {
+  QuantizeOptions o;
+  o.block_rows = 1;
+  std::vector<float> seen;
+  o.reduce_row_amax = [&seen](std::span<float> amax) {
+    seen.assign(amax.begin(), amax.end());
+    amax[0] = std::max(amax[0], 8.0f);
+    amax[1] = std::max(amax[1], 0.05f);
+  };
+  const Tensor x = matrix({1, 2, 0.1f, -0.05f}, 2, 2);
+  const Quantized q = quantize(x, o);
+  EXPECT_EQ(seen, (std::vector<float>{2.0f, 0.1f}));
+  EXPECT_EQ(scales_of(q), (std::vector<float>{1.0f / (448.0f / 8.0f), 1.0f / (448.0f / 0.1f)}));
+  EXPECT_EQ(values_of(q.codes)[1], 112.0f);  // 2 * 56
+  // The training path reduces the same way: its values are the reference's dequantized ones.
+  const GemmOperand op = quantize_for_gemm(x, o);
+  const std::vector<float> want = values_of(dequantize(q));
+  std::vector<float> got = values_of(op.values);
+  for (size_t i = 0; i < got.size(); ++i) got[i] *= op.row_scale[i / 2];
+  EXPECT_EQ(got, want);
+}
+
+// NVFP4's fp32 tensor scale follows the reduced tensor amax (12 elsewhere): 6 * 448 / 12 = 224.
+TEST(Quantize, Nvfp4TensorScaleFollowsTheReducedAmax) {
+  std::vector<float> x(16, 0.0f);
+  x[0] = 6;
+  QuantizeOptions o;
+  o.format = DType::F4E2M1;
+  o.block_rows = 1;
+  o.block_cols = 16;
+  o.scale = BlockScale::E4M3TwoLevel;
+  o.reduce_tensor_amax = [](float amax) { return std::max(amax, 12.0f); };
+  EXPECT_EQ(quantize(matrix(x, 1, 16), o).tensor_scale, 1.0f / 224.0f);
+  EXPECT_EQ(quantize_for_gemm(matrix(x, 1, 16), o).tensor_scale, 1.0f / 224.0f);
 }
 
 TEST(Quantize, NonFiniteValuesMakeTheirBlockNaN) {
@@ -391,6 +430,28 @@ TEST(ScaledLinear, CurrentScalingMatchesTheProductOfTheQuantizedOperands) {
 }
 
 // Inside bf16 autocast (how the fp8 modes run it) the GEMM still sums in fp32: the same bits as outside it.
+// set_k_split: fp8_rowwise reduces the row amaxes of exactly the GEMMs whose K the processes split (here the
+// forward's and the weight gradient's, each operand once: two rows lists per GEMM), not the input gradient's.
+TEST(ScaledLinear, RowwiseReducesRowAmaxesOfTheSplitGemmsOnly) {
+  Tensor x = Tensor::randn({6, 8}, 1), w = Tensor::randn({4, 8}, 2);
+  x.requires_grad_(true);
+  w.requires_grad_(true);
+  LowPrecisionRecipe recipe;
+  recipe.scaling = ScalingRecipe::Rowwise;
+  recipe.gradient_format = DType::F8E4M3;
+  auto context = context_for(w, recipe);
+  std::vector<size_t> forward, wgrad;  // the lengths each reduction saw
+  context->set_k_split(w, Gemm::Forward, [&forward](std::span<float> a) { forward.push_back(a.size()); });
+  context->set_k_split(w, Gemm::Wgrad, [&wgrad](std::span<float> a) { wgrad.push_back(a.size()); });
+  {
+    LowPrecisionScope scope(context);
+    backward(sum(linear(x, w, Tensor()).to(DType::F32)));
+  }
+  EXPECT_EQ(forward, (std::vector<size_t>{6, 4}));  // x's 6 rows, W's 4
+  EXPECT_EQ(wgrad, (std::vector<size_t>{4, 8}));    // gᵀ's 4 rows, xᵀ's 8
+  EXPECT_ERROR_MENTIONS(context->set_k_split(Tensor::randn({2, 2}, 3), Gemm::Dgrad, {}), "is not covered");
+}
+
 TEST(ScaledLinear, AnOpenAutocastScopeChangesNothing) {
   const Tensor x = Tensor::randn({64, 48}, 1), w = Tensor::randn({40, 48}, 2), b = Tensor::randn({40}, 3);
   for (ScalingRecipe scaling : {ScalingRecipe::CurrentTensorwise, ScalingRecipe::Mx}) {

@@ -159,6 +159,17 @@ void collect_parallel_linear_weights(Module& module, const std::string& prefix,
   }
 }
 
+// The weight names of the row- and column-parallel layers (their K splits over tp: LowPrecisionContext::set_k_split).
+void collect_parallel_linear_names(Module& module, const std::string& prefix, std::vector<std::string>& rows,
+                                   std::vector<std::string>& columns) {
+  for (const auto& [name, child] : module.named_children()) {
+    const std::string path = prefix.empty() ? name : prefix + "." + name;
+    if (dynamic_cast<dist::ColumnParallelLinear*>(child)) columns.push_back(path + ".weight");
+    if (dynamic_cast<dist::RowParallelLinear*>(child)) rows.push_back(path + ".weight");
+    collect_parallel_linear_names(*child, path, rows, columns);
+  }
+}
+
 std::vector<std::pair<std::string, Tensor>> parallel_linear_weights(Module& module) {
   std::vector<std::pair<std::string, Tensor>> out;
   collect_parallel_linear_weights(module, "", out);
@@ -346,6 +357,8 @@ ParallelTrainer::ParallelTrainer(const GPTConfig& config, const TrainOptions& op
     boost.amax_group = m.stage_group.get();
     boost.amax_group_in_eval = m.tp_group.get();
     boost.linear_weights = parallel_linear_weights(*m.stage);
+    boost.tensor_parallel_group = m.tp_group.get();
+    collect_parallel_linear_names(*m.stage, "", boost.row_parallel_weights, boost.column_parallel_weights);
   }
   boost.print_verbose = m.groups.world.rank() == 0;  // every rank takes the same steps: one prints them
   BoostedParts parts = m.booster.boost_parts(*m.stage, make_optimizer(options, *m.stage), boost);

@@ -73,7 +73,15 @@ struct Mode {
   // With dp the first step of fp8_delayed differs more: its scales start at 1, and a dp rank's gradients are
   // twice one process's (the mean over half the rows), so E5M2 flushes other values to zero there (from the
   // second step the scales follow the amaxes and the codes agree): 0.16 is the largest seen over the layouts.
-  double weight_tolerance() const { return amp.quantizes_gemms() ? 0.2 : 5e-2; }
+  // nvfp4 rounds its gradients stochastically, drawing by element index within each process's tensor (and per
+  // micro-batch): a layout rounds with other random numbers than one process, so its gradients and weights
+  // wander further: 0.28 of a weight's norm and 4.5% of the gradient norm are the largest seen.
+  double weight_tolerance() const {
+    return amp.mode == PrecisionMode::Nvfp4 ? 0.35 : amp.quantizes_gemms() ? 0.2 : 5e-2;
+  }
+  double grad_norm_tolerance() const {
+    return exact() ? 1e-5 : amp.mode == PrecisionMode::Nvfp4 ? 6e-2 : 3e-2;
+  }
 };
 
 // Loss scales that never overflow naturally here (growth every 5 clean steps, from 1024): a rank's local
@@ -88,7 +96,15 @@ std::vector<Mode> modes() {
           // fp8 inside bf16: every rank quantizes with the scales one process computes (amaxes reduced over the
           // stage's tp and dp ranks), so the layouts differ by summation order and bf16 roundings only.
           {"fp8", AmpConfig::parse("fp8")},
-          {"fp8_delayed", AmpConfig::from_json(R"({"amax_history_len":4})", "fp8_delayed")}};
+          {"fp8_delayed", AmpConfig::from_json(R"({"amax_history_len":4})", "fp8_delayed")},
+          // The block-scaled recipes, their blocks 8 wide so that every split here (a tensor-parallel shard of 8,
+          // 24 or 32 features, a rank's or micro-batch's 16 or 32 tokens) is a multiple of a block: each block
+          // lies within one process, as in one process. fp8_rowwise's row amaxes are reduced over the processes
+          // that split a row; nvfp4's tensor scale like fp8's.
+          {"fp8_rowwise", AmpConfig::parse("fp8_rowwise")},
+          {"fp8_block", AmpConfig::from_json(R"({"block_size":8})", "fp8_block")},
+          {"mxfp8", AmpConfig::from_json(R"({"mx_block_size":8})", "mxfp8")},
+          {"nvfp4", AmpConfig::from_json(R"({"nvfp4_block_size":8})", "nvfp4")}};
 }
 
 TrainOptions options_for(const AmpConfig& amp) {
@@ -253,7 +269,7 @@ void expect_same_training(const Outcome& got, const Outcome& want, const Mode& m
                           const std::string& what) {
   expect_close(got.losses, want.losses, mode.exact() ? 1e-5 : 1e-2, 1e-2, what + " losses");
   // Each parameter counted once in the norm (not tp times when replicated, not twice when tied over pp).
-  expect_close(got.grad_norms, want.grad_norms, mode.exact() ? 1e-5 : 3e-2, 1e-2, what + " grad norms");
+  expect_close(got.grad_norms, want.grad_norms, mode.grad_norm_tolerance(), 1e-2, what + " grad norms");
   EXPECT_EQ(got.skipped, want.skipped) << what;
   EXPECT_EQ(got.scales, want.scales) << what;
   EXPECT_EQ(got.lrs, want.lrs) << what;
@@ -766,8 +782,4 @@ TEST(ParallelTrainer, BadLayoutsAndUnsupportedCombinationsAreErrors) {
   ParallelOptions bad = layout(1, 1, 4, 0, 1);
   bad.pp_schedule = "zigzag";
   EXPECT_ERROR_MENTIONS(ParallelTrainer(tiny_config(), options, bad, corpus(), world), "--pp-schedule");
-  // The block-scaled recipes keep their scales per process: refused where processes share a layer.
-  EXPECT_ERROR_MENTIONS(ParallelTrainer(tiny_config(), options_for(AmpConfig::parse("fp8_rowwise")),
-                                        layout(1, 1, 4, 0, 1), corpus(), world),
-                        "not supported: fp8_rowwise with layers split or replicated over processes");
 }
