@@ -85,7 +85,10 @@ enum class ValuesForm : int { Bf16, F32, Codes };
 struct EncodeArgs {
   const float* x;
   int64_t R, C, br, bc, grid_cols, blocks;
-  const float* scales;  // encode[blocks], multiplier[blocks], decode[blocks]
+  // encode[blocks], multiplier[blocks], decode[blocks] on the device; null for one block (a tensorwise
+  // operand), whose three scales travel in `single` with the launch instead of a copy the host waits for.
+  const float* scales;
+  float single[3];
   MinifloatFormat format;
   float fmax;
   bool stochastic;
@@ -99,15 +102,16 @@ struct EncodeArgs {
 template <ValuesForm kForm>
 __global__ void encode_kernel(EncodeArgs args) {
   const FormatRounding round(args.format);
-  const float* encode = args.scales;
-  const float* multiplier = args.scales + args.blocks;
-  const float* decode = args.scales + 2 * args.blocks;
+  const bool one_block = args.scales == nullptr;
+  const float* encode = one_block ? args.single : args.scales;
+  const float* multiplier = one_block ? args.single + 1 : args.scales + args.blocks;
+  const float* decode = one_block ? args.single + 2 : args.scales + 2 * args.blocks;
   unsigned long long saturated = 0, flushed = 0;
   const int64_t total = args.R * args.C;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
        i += static_cast<int64_t>(blockDim.x) * gridDim.x) {
     const int64_t r = i / args.C, c = i - r * args.C;
-    const int64_t b = r / args.br * args.grid_cols + c / args.bc;
+    const int64_t b = one_block ? 0 : r / args.br * args.grid_cols + c / args.bc;
     const float e = encode[b], mult = multiplier[b];
     const EncodedValue v =
         args.stochastic
@@ -169,6 +173,13 @@ __global__ void add_scaled_block_kernel(float* __restrict__ out, const float* __
     const float scaled = __fmul_rn(partial[i], __fmul_rn(ka[m * blocks + j], kb[n * blocks + j]));
     out[i] = j == 0 ? scaled : __fadd_rn(out[i], scaled);
   }
+}
+
+// out[0] = a, out[1] = b: the fp8 GEMM's scales written by a launch (its arguments travel with it), not copied
+// from the host (which would wait for the stream).
+__global__ void set_two_kernel(float* out, float a, float b) {
+  out[0] = a;
+  out[1] = b;
 }
 
 // ---- cuBLASLt: out [M, N] (f32, row-major) = a [M, K] @ b [N, K]^T, rows of a and b K-contiguous ------------
@@ -389,10 +400,14 @@ EncodeCounts CudaBackend::quantize_encode_kernel(const Tensor& x, const BlockEnc
         dtype_name(plan.format));
   const int64_t total = x.numel();
   if (total == 0) return {};
-  std::vector<float> scales = plan.encode;
-  scales.insert(scales.end(), plan.multiplier.begin(), plan.multiplier.end());
-  scales.insert(scales.end(), plan.decode.begin(), plan.decode.end());
-  const Tensor device_scales = to_device(scales, x.device());
+  const bool one_block = plan.encode.size() == 1;
+  Tensor device_scales;
+  if (!one_block) {
+    std::vector<float> scales = plan.encode;
+    scales.insert(scales.end(), plan.multiplier.begin(), plan.multiplier.end());
+    scales.insert(scales.end(), plan.decode.begin(), plan.decode.end());
+    device_scales = to_device(scales, x.device());
+  }
   Tensor counts = Tensor::empty({2}, DType::I64, x.device());
   MIXTAPE_CUDA_CHECK(cudaMemsetAsync(counts.data_ptr(), 0, 2 * sizeof(int64_t), stream()));
 
@@ -404,7 +419,12 @@ EncodeCounts CudaBackend::quantize_encode_kernel(const Tensor& x, const BlockEnc
   args.bc = plan.block_cols;
   args.grid_cols = plan.grid_cols;
   args.blocks = static_cast<int64_t>(plan.encode.size());
-  args.scales = static_cast<const float*>(device_scales.data_ptr());
+  args.scales = one_block ? nullptr : static_cast<const float*>(device_scales.data_ptr());
+  if (one_block) {
+    args.single[0] = plan.encode[0];
+    args.single[1] = plan.multiplier[0];
+    args.single[2] = plan.decode[0];
+  }
   args.format = format_of(plan.format);
   args.fmax = plan.format == DType::F8E4M3 ? kE4M3Max : plan.format == DType::F8E5M2 ? kE5M2Max : kE2M1Max;
   args.stochastic = plan.stochastic_seed.has_value();
@@ -433,9 +453,11 @@ void CudaBackend::scaled_gemm_kernel(const GemmOperand& a, const GemmOperand& b,
   // Tensorwise fp8 on the fp8 tensor cores: D = scale_a * scale_b * (A @ B), the decode scales as pointers.
   const bool codes_a = is_fp8(a.values.dtype()), codes_b = is_fp8(b.values.dtype());
   if (K > 0 && codes_a && codes_b && fp8_gemm_possible(device_, a.values, b.values)) {
-    const Tensor decode_scales = to_device({a.row_scale.front() * a.tensor_scale, b.row_scale.front() * b.tensor_scale},
-                                           device);
-    const float* scale_ptr = static_cast<const float*>(decode_scales.data_ptr());
+    const Tensor decode_scales = Tensor::empty({2}, DType::F32, device);
+    float* scale_ptr = static_cast<float*>(decode_scales.data_ptr());
+    set_two_kernel<<<1, 1, 0, stream()>>>(scale_ptr, a.row_scale.front() * a.tensor_scale,
+                                          b.row_scale.front() * b.tensor_scale);
+    MIXTAPE_KERNEL_CHECK();
     if (lt_gemm(*this, a.values, b.values, 0, K, out, scale_ptr, scale_ptr + 1)) return;
   }
 
