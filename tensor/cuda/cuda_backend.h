@@ -126,6 +126,11 @@ class CudaBackend final : public Backend {
   CachingAllocator allocator_;
 };
 
+// fp8.cu: the device's compute capability as major * 10 + minor (90 for sm_90), and how many scaled_matmul
+// products have run on the fp8 tensor cores in this process (a test's evidence that the path was taken).
+int compute_capability(int device);
+int64_t fp8_tensor_core_gemms();
+
 // The backend of CUDA device `index` (created on first use; Error when there is no such device).
 CudaBackend& backend(int index);
 // The backend that owns t (t must be a CUDA tensor).

@@ -18,6 +18,7 @@
 //     fp8_block K blocks scaled and summed in fp32, in the CPU's order (tensor/quantize.cpp).
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cfloat>
 #include <cstdint>
 #include <memory>
@@ -182,6 +183,9 @@ __global__ void set_two_kernel(float* out, float a, float b) {
   out[1] = b;
 }
 
+// How many products ran on the fp8 tensor cores (fp8_tensor_core_gemms()).
+std::atomic<int64_t> fp8_gemms{0};
+
 // ---- cuBLASLt: out [M, N] (f32, row-major) = a [M, K] @ b [N, K]^T, rows of a and b K-contiguous ------------
 // In cuBLASLt's column-major terms out^T [N, M] = b [N, K] * a^T: its A is our b (stored K x N, ld ldb, read
 // transposed), its B our a (stored K x M, ld lda), D out^T with ld N: the "TN" layout fp8 requires.
@@ -209,7 +213,8 @@ struct GemmPlan {
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
   cublasLtMatmulAlgo_t algo{};
   bool found = false;  // false: cuBLASLt has no algorithm for this key (the caller emulates or fails)
-  std::mutex mutex;    // guards the scale pointers in desc between setting them and the call that reads them
+  // Guards found, and the scale pointers in desc between setting them and the call that reads them.
+  std::mutex mutex;
   GemmPlan() = default;
   GemmPlan(const GemmPlan&) = delete;
   GemmPlan& operator=(const GemmPlan&) = delete;
@@ -335,32 +340,38 @@ bool lt_gemm(CudaBackend& backend, const Tensor& a, const Tensor& b, int64_t k0,
   const auto handle = static_cast<cublasLtHandle_t>(backend.cublaslt_handle());
   const std::shared_ptr<GemmPlan> plan = gemm_plan_for(handle, key);
   const bool fp8 = a_scale != nullptr;
+  std::lock_guard lock(plan->mutex);
   if (!plan->found) {
     if (fp8) return false;
     fail("scaled_matmul: cuBLASLt has no algorithm for ", a.described(), " @ ", b.described(), "^T (K ", k0, "..",
          k0 + n_k, ")");
   }
   const float alpha = 1, beta = 0;
-  std::lock_guard lock(plan->mutex);
   if (fp8) {  // cuBLASLt's A is our b
     MIXTAPE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &b_scale,
                                                         sizeof(b_scale)));
     MIXTAPE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &a_scale,
                                                         sizeof(a_scale)));
   }
-  MIXTAPE_CUBLAS_CHECK(cublasLtMatmul(handle, plan->desc, &alpha, b_ptr, plan->a, a_ptr, plan->b, &beta,
-                                      out.data_ptr(), plan->d, out.data_ptr(), plan->d, &plan->algo,
-                                      backend.workspace(), CudaBackend::kWorkspaceBytes, backend.stream()));
+  const cublasStatus_t status =
+      cublasLtMatmul(handle, plan->desc, &alpha, b_ptr, plan->a, a_ptr, plan->b, &beta, out.data_ptr(), plan->d,
+                     out.data_ptr(), plan->d, &plan->algo, backend.workspace(), CudaBackend::kWorkspaceBytes,
+                     backend.stream());
+  // An fp8 product cuBLASLt refuses at launch (a type or layout rule its heuristic let through) is emulated
+  // instead, from then on for this shape; any other failure is an Error.
+  if (fp8 && status != CUBLAS_STATUS_SUCCESS) {
+    plan->found = false;
+    return false;
+  }
+  check_cublas(status, "cublasLtMatmul(...)", __FILE__, __LINE__);
+  if (fp8) fp8_gemms.fetch_add(1, std::memory_order_relaxed);
   return true;
 }
 
 // Whether this device's fp8 tensor cores can take the product: sm_89 or newer, not E5M2 x E5M2 (cuBLASLt has
 // no such kernel), dims multiples of 16 and 16-byte aligned operands (cuBLASLt's fp8 requirements).
 bool fp8_gemm_possible(int device, const Tensor& a, const Tensor& b) {
-  int major = 0, minor = 0;
-  MIXTAPE_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  MIXTAPE_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-  if (major * 10 + minor < 89) return false;
+  if (compute_capability(device) < 89) return false;
   if (a.dtype() == DType::F8E5M2 && b.dtype() == DType::F8E5M2) return false;
   const int64_t M = a.size(0), N = b.size(0), K = a.size(1);
   return M % 16 == 0 && N % 16 == 0 && K % 16 == 0 && alignment_of(a.data_ptr()) >= 16 &&
@@ -380,6 +391,15 @@ Tensor decode_codes(CudaBackend& backend, const Tensor& codes) {
 }
 
 }  // namespace
+
+int compute_capability(int device) {
+  int major = 0, minor = 0;
+  MIXTAPE_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  MIXTAPE_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  return major * 10 + minor;
+}
+
+int64_t fp8_tensor_core_gemms() { return fp8_gemms.load(std::memory_order_relaxed); }
 
 std::vector<float> CudaBackend::quantize_row_amax_kernel(const Tensor& x, int64_t block_cols) {
   const int64_t R = x.size(0), C = x.size(1), grid_cols = (C + block_cols - 1) / block_cols;
