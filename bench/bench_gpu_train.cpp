@@ -55,7 +55,11 @@
 // Summary lines: "fp16 (GradScaler) vs bf16 (no scaler)" = median fp16 / median bf16 - 1 (the cost of the
 // loss scaling: scaled backward, unscale + finite check; target <= 3 %); with --pytorch, mixtape bf16 vs
 // PyTorch eager bf16 autocast and vs torch.compile bf16 autocast (ratio = PyTorch's median / mixtape's: > 1
-// means mixtape is faster), and each mixtape mode vs the PyTorch eager run of the same precision.
+// means mixtape is faster), and each mixtape mode vs the PyTorch eager run of the same precision. Each fp8 /
+// block-scaled mode (fp8, fp8_delayed on the fp8 tensor cores; fp8_rowwise, fp8_block, mxfp8, nvfp4 emulated:
+// tensor/cuda/fp8.cu) is set against mixtape bf16's tokens/s, with the goal of >= 1.3x; --pytorch's eager_fp8
+// is PyTorch's tensorwise fp8 training (torchao's Float8Linear, or torch._scaled_mm where torchao is missing),
+// the counterpart of fp8 and fp8_delayed.
 //
 // --json FILE writes every figure (and each mode's step times) as one JSON object. Without a CUDA device the
 // program prints why and exits with status 77 (CTest's skip code).
@@ -104,7 +108,7 @@ struct Options {
   int warmup = 3, steps = 20, device = 0;
   bool cpu = false;  // --cpu: a functional check of this program on the CPU (tiny models), not a benchmark
   bool pytorch = false;
-  std::string pytorch_modes = "eager_fp32,eager_tf32,eager_bf16,eager_fp16,compile_bf16";
+  std::string pytorch_modes = "eager_fp32,eager_tf32,eager_bf16,eager_fp16,compile_bf16,eager_fp8";
   std::string pytorch_attention = "sdpa";
   std::string pytorch_adamw = "fused";
   std::string json_path;
@@ -186,9 +190,11 @@ Result run_mixtape(const Options& o, const std::string& mode, const TokenData& d
     set_allow_tf32(false);
     auto trainer = bench::make_trainer(model, mode, 1e-4, device, data);
     // Building a tf32 trainer turns tf32 on process-wide: that is what decides the mode's peak.
-    r.peak_class = is_low_precision(AmpConfig::parse(mode)) ? PeakClass::Half
-                   : allow_tf32()                           ? PeakClass::Tf32
-                                                            : PeakClass::Fp32;
+    // The fp8 modes' MFU is taken against the bf16 peak (the rest of their step runs in bf16).
+    const AmpConfig amp = AmpConfig::parse(mode);
+    r.peak_class = is_low_precision(amp) || amp.quantizes_gemms() ? PeakClass::Half
+                   : allow_tf32()                                ? PeakClass::Tf32
+                                                                 : PeakClass::Fp32;
 
     // Dynamic loss scalers start high (naive AMP at 2^32) and back off through skipped steps: once a warm-up
     // step was skipped, the warm-up goes on until kCleanSteps consecutive steps were not, so the timed steps
@@ -279,7 +285,7 @@ std::vector<Result> run_pytorch(const Options& o, std::string& version, std::str
                      : m.find("tf32") != std::string::npos ? PeakClass::Tf32
                                                            : PeakClass::Half;
       std::string detail;
-      for (const char* key : {"attention", "adamw", "grad_scaler"})
+      for (const char* key : {"attention", "adamw", "grad_scaler", "fp8"})
         if (const Json* d = json::find(v, key))
           detail += std::string(detail.empty() ? "" : ", ") + key + " " + json::dump(*d);
       r.detail = detail;
@@ -303,10 +309,15 @@ const Result* find_result(const std::vector<Result>& results, const std::string&
 
 // The PyTorch eager mode of the same precision as a mixtape mode ("" when there is none).
 std::string pytorch_counterpart(const std::string& mode) {
-  const ModeFamily family = AmpConfig::parse(mode).family();
+  const AmpConfig amp = AmpConfig::parse(mode);
+  const ModeFamily family = amp.family();
   if (family == ModeFamily::Plain || family == ModeFamily::PytorchAmp) return "PyTorch eager_" + mode;
+  // PyTorch's tensorwise fp8 (torchao's Float8Linear or torch._scaled_mm): the recipe of fp8 and fp8_delayed.
+  if (mode == "fp8" || mode == "fp8_delayed") return "PyTorch eager_fp8";
   return "";
 }
+
+constexpr double kFp8SpeedupGoal = 1.3;  // an fp8 mode's tokens/s at least 1.3x mixtape bf16's
 
 std::string cell(double x, const char* format) {
   if (std::isnan(x)) return "n/a";
@@ -337,7 +348,7 @@ void usage() {
                "usage: bench_gpu_train [--layers N] [--heads N] [--width N] [--block N] [--vocab N] [--batch N]\n"
                "         [--modes MODE,... (default: every mode but fp16_apex)] [--warmup N] [--steps N] [--device N]\n"
                "         [--peak-tflops X] [--json FILE] [--pytorch] [--pytorch-modes "
-               "eager_fp32,eager_tf32,eager_bf16,eager_fp16,compile_bf16]\n"
+               "eager_fp32,eager_tf32,eager_bf16,eager_fp16,compile_bf16,eager_fp8]\n"
                "         [--pytorch-attention sdpa|math] [--pytorch-adamw fused|foreach|single]\n"
                "         [--cpu]   (a functional check of this program on the CPU with a tiny model)\n");
 }
@@ -498,6 +509,22 @@ int run(int argc, char** argv) {
       std::printf("mixtape bf16 vs %s autocast: n/a (one side did not run)\n", other);
     }
   }
+  // Each fp8 / block-scaled mode against mixtape bf16 (the same step with every GEMM in bf16).
+  for (const Result& r : results) {
+    if (r.name.rfind("mixtape ", 0) != 0 || !r.error.empty() || r.ms.empty() ||
+        !AmpConfig::parse(r.mode).quantizes_gemms())
+      continue;
+    if (!bf16) {
+      std::printf("mixtape %s vs mixtape bf16: n/a (needs bf16 in --modes, run)\n", r.mode.c_str());
+      continue;
+    }
+    const double x = median(bf16->ms) / median(r.ms);
+    std::printf("mixtape %s vs mixtape bf16: %.2fx tokens/s (goal >= %.1fx: %s)\n", r.mode.c_str(), x,
+                kFp8SpeedupGoal, x >= kFp8SpeedupGoal ? "met" : "NOT met");
+    summary.emplace("mixtape_" + r.mode + "_vs_bf16", x);
+  }
+  if (const Result* t = find_result(results, "PyTorch eager_fp8"); t && bf16)
+    std::printf("PyTorch eager_fp8 vs mixtape bf16: %.2fx tokens/s\n", median(bf16->ms) / median(t->ms));
   if (!o.pytorch) std::printf("(--pytorch adds PyTorch eager and torch.compile to the comparison)\n");
 
   if (!o.json_path.empty()) {

@@ -26,6 +26,10 @@ Modes (the parameters, gradients and optimizer state stay fp32 in all of them):
                 (init_scale 2^16: scale(loss).backward(), unscale_, clip, scaler.step, scaler.update)
   compile_bf16  eager_bf16 with the model wrapped in torch.compile(model) (default mode); the compilation
                 happens during the warm-up steps
+  eager_fp8     eager_bf16 with the transformer blocks' Linear layers in tensorwise fp8 (current scaling, E4M3
+                activations and weights, E5M2 gradients): torchao's convert_to_float8_training where torchao
+                imports, else torch._scaled_mm in a small autograd Function here (the "fp8" key says which).
+                Needs an sm_89+ GPU; otherwise the mode reports why it did not run (an "error" line).
 Timing: torch.cuda.synchronize(), then CUDA events recorded around the step (zero_grad .. optimizer step ..
 loss.item(): the step ends with a host sync, as mixtape's train_step does), so the device is idle when each
 step starts. Batches are uniform random tokens made on the GPU before the step. Peak memory:
@@ -50,7 +54,71 @@ import pytorch_parity as ref  # noqa: E402  (exits 77 without torch)
 torch = ref.torch
 F = ref.F
 
-MODES = ["eager_fp32", "eager_tf32", "eager_bf16", "eager_fp16", "compile_bf16"]
+MODES = ["eager_fp32", "eager_tf32", "eager_bf16", "eager_fp16", "compile_bf16", "eager_fp8"]
+
+
+def quantize_tensorwise(t, dtype):
+    # Current tensorwise scaling: codes of t * (fmax / amax), saturated; returns the codes and the decode scale.
+    fmax = torch.finfo(dtype).max
+    amax = t.detach().abs().max().float().clamp(min=1e-12)
+    scale = fmax / amax
+    codes = (t.float() * scale).clamp(-fmax, fmax).to(dtype)
+    return codes, scale.reciprocal()
+
+
+def scaled_mm(a, b_t, scale_a, scale_b, out_dtype):
+    # a [M, K] row-major @ b_t [K, N] column-major (the layout torch._scaled_mm needs); older PyTorch returns
+    # (out, amax).
+    out = torch._scaled_mm(a, b_t, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+    return out[0] if isinstance(out, tuple) else out
+
+
+class ScaledMmLinear(torch.autograd.Function):
+    """y = x W^T + b with the three GEMMs on fp8 tensor cores (torch._scaled_mm), mixtape's fp8 recipe."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        x2 = x.reshape(-1, x.shape[-1])
+        xq, xs = quantize_tensorwise(x2, torch.float8_e4m3fn)
+        wq, ws = quantize_tensorwise(weight, torch.float8_e4m3fn)
+        y = scaled_mm(xq, wq.t(), xs, ws, torch.bfloat16)
+        if bias is not None:
+            y = y + bias.to(torch.bfloat16)
+        ctx.save_for_backward(x2, weight)
+        ctx.x_shape, ctx.x_dtype, ctx.has_bias = x.shape, x.dtype, bias is not None
+        return y.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, g):
+        x2, weight = ctx.saved_tensors
+        g2 = g.reshape(-1, g.shape[-1])
+        gq, gs = quantize_tensorwise(g2, torch.float8_e5m2)
+        wtq, wts = quantize_tensorwise(weight.t().contiguous(), torch.float8_e4m3fn)
+        dx = scaled_mm(gq, wtq.t(), gs, wts, torch.bfloat16)
+        gtq, gts = quantize_tensorwise(g2.t().contiguous(), torch.float8_e5m2)
+        xtq, xts = quantize_tensorwise(x2.t().contiguous(), torch.float8_e4m3fn)
+        dw = scaled_mm(gtq, xtq.t(), gts, xts, torch.bfloat16)
+        db = g2.float().sum(0) if ctx.has_bias else None
+        return dx.view(ctx.x_shape).to(ctx.x_dtype), dw.to(weight.dtype), db
+
+
+def convert_to_fp8(model):
+    """The blocks' Linear layers in fp8; returns which implementation ("torchao" or "torch._scaled_mm")."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        raise RuntimeError("fp8 tensor cores need sm_89 or newer; this GPU is sm_%d%d" %
+                           torch.cuda.get_device_capability())
+    try:
+        from torchao.float8 import convert_to_float8_training
+        convert_to_float8_training(model, module_filter_fn=lambda module, fqn: fqn.startswith("transformer.h."))
+        return "torchao"
+    except ImportError:
+        pass
+    if not hasattr(torch, "_scaled_mm") or not hasattr(torch, "float8_e4m3fn"):
+        raise RuntimeError("neither torchao nor torch._scaled_mm in torch " + torch.__version__)
+    for module in model.transformer.h.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.forward = (lambda m: lambda x: ScaledMmLinear.apply(x, m.weight, m.bias))(module)
+    return "torch._scaled_mm"
 
 
 def sdpa_attention_forward(self, x):
@@ -87,7 +155,7 @@ def make_grad_scaler():
 def run_mode(mode, a, device):
     compiled = mode.startswith("compile_")
     precision = mode.split("_", 1)[1]
-    autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    autocast = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}.get(precision)
     tf32 = precision == "tf32"
     torch.backends.cuda.matmul.allow_tf32 = tf32
     torch.backends.cudnn.allow_tf32 = tf32
@@ -97,6 +165,7 @@ def run_mode(mode, a, device):
                          "vocab_size": a.vocab})
     model = CudaGPT(config).to(device)
     model.train()
+    fp8 = convert_to_fp8(model) if precision == "fp8" else None
     decay = [q for q in model.parameters() if q.dim() >= 2]
     no_decay = [q for q in model.parameters() if q.dim() < 2]
     groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
@@ -160,6 +229,8 @@ def run_mode(mode, a, device):
     result = {"mode": mode, "autocast": precision if autocast is not None else "none", "compile": compiled,
               "grad_scaler": scaler is not None, "attention": a.attention, "adamw": adamw, "step_ms": times,
               "peak_bytes": peak, "skipped_steps": skipped}
+    if fp8 is not None:
+        result["fp8"] = fp8
     del forward, model, opt, scaler, params
     return result
 

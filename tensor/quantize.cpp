@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "tensor/autocast_state.h"
+#include "tensor/backend.h"
 #include "tensor/cpu/gemm_f32_out.h"
 #include "tensor/autograd_node.h"
 #include "tensor/minifloat.h"
@@ -103,53 +104,16 @@ std::vector<float> block_scales(const Quantized& q) {
   return out;
 }
 
-// One block's encode multiplier and the decode scale stored for it (its code for the 8-bit scale formats).
-struct BlockScaling {
-  float encode;
-  float decode;
-  uint8_t decode_code;  // E8M0 / E4M3 scales
-};
-
-// The scale of a block with max |x| = amax (finite), by the rule of `kind` (see BlockScale); fmax and emax are
-// the format's largest value and its exponent. Never throws: it runs inside parallel loops.
-BlockScaling choose_block_scale(BlockScale kind, float amax, float fmax, int emax, const QuantizeOptions& options,
-                                float tensor_encode, float tensor_decode) noexcept {
-  switch (kind) {
-    case BlockScale::Fp32: {
-      float encode = options.fixed_scale ? *options.fixed_scale : amax == 0 ? 1.0f : fmax / amax;
-      encode = std::min(encode, FLT_MAX);  // amax below fmax / FLT_MAX would give Inf
-      if (options.power_of_two_scales) encode = exp2_int(floor_log2(encode));
-      return {encode, 1.0f / encode, 0};
-    }
-    case BlockScale::E8M0Floor:
-    case BlockScale::E8M0Ceil: {
-      int exponent = -127;
-      if (amax > 0) {
-        if (kind == BlockScale::E8M0Floor) {
-          exponent = floor_log2(amax) - emax;
-        } else {  // ceil(log2(amax / fmax)), the ratio taken as NVIDIA does: amax * fp32(1 / fmax)
-          const float ratio = amax * (1.0f / fmax);
-          exponent = floor_log2(ratio);
-          if (exponent < -127) exponent = -127;  // below E8M0's range (clamped there anyway)
-          else if (exp2_int(exponent) < ratio) ++exponent;
-        }
-      }
-      exponent = std::clamp(exponent, -127, 127);
-      return {exp2_int(-exponent), exp2_int(exponent), static_cast<uint8_t>(exponent + 127)};
-    }
-    case BlockScale::E4M3TwoLevel: {
-      // NVIDIA's NVFP4 recipe: the block's decode scale amax / 6, in units of the tensor's decode scale, stored
-      // as E4M3 (saturating); the elements are encoded with the reciprocal of what that stores.
-      const uint8_t code = static_cast<uint8_t>(
-          float_to_minifloat(amax / kE2M1Max * tensor_encode, kE4M3, FormatOverflow::Saturate));
-      const float stored = minifloat_to_float(code, kE4M3);
-      // Capped at FLT_MAX: with a tiny tensor amax the tensor's decode scale is subnormal, and the reciprocal
-      // of a small product would be Inf (0 * Inf is NaN).
-      const float encode = stored == 0 ? 0.0f : std::min(1.0f / (stored * tensor_decode), FLT_MAX);
-      return {encode, stored, code};
-    }
-  }
-  return {0.0f, NAN, kE8M0Nan};  // no other kind exists (validate refused it)
+// The scale rule of the options (tensor/scale_rules.h).
+ScaleRule scale_rule(const QuantizeOptions& o) {
+  ScaleRule rule;
+  rule.kind = o.scale;
+  rule.format_max = format_max(o.format);
+  rule.format_emax = format_emax(o.format);
+  rule.has_fixed_scale = o.fixed_scale.has_value();
+  rule.fixed_scale = o.fixed_scale.value_or(1.0f);
+  rule.power_of_two_scales = o.power_of_two_scales;
+  return rule;
 }
 
 // Whether the tensor's amax is reduced over processes: one scale for the whole tensor, decided by the options
@@ -169,7 +133,6 @@ bool reduces_row_amax(const QuantizeOptions& o) {
 void validate(const Tensor& x, const QuantizeOptions& o) {
   if (!x.defined() || x.dim() != 2 || !is_floating(x.dtype()))
     fail("quantize: expected a 2-d f32, f16, bf16 or f64 tensor [rows, cols], got ", x.description());
-  check_cpu(x, "quantize");
   element_format(o.format);  // an Error naming the format otherwise
   if (o.block_rows < 0 || o.block_cols < 0)
     fail("quantize: block_rows ", o.block_rows, " and block_cols ", o.block_cols, " must be >= 0 (0: the whole dim)");
@@ -205,6 +168,7 @@ const char* block_scale_name(BlockScale scale) {
 
 Quantized quantize(const Tensor& x, const QuantizeOptions& options) {
   validate(x, options);
+  check_cpu(x, "quantize");
   NoGradGuard no_grad;
   const Tensor xs = x.to(DType::F32).contiguous();
   const float* in = static_cast<const float*>(xs.data_ptr());
@@ -253,8 +217,7 @@ Quantized quantize(const Tensor& x, const QuantizeOptions& options) {
     BlockScaling s{0, NAN, scale_dtype == DType::F8E4M3 ? static_cast<uint8_t>(0x7F) : kE8M0Nan};
     nan_block[static_cast<size_t>(b)] = !(std::isfinite(a) && std::isfinite(tensor_encode));
     if (!nan_block[static_cast<size_t>(b)])
-      s = choose_block_scale(options.scale, a, format_max(options.format), format_emax(options.format), options,
-                             tensor_encode, tensor_decode);
+      s = choose_block_scale(scale_rule(options), a, tensor_encode, tensor_decode);
     else
       s.encode = 0;  // a non-finite block: NaN decode scale, zero codes
     encode[static_cast<size_t>(b)] = s.encode;
@@ -356,29 +319,6 @@ Tensor scaled_matmul(const Quantized& a, const Quantized& b) {
 
 namespace {
 
-// |scaled| rounded to nearest even on the format's grid, unclamped (may exceed the largest finite value, Inf
-// stays Inf): what float_to_minifloat computes, in float arithmetic that vectorises. Below the smallest normal
-// the grid step is 2^(emin - M): a multiplication by a power of two and nearbyint (round to nearest even) do
-// it exactly. Above, rounding the float's bits at mantissa bit M does it (a carry moves to the next binade).
-struct FormatRounding {
-  float min_normal, to_steps, step;  // 2^emin, 2^(M - emin), 2^(emin - M)
-  uint32_t drop_half, drop_mask;     // 2^(22 - M) - 1 and ~(2^(23 - M) - 1)
-  int drop;                          // 23 - M
-  explicit FormatRounding(const MinifloatFormat& f)
-      : min_normal(std::ldexp(1.0f, f.min_normal_exponent())),
-        to_steps(std::ldexp(1.0f, f.mantissa_bits - f.min_normal_exponent())),
-        step(std::ldexp(1.0f, f.min_normal_exponent() - f.mantissa_bits)),
-        drop_half((1u << (22 - f.mantissa_bits)) - 1),
-        drop_mask(~((1u << (23 - f.mantissa_bits)) - 1)),
-        drop(23 - f.mantissa_bits) {}
-  float operator()(float magnitude) const {
-    const float small = std::nearbyint(magnitude * to_steps) * step;
-    uint32_t bits = std::bit_cast<uint32_t>(magnitude);
-    bits = (bits + drop_half + ((bits >> drop) & 1u)) & drop_mask;
-    return magnitude < min_normal ? small : std::bit_cast<float>(bits);
-  }
-};
-
 // Whether code_value * scale is exact in bf16 for every code of an 8-bit or E2M1 format: products of at most
 // 4 + 4 significant bits, far from bf16's subnormals (a power-of-two scale at or above 2^-100, or NVFP4's E4M3
 // block scales).
@@ -392,35 +332,18 @@ bool product_exact_in_bf16(BlockScale kind, const std::vector<float>& decode) {
 
 }  // namespace
 
-GemmOperand quantize_for_gemm(const Tensor& x, const QuantizeOptions& options) {
-  validate(x, options);
-  NoGradGuard no_grad;
-  AutocastScope fp32(std::nullopt);
-  const Tensor xs = x.to(DType::F32).contiguous();
-  const float* in = static_cast<const float*>(xs.data_ptr());
-  const int64_t R = xs.size(0), C = xs.size(1);
-  const int64_t br = options.block_rows == 0 ? std::max<int64_t>(R, 1) : options.block_rows;
-  const int64_t bc = options.block_cols == 0 ? std::max<int64_t>(C, 1) : options.block_cols;
-  const int64_t grid_rows = (R + br - 1) / br, grid_cols = (C + bc - 1) / bc;
-  GemmOperand op;
+namespace {
 
-  // Step 1: each row's max |x| per block column (NaN for a non-finite value), then each block's and the tensor's.
-  std::vector<float> row_amax(static_cast<size_t>(R * grid_cols));
-#pragma omp parallel for schedule(static) if (R * C > (1 << 15))
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t j = 0; j < grid_cols; ++j) {
-      const float* p = in + r * C + j * bc;
-      const int64_t n = std::min(bc, C - j * bc);
-      float m = 0;
-      int not_finite = 0;
-#pragma omp simd reduction(max : m) reduction(| : not_finite)
-      for (int64_t i = 0; i < n; ++i) {
-        const float a = std::fabs(p[i]);
-        not_finite |= !(a <= FLT_MAX);
-        m = std::max(m, a);
-      }
-      row_amax[static_cast<size_t>(r * grid_cols + j)] = not_finite ? NAN : m;
-    }
+// Step 1 of quantize_for_gemm: each block's max |x| (NaN for a block holding Inf or NaN) from each row's runs
+// along the block columns, and the tensor's (reduced over processes where the options say so).
+struct BlockAmax {
+  std::vector<float> blocks;  // [grid_rows * grid_cols]
+  float tensor = 0;
+};
+
+BlockAmax combine_block_amax(std::vector<float> row_amax, int64_t R, int64_t br, int64_t grid_rows, int64_t grid_cols,
+                             const QuantizeOptions& options) {
+  BlockAmax out;
   float amax = 0;
   for (const float a : row_amax) amax = std::isnan(a) || std::isnan(amax) ? NAN : std::max(a, amax);
   // Every process calls the reduction, whatever its local shape (a rank may hold no rows).
@@ -430,46 +353,55 @@ GemmOperand quantize_for_gemm(const Tensor& x, const QuantizeOptions& options) {
   }
   if (reduces_nvfp4_tensor_amax(options)) amax = options.reduce_tensor_amax(amax);
   if (reduces_row_amax(options)) options.reduce_row_amax(row_amax);  // one block per row
-  std::vector<float> block_amax;
+  out.tensor = amax;
   if (br == 1) {
-    block_amax = std::move(row_amax);  // one row per block: the rows' maxima are the blocks'
-  } else {
-    block_amax.assign(static_cast<size_t>(grid_rows * grid_cols), 0.0f);
-    for (int64_t r = 0; r < R; ++r)
-      for (int64_t j = 0; j < grid_cols; ++j) {
-        const float a = row_amax[static_cast<size_t>(r * grid_cols + j)];
-        float& b = block_amax[static_cast<size_t>(r / br * grid_cols + j)];
-        b = std::isnan(a) || std::isnan(b) ? NAN : std::max(a, b);
-      }
+    out.blocks = std::move(row_amax);  // one row per block: the rows' maxima are the blocks'
+    return out;
   }
-  op.amax = amax;
+  out.blocks.assign(static_cast<size_t>(grid_rows * grid_cols), 0.0f);
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t j = 0; j < grid_cols; ++j) {
+      const float a = row_amax[static_cast<size_t>(r * grid_cols + j)];
+      float& b = out.blocks[static_cast<size_t>(r / br * grid_cols + j)];
+      b = std::isnan(a) || std::isnan(b) ? NAN : std::max(a, b);
+    }
+  return out;
+}
 
-  // Step 2: the scales, by the rule quantize() uses.
+// Step 2: every block's encode and decode scale by the options' rule (a block holding Inf or NaN, or a
+// non-finite NVFP4 tensor scale: encode 0, decode NaN); the NVFP4 tensor decode scale into op.
+void choose_scales(const BlockAmax& amax, const QuantizeOptions& options, BlockEncodePlan& plan, GemmOperand& op) {
   float tensor_encode = 1, tensor_decode = 1;
   if (options.scale == BlockScale::E4M3TwoLevel) {
-    tensor_encode = !std::isfinite(amax) ? NAN : amax == 0 ? 1.0f : std::min(kE4M3Max * kE2M1Max / amax, FLT_MAX);
+    const float a = amax.tensor;
+    tensor_encode = !std::isfinite(a) ? NAN : a == 0 ? 1.0f : std::min(kE4M3Max * kE2M1Max / a, FLT_MAX);
     tensor_decode = 1.0f / tensor_encode;
     op.tensor_scale = tensor_decode;
   }
-  std::vector<float> encode(block_amax.size()), decode(block_amax.size());
+  const std::vector<float>& block_amax = amax.blocks;
+  plan.encode.resize(block_amax.size());
+  plan.decode.resize(block_amax.size());
   const int64_t blocks = static_cast<int64_t>(block_amax.size());
-  const float fmax_of_format = format_max(options.format);
-  const int emax = format_emax(options.format);
+  const ScaleRule rule = scale_rule(options);
 #pragma omp parallel for schedule(static) if (blocks > 4096)
   for (int64_t i = 0; i < blocks; ++i) {
     const size_t b = static_cast<size_t>(i);
     if (std::isfinite(block_amax[b]) && std::isfinite(tensor_encode)) {
-      const BlockScaling s = choose_block_scale(options.scale, block_amax[b], fmax_of_format, emax, options,
-                                                tensor_encode, tensor_decode);
-      encode[b] = s.encode;
-      decode[b] = s.decode;
+      const BlockScaling s = choose_block_scale(rule, block_amax[b], tensor_encode, tensor_decode);
+      plan.encode[b] = s.encode;
+      plan.decode[b] = s.decode;
     } else {
-      encode[b] = 0;
-      decode[b] = NAN;
+      plan.encode[b] = 0;
+      plan.decode[b] = NAN;
     }
   }
+}
 
-  // Step 3: the operand's form, then its values.
+// Step 3: the operand's form (where the scales go) and the values' dtype; fills op's scales and plan.multiplier.
+DType choose_form(int64_t R, int64_t C, int64_t br, int64_t bc, const QuantizeOptions& options, Device device,
+                  BlockEncodePlan& plan, GemmOperand& op) {
+  const std::vector<float>& decode = plan.decode;
+  const int64_t grid_cols = plan.grid_cols;
   const bool post_scaled = bc >= C;  // one scale per row along K: the codes go in, the scales come after
   const bool folded = !post_scaled && product_exact_in_bf16(options.scale, decode);
   // fp32 scales along K (DeepSeek-V3's tiles): the codes go in, and each K block's partial product is scaled
@@ -487,27 +419,95 @@ GemmOperand quantize_for_gemm(const Tensor& x, const QuantizeOptions& options) {
   } else if (!folded) {
     op.tensor_scale = 1;  // the f32 values below are fully dequantized
   }
-  const bool as_bf16 = post_scaled || folded || k_blocked;
-  op.values = Tensor::empty({R, C}, as_bf16 ? DType::BF16 : DType::F32);
-  uint16_t* out16 = as_bf16 ? static_cast<uint16_t*>(op.values.data_ptr()) : nullptr;
-  float* out32 = as_bf16 ? nullptr : static_cast<float*>(op.values.data_ptr());
-  const MinifloatFormat& f = element_format(options.format);
+  // Each code value is stored times this (nothing when post-scaled or blocked along K, else the block scale:
+  // exact in bf16 where folded, in f32 one rounding as dequantize() computes it, whose tensor scale is 1
+  // there). A NaN block (encode 0, decode NaN) stores NaN: its values are not numbers.
+  plan.multiplier.resize(decode.size());
+  for (size_t b = 0; b < decode.size(); ++b)
+    plan.multiplier[b] = post_scaled || k_blocked ? (std::isnan(decode[b]) ? NAN : 1.0f) : decode[b];
+  // A tensorwise operand on CUDA keeps its fp8 codes for the fp8 tensor cores.
+  const bool tensorwise = post_scaled && br >= R && R > 0 && C > 0;
+  if (tensorwise && device.is_cuda() && options.format != DType::F4E2M1) return options.format;
+  return post_scaled || folded || k_blocked ? DType::BF16 : DType::F32;
+}
+
+}  // namespace
+
+GemmOperand quantize_for_gemm(const Tensor& x, const QuantizeOptions& options) {
+  validate(x, options);
+  NoGradGuard no_grad;
+  AutocastScope fp32(std::nullopt);
+  const Tensor xs = x.to(DType::F32).contiguous();
+  Backend& backend = backend_of(xs);
+  const int64_t R = xs.size(0), C = xs.size(1);
+  const int64_t br = options.block_rows == 0 ? std::max<int64_t>(R, 1) : options.block_rows;
+  const int64_t bc = options.block_cols == 0 ? std::max<int64_t>(C, 1) : options.block_cols;
+  const int64_t grid_rows = (R + br - 1) / br, grid_cols = (C + bc - 1) / bc;
+  GemmOperand op;
+  BlockEncodePlan plan;
+  plan.format = options.format;
+  plan.block_rows = br;
+  plan.block_cols = bc;
+  plan.grid_cols = grid_cols;
+  plan.stochastic_seed = options.stochastic_seed;
+  plan.stochastic_offset = options.stochastic_offset;
+  plan.stochastic_stream = options.stochastic_stream;
+
+  const BlockAmax amax = combine_block_amax(backend.quantize_row_amax(xs, bc), R, br, grid_rows, grid_cols, options);
+  op.amax = amax.tensor;
+  choose_scales(amax, options, plan, op);
+  const DType values_dtype = choose_form(R, C, br, bc, options, xs.device(), plan, op);
+  op.values = Tensor::empty({R, C}, values_dtype, xs.device());
+  const EncodeCounts counts = backend.quantize_encode(xs, plan, op.values);
+  op.saturated = counts.saturated;
+  op.flushed = counts.flushed;
+  return op;
+}
+
+// ---- the CPU's kernels (Backend's defaults: host memory) ------------------------------------------------
+
+std::vector<float> Backend::quantize_row_amax_kernel(const Tensor& x, int64_t block_cols) {
+  const float* in = static_cast<const float*>(x.data_ptr());
+  const int64_t R = x.size(0), C = x.size(1), bc = block_cols, grid_cols = (C + bc - 1) / bc;
+  std::vector<float> row_amax(static_cast<size_t>(R * grid_cols));
+#pragma omp parallel for schedule(static) if (R * C > (1 << 15))
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t j = 0; j < grid_cols; ++j) {
+      const float* p = in + r * C + j * bc;
+      const int64_t n = std::min(bc, C - j * bc);
+      float m = 0;
+      int not_finite = 0;
+#pragma omp simd reduction(max : m) reduction(| : not_finite)
+      for (int64_t i = 0; i < n; ++i) {
+        const float a = std::fabs(p[i]);
+        not_finite |= !(a <= FLT_MAX);
+        m = std::max(m, a);
+      }
+      row_amax[static_cast<size_t>(r * grid_cols + j)] = not_finite ? NAN : m;
+    }
+  return row_amax;
+}
+
+EncodeCounts Backend::quantize_encode_kernel(const Tensor& x, const BlockEncodePlan& plan, const Tensor& values) {
+  check(values.dtype() == DType::BF16 || values.dtype() == DType::F32, "quantize_for_gemm: not supported: ",
+        values.described(), " on the CPU (its GEMM operands hold bf16 or f32 values)");
+  const float* in = static_cast<const float*>(x.data_ptr());
+  const int64_t R = x.size(0), C = x.size(1), br = plan.block_rows, bc = plan.block_cols, grid_cols = plan.grid_cols;
+  const bool as_bf16 = values.dtype() == DType::BF16;
+  uint16_t* out16 = as_bf16 ? static_cast<uint16_t*>(values.data_ptr()) : nullptr;
+  float* out32 = as_bf16 ? nullptr : static_cast<float*>(values.data_ptr());
+  const MinifloatFormat& f = element_format(plan.format);
   const FormatRounding round(f);
-  const float fmax = format_max(options.format);
+  const float fmax = format_max(plan.format);
   int64_t saturated = 0, flushed = 0;
   // One run of a block's row: n values from `first`, encoded with `e`, each code value times `multiplier`
-  // (nothing when post-scaled, else the block scale: exact in bf16 where folded, in f32 one rounding as
-  // dequantize() computes it, whose tensor scale is 1 there). Branch-free so that it vectorises.
-  // A NaN block's values count as neither saturated nor flushed (its scale already says what happened).
+  // (tensor/scale_rules.h). Branch-free so that it vectorises.
   auto encode_run = [&]<bool kBf16>(int64_t first, int64_t n, float e, float multiplier, int64_t& sat, int64_t& flush) {
     for (int64_t i = 0; i < n; ++i) {
-      const float v = in[first + i];
-      const float scaled = v * e;
-      const float rounded = round(std::fabs(scaled));
-      sat += rounded > fmax;
-      const float value = std::copysign(std::min(rounded, fmax), scaled);
-      flush += (v != 0) & (std::fabs(v) <= FLT_MAX) & (value == 0);
-      const float stored = value * multiplier;
+      const EncodedValue v = encode_nearest(in[first + i], e, round, fmax);
+      sat += v.saturated;
+      flush += v.flushed;
+      const float stored = v.value * multiplier;
       if constexpr (kBf16) out16[first + i] = static_cast<uint16_t>(std::bit_cast<uint32_t>(stored) >> 16);  // exact
       else out32[first + i] = stored;
     }
@@ -515,36 +515,31 @@ GemmOperand quantize_for_gemm(const Tensor& x, const QuantizeOptions& options) {
   // The same with stochastic rounding (NVFP4's gradients): element i draws Philox(seed, offset + i).
   auto encode_run_stochastic = [&](int64_t first, int64_t n, float e, float multiplier, int64_t& sat, int64_t& flush) {
     for (int64_t i = 0; i < n; ++i) {
-      const float v = in[first + i];
-      const uint32_t random = philox4x32(options.stochastic_offset + static_cast<uint64_t>(first + i),
-                                         options.stochastic_stream, *options.stochastic_seed)[0];
-      const float scaled = e == 0 ? 0.0f : v * e;
-      const float value = minifloat_to_float(float_to_minifloat(scaled, f, FormatOverflow::Saturate, &random), f);
-      sat += round(std::fabs(scaled)) > fmax;  // counted as quantize() counts it
-      flush += v != 0 && std::fabs(v) <= FLT_MAX && value == 0;
-      const float stored = value * multiplier;
+      const uint32_t random = philox4x32(plan.stochastic_offset + static_cast<uint64_t>(first + i),
+                                         plan.stochastic_stream, *plan.stochastic_seed)[0];
+      const EncodedValue v = encode_stochastic(in[first + i], e, f, round, fmax, random);
+      sat += v.saturated;
+      flush += v.flushed;
+      const float stored = v.value * multiplier;
       if (as_bf16) out16[first + i] = static_cast<uint16_t>(std::bit_cast<uint32_t>(stored) >> 16);
       else out32[first + i] = stored;
     }
   };
+  // A NaN block's values count as neither saturated nor flushed (its scale already says what happened).
 #pragma omp parallel for schedule(static) reduction(+ : saturated, flushed) if (R * C > (1 << 15))
   for (int64_t r = 0; r < R; ++r)
     for (int64_t j = 0; j < grid_cols; ++j) {
       const size_t b = static_cast<size_t>(r / br * grid_cols + j);
-      const float e = encode[b];
-      // A NaN block (encode 0, decode NaN) stores NaN: its values are not numbers.
-      const float multiplier = post_scaled || k_blocked ? (std::isnan(decode[b]) ? NAN : 1.0f) : decode[b];
+      const float e = plan.encode[b], multiplier = plan.multiplier[b];
       const int64_t first = r * C + j * bc, n = std::min(bc, C - j * bc);
       int64_t block_saturated = 0, block_flushed = 0;
-      if (options.stochastic_seed) encode_run_stochastic(first, n, e, multiplier, block_saturated, block_flushed);
+      if (plan.stochastic_seed) encode_run_stochastic(first, n, e, multiplier, block_saturated, block_flushed);
       else if (as_bf16) encode_run.template operator()<true>(first, n, e, multiplier, block_saturated, block_flushed);
       else encode_run.template operator()<false>(first, n, e, multiplier, block_saturated, block_flushed);
       saturated += e == 0 ? 0 : block_saturated;
-      flushed += std::isnan(decode[b]) ? 0 : block_flushed;
+      flushed += std::isnan(plan.decode[b]) ? 0 : block_flushed;
     }
-  op.saturated = saturated;
-  op.flushed = flushed;
-  return op;
+  return {saturated, flushed};
 }
 
 namespace {
@@ -586,15 +581,27 @@ Tensor scaled_matmul(const GemmOperand& a, const GemmOperand& b, int accumulator
   check(a.values.dim() == 2 && b.values.dim() == 2 && a.values.size(1) == b.values.size(1),
         "scaled_matmul: a ", a.values.description(), " and b ", b.values.description(),
         " must share their last dim K (a [M, K] @ b [N, K]^T)");
+  check(a.values.device() == b.values.device(), "scaled_matmul: a ", a.values.described(), " and b ",
+        b.values.described(), " must be on one device");
+  if (a.k_block > 0 || b.k_block > 0)
+    check(a.k_block == b.k_block && a.values.dtype() == DType::BF16 && b.values.dtype() == DType::BF16,
+          "scaled_matmul: operands blocked along K by ", a.k_block, " and ", b.k_block, "; expected the same");
   NoGradGuard no_grad;
   AutocastScope fp32(std::nullopt);
+  Tensor out = Tensor::empty({a.values.size(0), b.values.size(0)}, DType::F32, a.values.device());
+  backend_of(out).scaled_gemm(a, b, accumulator_bits, out);
+  return out;
+}
+
+void Backend::scaled_gemm_kernel(const GemmOperand& a, const GemmOperand& b, int accumulator_bits, const Tensor& out) {
+  check(a.values.dtype() != DType::F8E4M3 && a.values.dtype() != DType::F8E5M2 &&
+            b.values.dtype() != DType::F8E4M3 && b.values.dtype() != DType::F8E5M2,
+        "scaled_matmul: not supported: fp8 code operands ", a.values.described(), " and ", b.values.described(),
+        " on the CPU (its quantize_for_gemm gives bf16 or f32 values)");
   const int64_t M = a.values.size(0), N = b.values.size(0), K = a.values.size(1);
-  Tensor out = Tensor::empty({M, N}, DType::F32);
   if (a.k_block > 0 || b.k_block > 0) {
     // Codes in, one GEMM per K block, each partial product scaled by its rows' and columns' block scales and
     // added in fp32 (DeepSeek-V3's promotion).
-    check(a.k_block == b.k_block && a.values.dtype() == DType::BF16 && b.values.dtype() == DType::BF16,
-          "scaled_matmul: operands blocked along K by ", a.k_block, " and ", b.k_block, "; expected the same");
     const int64_t kb = a.k_block, blocks = (K + kb - 1) / kb;
     Tensor partial = Tensor::empty({M, N}, DType::F32);
     float* o = static_cast<float*>(out.data_ptr());
@@ -611,7 +618,7 @@ Tensor scaled_matmul(const GemmOperand& a, const GemmOperand& b, int accumulator
         }
       }
     }
-    return out;
+    return;
   }
   if (a.values.dtype() == b.values.dtype()) {
     sum_products(a.values, b.values, 0, K, accumulator_bits, out);
@@ -619,7 +626,7 @@ Tensor scaled_matmul(const GemmOperand& a, const GemmOperand& b, int accumulator
     sum_products(a.values.to(DType::F32).contiguous(), b.values.to(DType::F32).contiguous(), 0, K, accumulator_bits, out);
   }
   const float tensor = a.tensor_scale * b.tensor_scale;
-  if (a.row_scale.empty() && b.row_scale.empty() && tensor == 1) return out;
+  if (a.row_scale.empty() && b.row_scale.empty() && tensor == 1) return;
   float* o = static_cast<float*>(out.data_ptr());
 #pragma omp parallel for schedule(static) if (M * N > (1 << 15))
   for (int64_t m = 0; m < M; ++m) {
@@ -627,7 +634,6 @@ Tensor scaled_matmul(const GemmOperand& a, const GemmOperand& b, int accumulator
     for (int64_t n = 0; n < N; ++n)  // the order of quantize()'s scaled_matmul: row, column, tensor
       o[m * N + n] *= row * (b.row_scale.empty() ? 1.0f : b.row_scale[static_cast<size_t>(n)]) * tensor;
   }
-  return out;
 }
 
 Tensor convert_minifloat(const Tensor& x, DType target) {

@@ -13,24 +13,20 @@
 // A block holding Inf or NaN gets a NaN scale, so its values dequantize to NaN and the training step that
 // made them is skipped like any non-finite step (a saturating cast alone would turn Inf into ±448 silently).
 //
-// CPU tensors only, for now: on a CUDA tensor these are a "not supported" Error.
+// quantize, dequantize, the Quantized scaled_matmul and convert_minifloat take CPU tensors only (a CUDA tensor is
+// a "not supported" Error); the training path (quantize_for_gemm, the GemmOperand scaled_matmul) runs on the
+// CPU and on CUDA, through the tensor's Backend, with the same scales, values and counts on both.
 #include <cstdint>
 #include <functional>
 #include <optional>
 #include <span>
 #include <vector>
 
+#include "tensor/scale_rules.h"  // BlockScale, the shared scale and rounding rules
 #include "tensor/tensor.h"
 
 namespace mixtape {
 
-enum class BlockScale : uint8_t {
-  Fp32,          // fp32 encode scale format_max / amax (1 where amax is 0), decode scale its fp32 reciprocal:
-                 // TE / torchao tensorwise and rowwise, DeepSeek-V3's tiles and blocks
-  E8M0Floor,     // OCP MX v1.0: 2^(floor(log2 amax) - emax), emax the format's largest exponent (8 for E4M3)
-  E8M0Ceil,      // NVIDIA's MXFP8 recipe: 2^ceil(log2(amax / format_max)) (nothing saturates)
-  E4M3TwoLevel,  // NVFP4: an fp32 tensor scale 6*448 / amax_tensor, E4M3 block decode scales under it
-};
 const char* block_scale_name(BlockScale scale);  // "fp32", "e8m0_floor", "e8m0_ceil", "e4m3_two_level"
 
 struct QuantizeOptions {
@@ -103,8 +99,15 @@ struct GemmOperand {
   float amax = 0;
   int64_t saturated = 0, flushed = 0;  // as in Quantized
 };
+// On CUDA, a tensorwise operand (one block for the whole tensor, an fp8 format) holds the fp8 codes themselves:
+// values is F8E4M3 / F8E5M2 [R, C] on the device and row_scale holds the one decode scale R times, so that the
+// GEMM runs on the fp8 tensor cores with the decode scales as cuBLASLt's A / B scales (exact emulation from
+// the codes where the device or the shape cannot).
 GemmOperand quantize_for_gemm(const Tensor& x, const QuantizeOptions& options);
 // a [M, K] @ b [N, K]ᵀ in f32 (fp32 sums of exact products), scaled by the operands' row and tensor scales;
+// both operands on one device, the result there. On CUDA the sums are the tensor cores' (fp8 codes: the fp8
+// MMA's accumulator, promoted to fp32 by cuBLASLt; bf16 / f32 values: fp32, TF32 off) and accumulator_bits
+// must be 0 (the hardware accumulates as it does: a "not supported" Error otherwise).
 // operands blocked along K give one GEMM per block, scaled and summed in fp32.
 // accumulator_bits (1..23; 0: fp32 throughout) models a tensor core's narrower accumulator: the running sum of
 // each output is rounded to that many mantissa bits (to nearest even) after every kAccumulatorChunk products

@@ -52,9 +52,9 @@ void check_linear_arguments(const Tensor& x, const Tensor& weight, const Tensor&
          ": expected input [..., K] and weight [N, K]");
   if (bias.defined() && (bias.dim() != 1 || bias.size(0) != weight.size(0) || !is_floating(bias.dtype())))
     fail("scaled_linear: bias ", bias.description(), " must be floating [N] = [", weight.size(0), "]");
-  if (!x.device().is_cpu() || !weight.device().is_cpu())
-    fail("scaled_linear: not supported: ", x.described(), " on ", x.device().str(),
-         " (fp8 and block-scaled GEMMs run on the CPU for now)");
+  if (x.device() != weight.device() || (bias.defined() && bias.device() != weight.device()))
+    fail("scaled_linear: input ", x.described(), ", weight ", weight.described(),
+         bias.defined() ? ", bias " : "", bias.defined() ? bias.description() : "", ": expected one device");
 }
 
 }  // namespace
@@ -291,7 +291,7 @@ Tensor scaled_linear(const Tensor& x, const Tensor& weight, const Tensor& bias,
     if (w_grad) {  // wgrad: gᵀ [N, rows] @ (xᵀ [K, rows])ᵀ
       Tensor gt = g2.mT(), xt = x2.mT();
       if (ctx.recipe().scaling == ScalingRecipe::Nvfp4 && ctx.recipe().random_hadamard_transform) {
-        const Tensor q = hadamard16(ctx.recipe().seed);
+        const Tensor q = hadamard16(ctx.recipe().seed).to(gt.device());
         gt = apply_hadamard(gt, q);
         xt = apply_hadamard(xt, q);
       }

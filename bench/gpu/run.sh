@@ -1,7 +1,8 @@
 #!/bin/bash
 # Runs on a lent GPU machine, in the repository root, after bench/gpu/pack.sh filled .gpu/ here: every CUDA
 # test suite (one process each, so a crash or a sticky CUDA error stays in its suite), the NCCL tests at one
-# rank, a short train_gpt per precision on tinyshakespeare, bench_gpu_train beside PyTorch, bench_cuda_ops,
+# rank, a short train_gpt per precision on tinyshakespeare, bench_gpu_train beside PyTorch (then its fp8 modes
+# against bf16 and PyTorch's fp8), bench_cuda_ops,
 # with SANITIZE=1 compute-sanitizer (memcheck, racecheck) over the attention / norm / loss tests, and with
 # PROFILE=1 an ncu breakdown of a 2-layer bf16 step by kernel. Each stage runs only while the
 # BUDGET (seconds, default 300) lasts; logs land in $OUT.
@@ -52,8 +53,14 @@ done | tee "$OUT/train.log"
 
 L=$(left)
 [ "$L" -gt 100 ] && timeout $((L - 40)) $B/bench_gpu_train --pytorch --modes fp32,tf32,bf16,fp16,fp16_naive --warmup 3 --steps 15 --json "$OUT/gpu_train.json" \
-  > "$OUT/gpu_train.log" 2>&1
+  --pytorch-modes eager_fp32,eager_tf32,eager_bf16,eager_fp16,compile_bf16 > "$OUT/gpu_train.log" 2>&1
 grep -v -E '^  median|^mixtape .* \.\.\.$|^running' "$OUT/gpu_train.log" 2>/dev/null | tail -28
+# The fp8 modes at GPT-2 small beside bf16 (fp8 / fp8_delayed on the fp8 tensor cores, the block-scaled ones
+# emulated) and PyTorch's tensorwise fp8: the summary prints each mode's tokens/s over bf16's (goal >= 1.3x).
+L=$(left)
+[ "$L" -gt 100 ] && timeout $((L - 40)) $B/bench_gpu_train --pytorch --modes bf16,fp8,fp8_delayed,fp8_rowwise,fp8_block,mxfp8,nvfp4 \
+  --pytorch-modes eager_bf16,eager_fp8 --warmup 3 --steps 10 --json "$OUT/gpu_train_fp8.json" > "$OUT/gpu_train_fp8.log" 2>&1
+grep -v -E '^  median|^mixtape .* \.\.\.$|^running' "$OUT/gpu_train_fp8.log" 2>/dev/null | tail -24
 L=$(left)
 [ "$L" -gt 30 ] && timeout $((L - 5)) $B/bench_cuda_ops > "$OUT/bench_cuda_ops.log" 2>&1
 grep -A60 '^comparison' "$OUT/bench_cuda_ops.log" 2>/dev/null | cut -c1-150

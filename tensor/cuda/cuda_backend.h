@@ -112,6 +112,11 @@ class CudaBackend final : public Backend {
   void causal_attention_backward_kernel(const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v,
                                         const Tensor& out, const Tensor& lse, double scale, const Tensor& grad_q,
                                         const Tensor& grad_k, const Tensor& grad_v) override;
+  // fp8.cu
+  std::vector<float> quantize_row_amax_kernel(const Tensor& x, int64_t block_cols) override;
+  EncodeCounts quantize_encode_kernel(const Tensor& x, const BlockEncodePlan& plan, const Tensor& values) override;
+  void scaled_gemm_kernel(const GemmOperand& a, const GemmOperand& b, int accumulator_bits,
+                          const Tensor& out) override;
 
  private:
   int device_;
@@ -120,6 +125,11 @@ class CudaBackend final : public Backend {
   void* workspace_ = nullptr;
   CachingAllocator allocator_;
 };
+
+// fp8.cu: the device's compute capability as major * 10 + minor (90 for sm_90), and how many scaled_matmul
+// products have run on the fp8 tensor cores in this process (a test's evidence that the path was taken).
+int compute_capability(int device);
+int64_t fp8_tensor_core_gemms();
 
 // The backend of CUDA device `index` (created on first use; Error when there is no such device).
 CudaBackend& backend(int index);
