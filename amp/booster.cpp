@@ -87,6 +87,18 @@ std::shared_ptr<LowPrecisionContext> make_low_precision_context(const AmpConfig&
   const auto listed = [](const std::vector<std::string>& names, const std::string& name) {
     return std::find(names.begin(), names.end(), name) != names.end();
   };
+  // A split named for a layer that is not there (a misspelt name) would leave its rows unreduced silently.
+  for (const std::vector<std::string>* names : {&options.row_parallel_weights, &options.column_parallel_weights})
+    for (const std::string& name : *names)
+      check(std::any_of(layers.begin(), layers.end(),
+                        [&](const auto& layer) { return (layer.first.empty() ? "weight" : layer.first + ".weight") == name; }),
+            "Booster.boost: BoostOptions ", names == &options.row_parallel_weights ? "row" : "column",
+            "_parallel_weights entry '", name, "' names no Linear weight of the model");
+  // fp8_rowwise across processes needs to know which of them split each GEMM's K (see BoostOptions).
+  if (c.row().gemm_scaling == ScalingRecipe::Rowwise && options.amax_group != nullptr && options.amax_group->size() > 1)
+    check(options.tensor_parallel_group != nullptr || options.data_parallel_group != nullptr, "Booster.boost: ",
+          c.name(), " over the ", options.amax_group->name(), " needs BoostOptions::tensor_parallel_group or "
+          "data_parallel_group: its row scales are reduced over the processes that split a row");
   for (const auto& [name, weight] : covered) {
     if (listed(options.row_parallel_weights, name))
       context->set_k_split(weight, Gemm::Forward, reduction(options.tensor_parallel_group));

@@ -178,9 +178,9 @@ struct AmpConfig {
   LowPrecisionOptions low_precision;  // "fp8", "fp8_delayed", "fp8_rowwise", "fp8_block", "mxfp8", "nvfp4"
   // "lr_schedule_on_skip", every mode; nullopt: the family's default (schedule_on_skip()).
   std::optional<LrScheduleOnSkip> lr_schedule_on_skip;
-  // "fp8_communication", every mode (Colossal-AI's Booster option): the data-parallel gradient all-reduce and
-  // ZeRO's parameter all-gather carry fp8 payloads with per-chunk scales, summed in fp32
-  // (dist/fp8_collectives.h). Nothing changes in one process.
+  // "fp8_communication", every mode (Colossal-AI's Booster option): the data-parallel gradient all-reduce carries
+  // E5M2 payloads with per-chunk scales, summed in fp32 (dist/fp8_collectives.h), and ZeRO-1's parameter
+  // all-gather E4M3 ones with a scale per parameter (dist/zero.h). Nothing changes with one dp rank.
   bool fp8_communication = false;
 
   static const std::vector<std::string>& modes();  // every mode name (precision_mode_names())

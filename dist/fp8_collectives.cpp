@@ -57,15 +57,4 @@ Tensor fp8_all_reduce_mean(const Communicator& group, const Tensor& x, DType for
   return full.reshape({p * S}).narrow(0, 0, n).contiguous().to(x.device());
 }
 
-Tensor fp8_all_gather(const Communicator& group, const Tensor& shard, DType format) {
-  check_payload(shard, format, "fp8_all_gather");
-  NoGradGuard no_grad;
-  const int64_t S = shard.numel(), p = group.size();
-  if (S == 0) return Tensor::zeros({0}, DType::F32, shard.device());
-  const Tensor row = shard.detach().to(Device::cpu()).to(DType::F32).reshape({1, S});
-  const Quantized mine = quantize_rows(row.contiguous(), format);
-  const Tensor full = dequantize_rows(group.all_gather(mine.codes), group.all_gather(mine.scales));
-  return full.reshape({p * S}).to(shard.device());
-}
-
 }  // namespace mixtape::dist

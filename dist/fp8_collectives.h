@@ -1,6 +1,6 @@
 #pragma once
-// fp8 payloads for the data-parallel collectives: Colossal-AI's fp8_communication, which halves (against bf16)
-// or quarters (against fp32) the bytes a gradient all-reduce or a ZeRO parameter all-gather moves.
+// fp8 payloads for the data-parallel gradient all-reduce: Colossal-AI's fp8_communication, which halves (against
+// bf16) or quarters (against fp32) the bytes it moves.
 //
 // A payload is fp8 codes plus one fp32 decode scale per chunk: the chunk's values times format_max / amax,
 // rounded to nearest even (saturating: tensor/quantize.h), and the scale amax / format_max. Each rank scales
@@ -10,9 +10,9 @@
 //
 // fp8_all_reduce_mean is Colossal-AI's all_reduce_fp8 (its DDP comm hook): a reduce-scatter by all-to-all
 // (rank j receives chunk j of every rank and sums them) and an all-gather of the re-quantized mean chunk. Every
-// rank ends with the same values, its own contribution included after the fp8 round trip. The formats follow
-// what each payload needs: gradients E5M2 (the hook's default: range for values that span many binades),
-// parameters E4M3 (one more mantissa bit for values that are not summed after).
+// rank ends with the same values, its own contribution included after the fp8 round trip. The payloads are E5M2
+// by default (the hook's: range for gradients, whose values span many binades). ZeRO-1's fp8 parameter
+// all-gather, which needs one scale per parameter, is dist/zero.h's.
 #include "dist/communicator.h"
 #include "tensor/tensor.h"
 
@@ -21,9 +21,5 @@ namespace mixtape::dist {
 // The mean over the group of x (floating, 1-d, the same numel everywhere; any device) with fp8 payloads
 // (format F8E5M2 or F8E4M3): f32 [numel], equal on every rank.
 Tensor fp8_all_reduce_mean(const Communicator& group, const Tensor& x, DType format = DType::F8E5M2);
-
-// Every rank's shard (floating, 1-d, the same numel everywhere) quantized with its own scale, gathered and
-// dequantized: f32 [size * numel], rank i's values at [i * numel, (i + 1) * numel).
-Tensor fp8_all_gather(const Communicator& group, const Tensor& shard, DType format = DType::F8E4M3);
 
 }  // namespace mixtape::dist

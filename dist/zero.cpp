@@ -2,7 +2,9 @@
 
 #include <algorithm>
 #include <charconv>
+#include <cfloat>
 #include <cmath>
+#include <cstring>
 #include <exception>
 #include <map>
 #include <set>
@@ -11,11 +13,12 @@
 #include <utility>
 
 #include "autograd/autograd.h"
-#include "dist/fp8_collectives.h"
 #include "optim/clip.h"
 #include "tensor/autograd_node.h"
 #include "tensor/error.h"
+#include "tensor/minifloat.h"
 #include "tensor/ops.h"
+#include "tensor/quantize.h"
 
 namespace mixtape::dist {
 
@@ -86,6 +89,7 @@ ZeroOptimizer::ZeroOptimizer(std::unique_ptr<Optimizer> optimizer,
   }
   found_inf_.assign(scalers_.size(), false);
   used_.assign(scalers_.size(), false);
+  if (publishes_fp8()) publish_masters();  // from the first forward on, the model holds what steps publish
 }
 
 ZeroOptimizer::ZeroOptimizer(std::unique_ptr<Optimizer> optimizer, std::unique_ptr<LossScaler> scaler,
@@ -175,19 +179,55 @@ Tensor ZeroOptimizer::gather_shard(const std::vector<Tensor>& piece_values) cons
 }
 
 void ZeroOptimizer::publish_masters() {
+  NoGradGuard no_grad;
   std::vector<Tensor> values;
   for (const Piece& piece : pieces_) values.push_back(piece.master.detach());
-  Tensor full;
-  if (options_.fp8_all_gather) {
-    Tensor local = Tensor::zeros({shard_size_}, DType::F32, model_params_.front().device());
-    for (size_t k = 0; k < pieces_.size(); ++k)
-      local.narrow(0, pieces_[k].shard_offset, pieces_[k].length).copy_(values[k]);
-    full = fp8_all_gather(dp_, local, DType::F8E4M3);
-  } else {
-    full = gather_shard(values);
+  if (!publishes_fp8()) {
+    const Tensor full = gather_shard(values);
+    for (size_t i = 0; i < model_params_.size(); ++i)
+      model_params_[i].copy_(full.narrow(0, offsets_[i], model_params_[i].numel()).reshape(model_params_[i].shape()));
+    return;
   }
-  for (size_t i = 0; i < model_params_.size(); ++i)
-    model_params_[i].copy_(full.narrow(0, offsets_[i], model_params_[i].numel()).reshape(model_params_[i].shape()));
+  // fp8_all_gather: one E4M3 scale per parameter, 448 / its amax over every rank's pieces (MAX over dp), as
+  // torchao's float8 all-gather for FSDP scales each weight. Every rank then knows every scale, so only the
+  // codes travel, and the copies of a tied parameter (the embedding on the first and last pipeline stages,
+  // each sharded over its own dp group) round alike. A parameter holding Inf or NaN gets NaN values.
+  std::vector<double> amax(model_params_.size(), 0.0);
+  std::vector<Tensor> host(values.size());
+  for (size_t k = 0; k < pieces_.size(); ++k) {
+    host[k] = values[k].to(Device::cpu()).to(DType::F32).contiguous();
+    const float* p = static_cast<const float*>(host[k].data_ptr());
+    double& a = amax[pieces_[k].param];
+    for (int64_t i = 0; i < pieces_[k].length; ++i)
+      a = std::isfinite(p[i]) ? std::max(a, static_cast<double>(std::fabs(p[i]))) : INFINITY;
+  }
+  dp_.all_reduce(amax, Reduction::Max);
+  std::vector<float> encode(amax.size()), decode(amax.size());
+  for (size_t i = 0; i < amax.size(); ++i) {
+    const bool finite = std::isfinite(amax[i]);
+    encode[i] = !finite || amax[i] == 0 ? 1.0f : std::min(kE4M3Max / static_cast<float>(amax[i]), FLT_MAX);
+    decode[i] = finite ? 1.0f / encode[i] : NAN;
+  }
+  Tensor local = Tensor::empty({shard_size_}, DType::F8E4M3);
+  std::memset(local.data_ptr(), 0, static_cast<size_t>(shard_size_));  // the padding: code 0
+  for (size_t k = 0; k < pieces_.size(); ++k) {
+    QuantizeOptions o;
+    o.format = DType::F8E4M3;
+    o.fixed_scale = encode[pieces_[k].param];
+    const Quantized q = quantize(host[k].reshape({1, pieces_[k].length}), o);
+    std::memcpy(static_cast<uint8_t*>(local.data_ptr()) + pieces_[k].shard_offset, q.codes.data_ptr(),
+                static_cast<size_t>(pieces_[k].length));
+  }
+  const Tensor codes = dp_.all_gather(local);  // [dp * S]
+  for (size_t i = 0; i < model_params_.size(); ++i) {
+    const int64_t n = model_params_[i].numel();
+    Quantized q;
+    q.codes = codes.narrow(0, offsets_[i], n).reshape({1, n});
+    q.scales = Tensor::from_vector(std::vector<float>{decode[i]}, {1, 1});
+    q.block_rows = 1;
+    q.block_cols = n;
+    model_params_[i].copy_(dequantize(q).reshape(model_params_[i].shape()).to(model_params_[i].device()));
+  }
 }
 
 std::vector<Tensor> ZeroOptimizer::master_values() const {
@@ -474,7 +514,7 @@ void ZeroOptimizer::reload_masters() {
   NoGradGuard no_grad;
   for (Piece& piece : pieces_)
     piece.master.copy_(model_params_[piece.param].detach().reshape({-1}).narrow(0, piece.param_offset, piece.length));
-  if (options_.fp8_all_gather) publish_masters();  // the model holds what a step would have published
+  if (publishes_fp8()) publish_masters();  // the model holds what a step would have published
 }
 
 }  // namespace mixtape::dist

@@ -32,9 +32,9 @@
 //                       (log_num_zeros_in_grad: the zero elements are counted the same way, after clipping)
 //                    4. the wrapped optimizer steps the owned pieces (a 16-bit piece gets its gradient rounded
 //                       once to its dtype, as MixedPrecisionOptimizer does without masters)
-//                    5. the updated pieces are all-gathered (f32) and each model parameter takes its value,
-//                       rounded once to the model dtype (exact for pieces in the model dtype); the model
-//                       gradients are dropped
+//                    5. the updated pieces are all-gathered (f32; E4M3 under fp8_all_gather) and each model
+//                       parameter takes its value, rounded once to the model dtype (exact for pieces in the
+//                       model dtype); the model gradients are dropped
 //                    6. the scaler of every loss used this step is updated with its found_inf (also after a
 //                       skip); a loss that sat the step out is not (Apex)
 //   zero_grad()      drops model and piece gradients and anything folded.
@@ -78,10 +78,13 @@ struct ZeroOptions {
   // fp32 masters for the 16-bit parameters. false (Apex O3, or O2 with master_weights false): the shard holds
   // pieces of the parameters in their own dtype, stepped directly; the optimizer state is still sharded.
   bool master_weights = true;
-  // fp8_communication (Colossal-AI's option): step 5's all-gather, and loading, publish the updated pieces as
-  // E4M3 payloads with one scale per rank's shard (dist/fp8_collectives.h), so every model parameter holds its
-  // master after an fp8 round trip while the masters keep their full precision. The reduce-scatter of step 1
-  // stays fp32, as Colossal-AI's reduce_scatter_fp8 falls back to the plain one.
+  // fp8_communication (Colossal-AI's option), with more than one dp rank: step 5's all-gather (and construction
+  // and loading) publish the masters as E4M3 codes, one scale per parameter (448 / its amax, MAX-reduced over
+  // dp first, as torchao's float8 all-gather for FSDP), so every model parameter holds the E4M3 round trip of
+  // its master while the masters keep their full precision. The reduce-scatter of step 1 stays fp32, as
+  // Colossal-AI's reduce_scatter_fp8 falls back to the plain one. state_dict() then holds no exact copy of
+  // the fp32 parameters' masters (it takes them from the model): a checkpoint saves master_values() as the
+  // weights (train/parallel_training.cpp does), and loading publishes them through E4M3 again.
   bool fp8_all_gather = false;
 };
 
@@ -118,6 +121,8 @@ class ZeroOptimizer {
   // The masters, whole (collective over dp): per model parameter its exact value as f32, which differs from the
   // model parameter under fp8_all_gather (a checkpoint saves these as the weights) and for 16-bit parameters.
   std::vector<Tensor> master_values() const;
+  // Whether the model parameters hold the E4M3 round trip of the masters (fp8_all_gather over dp > 1).
+  bool publishes_fp8() const { return options_.fp8_all_gather && dp_.size() > 1; }
 
  private:
   struct Piece {

@@ -197,7 +197,11 @@ Quantized quantize(const Tensor& x, const QuantizeOptions& options) {
     for (float& b : block_amax) b = std::isfinite(amax) ? amax : NAN;
   }
   if (reduces_nvfp4_tensor_amax(options)) amax = options.reduce_tensor_amax(amax);
-  if (reduces_row_amax(options)) options.reduce_row_amax(block_amax);  // one block per row
+  if (reduces_row_amax(options)) {  // one block per row; R amaxes on every process, even with no columns
+    std::vector<float> zeros;
+    if (block_amax.empty()) zeros.assign(static_cast<size_t>(R), 0.0f);
+    options.reduce_row_amax(block_amax.empty() ? std::span<float>(zeros) : std::span<float>(block_amax));
+  }
   q.amax = amax;
 
   // Step 2: the tensor scale (NVFP4) and each block's scale.
@@ -352,7 +356,11 @@ BlockAmax combine_block_amax(std::vector<float> row_amax, int64_t R, int64_t br,
     for (float& a : row_amax) a = std::isnan(a) || std::isnan(amax) ? NAN : amax;  // the one block's amax
   }
   if (reduces_nvfp4_tensor_amax(options)) amax = options.reduce_tensor_amax(amax);
-  if (reduces_row_amax(options)) options.reduce_row_amax(row_amax);  // one block per row
+  if (reduces_row_amax(options)) {  // one block per row; R amaxes on every process, even with no columns
+    std::vector<float> zeros;
+    if (row_amax.empty()) zeros.assign(static_cast<size_t>(R), 0.0f);
+    options.reduce_row_amax(row_amax.empty() ? std::span<float>(zeros) : std::span<float>(row_amax));
+  }
   out.tensor = amax;
   if (br == 1) {
     out.blocks = std::move(row_amax);  // one row per block: the rows' maxima are the blocks'
@@ -496,21 +504,27 @@ EncodeCounts Backend::quantize_encode_kernel(const Tensor& x, const BlockEncodeP
   const bool as_bf16 = values.dtype() == DType::BF16;
   uint16_t* out16 = as_bf16 ? static_cast<uint16_t*>(values.data_ptr()) : nullptr;
   float* out32 = as_bf16 ? nullptr : static_cast<float*>(values.data_ptr());
+  check(C < (int64_t{1} << 31), "quantize_for_gemm: ", x.description(), " has rows of 2^31 or more values");
   const MinifloatFormat& f = element_format(plan.format);
   const FormatRounding round(f);
   const float fmax = format_max(plan.format);
   int64_t saturated = 0, flushed = 0;
   // One run of a block's row: n values from `first`, encoded with `e`, each code value times `multiplier`
   // (tensor/scale_rules.h). Branch-free so that it vectorises.
+  // The counts are 32-bit within a run (a run is one block's row: at most C values, checked below 2^31), which
+  // keeps the vectorised loop at 16 lanes.
   auto encode_run = [&]<bool kBf16>(int64_t first, int64_t n, float e, float multiplier, int64_t& sat, int64_t& flush) {
+    int32_t run_sat = 0, run_flush = 0;
     for (int64_t i = 0; i < n; ++i) {
       const EncodedValue v = encode_nearest(in[first + i], e, round, fmax);
-      sat += v.saturated;
-      flush += v.flushed;
+      run_sat += v.saturated;
+      run_flush += v.flushed;
       const float stored = v.value * multiplier;
       if constexpr (kBf16) out16[first + i] = static_cast<uint16_t>(std::bit_cast<uint32_t>(stored) >> 16);  // exact
       else out32[first + i] = stored;
     }
+    sat += run_sat;
+    flush += run_flush;
   };
   // The same with stochastic rounding (NVFP4's gradients): element i draws Philox(seed, offset + i).
   auto encode_run_stochastic = [&](int64_t first, int64_t n, float e, float multiplier, int64_t& sat, int64_t& flush) {

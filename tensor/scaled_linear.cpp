@@ -101,8 +101,8 @@ namespace {
 float nan_as_inf(float a) { return std::isnan(a) ? INFINITY : a; }
 
 // `reduce` over a list of amaxes, NaN carried as +Inf (which makes the blocks it reaches NaN all the same).
-std::function<void(std::span<float>)> nan_safe(const AmaxReduction& reduce) {
-  return [&reduce](std::span<float> values) {
+std::function<void(std::span<float>)> nan_safe(AmaxReduction reduce) {
+  return [reduce = std::move(reduce)](std::span<float> values) {
     for (float& v : values) v = nan_as_inf(v);
     reduce(values);
   };
@@ -119,6 +119,7 @@ void LowPrecisionContext::cover(const Tensor& weight, const std::string& name) {
   uint64_t hash = 1469598103934665603ull;  // FNV-1a of the name
   for (const unsigned char c : name) hash = (hash ^ c) * 1099511628211ull;
   covered.random_key = recipe_.seed ^ hash;
+  covered.k_split = {};
   for (DelayedScaling& d : covered.state.tensors) d.history.assign(static_cast<size_t>(recipe_.amax_history_len), 0.0f);
 }
 
@@ -129,7 +130,7 @@ QuantizeOptions LowPrecisionContext::options(TensorKind kind, const Tensor& weig
   const bool is_weight = kind == TensorKind::Weight;
   if (const auto& reduce = training ? reduce_max_ : reduce_max_in_eval_;
       reduce && (r.scaling == ScalingRecipe::CurrentTensorwise || r.scaling == ScalingRecipe::Nvfp4))
-    o.reduce_tensor_amax = [&reduce](float amax) {
+    o.reduce_tensor_amax = [reduce](float amax) {
       float value = nan_as_inf(amax);
       reduce(std::span<float>(&value, 1));
       return value;

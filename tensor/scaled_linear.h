@@ -109,10 +109,8 @@ class LowPrecisionContext {
   // step's amaxes before it updates its scales, so every rank uses the scales one process would. An evaluation
   // forward (grad mode off) reduces with `reduce_max_in_eval` instead: over the processes that split one batch
   // (tensor parallel), not over data-parallel replicas, which evaluate different batches (and different
-  // numbers of them) as one process evaluates each batch by itself. Only the tensorwise recipes reduce; the
-  // others are an Error here.
-  // NVFP4's fp32 tensor scale is reduced the same way (its block scales are per block, like every block-scaled
-  // recipe's).
+  // numbers of them) as one process evaluates each batch by itself. Of the other recipes only NVFP4 uses it,
+  // for its fp32 tensor scale (its block scales are per block, like every block-scaled recipe's).
   void set_amax_reduction(AmaxReduction reduce_max, AmaxReduction reduce_max_in_eval);
 
   // Processes split K of one of a covered Linear's GEMMs, each holding a contiguous part of every row (a

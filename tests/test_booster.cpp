@@ -722,19 +722,30 @@ TEST(Booster, ACheckpointsLossScaleIsAUsableScaleNamedByItsEntry) {
 // over the tensor-parallel group (its K, the input features, is split there) and of every weight gradient over
 // the data-parallel group (K is the tokens); each GEMM quantizes two operands, one reduction each.
 TEST(Booster, Fp8RowwiseReducesRowAmaxesOverTheGroupsThatSplitEachGemmsK) {
+  for (const bool row_parallel : {true, false}) {
+    SCOPED_TRACE(row_parallel ? "row-parallel" : "column-parallel");
+    BufferedLinear model;
+    RecordingGroup tp, dp;
+    Booster booster(AmpConfig::parse("fp8_rowwise"));
+    BoostOptions options;
+    options.data_parallel_group = &dp;
+    options.tensor_parallel_group = &tp;
+    (row_parallel ? options.row_parallel_weights : options.column_parallel_weights) = {"linear.weight"};
+    auto optimizer = booster.boost(model, std::make_unique<SGD>(model.parameters(), 0.1), options);
+    Tensor x = Tensor::from_vector(std::vector<float>{1, 2, 3, 4}, {2, 2});
+    x.requires_grad_(true);  // the input gradient's GEMM runs too
+    const Tensor loss = booster.forward(
+        [&](const std::vector<Tensor>& in) { return std::vector<Tensor>{sum(model(in[0]))}; }, {x})[0];
+    EXPECT_EQ(tp.max_calls, row_parallel ? 2 : 0);  // a row-parallel forward's x and W
+    booster.backward(loss, *optimizer);
+    EXPECT_EQ(tp.max_calls, 2);  // and a column-parallel input gradient's g and Wᵀ
+    EXPECT_EQ(dp.max_calls, 2);  // every weight gradient's gᵀ and xᵀ
+  }
+  // A split named for a layer that is not there is an error, not a silently unreduced layer.
   BufferedLinear model;
-  RecordingGroup tp, dp;
   Booster booster(AmpConfig::parse("fp8_rowwise"));
   BoostOptions options;
-  options.data_parallel_group = &dp;
-  options.tensor_parallel_group = &tp;
-  options.row_parallel_weights = {"linear.weight"};
-  auto optimizer = booster.boost(model, std::make_unique<SGD>(model.parameters(), 0.1), options);
-  const Tensor x = Tensor::from_vector(std::vector<float>{1, 2, 3, 4}, {2, 2});
-  const Tensor loss = booster.forward(
-      [&](const std::vector<Tensor>& in) { return std::vector<Tensor>{sum(model(in[0]))}; }, {x})[0];
-  EXPECT_EQ(tp.max_calls, 2);  // the forward's x and W
-  booster.backward(loss, *optimizer);
-  EXPECT_EQ(tp.max_calls, 2);  // nothing in the input gradient (not a column-parallel layer)
-  EXPECT_EQ(dp.max_calls, 2);  // the weight gradient's gᵀ and xᵀ
+  options.row_parallel_weights = {"linaer.weight"};
+  EXPECT_ERROR_MENTIONS(booster.boost(model, std::make_unique<SGD>(model.parameters(), 0.1), options),
+                        "row_parallel_weights entry 'linaer.weight' names no Linear weight");
 }

@@ -429,7 +429,6 @@ TEST(ScaledLinear, CurrentScalingMatchesTheProductOfTheQuantizedOperands) {
   EXPECT_EQ(context->counts()[static_cast<size_t>(TensorKind::Gradient)].values, 12 * 16);
 }
 
-// Inside bf16 autocast (how the fp8 modes run it) the GEMM still sums in fp32: the same bits as outside it.
 // set_k_split: fp8_rowwise reduces the row amaxes of exactly the GEMMs whose K the processes split (here the
 // forward's and the weight gradient's, each operand once: two rows lists per GEMM), not the input gradient's.
 TEST(ScaledLinear, RowwiseReducesRowAmaxesOfTheSplitGemmsOnly) {
@@ -452,6 +451,7 @@ TEST(ScaledLinear, RowwiseReducesRowAmaxesOfTheSplitGemmsOnly) {
   EXPECT_ERROR_MENTIONS(context->set_k_split(Tensor::randn({2, 2}, 3), Gemm::Dgrad, {}), "is not covered");
 }
 
+// Inside bf16 autocast (how the fp8 modes run it) the GEMM still sums in fp32: the same bits as outside it.
 TEST(ScaledLinear, AnOpenAutocastScopeChangesNothing) {
   const Tensor x = Tensor::randn({64, 48}, 1), w = Tensor::randn({40, 48}, 2), b = Tensor::randn({40}, 3);
   for (ScalingRecipe scaling : {ScalingRecipe::CurrentTensorwise, ScalingRecipe::Mx}) {

@@ -523,7 +523,7 @@ double ParallelTrainer::evaluate() {
 StateDict ParallelTrainer::Impl::local_named_state() {
   StateDict named;
   for (const auto& [name, p] : stage->named_parameters()) named.tensors[name] = p.detach();
-  if (zero && options.amp.fp8_communication) {
+  if (zero && zero->publishes_fp8()) {
     // The model holds the fp8 round trip of the masters: the checkpoint keeps the masters themselves, and
     // loading publishes them through fp8 again (dist/zero.h), so a resumed run sees what this one sees.
     const std::vector<Tensor> params = zero->model_params(), masters = zero->master_values();

@@ -1,4 +1,5 @@
-// fp8 payloads in the data-parallel collectives (dist/fp8_collectives.h), on two ranks of the job. The expected
+// fp8 payloads in the data-parallel collectives (dist/fp8_collectives.h, and ZeRO-1's parameter all-gather in
+// dist/zero.h), on two ranks of the job. The expected
 // values come from the formats' definitions: every E5M2 / E4M3 value is enumerated from its fields, the
 // payload of a chunk is each value times format_max / amax rounded to the nearest of them, and the sums are
 // taken in double (the fp32 sums under test stay within 1e-6 of them; one fp8 step is 12.5% or 6.25%).
@@ -9,7 +10,10 @@
 #include <vector>
 
 #include "dist/communicator.h"
+#include "amp/scaler.h"
 #include "dist/fp8_collectives.h"
+#include "dist/zero.h"
+#include "optim/sgd.h"
 #include "tensor/tensor.h"
 #include "dist_test_util.h"
 
@@ -97,20 +101,33 @@ TEST(Fp8Collectives, AllReduceMeanOfAChunkHoldingInfIsNaNOnEveryRank) {
   EXPECT_TRUE(std::isfinite(got[2]) && std::isfinite(got[3]));
 }
 
-// Each rank's shard travels with its own E4M3 scale; the gathered tensor is the same everywhere.
-TEST(Fp8Collectives, AllGatherDequantizesEachShardWithItsOwnE4M3Scale) {
-  const Communicator group = pair();
-  const std::vector<std::vector<double>> shard = {{0.02, -0.013, 1.0}, {300.0, 0.7, -1.0e-3}};
-  const Tensor got = fp8_all_gather(group, Tensor::from_vector(shard[group.rank()], {3}));
-  std::vector<double> want = round_trip(e4m3(), shard[0]);
-  for (double v : round_trip(e4m3(), shard[1])) want.push_back(v);
-  expect_close(got.to_vector<double>(), want, 1e-6, 0.0, "the gathered shards");
-  EXPECT_NE(got.to_vector<double>()[1], -0.013);  // rounded to E4M3 at scale 448
-}
-
 TEST(Fp8Collectives, BadPayloadsAreErrors) {
   const Communicator group = pair();
   const Tensor x = Tensor::from_vector(std::vector<double>{1, 2}, {2});
   EXPECT_THROW(fp8_all_reduce_mean(group, x, DType::F4E2M1), Error);
-  EXPECT_THROW(fp8_all_gather(group, x.reshape({1, 2})), Error);
+  EXPECT_THROW(fp8_all_reduce_mean(group, x.reshape({1, 2})), Error);
+}
+
+// ZeRO-1 with fp8_all_gather at DP2: every model parameter holds its master rounded to E4M3 with its own scale
+// (448 / its amax over both ranks' pieces), from construction on, while the masters stay exact. The two
+// parameters straddle the ranks' shards; with one scale per shard instead, the small one (amax 0.01) would be
+// scaled by the large one's 100 and lose its digits.
+TEST(Fp8Collectives, ZeroPublishesEachParameterAsE4M3WithItsOwnScale) {
+  const Communicator group = pair();
+  Tensor a = Tensor::from_vector(std::vector<float>{100.0f, -37.3f, 0.2f, 61.0f, 3.3f, -99.5f}, {6});
+  Tensor b = Tensor::from_vector(std::vector<float>{0.01f, -0.0037f, 0.00061f, 0.0071f}, {4});
+  const std::vector<double> big = a.to_vector<double>(), small = b.to_vector<double>();
+  a.requires_grad_(true);
+  b.requires_grad_(true);
+  ZeroOptions options;
+  options.fp8_all_gather = true;
+  ZeroOptimizer zero(std::make_unique<SGD>(std::vector<Tensor>{a, b}, 0.1), std::make_unique<StaticLossScaler>(1.0),
+                     group, options);
+  ASSERT_TRUE(zero.publishes_fp8());
+  expect_close(a.to_vector<double>(), round_trip(e4m3(), big), 1e-6, 0.0, "the large parameter");
+  expect_close(b.to_vector<double>(), round_trip(e4m3(), small), 1e-6, 0.0, "the small parameter");
+  EXPECT_NE(b.to_vector<double>()[1], small[1]);  // rounded
+  const std::vector<Tensor> masters = zero.master_values();
+  EXPECT_EQ(masters[0].to_vector<double>(), big);
+  EXPECT_EQ(masters[1].to_vector<double>(), small);
 }
