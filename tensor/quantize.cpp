@@ -130,6 +130,19 @@ bool reduces_row_amax(const QuantizeOptions& o) {
   return o.reduce_row_amax && o.block_rows == 1 && o.block_cols == 0 && !o.fixed_scale;
 }
 
+// The reductions over processes that keep the per-block amaxes' shape: NVFP4's tensor amax (returned) and, for
+// per-row scales of rows split along their columns, the R rows' amaxes in place (one block per row; R values on
+// every process, zeros where it holds no columns).
+float reduce_row_and_nvfp4_amaxes(const QuantizeOptions& o, std::vector<float>& row_amax, int64_t R, float amax) {
+  if (reduces_nvfp4_tensor_amax(o)) amax = o.reduce_tensor_amax(amax);
+  if (reduces_row_amax(o)) {
+    std::vector<float> zeros;
+    if (row_amax.empty()) zeros.assign(static_cast<size_t>(R), 0.0f);
+    o.reduce_row_amax(row_amax.empty() ? std::span<float>(zeros) : std::span<float>(row_amax));
+  }
+  return amax;
+}
+
 void validate(const Tensor& x, const QuantizeOptions& o) {
   if (!x.defined() || x.dim() != 2 || !is_floating(x.dtype()))
     fail("quantize: expected a 2-d f32, f16, bf16 or f64 tensor [rows, cols], got ", x.description());
@@ -196,12 +209,7 @@ Quantized quantize(const Tensor& x, const QuantizeOptions& options) {
     amax = options.reduce_tensor_amax(amax);
     for (float& b : block_amax) b = std::isfinite(amax) ? amax : NAN;
   }
-  if (reduces_nvfp4_tensor_amax(options)) amax = options.reduce_tensor_amax(amax);
-  if (reduces_row_amax(options)) {  // one block per row; R amaxes on every process, even with no columns
-    std::vector<float> zeros;
-    if (block_amax.empty()) zeros.assign(static_cast<size_t>(R), 0.0f);
-    options.reduce_row_amax(block_amax.empty() ? std::span<float>(zeros) : std::span<float>(block_amax));
-  }
+  amax = reduce_row_and_nvfp4_amaxes(options, block_amax, R, amax);
   q.amax = amax;
 
   // Step 2: the tensor scale (NVFP4) and each block's scale.
@@ -355,12 +363,7 @@ BlockAmax combine_block_amax(std::vector<float> row_amax, int64_t R, int64_t br,
     amax = options.reduce_tensor_amax(amax);
     for (float& a : row_amax) a = std::isnan(a) || std::isnan(amax) ? NAN : amax;  // the one block's amax
   }
-  if (reduces_nvfp4_tensor_amax(options)) amax = options.reduce_tensor_amax(amax);
-  if (reduces_row_amax(options)) {  // one block per row; R amaxes on every process, even with no columns
-    std::vector<float> zeros;
-    if (row_amax.empty()) zeros.assign(static_cast<size_t>(R), 0.0f);
-    options.reduce_row_amax(row_amax.empty() ? std::span<float>(zeros) : std::span<float>(row_amax));
-  }
+  amax = reduce_row_and_nvfp4_amaxes(options, row_amax, R, amax);
   out.tensor = amax;
   if (br == 1) {
     out.blocks = std::move(row_amax);  // one row per block: the rows' maxima are the blocks'
