@@ -40,6 +40,38 @@ inline void check_cublas(cublasStatus_t status, const char* call, const char* fi
 // After every kernel launch: a bad launch configuration surfaces here, at the launch that caused it.
 #define MIXTAPE_KERNEL_CHECK() ::mixtape::cuda::check_cuda(cudaGetLastError(), "kernel launch", __FILE__, __LINE__)
 
+// One algorithm from cuBLASLt's heuristic for the matmul of desc over layouts a, b and d (d also C), under
+// mixtape's preferences: at most `workspace` bytes, split-K only with partial sums kept in the compute type, and
+// the operands' alignments in bytes (A and B in cuBLASLt's order). Returns the heuristic call's status; the
+// algorithm is in *result when it is CUBLAS_STATUS_SUCCESS, *count >= 1 and result->state is SUCCESS.
+inline cublasStatus_t lt_heuristic(cublasLtHandle_t handle, cublasLtMatmulDesc_t desc, cublasLtMatrixLayout_t a,
+                                   cublasLtMatrixLayout_t b, cublasLtMatrixLayout_t d, uint32_t a_align,
+                                   uint32_t b_align, uint32_t d_align, uint64_t workspace,
+                                   cublasLtMatmulHeuristicResult_t* result, int* count) {
+  cublasLtMatmulPreference_t preference = nullptr;
+  MIXTAPE_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&preference));
+  // The preference is destroyed on every path (a failed check below throws).
+  struct PreferenceGuard {
+    cublasLtMatmulPreference_t p;
+    ~PreferenceGuard() { (void)cublasLtMatmulPreferenceDestroy(p); }
+  } guard{preference};
+  MIXTAPE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                                            &workspace, sizeof(workspace)));
+  const uint32_t reduction = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
+  MIXTAPE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
+                                                            &reduction, sizeof(reduction)));
+  MIXTAPE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
+                                                            &a_align, sizeof(a_align)));
+  MIXTAPE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                                                            &b_align, sizeof(b_align)));
+  MIXTAPE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
+                                                            &d_align, sizeof(d_align)));
+  MIXTAPE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
+                                                            &d_align, sizeof(d_align)));
+  *count = 0;
+  return cublasLtMatmulAlgoGetHeuristic(handle, desc, a, b, d, d, preference, 1, result, count);
+}
+
 // ---- element types -------------------------------------------------------------------------------------
 
 // The CUDA type with the same bits as a mixtape element type (Half and __half are both 16 raw bits).

@@ -255,32 +255,11 @@ std::unique_ptr<GemmPlan> make_gemm_plan(cublasLtHandle_t handle, const GemmKey&
   MIXTAPE_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->d, CUDA_R_32F, static_cast<uint64_t>(key.N),
                                                   static_cast<uint64_t>(key.M), key.N));
 
-  cublasLtMatmulPreference_t preference = nullptr;
-  MIXTAPE_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&preference));
-  struct PreferenceGuard {
-    cublasLtMatmulPreference_t p;
-    ~PreferenceGuard() { (void)cublasLtMatmulPreferenceDestroy(p); }
-  } guard{preference};
-  const uint64_t workspace = CudaBackend::kWorkspaceBytes;
-  MIXTAPE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                                                            &workspace, sizeof(workspace)));
-  // Split-K only with partial sums kept in fp32.
-  const uint32_t reduction = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
-  MIXTAPE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
-                                                            &reduction, sizeof(reduction)));
-  // cuBLASLt's A is our b and its B our a.
-  MIXTAPE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
-                                                            &key.b_align, sizeof(key.b_align)));
-  MIXTAPE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
-                                                            &key.a_align, sizeof(key.a_align)));
-  MIXTAPE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
-                                                            &key.d_align, sizeof(key.d_align)));
-  MIXTAPE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
-                                                            &key.d_align, sizeof(key.d_align)));
+  // cuBLASLt's A is our b and its B our a; split-K keeps its partial sums in fp32.
   cublasLtMatmulHeuristicResult_t result{};
   int count = 0;
-  const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(handle, plan->desc, plan->a, plan->b, plan->d,
-                                                               plan->d, preference, 1, &result, &count);
+  const cublasStatus_t status = lt_heuristic(handle, plan->desc, plan->a, plan->b, plan->d, key.b_align, key.a_align,
+                                             key.d_align, CudaBackend::kWorkspaceBytes, &result, &count);
   if (status == CUBLAS_STATUS_NOT_SUPPORTED || (fp8 && status == CUBLAS_STATUS_INVALID_VALUE)) return plan;
   check_cublas(status, "cublasLtMatmulAlgoGetHeuristic(...)", __FILE__, __LINE__);
   if (count >= 1 && result.state == CUBLAS_STATUS_SUCCESS) {

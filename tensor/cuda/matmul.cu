@@ -258,32 +258,11 @@ void make_desc(Plan& plan, const PlanKey& key, Epilogue epilogue, const void* bi
 
 // Asks the heuristic for one algorithm for plan's current descriptors; false when it has none.
 bool find_algo(cublasLtHandle_t handle, Plan& plan, const PlanKey& key) {
-  cublasLtMatmulPreference_t preference = nullptr;
-  MIXTAPE_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&preference));
-  // The preference is destroyed on every path (a failed check below throws).
-  struct PreferenceGuard {
-    cublasLtMatmulPreference_t p;
-    ~PreferenceGuard() { (void)cublasLtMatmulPreferenceDestroy(p); }
-  } guard{preference};
-  const uint64_t workspace = CudaBackend::kWorkspaceBytes;
-  MIXTAPE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                                                            &workspace, sizeof(workspace)));
-  // Split-K only with partial sums kept in the compute type (one rounding into f16/bf16 outputs).
-  const uint32_t reduction = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
-  MIXTAPE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
-                                                            &reduction, sizeof(reduction)));
-  MIXTAPE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
-                                                            &key.a_align, sizeof(key.a_align)));
-  MIXTAPE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
-                                                            &key.b_align, sizeof(key.b_align)));
-  MIXTAPE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
-                                                            &key.d_align, sizeof(key.d_align)));
-  MIXTAPE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
-                                                            &key.d_align, sizeof(key.d_align)));
+  // Split-K keeps its partial sums in the compute type: one rounding into f16/bf16 outputs.
   cublasLtMatmulHeuristicResult_t result{};
   int count = 0;
-  const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(handle, plan.desc, plan.a, plan.b, plan.d, plan.d,
-                                                               preference, 1, &result, &count);
+  const cublasStatus_t status = lt_heuristic(handle, plan.desc, plan.a, plan.b, plan.d, key.a_align, key.b_align,
+                                             key.d_align, CudaBackend::kWorkspaceBytes, &result, &count);
   // NOT_SUPPORTED: no heuristic for this configuration, an answer like count == 0. With an epilogue, an
   // INVALID_VALUE can also mean "this epilogue with these types" (not documented per type): the caller then
   // retries without it. Anything else is an error.
