@@ -11,6 +11,7 @@
 #include "tensor/autocast_state.h"
 #include "tensor/backend.h"
 #include "tensor/cpu/gemm_f32_out.h"
+#include "tensor/cpu/quantize_rows.h"
 #include "tensor/autograd_node.h"
 #include "tensor/minifloat.h"
 #include "tensor/ops.h"
@@ -448,6 +449,11 @@ GemmOperand quantize_for_gemm(const Tensor& x, const QuantizeOptions& options) {
   validate(x, options);
   NoGradGuard no_grad;
   AutocastScope fp32(std::nullopt);
+  if (cpu::row_blocks_apply(x, options)) {  // one pass over bf16 or f32 input (tensor/cpu/quantize_rows.h)
+    const Tensor xc = x.dtype() == DType::BF16 || x.dtype() == DType::F32 ? x.contiguous() : x.to(DType::F32).contiguous();
+    GemmOperand op;
+    if (cpu::quantize_row_blocks(xc, options, scale_rule(options), op)) return op;
+  }
   const Tensor xs = x.to(DType::F32).contiguous();
   Backend& backend = backend_of(xs);
   const int64_t R = xs.size(0), C = xs.size(1);
@@ -623,15 +629,24 @@ void Backend::scaled_gemm_kernel(const GemmOperand& a, const GemmOperand& b, int
     Tensor partial = Tensor::empty({M, N}, DType::F32);
     float* o = static_cast<float*>(out.data_ptr());
     const float* p = static_cast<const float*>(partial.data_ptr());
+    std::vector<float> column_scales(static_cast<size_t>(N));  // b's scales of block j, contiguous
     for (int64_t j = 0; j < blocks; ++j) {
       const int64_t k0 = j * kb, n_k = std::min(kb, K - k0);
       sum_products(a.values, b.values, k0, k0 + n_k, accumulator_bits, partial);
+      for (int64_t n = 0; n < N; ++n)
+        column_scales[static_cast<size_t>(n)] = b.k_scales[static_cast<size_t>(n * blocks + j)];
+      const float* cs = column_scales.data();
 #pragma omp parallel for schedule(static) if (M * N > (1 << 15))
       for (int64_t m = 0; m < M; ++m) {
         const float sa = a.k_scales[static_cast<size_t>(m * blocks + j)];
-        for (int64_t n = 0; n < N; ++n) {
-          const float scaled = p[m * N + n] * (sa * b.k_scales[static_cast<size_t>(n * blocks + j)]);
-          o[m * N + n] = j == 0 ? scaled : o[m * N + n] + scaled;
+        float* o_row = o + m * N;
+        const float* p_row = p + m * N;
+        if (j == 0) {
+#pragma omp simd
+          for (int64_t n = 0; n < N; ++n) o_row[n] = p_row[n] * (sa * cs[n]);
+        } else {
+#pragma omp simd
+          for (int64_t n = 0; n < N; ++n) o_row[n] += p_row[n] * (sa * cs[n]);
         }
       }
     }

@@ -290,14 +290,18 @@ TEST(Quantize, TheGemmOperandIsTheDequantizedReferenceBitForBit) {
   Tensor x = mul(Tensor::randn({48, 80}, 21), 4.0);
   {
     std::vector<float> v = values_of(x);
-    v[5] = 1e-9f;      // flushes to zero in most blocks
+    v[5] = v[20] = v[78] = 1e-9f;  // flush to zero in most blocks (20 and 78 lie past a block's first 16 values)
     v[100] = 3000.0f;  // saturates under the OCP floor rule
     x = matrix(v, 48, 80);
   }
-  std::vector<float> with_nan = values_of(x);
+  std::vector<float> with_nan = values_of(x), tiny = values_of(x);
   with_nan[7 * 80 + 3] = NAN;
+  // Row 2 around 2^-133 (f32 subnormals): its E8M0 block scales lie below 2^-100, where code value x scale can
+  // fall between bf16's subnormals.
+  for (int64_t c = 0; c < 80; ++c) tiny[static_cast<size_t>(2 * 80 + c)] *= 0x1p-135f;
   std::vector<QuantizeOptions> cases = {
       options(kE4M3Type, 0, 0),  options(DType::F8E5M2, 0, 0), options(kE4M3Type, 1, 0), options(kE4M3Type, 1, 32),
+      options(kE4M3Type, 1, 24), options(DType::F8E5M2, 1, 24, BlockScale::E8M0Floor),
       options(kE4M3Type, 32, 32), options(kE4M3Type, 1, 32, BlockScale::E8M0Floor), options(kE4M3Type, 1, 32, BlockScale::E8M0Ceil),
       options(DType::F4E2M1, 1, 16, BlockScale::E4M3TwoLevel), options(DType::F4E2M1, 16, 16, BlockScale::E4M3TwoLevel)};
   QuantizeOptions delayed = options(kE4M3Type, 0, 0);
@@ -307,18 +311,22 @@ TEST(Quantize, TheGemmOperandIsTheDequantizedReferenceBitForBit) {
   stochastic.stochastic_seed = 5;
   stochastic.stochastic_offset = 1000;
   cases.push_back(stochastic);
-  for (const Tensor& input : {x, matrix(with_nan, 48, 80)})
+  // Inputs of every kind the training path reads: f32, bf16 (read as it is), f16 (widened), a transposed view.
+  const Tensor with_nan_t = matrix(with_nan, 48, 80);
+  for (const Tensor& input : {x, with_nan_t, matrix(tiny, 48, 80), with_nan_t.to(DType::BF16),
+                              with_nan_t.to(DType::F16), with_nan_t.to(DType::BF16).mT()})
     for (const QuantizeOptions& o : cases) {
-      SCOPED_TRACE(std::string(dtype_name(o.format)) + " " + block_scale_name(o.scale) + " " +
-                   std::to_string(o.block_rows) + "x" + std::to_string(o.block_cols));
+      SCOPED_TRACE(std::string(input.description()) + " " + dtype_name(o.format) + " " + block_scale_name(o.scale) +
+                   " " + std::to_string(o.block_rows) + "x" + std::to_string(o.block_cols));
       const Quantized q = quantize(input, o);
       const GemmOperand g = quantize_for_gemm(input, o);
       const std::vector<float> want = values_of(dequantize(q)), values = values_of(g.values);
       ASSERT_EQ(values.size(), want.size());
+      const size_t C = static_cast<size_t>(input.size(1));
       for (size_t i = 0; i < want.size(); ++i) {
-        const float row = g.row_scale.empty() ? 1.0f : g.row_scale[i / 80];
-        const int64_t blocks = g.k_block > 0 ? (80 + g.k_block - 1) / g.k_block : 1;
-        const float k = g.k_scales.empty() ? 1.0f : g.k_scales[i / 80 * blocks + i % 80 / g.k_block];
+        const float row = g.row_scale.empty() ? 1.0f : g.row_scale[i / C];
+        const size_t blocks = g.k_block > 0 ? (C + static_cast<size_t>(g.k_block) - 1) / static_cast<size_t>(g.k_block) : 1;
+        const float k = g.k_scales.empty() ? 1.0f : g.k_scales[i / C * blocks + i % C / static_cast<size_t>(g.k_block)];
         const float got = values[i] * k * row * g.tensor_scale;
         if (std::isnan(want[i])) EXPECT_TRUE(std::isnan(got)) << i;
         else ASSERT_EQ(got, want[i]) << i;
