@@ -29,8 +29,9 @@ Backend& backend_for(Device device) {
 namespace {
 
 void check_quantize_input(const Tensor& x, const char* what) {
-  check(x.defined() && x.dim() == 2 && x.dtype() == DType::F32 && x.is_contiguous(), "quantize_for_gemm: ", what,
-        ": expected a contiguous f32 [R, C] tensor, got ", x.described());
+  const bool dtype = x.defined() && (x.dtype() == DType::F32 || (x.dtype() == DType::BF16 && x.device().is_cpu()));
+  check(dtype && x.dim() == 2 && x.is_contiguous(), "quantize_for_gemm: ", what,
+        ": expected a contiguous f32 [R, C] tensor (or bf16 on the CPU), got ", x.described());
 }
 
 }  // namespace
@@ -63,8 +64,11 @@ void Backend::scaled_gemm(const GemmOperand& a, const GemmOperand& b, int accumu
             vb.device() == out.device(),
         "scaled_matmul: a ", va.described(), " @ b ", vb.described(), "^T into ", out.described(),
         ": expected a [M, K], b [N, K] and a contiguous f32 out [M, N] on one device");
-  check(va.is_contiguous() && vb.is_contiguous(), "scaled_matmul: the operands' values must be contiguous, got ",
-        va.described(), " and ", vb.described());
+  // The CPU's quantize_for_gemm leaves the values of a transposed input in its memory order (a column-major
+  // view, which its GEMM reads as it is); other devices' values are contiguous.
+  const auto laid_out = [&](const Tensor& v) { return v.is_contiguous() || (out.device().is_cpu() && v.mT().is_contiguous()); };
+  check(laid_out(va) && laid_out(vb), "scaled_matmul: the operands' values must be contiguous",
+        out.device().is_cpu() ? " or column-major" : "", ", got ", va.described(), " and ", vb.described());
   check((a.row_scale.empty() || a.row_scale.size() == static_cast<size_t>(va.size(0))) &&
             (b.row_scale.empty() || b.row_scale.size() == static_cast<size_t>(vb.size(0))),
         "scaled_matmul: row scales of ", a.row_scale.size(), " and ", b.row_scale.size(), " entries for ",

@@ -173,14 +173,15 @@ class Backend {
   // ---- fp8 and block-scaled GEMMs: quantize_for_gemm's two passes and scaled_matmul (tensor/quantize.h) ----
   // The rules that pick scales and round values are tensor/scale_rules.h's, one copy for every device; what
   // a device provides is the passes over the data. The CPU's kernels are the defaults below (host memory).
-  // Each row's max |x| over every run of block_cols values of x (contiguous f32 [R, C]): [R * ceil(C /
-  // block_cols)] on the host, row-major, NaN for a run holding Inf or NaN (max is exact: any order agrees).
+  // Each row's max |x| over every run of block_cols values of x (contiguous f32 [R, C], or bf16 on the CPU,
+  // which reads it without an f32 copy): [R * ceil(C / block_cols)] on the host, row-major, NaN for a run
+  // holding Inf or NaN (max is exact: any order agrees).
   std::vector<float> quantize_row_amax(const Tensor& x, int64_t block_cols);
-  // Encodes x (contiguous f32 [R, C]) by plan into values (contiguous [R, C] on x's device: bf16, f32, or the
-  // fp8 codes of plan.format where the device's GEMM takes them); returns what saturated and flushed.
+  // Encodes x (as above) by plan into values (contiguous [R, C] on x's device: bf16, f32, or the fp8 codes of
+  // plan.format where the device's GEMM takes them); returns what saturated and flushed.
   EncodeCounts quantize_encode(const Tensor& x, const BlockEncodePlan& plan, const Tensor& values);
   // out (contiguous f32 [M, N]) = scaled_matmul(a, b, accumulator_bits) (tensor/quantize.h), operands on out's
-  // device and already checked by scaled_matmul.
+  // device and already checked by scaled_matmul; their values contiguous (on the CPU: or column-major).
   void scaled_gemm(const GemmOperand& a, const GemmOperand& b, int accumulator_bits, const Tensor& out);
 
  protected:
@@ -231,7 +232,8 @@ class Backend {
                                                 const Tensor& v, const Tensor& out, const Tensor& lse, double scale,
                                                 const Tensor& grad_q, const Tensor& grad_k,
                                                 const Tensor& grad_v) = 0;
-  // The CPU's (tensor/quantize.cpp): host memory. A device with its own memory overrides all three.
+  // The CPU's (tensor/cpu/quantize_kernels.cpp, tensor/quantize.cpp): host memory. A device with its own
+  // memory overrides all three.
   virtual std::vector<float> quantize_row_amax_kernel(const Tensor& x, int64_t block_cols);
   virtual EncodeCounts quantize_encode_kernel(const Tensor& x, const BlockEncodePlan& plan, const Tensor& values);
   virtual void scaled_gemm_kernel(const GemmOperand& a, const GemmOperand& b, int accumulator_bits,

@@ -11,14 +11,12 @@
 #include "tensor/autocast_state.h"
 #include "tensor/backend.h"
 #include "tensor/cpu/gemm_f32_out.h"
-#include "tensor/cpu/quantize_rows.h"
+#include "tensor/cpu/quantize_kernels.h"
 #include "tensor/autograd_node.h"
 #include "tensor/minifloat.h"
 #include "tensor/ops.h"
 
 namespace mixtape {
-
-namespace {
 
 const MinifloatFormat& element_format(DType format) {
   switch (format) {
@@ -29,6 +27,8 @@ const MinifloatFormat& element_format(DType format) {
                   "or f4e2m1)");
   }
 }
+
+namespace {
 
 // The exponent of a format's largest finite value (OCP MX's emax_elem): 8 for E4M3, 15 for E5M2, 2 for E2M1.
 int format_emax(DType format) { return floor_log2(format_max(format)); }
@@ -334,12 +334,12 @@ namespace {
 
 // Whether code_value * scale is exact in bf16 for every code of an 8-bit or E2M1 format: products of at most
 // 4 + 4 significant bits, far from bf16's subnormals (a power-of-two scale at or above 2^-100, or NVFP4's E4M3
-// block scales).
-bool product_exact_in_bf16(BlockScale kind, const std::vector<float>& decode) {
+// block scales). A block of zeros (amax 0) holds only zeros, which any scale keeps exact.
+bool product_exact_in_bf16(BlockScale kind, const std::vector<float>& decode, const std::vector<float>& block_amax) {
   if (kind == BlockScale::E4M3TwoLevel) return true;
   if (kind != BlockScale::E8M0Floor && kind != BlockScale::E8M0Ceil) return false;
-  for (float d : decode)
-    if (!(d >= 0x1p-100f) && !std::isnan(d)) return false;
+  for (size_t b = 0; b < decode.size(); ++b)
+    if (!(decode[b] >= 0x1p-100f) && !std::isnan(decode[b]) && block_amax[b] != 0) return false;
   return true;
 }
 
@@ -411,11 +411,11 @@ void choose_scales(const BlockAmax& amax, const QuantizeOptions& options, BlockE
 
 // Step 3: the operand's form (where the scales go) and the values' dtype; fills op's scales and plan.multiplier.
 DType choose_form(int64_t R, int64_t C, int64_t br, int64_t bc, const QuantizeOptions& options, Device device,
-                  BlockEncodePlan& plan, GemmOperand& op) {
+                  const BlockAmax& amax, BlockEncodePlan& plan, GemmOperand& op) {
   const std::vector<float>& decode = plan.decode;
   const int64_t grid_cols = plan.grid_cols;
   const bool post_scaled = bc >= C;  // one scale per row along K: the codes go in, the scales come after
-  const bool folded = !post_scaled && product_exact_in_bf16(options.scale, decode);
+  const bool folded = !post_scaled && product_exact_in_bf16(options.scale, decode, amax.blocks);
   // fp32 scales along K (DeepSeek-V3's tiles): the codes go in, and each K block's partial product is scaled
   // and summed in fp32, as DeepSeek-V3 promotes its fp8 partial sums every 128 of K.
   const bool k_blocked = !post_scaled && !folded && options.scale == BlockScale::Fp32;
@@ -449,12 +449,22 @@ GemmOperand quantize_for_gemm(const Tensor& x, const QuantizeOptions& options) {
   validate(x, options);
   NoGradGuard no_grad;
   AutocastScope fp32(std::nullopt);
-  if (cpu::row_blocks_apply(x, options)) {  // one pass over bf16 or f32 input (tensor/cpu/quantize_rows.h)
-    const Tensor xc = x.dtype() == DType::BF16 || x.dtype() == DType::F32 ? x.contiguous() : x.to(DType::F32).contiguous();
+  // The CPU's kernels read bf16 as it is (no f32 copy); other devices take f32.
+  const bool as_is = x.device().is_cpu() && (x.dtype() == DType::BF16 || x.dtype() == DType::F32);
+  if (as_is && cpu::row_blocks_apply(x, options)) {  // one pass (tensor/cpu/quantize_kernels.h)
     GemmOperand op;
-    if (cpu::quantize_row_blocks(xc, options, scale_rule(options), op)) return op;
+    if (cpu::quantize_row_blocks(x, options, scale_rule(options), op)) return op;
   }
-  const Tensor xs = x.to(DType::F32).contiguous();
+  // One scale for a transposed input: its memory's order quantized, the GEMM given the transposed view (with
+  // one scale the order changes nothing, but for the elements' stochastic draws, numbered in the view's order).
+  if (as_is && !x.is_contiguous() && x.mT().is_contiguous() && options.block_rows == 0 && options.block_cols == 0 &&
+      !options.stochastic_seed) {
+    GemmOperand op = quantize_for_gemm(x.mT(), options);
+    op.values = op.values.mT();
+    if (!op.row_scale.empty()) op.row_scale.assign(static_cast<size_t>(x.size(0)), op.row_scale.front());
+    return op;
+  }
+  const Tensor xs = as_is ? x.contiguous() : x.to(DType::F32).contiguous();
   Backend& backend = backend_of(xs);
   const int64_t R = xs.size(0), C = xs.size(1);
   const int64_t br = options.block_rows == 0 ? std::max<int64_t>(R, 1) : options.block_rows;
@@ -473,96 +483,12 @@ GemmOperand quantize_for_gemm(const Tensor& x, const QuantizeOptions& options) {
   const BlockAmax amax = combine_block_amax(backend.quantize_row_amax(xs, bc), R, br, grid_rows, grid_cols, options);
   op.amax = amax.tensor;
   choose_scales(amax, options, plan, op);
-  const DType values_dtype = choose_form(R, C, br, bc, options, xs.device(), plan, op);
+  const DType values_dtype = choose_form(R, C, br, bc, options, xs.device(), amax, plan, op);
   op.values = Tensor::empty({R, C}, values_dtype, xs.device());
   const EncodeCounts counts = backend.quantize_encode(xs, plan, op.values);
   op.saturated = counts.saturated;
   op.flushed = counts.flushed;
   return op;
-}
-
-// ---- the CPU's kernels (Backend's defaults: host memory) ------------------------------------------------
-
-std::vector<float> Backend::quantize_row_amax_kernel(const Tensor& x, int64_t block_cols) {
-  const float* in = static_cast<const float*>(x.data_ptr());
-  const int64_t R = x.size(0), C = x.size(1), bc = block_cols, grid_cols = (C + bc - 1) / bc;
-  std::vector<float> row_amax(static_cast<size_t>(R * grid_cols));
-#pragma omp parallel for schedule(static) if (R * C > (1 << 15))
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t j = 0; j < grid_cols; ++j) {
-      const float* p = in + r * C + j * bc;
-      const int64_t n = std::min(bc, C - j * bc);
-      float m = 0;
-      int not_finite = 0;
-#pragma omp simd reduction(max : m) reduction(| : not_finite)
-      for (int64_t i = 0; i < n; ++i) {
-        const float a = std::fabs(p[i]);
-        not_finite |= !(a <= FLT_MAX);
-        m = std::max(m, a);
-      }
-      row_amax[static_cast<size_t>(r * grid_cols + j)] = not_finite ? NAN : m;
-    }
-  return row_amax;
-}
-
-EncodeCounts Backend::quantize_encode_kernel(const Tensor& x, const BlockEncodePlan& plan, const Tensor& values) {
-  check(values.dtype() == DType::BF16 || values.dtype() == DType::F32, "quantize_for_gemm: not supported: ",
-        values.described(), " on the CPU (its GEMM operands hold bf16 or f32 values)");
-  const float* in = static_cast<const float*>(x.data_ptr());
-  const int64_t R = x.size(0), C = x.size(1), br = plan.block_rows, bc = plan.block_cols, grid_cols = plan.grid_cols;
-  const bool as_bf16 = values.dtype() == DType::BF16;
-  uint16_t* out16 = as_bf16 ? static_cast<uint16_t*>(values.data_ptr()) : nullptr;
-  float* out32 = as_bf16 ? nullptr : static_cast<float*>(values.data_ptr());
-  check(C < (int64_t{1} << 31), "quantize_for_gemm: ", x.description(), " has rows of 2^31 or more values");
-  const MinifloatFormat& f = element_format(plan.format);
-  const FormatRounding round(f);
-  const float fmax = format_max(plan.format);
-  int64_t saturated = 0, flushed = 0;
-  // One run of a block's row: n values from `first`, encoded with `e`, each code value times `multiplier`
-  // (tensor/scale_rules.h). Branch-free so that it vectorises.
-  // The counts are 32-bit within a run (a run is one block's row: at most C values, checked below 2^31), which
-  // keeps the vectorised loop at 16 lanes.
-  auto encode_run = [&]<bool kBf16>(int64_t first, int64_t n, float e, float multiplier, int64_t& sat, int64_t& flush) {
-    int32_t run_sat = 0, run_flush = 0;
-    for (int64_t i = 0; i < n; ++i) {
-      const EncodedValue v = encode_nearest(in[first + i], e, round, fmax);
-      run_sat += v.saturated;
-      run_flush += v.flushed;
-      const float stored = v.value * multiplier;
-      if constexpr (kBf16) out16[first + i] = static_cast<uint16_t>(std::bit_cast<uint32_t>(stored) >> 16);  // exact
-      else out32[first + i] = stored;
-    }
-    sat += run_sat;
-    flush += run_flush;
-  };
-  // The same with stochastic rounding (NVFP4's gradients): element i draws Philox(seed, offset + i).
-  auto encode_run_stochastic = [&](int64_t first, int64_t n, float e, float multiplier, int64_t& sat, int64_t& flush) {
-    for (int64_t i = 0; i < n; ++i) {
-      const uint32_t random = philox4x32(plan.stochastic_offset + static_cast<uint64_t>(first + i),
-                                         plan.stochastic_stream, *plan.stochastic_seed)[0];
-      const EncodedValue v = encode_stochastic(in[first + i], e, f, round, fmax, random);
-      sat += v.saturated;
-      flush += v.flushed;
-      const float stored = v.value * multiplier;
-      if (as_bf16) out16[first + i] = static_cast<uint16_t>(std::bit_cast<uint32_t>(stored) >> 16);
-      else out32[first + i] = stored;
-    }
-  };
-  // A NaN block's values count as neither saturated nor flushed (its scale already says what happened).
-#pragma omp parallel for schedule(static) reduction(+ : saturated, flushed) if (R * C > (1 << 15))
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t j = 0; j < grid_cols; ++j) {
-      const size_t b = static_cast<size_t>(r / br * grid_cols + j);
-      const float e = plan.encode[b], multiplier = plan.multiplier[b];
-      const int64_t first = r * C + j * bc, n = std::min(bc, C - j * bc);
-      int64_t block_saturated = 0, block_flushed = 0;
-      if (plan.stochastic_seed) encode_run_stochastic(first, n, e, multiplier, block_saturated, block_flushed);
-      else if (as_bf16) encode_run.template operator()<true>(first, n, e, multiplier, block_saturated, block_flushed);
-      else encode_run.template operator()<false>(first, n, e, multiplier, block_saturated, block_flushed);
-      saturated += e == 0 ? 0 : block_saturated;
-      flushed += std::isnan(plan.decode[b]) ? 0 : block_flushed;
-    }
-  return {saturated, flushed};
 }
 
 namespace {

@@ -123,5 +123,7 @@ Tensor convert_minifloat(const Tensor& x, DType target);
 
 // The largest finite value of a format (448, 57344, 6); Error for other dtypes.
 float format_max(DType format);
+// The encoding of an element format (F8E4M3, F8E5M2, F4E2M1: tensor/minifloat.h); Error for other dtypes.
+const MinifloatFormat& element_format(DType format);
 
 }  // namespace mixtape

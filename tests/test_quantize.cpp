@@ -266,6 +266,10 @@ TEST(Quantize, ScaledMatmulIsTheFp32SumOfTheDequantizedProducts) {
     const std::vector<float> c = values_of(scaled_matmul(qa, qb));
     // The training path's product (codes with scales after, per K block, or folded into bf16 values).
     const std::vector<float> fast = values_of(scaled_matmul(quantize_for_gemm(a, o), quantize_for_gemm(b, o)));
+    // The same with column-major operands (the transposed views a weight gradient quantizes).
+    const Tensor a_columns = a.mT().contiguous().mT(), b_columns = b.mT().contiguous().mT();
+    const std::vector<float> columns =
+        values_of(scaled_matmul(quantize_for_gemm(a_columns, o), quantize_for_gemm(b_columns, o)));
     const std::vector<double> da = dequantize(qa).to(DType::F64).to_vector<double>(),
                               db = dequantize(qb).to(DType::F64).to_vector<double>();
     for (int64_t m = 0; m < M; ++m)
@@ -279,6 +283,8 @@ TEST(Quantize, ScaledMatmulIsTheFp32SumOfTheDequantizedProducts) {
         ASSERT_NEAR(c[m * N + n], exact, bound) << block_scale_name(o.scale) << " " << o.block_cols << " m " << m << " n " << n;
         ASSERT_NEAR(fast[m * N + n], exact, bound) << "training path " << block_scale_name(o.scale) << " "
                                                    << o.block_cols << " m " << m << " n " << n;
+        ASSERT_NEAR(columns[m * N + n], exact, bound) << "column-major " << block_scale_name(o.scale) << " "
+                                                      << o.block_cols << " m " << m << " n " << n;
       }
   }
 }
@@ -298,7 +304,9 @@ TEST(Quantize, TheGemmOperandIsTheDequantizedReferenceBitForBit) {
   with_nan[7 * 80 + 3] = NAN;
   // Row 2 around 2^-133 (f32 subnormals): its E8M0 block scales lie below 2^-100, where code value x scale can
   // fall between bf16's subnormals.
+  std::vector<float> tiny_column = tiny;  // the same down column 5: a row of the transposed view
   for (int64_t c = 0; c < 80; ++c) tiny[static_cast<size_t>(2 * 80 + c)] *= 0x1p-135f;
+  for (int64_t r = 0; r < 48; ++r) tiny_column[static_cast<size_t>(r * 80 + 5)] *= 0x1p-135f;
   std::vector<QuantizeOptions> cases = {
       options(kE4M3Type, 0, 0),  options(DType::F8E5M2, 0, 0), options(kE4M3Type, 1, 0), options(kE4M3Type, 1, 32),
       options(kE4M3Type, 1, 24), options(DType::F8E5M2, 1, 24, BlockScale::E8M0Floor),
@@ -311,10 +319,15 @@ TEST(Quantize, TheGemmOperandIsTheDequantizedReferenceBitForBit) {
   stochastic.stochastic_seed = 5;
   stochastic.stochastic_offset = 1000;
   cases.push_back(stochastic);
-  // Inputs of every kind the training path reads: f32, bf16 (read as it is), f16 (widened), a transposed view.
+  // Inputs of every kind the training path reads: f32, bf16 (read as it is), f16 (widened), transposed views
+  // (the CPU quantizes them in their memory's order), one of them over 256 rows.
   const Tensor with_nan_t = matrix(with_nan, 48, 80);
+  std::vector<float> wide = values_of(Tensor::randn({40, 300}, 9));
+  wide[3 * 300 + 290] = INFINITY;
+  wide[7 * 300 + 100] = 1e-12f;
   for (const Tensor& input : {x, with_nan_t, matrix(tiny, 48, 80), with_nan_t.to(DType::BF16),
-                              with_nan_t.to(DType::F16), with_nan_t.to(DType::BF16).mT()})
+                              with_nan_t.to(DType::F16), with_nan_t.to(DType::BF16).mT(), matrix(tiny_column, 48, 80).mT(),
+                              matrix(wide, 40, 300).mT()})
     for (const QuantizeOptions& o : cases) {
       SCOPED_TRACE(std::string(input.description()) + " " + dtype_name(o.format) + " " + block_scale_name(o.scale) +
                    " " + std::to_string(o.block_rows) + "x" + std::to_string(o.block_cols));
@@ -333,7 +346,7 @@ TEST(Quantize, TheGemmOperandIsTheDequantizedReferenceBitForBit) {
       }
       EXPECT_EQ(g.saturated, q.saturated);
       EXPECT_EQ(g.flushed, q.flushed);
-      if (std::isnan(q.amax)) EXPECT_TRUE(std::isnan(g.amax));
+      if (!std::isfinite(q.amax)) EXPECT_FALSE(std::isfinite(g.amax));  // "Inf or NaN when x holds one"
       else EXPECT_EQ(g.amax, q.amax);
     }
   // Every midpoint between neighbouring values of each format (the ties), at scale 1: nearest even.
@@ -349,6 +362,25 @@ TEST(Quantize, TheGemmOperandIsTheDequantizedReferenceBitForBit) {
     o.fixed_scale = 1.0f;
     const Tensor t = matrix(ties, 1, static_cast<int64_t>(ties.size()));
     EXPECT_EQ(values_of(quantize_for_gemm(t, o).values), values_of(dequantize(quantize(t, o)))) << dtype_name(format);
+  }
+}
+
+// E8M0-scaled values go to the GEMM as bf16 (code value x scale, exact) unless a scale lies below 2^-100, where
+// the products may fall between bf16's subnormals and the operand is f32. A block of zeros (scale 2^-127) holds
+// only zeros, exact under any scale: it keeps the bf16 form.
+TEST(Quantize, ABlockOfZerosKeepsE8m0ValuesInBf16) {
+  for (const int64_t block_rows : {1, 32}) {  // the one-pass row kernel and the general path
+    for (const BlockScale rule : {BlockScale::E8M0Floor, BlockScale::E8M0Ceil}) {
+      std::vector<float> v = values_of(Tensor::randn({64, 64}, 3));
+      for (int64_t r = 0; r < 32; ++r)
+        for (int64_t c = 0; c < 32; ++c) v[static_cast<size_t>(r * 64 + c)] = 0;
+      const QuantizeOptions o = options(kE4M3Type, block_rows, 32, rule);
+      const GemmOperand zeros = quantize_for_gemm(matrix(v, 64, 64), o);
+      EXPECT_EQ(zeros.values.dtype(), DType::BF16) << block_rows;
+      EXPECT_EQ(values_of(zeros.values), values_of(dequantize(quantize(matrix(v, 64, 64), o))));
+      for (int64_t c = 0; c < 32; ++c) v[static_cast<size_t>(c)] = 0x1p-130f * static_cast<float>(c + 1);
+      EXPECT_EQ(quantize_for_gemm(matrix(v, 64, 64), o).values.dtype(), DType::F32) << block_rows;
+    }
   }
 }
 

@@ -7,7 +7,7 @@
 
 namespace mixtape::cpu {
 
-// a, b: both bf16 or both f32, row-major with unit column stride (rows may be strided: a block of columns of a
+// a, b: both bf16 or both f32, each row-major or column-major (rows, or columns, may be strided: a block of a
 // wider matrix); out: contiguous f32 [M, N].
 void gemm_nt_f32_out(const Tensor& a, const Tensor& b, const Tensor& out);
 

@@ -36,15 +36,6 @@ namespace mixtape::cuda {
 
 namespace {
 
-const MinifloatFormat& format_of(DType format) {
-  switch (format) {
-    case DType::F8E4M3: return kE4M3;
-    case DType::F8E5M2: return kE5M2;
-    case DType::F4E2M1: return kE2M1;
-    default: fail("quantize_for_gemm: ", dtype_name(format), " is not an element format (f8e4m3, f8e5m2, f4e2m1)");
-  }
-}
-
 bool is_fp8(DType dtype) { return dtype == DType::F8E4M3 || dtype == DType::F8E5M2; }
 
 // A host vector on the device (the scales a kernel reads).
@@ -363,7 +354,7 @@ Tensor decode_codes(CudaBackend& backend, const Tensor& codes) {
   const int64_t n = codes.numel();
   if (n == 0) return out;
   decode_codes_kernel<<<blocks_for(n), kThreads, 0, backend.stream()>>>(
-      static_cast<const uint8_t*>(codes.data_ptr()), n, format_of(codes.dtype()),
+      static_cast<const uint8_t*>(codes.data_ptr()), n, element_format(codes.dtype()),
       static_cast<uint16_t*>(out.data_ptr()));
   MIXTAPE_KERNEL_CHECK();
   return out;
@@ -424,7 +415,7 @@ EncodeCounts CudaBackend::quantize_encode_kernel(const Tensor& x, const BlockEnc
     args.single[1] = plan.multiplier[0];
     args.single[2] = plan.decode[0];
   }
-  args.format = format_of(plan.format);
+  args.format = element_format(plan.format);
   args.fmax = plan.format == DType::F8E4M3 ? kE4M3Max : plan.format == DType::F8E5M2 ? kE5M2Max : kE2M1Max;
   args.stochastic = plan.stochastic_seed.has_value();
   args.seed = plan.stochastic_seed.value_or(0);

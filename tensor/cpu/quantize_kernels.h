@@ -17,9 +17,9 @@ bool row_blocks_apply(const Tensor& x, const QuantizeOptions& options);
 
 // Quantizes x (contiguous f32 or bf16 [R, C] on the CPU; row_blocks_apply) into op: bf16 values, the code
 // values times their E8M0 block scale (exact in bf16) or the code values with fp32 scales along K (k_scales,
-// k_block), and op.amax and the counts. Returns false where some E8M0 decode scale lies below 2^-100 (a block
-// amax below about 2^-92), whose products bf16 cannot hold exactly: the caller then takes the general path,
-// which stores f32 values.
+// k_block), and op.amax and the counts. Returns false where a block holding nonzero values has an E8M0 decode
+// scale below 2^-100 (an amax below about 2^-92), whose products bf16 cannot hold exactly: the caller then
+// takes the general path, which stores f32 values.
 bool quantize_row_blocks(const Tensor& x, const QuantizeOptions& options, const ScaleRule& rule, GemmOperand& op);
 
 }  // namespace mixtape::cpu
