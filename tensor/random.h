@@ -14,14 +14,12 @@
 
 namespace mixtape {
 
-// Philox4x32 with 10 rounds: four 32-bit outputs for a 128-bit counter and 64-bit key.
-MIXTAPE_HOST_DEVICE inline std::array<uint32_t, 4> philox4x32(uint64_t counter_low, uint64_t counter_high,
-                                                              uint64_t key) {
+// Philox4x32's 10 rounds on the counter's 32-bit words c0..c3 (c0 lowest) in place, under the key k0, k1: the
+// four outputs. Words in and out, so that a loop over counters vectorises.
+MIXTAPE_HOST_DEVICE inline void philox4x32_rounds(uint32_t& c0, uint32_t& c1, uint32_t& c2, uint32_t& c3, uint32_t k0,
+                                                  uint32_t k1) {
   constexpr uint32_t kMul0 = 0xD2511F53u, kMul1 = 0xCD9E8D57u;
   constexpr uint32_t kWeyl0 = 0x9E3779B9u, kWeyl1 = 0xBB67AE85u;
-  uint32_t c0 = static_cast<uint32_t>(counter_low), c1 = static_cast<uint32_t>(counter_low >> 32);
-  uint32_t c2 = static_cast<uint32_t>(counter_high), c3 = static_cast<uint32_t>(counter_high >> 32);
-  uint32_t k0 = static_cast<uint32_t>(key), k1 = static_cast<uint32_t>(key >> 32);
   for (int round = 0; round < 10; ++round) {
     const uint64_t p0 = static_cast<uint64_t>(kMul0) * c0;
     const uint64_t p1 = static_cast<uint64_t>(kMul1) * c2;
@@ -34,6 +32,14 @@ MIXTAPE_HOST_DEVICE inline std::array<uint32_t, 4> philox4x32(uint64_t counter_l
     k0 += kWeyl0;
     k1 += kWeyl1;
   }
+}
+
+// Philox4x32 with 10 rounds: four 32-bit outputs for a 128-bit counter and 64-bit key.
+MIXTAPE_HOST_DEVICE inline std::array<uint32_t, 4> philox4x32(uint64_t counter_low, uint64_t counter_high,
+                                                              uint64_t key) {
+  uint32_t c0 = static_cast<uint32_t>(counter_low), c1 = static_cast<uint32_t>(counter_low >> 32);
+  uint32_t c2 = static_cast<uint32_t>(counter_high), c3 = static_cast<uint32_t>(counter_high >> 32);
+  philox4x32_rounds(c0, c1, c2, c3, static_cast<uint32_t>(key), static_cast<uint32_t>(key >> 32));
   return {c0, c1, c2, c3};
 }
 

@@ -3,7 +3,9 @@
 // an f64 product of the same dequantized operands, and delayed scaling's history as Transformer Engine keeps it.
 #include <gtest/gtest.h>
 
+#include <bit>
 #include <cmath>
+#include <limits>
 #include <span>
 #include <vector>
 
@@ -415,6 +417,34 @@ TEST(Quantize, StochasticRoundingIsReproducibleFromTheSeed) {
   EXPECT_NE(values_of(dequantize(quantize(g, o))), first);
   o.stochastic_seed.reset();
   EXPECT_NE(values_of(dequantize(quantize(g, o))), first);  // nearest-even differs from a stochastic draw
+}
+
+// The training path's stochastic rounding against quantize()'s (float_to_minifloat's draws) on values across
+// every binade a format meets at scale 1: above its range (saturated), its normals, its subnormals and far below
+// them (where the grid step is 2^40 times the value), each drawing the same Philox bits.
+TEST(Quantize, StochasticRoundingOfTheGemmOperandIsTheReferencesBitForBit) {
+  std::vector<float> v;
+  for (int k = -48; k <= 17; ++k)
+    for (int j = 0; j < 24; ++j) v.push_back((j % 2 ? -1.0f : 1.0f) * std::ldexp(1.0f + static_cast<float>(j) / 23.0f, k));
+  v.push_back(0.0f);
+  v.push_back(-0.0f);
+  v.push_back(std::numeric_limits<float>::denorm_min());
+  const Tensor x = matrix(v, 1, static_cast<int64_t>(v.size()));
+  for (const DType format : {kE4M3Type, DType::F8E5M2, DType::F4E2M1})
+    for (const uint64_t seed : {1u, 2u, 3u}) {
+      QuantizeOptions o = options(format, 0, 0);
+      o.fixed_scale = 1.0f;
+      o.stochastic_seed = seed;
+      o.stochastic_offset = 77;
+      const Quantized q = quantize(x, o);
+      const GemmOperand g = quantize_for_gemm(x, o);
+      const std::vector<float> want = values_of(dequantize(q)), got = values_of(g.values);
+      for (size_t i = 0; i < want.size(); ++i)
+        ASSERT_EQ(std::bit_cast<uint32_t>(got[i] * g.row_scale[0]), std::bit_cast<uint32_t>(want[i]))
+            << dtype_name(format) << " seed " << seed << " value " << v[i];
+      EXPECT_EQ(g.saturated, q.saturated) << dtype_name(format);
+      EXPECT_EQ(g.flushed, q.flushed) << dtype_name(format);
+    }
 }
 
 TEST(Quantize, RefusesBadArguments) {

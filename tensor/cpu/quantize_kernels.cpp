@@ -215,6 +215,27 @@ RowResult quantize_columns(const In* m, int64_t R, const RowJob& job, uint16_t* 
 
 // ---- the Backend's two passes (quantize_for_gemm's general path) ----
 
+// encode_stochastic (tensor/scale_rules.h) without branches: the same value for every input. |v e| rounds up
+// to the next grid value with probability (distance to the grid value below) / (grid step), drawn as
+// round_to_minifloat_grid draws it: up when random < floor(fraction * 2^32). Below the smallest normal the
+// fraction is that of |v e| in grid steps (a power-of-two scaling, exact); above it, the dropped mantissa bits.
+inline EncodedValue encode_stochastic_fast(float v, float e, const FormatRounding& round, float fmax,
+                                           bool nan_to_zero, uint32_t random) {
+  const float scaled = e == 0 ? 0.0f : v * e;
+  const float a = magnitude_of(scaled);
+  const float steps = a * round.to_steps, whole = std::floor(steps);
+  const uint64_t small_threshold = static_cast<uint64_t>((steps - whole) * 0x1p32f);
+  const float small = (whole + static_cast<float>(random < small_threshold)) * round.step;
+  const uint32_t bits = std::bit_cast<uint32_t>(a), dropped = bits & ~round.drop_mask;
+  const uint32_t large_up = random < (static_cast<uint64_t>(dropped) << (32 - round.drop)) ? 1u : 0u;
+  const float large = std::bit_cast<float>((bits & round.drop_mask) + (large_up << round.drop));
+  const float rounded = a < round.min_normal ? small : large;  // Inf stays Inf (no bits dropped)
+  float magnitude = fmax < rounded ? fmax : rounded;           // saturated, as float_to_minifloat's Saturate
+  if (a != a) magnitude = nan_to_zero ? 0.0f : a;              // a format without NaN encodes NaN as zero
+  const float value = with_sign_of(magnitude, scaled);
+  return {value, round(a) > fmax, static_cast<bool>((v != 0) & (magnitude_of(v) <= FLT_MAX) & (value == 0))};
+}
+
 template <typename In>
 std::vector<float> row_amax(const In* in, int64_t R, int64_t C, int64_t bc) {
   const int64_t grid_cols = (C + bc - 1) / bc;
@@ -230,6 +251,59 @@ std::vector<float> row_amax(const In* in, int64_t R, int64_t C, int64_t bc) {
       amax[static_cast<size_t>(r * grid_cols + j)] = max_bits >= 0x7f800000u ? NAN : std::bit_cast<float>(max_bits);
     }
   return amax;
+}
+
+// One block's run of n values encoded with stochastic rounding, element i drawing Philox(key seed, counter
+// (counter + i, stream)): the draws of a chunk first, then its values, each loop free of branches so that
+// both vectorise, 16 lanes wide (NVFP4's runs are 16 values: wider vectors would leave them all to the
+// scalar remainder loop).
+struct StochasticRun {
+  uint64_t counter, stream, seed;
+  float e, multiplier;
+  FormatRounding round;
+  float fmax;
+  bool nan_to_zero;
+};
+
+inline void store_value(uint16_t* out, int64_t i, float stored) {
+  out[i] = static_cast<uint16_t>(std::bit_cast<uint32_t>(stored) >> 16);  // exact: the top half of the f32 value
+}
+inline void store_value(float* out, int64_t i, float stored) { out[i] = stored; }
+
+template <typename In, typename Out>
+EncodeCounts encode_stochastic_run(const In* __restrict in, int64_t n, const StochasticRun& run, Out* __restrict out) {
+  constexpr int64_t kChunk = 64;
+  alignas(64) uint32_t random[kChunk];
+  const uint32_t stream_low = static_cast<uint32_t>(run.stream), stream_high = static_cast<uint32_t>(run.stream >> 32);
+  const uint32_t seed_low = static_cast<uint32_t>(run.seed), seed_high = static_cast<uint32_t>(run.seed >> 32);
+  // Locals, not the struct's fields, in the loops: a store through out could alias those, which stops vectorising.
+  const uint64_t first_counter = run.counter;
+  const float e = run.e, multiplier = run.multiplier, fmax = run.fmax;
+  const FormatRounding round = run.round;
+  const bool nan_to_zero = run.nan_to_zero;
+  EncodeCounts counts;
+  for (int64_t c0 = 0; c0 < n; c0 += kChunk) {
+    const int64_t width = std::min(kChunk, n - c0);
+#pragma omp simd simdlen(16)
+    for (int64_t i = 0; i < width; ++i) {
+      const uint64_t counter = first_counter + static_cast<uint64_t>(c0 + i);
+      uint32_t c0 = static_cast<uint32_t>(counter), c1 = static_cast<uint32_t>(counter >> 32), c2 = stream_low,
+               c3 = stream_high;
+      philox4x32_rounds(c0, c1, c2, c3, seed_low, seed_high);
+      random[i] = c0;  // philox4x32(counter, stream, seed)[0]
+    }
+    int32_t saturated = 0, flushed = 0;
+#pragma omp simd simdlen(16) reduction(+ : saturated, flushed)
+    for (int64_t i = 0; i < width; ++i) {
+      const EncodedValue v = encode_stochastic_fast(load(in, c0 + i), e, round, fmax, nan_to_zero, random[i]);
+      saturated += v.saturated;
+      flushed += v.flushed;
+      store_value(out, c0 + i, v.value * multiplier);
+    }
+    counts.saturated += saturated;
+    counts.flushed += flushed;
+  }
+  return counts;
 }
 
 // Encodes by plan; Out is uint16_t (bf16 bits: exact, the top half of the f32 product) or float.
@@ -258,16 +332,14 @@ EncodeCounts encode(const In* in, int64_t R, int64_t C, const BlockEncodePlan& p
     flush += run_flush;
   };
   // The same with stochastic rounding (NVFP4's gradients): element i draws Philox(seed, offset + i).
+  const bool nan_to_zero = f.specials == MinifloatFormat::Specials::None;
   const auto encode_run_stochastic = [&](int64_t first, int64_t n, float e, float multiplier, int64_t& sat,
                                          int64_t& flush) {
-    for (int64_t i = 0; i < n; ++i) {
-      const uint32_t random = philox4x32(plan.stochastic_offset + static_cast<uint64_t>(first + i),
-                                         plan.stochastic_stream, *plan.stochastic_seed)[0];
-      const EncodedValue v = encode_stochastic(load(in, first + i), e, f, round, fmax, random);
-      sat += v.saturated;
-      flush += v.flushed;
-      store(first + i, v.value * multiplier);
-    }
+    const StochasticRun run{plan.stochastic_offset + static_cast<uint64_t>(first), plan.stochastic_stream,
+                            *plan.stochastic_seed, e, multiplier, round, fmax, nan_to_zero};
+    const EncodeCounts counts = encode_stochastic_run(in + first, n, run, out + first);
+    sat += counts.saturated;
+    flush += counts.flushed;
   };
   int64_t saturated = 0, flushed = 0;
   // A NaN block's values count as neither saturated nor flushed (its scale already says what happened).
