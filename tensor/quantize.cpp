@@ -421,7 +421,9 @@ DType choose_form(int64_t R, int64_t C, int64_t br, int64_t bc, const QuantizeOp
   const bool k_blocked = !post_scaled && !folded && options.scale == BlockScale::Fp32;
   if (post_scaled) {
     op.row_scale.resize(static_cast<size_t>(R));
-    for (int64_t r = 0; r < R; ++r) op.row_scale[static_cast<size_t>(r)] = decode[static_cast<size_t>(r / br)];
+    // (No blocks where C is 0: the product over an empty K is zero whatever the scale.)
+    for (int64_t r = 0; r < R; ++r)
+      op.row_scale[static_cast<size_t>(r)] = decode.empty() ? 1.0f : decode[static_cast<size_t>(r / br)];
   } else if (k_blocked) {
     op.k_block = bc;
     op.k_scales.resize(static_cast<size_t>(R * grid_cols));

@@ -130,8 +130,10 @@ MIXTAPE_HOST_DEVICE inline float with_sign_of(float magnitude, float sign) {
 }
 
 // v times the block's encode scale e, rounded to nearest even and saturated. Branch-free so that it vectorises.
+// A scale of 0 (an NVFP4 block whose E4M3 scale is 0, or a block holding Inf or NaN) encodes +0, as quantize()
+// does.
 MIXTAPE_HOST_DEVICE inline EncodedValue encode_nearest(float v, float e, const FormatRounding& round, float fmax) {
-  const float scaled = v * e;
+  const float scaled = e == 0 ? 0.0f : v * e;
   const float rounded = round(magnitude_of(scaled));
   const float clamped = fmax < rounded ? fmax : rounded;  // std::min(rounded, fmax): NaN stays NaN
   const float value = with_sign_of(clamped, scaled);

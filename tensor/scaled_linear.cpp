@@ -7,7 +7,6 @@
 
 #include "tensor/autocast_state.h"
 #include "tensor/autograd_node.h"
-#include "tensor/cpu/gemm_f32_out.h"
 #include "tensor/minifloat.h"
 #include "tensor/ops.h"
 #include "tensor/random.h"
@@ -43,18 +42,6 @@ Tensor apply_hadamard(const Tensor& x, const Tensor& q) {
   Tensor head = matmul(x32.slice(1, 0, full).reshape({R * (full / 16), 16}), q).reshape({R, full});
   if (full == C) return head;
   return cat({head, x32.slice(1, full, C)}, 1);
-}
-
-// The bias gradient: the column sums of g [rows, N] in fp32. On the CPU a GEMM ones [1, rows] @ g (exact
-// products, fp32 sums) reads g where it lies, bf16 under autocast; elsewhere the sums of its f32 copy.
-Tensor bias_gradient(const Tensor& g) {
-  const int64_t rows = g.size(0), N = g.size(1);
-  if (g.device().is_cpu() && (g.dtype() == DType::BF16 || g.dtype() == DType::F32) && g.is_contiguous() && rows > 0) {
-    Tensor sums = Tensor::empty({1, N}, DType::F32);
-    cpu::gemm_nt_f32_out(Tensor::ones({1, rows}, g.dtype()), g.mT(), sums);
-    return sums.reshape({N});
-  }
-  return sum_to(g.to(DType::F32), {N});
 }
 
 void check_linear_arguments(const Tensor& x, const Tensor& weight, const Tensor& bias) {
@@ -314,7 +301,7 @@ Tensor scaled_linear(const Tensor& x, const Tensor& weight, const Tensor& bias,
       if (!x_grad) ctx.record(TensorKind::Gradient, weight_key, qgt);
       grads[1] = scaled_matmul(qgt, qxt, ctx.recipe().accumulator_bits).to(w_dtype);
     }
-    if (b_grad) grads[2] = bias_gradient(g2).to(b_dtype);
+    if (b_grad) grads[2] = sum_to(g.to(DType::F32), {N}).to(b_dtype);
     return grads;
   };
   record_backward("scaled_linear", {x, weight, bias}, out, std::move(backward), {x2, w});

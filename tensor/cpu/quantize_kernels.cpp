@@ -223,7 +223,9 @@ inline EncodedValue encode_stochastic_fast(float v, float e, const FormatRoundin
                                            bool nan_to_zero, uint32_t random) {
   const float scaled = e == 0 ? 0.0f : v * e;
   const float a = magnitude_of(scaled);
-  const float steps = a * round.to_steps, whole = std::floor(steps);
+  // Below the smallest normal only (else 0, which the select below drops): a large a would make steps Inf, and
+  // Inf - Inf a NaN whose conversion to an integer is undefined.
+  const float steps = (a < round.min_normal ? a : 0.0f) * round.to_steps, whole = std::floor(steps);
   const uint64_t small_threshold = static_cast<uint64_t>((steps - whole) * 0x1p32f);
   const float small = (whole + static_cast<float>(random < small_threshold)) * round.step;
   const uint32_t bits = std::bit_cast<uint32_t>(a), dropped = bits & ~round.drop_mask;
@@ -287,10 +289,10 @@ EncodeCounts encode_stochastic_run(const In* __restrict in, int64_t n, const Sto
 #pragma omp simd simdlen(16)
     for (int64_t i = 0; i < width; ++i) {
       const uint64_t counter = first_counter + static_cast<uint64_t>(c0 + i);
-      uint32_t c0 = static_cast<uint32_t>(counter), c1 = static_cast<uint32_t>(counter >> 32), c2 = stream_low,
-               c3 = stream_high;
-      philox4x32_rounds(c0, c1, c2, c3, seed_low, seed_high);
-      random[i] = c0;  // philox4x32(counter, stream, seed)[0]
+      uint32_t w0 = static_cast<uint32_t>(counter), w1 = static_cast<uint32_t>(counter >> 32), w2 = stream_low,
+               w3 = stream_high;
+      philox4x32_rounds(w0, w1, w2, w3, seed_low, seed_high);
+      random[i] = w0;  // philox4x32(counter, stream, seed)[0]
     }
     int32_t saturated = 0, flushed = 0;
 #pragma omp simd simdlen(16) reduction(+ : saturated, flushed)
