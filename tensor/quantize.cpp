@@ -558,7 +558,22 @@ void Backend::scaled_gemm_kernel(const GemmOperand& a, const GemmOperand& b, int
     float* o = static_cast<float*>(out.data_ptr());
     const float* p = static_cast<const float*>(partial.data_ptr());
     std::vector<float> column_scales(static_cast<size_t>(N));  // b's scales of block j, contiguous
-    for (int64_t j = 0; j < blocks; ++j) {
+    // Block 0's product goes straight into out and is scaled in the pass that adds block 1's: one pass fewer.
+    std::vector<float> first_scales(static_cast<size_t>(N));
+    for (int64_t n = 0; n < N; ++n) first_scales[static_cast<size_t>(n)] = b.k_scales[static_cast<size_t>(n * blocks)];
+    const float* cs0 = first_scales.data();
+    sum_products(a.values, b.values, 0, std::min(kb, K), accumulator_bits, out);
+    if (blocks == 1) {
+#pragma omp parallel for schedule(static) if (M * N > (1 << 15))
+      for (int64_t m = 0; m < M; ++m) {
+        const float sa0 = a.k_scales[static_cast<size_t>(m * blocks)];
+        float* o_row = o + m * N;
+#pragma omp simd
+        for (int64_t n = 0; n < N; ++n) o_row[n] = o_row[n] * (sa0 * cs0[n]);
+      }
+      return;
+    }
+    for (int64_t j = 1; j < blocks; ++j) {
       const int64_t k0 = j * kb, n_k = std::min(kb, K - k0);
       sum_products(a.values, b.values, k0, k0 + n_k, accumulator_bits, partial);
       for (int64_t n = 0; n < N; ++n)
@@ -569,9 +584,13 @@ void Backend::scaled_gemm_kernel(const GemmOperand& a, const GemmOperand& b, int
         const float sa = a.k_scales[static_cast<size_t>(m * blocks + j)];
         float* o_row = o + m * N;
         const float* p_row = p + m * N;
-        if (j == 0) {
+        if (j == 1) {
+          const float sa0 = a.k_scales[static_cast<size_t>(m * blocks)];
 #pragma omp simd
-          for (int64_t n = 0; n < N; ++n) o_row[n] = p_row[n] * (sa * cs[n]);
+          for (int64_t n = 0; n < N; ++n) {
+            const float first = o_row[n] * (sa0 * cs0[n]);
+            o_row[n] = first + p_row[n] * (sa * cs[n]);
+          }
         } else {
 #pragma omp simd
           for (int64_t n = 0; n < N; ++n) o_row[n] += p_row[n] * (sa * cs[n]);
