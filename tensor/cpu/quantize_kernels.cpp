@@ -107,20 +107,21 @@ RowResult quantize_row(const In* in, int64_t r, const RowJob& job, uint16_t* out
   return row;
 }
 
-template <typename In>
-RowResult quantize_rows(const In* in, int64_t R, const RowJob& job, uint16_t* out, float* k_scales) {
+// unit(u) for u in [0, units), on every thread where `parallel`, their results combined.
+template <typename Unit>
+RowResult over_units(int64_t units, bool parallel, const Unit& unit) {
   int64_t saturated = 0, flushed = 0;
   float amax = 0;
   int not_finite = 0, inexact = 0;
 #pragma omp parallel for schedule(static) reduction(+ : saturated, flushed) reduction(max : amax) \
-    reduction(| : not_finite, inexact) if (R * job.C > (1 << 15))
-  for (int64_t r = 0; r < R; ++r) {
-    const RowResult row = quantize_row(in, r, job, out, k_scales);
-    saturated += row.saturated;
-    flushed += row.flushed;
-    amax = std::max(amax, row.amax);
-    not_finite |= row.not_finite;
-    inexact |= row.inexact;
+    reduction(| : not_finite, inexact) if (parallel)
+  for (int64_t u = 0; u < units; ++u) {
+    const RowResult part = unit(u);
+    saturated += part.saturated;
+    flushed += part.flushed;
+    amax = std::max(amax, part.amax);
+    not_finite |= part.not_finite;
+    inexact |= part.inexact;
   }
   RowResult all;
   all.saturated = saturated;
@@ -128,6 +129,11 @@ RowResult quantize_rows(const In* in, int64_t R, const RowJob& job, uint16_t* ou
   all.amax = not_finite ? NAN : amax;
   all.inexact = inexact;
   return all;
+}
+
+template <typename In>
+RowResult quantize_rows(const In* in, int64_t R, const RowJob& job, uint16_t* out, float* k_scales) {
+  return over_units(R, R * job.C > (1 << 15), [&](int64_t r) { return quantize_row(in, r, job, out, k_scales); });
 }
 
 // ---- the blocks of a transposed input: runs down the columns of its memory ----
@@ -189,28 +195,12 @@ RowResult quantize_band(const In* m, int64_t R, int64_t first_row, int64_t n, in
 
 template <typename In>
 RowResult quantize_columns(const In* m, int64_t R, const RowJob& job, uint16_t* out, float* k_scales) {
-  const int64_t C = job.C, bands = (R + kBand - 1) / kBand, units = job.grid_cols * bands;
-  int64_t saturated = 0, flushed = 0;
-  float amax = 0;
-  int not_finite = 0, inexact = 0;
-#pragma omp parallel for schedule(static) reduction(+ : saturated, flushed) reduction(max : amax) \
-    reduction(| : not_finite, inexact) if (R * C > (1 << 15))
-  for (int64_t u = 0; u < units; ++u) {
+  const int64_t C = job.C, bands = (R + kBand - 1) / kBand;
+  return over_units(job.grid_cols * bands, R * C > (1 << 15), [&](int64_t u) {
     const int64_t j = u / bands, c0 = u % bands * kBand;
-    const RowResult band = quantize_band(m, R, j * job.bc, std::min(job.bc, C - j * job.bc), c0,
-                                         std::min(kBand, R - c0), job, j, out, k_scales);
-    saturated += band.saturated;
-    flushed += band.flushed;
-    amax = std::max(amax, band.amax);
-    not_finite |= band.not_finite;
-    inexact |= band.inexact;
-  }
-  RowResult all;
-  all.saturated = saturated;
-  all.flushed = flushed;
-  all.amax = not_finite ? NAN : amax;
-  all.inexact = inexact;
-  return all;
+    return quantize_band(m, R, j * job.bc, std::min(job.bc, C - j * job.bc), c0, std::min(kBand, R - c0), job, j,
+                         out, k_scales);
+  });
 }
 
 // ---- the Backend's two passes (quantize_for_gemm's general path) ----
