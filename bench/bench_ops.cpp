@@ -40,6 +40,11 @@
 //                       row shows what the vectorised double erfc (tensor/cpu/fast_math.h) gains, and would
 //                       show a kernel that silently stopped vectorising (GCC needs -fno-trapping-math to
 //                       if-convert such selects on AVX2).
+//   quantize            quantize_for_gemm (tensor/quantize.h) of a bf16 [2048, 1024] (the GPT's MLP activation)
+//                       in each recipe's layout: tensorwise (fp8), 1 x 128 tiles (fp8_block), 1 x 32 E8M0
+//                       blocks (mxfp8), NVFP4's 1 x 16 blocks with and without stochastic rounding, and the
+//                       transposed view a weight gradient quantizes (xᵀ, blocks along the tokens). No target:
+//                       the rows show what each recipe's blocks cost beside one scale (rate = elements / s).
 // Memory-bound rows compare bandwidths (SetBytesProcessed with the bytes defined above); the memcpy baseline
 // is split across the OpenMP threads, as mixtape's kernels are.
 //
@@ -73,6 +78,7 @@
 #include "tensor/cpu/cpu_backend.h"
 #include "tensor/cpu/gemm16.h"
 #include "tensor/ops.h"
+#include "tensor/quantize.h"
 
 using namespace mixtape;
 
@@ -378,6 +384,44 @@ void attention(benchmark::State& state, DType dtype, bool fused) {
   state.counters["best FLOP/s"] = flops / best;
 }
 
+// ---- quantize ---------------------------------------------------------------------------------------------
+
+constexpr int64_t kQuantizeRows = 2048, kQuantizeCols = 1024;
+
+QuantizeOptions quantize_recipe(const std::string& recipe) {
+  QuantizeOptions o;
+  if (recipe == "fp8_block" || recipe == "fp8_block_transposed") {
+    o.block_rows = 1;
+    o.block_cols = 128;
+  } else if (recipe == "mxfp8" || recipe == "mxfp8_transposed") {
+    o.block_rows = 1;
+    o.block_cols = 32;
+    o.scale = BlockScale::E8M0Ceil;
+  } else if (recipe == "nvfp4" || recipe == "nvfp4_stochastic") {
+    o.format = DType::F4E2M1;
+    o.block_rows = 1;
+    o.block_cols = 16;
+    o.scale = BlockScale::E4M3TwoLevel;
+    if (recipe == "nvfp4_stochastic") o.stochastic_seed = 1;
+  }
+  return o;
+}
+
+void quantize_mixtape(benchmark::State& state, const std::string& recipe) {
+  const Tensor x = Tensor::randn({kQuantizeRows, kQuantizeCols}, 12).to(DType::BF16);
+  const bool transposed = recipe.ends_with("_transposed");
+  const Tensor input = transposed ? x.mT() : x;
+  const QuantizeOptions o = quantize_recipe(recipe);
+  if (!runs(state, [&] { quantize_for_gemm(input, o); })) return;
+  const double best = timed_loop(state, [&] {
+    const GemmOperand q = quantize_for_gemm(input, o);
+    benchmark::DoNotOptimize(q.values.data_ptr());
+  });
+  const double elements = static_cast<double>(kQuantizeRows * kQuantizeCols);
+  state.counters["elem/s"] = benchmark::Counter(elements, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["best elem/s"] = elements / best;
+}
+
 // ---- gelu -------------------------------------------------------------------------------------------------
 
 constexpr int64_t kGeluRows = 2048, kGeluCols = 1024;
@@ -466,6 +510,10 @@ void register_benchmarks() {
                            "layer_norm_f32/16384x1024/memcpy", "best B/s", "GB/s", kBandwidthTarget});
   configure(benchmark::RegisterBenchmark("layer_norm_f32/2048x256/mixtape", layer_norm_mixtape, kGptNormRows,
                                          kGptNormCols));
+  for (const char* recipe : {"tensorwise", "fp8_block", "fp8_block_transposed", "mxfp8", "mxfp8_transposed",
+                             "nvfp4", "nvfp4_stochastic"})
+    configure(benchmark::RegisterBenchmark((std::string("quantize_bf16/2048x1024/") + recipe).c_str(),
+                                           quantize_mixtape, std::string(recipe)));
   configure(benchmark::RegisterBenchmark("gelu_f32/2048x1024/mixtape", gelu_mixtape));
   configure(benchmark::RegisterBenchmark("gelu_f32/2048x1024/glibc", gelu_glibc));
   comparisons().push_back({"gelu f32 fwd+bwd [2048,1024]", "gelu_f32/2048x1024/mixtape",
