@@ -146,11 +146,7 @@ TEST(Quantize, Nvfp4HasE4M3BlockScalesUnderAnFp32TensorScale) {
   std::vector<float> x(32, 0.0f);
   x[0] = 6;
   x[16] = 5;
-  QuantizeOptions o;
-  o.format = DType::F4E2M1;
-  o.block_rows = 1;
-  o.block_cols = 16;
-  o.scale = BlockScale::E4M3TwoLevel;
+  QuantizeOptions o = options(DType::F4E2M1, 1, 16, BlockScale::E4M3TwoLevel);
   const Quantized q = quantize(matrix(x, 1, 32), o);
   EXPECT_EQ(q.scales.dtype(), DType::F8E4M3);
   EXPECT_EQ(scales_of(q), (std::vector<float>{448.0f, 384.0f}));
@@ -191,11 +187,7 @@ TEST(Quantize, RowwiseAmaxesReducedOverProcessesGiveOneProcesssScales) {
 TEST(Quantize, Nvfp4TensorScaleFollowsTheReducedAmax) {
   std::vector<float> x(16, 0.0f);
   x[0] = 6;
-  QuantizeOptions o;
-  o.format = DType::F4E2M1;
-  o.block_rows = 1;
-  o.block_cols = 16;
-  o.scale = BlockScale::E4M3TwoLevel;
+  QuantizeOptions o = options(DType::F4E2M1, 1, 16, BlockScale::E4M3TwoLevel);
   o.reduce_tensor_amax = [](float amax) { return std::max(amax, 12.0f); };
   EXPECT_EQ(quantize(matrix(x, 1, 16), o).tensor_scale, 1.0f / 224.0f);
   EXPECT_EQ(quantize_for_gemm(matrix(x, 1, 16), o).tensor_scale, 1.0f / 224.0f);
