@@ -52,36 +52,29 @@ struct Recipe {
   QuantizeOptions options;
 };
 
-QuantizeOptions with(DType format, int64_t block_rows, int64_t block_cols, BlockScale scale) {
-  QuantizeOptions o;
-  o.format = format;
-  o.block_rows = block_rows;
-  o.block_cols = block_cols;
-  o.scale = scale;
-  return o;
-}
+using mixtape::testing::quantize_options;
 
 // Every recipe's quantizations: tensorwise (current, delayed with a saturating fixed scale, power-of-two
 // scales), rowwise, fp8_block's tiles and weight blocks, MX with both E8M0 roundings, NVFP4 (nearest and
 // stochastic), and a gradient format of each.
 std::vector<Recipe> recipes() {
   std::vector<Recipe> out;
-  out.push_back({"tensorwise e4m3", with(DType::F8E4M3, 0, 0, BlockScale::Fp32)});
-  out.push_back({"tensorwise e5m2", with(DType::F8E5M2, 0, 0, BlockScale::Fp32)});
-  QuantizeOptions fixed = with(DType::F8E4M3, 0, 0, BlockScale::Fp32);
+  out.push_back({"tensorwise e4m3", quantize_options(DType::F8E4M3, 0, 0, BlockScale::Fp32)});
+  out.push_back({"tensorwise e5m2", quantize_options(DType::F8E5M2, 0, 0, BlockScale::Fp32)});
+  QuantizeOptions fixed = quantize_options(DType::F8E4M3, 0, 0, BlockScale::Fp32);
   fixed.fixed_scale = 4.0f;  // 448 / 4 = 112 and beyond saturate
   out.push_back({"delayed e4m3", fixed});
-  QuantizeOptions pow2 = with(DType::F8E4M3, 1, 0, BlockScale::Fp32);
+  QuantizeOptions pow2 = quantize_options(DType::F8E4M3, 1, 0, BlockScale::Fp32);
   pow2.power_of_two_scales = true;
   out.push_back({"rowwise e4m3 power-of-two", pow2});
-  out.push_back({"rowwise e5m2", with(DType::F8E5M2, 1, 0, BlockScale::Fp32)});
-  out.push_back({"block tiles 1x16", with(DType::F8E4M3, 1, 16, BlockScale::Fp32)});
-  out.push_back({"block weights 16x16", with(DType::F8E4M3, 16, 16, BlockScale::Fp32)});
-  out.push_back({"mx floor", with(DType::F8E4M3, 1, 32, BlockScale::E8M0Floor)});
-  out.push_back({"mx ceil e5m2", with(DType::F8E5M2, 1, 32, BlockScale::E8M0Ceil)});
-  out.push_back({"nvfp4 tiles", with(DType::F4E2M1, 1, 16, BlockScale::E4M3TwoLevel)});
-  out.push_back({"nvfp4 weights", with(DType::F4E2M1, 16, 16, BlockScale::E4M3TwoLevel)});
-  QuantizeOptions stochastic = with(DType::F4E2M1, 1, 16, BlockScale::E4M3TwoLevel);
+  out.push_back({"rowwise e5m2", quantize_options(DType::F8E5M2, 1, 0, BlockScale::Fp32)});
+  out.push_back({"block tiles 1x16", quantize_options(DType::F8E4M3, 1, 16, BlockScale::Fp32)});
+  out.push_back({"block weights 16x16", quantize_options(DType::F8E4M3, 16, 16, BlockScale::Fp32)});
+  out.push_back({"mx floor", quantize_options(DType::F8E4M3, 1, 32, BlockScale::E8M0Floor)});
+  out.push_back({"mx ceil e5m2", quantize_options(DType::F8E5M2, 1, 32, BlockScale::E8M0Ceil)});
+  out.push_back({"nvfp4 tiles", quantize_options(DType::F4E2M1, 1, 16, BlockScale::E4M3TwoLevel)});
+  out.push_back({"nvfp4 weights", quantize_options(DType::F4E2M1, 16, 16, BlockScale::E4M3TwoLevel)});
+  QuantizeOptions stochastic = quantize_options(DType::F4E2M1, 1, 16, BlockScale::E4M3TwoLevel);
   stochastic.stochastic_seed = 0x5eedull;
   stochastic.stochastic_offset = 11;
   stochastic.stochastic_stream = 3;
@@ -245,15 +238,16 @@ TEST(CudaFp8Quantize, ScalesValuesAndCountsEqualTheCpusInEveryRecipe) {
 
 TEST(CudaFp8Quantize, ATensorwiseOperandHoldsItsFp8Codes) {
   MIXTAPE_REQUIRE_CUDA();
-  const GemmOperand q = quantize_for_gemm(test_input(false).to(cuda0()), with(DType::F8E5M2, 0, 0, BlockScale::Fp32));
+  const GemmOperand q =
+      quantize_for_gemm(test_input(false).to(cuda0()), quantize_options(DType::F8E5M2, 0, 0, BlockScale::Fp32));
   EXPECT_EQ(q.values.dtype(), DType::F8E5M2);
   ASSERT_EQ(q.row_scale.size(), 48u);
   EXPECT_EQ(q.row_scale.front(), q.row_scale.back());
   // A strided input (a transposed view) quantizes as its contiguous copy does.
   const Tensor x = test_input(false);
-  const GemmOperand t = quantize_for_gemm(x.to(cuda0()).mT(), with(DType::F8E4M3, 1, 32, BlockScale::E8M0Floor));
-  EXPECT_TRUE(same_floats(host_values(t), host_values(quantize_for_gemm(x.mT(), with(DType::F8E4M3, 1, 32,
-                                                                                      BlockScale::E8M0Floor)))));
+  const QuantizeOptions mx = quantize_options(DType::F8E4M3, 1, 32, BlockScale::E8M0Floor);
+  const GemmOperand t = quantize_for_gemm(x.to(cuda0()).mT(), mx);
+  EXPECT_TRUE(same_floats(host_values(t), host_values(quantize_for_gemm(x.mT(), mx))));
 }
 
 TEST(CudaFp8Gemm, ProductsAgreeWithTheCpuWithinFp32SummationBounds) {
@@ -264,22 +258,21 @@ TEST(CudaFp8Gemm, ProductsAgreeWithTheCpuWithinFp32SummationBounds) {
     int64_t M, N, K;
     bool fp8_cores;  // may run on the fp8 tensor cores
   };
-  const QuantizeOptions e4m3 = with(DType::F8E4M3, 0, 0, BlockScale::Fp32);
-  const QuantizeOptions e5m2 = with(DType::F8E5M2, 0, 0, BlockScale::Fp32);
+  const QuantizeOptions e4m3 = quantize_options(DType::F8E4M3, 0, 0, BlockScale::Fp32);
+  const QuantizeOptions e5m2 = quantize_options(DType::F8E5M2, 0, 0, BlockScale::Fp32);
   const std::vector<Case> cases = {
       {"tensorwise e4m3 x e4m3", e4m3, e4m3, 32, 48, 64, true},
       {"tensorwise e5m2 x e4m3 (dgrad)", e5m2, e4m3, 32, 48, 64, true},
       {"tensorwise e4m3 x e5m2", e4m3, e5m2, 32, 48, 64, true},
       {"tensorwise e5m2 x e5m2 (emulated)", e5m2, e5m2, 32, 48, 64, false},
       {"tensorwise, K not a multiple of 16 (emulated)", e4m3, e4m3, 24, 40, 72 + 4, false},
-      {"rowwise", with(DType::F8E4M3, 1, 0, BlockScale::Fp32), with(DType::F8E4M3, 1, 0, BlockScale::Fp32), 32, 48, 64,
+      {"rowwise", quantize_options(DType::F8E4M3, 1, 0), quantize_options(DType::F8E4M3, 1, 0), 32, 48, 64, false},
+      {"fp8_block", quantize_options(DType::F8E4M3, 1, 16), quantize_options(DType::F8E4M3, 16, 16), 32, 48, 72,
        false},
-      {"fp8_block", with(DType::F8E4M3, 1, 16, BlockScale::Fp32), with(DType::F8E4M3, 16, 16, BlockScale::Fp32), 32,
-       48, 72, false},
-      {"mxfp8", with(DType::F8E4M3, 1, 32, BlockScale::E8M0Floor), with(DType::F8E4M3, 1, 32, BlockScale::E8M0Floor),
-       32, 48, 80, false},
-      {"nvfp4", with(DType::F4E2M1, 1, 16, BlockScale::E4M3TwoLevel),
-       with(DType::F4E2M1, 16, 16, BlockScale::E4M3TwoLevel), 32, 48, 72, false},
+      {"mxfp8", quantize_options(DType::F8E4M3, 1, 32, BlockScale::E8M0Floor),
+       quantize_options(DType::F8E4M3, 1, 32, BlockScale::E8M0Floor), 32, 48, 80, false},
+      {"nvfp4", quantize_options(DType::F4E2M1, 1, 16, BlockScale::E4M3TwoLevel),
+       quantize_options(DType::F4E2M1, 16, 16, BlockScale::E4M3TwoLevel), 32, 48, 72, false},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.name);
@@ -313,7 +306,7 @@ TEST(CudaFp8Gemm, ProductsAgreeWithTheCpuWithinFp32SummationBounds) {
 TEST(CudaFp8Gemm, ANaNBlockMakesItsProductsNaNAsOnTheCpu) {
   MIXTAPE_REQUIRE_CUDA();
   for (const QuantizeOptions& o :
-       {with(DType::F8E4M3, 0, 0, BlockScale::Fp32), with(DType::F8E4M3, 1, 32, BlockScale::E8M0Floor)}) {
+       {quantize_options(DType::F8E4M3, 0, 0), quantize_options(DType::F8E4M3, 1, 32, BlockScale::E8M0Floor)}) {
     const Tensor a = test_input(true), b = uniform_tensor({16, 80}, 3, -1.0, 1.0, DType::F32);
     const std::vector<float> cpu = scaled_matmul(quantize_for_gemm(a, o), quantize_for_gemm(b, o)).to_vector<float>();
     const std::vector<float> gpu = scaled_matmul(quantize_for_gemm(a.to(cuda0()), o), quantize_for_gemm(b.to(cuda0()), o))
@@ -325,7 +318,7 @@ TEST(CudaFp8Gemm, ANaNBlockMakesItsProductsNaNAsOnTheCpu) {
 
 TEST(CudaFp8Gemm, ANarrowAccumulatorModelIsNotSupportedOnCuda) {
   MIXTAPE_REQUIRE_CUDA();
-  const QuantizeOptions o = with(DType::F8E4M3, 1, 16, BlockScale::Fp32);
+  const QuantizeOptions o = quantize_options(DType::F8E4M3, 1, 16, BlockScale::Fp32);
   const GemmOperand q = quantize_for_gemm(uniform_tensor({16, 32}, 4, -1.0, 1.0, DType::F32).to(cuda0()), o);
   EXPECT_ERROR_MENTIONS(scaled_matmul(q, q, 14), "scaled_matmul", "not supported", "accumulator_bits 14", "CUDA");
 }

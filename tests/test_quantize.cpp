@@ -27,14 +27,7 @@ std::vector<float> scales_of(const Quantized& q) { return values_of(q.scales); }
 
 Tensor matrix(const std::vector<float>& v, int64_t rows, int64_t cols) { return Tensor::from_vector(v, {rows, cols}); }
 
-QuantizeOptions options(DType format, int64_t block_rows, int64_t block_cols, BlockScale scale = BlockScale::Fp32) {
-  QuantizeOptions o;
-  o.format = format;
-  o.block_rows = block_rows;
-  o.block_cols = block_cols;
-  o.scale = scale;
-  return o;
-}
+using mixtape::testing::quantize_options;
 constexpr DType kE4M3Type = DType::F8E4M3;
 
 TEST(Quantize, TensorwiseScaleIsFormatMaxOverAmax) {
@@ -75,13 +68,13 @@ TEST(Quantize, RowwiseGivesEachRowItsScale) {
 
 TEST(Quantize, PowerOfTwoScalesRoundTheEncodeScaleDown) {
   // torchao's round_scales_to_power_of_2: amax 3 -> 448 / 3 = 149.3 -> 128; amax 0.1 -> 4480 -> 4096.
-  QuantizeOptions o = options(kE4M3Type, 1, 0);
+  QuantizeOptions o = quantize_options(kE4M3Type, 1, 0);
   o.power_of_two_scales = true;
   const Quantized q = quantize(matrix({3, 1, 0.1f, 0.05f}, 2, 2), o);
   EXPECT_EQ(scales_of(q), (std::vector<float>{1.0f / 128, 1.0f / 4096}));
   EXPECT_EQ(values_of(q.codes), (std::vector<float>{384, 128, 416, 208}));  // 409.6 -> 416, 204.8 -> 208
   EXPECT_ERROR_MENTIONS(quantize(matrix({1, 2}, 1, 2), [] {
-                          QuantizeOptions mx = options(kE4M3Type, 1, 2, BlockScale::E8M0Floor);
+                          QuantizeOptions mx = quantize_options(kE4M3Type, 1, 2, BlockScale::E8M0Floor);
                           mx.power_of_two_scales = true;
                           return mx;
                         }()),
@@ -146,7 +139,7 @@ TEST(Quantize, Nvfp4HasE4M3BlockScalesUnderAnFp32TensorScale) {
   std::vector<float> x(32, 0.0f);
   x[0] = 6;
   x[16] = 5;
-  QuantizeOptions o = options(DType::F4E2M1, 1, 16, BlockScale::E4M3TwoLevel);
+  QuantizeOptions o = quantize_options(DType::F4E2M1, 1, 16, BlockScale::E4M3TwoLevel);
   const Quantized q = quantize(matrix(x, 1, 32), o);
   EXPECT_EQ(q.scales.dtype(), DType::F8E4M3);
   EXPECT_EQ(scales_of(q), (std::vector<float>{448.0f, 384.0f}));
@@ -155,7 +148,7 @@ TEST(Quantize, Nvfp4HasE4M3BlockScalesUnderAnFp32TensorScale) {
   EXPECT_EQ(values_of(q.codes)[16], 6.0f);
   EXPECT_NEAR(values_of(dequantize(q))[16], 6.0 * 384 / 448, 1e-6);
   EXPECT_NEAR(values_of(dequantize(q))[0], 6.0, 1e-6);
-  EXPECT_ERROR_MENTIONS(quantize(matrix(x, 1, 32), options(kE4M3Type, 0, 0, BlockScale::E4M3TwoLevel)),
+  EXPECT_ERROR_MENTIONS(quantize(matrix(x, 1, 32), quantize_options(kE4M3Type, 0, 0, BlockScale::E4M3TwoLevel)),
                         "e4m3_two_level", "f4e2m1");
 }
 
@@ -187,7 +180,7 @@ TEST(Quantize, RowwiseAmaxesReducedOverProcessesGiveOneProcesssScales) {
 TEST(Quantize, Nvfp4TensorScaleFollowsTheReducedAmax) {
   std::vector<float> x(16, 0.0f);
   x[0] = 6;
-  QuantizeOptions o = options(DType::F4E2M1, 1, 16, BlockScale::E4M3TwoLevel);
+  QuantizeOptions o = quantize_options(DType::F4E2M1, 1, 16, BlockScale::E4M3TwoLevel);
   o.reduce_tensor_amax = [](float amax) { return std::max(amax, 12.0f); };
   EXPECT_EQ(quantize(matrix(x, 1, 16), o).tensor_scale, 1.0f / 224.0f);
   EXPECT_EQ(quantize_for_gemm(matrix(x, 1, 16), o).tensor_scale, 1.0f / 224.0f);
@@ -215,13 +208,13 @@ TEST(Quantize, DequantizedValuesLieWithinHalfAStepForEveryRecipe) {
     double min_subnormal;
   };
   const std::vector<Case> cases = {
-      {"tensorwise e4m3", options(kE4M3Type, 0, 0), 3, 0x1p-9},
-      {"tensorwise e5m2", options(DType::F8E5M2, 0, 0), 2, 0x1p-16},
-      {"rowwise", options(kE4M3Type, 1, 0), 3, 0x1p-9},
-      {"1x32 tiles", options(kE4M3Type, 1, 32), 3, 0x1p-9},
-      {"mx floor", options(kE4M3Type, 1, 32, BlockScale::E8M0Floor), 3, 0x1p-9},
-      {"mx ceil", options(kE4M3Type, 1, 32, BlockScale::E8M0Ceil), 3, 0x1p-9},
-      {"nvfp4", options(DType::F4E2M1, 1, 16, BlockScale::E4M3TwoLevel), 1, 0.5},
+      {"tensorwise e4m3", quantize_options(kE4M3Type, 0, 0), 3, 0x1p-9},
+      {"tensorwise e5m2", quantize_options(DType::F8E5M2, 0, 0), 2, 0x1p-16},
+      {"rowwise", quantize_options(kE4M3Type, 1, 0), 3, 0x1p-9},
+      {"1x32 tiles", quantize_options(kE4M3Type, 1, 32), 3, 0x1p-9},
+      {"mx floor", quantize_options(kE4M3Type, 1, 32, BlockScale::E8M0Floor), 3, 0x1p-9},
+      {"mx ceil", quantize_options(kE4M3Type, 1, 32, BlockScale::E8M0Ceil), 3, 0x1p-9},
+      {"nvfp4", quantize_options(DType::F4E2M1, 1, 16, BlockScale::E4M3TwoLevel), 1, 0.5},
   };
   const std::vector<float> xv = values_of(x);
   for (const Case& c : cases) {
@@ -253,8 +246,9 @@ TEST(Quantize, ScaledMatmulIsTheFp32SumOfTheDequantizedProducts) {
   const int64_t M = 17, N = 9, K = 160;
   const Tensor a = Tensor::randn({M, K}, 11), b = mul(Tensor::randn({N, K}, 12), 0.02);
   const std::vector<QuantizeOptions> recipes = {
-      options(kE4M3Type, 0, 0), options(kE4M3Type, 1, 0), options(kE4M3Type, 1, 128),
-      options(kE4M3Type, 1, 32, BlockScale::E8M0Ceil), options(DType::F4E2M1, 1, 16, BlockScale::E4M3TwoLevel)};
+      quantize_options(kE4M3Type, 0, 0), quantize_options(kE4M3Type, 1, 0), quantize_options(kE4M3Type, 1, 128),
+      quantize_options(kE4M3Type, 1, 32, BlockScale::E8M0Ceil),
+      quantize_options(DType::F4E2M1, 1, 16, BlockScale::E4M3TwoLevel)};
   for (const QuantizeOptions& o : recipes) {
     const Quantized qa = quantize(a, o), qb = quantize(b, o);
     const std::vector<float> c = values_of(scaled_matmul(qa, qb));
@@ -302,14 +296,16 @@ TEST(Quantize, TheGemmOperandIsTheDequantizedReferenceBitForBit) {
   for (int64_t c = 0; c < 80; ++c) tiny[static_cast<size_t>(2 * 80 + c)] *= 0x1p-135f;
   for (int64_t r = 0; r < 48; ++r) tiny_column[static_cast<size_t>(r * 80 + 5)] *= 0x1p-135f;
   std::vector<QuantizeOptions> cases = {
-      options(kE4M3Type, 0, 0),  options(DType::F8E5M2, 0, 0), options(kE4M3Type, 1, 0), options(kE4M3Type, 1, 32),
-      options(kE4M3Type, 1, 24), options(DType::F8E5M2, 1, 24, BlockScale::E8M0Floor),
-      options(kE4M3Type, 32, 32), options(kE4M3Type, 1, 32, BlockScale::E8M0Floor), options(kE4M3Type, 1, 32, BlockScale::E8M0Ceil),
-      options(DType::F4E2M1, 1, 16, BlockScale::E4M3TwoLevel), options(DType::F4E2M1, 16, 16, BlockScale::E4M3TwoLevel)};
-  QuantizeOptions delayed = options(kE4M3Type, 0, 0);
+      quantize_options(kE4M3Type, 0, 0), quantize_options(DType::F8E5M2, 0, 0), quantize_options(kE4M3Type, 1, 0),
+      quantize_options(kE4M3Type, 1, 32), quantize_options(kE4M3Type, 1, 24),
+      quantize_options(DType::F8E5M2, 1, 24, BlockScale::E8M0Floor), quantize_options(kE4M3Type, 32, 32),
+      quantize_options(kE4M3Type, 1, 32, BlockScale::E8M0Floor), quantize_options(kE4M3Type, 1, 32, BlockScale::E8M0Ceil),
+      quantize_options(DType::F4E2M1, 1, 16, BlockScale::E4M3TwoLevel),
+      quantize_options(DType::F4E2M1, 16, 16, BlockScale::E4M3TwoLevel)};
+  QuantizeOptions delayed = quantize_options(kE4M3Type, 0, 0);
   delayed.fixed_scale = 300.0f;  // saturates
   cases.push_back(delayed);
-  QuantizeOptions stochastic = options(DType::F4E2M1, 1, 16, BlockScale::E4M3TwoLevel);
+  QuantizeOptions stochastic = quantize_options(DType::F4E2M1, 1, 16, BlockScale::E4M3TwoLevel);
   stochastic.stochastic_seed = 5;
   stochastic.stochastic_offset = 1000;
   cases.push_back(stochastic);
@@ -354,7 +350,7 @@ TEST(Quantize, TheGemmOperandIsTheDequantizedReferenceBitForBit) {
     }
     std::vector<float> ties;
     for (size_t i = 0; i + 1 < grid.size(); ++i) ties.push_back((grid[i] + grid[i + 1]) / 2);
-    QuantizeOptions o = options(format, 0, 0);
+    QuantizeOptions o = quantize_options(format, 0, 0);
     o.fixed_scale = 1.0f;
     const Tensor t = matrix(ties, 1, static_cast<int64_t>(ties.size()));
     EXPECT_EQ(values_of(quantize_for_gemm(t, o).values), values_of(dequantize(quantize(t, o)))) << dtype_name(format);
@@ -370,7 +366,7 @@ TEST(Quantize, ABlockOfZerosKeepsE8m0ValuesInBf16) {
       std::vector<float> v = values_of(Tensor::randn({64, 64}, 3));
       for (int64_t r = 0; r < 32; ++r)
         for (int64_t c = 0; c < 32; ++c) v[static_cast<size_t>(r * 64 + c)] = 0;
-      const QuantizeOptions o = options(kE4M3Type, block_rows, 32, rule);
+      const QuantizeOptions o = quantize_options(kE4M3Type, block_rows, 32, rule);
       const GemmOperand zeros = quantize_for_gemm(matrix(v, 64, 64), o);
       EXPECT_EQ(zeros.values.dtype(), DType::BF16) << block_rows;
       EXPECT_EQ(values_of(zeros.values), values_of(dequantize(quantize(matrix(v, 64, 64), o))));
@@ -403,7 +399,7 @@ TEST(Quantize, ANarrowAccumulatorRoundsTheRunningSumEveryChunk) {
 
 TEST(Quantize, StochasticRoundingIsReproducibleFromTheSeed) {
   const Tensor g = Tensor::randn({8, 64}, 5);
-  QuantizeOptions o = options(DType::F4E2M1, 1, 16, BlockScale::E4M3TwoLevel);
+  QuantizeOptions o = quantize_options(DType::F4E2M1, 1, 16, BlockScale::E4M3TwoLevel);
   o.stochastic_seed = 42;
   const std::vector<float> first = values_of(dequantize(quantize(g, o))), again = values_of(dequantize(quantize(g, o)));
   EXPECT_EQ(first, again);
@@ -426,7 +422,7 @@ TEST(Quantize, StochasticRoundingOfTheGemmOperandIsTheReferencesBitForBit) {
   const Tensor x = matrix(v, 1, static_cast<int64_t>(v.size()));
   for (const DType format : {kE4M3Type, DType::F8E5M2, DType::F4E2M1})
     for (const uint64_t seed : {1u, 2u, 3u}) {
-      QuantizeOptions o = options(format, 0, 0);
+      QuantizeOptions o = quantize_options(format, 0, 0);
       o.fixed_scale = 1.0f;
       o.stochastic_seed = seed;
       o.stochastic_offset = 77;
@@ -443,8 +439,8 @@ TEST(Quantize, StochasticRoundingOfTheGemmOperandIsTheReferencesBitForBit) {
 
 // An operand with no columns (K = 0): no blocks, and a product of zeros.
 TEST(Quantize, AnEmptyKGivesAZeroProduct) {
-  for (const QuantizeOptions& o : {options(kE4M3Type, 0, 0), options(kE4M3Type, 1, 0), options(kE4M3Type, 1, 32),
-                                   options(kE4M3Type, 1, 32, BlockScale::E8M0Floor)}) {
+  for (const QuantizeOptions& o : {quantize_options(kE4M3Type, 0, 0), quantize_options(kE4M3Type, 1, 0), quantize_options(kE4M3Type, 1, 32),
+                                   quantize_options(kE4M3Type, 1, 32, BlockScale::E8M0Floor)}) {
     const GemmOperand a = quantize_for_gemm(Tensor::ones({5, 0}), o), b = quantize_for_gemm(Tensor::ones({3, 0}), o);
     EXPECT_EQ(values_of(scaled_matmul(a, b)), std::vector<float>(15, 0.0f)) << block_scale_name(o.scale);
   }
@@ -452,8 +448,8 @@ TEST(Quantize, AnEmptyKGivesAZeroProduct) {
 
 TEST(Quantize, RefusesBadArguments) {
   EXPECT_ERROR_MENTIONS(quantize(Tensor::ones({4}), {}), "quantize", "2-d");
-  EXPECT_ERROR_MENTIONS(quantize(Tensor::ones({2, 2}), options(DType::BF16, 0, 0)), "quantize", "bf16");
-  EXPECT_ERROR_MENTIONS(quantize(Tensor::ones({2, 2}), options(kE4M3Type, -1, 0)), "block_rows");
+  EXPECT_ERROR_MENTIONS(quantize(Tensor::ones({2, 2}), quantize_options(DType::BF16, 0, 0)), "quantize", "bf16");
+  EXPECT_ERROR_MENTIONS(quantize(Tensor::ones({2, 2}), quantize_options(kE4M3Type, -1, 0)), "block_rows");
   QuantizeOptions fixed;
   fixed.fixed_scale = -1.0f;
   EXPECT_ERROR_MENTIONS(quantize(Tensor::ones({2, 2}), fixed), "fixed_scale");

@@ -12,9 +12,21 @@
 #include "tensor/cpu/attention_bf16.h"
 #include "tensor/cpu/cpu_backend.h"
 #include "tensor/cpu/gemm16.h"
+#include "tensor/quantize.h"
 #include "tensor/tensor.h"
 
 namespace mixtape::testing {
+
+// Quantization options of one layout: the element format, the block shape (0: the whole dim) and the scale rule.
+inline QuantizeOptions quantize_options(DType format, int64_t block_rows, int64_t block_cols,
+                                        BlockScale scale = BlockScale::Fp32) {
+  QuantizeOptions o;
+  o.format = format;
+  o.block_rows = block_rows;
+  o.block_cols = block_cols;
+  o.scale = scale;
+  return o;
+}
 
 // A process-wide kernel choice made for a scope and restored after it: kSet makes the choice and returns the
 // previous one.

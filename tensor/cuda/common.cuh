@@ -12,6 +12,10 @@
 #include <array>
 #include <cstdint>
 #include <initializer_list>
+#include <memory>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
 
 #include "tensor/dtype.h"
 #include "tensor/error.h"
@@ -39,6 +43,31 @@ inline void check_cublas(cublasStatus_t status, const char* call, const char* fi
 #define MIXTAPE_CUBLAS_CHECK(call) ::mixtape::cuda::check_cublas((call), #call, __FILE__, __LINE__)
 // After every kernel launch: a bad launch configuration surfaces here, at the launch that caused it.
 #define MIXTAPE_KERNEL_CHECK() ::mixtape::cuda::check_cuda(cudaGetLastError(), "kernel launch", __FILE__, __LINE__)
+
+// The plan for a key (its words), built by make() on first use and kept for the process: one cache per
+// call site (make's type). Never evicted one by one (a model has a handful of shapes); cleared if it ever
+// grows past 4096 plans (shapes that change every step). Callers in flight keep theirs alive through the
+// shared_ptr.
+template <class Plan, class Make>
+std::shared_ptr<Plan> cached_plan(std::vector<int64_t> words, const Make& make) {
+  struct WordsHash {
+    size_t operator()(const std::vector<int64_t>& key) const {
+      uint64_t h = 1469598103934665603ull;  // FNV-1a over the 64-bit words
+      for (int64_t v : key) h = (h ^ static_cast<uint64_t>(v)) * 1099511628211ull;
+      return static_cast<size_t>(h);
+    }
+  };
+  static std::mutex mutex;
+  static std::unordered_map<std::vector<int64_t>, std::shared_ptr<Plan>, WordsHash> plans;
+  constexpr size_t kMaxPlans = 4096;
+  std::lock_guard lock(mutex);
+  auto it = plans.find(words);
+  if (it != plans.end()) return it->second;
+  if (plans.size() >= kMaxPlans) plans.clear();
+  std::shared_ptr<Plan> plan = make();
+  plans.emplace(std::move(words), plan);
+  return plan;
+}
 
 // One algorithm from cuBLASLt's heuristic for the matmul of desc over layouts a, b and d (d also C), under
 // mixtape's preferences: at most `workspace` bytes, split-K only with partial sums kept in the compute type, and

@@ -191,13 +191,6 @@ struct GemmKey {
   }
 };
 
-struct GemmKeyHash {
-  size_t operator()(const std::vector<int64_t>& key) const {
-    uint64_t h = 1469598103934665603ull;  // FNV-1a over the words
-    for (int64_t v : key) h = (h ^ static_cast<uint64_t>(v)) * 1099511628211ull;
-    return static_cast<size_t>(h);
-  }
-};
 
 struct GemmPlan {
   cublasLtMatmulDesc_t desc = nullptr;
@@ -261,17 +254,7 @@ std::unique_ptr<GemmPlan> make_gemm_plan(cublasLtHandle_t handle, const GemmKey&
 }
 
 std::shared_ptr<GemmPlan> gemm_plan_for(cublasLtHandle_t handle, const GemmKey& key) {
-  static std::mutex mutex;
-  static std::unordered_map<std::vector<int64_t>, std::shared_ptr<GemmPlan>, GemmKeyHash> plans;
-  constexpr size_t kMaxPlans = 4096;
-  std::vector<int64_t> words = key.words();
-  std::lock_guard lock(mutex);
-  auto it = plans.find(words);
-  if (it != plans.end()) return it->second;
-  if (plans.size() >= kMaxPlans) plans.clear();
-  std::shared_ptr<GemmPlan> plan = make_gemm_plan(handle, key);
-  plans.emplace(std::move(words), plan);
-  return plan;
+  return cached_plan<GemmPlan>(key.words(), [&] { return make_gemm_plan(handle, key); });
 }
 
 cudaDataType_t lt_type_of(DType dtype) {

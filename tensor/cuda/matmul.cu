@@ -178,13 +178,6 @@ struct PlanKey {
   }
 };
 
-struct KeyHash {
-  size_t operator()(const std::vector<int64_t>& key) const {
-    uint64_t h = 1469598103934665603ull;  // FNV-1a over the 64-bit words
-    for (int64_t v : key) h = (h ^ static_cast<uint64_t>(v)) * 1099511628211ull;
-    return static_cast<size_t>(h);
-  }
-};
 
 struct Plan {
   cublasLtMatmulDesc_t desc = nullptr;
@@ -295,21 +288,9 @@ std::unique_ptr<Plan> make_plan(cublasLtHandle_t handle, const PlanKey& key, con
        ", alignments ", key.a_align, "/", key.b_align, "/", key.d_align, " bytes");
 }
 
-// The plan for a key, built on first use. Never evicted individually (a model has a handful of shapes); the
-// cache is cleared if it ever grows past kMaxPlans (shapes that change every step). Callers in flight keep
-// their plan alive through the shared_ptr.
+// The plan for a key, built on first use (cached_plan, common.cuh).
 std::shared_ptr<Plan> plan_for(cublasLtHandle_t handle, const PlanKey& key, const void* bias) {
-  static std::mutex mutex;
-  static std::unordered_map<std::vector<int64_t>, std::shared_ptr<Plan>, KeyHash> plans;
-  constexpr size_t kMaxPlans = 4096;
-  std::vector<int64_t> words = key.words();
-  std::lock_guard lock(mutex);
-  auto it = plans.find(words);
-  if (it != plans.end()) return it->second;
-  if (plans.size() >= kMaxPlans) plans.clear();
-  std::shared_ptr<Plan> plan = make_plan(handle, key, bias);
-  plans.emplace(std::move(words), plan);
-  return plan;
+  return cached_plan<Plan>(key.words(), [&] { return make_plan(handle, key, bias); });
 }
 
 // ---- kernels ----------------------------------------------------------------------------------------------
